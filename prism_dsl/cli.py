@@ -1,0 +1,171 @@
+"""The `prismc` command line. `main(argv)` is what tests call in-process.
+
+Exit codes: 0 success, 1 an error in the user's input (files, programs, rules, parameters), 2 a usage
+error on the command line. User errors are printed as located diagnostics; no traceback reaches a user
+for bad input. Outputs are written atomically, so a failed run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import PrismError
+
+EXIT_OK, EXIT_INPUT, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A bad command line: exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print and exit; keep control in main()
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def parse_dims(text: str) -> dict[str, int]:
+    """`n=16,d=1024` -> {"n": 16, "d": 1024}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name.isidentifier() or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"expected NAME=INT[,NAME=INT...], got {part!r}")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"dim {name!r} is given twice")
+        out[name] = int(value)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="prismc", description="A symbolic superoptimizer for tensor programs.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    c = sub.add_parser("check", help="parse and check a .prism program file")
+    c.add_argument("files", nargs="+", metavar="FILE")
+    c.set_defaults(run=cmd_check)
+
+    r = sub.add_parser("run", help="evaluate a program with the float64 reference interpreter")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("--program", help="which program of the file (needed when it has several)")
+    r.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    r.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name (default: random)")
+    r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    r.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
+    r.add_argument("--save-inputs", metavar="FILE.npz", help="also write the inputs used")
+    r.set_defaults(run=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"{e}\n(see 'prismc --help')", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    try:
+        return args.run(args)
+    except PrismError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_INPUT
+    except UsageError as e:
+        print(f"prismc: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("prismc: interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_check(args) -> int:
+    from .check import load
+
+    for f in args.files:
+        src = load(f)
+        progs = "; ".join(_summary(p) for p in src.programs.values()) or "no programs"
+        print(f"{f}: ok: {progs}")
+    return EXIT_OK
+
+
+def _summary(prog) -> str:
+    ops = sum(1 for n in prog.nodes() if n.op not in ("input", "const"))
+    dims = ", ".join(f"{d.name}={d.default}" for d in prog.dims)
+    return (
+        f"program {prog.name} ({_count(len(prog.inputs), 'input')}, {_count(len(prog.outputs), 'output')}, "
+        f"{_count(ops, 'op')}"
+        + (f", dims {dims}" if dims else "")
+        + ")"
+    )
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def cmd_run(args) -> int:
+    from .check import load
+    from .reference import bind_dims, evaluate, random_inputs
+
+    program = load(args.file).program(args.program)
+    given = read_npz(args.inputs, program) if args.inputs else None
+    binding = bind_dims(program, args.dims, given)
+    inputs = given if given is not None else random_inputs(program, binding, args.seed)
+    outputs = evaluate(program, inputs)
+    write_npz(args.out, outputs)
+    if args.save_inputs:
+        write_npz(args.save_inputs, inputs)
+    sizes = ", ".join(f"{d.name}={binding[d.symbol]}" for d in program.dims)
+    shown = ", ".join(f"{k}{list(v.shape)}" for k, v in outputs.items())
+    print(f"{program.name}: {shown} -> {args.out}" + (f" (dims {sizes})" if sizes else ""))
+    return EXIT_OK
+
+
+def read_npz(path: str, program) -> dict[str, np.ndarray]:
+    p = Path(path)
+    if p.is_dir():
+        raise PrismError(f"cannot read inputs '{path}': it is a directory")
+    try:
+        with np.load(p, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except FileNotFoundError:
+        raise PrismError(f"cannot read inputs '{path}': no such file") from None
+    except (OSError, ValueError) as e:
+        raise PrismError(f"cannot read inputs '{path}': not a .npz archive ({e})") from None
+    missing = [n for n in program.input_names() if n not in arrays]
+    if missing:
+        has = ", ".join(sorted(arrays)) or "nothing"
+        raise PrismError(f"inputs '{path}' lack {', '.join(repr(m) for m in missing)} (it has: {has})")
+    return {n: arrays[n] for n in program.input_names()}
+
+
+def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write through a temporary file in the same directory, then rename: never a half-written file."""
+    target = Path(path)
+    if target.is_dir():
+        raise PrismError(f"cannot write '{path}': it is a directory")
+    if not target.parent.exists():
+        raise PrismError(f"cannot write '{path}': directory '{target.parent}' does not exist")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise PrismError(f"cannot write '{path}': {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

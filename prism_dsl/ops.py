@@ -1,0 +1,69 @@
+"""The operator set, as data.
+
+`OPS` says what each operator is: its kind (which decides its shape rule), how many tensor operands it
+takes, its integer parameters, and how it is written. Other concerns keep their own table keyed by the
+same names: NumPy semantics in `reference.NUMPY`, shape rules by kind in `shapes.RULES`. Adding an
+element-wise op is one line here and one line in each table that renders or evaluates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(Enum):
+    INPUT = "input"  # a named program input; attr = name
+    CONST = "const"  # a scalar literal; attr = value (float)
+    UNARY = "unary"  # element-wise, one operand
+    BINARY = "binary"  # element-wise with numpy broadcasting
+    MATMUL = "matmul"  # numpy matmul: last two dims contract, leading dims broadcast
+    REDUCE = "reduce"  # reduce one dim, keeping it with size 1; attr = the dim (non-negative)
+    ROWWISE = "rowwise"  # a function of the whole last dim, shape preserving (rms_norm, softmax)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    kind: Kind
+    operands: int  # tensor operands
+    params: tuple[str, ...] = ()  # integer literal parameters that follow the operands
+    infix: str | None = None  # how the op is written between operands, if it is
+    doc: str = ""
+
+    @property
+    def arity(self) -> int:
+        return self.operands + len(self.params)
+
+
+def _table(*specs: OpSpec) -> dict[str, OpSpec]:
+    return {s.name: s for s in specs}
+
+
+OPS: dict[str, OpSpec] = _table(
+    OpSpec("input", Kind.INPUT, 0),
+    OpSpec("const", Kind.CONST, 0),
+    OpSpec("add", Kind.BINARY, 2, infix="+"),
+    OpSpec("sub", Kind.BINARY, 2, infix="-"),
+    OpSpec("mul", Kind.BINARY, 2, infix="*"),
+    OpSpec("div", Kind.BINARY, 2, infix="/"),
+    OpSpec("matmul", Kind.MATMUL, 2, infix="@"),
+    OpSpec("neg", Kind.UNARY, 1, doc="-x"),
+    OpSpec("exp", Kind.UNARY, 1),
+    OpSpec("sqrt", Kind.UNARY, 1),
+    OpSpec("rsqrt", Kind.UNARY, 1, doc="1 / sqrt(x)"),
+    OpSpec("square", Kind.UNARY, 1, doc="x * x"),
+    OpSpec("sigmoid", Kind.UNARY, 1, doc="1 / (1 + exp(-x))"),
+    OpSpec("silu", Kind.UNARY, 1, doc="x * sigmoid(x)"),
+    OpSpec("gelu", Kind.UNARY, 1, doc="x / 2 * (1 + erf(x / sqrt(2))), the exact form"),
+    OpSpec("relu", Kind.UNARY, 1, doc="max(x, 0)"),
+    OpSpec("sum", Kind.REDUCE, 1, params=("dim",)),
+    OpSpec("max", Kind.REDUCE, 1, params=("dim",)),
+    OpSpec("mean", Kind.REDUCE, 1, params=("dim",)),
+    OpSpec("rms_norm", Kind.ROWWISE, 1, doc="x / sqrt(mean(square(x), -1)), no epsilon"),
+    OpSpec("softmax", Kind.ROWWISE, 1, doc="exp(x - max(x, -1)) / sum(exp(x - max(x, -1)), -1)"),
+)
+
+# Names a user may call (input and const are internal).
+CALLABLE = frozenset(name for name, spec in OPS.items() if spec.kind not in (Kind.INPUT, Kind.CONST))
+INFIX = {spec.infix: spec.name for spec in OPS.values() if spec.infix}

@@ -1,0 +1,96 @@
+"""IR back to `.prism` text that parses to the identical IR.
+
+Values used more than once, and outputs, become statements (named as the user named them where known);
+everything else is written inline with the fewest parentheses the precedence allows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .ir import Node, Program
+from .ops import OPS, Kind
+
+# Binding strength, as in the grammar: sums < products < unary minus < atoms.
+_PREC = {"add": 1, "sub": 1, "mul": 2, "div": 2, "matmul": 2, "neg": 3}
+_ATOM = 4
+
+
+def format_number(value: float) -> str:
+    text = repr(float(value))
+    return text if text[0] != "-" else text  # repr round-trips exactly through float()
+
+
+def print_program(program: Program, *, with_dims: bool = True) -> str:
+    lines = []
+    if with_dims and program.dims:
+        lines.append("dims " + ", ".join(f"{d.name} = {d.default}" for d in program.dims))
+        lines.append("")
+    params = ", ".join(f"{n.attr}: {n.dtype}[{', '.join(str(s) for s in n.shape)}]" for n in program.inputs)
+    lines.append(f"program {program.name}({params}) {{")
+    names = _statement_names(program)
+    text_of: dict[Node, str] = {n: n.attr for n in program.inputs}
+    for node in program.nodes():
+        if node in names and node.op != "input":
+            lines.append(f"    {names[node]} = {_expr(node, text_of, top=True)}")
+            text_of[node] = names[node]
+    # Outputs that are another output's value or an input need a statement of their own.
+    for out_name, node in program.outputs:
+        if text_of.get(node) != out_name:
+            lines.append(f"    {out_name} = {text_of.get(node) or _expr(node, text_of, top=True)}")
+    lines.append("    return " + ", ".join(n for n, _ in program.outputs))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _statement_names(program: Program) -> dict[Node, str]:
+    uses: Counter = Counter()
+    for node in program.nodes():
+        for a in set(node.args):
+            uses[a] += 1
+    taken = set(program.input_names()) | {n for n, _ in program.outputs}
+    names: dict[Node, str] = {}
+    for out_name, node in program.outputs:
+        if node.op != "input":
+            names.setdefault(node, out_name)
+    counter = 0
+    for node in program.nodes():
+        if node in names or node.op in ("input", "const") or uses[node] < 2:
+            continue
+        name = program.names.get(node)
+        if name is None or name in taken or name in OPS:
+            while f"t{counter}" in taken:
+                counter += 1
+            name = f"t{counter}"
+        taken.add(name)
+        names[node] = name
+    return names
+
+
+def _expr(node: Node, text_of: dict, top: bool = False) -> str:
+    if not top and node in text_of:
+        return text_of[node]
+    spec = OPS[node.op]
+    if node.op == "const":
+        return format_number(node.attr)
+    if spec.infix:
+        lhs, rhs = node.args
+        prec = _PREC[node.op]
+        # Left-associative: the right operand needs parentheses at equal precedence.
+        return f"{_wrap(lhs, text_of, prec)} {spec.infix} {_wrap(rhs, text_of, prec + 1)}"
+    if node.op == "neg":
+        return f"-{_wrap(node.args[0], text_of, _PREC['neg'])}"
+    args = [_expr(a, text_of) for a in node.args]
+    if spec.kind is Kind.REDUCE:
+        args.append(str(node.attr))
+    return f"{node.op}({', '.join(args)})"
+
+
+def _wrap(node: Node, text_of: dict, min_prec: int) -> str:
+    text = _expr(node, text_of)
+    if node in text_of:
+        return text
+    prec = _PREC.get(node.op, _ATOM)
+    if node.op == "const" and node.attr < 0:
+        prec = _PREC["neg"]
+    return f"({text})" if prec < min_prec else text

@@ -1,0 +1,158 @@
+"""The reference semantics: a float64 NumPy interpreter for checked programs, the oracle of the project.
+
+Every operator's meaning is one entry of `NUMPY`. Inputs of any float dtype are cast to float64 and every
+operation runs in float64; storage dtypes only decide how random inputs are rounded (`quantize`), so that
+inputs saved as f16 and re-read give the same result. Sizes come from a binding of the dim symbols: the
+defaults, `--dims` overrides, and whatever the given input arrays fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+import sympy
+
+from .errors import PrismError
+from .ir import DType, Node, Program
+from .shapes import fmt_shape
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _sigmoid(x):
+    # Split by sign so that exp never overflows: 1/(1+e^-x) for x >= 0, e^x/(1+e^x) otherwise.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _softmax(x):
+    shifted = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+NUMPY = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": np.divide,
+    "matmul": np.matmul,
+    "neg": np.negative,
+    "exp": np.exp,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "square": np.square,
+    "sigmoid": _sigmoid,
+    "silu": lambda x: x * _sigmoid(x),
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "relu": lambda x: np.maximum(x, 0.0),
+    "sum": lambda x, axis: np.sum(x, axis=axis, keepdims=True),
+    "max": lambda x, axis: np.max(x, axis=axis, keepdims=True),
+    "mean": lambda x, axis: np.mean(x, axis=axis, keepdims=True),
+    "rms_norm": lambda x: x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)),
+    "softmax": _softmax,
+}
+
+Binding = Mapping[sympy.Symbol, int]
+
+
+def concrete_shape(shape, binding: Binding) -> tuple[int, ...]:
+    return tuple(int(s.xreplace(binding)) if isinstance(s, sympy.Basic) else int(s) for s in shape)
+
+
+def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray]) -> dict[Node, np.ndarray]:
+    """Evaluate `roots` given values for the leaves in `env` (inputs); every node computed once, in float64."""
+    values: dict[Node, np.ndarray] = dict(env)
+    with np.errstate(all="ignore"):  # inf/nan are results to report, not exceptions
+        for root in roots:
+            for node in root.walk():
+                if node in values:
+                    continue
+                if node.op == "const":
+                    values[node] = np.float64(node.attr)
+                elif node.op == "input":
+                    raise KeyError(f"no value for input '{node.attr}'")
+                else:
+                    args = [values[a] for a in node.args]
+                    extra = (node.attr,) if node.attr is not None else ()
+                    values[node] = np.asarray(NUMPY[node.op](*args, *extra), dtype=np.float64)
+    return values
+
+
+def evaluate(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64)."""
+    env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
+    values = evaluate_nodes([n for _, n in program.outputs], env)
+    return {name: values[node] for name, node in program.outputs}
+
+
+def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
+              inputs: Mapping[str, np.ndarray] | None = None) -> dict[sympy.Symbol, int]:
+    """Sizes for every dim: `overrides` first, then what the input arrays fix, then the defaults.
+
+    Every given array is checked against its declared shape under the final binding.
+    """
+    overrides = dict(overrides or {})
+    for name in overrides:
+        if program.dim(name) is None:
+            known = ", ".join(d.name for d in program.dims) or "none"
+            raise PrismError(f"program '{program.name}' has no dim '{name}' (its dims: {known})")
+        if overrides[name] < 1:
+            raise PrismError(f"dim {name} must be at least 1, got {overrides[name]}")
+    binding = {d.symbol: overrides[d.name] for d in program.dims if d.name in overrides}
+    arrays = dict(inputs or {})
+    for node in program.inputs:  # let inputs fix the dims nobody named
+        arr = arrays.get(node.attr)
+        if arr is None or np.ndim(arr) != node.rank:
+            continue
+        for size, actual in zip(node.shape, np.shape(arr)):
+            if isinstance(size, sympy.Symbol) and size not in binding:
+                binding[size] = int(actual)
+    for d in program.dims:
+        binding.setdefault(d.symbol, d.default)
+    for node in program.inputs:
+        if node.attr in arrays:
+            check_input(node, arrays[node.attr], binding)
+    return binding
+
+
+def check_input(node: Node, arr: np.ndarray, binding: Binding) -> None:
+    expected = concrete_shape(node.shape, binding)
+    if tuple(np.shape(arr)) != expected:
+        sym = fmt_shape(node.shape)
+        raise PrismError(
+            f"input '{node.attr}' should have shape {list(expected)} ({sym}), got {list(np.shape(arr))}"
+        )
+    if not np.issubdtype(np.asarray(arr).dtype, np.floating):
+        raise PrismError(f"input '{node.attr}' should hold floats, got {np.asarray(arr).dtype}")
+
+
+def quantize(x: np.ndarray, dtype: DType | None) -> np.ndarray:
+    """Round float64 values to the storage dtype and back, so the reference sees what the GPU would."""
+    if dtype is DType.F16:
+        return x.astype(np.float16).astype(np.float64)
+    if dtype is DType.F32:
+        return x.astype(np.float32).astype(np.float64)
+    if dtype is DType.BF16:
+        bits = x.astype(np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even
+        return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def random_inputs(program: Program, binding: Binding, seed: int = 0) -> dict[str, np.ndarray]:
+    """Standard-normal inputs rounded to each input's dtype; the same seed gives the same arrays."""
+    rng = np.random.default_rng(seed)
+    return {
+        node.attr: quantize(rng.standard_normal(concrete_shape(node.shape, binding)), node.dtype)
+        for node in program.inputs
+    }
+
+
+def storage_array(x: np.ndarray, dtype: DType | None) -> np.ndarray:
+    """An array in the closest NumPy storage type (bf16 has none: float32 holding bf16 values)."""
+    return {DType.F16: x.astype(np.float16), DType.F32: x.astype(np.float32), DType.BF16: x.astype(np.float32)}.get(
+        dtype, x.astype(np.float64)
+    )

@@ -1,0 +1,328 @@
+"""Text to syntax tree: reading source files and parsing them with the lark grammars.
+
+`read_source` turns every file-system problem (missing, a directory, not UTF-8) into a PrismError.
+`parse_prism` runs the LALR parser from `grammar/prism.lark` and builds `ast` nodes with positions.
+Syntax errors are classified by `SYNTAX_ERRORS`, a table of (message, bad examples) matched by parser
+state the way lark's `match_examples` does; a test walks the same table. The `.rules` front end reuses
+`ExprBuilder`, `parse_with` and the same error machinery.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from pathlib import Path
+
+from lark import Lark, Token, Transformer, Tree, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.visitors import merge_transformers
+
+from . import ast
+from .errors import Loc, PrismError
+
+GRAMMAR_DIR = Path(__file__).parent / "grammar"
+
+# Deeper trees than this are refused before any recursive pass walks them. Real programs stay below 30.
+MAX_DEPTH = 200
+
+# Syntax errors worth a specific message, with examples that put the parser in the same state.
+# Order matters: the first label whose examples match the failing state wins.
+SYNTAX_ERRORS: dict[str, list[str]] = {
+    "missing ')'": [
+        "program p(X: f16[n]) { Y = exp(X\n return Y }",
+        "program p(X: f16[n]) { Y = (X + X\n return Y }",
+        "program p(X: f16[n]) { Y = sum(X, 0\n return Y }",
+        "def f(x) = (x * x",
+        "def f(x) = exp(x",
+        "def f(x) = exp((x)",
+    ],
+    "unbalanced ')'": [
+        "program p(X: f16[n]) { Y = X) return Y }",
+        "program p(X: f16[n]) { Y = exp(X)) return Y }",
+        "def f(x) = x)",
+    ],
+    "missing operand": [
+        "program p(X: f16[n]) { Y = X + \n return Y }",
+        "program p(X: f16[n]) { Y = X * }",
+        "program p(X: f16[n]) { Y = \n return Y }",
+        "def f(x) = x +",
+        "def f(x) = x *",
+        "def f(x) = ",
+    ],
+    "a program must end with 'return NAME, ...'": [
+        "program p(X: f16[n]) { Y = X }",
+        "program p(X: f16[n]) { }",
+    ],
+    "a statement is 'NAME = expression'": [
+        "program p(X: f16[n]) { exp(X) return X }",
+        "program p(X: f16[n]) { Y + X return Y }",
+    ],
+    "missing '}' at the end of the program": [
+        "program p(X: f16[n]) { Y = X return Y",
+    ],
+    "an input is 'NAME: dtype[dims]', e.g. 'X: f16[n, d]'": [
+        "program p(X) { return X }",
+        "program p(X: f16) { return X }",
+        "program p(X: f16[n], Y) { return X }",
+        "program p(X f16[n]) { return X }",
+    ],
+    "a dim is 'NAME = INTEGER', e.g. 'dims n = 8'": [
+        "dims n",
+        "dims n = x",
+        "dims n = 1.5",
+        "dims n = 8, d",
+    ],
+}
+
+
+@functools.cache
+def prism_parser() -> Lark:
+    return Lark.open(str(GRAMMAR_DIR / "prism.lark"), parser="lalr", propagate_positions=True, cache=False)
+
+
+def read_source(path: str | Path, *, at: Loc | None = None, what: str = "file") -> str:
+    """Read a UTF-8 source file or raise a PrismError that says why it cannot be read."""
+    p = Path(path)
+    where = at or Loc(str(path))
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise PrismError(f"cannot read {what} '{path}': no such file", where) from None
+    except IsADirectoryError:
+        raise PrismError(f"cannot read {what} '{path}': it is a directory", where) from None
+    except PermissionError:
+        raise PrismError(f"cannot read {what} '{path}': permission denied", where) from None
+    except OSError as e:
+        raise PrismError(f"cannot read {what} '{path}': {e.strerror or e}", where) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise PrismError(
+            f"{what} is not valid UTF-8 text (byte 0x{data[e.start]:02x})", Loc(str(path), line, col)
+        ) from None
+
+
+def parse_prism(text: str, path: str) -> ast.Module:
+    tree = parse_with(prism_parser(), text, path)
+    builder = merge_transformers(ModuleBuilder(path, text), expr=ExprBuilder(path, text))
+    return transform(builder, tree)
+
+
+def transform(builder: Transformer, tree: Tree):
+    try:
+        return builder.transform(tree)
+    except VisitError as e:  # a PrismError raised inside a transformer method arrives wrapped
+        if isinstance(e.orig_exc, PrismError):
+            raise e.orig_exc from None
+        raise
+
+
+def parse_with(parser: Lark, text: str, path: str, table: dict[str, list[str]] = SYNTAX_ERRORS) -> Tree:
+    """Parse, turning lark's exceptions into one located PrismError, and refuse absurdly deep trees."""
+    try:
+        tree = parser.parse(text)
+    except UnexpectedInput as u:
+        raise PrismError(syntax_message(parser, u, text, table), Loc(path, *_position(u, text), text)) from None
+    check_depth(tree, path, text)
+    return tree
+
+
+def _position(u: UnexpectedInput, text: str) -> tuple[int, int]:
+    if isinstance(u, UnexpectedToken) and u.token.type == "$END" or isinstance(u, UnexpectedEOF):
+        lines = text.splitlines() or [""]
+        return len(lines), len(lines[-1]) + 1
+    return u.line, u.column
+
+
+def _state(u: UnexpectedInput) -> int | None:
+    state = getattr(u, "state", None)
+    return getattr(state, "position", None)
+
+
+@functools.cache
+def _labels(parser: Lark, table_id: int) -> dict[int, str]:
+    """LALR state -> message, learned by parsing each example of the table once.
+
+    Like lark's `match_examples`, but keyed by the parser state alone: lark also compares the depth of
+    the parse stack, so an example stops matching as soon as the file has one more item before it.
+    """
+    table = _TABLES[table_id]
+    labels: dict[int, str] = {}
+    for label, examples in table.items():
+        for example in examples:
+            try:
+                parser.parse(example)
+            except UnexpectedInput as u:
+                pos = _state(u)
+                if pos is not None:
+                    labels.setdefault(pos, label)
+            else:
+                raise AssertionError(f"syntax error example parses: {example!r}")
+    return labels
+
+
+_TABLES: dict[int, dict[str, list[str]]] = {}
+
+
+def classify(parser: Lark, u: UnexpectedInput, table: dict[str, list[str]]) -> str | None:
+    """The label of `table` whose examples fail in the same parser state as `u`, if any."""
+    _TABLES[id(table)] = table
+    pos = _state(u)
+    return _labels(parser, id(table)).get(pos) if pos is not None else None
+
+
+def syntax_message(parser: Lark, u: UnexpectedInput, text: str, table: dict[str, list[str]] = SYNTAX_ERRORS) -> str:
+    # A bad character says nothing about the grammar state; only token errors get a specific message.
+    label = None if isinstance(u, UnexpectedCharacters) else classify(parser, u, table)
+    if isinstance(u, UnexpectedCharacters):
+        found = f"unexpected character {text[u.pos_in_stream]!r}"
+    elif isinstance(u, UnexpectedToken) and u.token.type == "$END":
+        found = "unexpected end of file"
+    elif isinstance(u, UnexpectedToken):
+        found = f"unexpected {u.token.value!r}"
+    else:
+        found = "unexpected end of file"
+    msg = f"syntax error: {found}"
+    if label:
+        return f"{msg}: {label}"
+    expected = _expected(parser, u)
+    return f"{msg}; expected {expected}" if expected else msg
+
+
+def _expected(parser: Lark, u: UnexpectedInput) -> str:
+    names = getattr(u, "expected", None) or ()
+    shown = []
+    for name in sorted(names):
+        if name.startswith("__ANON") or name == "$END":
+            continue
+        try:
+            pattern = parser.get_terminal(name).pattern
+        except KeyError:
+            continue
+        shown.append(repr(pattern.value) if pattern.type == "str" else name.lower().split("__")[-1])
+    if not shown:
+        return ""
+    return " or ".join(sorted(set(shown)))
+
+
+def check_depth(tree: Tree, path: str, text: str) -> None:
+    """Iteratively measure the tree depth so no recursive pass can overflow Python's stack."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            meta = node.meta
+            loc = Loc(path, getattr(meta, "line", 0), getattr(meta, "column", 0), text)
+            raise PrismError(f"expression is nested more than {MAX_DEPTH} levels deep; split it into statements", loc)
+        stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
+
+
+def suggest(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+class _Located(Transformer):
+    def __init__(self, path: str, text: str):
+        super().__init__()
+        self.path, self.text = path, text
+
+    def loc(self, x) -> Loc:
+        if isinstance(x, Token):
+            return Loc(self.path, x.line, x.column, self.text)
+        return Loc(self.path, getattr(x, "line", 0), getattr(x, "column", 0), self.text)
+
+
+def _binary(fn: str):
+    @v_args(meta=True)
+    def build(self, meta, children):
+        lhs, rhs = children
+        return ast.Call(fn, (lhs, rhs), self.loc(meta), "infix")
+
+    return build
+
+
+class ExprBuilder(_Located):
+    """The shared expression layer: `expr.lark` rules to `ast.Num | ast.Name | ast.Call`."""
+
+    add, sub, mul, div, matmul = _binary("add"), _binary("sub"), _binary("mul"), _binary("div"), _binary("matmul")
+
+    @v_args(meta=True)
+    def neg(self, meta, children):
+        return ast.Call("neg", (children[0],), self.loc(meta), "prefix")
+
+    @v_args(inline=True)
+    def number(self, tok):
+        value = float(tok)
+        if value == float("inf"):
+            raise PrismError(f"number {tok} is too large", self.loc(tok))
+        return ast.Num(value, str(tok), self.loc(tok))
+
+    @v_args(inline=True)
+    def var(self, tok):
+        return ast.Name(str(tok), self.loc(tok))
+
+    @v_args(inline=True)
+    def call(self, name, args):
+        return ast.Call(str(name), tuple(args or ()), self.loc(name))
+
+    def args(self, children):
+        return children
+
+
+class ModuleBuilder(_Located):
+    """`prism.lark` items to `ast` items."""
+
+    def start(self, items):
+        return ast.Module(self.path, tuple(items))
+
+    @v_args(inline=True)
+    def import_decl(self, tok):
+        return ast.Import(str(tok)[1:-1], self.loc(tok))
+
+    def dims_decl(self, children):
+        return children
+
+    @v_args(inline=True)
+    def dim_binding(self, name, value):
+        return ast.DimDecl(str(name), int(value), self.loc(name))
+
+    @v_args(inline=True)
+    def def_decl(self, name, params, body):
+        return ast.Def(str(name), tuple(params or ()), body, self.loc(name))
+
+    def names(self, toks):
+        return [str(t) for t in toks]
+
+    @v_args(inline=True)
+    def param(self, name, dtype, shape):
+        return ast.Param(str(name), str(dtype), tuple(shape or ()), self.loc(name), self.loc(dtype))
+
+    def shape(self, toks):
+        return [ast.ShapeDim(int(t) if t.type == "INT" else str(t), self.loc(t)) for t in toks]
+
+    def params(self, children):
+        return children
+
+    @v_args(inline=True)
+    def stmt(self, name, expr):
+        return ast.Stmt(str(name), expr, self.loc(name))
+
+    @v_args(meta=True)
+    def return_stmt(self, meta, toks):
+        return ast.Return(tuple((str(t), self.loc(t)) for t in toks), self.loc(meta))
+
+    def program(self, children):
+        name, params, *body = children
+        *stmts, ret = body
+        return ast.ProgramDecl(str(name), tuple(params or ()), tuple(stmts), ret, self.loc(name))
+
+    def transform(self, tree):
+        module = super().transform(tree)
+        # `dims a = 1, b = 2` yields a list; flatten so a module is a flat tuple of items.
+        items = []
+        for item in module.items:
+            items.extend(item if isinstance(item, list) else [item])
+        return ast.Module(module.path, tuple(items))
