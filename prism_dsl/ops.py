@@ -30,6 +30,9 @@ class OpSpec:
     params: tuple[str, ...] = ()  # integer literal parameters that follow the operands
     infix: str | None = None  # how the op is written between operands, if it is
     doc: str = ""
+    # Per operand, the values it is meant for ("positive", "nonzero"), or "" for any. The numeric
+    # soundness check of axioms draws values from these domains, as a real program's values would be.
+    domains: tuple[str, ...] = ()
 
     @property
     def arity(self) -> int:
@@ -46,12 +49,12 @@ OPS: dict[str, OpSpec] = _table(
     OpSpec("add", Kind.BINARY, 2, infix="+"),
     OpSpec("sub", Kind.BINARY, 2, infix="-"),
     OpSpec("mul", Kind.BINARY, 2, infix="*"),
-    OpSpec("div", Kind.BINARY, 2, infix="/"),
+    OpSpec("div", Kind.BINARY, 2, infix="/", domains=("", "nonzero")),
     OpSpec("matmul", Kind.MATMUL, 2, infix="@"),
     OpSpec("neg", Kind.UNARY, 1, doc="-x"),
     OpSpec("exp", Kind.UNARY, 1),
-    OpSpec("sqrt", Kind.UNARY, 1),
-    OpSpec("rsqrt", Kind.UNARY, 1, doc="1 / sqrt(x)"),
+    OpSpec("sqrt", Kind.UNARY, 1, domains=("positive",)),
+    OpSpec("rsqrt", Kind.UNARY, 1, doc="1 / sqrt(x)", domains=("positive",)),
     OpSpec("square", Kind.UNARY, 1, doc="x * x"),
     OpSpec("sigmoid", Kind.UNARY, 1, doc="1 / (1 + exp(-x))"),
     OpSpec("silu", Kind.UNARY, 1, doc="x * sigmoid(x)"),

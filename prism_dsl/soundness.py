@@ -1,0 +1,252 @@
+"""Numeric soundness checking of axioms, independent of egglog.
+
+Every rule is instantiated with random float64 tensors at several random shapes that make its left side
+well formed and satisfy its conditions, and both sides are evaluated with the reference semantics
+(`reference.NUMPY`). A rule whose sides differ, or whose right side is ill formed or differently shaped
+where its left side is fine, is rejected with its name and location.
+
+Shapes in rules follow numpy broadcasting to the end: a tensor is viewed as having as many leading
+size-1 dims as an operation needs (a reduction over dim -3 of a matrix reduces a size-1 dim; a vector
+in a matmul is a 1-row matrix), and two shapes are the same if they differ only by leading 1s. This is
+what lets one rule with negative dims serve tensors of every rank, and it agrees with the e-graph's shape
+facts, where a dim beyond a tensor's rank has size 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ast
+from .errors import Collector, PrismError
+from .ops import OPS, Kind
+from .reference import NUMPY
+from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
+
+SHAPE_TRIES = 4000  # random shape draws per direction of a rule
+SHAPE_INSTANCES = 40  # well-formed shape instances whose result shapes are compared, per direction
+INSTANCES = 5  # of those, instances whose values are compared
+DRAWS = 2  # value draws per instance
+RTOL, ATOL = 1e-7, 1e-9
+
+
+class _IllFormed(Exception):
+    """The pattern does not make sense at these shapes (a broadcast or matmul mismatch)."""
+
+
+def _strip(shape: tuple[int, ...]) -> tuple[int, ...]:
+    i = 0
+    while i < len(shape) and shape[i] == 1:
+        i += 1
+    return shape[i:]
+
+
+def _pad(x: np.ndarray, rank: int) -> np.ndarray:
+    return x.reshape((1,) * (rank - x.ndim) + x.shape) if x.ndim < rank else x
+
+
+def evaluate(e: ast.Expr, values: dict[str, np.ndarray], dims: dict[str, int]) -> np.ndarray:
+    """A pattern's value for the given variable values, with rule shape semantics (see module doc)."""
+    match e:
+        case ast.Num():
+            return np.float64(e.value)
+        case ast.Name():
+            return values[e.id]
+        case ast.Call():
+            spec = OPS[e.fn]
+            args = [np.asarray(evaluate(a, values, dims)) for a in e.args[: spec.operands]]
+            params = [dims[a.id] if isinstance(a, ast.Name) else literal_dim(a) for a in e.args[spec.operands :]]
+            try:
+                return _apply(e.fn, spec.kind, args, params)
+            except ValueError as err:
+                raise _IllFormed(str(err)) from None
+    raise TypeError(e)
+
+
+def _apply(op: str, kind: Kind, args: list[np.ndarray], params: list[int]) -> np.ndarray:
+    if kind is Kind.MATMUL:
+        a, b = (_pad(x, 2) for x in args)
+        if a.shape[-1] != b.shape[-2]:
+            raise ValueError("matmul inner dims differ")
+        np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        return np.matmul(a, b)
+    if kind is Kind.BINARY:
+        np.broadcast_shapes(args[0].shape, args[1].shape)
+    if kind is Kind.REDUCE:
+        (x,), (dim,) = args, params
+        return NUMPY[op](_pad(x, -dim), dim)
+    if kind is Kind.ROWWISE:
+        args = [_pad(args[0], 1)]
+    return NUMPY[op](*args)
+
+
+@dataclass(frozen=True)
+class Instance:
+    shapes: dict[str, tuple[int, ...]]
+    dims: dict[str, int]
+
+    def describe(self) -> str:
+        parts = [f"{v}{list(s)}" for v, s in sorted(self.shapes.items())]
+        parts += [f"{d} = {v}" for d, v in sorted(self.dims.items())]
+        return ", ".join(parts)
+
+
+def _size(shape: tuple[int, ...], dim: int) -> int:
+    return shape[dim] if -len(shape) <= dim < 0 else 1
+
+
+def _operand(o, inst: Instance):
+    match o:
+        case SizeOf(var=v, dim=d):
+            return _size(inst.shapes[v], inst.dims[d] if isinstance(d, str) else d)
+        case ShapeOf(var=v):
+            return _strip(inst.shapes[v])
+        case DimVar(name=n):
+            return inst.dims[n]
+        case Lit(value=v):
+            return v
+    raise TypeError(o)
+
+
+def holds(rule: Rule, inst: Instance) -> bool:
+    for c in rule.conditions:
+        a, b = _operand(c.lhs, inst), _operand(c.rhs, inst)
+        if (a == b) != (c.op == "=="):
+            return False
+    return True
+
+
+def _random_instance(rule: Rule, rng: random.Random) -> Instance:
+    shapes = {}
+    for v in sorted(rule.tensor_vars):
+        rank = rng.choices((0, 1, 2, 3), weights=(1, 2, 4, 3))[0]
+        shapes[v] = tuple(1 if rng.random() < 0.2 else rng.randint(2, 5) for _ in range(rank))
+    dims = {d: rng.choice((-1, -1, -2, -3)) for d in sorted(rule.dim_vars)}
+    return Instance(shapes, dims)
+
+
+def _shape_of(e: ast.Expr, inst: Instance) -> tuple[int, ...]:
+    zeros = {v: np.ones(s) for v, s in inst.shapes.items()}  # ones: no division by zero warnings
+    with np.errstate(all="ignore"):
+        return np.shape(evaluate(e, zeros, inst.dims))
+
+
+def _instances(rule: Rule, first: ast.Expr, rng: random.Random) -> list[Instance]:
+    """Distinct shape instances where `first` is well formed and the conditions hold, largest first."""
+    found: dict[tuple, Instance] = {}
+    for _ in range(SHAPE_TRIES):
+        inst = _random_instance(rule, rng)
+        key = (tuple(sorted(inst.shapes.items())), tuple(sorted(inst.dims.items())))
+        if key in found or not holds(rule, inst):
+            continue
+        try:
+            _shape_of(first, inst)
+        except _IllFormed:
+            continue
+        found[key] = inst
+        if len(found) >= SHAPE_INSTANCES:
+            break
+    return sorted(found.values(), key=lambda i: -sum(np.prod(s) for s in i.shapes.values()))
+
+
+def _for_values(instances: list[Instance]) -> list[Instance]:
+    """The instances whose values are compared: the largest few and the smallest (where size-1 dims show)."""
+    if len(instances) <= INSTANCES:
+        return instances
+    return instances[: INSTANCES - 2] + instances[-2:]
+
+
+def _domains(e: ast.Expr, out: dict[str, str]) -> dict[str, str]:
+    """Variables that an operator needs in a domain (sqrt's operand positive, a divisor nonzero)."""
+    if isinstance(e, ast.Call):
+        spec = OPS[e.fn]
+        for a, dom in zip(e.args, spec.domains):
+            if dom and isinstance(a, ast.Name) and out.get(a.id) != "positive":
+                out[a.id] = dom
+        for a in e.args:
+            _domains(a, out)
+    return out
+
+
+def _values(inst: Instance, domains: dict[str, str], rng: np.random.Generator, all_positive: bool) -> dict:
+    values = {}
+    for v, shape in inst.shapes.items():
+        dom = "positive" if all_positive else domains.get(v, "")
+        if dom == "positive":
+            values[v] = rng.uniform(0.5, 2.0, shape)
+        elif dom == "nonzero":
+            values[v] = rng.uniform(0.5, 2.0, shape) * rng.choice((-1.0, 1.0), shape)
+        else:
+            values[v] = rng.standard_normal(shape)
+    return values
+
+
+def check_rule(rule: Rule) -> str | None:
+    """None if the rule holds on every instance tried; otherwise why not, in words."""
+    seed = int.from_bytes(hashlib.sha256(rule.name.encode()).digest()[:8], "little")
+    rng, nrng = random.Random(seed), np.random.default_rng(seed)
+    directions = [(rule.lhs, rule.rhs, "left", "right")]
+    if rule.both_ways:
+        directions.append((rule.rhs, rule.lhs, "right", "left"))
+    domains = _domains(rule.rhs, _domains(rule.lhs, {}))
+    evaluated = 0
+    for first, second, fname, sname in directions:
+        instances = _instances(rule, first, rng)
+        if not instances:
+            return f"no shapes make its {fname} side well formed (tried {SHAPE_TRIES} random shapes)"
+        for inst in instances:
+            try:
+                shape1, shape2 = _shape_of(first, inst), _shape_of(second, inst)
+            except _IllFormed as e:
+                return f"its {sname} side is ill formed where the {fname} side is fine, at {inst.describe()} ({e})"
+            if _strip(shape1) != _strip(shape2):
+                return (
+                    f"its sides have different shapes at {inst.describe()}: "
+                    f"{fname} {list(shape1)}, {sname} {list(shape2)}"
+                )
+        for inst in _for_values(instances):
+            for draw in range(DRAWS + 1):
+                problem, finite = _compare(first, second, fname, sname, inst, domains, nrng, all_positive=draw == DRAWS)
+                if problem:
+                    return problem
+                evaluated += finite
+    if not evaluated:
+        return "no instance gave finite values on both sides, so it could not be checked"
+    return None
+
+
+def _compare(first, second, fname, sname, inst, domains, rng, all_positive) -> tuple[str | None, bool]:
+    values = _values(inst, domains, rng, all_positive)
+    with np.errstate(all="ignore"):
+        a = np.asarray(evaluate(first, values, inst.dims), dtype=np.float64)
+        b = np.asarray(evaluate(second, values, inst.dims), dtype=np.float64)
+    a, b = np.broadcast_arrays(a.reshape(_strip(a.shape) or ()), b.reshape(_strip(b.shape) or ()))
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if not (fa.all() and fb.all()):
+        # Out of an operator's domain (sqrt of a negative sum): no evidence either way, unless only one
+        # side is defined there, which makes the rule change a program's value.
+        if (fa != fb).any() and all_positive:
+            idx = tuple(int(i) for i in np.argwhere(fa != fb)[0])
+            return f"at {inst.describe()} one side is finite and the other is not (index {idx})", False
+        return None, False
+    bad = ~np.isclose(a, b, rtol=RTOL, atol=ATOL * max(1.0, float(np.abs(a).max(initial=0))))
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        return (
+            f"its sides differ at {inst.describe()}: {fname} {a[idx]:.6g}, {sname} {b[idx]:.6g} at index {idx}",
+            True,
+        )
+    return None, True
+
+
+def check_library(library: Library) -> None:
+    """Raise one PrismError naming every rule of the library that fails the numeric check."""
+    errors = Collector()
+    for rule in library.rules:
+        why = check_rule(rule)
+        if why:
+            errors.error(rule.loc, f"rule '{rule.name}' is unsound: {why}")
+    errors.raise_if_any()
