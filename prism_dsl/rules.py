@@ -113,6 +113,11 @@ class Rule:
     def where(self) -> str:
         return f"{self.name} ({self.loc})"
 
+    def canonical(self) -> str:
+        """The rule's meaning as text, free of names and positions (a cache key for its soundness)."""
+        conds = ", ".join(f"{c.lhs} {c.op} {c.rhs}" for c in self.conditions)
+        return f"{sexpr(self.lhs)} {self.arrow} {sexpr(self.rhs)} if {conds}"
+
 
 @dataclass(frozen=True)
 class Library:
@@ -339,6 +344,17 @@ def _check_dim_arg(a: ast.Expr, vars: _Vars, errors: Collector, op: str) -> None
         errors.error(a.loc, f"the dim of {op} must be a dim variable or a negative integer literal")
     elif value >= 0:
         errors.error(a.loc, "dims in rules count from the end so that one rule fits every rank: write a negative dim such as -1 (the last)")
+
+
+def sexpr(e: ast.Expr) -> str:
+    match e:
+        case ast.Num():
+            return repr(e.value)
+        case ast.Name():
+            return e.id
+        case ast.Call():
+            return f"({e.fn} {' '.join(sexpr(a) for a in e.args)})"
+    raise TypeError(e)
 
 
 def literal_dim(a: ast.Expr) -> int | None:
