@@ -29,7 +29,8 @@ RULE_SYNTAX_ERRORS: dict[str, list[str]] = {
     "a rule is 'rule NAME: LHS => RHS' or 'rule NAME: LHS <=> RHS'": [
         "ruleset r { rule x a * b => b * a }",
         "ruleset r { rule x: a * b }",
-        "ruleset r { rule x: a * b = b * a }",
+        "ruleset r { rule x: a * b rule y: a => a }",
+        "ruleset r { rule x: exp(a) }",
     ],
     "rules live inside 'ruleset NAME { ... }'": [
         "rule x: a => a",
@@ -47,7 +48,7 @@ RULE_SYNTAX_ERRORS: dict[str, list[str]] = {
         "ruleset r { rule x: a => a if }",
         "ruleset r { rule x: a => a if size(a) == 1 }",
         "ruleset r { rule x: a => a if size(a, -1) }",
-        "ruleset r { rule x: a => a if size(a, -1) < 2 }",
+        "ruleset r { rule x: a => a if size(a, -1) == }",
     ],
     "missing '}' at the end of the ruleset": [
         "ruleset r { rule x: a * b => b * a",

@@ -28,7 +28,7 @@ from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
 
 SHAPE_TRIES = 4000  # random shape draws per direction of a rule
 SHAPE_INSTANCES = 40  # well-formed shape instances whose result shapes are compared, per direction
-INSTANCES = 5  # of those, instances whose values are compared
+INSTANCES = 8  # of those, instances whose values are compared
 DRAWS = 2  # value draws per instance
 RTOL, ATOL = 1e-7, 1e-9
 
@@ -153,10 +153,18 @@ def _instances(rule: Rule, first: ast.Expr, rng: random.Random) -> list[Instance
 
 
 def _for_values(instances: list[Instance]) -> list[Instance]:
-    """The instances whose values are compared: the largest few and the smallest (where size-1 dims show)."""
+    """The instances whose values are compared.
+
+    Mostly those with the fewest size-1 dims and scalars, where a wrong rule shows (a size-1 factor
+    hides the difference between a sum of products and a product of sums), plus the smallest ones,
+    where broadcasting by size-1 dims is exercised.
+    """
     if len(instances) <= INSTANCES:
         return instances
-    return instances[: INSTANCES - 2] + instances[-2:]
+    def ones(i: Instance) -> int:
+        return sum(s.count(1) + (len(s) == 0) for s in i.shapes.values())
+    informative = sorted(instances, key=ones)[: INSTANCES - 2]
+    return informative + [i for i in instances[-2:] if i not in informative]
 
 
 def _domains(e: ast.Expr, out: dict[str, str]) -> dict[str, str]:

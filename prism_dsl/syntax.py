@@ -136,28 +136,30 @@ def _position(u: UnexpectedInput, text: str) -> tuple[int, int]:
     return u.line, u.column
 
 
-def _state(u: UnexpectedInput) -> int | None:
-    state = getattr(u, "state", None)
-    return getattr(state, "position", None)
+def _key(u: UnexpectedInput) -> tuple[int | None, str | None]:
+    """Where the parser was (its LALR state) and what it met (the token type) when it failed."""
+    state = getattr(getattr(u, "state", None), "position", None)
+    token = getattr(u, "token", None)
+    return state, getattr(token, "type", None)
 
 
 @functools.cache
-def _labels(parser: Lark, table_id: int) -> dict[int, str]:
-    """LALR state -> message, learned by parsing each example of the table once.
+def _labels(parser: Lark, table_id: int) -> dict:
+    """(state, token type) -> message and state -> message, learned by parsing each example once.
 
-    Like lark's `match_examples`, but keyed by the parser state alone: lark also compares the depth of
-    the parse stack, so an example stops matching as soon as the file has one more item before it.
+    Like lark's `match_examples`, but without comparing the depth of the parse stack (which makes an
+    example stop matching as soon as a file has one more item before it). The token type separates
+    states that LALR shares, such as "just read a name" on either side of a rule's arrow.
     """
-    table = _TABLES[table_id]
-    labels: dict[int, str] = {}
-    for label, examples in table.items():
+    labels: dict = {}
+    for label, examples in _TABLES[table_id].items():
         for example in examples:
             try:
                 parser.parse(example)
             except UnexpectedInput as u:
-                pos = _state(u)
-                if pos is not None:
-                    labels.setdefault(pos, label)
+                state, token = _key(u)
+                labels.setdefault((state, token), label)
+                labels.setdefault(state, label)
             else:
                 raise AssertionError(f"syntax error example parses: {example!r}")
     return labels
@@ -169,8 +171,11 @@ _TABLES: dict[int, dict[str, list[str]]] = {}
 def classify(parser: Lark, u: UnexpectedInput, table: dict[str, list[str]]) -> str | None:
     """The label of `table` whose examples fail in the same parser state as `u`, if any."""
     _TABLES[id(table)] = table
-    pos = _state(u)
-    return _labels(parser, id(table)).get(pos) if pos is not None else None
+    labels = _labels(parser, id(table))
+    state, token = _key(u)
+    if state is None:
+        return None
+    return labels.get((state, token)) or labels.get(state)
 
 
 def syntax_message(parser: Lark, u: UnexpectedInput, text: str, table: dict[str, list[str]] = SYNTAX_ERRORS) -> str:

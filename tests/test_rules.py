@@ -1,0 +1,147 @@
+"""The .rules language: parsing, static checks, the numeric soundness check, the default library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prism_dsl.errors import PrismError
+from prism_dsl.rules import RULE_SYNTAX_ERRORS, default_files, load_library
+from prism_dsl.soundness import check_library, check_rule
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT = load_library([], defaults=True)
+
+
+def write(tmp_path: Path, text: str, name: str = "t.rules") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def errors_of(path: Path) -> list[str]:
+    with pytest.raises(PrismError) as info:
+        load_library([path])
+    return [f"{d.loc.line}:{d.loc.col}: {d.message}" for d in info.value.diagnostics]
+
+
+def test_default_library_is_the_rules_folder():
+    assert [p.name for p in default_files()] == sorted(p.name for p in (REPO / "rules").glob("*.rules"))
+    assert {"algebra", "definitions"} <= set(DEFAULT.rulesets)
+    assert len({r.name for r in DEFAULT.rules}) == len(DEFAULT.rules)
+
+
+def test_every_default_rule_has_a_comment_above_it():
+    for path in default_files():
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip().startswith("rule "):
+                above = [ln.strip() for ln in lines[:i] if ln.strip()]
+                assert above and (above[-1].startswith("#") or above[-1].startswith("rule ")), (path, i + 1)
+
+
+@pytest.mark.parametrize("rule", DEFAULT.rules, ids=lambda r: r.name)
+def test_default_rule_is_sound(rule):
+    assert check_rule(rule) is None
+
+
+UNSOUND = [
+    ("exp_add_wrong", "exp(a + b) => exp(a) + exp(b)", "sides differ"),
+    ("sum_add_no_condition", "sum(a + b, i) <=> sum(a, i) + sum(b, i)", "sides differ"),
+    ("matmul_add_no_condition", "a @ (b + c) <=> a @ b + a @ c", "ill formed"),
+    ("cancel_widens", "(a / c) / (b / c) => a / b", "different shapes"),
+    ("reduce_swap_same_dim", "mean(sum(a, i), j) <=> sum(mean(a, j), i)", "sides differ"),
+    ("relu_is_identity", "relu(x) => x", "sides differ"),
+    ("sub_commutes", "a - b => b - a", "sides differ"),
+    ("sum_of_product", "sum(a * b, -1) => sum(a, -1) * sum(b, -1)", "sides differ"),
+    ("sum_drops_dim", "sum(a, -1) => a", "different shapes"),
+    ("matmul_commutes", "a @ b => b @ a", ""),
+    ("sqrt_of_sum", "sqrt(a + b) => sqrt(a) + sqrt(b)", "sides differ"),
+]
+
+
+@pytest.mark.parametrize("name,text,why", UNSOUND, ids=[u[0] for u in UNSOUND])
+def test_unsound_rule_is_rejected_and_named(tmp_path, name, text, why):
+    path = write(tmp_path, f"ruleset bad {{\n    rule {name}: {text}\n}}\n")
+    library = load_library([path])
+    with pytest.raises(PrismError) as info:
+        check_library(library, use_cache=False)
+    (d,) = info.value.diagnostics
+    assert (d.loc.line, d.loc.col) == (2, 10)
+    assert f"rule '{name}' is unsound" in d.message and why in d.message
+
+
+BAD_RULES = [
+    ("rule r: exq(a) => a", "2:13: unknown operator 'exq'; did you mean 'exp'?"),
+    ("rule r: a * b => a * c", "2:26: 'c' is used on the right but not bound on the left"),
+    ("rule r: a * expp => a", "2:17: 'expp' would become a pattern variable, but it looks like a misspelling of 'exp'"),
+    ("rule r: a => a * 1", "2:13: the left side of a rule must be an operator application"),
+    ("rule r: sum(a, 0) => sum(a, -1)", "2:20: dims in rules count from the end"),
+    ("rule r: sum(a, i) <=> a if size(a, i) == 1", "'i' is not used on the right, so '<=>' cannot rewrite"),
+    ("rule r: a * b => b * a if size(z, -1) == 1", "size(z, ...): 'z' is not a tensor variable of the left side"),
+    ("rule r: exp => a", "2:13: 'exp' is an operator, not a pattern variable"),
+    ("rule r: sum(a, i) * i => a", "'i' is used both as a tensor and as a dim"),
+    ("rule r: exp(a, b) => a", "2:13: exp takes 1 argument(s), got 2"),
+    ("rule r: a * b => b * a if i != j", "'i' is not a dim variable of the left side"),
+    ("rule r: a * b => b * a if size(a, -1) == shape(b)", "a condition compares a size with a size or an integer"),
+]
+
+
+@pytest.mark.parametrize("text,expected", BAD_RULES, ids=[b[0] for b in BAD_RULES])
+def test_bad_rule_is_reported_with_location(tmp_path, text, expected):
+    path = write(tmp_path, f"ruleset r {{\n    {text}\n}}\n")
+    assert any(expected in e for e in errors_of(path)), errors_of(path)
+
+
+def test_all_errors_of_a_file_at_once_and_duplicate_names(tmp_path):
+    path = write(tmp_path, "ruleset r {\n  rule x: exq(a) => a\n  rule y: a + b => b + c\n  rule z: a * b => b * a\n  rule z: a + b => b + a\n}\n")
+    errs = errors_of(path)
+    assert len(errs) == 3, errs
+    assert any("5:8: duplicate rule name 'z'" in e for e in errs)
+
+
+@pytest.mark.parametrize("label", list(RULE_SYNTAX_ERRORS))
+def test_syntax_error_table(tmp_path, label):
+    for example in RULE_SYNTAX_ERRORS[label]:
+        path = write(tmp_path, example)
+        errs = errors_of(path)
+        assert len(errs) == 1 and "syntax error" in errs[0] and label in errs[0], (example, errs)
+
+
+def test_import_relative_and_cycle(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path, 'import "sub/b.rules"\nruleset a { rule a1: a * b => b * a }\n', "a.rules")
+    write(tmp_path, "ruleset b { rule b1: a + b => b + a }\n", "sub/b.rules")
+    library = load_library([tmp_path / "a.rules"])
+    assert [r.name for r in library.rules] == ["b1", "a1"]
+    write(tmp_path, 'import "../a.rules"\nruleset b { rule b1: a + b => b + a }\n', "sub/b.rules")
+    assert any("import cycle" in e for e in errors_of(tmp_path / "a.rules"))
+
+
+def test_missing_file_and_directory_and_binary(tmp_path):
+    with pytest.raises(PrismError, match="no such file"):
+        load_library([tmp_path / "nope.rules"])
+    with pytest.raises(PrismError, match="is a directory"):
+        load_library([tmp_path])
+    bad = tmp_path / "bin.rules"
+    bad.write_bytes(b"ruleset r {\xff}")
+    with pytest.raises(PrismError, match="not valid UTF-8"):
+        load_library([bad])
+
+
+def test_conditions_restrict_instances(tmp_path):
+    # Sound only because of its condition: the check must draw shapes that satisfy it.
+    path = write(tmp_path, "ruleset r {\n  rule ok: sum(a * s, i) <=> sum(a, i) * s if size(s, i) == 1\n}\n")
+    check_library(load_library([path]), use_cache=False)
+
+
+def test_soundness_cache_is_keyed_by_meaning(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write(tmp_path, "ruleset r {\n  rule r1: a * b => b * a\n}\n")
+    check_library(load_library([path]))
+    assert list((tmp_path / "cache" / "sound").glob("*.json"))
+    # Same name, different (wrong) meaning: checked again, and rejected.
+    write(tmp_path, "ruleset r {\n  rule r1: a - b => b - a\n}\n")
+    with pytest.raises(PrismError, match="unsound"):
+        check_library(load_library([path]))
