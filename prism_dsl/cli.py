@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .egglog_runner import Limits
 from .errors import PrismError
 
-EXIT_OK, EXIT_INPUT, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
 
 
 class UsageError(Exception):
@@ -48,9 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    c = sub.add_parser("check", help="parse and check a .prism program file")
+    c = sub.add_parser("check", help="check .prism programs, or .rules axioms (syntax, shapes, soundness)")
     c.add_argument("files", nargs="+", metavar="FILE")
     c.set_defaults(run=cmd_check)
+
+    pv = sub.add_parser(
+        "prove", help="prove two programs equal with the axioms (exit 0 proved, 3 not proved)",
+        description="Prove two programs equal: the programs of two files, or the two programs of one file.",
+    )
+    pv.add_argument("first", metavar="A.prism")
+    pv.add_argument("second", metavar="B.prism", nargs="?", help="omit it to compare the two programs of A.prism")
+    pv.add_argument("--program", help="with two files: the program to take from each (needed when a file has several)")
+    _rule_options(pv)
+    pv.add_argument("--explain", action="store_true", help="list the rules (name, file:line) the proof needs")
+    pv.add_argument("--iterations", type=_positive_int, default=Limits.iterations, help="saturation iterations (default %(default)s)")
+    pv.add_argument("--nodes", type=_positive_int, default=Limits.nodes, help="e-graph size limit (default %(default)s)")
+    pv.add_argument("--timeout", type=_positive_float, default=Limits.seconds, help="wall-clock limit in seconds (default %(default)s)")
+    pv.set_defaults(run=cmd_prove)
+
+    ru = sub.add_parser("rules", help="show the axiom library, or the egglog program it compiles to")
+    _rule_options(ru)
+    ru.add_argument("--emit-egglog", action="store_true", help="print the generated egglog program")
+    ru.set_defaults(run=cmd_rules)
 
     r = sub.add_parser("run", help="evaluate a program with the float64 reference interpreter")
     r.add_argument("file", metavar="FILE")
@@ -62,6 +82,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save-inputs", metavar="FILE.npz", help="also write the inputs used")
     r.set_defaults(run=cmd_run)
     return p
+
+
+def _rule_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rules", action="append", default=[], metavar="FILE.rules",
+                   help="more axioms, added to the default library (repeatable)")
+    p.add_argument("--no-default-rules", action="store_true", help="do not load the default library in rules/")
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +133,77 @@ def cmd_check(args) -> int:
     from .check import load
 
     for f in args.files:
+        if f.endswith(".rules"):
+            library = load_rules([f], defaults=False)
+            sets = ", ".join(library.rulesets) or "none"
+            print(f"{f}: ok: {_count(len(library.rules), 'rule')} (rulesets: {sets}), each sound on random tensors")
+            continue
         src = load(f)
         progs = "; ".join(_summary(p) for p in src.programs.values()) or "no programs"
         print(f"{f}: ok: {progs}")
+    return EXIT_OK
+
+
+def load_rules(files: list[str], *, defaults: bool):
+    """Load and soundness-check rule files: every rule a command uses is checked (or known sound)."""
+    from .rules import load_library
+    from .soundness import check_library
+
+    library = load_library(files, defaults=defaults)
+    check_library(library)
+    return library
+
+
+def cmd_prove(args) -> int:
+    from .check import load
+    from .prove import prove
+
+    first, second = _pair(args, load)
+    library = load_rules(args.rules, defaults=not args.no_default_rules)
+    limits = Limits(iterations=args.iterations, nodes=args.nodes, seconds=args.timeout)
+    proof = prove(first, second, library, limits, explain=args.explain)
+    stats = f"[{proof.iterations} iterations, {proof.nodes:,} e-graph rows, {proof.seconds:.2f} s]"
+    for pair in proof.pairs:
+        label = pair.name if pair.name == pair.other else f"{pair.name} vs {pair.other}"
+        print(f"{'proved' if pair.proved else 'not proved'}: {label}")
+    if proof.proved:
+        print(f"{first.name} == {second.name}: proved {stats}")
+    else:
+        print(f"{first.name} vs {second.name}: not proved: {proof.reason} {stats}")
+        if proof.numeric_gap is not None and proof.numeric_gap > 1e-6:
+            print(f"  (on random inputs they differ: largest relative difference {proof.numeric_gap:.3g})")
+    if proof.used is not None:
+        print(f"rules used ({len(proof.used)}):")
+        width = max((len(r.name) for r in proof.used), default=0)
+        for r in proof.used:
+            print(f"  {r.name:<{width}}  {r.arrow:<3}  {r.loc}")
+    return EXIT_OK if proof.proved else EXIT_NOT_PROVED
+
+
+def _pair(args, load):
+    if args.second is not None:
+        return load(args.first).program(args.program), load(args.second).program(args.program)
+    if args.program:
+        raise UsageError("--program picks a program from each of two files; with one file, both of its programs are compared")
+    src = load(args.first)
+    if len(src.programs) != 2:
+        names = ", ".join(src.programs) or "none"
+        raise PrismError(f"{args.first} defines {len(src.programs)} programs ({names}); to prove with one file, it must hold exactly two")
+    return tuple(src.programs.values())
+
+
+def cmd_rules(args) -> int:
+    from .egraph import compile_library
+
+    library = load_rules(args.rules, defaults=not args.no_default_rules)
+    if args.emit_egglog:
+        print(compile_library(library)[0], end="")
+        return EXIT_OK
+    for ruleset in library.rulesets:
+        rules = [r for r in library.rules if r.ruleset == ruleset]
+        print(f"ruleset {ruleset} ({_count(len(rules), 'rule')})")
+        for r in rules:
+            print(f"  {r.name:<20} {r.arrow:<3} {r.loc}")
     return EXIT_OK
 
 

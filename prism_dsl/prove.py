@@ -1,0 +1,173 @@
+"""Proving two programs equal with the e-graph: the trust base of everything the tool reports.
+
+`prove(a, b, library, limits)` pairs the two programs' outputs, writes both as terms into one e-graph
+loaded with the library's rules, and saturates under the limits. An output pair is *proved* only when
+egglog puts both terms in one e-class; any limit, error or doubt is "not proved", with the reason.
+As a guard on the axioms themselves, both programs are also evaluated with the reference interpreter:
+a proof of two programs that differ numerically means an unsound rule, and is reported as such, never
+as a proof. `explain` finds a small set of rules that still proves the pair, by dropping rules one at
+a time (egglog keeps no proof objects to read it from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from . import egglog_runner
+from .egglog_runner import Limits
+from .egraph import TermWriter, compile_library, program_terms, ruleset_name
+from .errors import PrismError
+from .ir import Program
+from .reference import evaluate, random_inputs
+from .rules import Library, Rule
+from .shapes import fmt_shape, same
+
+NUMERIC_DIM_CAP = 24  # numeric evidence is taken at small sizes: it is a guard, not the proof
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str  # the output's name in the first program
+    other: str  # its partner's name in the second
+    proved: bool
+
+
+@dataclass(frozen=True)
+class Proof:
+    proved: bool
+    pairs: tuple[Pair, ...]
+    reason: str
+    iterations: int = 0
+    nodes: int = 0
+    seconds: float = 0.0
+    numeric_gap: float | None = None  # largest relative difference seen numerically, if computed
+    used: tuple[Rule, ...] | None = field(default=None)
+
+
+def pair_outputs(a: Program, b: Program) -> list[tuple[str, str]]:
+    """Outputs matched by name when both programs use the same names, else by position."""
+    names_a, names_b = [n for n, _ in a.outputs], [n for n, _ in b.outputs]
+    if sorted(names_a) == sorted(names_b):
+        return [(n, n) for n in names_a]
+    if len(names_a) == len(names_b):
+        return list(zip(names_a, names_b))
+    raise PrismError(
+        f"cannot compare '{a.name}' ({len(names_a)} outputs: {', '.join(names_a)}) with "
+        f"'{b.name}' ({len(names_b)} outputs: {', '.join(names_b)})"
+    )
+
+
+def check_signatures(a: Program, b: Program) -> None:
+    """Both programs must read the same inputs, with the same symbolic shapes."""
+    ins_a = {n.attr: n for n in a.inputs}
+    ins_b = {n.attr: n for n in b.inputs}
+    if set(ins_a) != set(ins_b):
+        raise PrismError(
+            f"'{a.name}' reads inputs ({', '.join(ins_a)}) but '{b.name}' reads ({', '.join(ins_b)}); "
+            "programs are compared on the same inputs"
+        )
+    for name, node in ins_a.items():
+        other = ins_b[name]
+        if len(node.shape) != len(other.shape) or not all(same(x, y) for x, y in zip(node.shape, other.shape)):
+            raise PrismError(
+                f"input '{name}' has shape {fmt_shape(node.shape)} in '{a.name}' but {fmt_shape(other.shape)} in '{b.name}'"
+            )
+
+
+def _shape_mismatch(a: Program, b: Program, pairs) -> str | None:
+    outs_a, outs_b = dict(a.outputs), dict(b.outputs)
+    for x, y in pairs:
+        sa, sb = outs_a[x].shape, outs_b[y].shape
+        if len(sa) != len(sb) or not all(same(p, q) for p, q in zip(sa, sb)):
+            return f"output '{x}' has shape {fmt_shape(sa)} but '{y}' has {fmt_shape(sb)}"
+    return None
+
+
+def numeric_gap(a: Program, b: Program, pairs, seed: int = 0) -> float:
+    """The largest relative difference between paired outputs on random inputs at small sizes."""
+    binding = {d.symbol: min(d.default, NUMERIC_DIM_CAP) for d in a.dims}
+    binding.update({d.symbol: min(d.default, NUMERIC_DIM_CAP) for d in b.dims if d.symbol not in binding})
+    inputs = random_inputs(a, binding, seed)
+    out_a, out_b = evaluate(a, inputs), evaluate(b, inputs)
+    worst = 0.0
+    for x, y in pairs:
+        va, vb = out_a[x], out_b[y]
+        if va.shape != vb.shape:
+            return float("inf")
+        scale = max(float(np.abs(va).max(initial=0.0)), 1e-30)
+        with np.errstate(all="ignore"):
+            diff = float(np.nanmax(np.abs(va - vb), initial=0.0)) / scale
+        if np.isnan(va).any() != np.isnan(vb).any():
+            return float("inf")
+        worst = max(worst, diff)
+    return worst
+
+
+def schedule(groups: list[str]) -> list[str]:
+    """The egglog rulesets that one iteration runs, once each, in order."""
+    return [ruleset_name(g) for g in groups]
+
+
+def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *, explain: bool = False,
+          numeric: bool = True) -> Proof:
+    check_signatures(a, b)
+    pairs = pair_outputs(a, b)
+    mismatch = _shape_mismatch(a, b, pairs)
+    if mismatch:
+        return Proof(False, tuple(Pair(x, y, False) for x, y in pairs), f"not equal: {mismatch}")
+    gap = numeric_gap(a, b, pairs) if numeric else None
+    program, _ = compile_library(library)
+    setup, goals = _terms(a, b, pairs)
+    outcome = egglog_runner.run(program, setup, goals, schedule(list(library.rulesets)), limits)
+    proved = all(outcome.proved)
+    result = Proof(
+        proved,
+        tuple(Pair(x, y, p) for (x, y), p in zip(pairs, outcome.proved)),
+        outcome.reason,
+        outcome.iterations,
+        outcome.nodes,
+        outcome.seconds,
+        gap,
+    )
+    if proved and gap is not None and gap > 1e-6:
+        raise PrismError(
+            f"the rules prove '{a.name}' equal to '{b.name}', but they differ numerically "
+            f"(relative difference {gap:.3g}): some axiom in use is unsound"
+        )
+    if proved and explain:
+        result = Proof(**{**result.__dict__, "used": explain_rules(library, setup, goals, limits)})
+    return result
+
+
+def _terms(a: Program, b: Program, pairs) -> tuple[str, list[tuple[str, str]]]:
+    writer = TermWriter()
+    terms_a = program_terms(a, writer)
+    terms_b = program_terms(b, writer)
+    setup = "\n".join(writer.lines + writer.shape_facts())
+    return setup, [(terms_a[x], terms_b[y]) for x, y in pairs]
+
+
+def explain_rules(library: Library, setup: str, goals, limits: Limits) -> tuple[Rule, ...]:
+    """A set of rules that still proves every goal: of the rules that matched anything in a proof with
+    one egglog ruleset per rule, drop each in turn and keep it out when the goals are still proved.
+
+    Every set tried is checked by a full query, so the answer always proves the goals. A trial that
+    fails can run long (fewer rules, no proof: it saturates or reaches a limit), so trials get a few
+    more iterations than the first proof took and a short time limit; one that runs out counts as
+    needing the rule, which may leave in a rule that is not strictly needed, never leave one out.
+    """
+    program, _ = compile_library(library, per_rule=True)
+    with egglog_runner.Session(program) as session:
+        first = session.run(setup, goals, schedule([r.name for r in library.rules]), limits)
+        if not all(first.proved):  # one rule at a time reached a limit that all of them at once did not
+            return tuple(library.rules)
+        needed = [r.name for r in library.rules if ruleset_name(r.name) in first.matched]
+        short = replace(limits, iterations=min(limits.iterations, 2 * first.iterations + 2),
+                        seconds=min(limits.seconds, 1.0 + 4 * first.seconds))
+        for name in list(needed):
+            trial = [n for n in needed if n != name]
+            if all(session.run(setup, goals, schedule(trial), short).proved):
+                needed = trial
+    return tuple(library.rule(n) for n in needed)
