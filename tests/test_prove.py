@@ -1,0 +1,214 @@
+"""Proving programs equal: the e-graph translation, bounded saturation, `prismc prove` and `--explain`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from prism_dsl.check import load
+from prism_dsl.cli import main
+from prism_dsl.egglog_runner import Limits
+from prism_dsl.egraph import compile_library
+from prism_dsl.errors import PrismError
+from prism_dsl.prove import prove
+from prism_dsl.rules import Library, load_library
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT = load_library([], defaults=True)
+NONE = Library((), (), ())
+
+HEADER = "dims n = 8, d = 64, m = 32, k = 16\n"
+SIGNATURE = "X: f32[n, d], W: f32[d, m], V: f32[d, m], U: f32[m, k], A: f32[n, d], B: f32[n, d]"
+
+
+def programs(tmp_path: Path, lhs: str, rhs: str, header: str = HEADER, signature: str = SIGNATURE):
+    """Two one-output programs over the same inputs, written to files and checked."""
+    out = []
+    for side, expr in (("a", lhs), ("b", rhs)):
+        path = tmp_path / f"{side}.prism"
+        path.write_text(f"{header}program {side}({signature}) {{\n    Y = {expr}\n    return Y\n}}\n")
+        out.append(load(path).program())
+    return out
+
+
+EQUAL = [
+    ("rmsnorm_matmul", "rms_norm(X) @ W", "(X @ W) / sqrt(mean(square(X), -1))"),
+    ("matmul_assoc", "(X @ W) @ U", "X @ (W @ U)"),
+    ("matmul_distrib", "X @ W + X @ V", "X @ (W + V)"),
+    ("silu", "silu(X)", "X * sigmoid(X)"),
+    ("softmax_unstable", "softmax(X)", "exp(X) / sum(exp(X), -1)"),
+    ("softmax_stable_written_out", "softmax(X)", "exp(X - max(X, -1)) / sum(exp(X - max(X, -1)), -1)"),
+    ("gated_rmsnorm", "(rms_norm(X) @ W) * (rms_norm(X) @ V)",
+     "((X @ W) * (X @ V)) / square(sqrt(mean(square(X), -1)))"),
+    ("attention_late_div", "softmax(X @ W) @ U",
+     "(exp(X @ W - max(X @ W, -1)) @ U) / sum(exp(X @ W - max(X @ W, -1)), -1)"),
+    ("sum_linear", "sum(A + B, -1)", "sum(B, -1) + sum(A, -1)"),
+    ("mean_scale", "mean(A * sum(B, -1), -1)", "mean(A, -1) * sum(B, -1)"),
+    ("rsqrt", "A * rsqrt(sum(square(B), -1))", "A / sqrt(sum(B * B, -1))"),
+    ("double_negation", "-(-A)", "A"),
+    ("sub_as_add", "A - B", "A + -1 * B"),
+    ("fraction_sum", "A / sum(B, -1) + B / sum(B, -1)", "(A + B) / sum(B, -1)"),
+    ("exp_sub", "exp(A - B)", "exp(A) / exp(B)"),
+]
+
+NOT_EQUAL = [
+    ("exp_add", "exp(A + B)", "exp(A) + exp(B)"),
+    ("rmsnorm_after_matmul", "rms_norm(X) @ W", "rms_norm(X @ W)"),
+    ("sub_order", "A - B", "B - A"),
+    ("sum_of_product", "sum(A * B, -1)", "sum(A, -1) * sum(B, -1)"),
+    ("softmax_wrong_dim", "softmax(A)", "exp(A) / sum(exp(A), -2)"),
+    ("doubled", "(X @ W) @ U", "X @ W @ U + X @ W @ U"),
+]
+
+
+@pytest.mark.parametrize("name, lhs, rhs", EQUAL, ids=[p[0] for p in EQUAL])
+def test_equal_pairs_are_proved(tmp_path, name, lhs, rhs):
+    a, b = programs(tmp_path, lhs, rhs)
+    proof = prove(a, b, DEFAULT)
+    assert proof.proved, proof.reason
+    assert proof.reason == "proved" and all(p.proved for p in proof.pairs)
+    assert proof.numeric_gap is not None and proof.numeric_gap < 1e-9
+
+
+@pytest.mark.parametrize("name, lhs, rhs", NOT_EQUAL, ids=[p[0] for p in NOT_EQUAL])
+def test_unequal_pairs_are_not_proved(tmp_path, name, lhs, rhs):
+    a, b = programs(tmp_path, lhs, rhs)
+    proof = prove(a, b, DEFAULT)
+    assert not proof.proved
+    assert proof.reason and proof.reason != "proved"
+    assert proof.numeric_gap > 1e-3  # the pairs really differ: "not proved" is the right answer
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "programs" / "proofs").glob("*.prism")), ids=lambda p: p.stem)
+def test_every_proof_file_is_proved(path, capsys):
+    assert main(["prove", str(path)]) == 0
+    assert re.search(r"== \w+: proved", capsys.readouterr().out)
+
+
+def test_explain_lists_the_rules_a_proof_needs(capsys):
+    assert main(["prove", str(REPO / "programs" / "proofs" / "rmsnorm_linear.prism"), "--explain"]) == 0
+    out = capsys.readouterr().out
+    used = dict(re.findall(r"^\s+(\w+)\s+\S+\s+(\S+:\d+:\d+)$", out, re.M))
+    assert set(used) == {"rms_norm_def", "matmul_div_left"}
+    assert used["rms_norm_def"].endswith("definitions.rules:7:10")
+    # The explained set alone proves the pair again.
+    subset = Library(tuple(DEFAULT.rule(n) for n in used), DEFAULT.files, DEFAULT.texts)
+    a, b = load(REPO / "programs" / "proofs" / "rmsnorm_linear.prism").programs.values()
+    assert prove(a, b, subset).proved
+
+
+def test_outputs_pair_by_name_and_each_is_reported(tmp_path):
+    sig = "A: f32[n, d], B: f32[n, d]"
+    text = HEADER + f"""
+program first({sig}) {{
+    P = A + B
+    Q = exp(A + B)
+    return P, Q
+}}
+program second({sig}) {{
+    Q = exp(A) + exp(B)
+    P = B + A
+    return Q, P
+}}
+"""
+    path = tmp_path / "two.prism"
+    path.write_text(text)
+    a, b = load(path).programs.values()
+    proof = prove(a, b, DEFAULT)
+    assert not proof.proved
+    assert {(p.name, p.proved) for p in proof.pairs} == {("P", True), ("Q", False)}
+
+
+def test_signature_and_shape_mismatches_are_user_errors(tmp_path):
+    a, _ = programs(tmp_path, "A + B", "A")
+    (tmp_path / "c.prism").write_text(HEADER + "program c(A: f32[n, d]) {\n    Y = A\n    return Y\n}\n")
+    with pytest.raises(PrismError, match="reads inputs"):
+        prove(a, load(tmp_path / "c.prism").program(), DEFAULT)
+    x, y = programs(tmp_path, "sum(A, -1)", "A")
+    proof = prove(x, y, DEFAULT)
+    assert not proof.proved and "shape" in proof.reason
+
+
+def test_a_proof_of_numerically_different_programs_is_refused(tmp_path):
+    # An unsound axiom smuggled past the soundness check (it is never run here) proves a wrong pair;
+    # the numeric guard in prove catches it and blames the axioms.
+    bad = tmp_path / "bad.rules"
+    bad.write_text("ruleset bad {\n    # wrong on purpose\n    rule exp_add_wrong: exp(a + b) => exp(a) + exp(b)\n}\n")
+    a, b = programs(tmp_path, "exp(A + B)", "exp(A) + exp(B)")
+    with pytest.raises(PrismError, match="unsound"):
+        prove(a, b, load_library([bad]))
+
+
+def test_unsound_rules_file_is_rejected_by_prove(tmp_path, capsys):
+    bad = tmp_path / "bad.rules"
+    bad.write_text("ruleset bad {\n    # wrong on purpose\n    rule exp_add_wrong: exp(a + b) => exp(a) + exp(b)\n}\n")
+    a = REPO / "programs" / "proofs" / "rmsnorm_linear.prism"
+    assert main(["prove", str(a), "--rules", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "exp_add_wrong" in err and f"{bad}:3:" in err and "Traceback" not in err
+
+
+def test_extension_without_python(tmp_path, capsys):
+    """One new axiom in a user file makes a pair provable that is not provable without it."""
+    a, b = tmp_path / "a.prism", tmp_path / "b.prism"
+    a.write_text("dims n = 4\nprogram p(X: f32[n, n]) {\n    Y = relu(relu(X))\n    return Y\n}\n")
+    b.write_text("dims n = 4\nprogram p(X: f32[n, n]) {\n    Y = relu(X)\n    return Y\n}\n")
+    mine = tmp_path / "mine.rules"
+    mine.write_text("ruleset mine {\n    # relu is idempotent\n    rule relu_relu: relu(relu(x)) => relu(x)\n}\n")
+    assert main(["prove", str(a), str(b)]) == 3  # the default library knows nothing of relu
+    assert main(["prove", str(a), str(b), "--no-default-rules"]) == 3
+    assert "not proved" in capsys.readouterr().out
+    assert main(["prove", str(a), str(b), "--no-default-rules", "--rules", str(mine), "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "p == p: proved" in out and "relu_relu" in out and "mine.rules:3:" in out
+    assert main(["prove", str(a), str(b), "--rules", str(mine)]) == 0
+
+
+def test_without_rules_only_identical_programs_are_proved(tmp_path):
+    a, b = programs(tmp_path, "A + B", "A + B")
+    assert prove(a, b, NONE).proved
+    a, b = programs(tmp_path, "A + B", "B + A")
+    proof = prove(a, b, NONE)
+    assert not proof.proved and proof.reason.startswith("saturated")
+
+
+def test_pathological_pair_stops_within_its_limits(tmp_path):
+    lhs = "(A + B) * (A + B) * (A + B) * (A + B) * (A + B)"
+    rhs = "A * A * A * A * A + B * B * B * B * B"
+    a, b = programs(tmp_path, lhs, rhs)
+    by_nodes = prove(a, b, DEFAULT, Limits(nodes=5_000, seconds=30))
+    assert not by_nodes.proved and "size limit" in by_nodes.reason
+    by_iterations = prove(a, b, DEFAULT, Limits(iterations=3, seconds=30))
+    assert not by_iterations.proved and "iteration limit (3)" in by_iterations.reason
+    assert by_iterations.iterations == 3
+    by_time = prove(a, b, DEFAULT, Limits(seconds=1.0, nodes=10**9, match_limit=10**6))
+    assert not by_time.proved and "time limit" in by_time.reason
+    assert by_time.seconds < 3.0  # the limit holds inside one long egglog call: the worker is killed
+
+
+def test_cli_limits_and_exit_codes(tmp_path, capsys):
+    a, b = tmp_path / "a.prism", tmp_path / "b.prism"
+    for path, expr in ((a, "(A + B) * (A + B) * (A + B) * (A + B)"), (b, "A * A * A * A + B * B * B * B")):
+        path.write_text("dims n = 4\nprogram p(A: f32[n, n], B: f32[n, n]) {\n    Y = " + expr + "\n    return Y\n}\n")
+    assert main(["prove", str(a), str(b), "--iterations", "2"]) == 3
+    assert "iteration limit (2) reached" in capsys.readouterr().out
+    assert main(["prove", str(a), str(b), "--nodes", "0"]) == 2
+    assert "positive integer" in capsys.readouterr().err
+    assert main(["prove", str(a), str(b), "--timeout", "-1"]) == 2
+    assert main(["prove", str(tmp_path / "missing.prism"), str(b)]) == 1
+    assert "missing.prism" in capsys.readouterr().err
+    assert main(["prove", str(a)]) == 1  # one file must hold two programs
+    assert "exactly two" in capsys.readouterr().err
+
+
+def test_emitted_egglog_maps_every_rule_to_its_source(capsys):
+    assert main(["rules", "--emit-egglog"]) == 0
+    text = capsys.readouterr().out
+    for rule in DEFAULT.rules:
+        assert re.search(rf"^; rule {rule.name} -> \({rule.ruleset}, .*:{rule.loc.line}:\d+\)$", text, re.M), rule.name
+    program, emitted = compile_library(DEFAULT)
+    assert len(emitted) == sum(2 if r.both_ways else 1 for r in DEFAULT.rules)
+    assert main(["rules"]) == 0
+    assert "ruleset algebra" in capsys.readouterr().out
