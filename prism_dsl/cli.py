@@ -8,6 +8,7 @@ for bad input. Outputs are written atomically, so a failed run leaves nothing ha
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -101,7 +102,7 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
@@ -127,21 +128,31 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("prismc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `prismc rules | head`: the reader has gone; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 def cmd_check(args) -> int:
+    """Check every file given, reporting each file's errors; exit 1 if any file has one."""
     from .check import load
 
+    failed = 0
     for f in args.files:
-        if f.endswith(".rules"):
-            library = load_rules([f], defaults=False)
-            sets = ", ".join(library.rulesets) or "none"
-            print(f"{f}: ok: {_count(len(library.rules), 'rule')} (rulesets: {sets}), each sound on random tensors")
-            continue
-        src = load(f)
-        progs = "; ".join(_summary(p) for p in src.programs.values()) or "no programs"
-        print(f"{f}: ok: {progs}")
-    return EXIT_OK
+        try:
+            if f.endswith(".rules"):
+                library = load_rules([f], defaults=False)
+                sets = ", ".join(library.rulesets) or "none"
+                print(f"{f}: ok: {_count(len(library.rules), 'rule')} (rulesets: {sets}), each sound on random tensors")
+            else:
+                progs = "; ".join(_summary(p) for p in load(f).programs.values()) or "no programs"
+                print(f"{f}: ok: {progs}")
+        except PrismError as e:
+            print(e.render(), file=sys.stderr)
+            failed += 1
+    if failed and len(args.files) > 1:
+        print(f"{_count(failed, 'file')} of {len(args.files)} failed", file=sys.stderr)
+    return EXIT_INPUT if failed else EXIT_OK
 
 
 def load_rules(files: list[str], *, defaults: bool):
@@ -227,6 +238,8 @@ def cmd_run(args) -> int:
     from .reference import bind_dims, evaluate, random_inputs
 
     program = load(args.file).program(args.program)
+    for target in filter(None, (args.out, args.save_inputs)):
+        _check_writable(target)
     given = read_npz(args.inputs, program) if args.inputs else None
     binding = bind_dims(program, args.dims, given)
     inputs = given if given is not None else random_inputs(program, binding, args.seed)
@@ -258,13 +271,19 @@ def read_npz(path: str, program) -> dict[str, np.ndarray]:
     return {n: arrays[n] for n in program.input_names()}
 
 
-def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write through a temporary file in the same directory, then rename: never a half-written file."""
+def _check_writable(path: str) -> None:
+    """Fail before any work (and before any other output is written) if `path` cannot be written."""
     target = Path(path)
     if target.is_dir():
         raise PrismError(f"cannot write '{path}': it is a directory")
-    if not target.parent.exists():
+    if not target.parent.is_dir():
         raise PrismError(f"cannot write '{path}': directory '{target.parent}' does not exist")
+
+
+def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write through a temporary file in the same directory, then rename: never a half-written file."""
+    _check_writable(path)
+    target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".npz")
     try:
         with os.fdopen(fd, "wb") as f:

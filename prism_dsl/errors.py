@@ -9,6 +9,7 @@ in the package prints errors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -21,13 +22,25 @@ class Loc:
     text: str | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}:{self.col}" if self.line else self.path
+        path = shown_path(self.path)
+        return f"{path}:{self.line}:{self.col}" if self.line else path
 
     def source_line(self) -> str | None:
         if not self.text or not self.line:
             return None
         lines = self.text.splitlines()
         return lines[self.line - 1] if self.line <= len(lines) else None
+
+
+def shown_path(path: str) -> str:
+    """A path as a user should read it: relative to the working directory when it lies below it."""
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            return str(p.relative_to(Path.cwd()))
+        except (ValueError, OSError):
+            pass
+    return path
 
 
 _WIDTH = 100

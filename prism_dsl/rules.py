@@ -216,7 +216,11 @@ def parse_rules(text: str, path: str) -> list:
 
 def default_files() -> list[Path]:
     """The default axiom library: the repository's `rules/`, installed as the package `prism_dsl.library`."""
-    return sorted(data_dir("library", "rules").glob("*.rules"))
+    folder = data_dir("library", "rules")
+    files = sorted(folder.glob("*.rules"))
+    if not files:
+        raise PrismError(f"the default axiom library is missing: no .rules files in {folder}")
+    return files
 
 
 def load_library(paths, *, defaults: bool = False) -> Library:
