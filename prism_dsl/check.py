@@ -20,7 +20,7 @@ from .errors import Collector, Loc, PrismError
 from .ir import DTYPES, Dim, Node, Program, const, dim_symbol
 from .ops import CALLABLE, OPS, Kind
 from .shapes import ShapeError, build, fmt_shape
-from .syntax import parse_prism, read_source, suggest
+from .syntax import MAX_DEPTH, parse_prism, read_source, suggest
 
 
 @dataclass
@@ -130,6 +130,10 @@ class _Poison:
 POISON = _Poison()
 
 
+class _TooDeep(Exception):
+    """Inlining made an expression deeper than MAX_DEPTH; unwinds to the outermost call, which reports it."""
+
+
 class Checker:
     """Checks one program declaration in a scope, reporting into a shared Collector."""
 
@@ -138,6 +142,10 @@ class Checker:
         self.locs: dict[Node, Loc] = {}
         self.names: dict[Node, str] = {}
         self.used_dims: set[str] = set()
+        # How deep the expression being checked is, inlined def bodies included. The parser bounds each
+        # written expression; a chain of defs calling defs could still nest deep enough to overflow the
+        # Python stack, so inlining stops at the same bound.
+        self.depth = 0
 
     def program(self, decl: ast.ProgramDecl) -> Program | None:
         before = len(self.errors.diagnostics)
@@ -204,14 +212,18 @@ class Checker:
         return node
 
     def expr(self, e: ast.Expr, env: Mapping, defs_stack: tuple) -> Node | _Poison:
-        match e:
-            case ast.Num():
-                return const(e.value)
-            case ast.Name():
-                return self.name(e, env)
-            case ast.Call():
-                return self.call(e, env, defs_stack)
-        raise TypeError(e)
+        self.depth += 1
+        try:
+            match e:
+                case ast.Num():
+                    return const(e.value)
+                case ast.Name():
+                    return self.name(e, env)
+                case ast.Call():
+                    return self.call(e, env, defs_stack)
+            raise TypeError(e)
+        finally:
+            self.depth -= 1
 
     def name(self, e: ast.Name, env: Mapping) -> Node | _Poison:
         if e.id in env:
@@ -292,13 +304,32 @@ class Checker:
         args = [self.expr(a, env, defs_stack) for a in e.args]
         if any(a is POISON for a in args):
             return POISON
-        before = len(self.errors.diagnostics)
-        value = self.expr(f.body, dict(zip(f.params, args)), defs_stack + (e.fn,))
+        try:
+            if self.depth + _ast_depth(f.body) > MAX_DEPTH:
+                raise _TooDeep
+            before = len(self.errors.diagnostics)
+            value = self.expr(f.body, dict(zip(f.params, args)), defs_stack + (e.fn,))
+        except _TooDeep:
+            if defs_stack:
+                raise
+            message = f"'{e.fn}' nests more than {MAX_DEPTH} levels deep once the defs it calls are inlined"
+            self.errors.error(e.loc, message)
+            return POISON
         # Errors inside the body are reported where the body is written; say which call led there.
         for i in range(before, len(self.errors.diagnostics)):
             d = self.errors.diagnostics[i]
             self.errors.diagnostics[i] = type(d)(d.loc, d.message, d.notes + (f"in the call to '{e.fn}' at {e.loc}",))
         return value
+
+
+def _ast_depth(e: ast.Expr) -> int:
+    depth, stack = 0, [(e, 1)]
+    while stack:
+        node, d = stack.pop()
+        depth = max(depth, d)
+        if isinstance(node, ast.Call):
+            stack.extend((a, d + 1) for a in node.args)
+    return depth
 
 
 def _arity_words(spec) -> str:

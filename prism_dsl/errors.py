@@ -28,8 +28,8 @@ class Loc:
     def source_line(self) -> str | None:
         if not self.text or not self.line:
             return None
-        lines = self.text.splitlines()
-        return lines[self.line - 1] if self.line <= len(lines) else None
+        lines = self.text.split("\n")  # as the parser counts lines: a U+2028 or form feed does not end one
+        return lines[self.line - 1].rstrip("\r") if self.line <= len(lines) else None
 
 
 def shown_path(path: str) -> str:

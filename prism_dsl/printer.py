@@ -1,7 +1,8 @@
 """IR back to `.prism` text that parses to the identical IR.
 
-Values used more than once, and outputs, become statements (named as the user named them where known);
-everything else is written inline with the fewest parentheses the precedence allows.
+Values used more than once, outputs, and values whose inline text would nest too deep become statements
+(named as the user named them where known); everything else is written inline with the fewest
+parentheses the precedence allows.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from .ops import OPS, Kind
 # Binding strength, as in the grammar: sums < products < unary minus < atoms.
 _PREC = {"add": 1, "sub": 1, "mul": 2, "div": 2, "matmul": 2, "neg": 3}
 _ATOM = 4
+
+# Inline text nests at most this deep; a deeper value gets a statement of its own, so that printing a
+# long chain of statements neither overflows the stack nor exceeds the parser's nesting bound.
+_INLINE_DEPTH = 50
 
 
 def format_number(value: float) -> str:
@@ -54,8 +59,10 @@ def _statement_names(program: Program) -> dict[Node, str]:
         if node.op != "input":
             names.setdefault(node, out_name)
     counter = 0
+    depth: dict[Node, int] = {}  # how deep the node's text nests when written inline
     for node in program.nodes():
-        if node in names or node.op in ("input", "const") or uses[node] < 2:
+        depth[node] = 1 + max((1 if a in names else depth[a] for a in node.args), default=0)
+        if node in names or node.op in ("input", "const") or (uses[node] < 2 and depth[node] < _INLINE_DEPTH):
             continue
         name = program.names.get(node)
         if name is None or name in taken or name in OPS:

@@ -120,8 +120,10 @@ def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
 
 def check_input(node: Node, arr: np.ndarray, binding: Binding) -> None:
     expected = concrete_shape(node.shape, binding)
+    sym = fmt_shape(node.shape)
+    if np.ndim(arr) != node.rank:  # its sizes fixed no dim, so a concrete expected shape would be made up
+        raise PrismError(f"input '{node.attr}' should have {node.rank} dims {sym}, got shape {list(np.shape(arr))}")
     if tuple(np.shape(arr)) != expected:
-        sym = fmt_shape(node.shape)
         raise PrismError(
             f"input '{node.attr}' should have shape {list(expected)} ({sym}), got {list(np.shape(arr))}"
         )

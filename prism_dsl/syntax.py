@@ -51,7 +51,19 @@ SYNTAX_ERRORS: dict[str, list[str]] = {
     ],
     "a program must end with 'return NAME, ...'": [
         "program p(X: f16[n]) { Y = X }",
+        "program p(X: f16[n]) { Y = exp(X) }",
+        "program p(X: f16[n]) { Y = (X) }",
+        "program p(X: f16[n]) { Y = 1 }",
+        "program p(X: f16[n]) { Y = X; }",
         "program p(X: f16[n]) { }",
+        "program p(X: f16[n]) { Y = X\n",
+        "program p(X: f16[n]) { Y = exp(X)\n",
+        "program p(X: f16[n]) { Y = X;\n",
+        "program p(X: f16[n]) {",
+    ],
+    "one ';' at most ends a statement or declaration": [
+        "dims n = 1;;",
+        "program p(X: f16[n]) { Y = X;; return Y }",
     ],
     "a statement is 'NAME = expression'": [
         "program p(X: f16[n]) { exp(X) return X }",
@@ -97,10 +109,12 @@ def read_source(path: str | Path, *, at: Loc | None = None, what: str = "file") 
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
         line = data.count(b"\n", 0, e.start) + 1
-        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        col = len(data[line_start : e.start].decode("utf-8")) + 1  # in characters, like parser positions
+        shown = data.decode("utf-8", errors="replace")  # so the message can show the line with a caret
         raise PrismError(
-            f"{what} is not valid UTF-8 text (byte 0x{data[e.start]:02x})", Loc(str(path), line, col)
+            f"{what} is not valid UTF-8 text (byte 0x{data[e.start]:02x})", Loc(str(path), line, col, shown)
         ) from None
 
 
@@ -131,8 +145,8 @@ def parse_with(parser: Lark, text: str, path: str, table: dict[str, list[str]] =
 
 def _position(u: UnexpectedInput, text: str) -> tuple[int, int]:
     if isinstance(u, UnexpectedToken) and u.token.type == "$END" or isinstance(u, UnexpectedEOF):
-        lines = text.splitlines() or [""]
-        return len(lines), len(lines[-1]) + 1
+        lines = text.removesuffix("\n").split("\n")  # "\n" only, as the lexer counts lines
+        return len(lines), len(lines[-1].rstrip("\r")) + 1
     return u.line, u.column
 
 
