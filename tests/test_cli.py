@@ -1,0 +1,268 @@
+"""`prismc check` and `prismc run`, driven in-process through `main(argv)`, and once as a real process.
+
+Exit codes: 0 success, 1 an error in the user's input, 2 a command-line usage error.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prism_dsl.check import load
+from prism_dsl.cli import main
+from prism_dsl.reference import evaluate
+
+REPO = Path(__file__).resolve().parent.parent
+PROGRAMS = REPO / "programs"
+RMSNORM = str(PROGRAMS / "rmsnorm_linear.prism")
+ATTENTION = str(PROGRAMS / "attention.prism")
+LORA_PAIR = str(PROGRAMS / "proofs" / "lora_merged.prism")
+
+
+def prismc(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def outputs(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Files a failed run must not leave: the output itself or a temporary file beside it."""
+    return sorted(p.name for p in directory.iterdir() if "out" in p.name)
+
+
+# -- check ---------------------------------------------------------------------------------------------------
+
+
+def test_check_prints_one_summary_line_per_file(capsys):
+    files = [RMSNORM, ATTENTION, LORA_PAIR]
+    code, out, err = prismc(capsys, "check", *files)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].endswith(": ok: program rmsnorm_linear (2 inputs, 1 output, 2 ops, dims n=8, d=4096)")
+    assert "program attention (3 inputs, 1 output" in lines[1]
+    assert "program lora (" in lines[2] and "program lora_merged (" in lines[2]
+
+
+def test_check_every_program_file(capsys):
+    files = sorted(PROGRAMS.glob("**/*.prism"))
+    code, out, _ = prismc(capsys, "check", *files)
+    assert code == 0 and out.count(": ok: ") == len(files)
+
+
+def test_check_bad_file(capsys, tmp_path):
+    bad = tmp_path / "bad.prism"
+    bad.write_text("dims n = 4\nprogram p(X: f16[n]) {\n    Y = expp(X) @ Z\n    return Y\n}\n")
+    code, out, err = prismc(capsys, "check", bad)
+    assert code == 1 and out == ""
+    assert "bad.prism:3:9: unknown function 'expp'" in err
+    assert "bad.prism:3:19: undefined name 'Z'" in err
+    assert "    Y = expp(X) @ Z\n" in err and "2 errors" in err
+
+
+def test_check_good_and_bad_file(capsys, tmp_path):
+    bad = tmp_path / "bad.prism"
+    bad.write_text("program p(X: f16[n]) { return X }\n")
+    code, _, err = prismc(capsys, "check", RMSNORM, bad)
+    assert code == 1 and "undeclared dim 'n'" in err
+
+
+@pytest.mark.parametrize("target, message", [("nope.prism", "no such file"), (".", "it is a directory")])
+def test_check_unreadable(capsys, tmp_path, target, message):
+    code, _, err = prismc(capsys, "check", tmp_path / target)
+    assert code == 1 and message in err
+
+
+def test_check_not_utf8(capsys, tmp_path):
+    bad = tmp_path / "bin.prism"
+    bad.write_bytes(b"dims n = 4\n\xfe\xff\n")
+    code, _, err = prismc(capsys, "check", bad)
+    assert code == 1 and "bin.prism:2:1: file is not valid UTF-8 text" in err
+
+
+# -- run -----------------------------------------------------------------------------------------------------
+
+
+def test_run_with_inputs_matches_reference(capsys, tmp_path):
+    rng = np.random.default_rng(0)
+    given = {"X": rng.standard_normal((3, 5)).astype(np.float16), "W": rng.standard_normal((5, 5)).astype(np.float16)}
+    np.savez(tmp_path / "in.npz", **given)
+    code, out, _ = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")
+    assert code == 0
+    assert "rmsnorm_linear: Y[3, 5]" in out and "dims n=3, d=5" in out  # the dims come from the arrays
+    result = outputs(tmp_path / "out.npz")
+    assert list(result) == ["Y"] and result["Y"].dtype == np.float64
+    expected = evaluate(load(RMSNORM).program(), given)["Y"]
+    np.testing.assert_array_equal(result["Y"], expected)
+    x, w = (given[k].astype(np.float64) for k in "XW")
+    np.testing.assert_allclose(result["Y"], (x / np.sqrt((x * x).mean(-1, keepdims=True))) @ w, rtol=1e-12)
+
+
+def test_run_random_inputs_follow_the_seed(capsys, tmp_path):
+    runs = {}
+    for name, seed in [("a", 7), ("b", 7), ("c", 8)]:
+        out = tmp_path / f"{name}.npz"
+        code, text, _ = prismc(capsys, "run", ATTENTION, "--dims", "b=1,kv=32", "--seed", seed, "--out", out)
+        assert code == 0 and "O[1, 8, 1, 128]" in text and "kv=32" in text
+        runs[name] = outputs(out)["O"]
+    assert np.array_equal(runs["a"], runs["b"])
+    assert not np.allclose(runs["a"], runs["c"])
+
+
+def test_run_save_inputs_reproduces_outputs(capsys, tmp_path):
+    code, _, _ = prismc(capsys, "run", ATTENTION, "--dims", "b=1,h=2,kv=8,dh=4", "--seed", 3,
+                        "--out", tmp_path / "out.npz", "--save-inputs", tmp_path / "in.npz")
+    assert code == 0
+    inputs = outputs(tmp_path / "in.npz")
+    assert list(inputs) == ["Q", "K", "V"] and inputs["K"].shape == (1, 2, 4, 8)
+    expected = evaluate(load(ATTENTION).program(), inputs)["O"]
+    np.testing.assert_allclose(outputs(tmp_path / "out.npz")["O"], expected, rtol=1e-12)
+
+
+def test_run_program_selection(capsys, tmp_path):
+    code, _, err = prismc(capsys, "run", LORA_PAIR, "--dims", "d=4,m=4", "--out", tmp_path / "out.npz")
+    assert code == 1 and "defines several programs (lora, lora_merged); choose one with --program" in err
+    assert leftovers(tmp_path) == []
+    code, out, _ = prismc(capsys, "run", LORA_PAIR, "--program", "lora_merged", "--dims", "d=4,m=4",
+                          "--out", tmp_path / "out.npz")
+    assert code == 0 and out.startswith("lora_merged: Y[16, 4]")
+    code, _, err = prismc(capsys, "run", LORA_PAIR, "--program", "lora_merge", "--out", tmp_path / "out2.npz")
+    assert code == 1 and "no program 'lora_merge'; did you mean 'lora_merged'?" in err
+
+
+def test_run_file_without_programs(capsys, tmp_path):
+    (tmp_path / "lib.prism").write_text("dims n = 4\ndef sq(x) = x * x\n")
+    code, _, err = prismc(capsys, "run", tmp_path / "lib.prism", "--out", tmp_path / "out.npz")
+    assert code == 1 and "defines no program" in err
+
+
+@pytest.mark.parametrize("dims, code, message", [
+    ("foo=3", 1, "program 'attention' has no dim 'foo' (its dims: b, h, q, kv, dh)"),
+    ("b=0", 1, "dim b must be at least 1, got 0"),
+    ("b=-2", 1, "dim b must be at least 1, got -2"),
+    ("b=x", 2, "expected NAME=INT[,NAME=INT...], got 'b=x'"),
+    ("b=1.5", 2, "expected NAME=INT"),
+    ("b", 2, "expected NAME=INT"),
+    ("b=1,b=2", 2, "dim 'b' is given twice"),
+])
+def test_run_bad_dims(capsys, tmp_path, dims, code, message):
+    got, _, err = prismc(capsys, "run", ATTENTION, "--dims", dims, "--out", tmp_path / "out.npz")
+    assert got == code and message in err
+    assert leftovers(tmp_path) == []
+
+
+def test_run_input_missing_from_npz(capsys, tmp_path):
+    np.savez(tmp_path / "in.npz", X=np.zeros((3, 5)))
+    code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")
+    assert code == 1 and "lack 'W' (it has: X)" in err
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"X": np.ones((3, 5)), "W": np.ones((4, 4))}, "input 'W' should have shape [5, 5] ([d, d]), got [4, 4]"),
+    ({"X": np.ones((3, 5, 1)), "W": np.ones((5, 5))}, "input 'X' should have 2 dims [n, d], got shape [3, 5, 1]"),
+    ({"X": np.ones((3, 5), np.int32), "W": np.ones((5, 5))}, "input 'X' should hold floats, got int32"),
+])
+def test_run_bad_input_arrays(capsys, tmp_path, arrays, message):
+    np.savez(tmp_path / "in.npz", **arrays)
+    code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")
+    assert code == 1 and message in err
+    assert leftovers(tmp_path) == []
+
+
+def test_run_inputs_disagreeing_with_dims(capsys, tmp_path):
+    np.savez(tmp_path / "in.npz", X=np.ones((3, 5)), W=np.ones((5, 5)))
+    code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--dims", "n=4",
+                          "--out", tmp_path / "out.npz")
+    assert code == 1 and "input 'X' should have shape [4, 5] ([n, d]), got [3, 5]" in err
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: None, "no such file"),
+    (lambda p: p.mkdir(), "it is a directory"),
+    (lambda p: p.write_text("not an archive"), "not a .npz archive"),
+])
+def test_run_unreadable_inputs(capsys, tmp_path, make, message):
+    make(tmp_path / "in.npz")
+    code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")
+    assert code == 1 and message in err
+    assert leftovers(tmp_path) == []
+
+
+def test_run_bad_program_leaves_no_output(capsys, tmp_path):
+    bad = tmp_path / "bad.prism"
+    bad.write_text("dims n = 4\nprogram p(X: f16[n]) {\n    Y = X @ X\n    return Y\n}\n")
+    code, _, err = prismc(capsys, "run", bad, "--out", tmp_path / "out.npz")
+    assert code == 1 and "bad.prism:3:9: matmul: operands need rank 2 or more" in err
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("target, message", [("missing/out.npz", "does not exist"), (".", "it is a directory")])
+def test_run_unwritable_output(capsys, tmp_path, target, message):
+    code, _, err = prismc(capsys, "run", RMSNORM, "--dims", "n=2,d=3", "--out", tmp_path / target)
+    assert code == 1 and message in err
+
+
+def test_run_failing_save_inputs_leaves_no_output(capsys, tmp_path):
+    code, _, err = prismc(capsys, "run", RMSNORM, "--dims", "n=2,d=3", "--out", tmp_path / "out.npz",
+                          "--save-inputs", tmp_path / "missing" / "in.npz")
+    assert code == 1 and "does not exist" in err
+    assert leftovers(tmp_path) == []
+
+
+# -- usage errors --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "required: COMMAND"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["check"], "required: FILE"),
+    (["run", RMSNORM], "required: --out"),
+    (["run", RMSNORM, "--out", "x.npz", "--seed", "x"], "invalid int value: 'x'"),
+    (["run", RMSNORM, "--out", "x.npz", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_usage_errors(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)  # nothing may be written to the working directory either
+    code, out, err = prismc(capsys, *argv)
+    assert code == 2 and message in err and out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help(capsys):
+    code, out, _ = prismc(capsys, "--help")
+    assert code == 0 and "check" in out and "run" in out
+
+
+# -- as a real process ---------------------------------------------------------------------------------------
+
+
+def test_subprocess_check():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "prism_dsl", "check", "programs/rmsnorm_linear.prism"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("programs/rmsnorm_linear.prism: ok: program rmsnorm_linear")
+    assert proc.stderr == ""
+
+
+def test_subprocess_user_error_exit_code(tmp_path):
+    bad = tmp_path / "bad.prism"
+    bad.write_text("program p(X: f16[n]) { return X }\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "prism_dsl", "check", str(bad)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "bad.prism:1:18: undeclared dim 'n'" in proc.stderr
+    assert "Traceback" not in proc.stderr

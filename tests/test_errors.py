@@ -1,0 +1,291 @@
+"""Every error the .prism front end reports: the message, its location, the source line and the caret.
+
+`BAD` is one table of (source, message fragment, line, column). Each source is written to a file and
+loaded; the error must render as `path:line:col: message`, then the line, then a caret under the column.
+File-system problems, imports across files and absurd nesting have their own tests below.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from prism_dsl.check import load
+from prism_dsl.cli import main
+from prism_dsl.errors import PrismError
+from prism_dsl.syntax import SYNTAX_ERRORS
+
+DIMS = "dims n = 4, d = 8\n"
+
+
+def prog(body: str, params: str = "X: f16[n, d]", head: str = DIMS) -> str:
+    """A program `p` on line 2 (after the dims); `body` starts on line 3."""
+    return f"{head}program p({params}) {{\n{body}}}\n"
+
+
+BAD = [
+    # syntax
+    ("dims n = 4 d = 8\n", "a dim is 'NAME = INTEGER'", 1, 12),
+    ("dims n = 1.5\n", "a dim is 'NAME = INTEGER'", 1, 11),
+    (prog("    Y = exp(X);;\n    return Y\n"), "one ';' at most", 3, 16),
+    (prog("    Y = exp((X)\n    return Y\n"), "missing ')'", 4, 5),
+    (prog("    Y = exp(X))\n    return Y\n"), "unbalanced ')'", 3, 15),
+    (prog("    Y = X $ X\n    return Y\n"), "unexpected character '$'", 3, 11),
+    (prog("    Y = exp(X)\n"), "a program must end with 'return NAME, ...'", 4, 1),
+    (prog("    Y = X + \n    return Y\n"), "missing operand", 4, 5),
+    (prog("    exp(X)\n    return X\n"), "a statement is 'NAME = expression'", 3, 8),
+    (DIMS + "program p(X: f16[n, d]) {\n    return X\n", "missing '}'", 3, 13),
+    (DIMS + "program p(X) {\n    return X\n}\n", "an input is 'NAME: dtype[dims]'", 2, 12),
+    (DIMS + "program p(X: f16[n, d]) {\n    return = X\n}\n", "unexpected '='", 3, 12),
+    (prog("    Y = X * 1e999\n    return Y\n"), "number 1e999 is too large", 3, 13),
+    # names
+    (prog("    Y = expp(X)\n    return Y\n"), "unknown function 'expp'; did you mean 'exp'?", 3, 9),
+    (prog("    Y = exp(Z)\n    return Y\n"), "undefined name 'Z'", 3, 13),
+    (prog("    return Y\n"), "cannot return undefined name 'Y'", 3, 12),
+    (prog("    Y = exp(X)\n    return Y, Y\n"), "'Y' is returned twice", 4, 15),
+    (prog("    Y = X * n\n    return Y\n"), "'n' is a dim; dims appear only in input shapes", 3, 13),
+    (prog("    Y = X * exp\n    return Y\n"), "'exp' is a function; call it as exp(...)", 3, 13),
+    (prog("    exp = X\n    return exp\n"), "'exp' is a function name; choose another name", 3, 5),
+    (prog("    C = 2\n    return C\n"), "'C' is a constant; a program returns tensors", 4, 12),
+    # arity and integer parameters
+    (prog("    Y = exp(X, X)\n    return Y\n"), "exp takes 1 tensor operand, got 2", 3, 9),
+    (prog("    Y = sum(X)\n    return Y\n"), "sum takes 1 tensor operand and an integer dim, got 1", 3, 9),
+    (prog("    Y = X @ W()\n    return Y\n"), "unknown function 'W'", 3, 13),
+    (prog("    Y = sum(X, 1.0)\n    return Y\n"), "the dim of sum must be an integer literal", 3, 16),
+    (prog("    Y = max(X, X)\n    return Y\n"), "the dim of max must be an integer literal", 3, 16),
+    ("dims n = 4\ndef f(x, y) = x * y\nprogram p(X: f16[n]) {\n    Y = f(X)\n    return Y\n}\n",
+     "f takes 2 argument(s), got 1", 4, 9),
+    # duplicates
+    (prog("    return X\n", params="X: f16[n, d], X: f16[n, d]"), "duplicate input 'X'", 2, 25),
+    (prog("    Y = exp(X)\n    Y = exp(Y)\n    return Y\n"), "'Y' is already defined", 4, 5),
+    (prog("    X = exp(X)\n    return X\n"), "'X' is already defined", 3, 5),
+    ("dims n = 4\ndims n = 5\n", "duplicate dim 'n'", 2, 6),
+    ("def f(x) = x\ndef f(y) = y\n", "duplicate def 'f'", 2, 5),
+    ("def exp(x) = x\n", "def 'exp' would hide the built-in operator 'exp'", 1, 5),
+    (prog("    return X\n") + "program p(X: f16[n]) {\n    return X\n}\n", "duplicate program 'p'", 5, 9),
+    # dtypes and dims
+    (prog("    return X\n", params="X: f17[n, d]"), "unknown dtype 'f17' (expected one of f16, bf16, f32, f64)", 2, 14),
+    (prog("    return X\n", params="X: f16[n, k]"), "undeclared dim 'k'", 2, 21),
+    (prog("    return X\n", params="X: f16[n, dd]"), "undeclared dim 'dd'; did you mean 'd'?", 2, 21),
+    (prog("    return X\n", params="X: f16[0, d]"), "a size must be at least 1, got 0", 2, 18),
+    # shapes
+    (prog("    Y = X + W\n    return Y\n", params="X: f16[n, d], W: f16[d, n]"),
+     "add: shapes [n, d] and [d, n] do not broadcast: d vs n", 3, 9),
+    (prog("    Y = X @ W\n    return Y\n", params="X: f16[n, d], W: f16[n, d]"),
+     "matmul: inner dims differ: d (last of [n, d]) vs n (second to last of [n, d])", 3, 9),
+    (prog("    Y = X @ W\n    return Y\n", params="X: f16[n, d], W: f16[d]"),
+     "operands need rank 2 or more, got [d]", 3, 9),
+    (prog("    Y = A @ B\n    return Y\n", params="A: f16[2, n, d], B: f16[3, d, n]"),
+     "matmul: batch dims: shapes [2] and [3] do not broadcast", 3, 9),
+    (prog("    Y = sum(X, 2)\n    return Y\n"), "sum: dim 2 is out of range for a rank-2 tensor (valid: -2..1)", 3, 9),
+    (prog("    Y = mean(X, -3)\n    return Y\n"), "dim -3 is out of range", 3, 9),
+    (prog("    Y = X * (1 / 0)\n    return Y\n"), "this constant expression has no finite value", 3, 14),
+    # defs
+    ("dims n = 4\ndef f(x) = f(x) + 1\nprogram p(X: f16[n]) {\n    Y = f(X)\n    return Y\n}\n",
+     "recursive call to 'f' (f -> f)", 2, 12),
+    ("dims n = 4\ndef f(x) = g(x)\ndef g(x) = f(x) * 2\nprogram p(X: f16[n]) {\n    Y = f(X)\n    return Y\n}\n",
+     "recursive call to 'f' (f -> g -> f)", 3, 12),
+    ("dims n = 4, d = 8\ndef f(x) = x @ x\nprogram p(X: f16[n, d]) {\n    Y = f(X)\n    return Y\n}\n",
+     "matmul: inner dims differ", 2, 12),
+    # imports
+    ('import "nope.prism"\n' + prog("    return X\n"), "cannot read import", 1, 8),
+]
+
+
+def rendered(path: Path) -> str:
+    with pytest.raises(PrismError) as info:
+        load(path)
+    text = info.value.render()
+    assert "Traceback" not in text
+    return text
+
+
+def assert_located(text: str, path: Path, fragment: str, line: int, col: int) -> None:
+    """`path:line:col: ...fragment...`, then the source line, then a caret under `col`."""
+    lines = text.splitlines()
+    head = re.compile(rf"(^|/){re.escape(path.name)}:{line}:{col}: .*{re.escape(fragment)}")
+    hits = [i for i, s in enumerate(lines) if head.search(s)]
+    assert hits, f"no '{path.name}:{line}:{col}: ...{fragment}' in:\n{text}"
+    i = hits[0]
+    source = path.read_text().splitlines()[line - 1]
+    assert lines[i + 1] == "    " + source.expandtabs(4), text
+    assert lines[i + 2] == "    " + " " * len(source[: col - 1].expandtabs(4)) + "^", text
+
+
+@pytest.mark.parametrize("source, fragment, line, col", BAD, ids=[f"{i:02}-{b[1][:40]}" for i, b in enumerate(BAD)])
+def test_bad_input(write, source, fragment, line, col):
+    path = write(source)
+    assert_located(rendered(path), path, fragment, line, col)
+
+
+@pytest.mark.parametrize("label", list(SYNTAX_ERRORS))
+def test_syntax_error_table(write, label):
+    """Each example of the table that classifies syntax errors gets its own label, with a location."""
+    for example in SYNTAX_ERRORS[label]:
+        path = write("dims n = 4\n" + example)
+        with pytest.raises(PrismError) as info:
+            load(path)
+        (diag,) = info.value.diagnostics
+        assert diag.message.startswith("syntax error: ") and diag.message.endswith(label), (example, diag.message)
+        assert diag.loc.line >= 1 and diag.loc.col >= 1
+
+
+def test_several_errors_are_reported_at_once(write):
+    path = write(prog("    Y = expp(X)\n    Z = X @ X\n    return W\n", params="X: f16[n, k]")
+                 + "program q(A: f99[n]) {\n    B = sum(A, 5)\n    return B\n}\n")
+    text = rendered(path)
+    for fragment, line, col in [
+        ("undeclared dim 'k'", 2, 21),
+        ("unknown function 'expp'", 3, 9),
+        ("cannot return undefined name 'W'", 5, 12),
+        ("unknown dtype 'f99'", 7, 14),
+    ]:
+        assert_located(text, path, fragment, line, col)
+    assert text.rstrip().endswith("4 errors")
+
+
+def test_errors_in_independent_statements_are_all_reported(write):
+    path = write(prog("    A = X @ X\n    B = sum(X, 9)\n    C = exp(Z)\n    return A, B, C\n"))
+    text = rendered(path)
+    assert_located(text, path, "inner dims differ", 3, 9)
+    assert_located(text, path, "dim 9 is out of range", 4, 9)
+    assert_located(text, path, "undefined name 'Z'", 5, 13)
+    assert "3 errors" in text  # and no follow-on errors for A, B and C
+
+
+def test_error_inside_a_def_says_which_call_led_there(write):
+    path = write("dims n = 4, d = 8\ndef f(x) = x @ x\nprogram p(X: f16[n, d]) {\n    Y = f(X)\n    return Y\n}\n")
+    assert re.search(r"note: in the call to 'f' at \S*t\.prism:4:9", rendered(path))
+
+
+def test_caret_under_tabs(write):
+    path = write(prog("\tY = expp(X)\n\treturn Y\n"))
+    text = rendered(path)
+    assert_located(text, path, "unknown function 'expp'", 3, 6)
+    assert text.splitlines()[1:3] == ["        Y = expp(X)", "            ^"]  # a tab is 4 columns on both lines
+
+
+@pytest.mark.parametrize("source", [
+    "dims n = 4, d = 8 # caf\u00e9\u2028 \x0c\nprogram p(X: f16[n, d]) {\n    Y = expp(X)\n    return Y\n}\n",
+    prog("    Y = expp(X)\n    return Y\n").replace("\n", "\r\n"),
+], ids=["line-separator-in-comment", "crlf"])
+def test_shown_line_is_the_parsers_line(write, source):
+    """Only '\\n' ends a line for the parser; the shown source line must be the same one."""
+    path = write(source.encode())
+    text = rendered(path)
+    assert re.search(r"t\.prism:3:9: unknown function 'expp'", text), text
+    assert text.splitlines()[1:3] == ["        Y = expp(X)", "            ^"], text
+
+
+def test_end_of_file_error_points_after_the_last_text(write):
+    path = write(b"dims n = 4 # \xe2\x80\xa8\r\nprogram p(X: f16[n]) {\r\n    Y = exp(X\r\n")
+    text = rendered(path)
+    assert re.search(r"t\.prism:3:14: syntax error: unexpected end of file: missing '\)'", text), text
+    assert text.splitlines()[1:3] == ["        Y = exp(X", "                 ^"], text
+
+
+# -- files -------------------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PrismError, match=r"cannot read file '.*nope\.prism': no such file"):
+        load(tmp_path / "nope.prism")
+
+
+def test_directory_given_as_a_file(tmp_path):
+    with pytest.raises(PrismError, match="it is a directory"):
+        load(tmp_path)
+
+
+def test_directory_given_as_an_import(write, tmp_path):
+    (tmp_path / "sub").mkdir()
+    path = write('import "sub"\n')
+    assert_located(rendered(path), path, "cannot read import", 1, 8)
+    assert "it is a directory" in rendered(path)
+
+
+def test_not_utf8(write):
+    path = write(b"dims n = 4\n# caf\xc3\xa9 \xff\n")
+    text = rendered(path)
+    assert re.match(r"\S*t\.prism:2:8: file is not valid UTF-8 text \(byte 0xff\)", text), text
+    assert text.splitlines()[2] == "    " + " " * 7 + "^"
+
+
+def test_empty_file_has_no_programs(write):
+    assert load(write("")).programs == {}
+    assert load(write("# only a comment\n")).programs == {}
+    with pytest.raises(PrismError, match="defines no program"):
+        load(write("")).program()
+
+
+def test_cyclic_import(write):
+    a = write('import "b.prism"\ndims n = 4\nprogram p(X: f16[n]) {\n    return X\n}\n', "a.prism")
+    b = write('# b imports a back\nimport "a.prism"\ndef f(x) = x\n', "b.prism")
+    text = rendered(a)
+    assert_located(text, b, "import cycle: a.prism -> b.prism -> a.prism", 2, 8)
+
+
+def test_file_importing_itself(write):
+    path = write('import "t.prism"\n')
+    assert_located(rendered(path), path, "import cycle: t.prism -> t.prism", 1, 8)
+
+
+def test_error_in_an_imported_file_is_located_there(write):
+    write("dims n = 4\ndef f(x) = x +\n", "lib.prism")
+    path = write('import "lib.prism"\nprogram p(X: f16[n]) {\n    return X\n}\n')
+    lib = path.parent / "lib.prism"
+    assert_located(rendered(path), lib, "missing operand", 2, 15)
+
+
+def test_conflicting_dims_across_imports(write):
+    write("dims n = 3\n", "lib.prism")
+    path = write('import "lib.prism"\ndims n = 5\nprogram p(X: f16[n]) {\n    return X\n}\n')
+    text = rendered(path)
+    assert_located(text, path, "duplicate dim 'n'", 2, 6)
+    assert re.search(r"note: first declared at \S*lib\.prism:1:6", text)
+
+
+# -- absurd nesting: a clean error or success, never a RecursionError -----------------------------------------
+
+DEEP = {
+    "parens": "(" * 5000 + "X" + ")" * 5000,
+    "unary_minus": "-" * 5000 + "X",
+    "calls": "exp(" * 5000 + "X" + ")" * 5000,
+    "long_sum": " + ".join(["X"] * 5000),
+    "unclosed_parens": "(" * 5000 + "X",
+}
+
+
+@pytest.mark.parametrize("name", list(DEEP))
+def test_absurd_nesting(write, capsys, default_recursion_limit, name):
+    path = write(prog(f"    Y = {DEEP[name]}\n    return Y\n"))
+    try:
+        source = load(path)
+    except PrismError as e:
+        assert re.search(r"t\.prism:\d+:\d+: ", e.render())
+    else:
+        assert list(source.programs) == ["p"]
+    code = main(["check", str(path)])
+    err = capsys.readouterr().err
+    assert code in (0, 1) and "Traceback" not in err and "RecursionError" not in err
+
+
+def test_deep_nesting_is_refused_with_advice(write, default_recursion_limit):
+    path = write(prog(f"    Y = {DEEP['unary_minus']}\n    return Y\n"))
+    assert "nested more than 200 levels deep; split it into statements" in rendered(path)
+
+
+def test_long_chain_of_defs(write, default_recursion_limit):
+    """Each def is shallow, but inlining 1000 of them would nest 1000 deep."""
+    defs = "".join(f"def f{i}(x) = f{i + 1}(x) + x\n" for i in range(1000)) + "def f1000(x) = x\n"
+    path = write(f"dims n = 4\n{defs}program p(X: f16[n]) {{\n    Y = f0(X)\n    return Y\n}}\n")
+    message = "'f0' nests more than 200 levels deep once the defs it calls are inlined"
+    assert_located(rendered(path), path, message, 1004, 9)
+
+
+def test_short_chain_of_defs_is_fine(write, default_recursion_limit):
+    defs = "".join(f"def f{i}(x) = f{i + 1}(x) * 2\n" for i in range(60)) + "def f60(x) = x\n"
+    path = write(f"dims n = 4\n{defs}program p(X: f16[n]) {{\n    Y = f0(X)\n    return Y\n}}\n")
+    assert list(load(path).programs) == ["p"]
