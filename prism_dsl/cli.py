@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -77,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file", metavar="FILE")
     r.add_argument("--program", help="which program of the file (needed when it has several)")
     r.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
-    r.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name (default: random)")
-    r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    source = r.add_mutually_exclusive_group()
+    source.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name (default: random)")
+    source.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
     r.add_argument("--save-inputs", metavar="FILE.npz", help="also write the inputs used")
     r.set_defaults(run=cmd_run)
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10000))  # headroom for lark and sympy on big programs
     try:
         return args.run(args)
     except PrismError as e:
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `prismc rules | head`: the reader has gone; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def cmd_check(args) -> int:
@@ -257,18 +262,34 @@ def read_npz(path: str, program) -> dict[str, np.ndarray]:
     p = Path(path)
     if p.is_dir():
         raise PrismError(f"cannot read inputs '{path}': it is a directory")
+    if not p.exists():
+        raise PrismError(f"cannot read inputs '{path}': no such file")
+    if not zipfile.is_zipfile(p):
+        raise PrismError(f"cannot read inputs '{path}': not a .npz archive (as numpy.savez writes)")
     try:
         with np.load(p, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
-    except FileNotFoundError:
-        raise PrismError(f"cannot read inputs '{path}': no such file") from None
-    except (OSError, ValueError) as e:
-        raise PrismError(f"cannot read inputs '{path}': not a .npz archive ({e})") from None
+    except ValueError as e:
+        if "allow_pickle" in str(e):  # object arrays: loading them would run code from the file
+            raise PrismError(f"cannot read inputs '{path}': it holds arrays of Python objects; only numeric arrays are read") from None
+        raise PrismError(f"cannot read inputs '{path}': {e}") from None
+    except (OSError, zipfile.BadZipFile) as e:
+        raise PrismError(f"cannot read inputs '{path}': {e}") from None
+    wanted = set(program.input_names())
+    bad = [k for k, v in arrays.items() if k in wanted and not (isinstance(v, np.ndarray) and v.dtype.kind in "fiub")]
+    if bad:
+        raise PrismError(f"cannot read inputs '{path}': {', '.join(repr(k) for k in bad)} must hold numbers")
     missing = [n for n in program.input_names() if n not in arrays]
     if missing:
         has = ", ".join(sorted(arrays)) or "nothing"
         raise PrismError(f"inputs '{path}' lack {', '.join(repr(m) for m in missing)} (it has: {has})")
     return {n: arrays[n] for n in program.input_names()}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _check_writable(path: str) -> None:
@@ -288,6 +309,7 @@ def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual mode
         os.replace(tmp, target)
     except OSError as e:
         raise PrismError(f"cannot write '{path}': {e.strerror or e}") from None

@@ -1,11 +1,24 @@
-"""Shared fixtures for the front-end tests."""
+"""Shared fixtures."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """The tests never read or write the user's cache: a stale or foreign record must not decide a test."""
+    old = os.environ.get("PRISM_CACHE_DIR")
+    os.environ["PRISM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        del os.environ["PRISM_CACHE_DIR"]
+    else:
+        os.environ["PRISM_CACHE_DIR"] = old
 
 
 @pytest.fixture

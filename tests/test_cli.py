@@ -192,12 +192,29 @@ def test_run_inputs_disagreeing_with_dims(capsys, tmp_path):
     (lambda p: None, "no such file"),
     (lambda p: p.mkdir(), "it is a directory"),
     (lambda p: p.write_text("not an archive"), "not a .npz archive"),
+    (lambda p: np.savez(p, X=np.array([1, "a", None], dtype=object), W=np.ones((2, 3))), "arrays of Python objects"),
+    (lambda p: np.savez(p, X=np.array([["a", "b"]]), W=np.ones((2, 3))), "'X' must hold numbers"),
 ])
 def test_run_unreadable_inputs(capsys, tmp_path, make, message):
     make(tmp_path / "in.npz")
     code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")
     assert code == 1 and message in err
     assert leftovers(tmp_path) == []
+
+
+def test_run_output_has_the_usual_file_mode(capsys, tmp_path):
+    mask = os.umask(0o022)
+    try:
+        code, _, _ = prismc(capsys, "run", RMSNORM, "--dims", "n=2,d=3", "--out", tmp_path / "out.npz")
+    finally:
+        os.umask(mask)
+    assert code == 0 and (tmp_path / "out.npz").stat().st_mode & 0o777 == 0o644
+
+
+def test_main_leaves_the_recursion_limit_as_it_found_it(capsys):
+    before = sys.getrecursionlimit()
+    prismc(capsys, "check", RMSNORM)
+    assert sys.getrecursionlimit() == before
 
 
 def test_run_bad_program_leaves_no_output(capsys, tmp_path):
@@ -231,6 +248,7 @@ def test_run_failing_save_inputs_leaves_no_output(capsys, tmp_path):
     (["run", RMSNORM], "required: --out"),
     (["run", RMSNORM, "--out", "x.npz", "--seed", "x"], "invalid int value: 'x'"),
     (["run", RMSNORM, "--out", "x.npz", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["run", RMSNORM, "--out", "x.npz", "--inputs", "in.npz", "--seed", "3"], "not allowed with argument --inputs"),
 ])
 def test_usage_errors(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)  # nothing may be written to the working directory either
