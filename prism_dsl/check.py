@@ -29,6 +29,8 @@ class Scope:
 
     dims: dict[str, ast.DimDecl] = field(default_factory=dict)
     defs: dict[str, ast.Def] = field(default_factory=dict)
+    broken: set[str] = field(default_factory=set)  # defs whose body has an error, reported where declared
+    incomplete: bool = False  # an import failed: names it would have declared are unknown
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def load(path: str | Path) -> Source:
     errors = Collector()
     module, scope = _load_module(Path(path), errors, stack=(), at=None, cache={})
     programs: dict[str, Program] = {}
-    if module is not None:
+    if module is not None and not scope.incomplete:  # after a failed import, every name could be a follow-on error
         for item in module.items:
             if isinstance(item, ast.ProgramDecl):
                 if item.name in programs:
@@ -88,8 +90,9 @@ def _load_module(path: Path, errors: Collector, stack: tuple[Path, ...], at: Loc
     for item in module.items:
         if isinstance(item, ast.Import):
             target = path.parent / item.path
-            _, imported = _load_module(target, errors, stack + (key,), item.loc, cache)
+            imported_module, imported = _load_module(target, errors, stack + (key,), item.loc, cache)
             _merge(scope, imported, errors, item.loc)
+            scope.incomplete |= imported_module is None or imported.incomplete
     for item in module.items:
         if isinstance(item, ast.DimDecl):
             _declare(scope.dims, item, errors, "dim", same=lambda a, b: a.value == b.value)
@@ -98,6 +101,9 @@ def _load_module(path: Path, errors: Collector, stack: tuple[Path, ...], at: Loc
                 errors.error(item.loc, f"def '{item.name}' would hide the built-in operator '{item.name}'")
             else:
                 _declare(scope.defs, item, errors, "def", same=lambda a, b: a is b)
+    for item in module.items if not scope.incomplete else ():
+        if isinstance(item, ast.Def) and scope.defs.get(item.name) is item and not _check_def(item, scope, errors):
+            scope.broken.add(item.name)
     cache[key] = (module, scope)
     return module, scope
 
@@ -121,6 +127,48 @@ def _merge(scope: Scope, imported: Scope, errors: Collector, at: Loc) -> None:
         if old is not None and old is not f:
             errors.error(at, f"imported def '{f.name}' conflicts with the one at {old.loc}")
         scope.defs.setdefault(f.name, f)
+    scope.broken |= imported.broken
+
+
+def _check_def(f: ast.Def, scope: Scope, errors: Collector) -> bool:
+    """Check what a def's body can be checked for without its arguments: names, functions, arities.
+
+    Done where the def is declared, so a mistake in a def is reported even when nothing calls it, and
+    once, not once per call. Shapes depend on the arguments and are checked at each call.
+    """
+    before = len(errors.diagnostics)
+    if len(set(f.params)) != len(f.params):
+        errors.error(f.loc, f"def '{f.name}' repeats a parameter name")
+    stack = [f.body]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, ast.Name) and e.id not in f.params:
+            errors.error(e.loc, _unknown_name(e.id, f.params, scope))
+        elif isinstance(e, ast.Call):
+            if e.fn in scope.defs:
+                callee = scope.defs[e.fn]
+                if len(e.args) != len(callee.params):
+                    errors.error(e.loc, f"{e.fn} takes {len(callee.params)} argument(s), got {len(e.args)}")
+            elif e.fn in CALLABLE:
+                spec = OPS[e.fn]
+                if len(e.args) != spec.arity:
+                    errors.error(e.loc, f"{e.fn} takes {_arity_words(spec)}, got {len(e.args)}")
+            else:
+                errors.error(e.loc, _unknown_function(e.fn, scope))
+            stack.extend(e.args)
+    return len(errors.diagnostics) == before
+
+
+def _unknown_name(name: str, known, scope: Scope) -> str:
+    if name in CALLABLE or name in scope.defs:
+        return f"'{name}' is a function; call it as {name}(...)"
+    if name in scope.dims:
+        return f"'{name}' is a dim; dims appear only in input shapes"
+    return f"undefined name '{name}'{suggest(name, known)}"
+
+
+def _unknown_function(name: str, scope: Scope) -> str:
+    return f"unknown function '{name}'{suggest(name, set(CALLABLE) | set(scope.defs))}"
 
 
 class _Poison:
@@ -228,12 +276,7 @@ class Checker:
     def name(self, e: ast.Name, env: Mapping) -> Node | _Poison:
         if e.id in env:
             return env[e.id]
-        if e.id in CALLABLE or e.id in self.scope.defs:
-            self.errors.error(e.loc, f"'{e.id}' is a function; call it as {e.id}(...)")
-        elif e.id in self.scope.dims:
-            self.errors.error(e.loc, f"'{e.id}' is a dim; dims appear only in input shapes")
-        else:
-            self.errors.error(e.loc, f"undefined name '{e.id}'{suggest(e.id, env)}")
+        self.errors.error(e.loc, _unknown_name(e.id, env, self.scope))
         return POISON
 
     def call(self, e: ast.Call, env: Mapping, defs_stack: tuple) -> Node | _Poison:
@@ -241,8 +284,7 @@ class Checker:
             return self.inline(e, env, defs_stack)
         spec = OPS.get(e.fn)
         if spec is None or e.fn not in CALLABLE:
-            known = set(CALLABLE) | set(self.scope.defs)
-            self.errors.error(e.loc, f"unknown function '{e.fn}'{suggest(e.fn, known)}")
+            self.errors.error(e.loc, _unknown_function(e.fn, self.scope))
             for a in e.args:  # still report errors inside the arguments
                 self.expr(a, env, defs_stack)
             return POISON
@@ -298,11 +340,8 @@ class Checker:
         if len(e.args) != len(f.params):
             self.errors.error(e.loc, f"{e.fn} takes {len(f.params)} argument(s), got {len(e.args)}")
             return POISON
-        if len(set(f.params)) != len(f.params):
-            self.errors.error(f.loc, f"def '{f.name}' repeats a parameter name")
-            return POISON
         args = [self.expr(a, env, defs_stack) for a in e.args]
-        if any(a is POISON for a in args):
+        if any(a is POISON for a in args) or e.fn in self.scope.broken:  # a broken body is reported at its def
             return POISON
         try:
             if self.depth + _ast_depth(f.body) > MAX_DEPTH:

@@ -89,6 +89,14 @@ BAD = [
      "recursive call to 'f' (f -> g -> f)", 3, 12),
     ("dims n = 4, d = 8\ndef f(x) = x @ x\nprogram p(X: f16[n, d]) {\n    Y = f(X)\n    return Y\n}\n",
      "matmul: inner dims differ", 2, 12),
+    # a def's names, functions and arities are checked where it is declared, called or not
+    ("def f(x) = y + x\n", "undefined name 'y'", 1, 12),
+    ("def f(x) = expp(x)\n", "unknown function 'expp'; did you mean 'exp'?", 1, 12),
+    ("def f(x) = exp(x, 1)\n", "exp takes 1 tensor operand, got 2", 1, 12),
+    ("def f(x) = x\ndef g(x) = f(x, x)\n", "f takes 1 argument(s), got 2", 2, 12),
+    ("def f(x, x) = x\n", "def 'f' repeats a parameter name", 1, 5),
+    ("dims n = 4\ndef f(x) = x * n\n", "'n' is a dim; dims appear only in input shapes", 2, 16),
+    ("def f(x) = x + exp\n", "'exp' is a function; call it as exp(...)", 1, 16),
     # imports
     ('import "nope.prism"\n' + prog("    return X\n"), "cannot read import", 1, 8),
 ]
@@ -160,6 +168,12 @@ def test_error_inside_a_def_says_which_call_led_there(write):
     assert re.search(r"note: in the call to 'f' at \S*t\.prism:4:9", rendered(path))
 
 
+def test_a_broken_def_is_reported_once_however_often_it_is_called(write):
+    path = write("dims n = 4\ndef f(x) = y * x\nprogram p(X: f16[n]) {\n    A = f(X)\n    B = f(A)\n    return B\n}\n")
+    text = rendered(path)
+    assert text.count("undefined name 'y'") == 1 and "errors" not in text
+
+
 def test_caret_under_tabs(write):
     path = write(prog("\tY = expp(X)\n\treturn Y\n"))
     text = rendered(path)
@@ -225,6 +239,14 @@ def test_cyclic_import(write):
     b = write('# b imports a back\nimport "a.prism"\ndef f(x) = x\n', "b.prism")
     text = rendered(a)
     assert_located(text, b, "import cycle: a.prism -> b.prism -> a.prism", 2, 8)
+
+
+def test_a_failed_import_causes_no_follow_on_errors(write):
+    lib = write("dims n = 4\ndef f(x) = x +\n", "lib.prism")
+    main_file = write('import "lib.prism"\ndef g(x) = f(x)\nprogram p(X: f16[n]) {\n    Y = g(X)\n    return Y\n}\n', "m.prism")
+    text = rendered(main_file)
+    assert_located(text, lib, "missing operand", 2, 15)
+    assert "m.prism" not in text and "errors" not in text
 
 
 def test_file_importing_itself(write):
