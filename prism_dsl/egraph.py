@@ -22,10 +22,9 @@ import sympy
 
 from . import ast
 from .ir import Node, Program
-from .ops import OPS, Kind
+from .ops import MAX_RANK, OPS, Kind
 from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
 
-MAX_RANK = 6
 DIMS = tuple(range(-1, -MAX_RANK - 1, -1))
 SHAPES = "shapes"
 FOLD = "fold"

@@ -68,5 +68,8 @@ OPS: dict[str, OpSpec] = _table(
 )
 
 # Names a user may call (input and const are internal).
+# The prover's e-graph records the sizes of a tensor's last MAX_RANK dims; programs and rules stay within it.
+MAX_RANK = 6
+
 CALLABLE = frozenset(name for name, spec in OPS.items() if spec.kind not in (Kind.INPUT, Kind.CONST))
 INFIX = {spec.infix: spec.name for spec in OPS.values() if spec.infix}

@@ -20,6 +20,7 @@ from .egglog_runner import Limits
 from .egraph import TermWriter, compile_library, program_terms, ruleset_name
 from .errors import PrismError
 from .ir import Program
+from .ops import MAX_RANK
 from .reference import evaluate, random_inputs
 from .rules import Library, Rule
 from .shapes import fmt_shape, same
@@ -76,6 +77,16 @@ def check_signatures(a: Program, b: Program) -> None:
             )
 
 
+def check_ranks(program: Program) -> None:
+    """The e-graph knows the sizes of the last MAX_RANK dims only; a deeper tensor cannot be reasoned about."""
+    for node in program.nodes():
+        if len(node.shape) > MAX_RANK:
+            loc = program.locs.get(node)
+            raise PrismError(
+                f"'{program.name}' has a tensor of rank {len(node.shape)} ({fmt_shape(node.shape)}); "
+                f"the prover handles ranks up to {MAX_RANK}", loc)
+
+
 def _shape_mismatch(a: Program, b: Program, pairs) -> str | None:
     outs_a, outs_b = dict(a.outputs), dict(b.outputs)
     for x, y in pairs:
@@ -96,12 +107,14 @@ def numeric_gap(a: Program, b: Program, pairs, seed: int = 0) -> float:
         va, vb = out_a[x], out_b[y]
         if va.shape != vb.shape:
             return float("inf")
-        scale = max(float(np.abs(va).max(initial=0.0)), 1e-30)
-        with np.errstate(all="ignore"):
-            diff = float(np.nanmax(np.abs(va - vb), initial=0.0)) / scale
-        if np.isnan(va).any() != np.isnan(vb).any():
-            return float("inf")
-        worst = max(worst, diff)
+        fa, fb = np.isfinite(va), np.isfinite(vb)
+        overflow = np.isinf(va).any() or np.isinf(vb).any()
+        if (fa != fb).any() and not overflow:
+            return float("inf")  # defined on one side only: a real difference, not float overflow
+        both = fa & fb
+        if both.any():
+            scale = max(float(np.abs(va[both]).max()), 1e-30)
+            worst = max(worst, float(np.abs(va[both] - vb[both]).max()) / scale)
     return worst
 
 
@@ -113,6 +126,8 @@ def schedule(groups: list[str]) -> list[str]:
 def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *, explain: bool = False,
           numeric: bool = True) -> Proof:
     check_signatures(a, b)
+    check_ranks(a)
+    check_ranks(b)
     pairs = pair_outputs(a, b)
     mismatch = _shape_mismatch(a, b, pairs)
     if mismatch:
@@ -137,7 +152,7 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
             f"(relative difference {gap:.3g}): some axiom in use is unsound"
         )
     if proved and explain:
-        result = Proof(**{**result.__dict__, "used": explain_rules(library, setup, goals, limits)})
+        result = replace(result, used=explain_rules(library, setup, goals, limits))
     return result
 
 

@@ -21,7 +21,7 @@ from lark.visitors import merge_transformers
 from . import ast
 from .errors import Collector, Loc, PrismError
 from .resources import data_dir
-from .ops import CALLABLE, OPS
+from .ops import CALLABLE, MAX_RANK, OPS
 from .syntax import GRAMMAR_DIR, ExprBuilder, _Located, parse_with, read_source, suggest, transform
 
 
@@ -349,6 +349,8 @@ def _check_dim_arg(a: ast.Expr, vars: _Vars, errors: Collector, op: str) -> None
         errors.error(a.loc, f"the dim of {op} must be a dim variable or a negative integer literal")
     elif value >= 0:
         errors.error(a.loc, "dims in rules count from the end so that one rule fits every rank: write a negative dim such as -1 (the last)")
+    elif value < -MAX_RANK:
+        errors.error(a.loc, f"dim {value} is beyond the {MAX_RANK} dims the prover tracks; use -1 .. -{MAX_RANK}")
 
 
 def sexpr(e: ast.Expr) -> str:
@@ -409,6 +411,9 @@ def _operand_kind(o: Operand, vars: _Vars, loc: Loc, errors: Collector) -> str |
                 return None
             if isinstance(d, int) and d >= 0:
                 errors.error(loc, f"size(..., {d}): dims in rules count from the end; use a negative dim such as -1")
+                return None
+            if isinstance(d, int) and d < -MAX_RANK:
+                errors.error(loc, f"size(..., {d}): the prover tracks the last {MAX_RANK} dims; use -1 .. -{MAX_RANK}")
                 return None
             return "size"
         case ShapeOf(var=v):

@@ -119,13 +119,28 @@ def holds(rule: Rule, inst: Instance) -> bool:
     return True
 
 
-def _random_instance(rule: Rule, rng: random.Random) -> Instance:
+def _random_instance(rule: Rule, rng: random.Random, deepest: int) -> Instance:
+    """Random shapes (ranks 0 .. 3, and up to the deepest dim the rule names) and dim values."""
+    ranks = tuple(range(max(3, deepest) + 1))
     shapes = {}
     for v in sorted(rule.tensor_vars):
-        rank = rng.choices((0, 1, 2, 3), weights=(1, 2, 4, 3))[0]
-        shapes[v] = tuple(1 if rng.random() < 0.2 else rng.randint(2, 5) for _ in range(rank))
+        rank = rng.choices(ranks, weights=(1, 2, 4, 3) + (3,) * (len(ranks) - 4))[0]
+        shapes[v] = tuple(1 if rng.random() < 0.2 else rng.randint(2, 5 if rank <= 3 else 3) for _ in range(rank))
     dims = {d: rng.choice((-1, -1, -2, -3)) for d in sorted(rule.dim_vars)}
     return Instance(shapes, dims)
+
+
+def _deepest_dim(rule: Rule) -> int:
+    """How far back from the end the rule's literal dims reach (3 for `sum(a, -3)`)."""
+    deepest = [-d for c in rule.conditions for o in (c.lhs, c.rhs) if isinstance(o, SizeOf) and isinstance(d := o.dim, int)]
+    stack = [rule.lhs, rule.rhs]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, ast.Call):
+            spec = OPS[e.fn]
+            deepest += [-d for a in e.args[spec.operands :] if (d := literal_dim(a)) is not None]
+            stack.extend(e.args[: spec.operands])
+    return max(deepest, default=1)
 
 
 def _shape_of(e: ast.Expr, inst: Instance) -> tuple[int, ...]:
@@ -137,8 +152,9 @@ def _shape_of(e: ast.Expr, inst: Instance) -> tuple[int, ...]:
 def _instances(rule: Rule, first: ast.Expr, rng: random.Random) -> list[Instance]:
     """Distinct shape instances where `first` is well formed and the conditions hold, largest first."""
     found: dict[tuple, Instance] = {}
+    deepest = _deepest_dim(rule)
     for _ in range(SHAPE_TRIES):
-        inst = _random_instance(rule, rng)
+        inst = _random_instance(rule, rng, deepest)
         key = (tuple(sorted(inst.shapes.items())), tuple(sorted(inst.dims.items())))
         if key in found or not holds(rule, inst):
             continue
@@ -199,7 +215,10 @@ def check_rule(rule: Rule) -> str | None:
     directions = [(rule.lhs, rule.rhs, "left", "right")]
     if rule.both_ways:
         directions.append((rule.rhs, rule.lhs, "right", "left"))
-    domains = _domains(rule.rhs, _domains(rule.lhs, {}))
+    # A variable is drawn from an operator's domain only where both sides need it there: a rule that is
+    # defined on one side and not on the other (sqrt(a) * sqrt(b) against sqrt(a * b)) must show it.
+    left, right = _domains(rule.lhs, {}), _domains(rule.rhs, {})
+    domains = {v: ("positive" if d == right[v] == "positive" else "nonzero") for v, d in left.items() if v in right}
     evaluated = 0
     for first, second, fname, sname in directions:
         instances = _instances(rule, first, rng)
@@ -233,25 +252,32 @@ def _compare(first, second, fname, sname, inst, domains, rng, all_positive) -> t
         b = np.asarray(evaluate(second, values, inst.dims), dtype=np.float64)
     a, b = np.broadcast_arrays(a.reshape(_strip(a.shape) or ()), b.reshape(_strip(b.shape) or ()))
     fa, fb = np.isfinite(a), np.isfinite(b)
-    if not (fa.all() and fb.all()):
-        # Out of an operator's domain (sqrt of a negative sum): no evidence either way, unless only one
-        # side is defined there, which makes the rule change a program's value.
-        if (fa != fb).any() and all_positive:
-            idx = tuple(int(i) for i in np.argwhere(fa != fb)[0])
-            return f"at {inst.describe()} one side is finite and the other is not (index {idx})", False
+    if (fa != fb).any():
+        # One side is defined where the other is not (sqrt(a * b) against sqrt(a) * sqrt(b) at negative
+        # a and b): the rule would change a program's value.
+        idx = tuple(int(i) for i in np.argwhere(fa != fb)[0])
+        return (
+            f"at {inst.describe()} one side is finite and the other is not: "
+            f"{fname} {a[idx]:.6g}, {sname} {b[idx]:.6g} at index {idx}",
+            False,
+        )
+    both = fa & fb  # out of an operator's domain on both sides: no evidence either way
+    if not both.any():
         return None, False
+    a, b = a[both], b[both]
     bad = ~np.isclose(a, b, rtol=RTOL, atol=ATOL * max(1.0, float(np.abs(a).max(initial=0))))
     if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        idx = tuple(int(i) for i in np.argwhere(both)[np.argmax(bad)])
+        i = int(np.argmax(bad))
         return (
-            f"its sides differ at {inst.describe()}: {fname} {a[idx]:.6g}, {sname} {b[idx]:.6g} at index {idx}",
+            f"its sides differ at {inst.describe()}: {fname} {a[i]:.6g}, {sname} {b[i]:.6g} at index {idx}",
             True,
         )
     return None, True
 
 
 # Bump when the check itself changes, so that rules passed by an older check are checked again.
-CHECK_VERSION = "1"
+CHECK_VERSION = "2"
 
 
 def check_library(library: Library, *, use_cache: bool = True) -> None:

@@ -212,3 +212,18 @@ def test_emitted_egglog_maps_every_rule_to_its_source(capsys):
     assert len(emitted) == sum(2 if r.both_ways else 1 for r in DEFAULT.rules)
     assert main(["rules"]) == 0
     assert "ruleset algebra" in capsys.readouterr().out
+
+
+def test_float_overflow_is_not_taken_for_an_unsound_axiom(tmp_path):
+    # exp overflows on both sides at different places; where both are finite they agree
+    a, b = programs(tmp_path, "exp(1000 * A - 1000 * B)", "exp(1000 * A) / exp(1000 * B)")
+    proof = prove(a, b, DEFAULT)
+    assert proof.proved and proof.numeric_gap < 1e-9
+
+
+def test_tensors_deeper_than_the_e_graph_tracks_are_refused(tmp_path):
+    shape = "f32[k, 1, 1, 1, 1, 1, 1]"
+    a, b = programs(tmp_path, "sum(A / C, 0)", "sum(A, 0) / C", header="dims k = 3\n",
+                    signature=f"A: {shape}, C: {shape}")
+    with pytest.raises(PrismError, match="rank 7 .* the prover handles ranks up to 6"):
+        prove(a, b, DEFAULT)

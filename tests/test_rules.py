@@ -57,8 +57,22 @@ UNSOUND = [
     ("sum_of_product", "sum(a * b, -1) => sum(a, -1) * sum(b, -1)", "sides differ"),
     ("sum_drops_dim", "sum(a, -1) => a", "different shapes"),
     ("matmul_commutes", "a @ b => b @ a", ""),
-    ("sqrt_of_sum", "sqrt(a + b) => sqrt(a) + sqrt(b)", "sides differ"),
+    ("sqrt_of_sum", "sqrt(a + b) => sqrt(a) + sqrt(b)", "one side is finite and the other is not"),
+    # defined on one side only: at negative a and b the left side is a number and the right is not
+    ("sqrt_of_product", "sqrt(a * b) => sqrt(a) * sqrt(b)", "one side is finite and the other is not"),
+    ("sqrt_squared", "sqrt(x) * sqrt(x) => x", "one side is finite and the other is not"),
+    # right for tensors of rank 3 or less only: instances reach as deep as the rule's dims
+    ("sum_deep_dim", "sum(a, -4) => a", "different shapes"),
 ]
+
+
+def test_dims_beyond_what_the_prover_tracks_are_errors(tmp_path):
+    path = write(tmp_path, "ruleset r {\n    rule deep: sum(a, -7) => sum(a, -7) if size(a, -8) == 1\n}\n")
+    with pytest.raises(PrismError) as info:
+        load_library([path])
+    text = info.value.render()
+    assert ":2:23: dim -7 is beyond the 6 dims the prover tracks" in text
+    assert "size(..., -8): the prover tracks the last 6 dims" in text
 
 
 @pytest.mark.parametrize("name,text,why", UNSOUND, ids=[u[0] for u in UNSOUND])
