@@ -95,6 +95,8 @@ def _load_module(path: Path, errors: Collector, stack: tuple[Path, ...], at: Loc
             scope.incomplete |= imported_module is None or imported.incomplete
     for item in module.items:
         if isinstance(item, ast.DimDecl):
+            if item.value < 1:
+                errors.error(item.loc, f"dim '{item.name}' must be at least 1, got {item.value}")
             _declare(scope.dims, item, errors, "dim", same=lambda a, b: a.value == b.value)
         elif isinstance(item, ast.Def):
             if item.name in CALLABLE:

@@ -8,8 +8,8 @@ for bad input. Outputs are written atomically, so a failed run leaves nothing ha
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import signal
 import sys
 import tempfile
 import zipfile
@@ -21,6 +21,7 @@ from .egglog_runner import Limits
 from .errors import PrismError
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
+MAX_SECONDS = 1e6  # a time limit beyond this is a mistake, and overflows the platform's clocks
 
 
 class UsageError(Exception):
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="check .prism programs, or .rules axioms (syntax, shapes, soundness)")
     c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("--no-default-rules", action="store_true",
+                   help="check .rules files on their own, not beside the default library")
     c.set_defaults(run=cmd_check)
 
     pv = sub.add_parser(
@@ -61,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pv.add_argument("first", metavar="A.prism")
     pv.add_argument("second", metavar="B.prism", nargs="?", help="omit it to compare the two programs of A.prism")
-    pv.add_argument("--program", help="with two files: the program to take from each (needed when a file has several)")
+    pv.add_argument("--program", action="append", default=[], metavar="NAME",
+                    help="the program to compare: once for the same name in both files, twice for "
+                         "the first and the second (also to pick two programs of one file)")
     _rule_options(pv)
     pv.add_argument("--explain", action="store_true", help="list the rules (name, file:line) the proof needs")
     pv.add_argument("--iterations", type=_positive_int, default=Limits.iterations, help="saturation iterations (default %(default)s)")
@@ -80,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
     source = r.add_mutually_exclusive_group()
     source.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name (default: random)")
-    source.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    source.add_argument("--seed", type=_seed, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
     r.add_argument("--save-inputs", metavar="FILE.npz", help="also write the inputs used")
     r.set_defaults(run=cmd_run)
@@ -94,8 +99,14 @@ def _rule_options(p: argparse.ArgumentParser) -> None:
 
 
 def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _seed(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return int(text)
 
 
@@ -104,8 +115,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0 and at most {MAX_SECONDS:g}, got {text!r}")
     return value
 
 
@@ -120,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 10000))  # headroom for lark and sympy on big programs
+    on_term = _exit_on_sigterm()
     try:
         return args.run(args)
     except PrismError as e:
@@ -128,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"prismc: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except MemoryError:
+        print("prismc: not enough memory at these sizes; choose smaller dims with --dims", file=sys.stderr)
+        return EXIT_INPUT
     except KeyboardInterrupt:
         print("prismc: interrupted", file=sys.stderr)
         return 130
@@ -136,6 +151,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     finally:
         sys.setrecursionlimit(limit)
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+
+
+def _exit_on_sigterm():
+    """Turn SIGTERM (what `timeout` and CI runners send) into an orderly exit that stops the egglog
+    worker; returns the handler it replaced, or None where none can be set (not the main thread)."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        return None
 
 
 def cmd_check(args) -> int:
@@ -146,9 +175,11 @@ def cmd_check(args) -> int:
     for f in args.files:
         try:
             if f.endswith(".rules"):
-                library = load_rules([f], defaults=False)
-                sets = ", ".join(library.rulesets) or "none"
-                print(f"{f}: ok: {_count(len(library.rules), 'rule')} (rulesets: {sets}), each sound on random tensors")
+                # Loaded beside the default library, as prove loads it, so that name clashes show now.
+                library = load_rules([f], defaults=not args.no_default_rules)
+                mine = [r for r in library.rules if Path(r.loc.path).resolve() == Path(f).resolve()]
+                sets = ", ".join(dict.fromkeys(r.ruleset for r in mine)) or "none"
+                print(f"{f}: ok: {_count(len(mine), 'rule')} (rulesets: {sets}), each sound on random tensors")
             else:
                 progs = "; ".join(_summary(p) for p in load(f).programs.values()) or "no programs"
                 print(f"{f}: ok: {progs}")
@@ -188,6 +219,8 @@ def cmd_prove(args) -> int:
         print(f"{first.name} vs {second.name}: not proved: {proof.reason} {stats}")
         if proof.numeric_gap is not None and proof.numeric_gap > 1e-6:
             print(f"  (on random inputs they differ: largest relative difference {proof.numeric_gap:.3g})")
+    if proof.unexplained is not None:
+        print(f"rules used: not narrowed down: {proof.unexplained}; a larger --timeout or --iterations may help")
     if proof.used is not None:
         print(f"rules used ({len(proof.used)}):")
         width = max((len(r.name) for r in proof.used), default=0)
@@ -197,14 +230,21 @@ def cmd_prove(args) -> int:
 
 
 def _pair(args, load):
+    names = args.program
+    if len(names) > 2:
+        raise UsageError("--program is given at most twice: the first program and the second")
     if args.second is not None:
-        return load(args.first).program(args.program), load(args.second).program(args.program)
-    if args.program:
-        raise UsageError("--program picks a program from each of two files; with one file, both of its programs are compared")
+        first, second = (names * 2)[:2] if names else (None, None)
+        return load(args.first).program(first), load(args.second).program(second)
     src = load(args.first)
+    if len(names) == 2:
+        return src.program(names[0]), src.program(names[1])
+    if names:
+        raise UsageError("with one file, give --program twice (the two programs to compare) or not at all")
     if len(src.programs) != 2:
-        names = ", ".join(src.programs) or "none"
-        raise PrismError(f"{args.first} defines {len(src.programs)} programs ({names}); to prove with one file, it must hold exactly two")
+        listed = ", ".join(src.programs) or "none"
+        raise PrismError(f"{args.first} defines {_count(len(src.programs), 'program')} ({listed}); "
+                         "to prove with one file, it must hold exactly two, or name two with --program")
     return tuple(src.programs.values())
 
 

@@ -26,7 +26,7 @@ from .egraph import PRELUDE
 from .errors import PrismError
 
 WORKER = Path(__file__).with_name("egglog_worker.py")
-STARTUP_GRACE_S = 5.0  # starting Python and importing egglog, not counted against a query's limit
+LOAD_LIMIT_S = 60.0  # starting Python, importing egglog and loading the rules; not part of a query's limit
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Session:
         threading.Thread(target=_pump, args=(self._proc.stdout, self._lines), daemon=True).start()
         threading.Thread(target=_pump, args=(self._proc.stderr, self._stderr), daemon=True).start()
         self._send({"op": "load", "program": self.program})
-        msg = self._receive(deadline=time.perf_counter() + STARTUP_GRACE_S + 60.0)
+        msg = self._receive(deadline=time.perf_counter() + LOAD_LIMIT_S)
         if msg is None or "error" in msg:
             self.close()
             why = msg["error"] if msg else "it did not answer"

@@ -31,6 +31,7 @@ import sys
 import time
 
 ROUND = 8  # iterations per round; more than the ban length, so a banned rule can return in its round
+GROWTH_GUESS = 3.0  # e-graph growth per iteration assumed before any is measured
 RULESET = re.compile(r":ruleset (\S+)\s*\)$")  # the ruleset at the end of a rule's text in egglog's reports
 
 # What the worker adds to every program: `Proved` holds once every goal does (a rule in the `goal`
@@ -44,7 +45,25 @@ SUPPORT = """
 """
 
 
+def _die_with_parent() -> None:
+    """On Linux the kernel kills this worker when the process that started it dies, however it dies
+    (a SIGKILL from a CI runner included), so no orphan goes on growing an e-graph."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        sys.exit(1)
+
+
 def main() -> None:
+    _die_with_parent()
     from egglog.bindings import EGraph, EggSmolError
 
     egraph = EGraph()
@@ -92,6 +111,7 @@ class Query:
         self.run(f"(run-schedule {self.prelude})")
         self.check()
         size, round_ = self.nodes(), 0
+        growth = GROWTH_GUESS  # e-graph growth per iteration, measured after every round
         while True:
             if all(self.proved):
                 reason = "proved"
@@ -103,10 +123,18 @@ class Query:
                 reason = f"time limit ({limits['seconds']:g} s) reached"
             else:
                 match_limit = limits["match_limit"] << round_
-                changed, banned = self.round(min(ROUND, limits["iterations"] - self.iterations), match_limit)
+                # Short rounds near the size limit: it is checked between rounds, so a round must not
+                # be long enough to blow far past it at the growth rate seen so far.
+                length = min(ROUND, limits["iterations"] - self.iterations)
+                while length > 1 and size * growth**length > limits["nodes"]:
+                    length -= 1
+                before, done = size, self.iterations
+                changed, banned = self.round(length, match_limit)
                 round_ += 1
                 self.check()
                 size = self.nodes()
+                if self.iterations > done:
+                    growth = max(1.0, size / max(before, 1)) ** (1 / (self.iterations - done))
                 send({"iteration": self.iterations, "proved": self.proved, "nodes": size,
                       "matched": sorted(self.matched)})
                 if all(self.proved) or changed or banned:

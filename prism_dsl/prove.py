@@ -44,7 +44,8 @@ class Proof:
     nodes: int = 0
     seconds: float = 0.0
     numeric_gap: float | None = None  # largest relative difference seen numerically, if computed
-    used: tuple[Rule, ...] | None = field(default=None)
+    used: tuple[Rule, ...] | None = field(default=None)  # with explain: a set of rules that proves it
+    unexplained: str | None = None  # with explain: why no such set was found within the limits
 
 
 def pair_outputs(a: Program, b: Program) -> list[tuple[str, str]]:
@@ -66,15 +67,14 @@ def check_signatures(a: Program, b: Program) -> None:
     ins_b = {n.attr: n for n in b.inputs}
     if set(ins_a) != set(ins_b):
         raise PrismError(
-            f"'{a.name}' reads inputs ({', '.join(ins_a)}) but '{b.name}' reads ({', '.join(ins_b)}); "
-            "programs are compared on the same inputs"
-        )
+            f"'{a.name}' reads inputs ({', '.join(ins_a)}) but '{b.name}' ({b.loc}) reads ({', '.join(ins_b)}); "
+            "programs are compared on the same inputs", a.loc)
     for name, node in ins_a.items():
         other = ins_b[name]
         if len(node.shape) != len(other.shape) or not all(same(x, y) for x, y in zip(node.shape, other.shape)):
             raise PrismError(
-                f"input '{name}' has shape {fmt_shape(node.shape)} in '{a.name}' but {fmt_shape(other.shape)} in '{b.name}'"
-            )
+                f"input '{name}' has shape {fmt_shape(node.shape)} in '{a.name}' but {fmt_shape(other.shape)} "
+                f"in '{b.name}' ({b.locs.get(other, b.loc)})", a.locs.get(node, a.loc))
 
 
 def check_ranks(program: Program) -> None:
@@ -152,7 +152,11 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
             f"(relative difference {gap:.3g}): some axiom in use is unsound"
         )
     if proved and explain:
-        result = replace(result, used=explain_rules(library, setup, goals, limits))
+        used = explain_rules(library, setup, goals, limits)
+        if isinstance(used, str):
+            result = replace(result, unexplained=used)
+        else:
+            result = replace(result, used=used)
     return result
 
 
@@ -164,7 +168,7 @@ def _terms(a: Program, b: Program, pairs) -> tuple[str, list[tuple[str, str]]]:
     return setup, [(terms_a[x], terms_b[y]) for x, y in pairs]
 
 
-def explain_rules(library: Library, setup: str, goals, limits: Limits) -> tuple[Rule, ...]:
+def explain_rules(library: Library, setup: str, goals, limits: Limits) -> tuple[Rule, ...] | str:
     """A set of rules that still proves every goal: of the rules that matched anything in a proof with
     one egglog ruleset per rule, drop each in turn and keep it out when the goals are still proved.
 
@@ -172,12 +176,14 @@ def explain_rules(library: Library, setup: str, goals, limits: Limits) -> tuple[
     fails can run long (fewer rules, no proof: it saturates or reaches a limit), so trials get a few
     more iterations than the first proof took and a short time limit; one that runs out counts as
     needing the rule, which may leave in a rule that is not strictly needed, never leave one out.
+    When the proof with one ruleset per rule itself runs out (its schedule differs from the grouped
+    one), the answer is the reason, in words, not a list.
     """
     program, _ = compile_library(library, per_rule=True)
     with egglog_runner.Session(program) as session:
         first = session.run(setup, goals, schedule([r.name for r in library.rules]), limits)
         if not all(first.proved):  # one rule at a time reached a limit that all of them at once did not
-            return tuple(library.rules)
+            return f"the search with one ruleset per rule stopped first ({first.reason})"
         needed = [r.name for r in library.rules if ruleset_name(r.name) in first.matched]
         short = replace(limits, iterations=min(limits.iterations, 2 * first.iterations + 2),
                         seconds=min(limits.seconds, 1.0 + 4 * first.seconds))

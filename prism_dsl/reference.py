@@ -109,6 +109,8 @@ def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
             continue
         for size, actual in zip(node.shape, np.shape(arr)):
             if isinstance(size, sympy.Symbol) and size not in binding:
+                if actual < 1:
+                    raise PrismError(f"input '{node.attr}' has shape {list(np.shape(arr))}: dim {size} must be at least 1")
                 binding[size] = int(actual)
     for d in program.dims:
         binding.setdefault(d.symbol, d.default)

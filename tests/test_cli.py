@@ -202,6 +202,18 @@ def test_run_unreadable_inputs(capsys, tmp_path, make, message):
     assert leftovers(tmp_path) == []
 
 
+def test_run_refuses_empty_inputs(capsys, tmp_path):
+    np.savez(tmp_path / "in.npz", X=np.zeros((0, 3)), W=np.zeros((3, 3)))
+    code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")
+    assert code == 1 and "input 'X' has shape [0, 3]: dim n must be at least 1" in err
+
+
+def test_run_out_of_memory_is_a_clear_error(capsys, tmp_path):
+    code, _, err = prismc(capsys, "run", RMSNORM, "--dims", "n=99999999999", "--out", tmp_path / "out.npz")
+    assert code == 1 and "not enough memory" in err
+    assert leftovers(tmp_path) == []
+
+
 def test_run_output_has_the_usual_file_mode(capsys, tmp_path):
     mask = os.umask(0o022)
     try:
@@ -246,9 +258,12 @@ def test_run_failing_save_inputs_leaves_no_output(capsys, tmp_path):
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["check"], "required: FILE"),
     (["run", RMSNORM], "required: --out"),
-    (["run", RMSNORM, "--out", "x.npz", "--seed", "x"], "invalid int value: 'x'"),
+    (["run", RMSNORM, "--out", "x.npz", "--seed", "x"], "expected a non-negative integer, got 'x'"),
     (["run", RMSNORM, "--out", "x.npz", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["run", RMSNORM, "--out", "x.npz", "--inputs", "in.npz", "--seed", "3"], "not allowed with argument --inputs"),
+    (["run", RMSNORM, "--out", "x.npz", "--seed", "-5"], "expected a non-negative integer, got '-5'"),
+    (["prove", RMSNORM, RMSNORM, "--timeout", "1e12"], "at most 1e+06"),
+    (["prove", RMSNORM, RMSNORM, "--nodes", "\u0663"], "expected a positive integer"),
 ])
 def test_usage_errors(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)  # nothing may be written to the working directory either

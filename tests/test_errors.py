@@ -62,6 +62,7 @@ BAD = [
     (prog("    Y = exp(X)\n    Y = exp(Y)\n    return Y\n"), "'Y' is already defined", 4, 5),
     (prog("    X = exp(X)\n    return X\n"), "'X' is already defined", 3, 5),
     ("dims n = 4\ndims n = 5\n", "duplicate dim 'n'", 2, 6),
+    ("dims n = 0\n", "dim 'n' must be at least 1, got 0", 1, 6),
     ("def f(x) = x\ndef f(y) = y\n", "duplicate def 'f'", 2, 5),
     ("def exp(x) = x\n", "def 'exp' would hide the built-in operator 'exp'", 1, 5),
     (prog("    return X\n") + "program p(X: f16[n]) {\n    return X\n}\n", "duplicate program 'p'", 5, 9),

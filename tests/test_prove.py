@@ -227,3 +227,33 @@ def test_tensors_deeper_than_the_e_graph_tracks_are_refused(tmp_path):
                     signature=f"A: {shape}, C: {shape}")
     with pytest.raises(PrismError, match="rank 7 .* the prover handles ranks up to 6"):
         prove(a, b, DEFAULT)
+
+
+def test_program_options_pick_programs_from_files(capsys, tmp_path):
+    plain, fused = REPO / "programs" / "rmsnorm_linear.prism", REPO / "programs" / "proofs" / "rmsnorm_linear.prism"
+    assert main(["prove", str(plain), str(fused), "--program", "rmsnorm_linear", "--program", "rmsnorm_linear_fused"]) == 0
+    assert "rmsnorm_linear == rmsnorm_linear_fused: proved" in capsys.readouterr().out
+    assert main(["prove", str(fused), "--program", "rmsnorm_linear_fused", "--program", "rmsnorm_linear"]) == 0
+    capsys.readouterr()
+    assert main(["prove", str(plain)]) == 1
+    assert "defines 1 program (rmsnorm_linear); to prove with one file" in capsys.readouterr().err
+    assert main(["prove", str(fused), "--program", "rmsnorm_linear"]) == 2
+    assert main(["prove", str(plain), str(fused), "--program", "a", "--program", "b", "--program", "c"]) == 2
+
+
+def test_explain_says_so_when_it_cannot_narrow_the_rules_down(tmp_path):
+    from prism_dsl.prove import _terms, explain_rules, pair_outputs
+
+    a, b = programs(tmp_path, "(rms_norm(X) @ W) * (rms_norm(X) @ V)",
+                    "((X @ W) * (X @ V)) / square(sqrt(mean(square(X), -1)))")
+    setup, goals = _terms(a, b, pair_outputs(a, b))
+    why = explain_rules(DEFAULT, setup, goals, Limits(iterations=1))
+    assert isinstance(why, str) and "iteration limit (1) reached" in why
+
+
+def test_checking_a_rules_file_finds_clashes_with_the_default_library(capsys, tmp_path):
+    mine = tmp_path / "mine.rules"
+    mine.write_text("ruleset mine {\n    # relu is idempotent\n    rule matmul_assoc: relu(relu(x)) => relu(x)\n}\n")
+    assert main(["check", str(mine)]) == 1
+    assert "mine.rules:3:10: duplicate rule name 'matmul_assoc'" in capsys.readouterr().err
+    assert main(["check", "--no-default-rules", str(mine)]) == 0
