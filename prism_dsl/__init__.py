@@ -2,6 +2,8 @@
 
 Pipeline (ARCHITECTURE.md section 4): `.prism` text -> `syntax` (lark) -> `check` (symbolic shapes) ->
 `ir` programs, evaluated by `reference` (the float64 oracle) and printed back by `printer`.
+Axioms: `.rules` text -> `rules` (parsed, checked) -> `soundness` (numeric check) -> `egraph` (egglog
+program text) -> `prove`, which runs egglog through `egglog_runner` in a child process.
 """
 
 __version__ = "0.1.0"

@@ -2,8 +2,8 @@
 
 Every mistake in a user's file (syntax, names, shapes, unsound axioms, impossible parameters) becomes a
 `Diagnostic` with a source location. Passes collect diagnostics and raise one `PrismError` at the end of the
-pass, so a user sees all the errors of a file at once. The CLI prints `str(err)` and exits 1; nothing else
-in the package prints errors.
+pass, so a user sees all the errors of a file at once. The CLI prints `err.render()` and exits 1; nothing
+else in the package prints errors (the cache warns once about a record it cannot read).
 """
 
 from __future__ import annotations

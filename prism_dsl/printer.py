@@ -22,8 +22,7 @@ _INLINE_DEPTH = 50
 
 
 def format_number(value: float) -> str:
-    text = repr(float(value))
-    return text if text[0] != "-" else text  # repr round-trips exactly through float()
+    return repr(float(value))  # repr round-trips exactly through float()
 
 
 def print_program(program: Program, *, with_dims: bool = True) -> str:

@@ -245,6 +245,9 @@ def _load_file(path: Path, errors: Collector, seen: dict, rules: list, texts: li
         return
     if key in {p.resolve() for p in seen}:
         return
+    if path.suffix == ".prism":
+        errors.error(at, f"'{path}' is a .prism program; axioms come from .rules files")
+        return
     try:
         text = read_source(path, at=at, what="import" if at else "rules file")
         items = parse_rules(text, str(path))

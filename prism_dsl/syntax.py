@@ -107,7 +107,7 @@ def read_source(path: str | Path, *, at: Loc | None = None, what: str = "file") 
     except OSError as e:
         raise PrismError(f"cannot read {what} '{path}': {e.strerror or e}", where) from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is not text
     except UnicodeDecodeError as e:
         line_start = data.rfind(b"\n", 0, e.start) + 1
         line = data.count(b"\n", 0, e.start) + 1
