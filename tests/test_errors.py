@@ -312,3 +312,8 @@ def test_short_chain_of_defs_is_fine(write, default_recursion_limit):
     defs = "".join(f"def f{i}(x) = f{i + 1}(x) * 2\n" for i in range(60)) + "def f60(x) = x\n"
     path = write(f"dims n = 4\n{defs}program p(X: f16[n]) {{\n    Y = f0(X)\n    return Y\n}}\n")
     assert list(load(path).programs) == ["p"]
+
+
+def test_byte_order_mark_is_not_text(write):
+    path = write(b"\xef\xbb\xbf" + prog("    Y = expp(X)\n    return Y\n").encode())
+    assert_located(rendered(path), path, "unknown function 'expp'", 3, 9)

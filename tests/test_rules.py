@@ -159,3 +159,9 @@ def test_soundness_cache_is_keyed_by_meaning(tmp_path, monkeypatch):
     write(tmp_path, "ruleset r {\n  rule r1: a - b => b - a\n}\n")
     with pytest.raises(PrismError, match="unsound"):
         check_library(load_library([path]))
+
+
+def test_a_program_given_as_rules_is_refused(tmp_path):
+    path = write(tmp_path, "dims n = 4\n", name="p.prism")
+    with pytest.raises(PrismError, match=r"is a \.prism program; axioms come from \.rules files"):
+        load_library([path])
