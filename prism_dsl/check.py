@@ -18,7 +18,7 @@ import sympy
 from . import ast
 from .errors import Collector, Loc, PrismError
 from .ir import DTYPES, Dim, Node, Program, const, dim_symbol
-from .ops import CALLABLE, OPS, Kind
+from .ops import CALLABLE, OPS, Kind, arity_words
 from .shapes import ShapeError, build, fmt_shape
 from .syntax import MAX_DEPTH, parse_prism, read_source, suggest
 
@@ -154,7 +154,7 @@ def _check_def(f: ast.Def, scope: Scope, errors: Collector) -> bool:
             elif e.fn in CALLABLE:
                 spec = OPS[e.fn]
                 if len(e.args) != spec.arity:
-                    errors.error(e.loc, f"{e.fn} takes {_arity_words(spec)}, got {len(e.args)}")
+                    errors.error(e.loc, f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}")
             else:
                 errors.error(e.loc, _unknown_function(e.fn, scope))
             stack.extend(e.args)
@@ -291,7 +291,7 @@ class Checker:
                 self.expr(a, env, defs_stack)
             return POISON
         if len(e.args) != spec.arity:
-            self.errors.error(e.loc, f"{e.fn} takes {_arity_words(spec)}, got {len(e.args)}")
+            self.errors.error(e.loc, f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}")
             return POISON
         operands = [self.expr(a, env, defs_stack) for a in e.args[: spec.operands]]
         params = [self.int_param(a, spec.name, pname) for a, pname in zip(e.args[spec.operands :], spec.params)]
@@ -371,12 +371,6 @@ def _ast_depth(e: ast.Expr) -> int:
         if isinstance(node, ast.Call):
             stack.extend((a, d + 1) for a in node.args)
     return depth
-
-
-def _arity_words(spec) -> str:
-    parts = [f"{spec.operands} tensor operand" + ("s" if spec.operands != 1 else "")]
-    parts += [f"an integer {p}" for p in spec.params]
-    return " and ".join(parts)
 
 
 def _text(a: ast.Expr) -> str:

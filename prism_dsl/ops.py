@@ -73,3 +73,10 @@ MAX_RANK = 6
 
 CALLABLE = frozenset(name for name, spec in OPS.items() if spec.kind not in (Kind.INPUT, Kind.CONST))
 INFIX = {spec.infix: spec.name for spec in OPS.values() if spec.infix}
+
+
+def arity_words(spec: OpSpec) -> str:
+    """What an operator takes, in words: "1 tensor operand and an integer dim"."""
+    parts = [f"{spec.operands} tensor operand" + ("s" if spec.operands != 1 else "")]
+    parts += [f"an integer {p}" for p in spec.params]
+    return " and ".join(parts)

@@ -21,7 +21,7 @@ from lark.visitors import merge_transformers
 from . import ast
 from .errors import Collector, Loc, PrismError
 from .resources import data_dir
-from .ops import CALLABLE, MAX_RANK, OPS
+from .ops import CALLABLE, MAX_RANK, OPS, arity_words
 from .syntax import GRAMMAR_DIR, ExprBuilder, _Located, parse_with, read_source, suggest, transform
 
 
@@ -297,8 +297,11 @@ def check_rule(raw: _RawRule, ruleset: str, errors: Collector) -> Rule | None:
         errors.error(raw.rhs.loc, "the right side of a '<=>' rule is also a left side; it cannot be a lone variable or number (use '=>')")
     for role in ("tensor", "dim"):
         left, right = getattr(lhs_vars, role), getattr(rhs_vars, role)
+        other = "dim" if role == "tensor" else "tensor"
         for name, loc in right.items():
-            if name not in left:
+            if name in getattr(lhs_vars, other):
+                errors.error(loc, f"'{name}' is a {other} on the left; here it is used as a {role}")
+            elif name not in left:
                 errors.error(loc, f"'{name}' is used on the right but not bound on the left{suggest(name, left)}")
         if both:
             for name, loc in left.items():
@@ -325,16 +328,16 @@ def _check_pattern(e: ast.Expr, vars: _Vars, errors: Collector) -> None:
                 vars.tensor.setdefault(e.id, e.loc)
         case ast.Call():
             spec = OPS.get(e.fn)
-            if spec is None or e.fn not in CALLABLE:
-                errors.error(e.loc, f"unknown operator '{e.fn}'{suggest(e.fn, CALLABLE)}")
+            if spec is None or e.fn not in CALLABLE or len(e.args) != spec.arity:
+                if spec is None or e.fn not in CALLABLE:
+                    errors.error(e.loc, f"unknown operator '{e.fn}'{suggest(e.fn, CALLABLE)}")
+                else:
+                    errors.error(e.loc, f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}")
                 for a in e.args:  # still learn its variables, so no second error follows from this one
                     if isinstance(a, ast.Name):
                         vars.tensor.setdefault(a.id, a.loc)
                     else:
                         _check_pattern(a, vars, errors)
-                return
-            if len(e.args) != spec.arity:
-                errors.error(e.loc, f"{e.fn} takes {spec.arity} argument(s), got {len(e.args)}")
                 return
             for a in e.args[: spec.operands]:
                 _check_pattern(a, vars, errors)
