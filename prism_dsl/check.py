@@ -141,6 +141,9 @@ def _check_def(f: ast.Def, scope: Scope, errors: Collector) -> bool:
     before = len(errors.diagnostics)
     if len(set(f.params)) != len(f.params):
         errors.error(f.loc, f"def '{f.name}' repeats a parameter name")
+    for name in f.params:
+        if name in CALLABLE or name in scope.defs:
+            errors.error(f.loc, f"def '{f.name}' has a parameter named '{name}', a function name; choose another name")
     stack = [f.body]
     while stack:
         e = stack.pop()
@@ -206,6 +209,8 @@ class Checker:
             if p.name in env:
                 self.errors.error(p.loc, f"duplicate input '{p.name}'")
                 continue
+            if p.name in CALLABLE or p.name in self.scope.defs:
+                self.errors.error(p.loc, f"input '{p.name}' has a function name; choose another name")
             env[p.name] = node
             if node is not POISON:
                 inputs.append(node)

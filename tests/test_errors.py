@@ -96,6 +96,8 @@ BAD = [
     ("def f(x) = exp(x, 1)\n", "exp takes 1 tensor operand, got 2", 1, 12),
     ("def f(x) = x\ndef g(x) = f(x, x)\n", "f takes 1 argument(s), got 2", 2, 12),
     ("def f(x, x) = x\n", "def 'f' repeats a parameter name", 1, 5),
+    ("def f(exp) = exp + 1\n", "def 'f' has a parameter named 'exp', a function name", 1, 5),
+    (prog("    return f\n", params="f: f16[n]", head="dims n = 4\ndef f(x) = x\n"), "input 'f' has a function name", 3, 11),
     ("dims n = 4\ndef f(x) = x * n\n", "'n' is a dim; dims appear only in input shapes", 2, 16),
     ("def f(x) = x + exp\n", "'exp' is a function; call it as exp(...)", 1, 16),
     # imports
