@@ -150,18 +150,23 @@ def _check_def(f: ast.Def, scope: Scope, errors: Collector) -> bool:
         if isinstance(e, ast.Name) and e.id not in f.params:
             errors.error(e.loc, _unknown_name(e.id, f.params, scope))
         elif isinstance(e, ast.Call):
-            if e.fn in scope.defs:
-                callee = scope.defs[e.fn]
-                if len(e.args) != len(callee.params):
-                    errors.error(e.loc, f"{e.fn} takes {len(callee.params)} argument(s), got {len(e.args)}")
-            elif e.fn in CALLABLE:
-                spec = OPS[e.fn]
-                if len(e.args) != spec.arity:
-                    errors.error(e.loc, f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}")
+            if e.fn in scope.defs or e.fn in CALLABLE:
+                problem = _arity_problem(e, scope)
+                if problem:
+                    errors.error(e.loc, problem)
             else:
                 errors.error(e.loc, _unknown_function(e.fn, scope))
             stack.extend(e.args)
     return len(errors.diagnostics) == before
+
+
+def _arity_problem(e: ast.Call, scope: Scope) -> str | None:
+    """What is wrong with the number of arguments of a call to a def or an operator, if anything."""
+    if e.fn in scope.defs:
+        wanted = len(scope.defs[e.fn].params)
+        return None if len(e.args) == wanted else f"{e.fn} takes {wanted} argument(s), got {len(e.args)}"
+    spec = OPS[e.fn]
+    return None if len(e.args) == spec.arity else f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}"
 
 
 def _unknown_name(name: str, known, scope: Scope) -> str:
@@ -199,6 +204,7 @@ class Checker:
         # written expression; a chain of defs calling defs could still nest deep enough to overflow the
         # Python stack, so inlining stops at the same bound.
         self.depth = 0
+        self.body_depth: dict[str, int] = {}  # each def's body depth, measured once
 
     def program(self, decl: ast.ProgramDecl) -> Program | None:
         before = len(self.errors.diagnostics)
@@ -295,8 +301,9 @@ class Checker:
             for a in e.args:  # still report errors inside the arguments
                 self.expr(a, env, defs_stack)
             return POISON
-        if len(e.args) != spec.arity:
-            self.errors.error(e.loc, f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}")
+        problem = _arity_problem(e, self.scope)
+        if problem:
+            self.errors.error(e.loc, problem)
             return POISON
         operands = [self.expr(a, env, defs_stack) for a in e.args[: spec.operands]]
         params = [self.int_param(a, spec.name, pname) for a, pname in zip(e.args[spec.operands :], spec.params)]
@@ -344,14 +351,17 @@ class Checker:
             chain = " -> ".join(defs_stack[defs_stack.index(e.fn) :] + (e.fn,))
             self.errors.error(e.loc, f"recursive call to '{e.fn}' ({chain}); defs are inlined and cannot recurse")
             return POISON
-        if len(e.args) != len(f.params):
-            self.errors.error(e.loc, f"{e.fn} takes {len(f.params)} argument(s), got {len(e.args)}")
+        problem = _arity_problem(e, self.scope)
+        if problem:
+            self.errors.error(e.loc, problem)
             return POISON
         args = [self.expr(a, env, defs_stack) for a in e.args]
         if any(a is POISON for a in args) or e.fn in self.scope.broken:  # a broken body is reported at its def
             return POISON
         try:
-            if self.depth + _ast_depth(f.body) > MAX_DEPTH:
+            if f.name not in self.body_depth:
+                self.body_depth[f.name] = _ast_depth(f.body)
+            if self.depth + self.body_depth[f.name] > MAX_DEPTH:
                 raise _TooDeep
             before = len(self.errors.diagnostics)
             value = self.expr(f.body, dict(zip(f.params, args)), defs_stack + (e.fn,))

@@ -177,7 +177,8 @@ def cmd_check(args) -> int:
             if f.endswith(".rules"):
                 # Loaded beside the default library, as prove loads it, so that name clashes show now.
                 library = load_rules([f], defaults=not args.no_default_rules)
-                mine = [r for r in library.rules if Path(r.loc.path).resolve() == Path(f).resolve()]
+                path = Path(f).resolve()
+                mine = [r for r in library.rules if Path(r.loc.path).resolve() == path]
                 sets = ", ".join(dict.fromkeys(r.ruleset for r in mine)) or "none"
                 print(f"{f}: ok: {_count(len(mine), 'rule')} (rulesets: {sets}), each sound on random tensors")
             else:
@@ -223,9 +224,7 @@ def cmd_prove(args) -> int:
         print(f"rules used: not narrowed down: {proof.unexplained}; a larger --timeout or --iterations may help")
     if proof.used is not None:
         print(f"rules used ({len(proof.used)}):")
-        width = max((len(r.name) for r in proof.used), default=0)
-        for r in proof.used:
-            print(f"  {r.name:<{width}}  {r.arrow:<3}  {r.loc}")
+        _print_rules(proof.used)
     return EXIT_OK if proof.proved else EXIT_NOT_PROVED
 
 
@@ -258,9 +257,15 @@ def cmd_rules(args) -> int:
     for ruleset in library.rulesets:
         rules = [r for r in library.rules if r.ruleset == ruleset]
         print(f"ruleset {ruleset} ({_count(len(rules), 'rule')})")
-        for r in rules:
-            print(f"  {r.name:<20} {r.arrow:<3} {r.loc}")
+        _print_rules(rules)
     return EXIT_OK
+
+
+def _print_rules(rules) -> None:
+    """One line per rule: name, arrow, file:line:col, in aligned columns."""
+    width = max((len(r.name) for r in rules), default=0)
+    for r in rules:
+        print(f"  {r.name:<{width}}  {r.arrow:<3}  {r.loc}")
 
 
 def _summary(prog) -> str:

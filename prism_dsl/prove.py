@@ -23,7 +23,7 @@ from .ir import Program
 from .ops import MAX_RANK
 from .reference import evaluate, random_inputs
 from .rules import Library, Rule
-from .shapes import fmt_shape, same
+from .shapes import fmt_shape, same_shape
 
 NUMERIC_DIM_CAP = 24  # numeric evidence is taken at small sizes: it is a guard, not the proof
 
@@ -71,7 +71,7 @@ def check_signatures(a: Program, b: Program) -> None:
             "programs are compared on the same inputs", a.loc)
     for name, node in ins_a.items():
         other = ins_b[name]
-        if len(node.shape) != len(other.shape) or not all(same(x, y) for x, y in zip(node.shape, other.shape)):
+        if not same_shape(node.shape, other.shape):
             raise PrismError(
                 f"input '{name}' has shape {fmt_shape(node.shape)} in '{a.name}' but {fmt_shape(other.shape)} "
                 f"in '{b.name}' ({b.locs.get(other, b.loc)})", a.locs.get(node, a.loc))
@@ -91,7 +91,7 @@ def _shape_mismatch(a: Program, b: Program, pairs) -> str | None:
     outs_a, outs_b = dict(a.outputs), dict(b.outputs)
     for x, y in pairs:
         sa, sb = outs_a[x].shape, outs_b[y].shape
-        if len(sa) != len(sb) or not all(same(p, q) for p, q in zip(sa, sb)):
+        if not same_shape(sa, sb):
             return f"output '{x}' has shape {fmt_shape(sa)} but '{y}' has {fmt_shape(sb)}"
     return None
 

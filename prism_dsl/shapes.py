@@ -23,6 +23,11 @@ def same(a: sympy.Expr, b: sympy.Expr) -> bool:
     return a == b or sympy.expand(a - b) == 0
 
 
+def same_shape(a: Shape, b: Shape) -> bool:
+    """The same rank and the same size in every dim, for every binding of the dims."""
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
 def fmt_shape(shape: Shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 

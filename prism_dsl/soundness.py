@@ -267,8 +267,8 @@ def _compare(first, second, fname, sname, inst, domains, rng, all_positive) -> t
     a, b = a[both], b[both]
     bad = ~np.isclose(a, b, rtol=RTOL, atol=ATOL * max(1.0, float(np.abs(a).max(initial=0))))
     if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(both)[np.argmax(bad)])
-        i = int(np.argmax(bad))
+        i = int(np.argmax(bad))  # the first disagreement among the positions finite on both sides
+        idx = tuple(int(k) for k in np.argwhere(both)[i])
         return (
             f"its sides differ at {inst.describe()}: {fname} {a[i]:.6g}, {sname} {b[i]:.6g} at index {idx}",
             True,
