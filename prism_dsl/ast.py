@@ -92,10 +92,53 @@ class Return:
 
 
 @dataclass(frozen=True)
+class MapEntry:
+    """One dim of a load or store map: the names that split it (`x`, `loop`, `x*loop`); () is `:`."""
+
+    names: tuple[str, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class LoadStmt:
+    tile: str
+    source: str
+    entries: tuple[MapEntry, ...]
+    loc: Loc
+    source_loc: Loc
+
+
+@dataclass(frozen=True)
+class StoreStmt:
+    name: str
+    entries: tuple[MapEntry, ...]
+    add: bool  # `+=`
+    expr: Expr
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Size:
+    """A grid size or loop range as written: an integer, a dim, or a kernel symbol."""
+
+    value: str | int
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class KernelDecl:
+    name: str
+    grid: tuple[tuple[str, Size, Loc], ...]  # (axis, size, where the axis is named)
+    loop: Size | None
+    body: tuple["LoadStmt | Stmt | StoreStmt", ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
 class ProgramDecl:
     name: str
     params: tuple[Param, ...]
-    body: tuple[Stmt, ...]
+    body: tuple[Stmt | KernelDecl, ...]
     ret: Return
     loc: Loc
 

@@ -205,6 +205,8 @@ class Checker:
         # Python stack, so inlining stops at the same bound.
         self.depth = 0
         self.body_depth: dict[str, int] = {}  # each def's body depth, measured once
+        self.callable = CALLABLE  # the operators an expression may call here (more inside a kernel)
+        self.kernel_names: dict[str, Loc] = {}
 
     def program(self, decl: ast.ProgramDecl) -> Program | None:
         before = len(self.errors.diagnostics)
@@ -221,6 +223,11 @@ class Checker:
             if node is not POISON:
                 inputs.append(node)
         for stmt in decl.body:
+            if isinstance(stmt, ast.KernelDecl):
+                from .check_kernel import check_kernel
+
+                check_kernel(self, stmt, env)
+                continue
             value = self.expr(stmt.expr, env, defs_stack=())
             if stmt.name in env:
                 self.errors.error(stmt.loc, f"'{stmt.name}' is already defined; every name is assigned once")
@@ -296,8 +303,13 @@ class Checker:
         if e.fn in self.scope.defs:
             return self.inline(e, env, defs_stack)
         spec = OPS.get(e.fn)
-        if spec is None or e.fn not in CALLABLE:
-            self.errors.error(e.loc, _unknown_function(e.fn, self.scope))
+        if spec is None or e.fn not in self.callable:
+            if spec is not None and spec.where == "block":
+                self.errors.error(e.loc, f"{e.fn} is a loop accumulator; it can only be used inside a kernel")
+            elif spec is not None and spec.where == "rules":
+                self.errors.error(e.loc, f"{e.fn} is a layout operator of the prover; it can only be used in rules")
+            else:
+                self.errors.error(e.loc, _unknown_function(e.fn, self.scope))
             for a in e.args:  # still report errors inside the arguments
                 self.expr(a, env, defs_stack)
             return POISON

@@ -22,7 +22,7 @@ import sympy
 
 from . import ast
 from .ir import Node, Program
-from .ops import MAX_RANK, OPS, Kind
+from .ops import LOOP_DIM, MAX_RANK, OPS, Kind
 from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
 
 DIMS = tuple(range(-1, -MAX_RANK - 1, -1))
@@ -50,9 +50,13 @@ def declarations() -> str:
     for name, spec in OPS.items():
         if spec.kind in (Kind.INPUT, Kind.CONST):
             continue
-        ctors.append(f"({constructor(name)}{' T' * spec.operands}{' i64' * len(spec.params)})")
+        if spec.kind in (Kind.TILE, Kind.KERNEL):
+            continue  # kernels are translated to layout terms (`layout`) before they reach the e-graph
+        params = "".join(" Dim" if p == "count" else " i64" for p in spec.params)
+        ctors.append(f"({constructor(name)}{' T' * spec.operands}{params})")
     lines = [
-        "(datatype Dim (DSym String) (DNum i64))",
+        "; sizes: symbols, numbers, and the products and exact quotients that splitting dims makes",
+        "(datatype Dim (DSym String) (DNum i64) (DMul Dim Dim) (DDiv Dim Dim))",
         "(datatype T\n    " + "\n    ".join(ctors) + ")",
         "; (size t i): the size of dim i (counted from the end) of t; 1 beyond t's rank.",
         "(function size (T i64) Dim :merge old)",
@@ -75,8 +79,54 @@ def _broadcast(e: str, a: str, b: str, i: str) -> list[str]:
     ]
 
 
+# Accumulators whose result keeps one value per row (the last dim folds to 1 as well as the loop dim).
+_ROW_ACCUMULATORS = {"acc_sum_last", "acc_mean_last", "acc_rms_last", "acc_max_last", "acc_softmax_sum"}
+
+
+def _except(dims: tuple[int, ...]) -> str:
+    return " ".join(f"(!= i {d})" for d in dims)
+
+
+def _accumulate_rules(name: str, c: str) -> list[str]:
+    L = LOOP_DIM
+    if name == "acc_softmax_out":  # a matrix product folded over the loop
+        out = [_rule(f"(= e ({c} a b)) (= s (size a -2))", "(set (size e -2) s)"),
+               _rule(f"(= e ({c} a b)) (= s (size b -1))", "(set (size e -1) s)")]
+        for i in DIMS[2:]:
+            if i != L:
+                out += _broadcast(f"e ({c} a b)", "a", "b", str(i))
+    elif name == "acc_rescaled_sum":
+        out = [r for i in DIMS if i != L for r in _broadcast(f"e ({c} a b)", "a", "b", str(i))]
+    else:
+        folded = (-1, L) if name in _ROW_ACCUMULATORS else (L,)
+        out = [_rule(f"(= e ({c} a)) (= s (size a i)) {_except(folded)}", "(set (size e i) s)")]
+        out += [_rule(f"(= e ({c} a))", f"(set (size e {d}) (DNum 1))") for d in folded if d != L]
+    args = " a b" if OPS[name].operands == 2 else " a"
+    out.append(_rule(f"(= e ({c}{args}))", f"(set (size e {L}) (DNum 1))"))
+    return out
+
+
+def _layout_rules() -> list[str]:
+    return [
+        # split(a, k, j, g): dim k shrinks by g; the block dim j holds the g pieces.
+        _rule("(= e (Split a k j g)) (= s (size a i)) (!= i k) (!= i j)", "(set (size e i) s)"),
+        _rule("(= e (Split a k j g)) (= s (size a k))", "(set (size e k) (DDiv s g))"),
+        _rule("(= e (Split a k j g))", "(set (size e j) g)"),
+        # concat(a, k, j): the pieces along j go back side by side in k.
+        _rule("(= e (Concat a k j)) (= s (size a i)) (!= i k) (!= i j)", "(set (size e i) s)"),
+        _rule("(= e (Concat a k j)) (= s (size a k)) (= g (size a j))", "(set (size e k) (DMul s g))"),
+        _rule("(= e (Concat a k j))", "(set (size e j) (DNum 1))"),
+        # Exact division undoes multiplication (every split divides exactly: instantiation checks it).
+        f"(rewrite (DMul (DDiv x g) g) x :ruleset {SHAPES})",
+        f"(rewrite (DDiv (DMul x g) g) x :ruleset {SHAPES})",
+        f"(rewrite (DMul x (DNum 1)) x :ruleset {SHAPES})",
+        f"(rewrite (DDiv x (DNum 1)) x :ruleset {SHAPES})",
+    ]
+
+
 def shape_rules() -> str:
     out = [_rule("(= e (Num x))", " ".join(f"(set (size e {i}) (DNum 1))" for i in DIMS))]
+    out += _layout_rules()
     for name, spec in OPS.items():
         c = constructor(name)
         if spec.kind in (Kind.UNARY, Kind.ROWWISE):
@@ -91,6 +141,8 @@ def shape_rules() -> str:
             out.append(_rule(f"(= e ({c} a b)) (= s (size b -1))", "(set (size e -1) s)"))
             for i in DIMS[2:]:
                 out += _broadcast(f"e ({c} a b)", "a", "b", str(i))
+        elif spec.kind is Kind.ACCUMULATE:
+            out += _accumulate_rules(name, c)
     return "\n".join(out) + "\n"
 
 
@@ -114,8 +166,13 @@ def pattern(e: ast.Expr) -> str:
         case ast.Call():
             spec = OPS[e.fn]
             parts = [pattern(a) for a in e.args[: spec.operands]]
-            for a in e.args[spec.operands :]:
-                parts.append(var(a.id) if isinstance(a, ast.Name) else str(literal_dim(a)))
+            for a, role in zip(e.args[spec.operands :], spec.params):
+                if isinstance(a, ast.Name):
+                    parts.append(var(a.id))
+                elif role == "count":
+                    parts.append(f"(DNum {literal_dim(a)})")
+                else:
+                    parts.append(str(literal_dim(a)))
             return f"({constructor(e.fn)} {' '.join(parts)})"
     raise TypeError(e)
 
@@ -144,6 +201,11 @@ def _operand(o) -> str:
 def conditions(rule: Rule) -> list[str]:
     facts = []
     for c in rule.conditions:
+        if any(isinstance(o, DimVar) and o.name in rule.dim_vars for o in (c.lhs, c.rhs)):
+            # A dim compared with a dim or a literal dim: plain integers, not sizes.
+            a, b = (var(o.name) if isinstance(o, DimVar) else str(o.value) for o in (c.lhs, c.rhs))
+            facts.append(f"({'=' if c.op == '==' else '!='} {a} {b})")
+            continue
         if isinstance(c.lhs, ShapeOf):
             # Same shape: every dim's size agrees (sizes beyond a rank are 1, so leading 1s don't count).
             facts += [f"(= (size {var(c.lhs.var)} {i}) (size {var(c.rhs.var)} {i}))" for i in DIMS]
@@ -235,6 +297,11 @@ class TermWriter:
             args = [self.names[a] for a in node.args]
             if spec.kind is Kind.REDUCE:
                 args.append(str(node.attr - node.rank))  # dims count from the end in the e-graph
+            elif spec.kind is Kind.SPLIT:
+                dim, block, count = node.attr
+                args += [str(dim), str(block), dim_term(count)]
+            elif spec.kind is Kind.CONCAT:
+                args += [str(d) for d in node.attr]
             expr = f"({constructor(node.op)} {' '.join(args)})"
         name = f"${self.prefix}{len(self.names)}"
         self.names[node] = name

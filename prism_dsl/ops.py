@@ -20,6 +20,11 @@ class Kind(Enum):
     MATMUL = "matmul"  # numpy matmul: last two dims contract, leading dims broadcast
     REDUCE = "reduce"  # reduce one dim, keeping it with size 1; attr = the dim (non-negative)
     ROWWISE = "rowwise"  # a function of the whole last dim, shape preserving (rms_norm, softmax)
+    ACCUMULATE = "accumulate"  # a loop accumulator of a custom kernel (see `accumulators`)
+    SPLIT = "split"  # layout: a dim's equal pieces laid along a block dim; attr = (dim, block dim, count)
+    CONCAT = "concat"  # layout: the pieces along a block dim put back side by side; attr = (dim, block dim)
+    TILE = "tile"  # inside a custom kernel: the tile a block loads; attr = the tile's name
+    KERNEL = "kernel"  # an output of a custom kernel; attr = (Kernel, output index)
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class OpSpec:
     # Per operand, the values it is meant for ("positive", "nonzero"), or "" for any. The numeric
     # soundness check of axioms draws values from these domains, as a real program's values would be.
     domains: tuple[str, ...] = ()
+    # Where the op may be written: "any" (programs, kernel bodies, rules), "block" (kernel bodies and
+    # rules: the loop accumulators), "rules" (rules only: the layout operators proofs are made of), or
+    # "internal" (built by the compiler only).
+    where: str = "any"
 
     @property
     def arity(self) -> int:
@@ -65,18 +74,40 @@ OPS: dict[str, OpSpec] = _table(
     OpSpec("mean", Kind.REDUCE, 1, params=("dim",)),
     OpSpec("rms_norm", Kind.ROWWISE, 1, doc="x / sqrt(mean(square(x), -1)), no epsilon"),
     OpSpec("softmax", Kind.ROWWISE, 1, doc="exp(x - max(x, -1)) / sum(exp(x - max(x, -1)), -1)"),
+    # Loop accumulators of custom kernels: each folds its operand over the loop's iterations (see
+    # `accumulators` for the fold of each, and rules/layout.rules for what each one means).
+    OpSpec("acc_sum", Kind.ACCUMULATE, 1, where="block", doc="running sum of the tile"),
+    OpSpec("acc_sum_last", Kind.ACCUMULATE, 1, where="block", doc="running sum of the tile's row sums"),
+    OpSpec("acc_mean_last", Kind.ACCUMULATE, 1, where="block", doc="mean of every row element seen"),
+    OpSpec("acc_rms_last", Kind.ACCUMULATE, 1, where="block", doc="root mean square of every row element seen"),
+    OpSpec("acc_max_last", Kind.ACCUMULATE, 1, where="block", doc="running row max"),
+    OpSpec("acc_softmax_sum", Kind.ACCUMULATE, 1, where="block", doc="sum of exp(s - running max), rescaled"),
+    OpSpec("acc_softmax_out", Kind.ACCUMULATE, 2, where="block", doc="exp(s - running max) @ v, rescaled"),
+    OpSpec("acc_rescaled_sum", Kind.ACCUMULATE, 2, where="block", doc="sum of exp(m - running max of m) * x"),
+    # Layout operators: how the tiles of a custom kernel relate to whole tensors (see `layout`).
+    OpSpec("split", Kind.SPLIT, 1, params=("dim", "block dim", "count"), where="rules"),
+    OpSpec("concat", Kind.CONCAT, 1, params=("dim", "block dim"), where="rules"),
+    OpSpec("tile", Kind.TILE, 0, where="internal"),
+    OpSpec("kernel", Kind.KERNEL, 0, where="internal"),
 )
 
-# Names a user may call (input and const are internal).
 # The prover's e-graph records the sizes of a tensor's last MAX_RANK dims; programs and rules stay within it.
-MAX_RANK = 6
+# A custom kernel's tiles, seen as one tensor for the proof, keep their data in the last KERNEL_RANK dims
+# and put the blocks along the grid axes and the loop's iterations in the dims before (see `layout`).
+KERNEL_RANK = 5
+BLOCK_DIMS = {"x": -6, "y": -7, "z": -8}
+LOOP_DIM = -9
+MAX_RANK = 9
 
-CALLABLE = frozenset(name for name, spec in OPS.items() if spec.kind not in (Kind.INPUT, Kind.CONST))
+# Names a user may call in a program, in a kernel body, and in a rule.
+CALLABLE = frozenset(name for name, spec in OPS.items() if spec.where == "any" and spec.kind not in (Kind.INPUT, Kind.CONST))
+BLOCK_CALLABLE = CALLABLE | {name for name, spec in OPS.items() if spec.where == "block"}
+RULE_CALLABLE = BLOCK_CALLABLE | {name for name, spec in OPS.items() if spec.where == "rules"}
 INFIX = {spec.infix: spec.name for spec in OPS.values() if spec.infix}
 
 
 def arity_words(spec: OpSpec) -> str:
     """What an operator takes, in words: "1 tensor operand and an integer dim"."""
     parts = [f"{spec.operands} tensor operand" + ("s" if spec.operands != 1 else "")]
-    parts += [f"an integer {p}" for p in spec.params]
+    parts += [f"a {p}" if p == "count" else f"an integer {p}" for p in spec.params]
     return " and ".join(parts)

@@ -14,8 +14,10 @@ from typing import Mapping
 import numpy as np
 import sympy
 
+from .accumulators import ACCUMULATORS, fold_along
 from .errors import PrismError
 from .ir import DType, Node, Program
+from .ops import LOOP_DIM, OPS, Kind
 from .shapes import fmt_shape
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -31,6 +33,29 @@ def _softmax(x):
     shifted = x - np.max(x, axis=-1, keepdims=True)
     e = np.exp(shifted)
     return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def _padded(x: np.ndarray, *dims: int) -> tuple[np.ndarray, list[int]]:
+    """`x` with leading size-1 dims so that every (negative) dim in `dims` exists, and those dims as indices."""
+    rank = max(x.ndim, *(-d for d in dims))
+    x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+    return x, [d % rank for d in dims]
+
+
+def _split(x, dim: int, block: int, count: int):
+    """Cut `dim` into `count` equal pieces and lay them along `block` (a size-1 dim): piece k at index k."""
+    x, (i, j) = _padded(np.asarray(x), dim, block)
+    if i == j or x.shape[j] != 1 or count < 1 or x.shape[i] % count:
+        raise ValueError(f"cannot split a dim of size {x.shape[i]} into {count} pieces along a dim of size {x.shape[j]}")
+    return np.concatenate(np.split(x, count, axis=i), axis=j)
+
+
+def _concat(x, dim: int, block: int):
+    """The inverse of `_split`: the pieces along `block` side by side in `dim`, in order."""
+    x, (i, j) = _padded(np.asarray(x), dim, block)
+    if i == j:
+        raise ValueError("concat needs two different dims")
+    return np.concatenate(np.split(x, x.shape[j], axis=j), axis=i)
 
 
 NUMPY = {
@@ -53,7 +78,10 @@ NUMPY = {
     "mean": lambda x, axis: np.mean(x, axis=axis, keepdims=True),
     "rms_norm": lambda x: x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)),
     "softmax": _softmax,
+    "split": _split,
+    "concat": _concat,
 }
+NUMPY.update({name: (lambda name: lambda *xs: fold_along(name, LOOP_DIM, *xs))(name) for name in ACCUMULATORS})
 
 Binding = Mapping[sympy.Symbol, int]
 
@@ -62,29 +90,44 @@ def concrete_shape(shape, binding: Binding) -> tuple[int, ...]:
     return tuple(int(s.xreplace(binding)) if isinstance(s, sympy.Basic) else int(s) for s in shape)
 
 
-def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray]) -> dict[Node, np.ndarray]:
-    """Evaluate `roots` given values for the leaves in `env` (inputs); every node computed once, in float64."""
+def apply(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """One node's value from its operands' values, in float64."""
+    if node.op == "const":
+        return np.float64(node.attr)
+    extra = node.attr if OPS[node.op].kind in (Kind.SPLIT, Kind.CONCAT) else ((node.attr,) if node.attr is not None else ())
+    return np.asarray(NUMPY[node.op](*args, *extra), dtype=np.float64)
+
+
+def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=None) -> dict[Node, np.ndarray]:
+    """Evaluate `roots` given values for the leaves in `env` (inputs); every node computed once, in float64.
+
+    Outputs of custom kernels are computed by `kernels(node, operand values)` (the block interpreter)."""
     values: dict[Node, np.ndarray] = dict(env)
     with np.errstate(all="ignore"):  # inf/nan are results to report, not exceptions
         for root in roots:
             for node in root.walk():
                 if node in values:
                     continue
-                if node.op == "const":
-                    values[node] = np.float64(node.attr)
-                elif node.op == "input":
+                if node.op == "input":
                     raise KeyError(f"no value for input '{node.attr}'")
-                else:
-                    args = [values[a] for a in node.args]
-                    extra = (node.attr,) if node.attr is not None else ()
-                    values[node] = np.asarray(NUMPY[node.op](*args, *extra), dtype=np.float64)
+                args = [values[a] for a in node.args]
+                values[node] = kernels(node, args) if node.op == "kernel" else apply(node, args)
     return values
 
 
-def evaluate(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64)."""
+def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
+             target: str = "h100") -> dict[str, np.ndarray]:
+    """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
+
+    Custom kernels run in the block-level interpreter (`blocks`) with the grid sizes and loop ranges in
+    `params` (by symbol name), and valid choices for the ones not given."""
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
-    values = evaluate_nodes([n for _, n in program.outputs], env)
+    kernels = None
+    if any(n.op == "kernel" for n in program.nodes()):
+        from .blocks import KernelRunner
+
+        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, target)
+    values = evaluate_nodes([n for _, n in program.outputs], env, kernels)
     return {name: values[node] for name, node in program.outputs}
 
 

@@ -21,7 +21,7 @@ from lark.visitors import merge_transformers
 from . import ast
 from .errors import Collector, Loc, PrismError
 from .resources import data_dir
-from .ops import CALLABLE, MAX_RANK, OPS, arity_words
+from .ops import MAX_RANK, OPS, RULE_CALLABLE, arity_words
 from .syntax import GRAMMAR_DIR, ExprBuilder, _Located, parse_with, read_source, suggest, transform
 
 
@@ -106,6 +106,7 @@ class Rule:
     loc: Loc = field(compare=False)
     tensor_vars: frozenset[str] = frozenset()
     dim_vars: frozenset[str] = frozenset()
+    count_vars: frozenset[str] = frozenset()  # sizes a split cuts a dim into (symbolic, like a grid size)
 
     @property
     def arrow(self) -> str:
@@ -282,6 +283,7 @@ class _Vars:
     def __init__(self) -> None:
         self.tensor: dict[str, Loc] = {}
         self.dim: dict[str, Loc] = {}
+        self.count: dict[str, Loc] = {}
 
 
 def check_rule(raw: _RawRule, ruleset: str, errors: Collector) -> Rule | None:
@@ -295,11 +297,12 @@ def check_rule(raw: _RawRule, ruleset: str, errors: Collector) -> Rule | None:
     both = raw.arrow == "<=>"
     if both and (isinstance(raw.rhs, ast.Name) or isinstance(raw.rhs, ast.Num)):
         errors.error(raw.rhs.loc, "the right side of a '<=>' rule is also a left side; it cannot be a lone variable or number (use '=>')")
-    for role in ("tensor", "dim"):
+    roles = ("tensor", "dim", "count")
+    for role in roles:
         left, right = getattr(lhs_vars, role), getattr(rhs_vars, role)
-        other = "dim" if role == "tensor" else "tensor"
         for name, loc in right.items():
-            if name in getattr(lhs_vars, other):
+            other = next((o for o in roles if o != role and name in getattr(lhs_vars, o)), None)
+            if other:
                 errors.error(loc, f"'{name}' is a {other} on the left; here it is used as a {role}")
             elif name not in left:
                 errors.error(loc, f"'{name}' is used on the right but not bound on the left{suggest(name, left)}")
@@ -309,13 +312,15 @@ def check_rule(raw: _RawRule, ruleset: str, errors: Collector) -> Rule | None:
                     errors.error(loc, f"'{name}' is not used on the right, so '<=>' cannot rewrite right to left; use '=>'")
     for name in set(lhs_vars.tensor) & set(lhs_vars.dim):
         errors.error(lhs_vars.dim[name], f"'{name}' is used both as a tensor and as a dim")
+    for name in (set(lhs_vars.tensor) | set(lhs_vars.dim)) & set(lhs_vars.count):
+        errors.error(lhs_vars.count[name], f"'{name}' is used both as a count and as a tensor or dim")
     for cond in raw.conditions:
         _check_condition(cond, lhs_vars, errors)
     if len(errors.diagnostics) > before:
         return None
     return Rule(
         raw.name, ruleset, raw.lhs, raw.rhs, both, raw.conditions, raw.loc,
-        frozenset(lhs_vars.tensor), frozenset(lhs_vars.dim),
+        frozenset(lhs_vars.tensor), frozenset(lhs_vars.dim), frozenset(lhs_vars.count),
     )
 
 
@@ -328,9 +333,9 @@ def _check_pattern(e: ast.Expr, vars: _Vars, errors: Collector) -> None:
                 vars.tensor.setdefault(e.id, e.loc)
         case ast.Call():
             spec = OPS.get(e.fn)
-            if spec is None or e.fn not in CALLABLE or len(e.args) != spec.arity:
-                if spec is None or e.fn not in CALLABLE:
-                    errors.error(e.loc, f"unknown operator '{e.fn}'{suggest(e.fn, CALLABLE)}")
+            if spec is None or e.fn not in RULE_CALLABLE or len(e.args) != spec.arity:
+                if spec is None or e.fn not in RULE_CALLABLE:
+                    errors.error(e.loc, f"unknown operator '{e.fn}'{suggest(e.fn, RULE_CALLABLE)}")
                 else:
                     errors.error(e.loc, f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}")
                 for a in e.args:  # still learn its variables, so no second error follows from this one
@@ -341,8 +346,21 @@ def _check_pattern(e: ast.Expr, vars: _Vars, errors: Collector) -> None:
                 return
             for a in e.args[: spec.operands]:
                 _check_pattern(a, vars, errors)
-            for a in e.args[spec.operands :]:
-                _check_dim_arg(a, vars, errors, e.fn)
+            for a, role in zip(e.args[spec.operands :], spec.params):
+                if role == "count":
+                    _check_count_arg(a, vars, errors, e.fn)
+                else:
+                    _check_dim_arg(a, vars, errors, e.fn)
+
+
+def _check_count_arg(a: ast.Expr, vars: _Vars, errors: Collector, op: str) -> None:
+    if isinstance(a, ast.Name):
+        if _variable_ok(a.id, a.loc, errors):
+            vars.count.setdefault(a.id, a.loc)
+        return
+    value = literal_dim(a)
+    if value is None or value < 1:
+        errors.error(a.loc, f"the count of {op} must be a variable or a positive integer")
 
 
 def _check_dim_arg(a: ast.Expr, vars: _Vars, errors: Collector, op: str) -> None:
@@ -380,7 +398,7 @@ def literal_dim(a: ast.Expr) -> int | None:
 
 
 # Names that a pattern variable may not take, or resemble: every operator, and `size` of conditions.
-_RESERVED = frozenset(CALLABLE) | {"size", "shape"}
+_RESERVED = frozenset(RULE_CALLABLE) | {"size", "shape"}
 
 
 def _variable_ok(name: str, loc: Loc, errors: Collector) -> bool:
@@ -402,7 +420,8 @@ def _check_condition(c: Condition, vars: _Vars, errors: Collector) -> None:
     kinds = [_operand_kind(o, vars, c.loc, errors) for o in (c.lhs, c.rhs)]
     if None in kinds:
         return
-    if kinds[0] != kinds[1]:
+    literal_dim = {kinds[0], kinds[1]} == {"dim", "size"} and (isinstance(c.lhs, Lit) or isinstance(c.rhs, Lit))
+    if kinds[0] != kinds[1] and not literal_dim:  # `i != -1` compares a dim variable with a literal dim
         errors.error(c.loc, "a condition compares a size with a size or an integer, a shape with a shape, or a dim with a dim")
 
 
@@ -430,6 +449,8 @@ def _operand_kind(o: Operand, vars: _Vars, loc: Loc, errors: Collector) -> str |
         case Lit():
             return "size"
         case DimVar(name=n):
+            if n in vars.count:
+                return "size"
             if n not in vars.dim:
                 errors.error(loc, f"'{n}' is not a dim variable of the left side{suggest(n, vars.dim)}")
                 return None

@@ -105,7 +105,50 @@ def _rowwise(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
     return args[0].dtype, args[0].shape
 
 
+def _accumulate(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    """At block level the result has the shape of one iteration's value; in a tile family (rank above
+    KERNEL_RANK, see `layout`) the loop dim also folds to 1."""
+    from .ops import LOOP_DIM
+
+    op = params[0]
+    if op in ("acc_softmax_out",):
+        dtype, shape = _matmul(args, ())
+    elif op == "acc_rescaled_sum":
+        dtype, shape = _binary(args, ())
+    else:
+        dtype, shape = args[0].dtype, args[0].shape
+    if op not in ("acc_sum", "acc_softmax_out", "acc_rescaled_sum"):
+        if not shape:
+            raise ShapeError("needs a tile of rank 1 or more (it works along the last dim)")
+        shape = shape[:-1] + (sympy.Integer(1),)
+    if len(shape) >= -LOOP_DIM:
+        shape = shape[:LOOP_DIM] + (sympy.Integer(1),) + (shape[LOOP_DIM + 1 :] if LOOP_DIM + 1 else ())
+    return dtype, shape
+
+
+def _padded(shape: Shape, *dims: int) -> Shape:
+    rank = max(len(shape), *(-d for d in dims))
+    return (sympy.Integer(1),) * (rank - len(shape)) + tuple(shape)
+
+
+def _split(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    dim, block, count = params
+    shape = list(_padded(args[0].shape, dim, block))
+    shape[dim], shape[block] = shape[dim] / count, sympy.sympify(count)
+    return args[0].dtype, tuple(shape)
+
+
+def _concat(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    dim, block = params
+    shape = list(_padded(args[0].shape, dim, block))
+    shape[dim], shape[block] = shape[dim] * shape[block], sympy.Integer(1)
+    return args[0].dtype, tuple(shape)
+
+
 RULES: dict[Kind, Callable] = {
+    Kind.ACCUMULATE: _accumulate,
+    Kind.SPLIT: _split,
+    Kind.CONCAT: _concat,
     Kind.UNARY: _unary,
     Kind.BINARY: _binary,
     Kind.MATMUL: _matmul,
@@ -115,6 +158,8 @@ RULES: dict[Kind, Callable] = {
 
 
 def infer(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> tuple[DType | None, Shape]:
+    if OPS[op].kind is Kind.ACCUMULATE:
+        params = (op,)
     return RULES[OPS[op].kind](args, params)
 
 
@@ -124,4 +169,6 @@ def build(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> Node:
     attr = None
     if OPS[op].kind is Kind.REDUCE:
         attr = normalize_dim(params[0], args[0].rank)
+    elif OPS[op].kind in (Kind.SPLIT, Kind.CONCAT):
+        attr = tuple(params)
     return Node(op, tuple(args), attr, dtype, shape)

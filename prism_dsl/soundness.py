@@ -59,6 +59,11 @@ def evaluate(e: ast.Expr, values: dict[str, np.ndarray], dims: dict[str, int]) -
             spec = OPS[e.fn]
             args = [np.asarray(evaluate(a, values, dims)) for a in e.args[: spec.operands]]
             params = [dims[a.id] if isinstance(a, ast.Name) else literal_dim(a) for a in e.args[spec.operands :]]
+            if spec.kind in (Kind.SPLIT, Kind.CONCAT, Kind.ACCUMULATE):
+                try:
+                    return NUMPY[e.fn](*args, *params)
+                except ValueError as err:
+                    raise _IllFormed(str(err)) from None
             try:
                 return _apply(e.fn, spec.kind, args, params)
             except ValueError as err:
@@ -127,6 +132,13 @@ def _random_instance(rule: Rule, rng: random.Random, deepest: int) -> Instance:
         rank = rng.choices(ranks, weights=(1, 2, 4, 3) + (3,) * (len(ranks) - 4))[0]
         shapes[v] = tuple(1 if rng.random() < 0.2 else rng.randint(2, 5 if rank <= 3 else 3) for _ in range(rank))
     dims = {d: rng.choice((-1, -1, -2, -3)) for d in sorted(rule.dim_vars)}
+    dims.update({c: rng.choice((1, 2, 2, 3)) for c in sorted(rule.count_vars)})
+    if deepest > 3:
+        # Rules about tile families (`layout`) split a data dim (-1 .. -5) into a block dim (-6 .. -9) that
+        # must have size 1: draw such shapes often, so that enough instances are well formed.
+        for v, shape in shapes.items():
+            if len(shape) > 5 and rng.random() < 0.7:
+                shapes[v] = tuple(1 if i < len(shape) - 5 and rng.random() < 0.8 else s for i, s in enumerate(shape))
     return Instance(shapes, dims)
 
 
@@ -140,6 +152,8 @@ def _deepest_dim(rule: Rule) -> int:
             spec = OPS[e.fn]
             deepest += [-d for a in e.args[spec.operands :] if (d := literal_dim(a)) is not None]
             stack.extend(e.args[: spec.operands])
+            if spec.kind is Kind.ACCUMULATE:
+                deepest.append(9)  # accumulators fold the loop dim (`ops.LOOP_DIM`)
     return max(deepest, default=1)
 
 
@@ -277,7 +291,7 @@ def _compare(first, second, fname, sname, inst, domains, rng, all_positive) -> t
 
 
 # Bump when the check itself changes, so that rules passed by an older check are checked again.
-CHECK_VERSION = "2"
+CHECK_VERSION = "3"
 
 
 def check_library(library: Library, *, use_cache: bool = True) -> None:

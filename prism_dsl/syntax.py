@@ -65,6 +65,25 @@ SYNTAX_ERRORS: dict[str, list[str]] = {
         "dims n = 1;;",
         "program p(X: f16[n]) { Y = X;; return Y }",
     ],
+    "a kernel is 'kernel NAME grid(x = SIZE, ...) [loop(SIZE)] { ... }'": [
+        "program p(X: f16[n]) { kernel k { } return X }",
+        "program p(X: f16[n]) { kernel k grid() { } return X }",
+        "program p(X: f16[n]) { kernel k grid(x) { } return X }",
+        "program p(X: f16[n]) { kernel k grid(x = 1) loop { } return X }",
+        "program p(X: f16[n]) { kernel grid(x = 1) { } return X }",
+    ],
+    "a map lists one entry per dim: ':' (whole), an axis (x, y, z), 'loop', or 'AXIS*loop'": [
+        "program p(X: f16[n]) { kernel k grid(x = 1) { t = load X[1] } return X }",
+        "program p(X: f16[n]) { kernel k grid(x = 1) { t = load X[x,] } return X }",
+        "program p(X: f16[n]) { kernel k grid(x = 1) { t = load X[x*] } return X }",
+        "program p(X: f16[n]) { kernel k grid(x = 1) { store Y[1] = X } return X }",
+    ],
+    "a kernel statement is 'NAME = load TENSOR[map]', 'NAME = expression' or 'store NAME[map] = expression'": [
+        "program p(X: f16[n]) { kernel k grid(x = 1) { load X[:] } return X }",
+        "program p(X: f16[n]) { kernel k grid(x = 1) { t = load X } return X }",
+        "program p(X: f16[n]) { kernel k grid(x = 1) { store Y = X } return X }",
+        "program p(X: f16[n]) { kernel k grid(x = 1) { return X } return X }",
+    ],
     "a statement is 'NAME = expression'": [
         "program p(X: f16[n]) { exp(X) return X }",
         "program p(X: f16[n]) { Y + X return Y }",
@@ -332,6 +351,43 @@ class ModuleBuilder(_Located):
     @v_args(meta=True)
     def return_stmt(self, meta, toks):
         return ast.Return(tuple((str(t), self.loc(t)) for t in toks), self.loc(meta))
+
+    def kernel(self, children):
+        name, *rest = children
+        grid = [c for c in rest if isinstance(c, tuple)]
+        loop = next((c for c in rest if isinstance(c, ast.Size)), None)
+        body = [c for c in rest if not isinstance(c, (tuple, ast.Size)) and c is not None]
+        return ast.KernelDecl(str(name), tuple(grid), loop, tuple(body), self.loc(name))
+
+    @v_args(inline=True)
+    def axis_size(self, axis, size):
+        return (str(axis), self._size(size), self.loc(axis))
+
+    @v_args(inline=True)
+    def loop_range(self, size):
+        return self._size(size)
+
+    def _size(self, tok) -> ast.Size:
+        return ast.Size(int(tok) if tok.type == "INT" else str(tok), self.loc(tok))
+
+    @v_args(inline=True)
+    def load(self, tile, source, entries):
+        return ast.LoadStmt(str(tile), str(source), tuple(entries or ()), self.loc(tile), self.loc(source))
+
+    @v_args(inline=True)
+    def store(self, name, entries, op, expr):
+        return ast.StoreStmt(str(name), tuple(entries or ()), str(op) == "+=", expr, self.loc(name))
+
+    def entries(self, children):
+        return children
+
+    @v_args(meta=True)
+    def whole(self, meta, children):
+        return ast.MapEntry((), self.loc(meta))
+
+    @v_args(meta=True)
+    def split(self, meta, toks):
+        return ast.MapEntry(tuple(str(t) for t in toks if t is not None), self.loc(meta))
 
     def program(self, children):
         name, params, *body = children

@@ -1,0 +1,442 @@
+"""Custom kernels: the block-graph IR, symbolic tile shapes, constraints, and instantiation.
+
+A custom kernel (ARCHITECTURE.md section 3) launches a grid of 1 to 3 axes; each block runs a loop of `F`
+iterations. Per input, a `TileMap` says which grid axis splits each dim across blocks and whether the
+loop splits it; per output, which axis's blocks write side by side along each dim (axes that write no
+dim add their blocks' results). The body is a graph of ordinary `ir.Node`s whose leaves are `tile`
+nodes (the loaded tiles), with accumulators (`acc_*`) ending the loop part. Grid sizes and `F` are
+SymPy expressions: integers, program dims, or free kernel symbols that instantiation chooses.
+
+In a program, each output of a kernel is a `kernel` node whose operands are the kernel's inputs and
+whose attr is (Kernel, output index), so kernel-level graphs mix custom and pre-defined kernels freely.
+
+Tile shape of input dim d (the formula the search uses, with Boolean map variables m):
+    tile_d = D_d / prod_p(1 - m[p][d] + m[p][d] * g_p) / (1 - m[F][d] + m[F][d] * F)
+`instantiate` binds every symbol and checks the constraints (exact division, shared memory, grid limits)
+against a hardware target, returning a `Concrete` kernel or every violation in words.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Mapping
+
+import sympy
+
+from .accumulators import ACCUMULATORS
+from .errors import PrismError
+from .ir import DType, Node, Program
+from .ops import OPS, Kind
+
+AXES = ("x", "y", "z")
+ONE = sympy.Integer(1)
+
+
+def bind(expr, binding: Mapping[sympy.Symbol, int]) -> sympy.Expr:
+    """`expr` with the bound symbols replaced by their (integer) values."""
+    return sympy.sympify(expr).xreplace({k: sympy.Integer(v) for k, v in binding.items()})
+
+
+# -- maps --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DimMap:
+    """How one dim of a tile relates to the whole tensor: split by a grid axis, by the loop, or whole.
+
+    Printed as in the surface syntax: `:` (whole), `x`, `loop`, or `x*loop` (the axis first: block b
+    owns a 1/g slice and iteration i walks 1/F of that slice)."""
+
+    axis: str | None = None
+    loop: bool = False
+
+    def __str__(self) -> str:
+        parts = ([self.axis] if self.axis else []) + (["loop"] if self.loop else [])
+        return "*".join(parts) or ":"
+
+
+WHOLE = DimMap()
+
+
+@dataclass(frozen=True)
+class TileMap:
+    dims: tuple[DimMap, ...]
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(d) for d in self.dims) + "]"
+
+    def axes(self) -> set[str]:
+        return {d.axis for d in self.dims if d.axis}
+
+    def dim_of(self, axis: str) -> int | None:
+        """The dim (counted from the end) that `axis` splits, if any."""
+        for i, d in enumerate(reversed(self.dims)):
+            if d.axis == axis:
+                return -1 - i
+        return None
+
+    def loop_dim(self) -> int | None:
+        for i, d in enumerate(reversed(self.dims)):
+            if d.loop:
+                return -1 - i
+        return None
+
+
+@dataclass(frozen=True)
+class Load:
+    tile: str  # the tile's name in the body
+    source: int  # which operand of the kernel (its inputs, in order of first load)
+    map: TileMap
+
+
+@dataclass(frozen=True)
+class Store:
+    name: str  # the program-level name of the output
+    value: Node  # the block-level value stored
+    map: TileMap  # no loop entries; extra leading entries add dims where the tile has size 1
+    add: bool  # written `+=`: blocks along axes that write no dim add their results
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    grid: tuple[tuple[str, sympy.Expr], ...]  # (axis, size), axes in order x, y, z
+    loop: sympy.Expr | None  # the loop range F; None: no loop (one pass)
+    loads: tuple[Load, ...]
+    stores: tuple[Store, ...]
+    inputs: tuple[Node, ...]  # the kernel-level tensors its loads read, in order
+
+    @property
+    def loop_range(self) -> sympy.Expr:
+        return self.loop if self.loop is not None else ONE
+
+    def size(self, axis: str) -> sympy.Expr:
+        return dict(self.grid).get(axis, ONE)
+
+    def load(self, tile: str) -> Load:
+        return next(l for l in self.loads if l.tile == tile)
+
+    def body(self) -> list[Node]:
+        """Every block-level node, operands first, each once."""
+        order: list[Node] = []
+        seen: set[int] = set()
+        for s in self.stores:
+            for n in s.value.walk():
+                if id(n) not in seen:
+                    seen.add(id(n))
+                    order.append(n)
+        return order
+
+    def symbols(self) -> set[sympy.Symbol]:
+        out: set[sympy.Symbol] = set()
+        for _, g in self.grid:
+            out |= g.free_symbols
+        if self.loop is not None:
+            out |= self.loop.free_symbols
+        return out
+
+
+def tile_dim(size: sympy.Expr, dim: DimMap, kernel: Kernel) -> sympy.Expr:
+    """`size` divided by what splits it: the formula of the module doc with the map's 0/1 values."""
+    m = {a: ONE if dim.axis == a else sympy.Integer(0) for a, _ in kernel.grid}
+    return symbolic_tile_dim(size, m, ONE if dim.loop else sympy.Integer(0), kernel)
+
+
+def symbolic_tile_dim(size: sympy.Expr, m: Mapping[str, sympy.Expr], m_loop: sympy.Expr, kernel: Kernel) -> sympy.Expr:
+    """The tile size with Boolean map variables (0/1 values or symbols): the search's symbolic form."""
+    divisor = sympy.Mul(*[(1 - m[a] + m[a] * g) for a, g in kernel.grid])
+    divisor *= 1 - m_loop + m_loop * kernel.loop_range
+    return sympy.simplify(size / divisor)
+
+
+def tile_shape(shape: tuple[sympy.Expr, ...], tmap: TileMap, kernel: Kernel) -> tuple[sympy.Expr, ...]:
+    return tuple(tile_dim(s, d, kernel) for s, d in zip(shape, tmap.dims))
+
+
+def output_shape(tile: tuple[sympy.Expr, ...], tmap: TileMap, kernel: Kernel) -> tuple[sympy.Expr, ...]:
+    """A stored tile's full shape: the tile (left-padded with 1s to the map's rank) times the grid along
+    each mapped dim. The caller has checked that extra leading tile dims are 1."""
+    rank = len(tmap.dims)
+    padded = (ONE,) * max(0, rank - len(tile)) + tuple(tile[-rank:] if rank else ())
+    return tuple(t * (kernel.size(d.axis) if d.axis else 1) for t, d in zip(padded, tmap.dims))
+
+
+def loop_varying(kernel: Kernel) -> set[Node]:
+    """Body nodes whose value changes from one loop iteration to the next (before any accumulator)."""
+    varying: set[Node] = set()
+    for n in kernel.body():
+        if n.op == "tile":
+            if kernel.load(n.attr).map.loop_dim() is not None:
+                varying.add(n)
+        elif OPS[n.op].kind is not Kind.ACCUMULATE and any(a in varying for a in n.args):
+            varying.add(n)
+    return varying
+
+
+# -- targets -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    arch: str
+    sms: int
+    smem_per_block: int
+    smem_per_sm: int
+    max_threads_per_block: int
+    max_grid: tuple[int, int, int]
+    l2_bytes: int
+    bandwidth_gbs: float
+    launch_overhead_us: float
+    peak_tflops: Mapping[str, float]
+
+
+TARGETS_DIR = Path(__file__).parent / "targets"
+
+
+def target_names() -> list[str]:
+    return sorted(p.stem for p in TARGETS_DIR.glob("*.toml"))
+
+
+@cache
+def load_target(name: str = "h100") -> Target:
+    path = TARGETS_DIR / f"{name.lower()}.toml"
+    if not path.is_file():
+        raise PrismError(f"unknown target '{name}' (known: {', '.join(target_names())})")
+    try:
+        data = tomllib.loads(path.read_text())
+        data["max_grid"] = tuple(data["max_grid"])
+        return Target(**data)
+    except (tomllib.TOMLDecodeError, TypeError, KeyError) as e:
+        raise PrismError(f"target file {path} is malformed: {e}") from None
+
+
+# -- shared memory -----------------------------------------------------------------------------------
+
+F32_BYTES = 4
+
+
+def _elements(shape) -> sympy.Expr:
+    return sympy.Mul(*shape) if shape else ONE
+
+
+def shared_memory(kernel: Kernel) -> sympy.Expr:
+    """Bytes of shared memory one block needs: the peak of the tiles live at once.
+
+    Loaded tiles take their tensor's dtype; computed tiles their node's dtype; accumulators keep their
+    state in f32 for the whole kernel. Element-wise unary ops are fused into their producer's registers
+    (thread-level fusion) and take no tile. Liveness follows the body's order: a tile is live from the op
+    that makes it to its last use; loads are live through the loop body.
+    """
+    body = kernel.body()
+    last_use: dict[Node, int] = {}
+    for i, n in enumerate(body):
+        for a in n.args:
+            last_use[a] = i
+    for s in kernel.stores:
+        last_use[s.value] = len(body)
+    resident = sympy.Integer(0)
+    live: dict[Node, sympy.Expr] = {}
+    peak = sympy.Integer(0)
+    for i, n in enumerate(body):
+        kind = OPS[n.op].kind
+        if kind is Kind.ACCUMULATE:
+            resident += ACCUMULATORS[n.op].state_tiles * _elements(n.shape) * F32_BYTES
+        elif kind is not Kind.CONST and not (kind is Kind.UNARY):
+            live[n] = _elements(n.shape) * (n.dtype or DType.F32).bytes
+        now = sympy.Add(*live.values())
+        peak = now if i == 0 else sympy.Max(peak, now)
+        for m in [m for m in live if last_use.get(m, -1) <= i]:
+            del live[m]
+    return sympy.simplify(resident + peak)
+
+
+# -- instantiation -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One condition on the symbols, as data: `what` in words, and how to test it under an assignment."""
+
+    kind: str  # "divides", "smem", "grid", "positive"
+    expr: sympy.Expr  # for "divides": the quotient that must be an integer; else the value to bound
+    limit: int | None
+    what: str
+
+    def violation(self, binding: Mapping[sympy.Symbol, int]) -> str | None:
+        value = bind(self.expr, binding)
+        if not value.is_number:
+            missing = ", ".join(sorted(str(s) for s in value.free_symbols))
+            return f"{self.what}: no value for {missing}"
+        if self.kind == "divides":
+            if not value.is_integer:
+                return f"{self.what}: {self.expr} = {value} is not a whole number"
+            return None
+        if self.kind == "positive":
+            return None if value >= 1 else f"{self.what} must be at least 1, got {value}"
+        if value > self.limit:
+            return f"{self.what} is {int(value)}, above the limit of {self.limit}"
+        return None
+
+
+def constraints(kernel: Kernel, target: Target) -> list[Constraint]:
+    out: list[Constraint] = []
+    for axis, g in kernel.grid:
+        out.append(Constraint("positive", g, None, f"kernel '{kernel.name}': grid axis {axis} ({g})"))
+        limit = target.max_grid[AXES.index(axis)]
+        out.append(Constraint("grid", g, limit, f"kernel '{kernel.name}': grid axis {axis} ({g} blocks)"))
+    if kernel.loop is not None:
+        out.append(Constraint("positive", kernel.loop, None, f"kernel '{kernel.name}': the loop range ({kernel.loop})"))
+    for load in kernel.loads:
+        source = kernel.inputs[load.source]
+        for i, (size, dm) in enumerate(zip(source.shape, load.map.dims)):
+            if dm == WHOLE:
+                continue
+            by = " and ".join(([f"grid axis {dm.axis} ({kernel.size(dm.axis)})"] if dm.axis else [])
+                             + ([f"the loop ({kernel.loop_range})"] if dm.loop else []))
+            out.append(Constraint("divides", tile_dim(size, dm, kernel), None,
+                                  f"kernel '{kernel.name}': tile '{load.tile}' splits dim {i} of size {size} by {by}"))
+    out.append(Constraint("smem", shared_memory(kernel), target.smem_per_block,
+                          f"kernel '{kernel.name}': shared memory per block (bytes)"))
+    return out
+
+
+@dataclass(frozen=True)
+class Concrete:
+    """A kernel with every symbol bound: concrete grid, loop range and shapes."""
+
+    kernel: Kernel
+    grid: tuple[tuple[str, int], ...]
+    loop: int
+    binding: Mapping[sympy.Symbol, int]
+    smem_bytes: int
+
+    def shape(self, node: Node) -> tuple[int, ...]:
+        return tuple(int(bind(s, self.binding)) for s in node.shape)
+
+    def output_shape(self, index: int) -> tuple[int, ...]:
+        store = self.kernel.stores[index]
+        return tuple(int(bind(s, self.binding)) for s in output_shape(store.value.shape, store.map, self.kernel))
+
+    def blocks(self) -> int:
+        return math.prod(g for _, g in self.grid)
+
+
+def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], target: Target) -> Concrete | list[str]:
+    """The kernel with all symbols bound, or every violated constraint in words."""
+    problems = [v for c in constraints(kernel, target) if (v := c.violation(binding))]
+    if problems:
+        return problems
+    grid = tuple((a, int(bind(g, binding))) for a, g in kernel.grid)
+    smem = int(bind(shared_memory(kernel), binding))
+    return Concrete(kernel, grid, int(bind(kernel.loop_range, binding)), dict(binding), smem)
+
+
+def kernels_of(program: Program) -> list[Kernel]:
+    """The program's custom kernels, in the order they run."""
+    seen: dict[int, Kernel] = {}
+    for n in program.nodes():
+        if n.op == "kernel":
+            seen.setdefault(id(n.attr[0]), n.attr[0])
+    return list(seen.values())
+
+
+def free_symbols(program: Program) -> list[sympy.Symbol]:
+    """The kernel symbols (grid sizes and loop ranges that are not program dims), in order of appearance."""
+    dims = {d.symbol for d in program.dims}
+    out: list[sympy.Symbol] = []
+    for k in kernels_of(program):
+        for _, g in k.grid + ((("loop", k.loop),) if k.loop is not None else ()):
+            for s in sorted(g.free_symbols - dims, key=str):
+                if s not in out:
+                    out.append(s)
+    return out
+
+
+def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], target: Target) -> dict[str, Concrete]:
+    """Every kernel instantiated; raises one PrismError listing every violated constraint."""
+    out: dict[str, Concrete] = {}
+    problems: list[str] = []
+    for k in kernels_of(program):
+        c = instantiate(k, binding, target)
+        if isinstance(c, list):
+            problems += c
+        else:
+            out[k.name] = c
+    if problems:
+        raise PrismError("the kernel parameters are not valid:\n  " + "\n  ".join(problems))
+    return out
+
+
+def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int],
+           target: Target) -> dict[sympy.Symbol, int]:
+    """Values for the kernel symbols not in `fixed`: a valid choice, preferring a grid that fills the
+    SMs without many more blocks than that and loop tiles near 64 wide (a cost model comes later).
+
+    Candidates for each symbol are the divisors of the sizes it splits (or 1..8 when it splits none).
+    Raises PrismError, with the violations of the last candidate tried, when no choice is valid.
+    """
+    free = [s for s in free_symbols(program) if s not in fixed]
+    binding = {**dims, **fixed}
+    if not free:
+        instantiate_program(program, binding, target)
+        return {}
+    cands = {s: _candidates(program, s, binding) for s in free}
+    best, best_key, last_problem = None, None, None
+    for values in _product(cands, free, limit=20000):
+        trial = {**binding, **dict(zip(free, values))}
+        problems = [v for k in kernels_of(program) for c in constraints(k, target) if (v := c.violation(trial))]
+        if problems:
+            last_problem = problems
+            continue
+        key = _preference(program, trial, target)
+        if best_key is None or key < best_key:
+            best, best_key = dict(zip(free, values)), key
+    if best is None:
+        raise PrismError("no choice of " + ", ".join(str(s) for s in free) + " satisfies the constraints:\n  "
+                         + "\n  ".join(last_problem or ["no candidates"]))
+    return best
+
+
+def _candidates(program: Program, sym: sympy.Symbol, binding) -> list[int]:
+    sizes = set()
+    for k in kernels_of(program):
+        for load in k.loads:
+            for size, dm in zip(k.inputs[load.source].shape, load.map.dims):
+                splitters = ([k.size(dm.axis)] if dm.axis else []) + ([k.loop_range] if dm.loop else [])
+                if any(sym in s.free_symbols for s in splitters):
+                    value = bind(size, binding)
+                    if value.is_number:
+                        sizes.add(int(value))
+    if not sizes:
+        return list(range(1, 9))
+    g = math.gcd(*sizes)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def _product(cands, order, limit):
+    import itertools
+
+    for i, values in enumerate(itertools.product(*(cands[s] for s in order))):
+        if i >= limit:
+            return
+        yield values
+
+
+def _preference(program: Program, binding, target: Target) -> tuple:
+    blocks, loop_tiles = 0, []
+    for k in kernels_of(program):
+        blocks = max(blocks, math.prod(int(bind(g, binding)) for _, g in k.grid))
+        for load in k.loads:
+            d = load.map.loop_dim()
+            if d is not None:
+                size = bind(tile_dim(k.inputs[load.source].shape[d], load.map.dims[d], k), binding)
+                loop_tiles.append(int(size))
+    fill = abs(math.log(blocks / target.sms)) if blocks else 99.0
+    width = max((abs(math.log(t / 64)) for t in loop_tiles), default=0.0)
+    return (round(fill, 1), round(width, 1))
+
