@@ -89,7 +89,8 @@ def _after_loop(k: Kernel, body: list[Node]) -> set[Node]:
     for n in body:
         if OPS[n.op].kind is Kind.ACCUMULATE or any(a in after for a in n.args):
             after.add(n)
-    users_in_loop = {a for n in body if n not in after for a in n.args}
+    in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
+    users_in_loop = {a for n in in_loop for a in n.args}
     for n in body:
         if n.op == "tile" and n not in users_in_loop and any(n in m.args for m in after):
             after.add(n)

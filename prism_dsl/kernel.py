@@ -150,7 +150,7 @@ def symbolic_tile_dim(size: sympy.Expr, m: Mapping[str, sympy.Expr], m_loop: sym
     """The tile size with Boolean map variables (0/1 values or symbols): the search's symbolic form."""
     divisor = sympy.Mul(*[(1 - m[a] + m[a] * g) for a, g in kernel.grid])
     divisor *= 1 - m_loop + m_loop * kernel.loop_range
-    return sympy.simplify(size / divisor)
+    return size / divisor
 
 
 def tile_shape(shape: tuple[sympy.Expr, ...], tmap: TileMap, kernel: Kernel) -> tuple[sympy.Expr, ...]:
@@ -193,6 +193,9 @@ class Target:
     bandwidth_gbs: float
     launch_overhead_us: float
     peak_tflops: Mapping[str, float]
+
+    def __hash__(self) -> int:
+        return hash(self.name)
 
 
 TARGETS_DIR = Path(__file__).parent / "targets"
@@ -252,7 +255,7 @@ def shared_memory(kernel: Kernel) -> sympy.Expr:
         peak = now if i == 0 else sympy.Max(peak, now)
         for m in [m for m in live if last_use.get(m, -1) <= i]:
             del live[m]
-    return sympy.simplify(resident + peak)
+    return resident + peak
 
 
 # -- instantiation -----------------------------------------------------------------------------------
@@ -283,6 +286,7 @@ class Constraint:
         return None
 
 
+@cache
 def constraints(kernel: Kernel, target: Target) -> list[Constraint]:
     out: list[Constraint] = []
     for axis, g in kernel.grid:
