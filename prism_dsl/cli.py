@@ -47,6 +47,13 @@ def parse_dims(text: str) -> dict[str, int]:
     return out
 
 
+def parse_loop(text: str) -> dict[str, int]:
+    """`64` (every kernel's loop) or `F=64[,G=8]` (named loop symbols)."""
+    if text.strip().isdigit():
+        return {"": int(text)}
+    return parse_dims(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="prismc", description="A symbolic superoptimizer for tensor programs.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -88,8 +95,28 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--seed", type=_seed, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
     r.add_argument("--save-inputs", metavar="FILE.npz", help="also write the inputs used")
+    _kernel_options(r)
     r.set_defaults(run=cmd_run)
+
+    sh = sub.add_parser("show", help="show a program's kernels: grid, loop, maps, tile shapes, shared memory, checks",
+                        description="Show a program's custom kernels instantiated (text), or draw its kernel graph "
+                                    "(--format dot|svg|png; svg and png need Graphviz's 'dot').")
+    sh.add_argument("file", metavar="FILE")
+    sh.add_argument("--program", help="which program of the file (needed when it has several)")
+    sh.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    _kernel_options(sh)
+    sh.add_argument("--format", choices=("text", "dot", "svg", "png"), default="text", help="default: text")
+    sh.add_argument("-o", "--output", metavar="FILE", help="write the picture (or text) here instead of stdout")
+    sh.set_defaults(run=cmd_show)
     return p
+
+
+def _kernel_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N",
+                   help="grid sizes of custom kernels: by axis (x=96) or by symbol (gx=96); the rest are chosen")
+    p.add_argument("--loop", type=parse_loop, default={}, metavar="N",
+                   help="loop range of every custom kernel (64), or by symbol (F=64)")
+    p.add_argument("--target", default="h100", help="hardware target for the limits (h100, a100; default h100)")
 
 
 def _rule_options(p: argparse.ArgumentParser) -> None:
@@ -285,6 +312,7 @@ def _count(n: int, word: str) -> str:
 
 def cmd_run(args) -> int:
     from .check import load
+    from .kernel import resolve_params
     from .reference import bind_dims, evaluate, random_inputs
 
     program = load(args.file).program(args.program)
@@ -293,7 +321,8 @@ def cmd_run(args) -> int:
     given = read_npz(args.inputs, program) if args.inputs else None
     binding = bind_dims(program, args.dims, given)
     inputs = given if given is not None else random_inputs(program, binding, args.seed)
-    outputs = evaluate(program, inputs)
+    params = resolve_params(program, args.grid, args.loop)
+    outputs = evaluate(program, inputs, params, args.target)
     write_npz(args.out, outputs)
     if args.save_inputs:
         write_npz(args.save_inputs, inputs)
@@ -301,6 +330,26 @@ def cmd_run(args) -> int:
     shown = ", ".join(f"{k}{list(v.shape)}" for k, v in outputs.items())
     print(f"{program.name}: {shown} -> {args.out}" + (f" (dims {sizes})" if sizes else ""))
     return EXIT_OK
+
+
+def cmd_show(args) -> int:
+    from .check import load
+    from .show import render
+
+    program = load(args.file).program(args.program)
+    if args.output:
+        _check_writable(args.output)
+    text, ok, note = render(program, args.dims, args.grid, args.loop, args.target, args.format)
+    if args.output:
+        write_bytes(args.output, text if isinstance(text, bytes) else text.encode())
+        print(f"{program.name}: {args.format} -> {args.output}")
+    elif isinstance(text, bytes):
+        raise UsageError(f"--format {args.format} is binary; give -o FILE")
+    else:
+        print(text, end="")
+    if note:
+        print(note, file=sys.stderr)
+    return EXIT_OK if ok else EXIT_INPUT
 
 
 def read_npz(path: str, program) -> dict[str, np.ndarray]:
@@ -347,13 +396,21 @@ def _check_writable(path: str) -> None:
 
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    _write(path, lambda f: np.savez(f, **arrays))
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    _write(path, lambda f: f.write(data))
+
+
+def _write(path: str, fill) -> None:
     """Write through a temporary file in the same directory, then rename: never a half-written file."""
     _check_writable(path)
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".npz")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            fill(f)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual mode
         os.replace(tmp, target)
     except OSError as e:

@@ -401,7 +401,9 @@ def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sy
         if best_key is None or key < best_key:
             best, best_key = dict(zip(free, values)), key
     if best is None:
-        raise PrismError("no choice of " + ", ".join(str(s) for s in free) + " satisfies the constraints:\n  "
+        given = "".join(f", {s} = {v}" for s, v in fixed.items())
+        raise PrismError("no choice of " + ", ".join(str(s) for s in free) + (f" (with{given[1:]} as given)" if given else "")
+                         + " satisfies the constraints:\n  "
                          + "\n  ".join(last_problem or ["no candidates"]))
     return best
 
@@ -444,3 +446,56 @@ def _preference(program: Program, binding, target: Target) -> tuple:
     width = max((abs(math.log(t / 64)) for t in loop_tiles), default=0.0)
     return (round(fill, 1), round(width, 1))
 
+
+
+def resolve_params(program: Program, grid: Mapping[str, int], loop: Mapping[str, int]) -> dict[str, int]:
+    """Kernel parameters by symbol name, from the command line's `--grid` and `--loop` values.
+
+    A `--grid` name is a grid symbol (`gx=96`) or an axis (`x=96`: every kernel whose axis x has a free
+    symbol for its size); a `--loop` name is a loop symbol, or "" (a bare `--loop 64`: every kernel's
+    loop symbol). Anything that names no parameter is an error that lists the parameters there are.
+    """
+    dims = {d.symbol for d in program.dims}
+    kernels = kernels_of(program)
+    grid_syms = {s.name for k in kernels for _, g in k.grid for s in g.free_symbols - dims}
+    loop_syms = {s.name for k in kernels if k.loop is not None for s in k.loop.free_symbols - dims}
+    out: dict[str, int] = {}
+
+    def put(name: str, value: int) -> None:
+        if value < 1:
+            raise PrismError(f"{name} must be at least 1, got {value}")
+        if out.get(name, value) != value:
+            raise PrismError(f"{name} is given two values ({out[name]} and {value})")
+        out[name] = value
+
+    def known() -> str:
+        listed = ", ".join(sorted(grid_syms | loop_syms)) or "none: every grid size and loop range is fixed"
+        return f" (kernel parameters of '{program.name}': {listed})"
+
+    for name, value in grid.items():
+        if name in grid_syms:
+            put(name, value)
+        elif name in AXES:
+            targets = [s.name for k in kernels for a, g in k.grid if a == name for s in g.free_symbols - dims
+                       if g.is_Symbol]
+            if not targets:
+                raise PrismError(f"no kernel has a grid axis {name} of free size{known()}")
+            for t in targets:
+                put(t, value)
+        elif program.dim(name) is not None:
+            raise PrismError(f"'{name}' is a dim of the program; set it with --dims{known()}")
+        else:
+            raise PrismError(f"--grid {name}=...: no grid axis or grid symbol '{name}'{known()}")
+    for name, value in loop.items():
+        if name == "":
+            targets = [s.name for k in kernels if k.loop is not None and k.loop.is_Symbol
+                       for s in k.loop.free_symbols - dims]
+            if not targets:
+                raise PrismError(f"no kernel has a loop of free range{known()}")
+            for t in targets:
+                put(t, value)
+        elif name in loop_syms:
+            put(name, value)
+        else:
+            raise PrismError(f"--loop {name}=...: no loop symbol '{name}'{known()}")
+    return out
