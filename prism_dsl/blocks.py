@@ -118,7 +118,8 @@ class KernelRunner:
     """Evaluates `kernel` nodes for `reference.evaluate_nodes`: instantiates each kernel once (with the
     given params by symbol name, valid defaults for the rest) and runs it once for all its outputs."""
 
-    def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], target: str):
+    def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], target: str,
+                 prefer: str = "fill"):
         self.target = load_target(target)
         symbols = {s.name: s for s in free_symbols(program)}
         unknown = sorted(set(params) - set(symbols))
@@ -126,7 +127,7 @@ class KernelRunner:
             known = ", ".join(symbols) or "none"
             raise PrismError(f"program '{program.name}' has no kernel parameter {', '.join(unknown)} (its parameters: {known})")
         fixed = {symbols[n]: v for n, v in params.items()}
-        self.binding = {**dims, **fixed, **choose(program, dims, fixed, self.target)}
+        self.binding = {**dims, **fixed, **choose(program, dims, fixed, self.target, prefer)}
         self.concrete = instantiate_program(program, self.binding, self.target)
         self.results: dict[int, list[np.ndarray]] = {}
 

@@ -296,11 +296,15 @@ def _print_rules(rules) -> None:
 
 
 def _summary(prog) -> str:
-    ops = sum(1 for n in prog.nodes() if n.op not in ("input", "const"))
+    from .kernel import kernels_of
+
+    ops = sum(1 for n in prog.nodes() if n.op not in ("input", "const", "kernel"))
+    kernels = len(kernels_of(prog))
     dims = ", ".join(f"{d.name}={d.default}" for d in prog.dims)
     return (
         f"program {prog.name} ({_count(len(prog.inputs), 'input')}, {_count(len(prog.outputs), 'output')}, "
-        f"{_count(ops, 'op')}"
+        + (f"{_count(kernels, 'custom kernel')}, " if kernels else "")
+        + f"{_count(ops, 'op')}"
         + (f", dims {dims}" if dims else "")
         + ")"
     )

@@ -377,9 +377,11 @@ def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], t
 
 
 def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int],
-           target: Target) -> dict[sympy.Symbol, int]:
-    """Values for the kernel symbols not in `fixed`: a valid choice, preferring a grid that fills the
-    SMs without many more blocks than that and loop tiles near 64 wide (a cost model comes later).
+           target: Target, prefer: str = "fill") -> dict[sympy.Symbol, int]:
+    """Values for the kernel symbols not in `fixed`: a valid choice. With `prefer="fill"`, a grid that
+    fills the SMs without many more blocks than that and loop tiles near 64 wide (a cost model comes
+    later); with `prefer="split"`, every symbol above 1 where possible, and small: the choice that
+    exercises every split and loop at the least cost, for checking kernels numerically.
 
     Candidates for each symbol are the divisors of the sizes it splits (or 1..8 when it splits none).
     Raises PrismError, with the violations of the last candidate tried, when no choice is valid.
@@ -397,7 +399,10 @@ def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sy
         if problems:
             last_problem = problems
             continue
-        key = _preference(program, trial, target)
+        if prefer == "split":
+            key = (-sum(v > 1 for v in values), sum(values))
+        else:
+            key = _preference(program, trial, target)
         if best_key is None or key < best_key:
             best, best_key = dict(zip(free, values)), key
     if best is None:

@@ -95,3 +95,22 @@ def to_terms(program: Program) -> Program:
             memo[n] = build(n.op, args, params)
     return Program(program.name, program.dims, program.inputs,
                    tuple((name, memo[node]) for name, node in program.outputs), {}, {}, program.loc)
+
+
+def bind_counts(program: Program, binding) -> Program:
+    """The translated program with every split count bound to a number, so that NumPy can evaluate it
+    (tests compare it with the block interpreter: the translation must mean what the kernel computes)."""
+    memo: dict[Node, Node] = {}
+
+    def go(n: Node) -> Node:
+        if n not in memo:
+            attr = n.attr
+            if n.op == "split":
+                attr = (attr[0], attr[1], int(sympy.sympify(attr[2]).xreplace({k: sympy.Integer(v) for k, v in binding.items()})))
+            memo[n] = Node(n.op, tuple(go(a) for a in n.args), attr, n.dtype, n.shape)
+        return memo[n]
+
+    for n in program.nodes():
+        go(n)
+    return Program(program.name, program.dims, program.inputs,
+                   tuple((name, memo[node]) for name, node in program.outputs), {}, {}, program.loc)

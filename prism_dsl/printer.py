@@ -34,7 +34,14 @@ def print_program(program: Program, *, with_dims: bool = True) -> str:
     lines.append(f"program {program.name}({params}) {{")
     names = _statement_names(program)
     text_of: dict[Node, str] = {n: n.attr for n in program.inputs}
+    printed: set[int] = set()
     for node in program.nodes():
+        if node.op == "kernel":
+            kernel = node.attr[0]
+            if id(kernel) not in printed:
+                printed.add(id(kernel))
+                lines += _kernel(kernel, program, text_of)
+            continue
         if node in names and node.op != "input":
             lines.append(f"    {names[node]} = {_expr(node, text_of, top=True)}")
             text_of[node] = names[node]
@@ -59,9 +66,15 @@ def _statement_names(program: Program) -> dict[Node, str]:
             names.setdefault(node, out_name)
     counter = 0
     depth: dict[Node, int] = {}  # how deep the node's text nests when written inline
+    loaded = {a for n in program.nodes() if n.op == "kernel" for a in n.args}  # a kernel loads by name
+    taken |= {s.name for n in program.nodes() if n.op == "kernel" for s in n.attr[0].stores}
     for node in program.nodes():
         depth[node] = 1 + max((1 if a in names else depth[a] for a in node.args), default=0)
-        if node in names or node.op in ("input", "const") or (uses[node] < 2 and depth[node] < _INLINE_DEPTH):
+        if node.op == "kernel":
+            depth[node] = 1
+            continue
+        if node in names or node.op in ("input", "const") or (
+                uses[node] < 2 and depth[node] < _INLINE_DEPTH and node not in loaded):
             continue
         name = program.names.get(node)
         if name is None or name in taken or name in OPS:
@@ -71,6 +84,47 @@ def _statement_names(program: Program) -> dict[Node, str]:
         taken.add(name)
         names[node] = name
     return names
+
+
+def _size(size) -> str:
+    return str(int(size)) if size.is_Integer else str(size)
+
+
+def _kernel(kernel, program: Program, text_of: dict) -> list[str]:
+    """A custom kernel as a `kernel` block; its outputs get their store names in `text_of`."""
+    grid = ", ".join(f"{a} = {_size(g)}" for a, g in kernel.grid)
+    loop = f" loop({_size(kernel.loop)})" if kernel.loop is not None else ""
+    lines = [f"    kernel {kernel.name} grid({grid}){loop} {{"]
+    local: dict[Node, str] = {}
+    for load in kernel.loads:
+        src = kernel.inputs[load.source]
+        lines.append(f"        {load.tile} = load {text_of[src]}{load.map}")
+    for n in kernel.body():
+        if n.op == "tile":
+            local[n] = n.attr
+    taken = {l.tile for l in kernel.loads}
+    uses: Counter = Counter(a for n in kernel.body() for a in set(n.args))
+    for s in kernel.stores:
+        uses[s.value] += 1
+    counter = 0
+    for n in kernel.body():
+        if n.op in ("tile", "const") or not (uses[n] > 1 or n in program.names):
+            continue
+        name = program.names.get(n)
+        if name is None or name in taken or name in OPS:
+            while f"t{counter}" in taken:
+                counter += 1
+            name = f"t{counter}"
+        taken.add(name)
+        lines.append(f"        {name} = {_expr(n, local, top=True)}")
+        local[n] = name
+    for s in kernel.stores:
+        lines.append(f"        store {s.name}{s.map} {'+=' if s.add else '='} {_expr(s.value, local)}")
+    lines.append("    }")
+    for n in program.nodes():
+        if n.op == "kernel" and n.attr[0] is kernel:
+            text_of[n] = kernel.stores[n.attr[1]].name
+    return lines
 
 
 def _expr(node: Node, text_of: dict, top: bool = False) -> str:

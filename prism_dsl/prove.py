@@ -103,7 +103,8 @@ def numeric_gap(a: Program, b: Program, pairs, seed: int = 0) -> float | None:
     binding.update({d.symbol: min(d.default, NUMERIC_DIM_CAP) for d in b.dims if d.symbol not in binding})
     inputs = random_inputs(a, binding, seed)
     try:
-        out_a, out_b = evaluate(a, inputs), evaluate(b, inputs)
+        # Kernel parameters that split every dim they can: a kernel wrong only across pieces shows.
+        out_a, out_b = evaluate(a, inputs, prefer="split"), evaluate(b, inputs, prefer="split")
     except PrismError:  # no valid kernel parameters at these small sizes: no numeric evidence
         return None
     worst = 0.0

@@ -116,17 +116,17 @@ def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=No
 
 
 def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
-             target: str = "h100") -> dict[str, np.ndarray]:
+             target: str = "h100", prefer: str = "fill") -> dict[str, np.ndarray]:
     """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
 
     Custom kernels run in the block-level interpreter (`blocks`) with the grid sizes and loop ranges in
-    `params` (by symbol name), and valid choices for the ones not given."""
+    `params` (by symbol name), and valid choices for the ones not given (see `kernel.choose`)."""
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
     kernels = None
     if any(n.op == "kernel" for n in program.nodes()):
         from .blocks import KernelRunner
 
-        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, target)
+        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, target, prefer)
     values = evaluate_nodes([n for _, n in program.outputs], env, kernels)
     return {name: values[node] for name, node in program.outputs}
 

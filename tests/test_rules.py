@@ -67,12 +67,12 @@ UNSOUND = [
 
 
 def test_dims_beyond_what_the_prover_tracks_are_errors(tmp_path):
-    path = write(tmp_path, "ruleset r {\n    rule deep: sum(a, -7) => sum(a, -7) if size(a, -8) == 1\n}\n")
+    path = write(tmp_path, "ruleset r {\n    rule deep: sum(a, -10) => sum(a, -10) if size(a, -11) == 1\n}\n")
     with pytest.raises(PrismError) as info:
         load_library([path])
     text = info.value.render()
-    assert ":2:23: dim -7 is beyond the 6 dims the prover tracks" in text
-    assert "size(..., -8): the prover tracks the last 6 dims" in text
+    assert ":2:23: dim -10 is beyond the 9 dims the prover tracks" in text
+    assert "size(..., -11): the prover tracks the last 9 dims" in text
 
 
 @pytest.mark.parametrize("name,text,why", UNSOUND, ids=[u[0] for u in UNSOUND])

@@ -1,0 +1,410 @@
+"""Custom kernels: the fused programs (checked, proved, run by the block interpreter), the layout
+translation, constraints and instantiation, kernel errors, and `prismc show`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sympy
+
+from prism_dsl.check import load
+from prism_dsl.cli import main
+from prism_dsl.egglog_runner import Limits
+from prism_dsl.errors import PrismError
+from prism_dsl.kernel import choose, free_symbols, instantiate, kernels_of, load_target
+from prism_dsl.layout import bind_counts, to_terms
+from prism_dsl.printer import print_program
+from prism_dsl.prove import prove
+from prism_dsl.reference import bind_dims, evaluate, evaluate_nodes, random_inputs
+from prism_dsl.rules import load_library
+
+REPO = Path(__file__).resolve().parent.parent
+FUSED = sorted((REPO / "programs" / "fused").glob("*.prism"))
+DEFAULT = load_library([], defaults=True)
+H100 = load_target("h100")
+
+# Per fused program: small shapes and kernel parameters at which the block interpreter is run.
+CASES = {
+    "rmsnorm_linear": ([dict(n=4, d=64), dict(n=3, d=96)], [{}, dict(gx=4, F=2), dict(gx=1, F=8), dict(gx=8, F=1)]),
+    "rmsnorm_mlp": ([dict(n=4, d=64), dict(n=2, d=48)], [{}, dict(gx=2, F=4), dict(gx=16, F=2)]),
+    "swiglu": ([dict(n=4, d=64), dict(n=5, d=32)], [{}, dict(gx=4, F=4), dict(gx=2, F=1)]),
+    "attention": ([dict(kv=64, dh=8), dict(b=2, h=3, q=4, kv=48, dh=4)],
+                  [{}, dict(gb=1, gh=1, F=4), dict(gb=2, gh=1, F=2)]),
+}
+
+
+def counterpart(path: Path) -> Path:
+    return REPO / "programs" / (path.name.split(".")[0] + ".prism")
+
+
+def cases(path: Path):
+    dims, params = CASES[path.name.split(".")[0]]
+    return [(d, p) for d in dims for p in params]
+
+
+@pytest.mark.parametrize("path", FUSED, ids=[p.name for p in FUSED])
+def test_fused_program_has_its_counterparts_name_and_signature(path):
+    fused, plain = load(path).program(), load(counterpart(path)).program()
+    assert fused.name == plain.name
+    assert [(n.attr, n.dtype, n.shape) for n in fused.inputs] == [(n.attr, n.dtype, n.shape) for n in plain.inputs]
+    assert [(n, v.shape) for n, v in fused.outputs] == [(n, v.shape) for n, v in plain.outputs]
+    assert kernels_of(fused)
+
+
+@pytest.mark.parametrize("path", FUSED, ids=[p.name for p in FUSED])
+def test_fused_program_round_trips(path, tmp_path):
+    program = load(path).program()
+    text = print_program(program)
+    again = tmp_path / "again.prism"
+    again.write_text(text)
+    assert load(again).program().same_as(program)
+    assert print_program(load(again).program()) == text
+
+
+@pytest.mark.parametrize("path", FUSED, ids=[p.name for p in FUSED])
+def test_fused_program_agrees_with_its_counterpart_in_the_block_interpreter(path):
+    fused, plain = load(path).program(), load(counterpart(path)).program()
+    runs = 0
+    for dims, params in cases(path):
+        if path.name.startswith("attention.decoding"):
+            params = {k: v for k, v in params.items() if k != "F"} | ({"S": 2} if params else {})
+        binding = bind_dims(plain, dims)
+        inputs = random_inputs(plain, binding, seed=runs)
+        want = evaluate(plain, inputs)
+        got = evaluate(fused, inputs, params)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12)
+        runs += 1
+    assert runs >= 3
+
+
+@pytest.mark.parametrize("path", FUSED, ids=[p.name for p in FUSED])
+def test_layout_terms_mean_what_the_kernel_computes(path):
+    """The translated program, evaluated with NumPy, equals the block interpreter's result."""
+    fused = load(path).program()
+    binding = bind_dims(fused, CASES[path.name.split(".")[0]][0][0])
+    inputs = random_inputs(fused, binding, seed=3)
+    chosen = choose(fused, binding, {}, H100)
+    got = evaluate(fused, inputs, {s.name: v for s, v in chosen.items()})
+    terms = bind_counts(to_terms(fused), {**binding, **chosen})
+    env = {n: inputs[n.attr] for n in terms.inputs}
+    values = evaluate_nodes([n for _, n in terms.outputs], env)
+    for name, node in terms.outputs:
+        np.testing.assert_allclose(values[node].reshape(got[name].shape), got[name], rtol=1e-10, atol=1e-12)
+
+
+PROVED = [p for p in FUSED if "decoding" not in p.name]
+
+
+@pytest.mark.parametrize("path", PROVED, ids=[p.name for p in PROVED])
+def test_fused_program_is_proved_equal_to_its_counterpart(path):
+    proof = prove(load(counterpart(path)).program(), load(path).program(), DEFAULT)
+    assert proof.proved, proof.reason
+    assert proof.numeric_gap is not None and proof.numeric_gap < 1e-9
+
+
+def test_prove_command_on_a_fused_kernel(capsys):
+    plain, fused = REPO / "programs" / "rmsnorm_linear.prism", REPO / "programs" / "fused" / "rmsnorm_linear.prism"
+    assert main(["prove", str(plain), str(fused), "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "rmsnorm_linear == rmsnorm_linear: proved" in out
+    for rule in ("matmul_of_pieces", "acc_rms_last_def", "concat_split"):
+        assert rule in out
+
+
+# -- constraints and instantiation --------------------------------------------------------------------
+
+
+def rmsnorm_kernel():
+    return kernels_of(load(REPO / "programs" / "fused" / "rmsnorm_linear.prism").program())[0]
+
+
+def sym(name):
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+def binding(**values):
+    return {sym(k): v for k, v in values.items()}
+
+
+def test_instantiate_gives_a_concrete_kernel():
+    c = instantiate(rmsnorm_kernel(), binding(n=16, d=4096, gx=64, F=64), H100)
+    assert not isinstance(c, list)
+    assert c.grid == (("x", 64),) and c.loop == 64 and c.blocks() == 64
+    assert c.output_shape(0) == (16, 4096)
+    # xt [16, 64] f16 + wt [64, 64] f16 + the product [16, 64] f16 + acc state [16, 64] f32 + rms [16, 1] f32
+    assert c.smem_bytes == 2 * 16 * 64 + 2 * 64 * 64 + 2 * 16 * 64 + 4 * 16 * 64 + 4 * 16
+
+
+def test_a_tile_that_does_not_divide_is_reported():
+    problems = instantiate(rmsnorm_kernel(), binding(n=16, d=4096, gx=96, F=64), H100)
+    assert problems == ["kernel 'rmsnorm_matmul': tile 'wt' splits dim 1 of size d by grid axis x (gx): "
+                        "d/gx = 128/3 is not a whole number"]
+
+
+def test_too_much_shared_memory_is_reported():
+    problems = instantiate(rmsnorm_kernel(), binding(n=1024, d=8192, gx=1, F=1), H100)
+    assert any("shared memory per block (bytes) is" in p and "above the limit of 232448" in p for p in problems)
+
+
+def test_too_many_blocks_is_reported(tmp_path):
+    path = tmp_path / "wide.prism"
+    path.write_text("dims n = 70000\nprogram p(X: f32[4, n]) {\n    kernel k grid(y = n) {\n"
+                    "        t = load X[:, y]\n        store Y[:, y] = exp(t)\n    }\n    return Y\n}\n")
+    k = kernels_of(load(path).program())[0]
+    problems = instantiate(k, binding(n=70000), H100)
+    assert problems == ["kernel 'k': grid axis y (n blocks) is 70000, above the limit of 65535"]
+
+
+def test_every_violation_is_listed_at_once():
+    problems = instantiate(rmsnorm_kernel(), binding(n=1024, d=8192, gx=3, F=5), H100)
+    assert len(problems) == 4  # xt's and wt's loop split, wt's grid split, shared memory
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--grid", "x=96", "--loop", "64"], "d/gx = 128/3 is not a whole number"),
+    (["--dims", "n=1024,d=8192", "--grid", "x=1", "--loop", "1"], "above the limit of 232448"),
+    (["--grid", "z=4"], "no kernel has a grid axis z of free size (kernel parameters of 'rmsnorm_linear': F, gx)"),
+    (["--grid", "d=4"], "'d' is a dim of the program; set it with --dims"),
+    (["--loop", "G=4"], "--loop G=...: no loop symbol 'G'"),
+    (["--grid", "x=0"], "gx must be at least 1, got 0"),
+])
+def test_run_refuses_invalid_kernel_parameters(capsys, tmp_path, argv, message):
+    out = tmp_path / "out.npz"
+    path = REPO / "programs" / "fused" / "rmsnorm_linear.prism"
+    assert main(["run", str(path), "--out", str(out), *argv]) == 1
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_run_chooses_valid_parameters_and_matches_the_reference(tmp_path):
+    fused, plain = tmp_path / "fused.npz", tmp_path / "plain.npz"
+    assert main(["run", str(REPO / "programs" / "fused" / "swiglu.prism"), "--dims", "d=256", "--out", str(fused)]) == 0
+    assert main(["run", str(REPO / "programs" / "swiglu.prism"), "--dims", "d=256", "--out", str(plain)]) == 0
+    np.testing.assert_allclose(np.load(fused)["Y"], np.load(plain)["Y"], rtol=1e-10, atol=1e-12)
+    assert main(["run", str(REPO / "programs" / "fused" / "swiglu.prism"), "--dims", "d=256",
+                 "--grid", "x=4", "--loop", "8", "--out", str(fused)]) == 0
+    np.testing.assert_allclose(np.load(fused)["Y"], np.load(plain)["Y"], rtol=1e-10, atol=1e-12)
+
+
+def test_no_valid_choice_is_an_error(capsys, tmp_path):
+    path = REPO / "programs" / "fused" / "rmsnorm_linear.prism"
+    assert main(["run", str(path), "--grid", "x=3", "--out", str(tmp_path / "o.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "no choice of F (with gx = 3 as given) satisfies the constraints" in err
+    assert "d/gx = 4096/3 is not a whole number" in err
+
+
+# -- wrong kernels are not proved, and the interpreter shows the difference ---------------------------
+
+RMSNORM_LINEAR = """dims n = 8, d = 4096
+program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {{
+    kernel k grid(x = {grid}) loop(F) {{
+        xt = load X[:, loop]
+        wt = load W[{wmap}]
+        {body}
+    }}
+    return Y
+}}
+"""
+
+WRONG = {
+    # the mean of squares without its square root
+    "wrong accumulator": dict(grid="gx", wmap="loop, x",
+                              body="acc = acc_sum(xt @ wt)\n        ms = acc_mean_last(square(xt))\n        store Y[:, x] = acc / ms"),
+    # W's rows split by the grid and its columns by the loop: the blocks multiply the wrong pieces
+    "wrong map": dict(grid="F", wmap="x, loop",
+                      body="acc = acc_sum(xt @ wt)\n        rms = acc_rms_last(xt)\n        store Y[:, x] = acc / rms"),
+    # each piece divided by its own root mean square, before the loop has seen the whole row
+    "division in the loop": dict(grid="gx", wmap="loop, x",
+                                 body="store Y[:, x] = acc_sum((xt @ wt) / sqrt(mean(square(xt), -1)))"),
+}
+
+
+@pytest.mark.parametrize("name", WRONG)
+def test_wrong_kernel_is_not_proved_and_differs_numerically(tmp_path, name):
+    path = tmp_path / "wrong.prism"
+    path.write_text(RMSNORM_LINEAR.format(**WRONG[name]))
+    wrong, plain = load(path).program(), load(REPO / "programs" / "rmsnorm_linear.prism").program()
+    proof = prove(plain, wrong, DEFAULT, Limits(seconds=3))
+    assert not proof.proved
+    assert proof.numeric_gap is not None and proof.numeric_gap > 1e-3
+    inputs = random_inputs(plain, bind_dims(plain, dict(n=4, d=64)), seed=1)
+    params = {"F": 4} | ({"gx": 2} if WRONG[name]["grid"] == "gx" else {})
+    assert not np.allclose(evaluate(wrong, inputs, params)["Y"], evaluate(plain, inputs)["Y"], rtol=1e-3)
+
+
+def test_prove_command_reports_the_numeric_difference_of_a_wrong_kernel(tmp_path, capsys):
+    path = tmp_path / "wrong.prism"
+    path.write_text(RMSNORM_LINEAR.format(**WRONG["wrong accumulator"]))
+    assert main(["prove", str(REPO / "programs" / "rmsnorm_linear.prism"), str(path), "--timeout", "3"]) == 3
+    out = capsys.readouterr().out
+    assert "not proved: Y" in out and "on random inputs they differ" in out
+
+
+def test_wrong_attention_accumulator_is_not_proved(tmp_path):
+    text = (REPO / "programs" / "fused" / "attention.prism").read_text()
+    text = text.replace("l = acc_softmax_sum(s)", "l = acc_sum_last(exp(s))")
+    path = tmp_path / "wrong.prism"
+    path.write_text(text)
+    proof = prove(load(REPO / "programs" / "attention.prism").program(), load(path).program(), DEFAULT, Limits(seconds=3))
+    assert not proof.proved and proof.numeric_gap > 1e-3
+
+
+# -- errors in kernels -------------------------------------------------------------------------------
+
+KERNEL_ERRORS = [
+    ("grid(x = gx, w = 2) loop(F)", "xt = load X[:, loop]\nstore Y[:, x] = acc_sum(xt)",
+     "unknown grid axis 'w' (the axes are x, y and z)"),
+    ("grid(x = gx, x = 2) loop(F)", "xt = load X[:, loop]\nstore Y[:, x] = acc_sum(xt)", "grid axis 'x' is given twice"),
+    ("grid(x = 0)", "xt = load X[:, x]\nstore Y[:, x] = xt", "the size of grid axis x must be at least 1, got 0"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, q]\nstore Y[:, x] = xt", "'q' is not a grid axis or 'loop'"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, y]\nstore Y[:, x] = xt", "grid axis 'y' is not in kernel 'k''s grid"),
+    ("grid(x = gx) loop(F)", "xt = load X[loop, loop]\nstore Y[:, :] += acc_sum(xt)", "'loop' splits two dims of one tile"),
+    ("grid(x = gx) loop(F)", "xt = load X[x, x]\nstore Y[x, :] = xt", "'x' splits two dims of one tile"),
+    ("grid(x = gx)", "xt = load X[:, loop]\nstore Y[:, x] = xt", "'loop' here, but kernel 'k' has no loop(...)"),
+    ("grid(x = gx)", "xt = load X[:]\nstore Y[:] += xt", "the map of 'xt' has 1 entries but 'X' has 2 dims [n, d]"),
+    ("grid(x = gx)", "xt = load Q[:, x]\nstore Y[:, x] = xt", "undefined name 'Q'"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nstore Y[:, x] = xt",
+     "'Y' stores a value that changes every loop iteration; accumulate it first"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, x]\nstore Y[:, x] = acc_sum(xt)",
+     "acc_sum accumulates a value that is the same in every iteration"),
+    ("grid(x = gx)", "xt = load X[:, x]\nstore Y[:, x] = acc_sum(xt)",
+     "acc_sum accumulates over the loop, but kernel 'k' has no loop(...)"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, loop]\ns = acc_sum_last(xt)\nstore Y[:, :] += s * xt",
+     "mul combines a value from inside the loop with one from after it"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] += acc_sum(acc_sum_last(xt))",
+     "acc_sum reads a value computed after the loop; accumulators cannot be nested"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_sum_last(xt)",
+     "grid axis x writes no dim of 'Y', so its blocks' results must be added"),
+    ("grid(x = gx)", "xt = load X[:, x]\nstore Y[:, x] += xt", "every axis writes a dim of 'Y'; write '='"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nstore Y[x] = acc_sum(xt)",
+     "the stored tile has shape [n, d/(F*gx)] but the map has 1 entries"),
+    ("grid(x = gx)", "xt = load X[:, x]\nstore Y[:, x] = split(xt, -1, -6, 2)",
+     "split is a layout operator of the prover; it can only be used in rules"),
+    ("grid(x = gx)", "xt = load X[:, x]", "kernel 'k' stores nothing"),
+    ("grid(x = gx)", "xt = load X[:, x]\nxt = exp(xt)\nstore Y[:, x] = xt", "'xt' is already defined in kernel 'k'"),
+    ("grid(x = gx)", "xt = load X[:, x]\nstore X[:, x] = xt", "'X' is already defined; every name is assigned once"),
+]
+
+
+@pytest.mark.parametrize("header,body,message", KERNEL_ERRORS, ids=[m[2][:40] for m in KERNEL_ERRORS])
+def test_kernel_errors_are_reported_with_their_location(tmp_path, capsys, header, body, message):
+    path = tmp_path / "bad.prism"
+    lines = "\n".join("        " + line for line in body.split("\n"))
+    path.write_text(f"dims n = 8, d = 64\nprogram p(X: f16[n, d]) {{\n    kernel k {header} {{\n{lines}\n    }}\n"
+                    f"    return X\n}}\n")
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert f"{path}:" in err and "Traceback" not in err
+
+
+def test_accumulators_are_refused_outside_kernels(tmp_path, capsys):
+    path = tmp_path / "bad.prism"
+    path.write_text("program p(X: f16[4, 4]) {\n    Y = acc_sum(X)\n    return Y\n}\n")
+    assert main(["check", str(path)]) == 1
+    assert ":2:9: acc_sum is a loop accumulator; it can only be used inside a kernel" in capsys.readouterr().err
+
+
+def test_duplicate_kernel_names_are_refused(tmp_path, capsys):
+    path = tmp_path / "bad.prism"
+    path.write_text("program p(X: f16[4, 4]) {\n    kernel k grid(x = 4) {\n        t = load X[x, :]\n        store A[x, :] = t\n    }\n"
+                    "    kernel k grid(x = 4) {\n        t = load A[x, :]\n        store B[x, :] = t\n    }\n    return B\n}\n")
+    assert main(["check", str(path)]) == 1
+    assert ":6:12: duplicate kernel 'k'" in capsys.readouterr().err
+
+
+# -- several kernels and pre-defined ops in one program -------------------------------------------------
+
+
+def test_a_program_mixes_custom_kernels_and_predefined_ops(tmp_path):
+    path = tmp_path / "mixed.prism"
+    path.write_text("""dims n = 8, d = 64
+program p(X: f32[n, d], W: f32[d, d]) {
+    H = exp(X)
+    kernel mm grid(x = gx, y = gy) loop(F) {
+        ht = load H[y, loop]
+        wt = load W[loop, x]
+        store A[y, x] = acc_sum(ht @ wt)
+    }
+    kernel split_k grid(x = gk) {
+        at = load A[:, x]
+        wt = load W[x, :]
+        store B[:, :] += at @ wt
+    }
+    C = B + A
+    return C, A
+}
+""")
+    program = load(path).program()
+    assert len(kernels_of(program)) == 2 and [s.name for s in free_symbols(program)] == ["gx", "gy", "F", "gk"]
+    plain = tmp_path / "plain.prism"
+    plain.write_text("dims n = 8, d = 64\nprogram p(X: f32[n, d], W: f32[d, d]) {\n    A = exp(X) @ W\n"
+                     "    C = A @ W + A\n    return C, A\n}\n")
+    inputs = random_inputs(program, bind_dims(program, {}), seed=2)
+    want = evaluate(load(plain).program(), inputs)
+    for params in ({}, dict(gx=2, gy=4, F=8, gk=4)):
+        got = evaluate(program, inputs, params)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-10)
+    proof = prove(load(plain).program(), program, DEFAULT)
+    assert proof.proved, proof.reason
+
+
+# -- show --------------------------------------------------------------------------------------------
+
+
+def test_show_prints_tiles_shared_memory_and_checks(capsys):
+    path = REPO / "programs" / "fused" / "rmsnorm_linear.prism"
+    assert main(["show", str(path), "--dims", "n=16", "--grid", "x=64", "--loop", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel rmsnorm_matmul grid(x = gx = 64) loop(F = 64): 64 blocks, 64 iterations each" in out
+    assert "load  wt = W[loop, x]   tile [d/F, d/gx] = [64, 64] f16" in out
+    assert "= 16448 bytes (limit 232448 on H100)" in out
+    assert "checks: every division exact" in out
+
+
+def test_show_lists_violations_and_exits_1(capsys):
+    path = REPO / "programs" / "fused" / "rmsnorm_linear.prism"
+    assert main(["show", str(path), "--dims", "n=16", "--grid", "x=96", "--loop", "64"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT VALID:" in out and "d/gx = 128/3 is not a whole number" in out
+
+
+def test_show_draws_the_kernel_graph_as_dot(tmp_path, capsys):
+    path = REPO / "programs" / "fused" / "attention.decoding.prism"
+    out = tmp_path / "g.dot"
+    assert main(["show", str(path), "--format", "dot", "-o", str(out)]) == 0
+    dot = out.read_text()
+    assert dot.startswith('digraph "attention" {') and dot.rstrip().endswith("}")
+    assert dot.count("subgraph cluster_") == 2
+    assert 'label="load kt[x, y, :, z*loop]\\ntile [b/gb, h/gh, dh, kv/(F*S)]"' in dot
+    assert 'label="store M[z, x, y, :, :] ="' in dot
+
+
+def test_show_svg_without_graphviz_writes_dot_text_and_says_so(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    out = tmp_path / "g.svg"
+    assert main(["show", str(REPO / "programs" / "fused" / "swiglu.prism"), "--format", "svg", "-o", str(out)]) == 0
+    assert out.read_text().startswith("digraph")
+    assert "Graphviz's 'dot' is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("shutil").which("dot") is None, reason="Graphviz's dot is not installed")
+def test_show_svg_with_graphviz(tmp_path):
+    out = tmp_path / "g.svg"
+    assert main(["show", str(REPO / "programs" / "fused" / "swiglu.prism"), "--format", "svg", "-o", str(out)]) == 0
+    assert "<svg" in out.read_text()
+
+
+def test_show_binary_format_needs_an_output_file(capsys, monkeypatch):
+    import shutil
+
+    if shutil.which("dot") is None:
+        pytest.skip("Graphviz's dot is not installed (without it the output is DOT text)")
+    assert main(["show", str(REPO / "programs" / "fused" / "swiglu.prism"), "--format", "png"]) == 2
