@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-import egglog
+from importlib.metadata import version
 
 from prism_dsl.check import load
 from prism_dsl.prove import prove
@@ -34,7 +34,7 @@ def main() -> None:
     library = load_library([], defaults=True)
     check_library(library)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"egglog {getattr(egglog, '__version__', '?')}")
+          f"egglog {version('egglog')}")
     print("| kernel file | answer | seconds | e-graph seconds | iterations | rows |")
     print("|---|---|---:|---:|---:|---:|")
     for path in sorted((REPO / "programs" / "fused").glob("*.prism")):

@@ -116,8 +116,6 @@ class _KernelCheck:
         self.c.kernel_names.setdefault(decl.name, decl.loc)
         grid = self.grid()
         loop = self.size(decl.loop, "the loop range") if decl.loop is not None else None
-        if not grid and not any(True for _ in decl.grid):
-            self.error(decl.loc, "a kernel needs a grid with at least one axis")
         shell = Kernel(decl.name, tuple(grid), loop, (), (), ())  # for tile shapes while checking
         axes = {a for a, _ in grid}
         tiles: dict[str, Node] = {}

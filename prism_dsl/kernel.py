@@ -87,6 +87,44 @@ class TileMap:
 
 
 @dataclass(frozen=True)
+class SymbolicMap:
+    """A map whose entries are not chosen yet: one 0/1 variable per (grid axis or loop, dim), the form
+    the search enumerates (`m[p][d]` = 1 when axis p splits dim d). Printed as a matrix, one row per axis.
+
+    `tile_shape` gives the tile with the Boolean formula of the module doc; `assign` gives the concrete
+    `TileMap` for values of the variables (each axis and the loop splitting at most one dim)."""
+
+    name: str
+    rank: int
+    axes: tuple[str, ...]  # grid axes, then "loop" when the kernel has one
+
+    def var(self, axis: str, dim: int) -> sympy.Symbol:
+        return sympy.Symbol(f"m_{self.name}_{axis}_{dim}", integer=True, nonnegative=True)
+
+    def tile_shape(self, shape: tuple[sympy.Expr, ...], kernel: "Kernel") -> tuple[sympy.Expr, ...]:
+        out = []
+        for d, size in enumerate(shape):
+            m = {a: self.var(a, d) for a in self.axes if a != "loop"}
+            m_loop = self.var("loop", d) if "loop" in self.axes else sympy.Integer(0)
+            out.append(symbolic_tile_dim(size, m, m_loop, kernel))
+        return tuple(out)
+
+    def assign(self, values: Mapping[sympy.Symbol, int]) -> TileMap:
+        dims = []
+        for d in range(self.rank):
+            axis = next((a for a in self.axes if a != "loop" and values.get(self.var(a, d), 0)), None)
+            dims.append(DimMap(axis, "loop" in self.axes and bool(values.get(self.var("loop", d), 0))))
+        for a in self.axes:
+            if sum(values.get(self.var(a, d), 0) for d in range(self.rank)) > 1:
+                raise PrismError(f"map {self.name}: {a} may split one dim, not several")
+        return TileMap(tuple(dims))
+
+    def __str__(self) -> str:
+        rows = [f"{a}: [" + ", ".join(str(self.var(a, d)) for d in range(self.rank)) + "]" for a in self.axes]
+        return f"{self.name} {{" + "; ".join(rows) + "}"
+
+
+@dataclass(frozen=True)
 class Load:
     tile: str  # the tile's name in the body
     source: int  # which operand of the kernel (its inputs, in order of first load)

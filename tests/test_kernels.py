@@ -12,8 +12,7 @@ import sympy
 from prism_dsl.check import load
 from prism_dsl.cli import main
 from prism_dsl.egglog_runner import Limits
-from prism_dsl.errors import PrismError
-from prism_dsl.kernel import choose, free_symbols, instantiate, kernels_of, load_target
+from prism_dsl.kernel import SymbolicMap, choose, free_symbols, instantiate, kernels_of, load_target, tile_shape
 from prism_dsl.layout import bind_counts, to_terms
 from prism_dsl.printer import print_program
 from prism_dsl.prove import prove
@@ -95,10 +94,7 @@ def test_layout_terms_mean_what_the_kernel_computes(path):
         np.testing.assert_allclose(values[node].reshape(got[name].shape), got[name], rtol=1e-10, atol=1e-12)
 
 
-PROVED = [p for p in FUSED if "decoding" not in p.name]
-
-
-@pytest.mark.parametrize("path", PROVED, ids=[p.name for p in PROVED])
+@pytest.mark.parametrize("path", FUSED, ids=[p.name for p in FUSED])
 def test_fused_program_is_proved_equal_to_its_counterpart(path):
     proof = prove(load(counterpart(path)).program(), load(path).program(), DEFAULT)
     assert proof.proved, proof.reason
@@ -244,9 +240,15 @@ def test_prove_command_reports_the_numeric_difference_of_a_wrong_kernel(tmp_path
     assert "not proved: Y" in out and "on random inputs they differ" in out
 
 
-def test_wrong_attention_accumulator_is_not_proved(tmp_path):
-    text = (REPO / "programs" / "fused" / "attention.prism").read_text()
-    text = text.replace("l = acc_softmax_sum(s)", "l = acc_sum_last(exp(s))")
+@pytest.mark.parametrize("file,old,new", [
+    ("attention.prism", "l = acc_softmax_sum(s)", "l = acc_sum_last(exp(s))"),
+    # the combining kernel adds the pieces without rescaling them to the common max
+    ("attention.decoding.prism", "acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt)", "acc_sum(pt) / acc_sum(lt)"),
+])
+def test_wrong_attention_accumulator_is_not_proved(tmp_path, file, old, new):
+    text = (REPO / "programs" / "fused" / file).read_text()
+    assert old in text
+    text = text.replace(old, new)
     path = tmp_path / "wrong.prism"
     path.write_text(text)
     proof = prove(load(REPO / "programs" / "attention.prism").program(), load(path).program(), DEFAULT, Limits(seconds=3))
@@ -408,3 +410,19 @@ def test_show_binary_format_needs_an_output_file(capsys, monkeypatch):
     if shutil.which("dot") is None:
         pytest.skip("Graphviz's dot is not installed (without it the output is DOT text)")
     assert main(["show", str(REPO / "programs" / "fused" / "swiglu.prism"), "--format", "png"]) == 2
+
+
+def test_symbolic_maps_give_every_concrete_maps_tile_shape():
+    import itertools
+
+    k = rmsnorm_kernel()
+    W = k.inputs[1]
+    smap = SymbolicMap("W", 2, ("x", "loop"))
+    symbolic = smap.tile_shape(W.shape, k)
+    assert "m_W_x_1" in str(smap)
+    for bits in itertools.product((0, 1), repeat=4):
+        values = dict(zip([smap.var(a, d) for a in ("x", "loop") for d in (0, 1)], bits))
+        if bits[0] + bits[1] > 1 or bits[2] + bits[3] > 1:
+            continue
+        concrete = tile_shape(W.shape, smap.assign(values), k)
+        assert tuple(sympy.simplify(s.xreplace(values) - c) for s, c in zip(symbolic, concrete)) == (0, 0)
