@@ -486,7 +486,7 @@ def _preference(program: Program, binding, target: Target) -> tuple:
                 size = bind(tile_dim(k.inputs[load.source].shape[d], load.map.dims[d], k), binding)
                 loop_tiles.append(int(size))
     fill = abs(math.log(blocks / target.sms)) if blocks else 99.0
-    width = max((abs(math.log(t / 64)) for t in loop_tiles), default=0.0)
+    width = sum(abs(math.log(t / 64)) for t in loop_tiles)  # tiles whose width is fixed add a constant
     return (round(fill, 1), round(width, 1))
 
 
