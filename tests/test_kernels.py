@@ -152,6 +152,9 @@ def test_too_many_blocks_is_reported(tmp_path):
     k = kernels_of(load(path).program())[0]
     problems = instantiate(k, binding(n=70000), H100)
     assert problems == ["kernel 'k': grid axis y (n blocks) is 70000, above the limit of 65535"]
+    out = tmp_path / "out.npz"
+    assert main(["run", str(path), "--out", str(out)]) == 1
+    assert not out.exists()
 
 
 def test_every_violation_is_listed_at_once():
