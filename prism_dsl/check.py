@@ -18,7 +18,7 @@ import sympy
 from . import ast
 from .errors import Collector, Loc, PrismError
 from .ir import DTYPES, Dim, Node, Program, const, dim_symbol
-from .ops import CALLABLE, OPS, Kind, arity_words
+from .ops import BLOCK_CALLABLE, CALLABLE, OPS, Kind, arity_words
 from .shapes import ShapeError, build, fmt_shape
 from .syntax import MAX_DEPTH, parse_prism, read_source, suggest
 
@@ -150,7 +150,7 @@ def _check_def(f: ast.Def, scope: Scope, errors: Collector) -> bool:
         if isinstance(e, ast.Name) and e.id not in f.params:
             errors.error(e.loc, _unknown_name(e.id, f.params, scope))
         elif isinstance(e, ast.Call):
-            if e.fn in scope.defs or e.fn in CALLABLE:
+            if e.fn in scope.defs or e.fn in BLOCK_CALLABLE:  # accumulators: for defs used in kernels
                 problem = _arity_problem(e, scope)
                 if problem:
                     errors.error(e.loc, problem)

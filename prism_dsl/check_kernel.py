@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import sympy
 
 from . import ast
+from .check import POISON, _unknown_name
 from .errors import Loc
 from .ir import Node, dim_symbol
 from .kernel import AXES, ONE, DimMap, Kernel, Load, Store, TileMap, loop_varying, output_shape, tile_shape
@@ -33,6 +34,11 @@ class _KernelCheck:
         self.c, self.decl, self.env = checker, decl, env
         self.errors = checker.errors
         self.before = len(self.errors.diagnostics)
+        self.storing = False  # checking a store's map (the loop cannot appear there)
+        self.named_axes: set[str] = set()  # axes the grid names, valid sizes or not (no knock-on errors)
+        # Where each body node of this kernel is written. Nodes are interned, so the same expression in
+        # two kernels is one node; the program-wide table would point errors at the first kernel.
+        self.where: dict[Node, Loc] = {}
 
     def error(self, loc: Loc, message: str, *notes: str) -> None:
         self.errors.error(loc, message, *notes)
@@ -60,9 +66,10 @@ class _KernelCheck:
             if axis not in AXES:
                 self.error(loc, f"unknown grid axis '{axis}' (the axes are x, y and z)")
                 continue
-            if axis in grid:
+            if axis in self.named_axes:
                 self.error(loc, f"grid axis '{axis}' is given twice")
                 continue
+            self.named_axes.add(axis)
             value = self.size(size, f"the size of grid axis {axis}")
             if value is not None:
                 grid[axis] = value
@@ -92,8 +99,8 @@ class _KernelCheck:
             self.error(e.loc, "'loop' here, but " + ("a store's map cannot use the loop" if self.storing
                                                       else f"kernel '{self.decl.name}' has no loop(...)"))
             return None
-        if axis is not None and axis not in axes:
-            self.error(e.loc, f"grid axis '{axis}' is not in kernel '{self.decl.name}''s grid")
+        if axis is not None and axis not in self.named_axes:
+            self.error(e.loc, f"grid axis '{axis}' is not in the grid of kernel '{self.decl.name}'")
             return None
         for name in ([axis] if axis else []) + (["loop"] if loop else []):
             if name in seen:
@@ -118,17 +125,16 @@ class _KernelCheck:
         loop = self.size(decl.loop, "the loop range") if decl.loop is not None else None
         shell = Kernel(decl.name, tuple(grid), loop, (), (), ())  # for tile shapes while checking
         axes = {a for a, _ in grid}
-        tiles: dict[str, Node] = {}
         sources: list[Node] = []
         loads: list[Load] = []
         local: dict = {}
         stores: list[tuple[ast.StoreStmt, Node, TileMap]] = []
-        self.storing = False
+        stored: set[str] = set()
         old_callable, self.c.callable = self.c.callable, BLOCK_CALLABLE
         try:
             for stmt in decl.body:
                 if isinstance(stmt, ast.LoadStmt):
-                    self.load(stmt, shell, axes, loop is not None, tiles, sources, loads, local)
+                    self.load(stmt, shell, axes, loop is not None, sources, loads, local)
                 elif isinstance(stmt, ast.Stmt):
                     value = self.c.expr(stmt.expr, local, defs_stack=())
                     if stmt.name in local:
@@ -137,32 +143,33 @@ class _KernelCheck:
                     if isinstance(value, Node) and value.op not in ("tile", "const"):
                         self.c.names.setdefault(value, stmt.name)
                         self.c.locs.setdefault(value, stmt.expr.loc)
+                        self.where.setdefault(value, stmt.expr.loc)
                 else:
                     self.storing = True
                     value = self.c.expr(stmt.expr, local, defs_stack=())
                     tmap = self.tile_map(stmt.entries, axes, loop_ok=False)
                     self.storing = False
+                    if stmt.name in stored:
+                        self.error(stmt.loc, f"'{stmt.name}' is stored twice; every name is assigned once")
+                    stored.add(stmt.name)
+                    if isinstance(value, Node):
+                        self.where.setdefault(value, stmt.expr.loc)
                     if isinstance(value, Node) and tmap is not None:
                         stores.append((stmt, value, tmap))
         finally:
             self.c.callable = old_callable
-        if not stores and self.ok():
+        if not any(isinstance(stmt, ast.StoreStmt) for stmt in decl.body):
             self.error(decl.loc, f"kernel '{decl.name}' stores nothing; add 'store NAME[map] = value'")
         if not self.ok():
-            for stmt in decl.body:  # the names it would have defined are known, so uses stay quiet
-                if isinstance(stmt, ast.StoreStmt) and stmt.name not in self.env:
-                    from .check import POISON
-
-                    self.env[stmt.name] = POISON
-            return
+            return self.poison_outputs()
         kernel = Kernel(decl.name, tuple(grid), loop, tuple(loads), (), tuple(sources))
         checked = [s for s in (self.store(stmt, value, tmap, kernel) for stmt, value, tmap in stores) if s]
         if not self.ok():
-            return
+            return self.poison_outputs()
         kernel = Kernel(decl.name, tuple(grid), loop, tuple(loads), tuple(checked), tuple(sources))
         self.phases(kernel)
         if not self.ok():
-            return
+            return self.poison_outputs()
         for i, (store, (stmt, _, _)) in enumerate(zip(kernel.stores, stores)):
             shape = output_shape(store.value.shape, store.map, kernel)
             node = Node("kernel", tuple(sources), (kernel, i), store.value.dtype, shape)
@@ -170,12 +177,16 @@ class _KernelCheck:
             self.c.locs.setdefault(node, stmt.loc)
             self.c.names.setdefault(node, store.name)
 
-    def load(self, stmt: ast.LoadStmt, shell: Kernel, axes, has_loop, tiles, sources, loads, local) -> None:
+    def poison_outputs(self) -> None:
+        """After an error in the kernel, the names it stores are known but valueless: uses stay quiet."""
+        for stmt in self.decl.body:
+            if isinstance(stmt, ast.StoreStmt) and stmt.name not in self.env:
+                self.env[stmt.name] = POISON
+
+    def load(self, stmt: ast.LoadStmt, shell: Kernel, axes, has_loop, sources, loads, local) -> None:
         if stmt.tile in local:
             self.error(stmt.loc, f"'{stmt.tile}' is already defined in kernel '{self.decl.name}'")
             return
-        from .check import POISON, _unknown_name
-
         source = self.env.get(stmt.source)
         if source is None:
             self.error(stmt.source_loc, _unknown_name(stmt.source, self.env, self.c.scope))
@@ -203,6 +214,7 @@ class _KernelCheck:
         loads.append(Load(stmt.tile, sources.index(source), tmap))
         local[stmt.tile] = node
         self.c.locs.setdefault(node, stmt.loc)
+        self.where.setdefault(node, stmt.loc)
 
     def store(self, stmt: ast.StoreStmt, value: Node, tmap: TileMap, kernel: Kernel) -> Store | None:
         if stmt.name in self.env:
@@ -212,6 +224,10 @@ class _KernelCheck:
             self.error(stmt.loc, "a kernel stores tiles, not constants")
             return None
         rank = len(tmap.dims)
+        if rank > KERNEL_RANK:
+            self.error(stmt.loc, f"the map of '{stmt.name}' has {rank} entries; kernels store tensors of rank "
+                       f"{KERNEL_RANK} at most")
+            return None
         extra = value.shape[: max(0, value.rank - rank)]
         if any(not same(s, ONE) for s in extra):
             self.error(stmt.loc, f"the stored tile has shape {fmt_shape(value.shape)} but the map has {rank} entries; "
@@ -223,6 +239,13 @@ class _KernelCheck:
             self.error(stmt.loc, f"grid axis {', '.join(summed)} writes no dim of '{stmt.name}', so its blocks' results "
                        f"must be added: write 'store {stmt.name}[...] += ...', or map the axis to a dim")
             return None
+        split_by = {a for n in value.walk() if n.op == "tile" for a in kernel.load(n.attr).map.axes()}
+        alike = [a for a, g in kernel.grid if a not in split_by and not _one(g)]
+        if alike:
+            self.error(stmt.loc, f"every block along grid axis {', '.join(alike)} would compute the same '{stmt.name}': "
+                       f"no tile it is computed from is split by {'it' if len(alike) == 1 else 'them'}; split a tile "
+                       f"by the axis, or drop the axis from the grid")
+            return None
         if stmt.add and not unmapped:
             self.error(stmt.loc, f"'+=' adds the results of blocks along axes that write no dim, but every axis "
                        f"writes a dim of '{stmt.name}'; write '='")
@@ -233,7 +256,7 @@ class _KernelCheck:
         varying = loop_varying(kernel)
         after: set[Node] = set()
         for n in kernel.body():
-            loc = self.c.locs.get(n, self.decl.loc)
+            loc = self.where.get(n, self.decl.loc)
             kind = OPS[n.op].kind
             if kind is Kind.ACCUMULATE:
                 if kernel.loop is None:
@@ -251,9 +274,13 @@ class _KernelCheck:
                 after.add(n)
         for s in kernel.stores:
             if s.value in varying:
-                self.error(self.c.locs.get(s.value, self.decl.loc),
+                self.error(self.where.get(s.value, self.decl.loc),
                            f"'{s.name}' stores a value that changes every loop iteration; accumulate it first "
                            f"(acc_sum, acc_max_last, ...)")
+
+
+def _one(size) -> bool:
+    return sympy.sympify(size) == 1
 
 
 def check_kernel(checker: "Checker", decl: ast.KernelDecl, env: dict) -> None:

@@ -241,6 +241,8 @@ def cmd_prove(args) -> int:
     for pair in proof.pairs:
         label = pair.name if pair.name == pair.other else f"{pair.name} vs {pair.other}"
         print(f"{'proved' if pair.proved else 'not proved'}: {label}")
+    if proof.numeric_gap is None:
+        print("note: no numeric cross-check: no valid kernel parameters at the test sizes or the declared ones")
     if proof.proved:
         print(f"{first.name} == {second.name}: proved {stats}")
     else:

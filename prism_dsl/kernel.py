@@ -270,8 +270,8 @@ def shared_memory(kernel: Kernel) -> sympy.Expr:
 
     Loaded tiles take their tensor's dtype; computed tiles their node's dtype; accumulators keep their
     state in f32 for the whole kernel. Element-wise unary ops are fused into their producer's registers
-    (thread-level fusion) and take no tile. Liveness follows the body's order: a tile is live from the op
-    that makes it to its last use; loads are live through the loop body.
+    (thread-level fusion) and take no tile. Liveness follows the body's order: a tile, loaded or computed,
+    is live from where it is made to its last use.
     """
     body = kernel.body()
     last_use: dict[Node, int] = {}

@@ -45,7 +45,9 @@ def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
         d = load.map.loop_dim()
         if d is not None and not _is_one(kernel.loop_range):
             t = build("split", [t], [d, LOOP_DIM, kernel.loop_range])
-        fam[_tile(kernel, load.tile)] = t
+        tile = next((n for n in kernel.body() if n.op == "tile" and n.attr == load.tile), None)
+        if tile is not None:  # a tile loaded but never used contributes nothing
+            fam[tile] = t
     for n in kernel.body():
         if n in fam:
             continue
@@ -67,12 +69,6 @@ def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
         outs.append(v)
     return outs
 
-
-def _tile(kernel: Kernel, name: str) -> Node:
-    for n in kernel.body():
-        if n.op == "tile" and n.attr == name:
-            return n
-    return Node("tile", (), name)  # loaded but unused: nothing refers to it
 
 
 def to_terms(program: Program) -> Program:

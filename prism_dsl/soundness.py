@@ -22,12 +22,13 @@ import numpy as np
 
 from . import ast, cache
 from .errors import Collector, PrismError
-from .ops import OPS, Kind
+from .ops import LOOP_DIM, OPS, Kind
 from .reference import NUMPY
 from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
 
 SHAPE_TRIES = 4000  # random shape draws per direction of a rule
 SHAPE_INSTANCES = 40  # well-formed shape instances whose result shapes are compared, per direction
+SPLIT_INSTANCES = 150  # for rules over splits, whose wrong cases need particular dims and sizes
 INSTANCES = 8  # of those, instances whose values are compared
 DRAWS = 2  # value draws per instance
 RTOL, ATOL = 1e-7, 1e-9
@@ -131,7 +132,11 @@ def _random_instance(rule: Rule, rng: random.Random, deepest: int) -> Instance:
     for v in sorted(rule.tensor_vars):
         rank = rng.choices(ranks, weights=(1, 2, 4, 3) + (3,) * (len(ranks) - 4))[0]
         shapes[v] = tuple(1 if rng.random() < 0.2 else rng.randint(2, 5 if rank <= 3 else 3) for _ in range(rank))
-    dims = {d: rng.choice((-1, -1, -2, -3)) for d in sorted(rule.dim_vars)}
+    # Rules over splits range over every dim a tile family has (data and block dims alike), so a rule
+    # that is only true when its dims are of one kind shows; other rules over the dims most programs use.
+    # The last two dims matter most (matmul and row-wise ops treat them apart), so they are drawn more.
+    choices = (-1, -1, -1, -2, -2) + tuple(range(-1, -deepest - 1, -1)) if rule.count_vars else (-1, -1, -2, -3)
+    dims = {d: rng.choice(choices) for d in sorted(rule.dim_vars)}
     dims.update({c: rng.choice((1, 2, 2, 3)) for c in sorted(rule.count_vars)})
     if deepest > 3:
         # Rules about tile families (`layout`) split a data dim (-1 .. -5) into a block dim (-6 .. -9) that
@@ -152,8 +157,8 @@ def _deepest_dim(rule: Rule) -> int:
             spec = OPS[e.fn]
             deepest += [-d for a in e.args[spec.operands :] if (d := literal_dim(a)) is not None]
             stack.extend(e.args[: spec.operands])
-            if spec.kind is Kind.ACCUMULATE:
-                deepest.append(9)  # accumulators fold the loop dim (`ops.LOOP_DIM`)
+            if spec.kind in (Kind.ACCUMULATE, Kind.SPLIT, Kind.CONCAT):
+                deepest.append(-LOOP_DIM)  # tile families reach the loop dim (see `layout`)
     return max(deepest, default=1)
 
 
@@ -177,7 +182,7 @@ def _instances(rule: Rule, first: ast.Expr, rng: random.Random) -> list[Instance
         except _IllFormed:
             continue
         found[key] = inst
-        if len(found) >= SHAPE_INSTANCES:
+        if len(found) >= (SPLIT_INSTANCES if rule.count_vars else SHAPE_INSTANCES):
             break
     return sorted(found.values(), key=lambda i: -sum(np.prod(s) for s in i.shapes.values()))
 
@@ -248,7 +253,9 @@ def check_rule(rule: Rule) -> str | None:
                     f"its sides have different shapes at {inst.describe()}: "
                     f"{fname} {list(shape1)}, {sname} {list(shape2)}"
                 )
-        for inst in _for_values(instances):
+        # Splits need size-1 dims (where the pieces go), which `_for_values` avoids: rules over splits
+        # compare values at every instance found.
+        for inst in instances if rule.count_vars else _for_values(instances):
             for draw in range(DRAWS + 1):
                 problem, finite = _compare(first, second, fname, sname, inst, domains, nrng, all_positive=draw == DRAWS)
                 if problem:
@@ -291,7 +298,7 @@ def _compare(first, second, fname, sname, inst, domains, rng, all_positive) -> t
 
 
 # Bump when the check itself changes, so that rules passed by an older check are checked again.
-CHECK_VERSION = "3"
+CHECK_VERSION = "4"
 
 
 def check_library(library: Library, *, use_cache: bool = True) -> None:

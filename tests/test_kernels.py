@@ -266,7 +266,7 @@ KERNEL_ERRORS = [
     ("grid(x = gx, x = 2) loop(F)", "xt = load X[:, loop]\nstore Y[:, x] = acc_sum(xt)", "grid axis 'x' is given twice"),
     ("grid(x = 0)", "xt = load X[:, x]\nstore Y[:, x] = xt", "the size of grid axis x must be at least 1, got 0"),
     ("grid(x = gx) loop(F)", "xt = load X[:, q]\nstore Y[:, x] = xt", "'q' is not a grid axis or 'loop'"),
-    ("grid(x = gx) loop(F)", "xt = load X[:, y]\nstore Y[:, x] = xt", "grid axis 'y' is not in kernel 'k''s grid"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, y]\nstore Y[:, x] = xt", "grid axis 'y' is not in the grid of kernel 'k'"),
     ("grid(x = gx) loop(F)", "xt = load X[loop, loop]\nstore Y[:, :] += acc_sum(xt)", "'loop' splits two dims of one tile"),
     ("grid(x = gx) loop(F)", "xt = load X[x, x]\nstore Y[x, :] = xt", "'x' splits two dims of one tile"),
     ("grid(x = gx)", "xt = load X[:, loop]\nstore Y[:, x] = xt", "'loop' here, but kernel 'k' has no loop(...)"),
@@ -278,9 +278,9 @@ KERNEL_ERRORS = [
      "acc_sum accumulates a value that is the same in every iteration"),
     ("grid(x = gx)", "xt = load X[:, x]\nstore Y[:, x] = acc_sum(xt)",
      "acc_sum accumulates over the loop, but kernel 'k' has no loop(...)"),
-    ("grid(x = gx) loop(F)", "xt = load X[:, loop]\ns = acc_sum_last(xt)\nstore Y[:, :] += s * xt",
+    ("grid(x = 1) loop(F)", "xt = load X[:, loop]\ns = acc_sum_last(xt)\nstore Y[:, :] += s * xt",
      "mul combines a value from inside the loop with one from after it"),
-    ("grid(x = gx) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] += acc_sum(acc_sum_last(xt))",
+    ("grid(x = 1) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] += acc_sum(acc_sum_last(xt))",
      "acc_sum reads a value computed after the loop; accumulators cannot be nested"),
     ("grid(x = gx) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_sum_last(xt)",
      "grid axis x writes no dim of 'Y', so its blocks' results must be added"),
@@ -292,6 +292,11 @@ KERNEL_ERRORS = [
     ("grid(x = gx)", "xt = load X[:, x]", "kernel 'k' stores nothing"),
     ("grid(x = gx)", "xt = load X[:, x]\nxt = exp(xt)\nstore Y[:, x] = xt", "'xt' is already defined in kernel 'k'"),
     ("grid(x = gx)", "xt = load X[:, x]\nstore X[:, x] = xt", "'X' is already defined; every name is assigned once"),
+    ("grid(x = gx)", "xt = load X[:, x]\nstore Y[:, x] = xt\nstore Y[:, x] = exp(xt)", "'Y' is stored twice"),
+    ("grid(x = gx, y = gy) loop(F)", "xt = load X[x, loop]\nstore Y[x, :] += acc_sum_last(xt)",
+     "every block along grid axis y would compute the same 'Y': no tile it is computed from is split by it"),
+    ("grid(x = 2)", "xt = load X[:, :]\nstore Y[x, :] = xt", "every block along grid axis x would compute the same 'Y'"),
+    ("grid(x = gx)", "xt = load X[:, x]\nstore Y[x, :, :, :, :, :] = xt", "the map of 'Y' has 6 entries; kernels store"),
 ]
 
 
@@ -429,3 +434,51 @@ def test_symbolic_maps_give_every_concrete_maps_tile_shape():
             continue
         concrete = tile_shape(W.shape, smap.assign(values), k)
         assert tuple(sympy.simplify(s.xreplace(values) - c) for s, c in zip(symbolic, concrete)) == (0, 0)
+
+
+def test_an_error_in_a_second_kernel_points_into_that_kernel(tmp_path, capsys):
+    path = tmp_path / "two.prism"
+    path.write_text("""dims n = 4, d = 64
+program p(X: f32[n, d]) {
+    kernel a grid(x = gx) loop(F) {
+        t = load X[x, loop]
+        e = exp(t)
+        store Y[x, :] = acc_sum_last(e)
+    }
+    kernel b grid(x = gx) loop(F) {
+        t = load X[x, loop]
+        e = exp(t)
+        store Z[x, :] = e
+    }
+    return Y, Z
+}
+""")
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert ":10:13: 'Z' stores a value that changes every loop iteration" in err
+    assert "undefined name" not in err and "cannot return" not in err
+
+
+def test_defs_may_call_accumulators_for_use_in_kernels(tmp_path, capsys):
+    path = tmp_path / "defs.prism"
+    path.write_text("dims n = 4, d = 64\ndef rowsum(a) = acc_sum_last(a)\nprogram p(X: f32[n, d]) {\n"
+                    "    kernel k grid(x = gx) loop(F) {\n        t = load X[x, loop]\n        store Y[x, :] = rowsum(t)\n"
+                    "    }\n    return Y\n}\n")
+    assert main(["check", str(path)]) == 0
+    capsys.readouterr()
+    bad = tmp_path / "bad.prism"
+    bad.write_text("def rowsum(a) = acc_sum_last(a)\nprogram p(X: f32[4, 4]) {\n    Y = rowsum(X)\n    return Y\n}\n")
+    assert main(["check", str(bad)]) == 1
+    assert "acc_sum_last is a loop accumulator; it can only be used inside a kernel" in capsys.readouterr().err
+
+
+def test_numeric_guard_falls_back_to_the_declared_sizes(tmp_path, capsys):
+    """A literal grid size that does not divide the small test sizes still gets a numeric cross-check."""
+    path = tmp_path / "k.prism"
+    path.write_text("dims n = 64, d = 32\nprogram p(X: f32[n, d]) {\n    kernel k grid(x = 32) {\n"
+                    "        t = load X[x, :]\n        store Y[x, :] = exp(t) * 2\n    }\n    return Y\n}\n")
+    plain = tmp_path / "plain.prism"
+    plain.write_text("dims n = 64, d = 32\nprogram p(X: f32[n, d]) {\n    Y = exp(X) * 3\n    return Y\n}\n")
+    assert main(["prove", str(plain), str(path), "--timeout", "3"]) == 3
+    out = capsys.readouterr().out
+    assert "on random inputs they differ" in out and "no numeric cross-check" not in out

@@ -53,6 +53,11 @@ UNSOUND = [
     ("cancel_widens", "(a / c) / (b / c) => a / b", "different shapes"),
     ("reduce_swap_same_dim", "mean(sum(a, i), j) <=> sum(mean(a, j), i)", "sides differ"),
     ("relu_is_identity", "relu(x) => x", "sides differ"),
+    # layout rules that hold only when the pieces are laid along a block dim, not the last dim
+    ("split_rms_norm_any_dim", "rms_norm(split(a, i, j, g)) => split(rms_norm(a), i, j, g) if i != -1", "sides differ"),
+    ("split_rows_any_dim", "split(a, -2, j, g) @ b => split(a @ b, -2, j, g) if size(b, j) == 1", "ill formed"),
+    ("split_concat_other_count", "split(concat(a, i, j), i, j, g) => a", "differ"),
+    ("acc_sum_is_max", "acc_sum(a) => max(a, -9)", "sides differ"),
     ("sub_commutes", "a - b => b - a", "sides differ"),
     ("sum_of_product", "sum(a * b, -1) => sum(a, -1) * sum(b, -1)", "sides differ"),
     ("sum_drops_dim", "sum(a, -1) => a", "different shapes"),
