@@ -17,9 +17,8 @@ import numpy as np
 import sympy
 
 from .accumulators import ACCUMULATORS
-from .errors import PrismError
 from .ir import Node, Program
-from .kernel import Concrete, Kernel, TileMap, choose, free_symbols, instantiate_program, load_target
+from .kernel import Concrete, TileMap, after_loop, complete, free_symbols, instantiate_program, load_target
 from .ops import OPS, Kind
 from .reference import apply
 
@@ -42,7 +41,7 @@ def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
     k = c.kernel
     body = k.body()
     accs = [n for n in body if OPS[n.op].kind is Kind.ACCUMULATE]
-    after = _after_loop(body)
+    after = after_loop(body)
     in_loop = [n for n in body if n not in after and OPS[n.op].kind is not Kind.ACCUMULATE]
     post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
     tiles = {l.tile: l for l in k.loads}
@@ -83,20 +82,6 @@ def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
     return outs
 
 
-def _after_loop(body: list[Node]) -> set[Node]:
-    """Nodes computed after the loop: accumulators, what depends on them, and tiles only they read."""
-    after: set[Node] = set()
-    for n in body:
-        if OPS[n.op].kind is Kind.ACCUMULATE or any(a in after for a in n.args):
-            after.add(n)
-    in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
-    users_in_loop = {a for n in in_loop for a in n.args}
-    for n in body:
-        if n.op == "tile" and n not in users_in_loop and any(n in m.args for m in after):
-            after.add(n)
-    return after
-
-
 def _write(out: np.ndarray, tile: np.ndarray, store, block: Mapping[str, int]) -> None:
     rank = out.ndim
     tile = np.asarray(tile)
@@ -122,12 +107,8 @@ class KernelRunner:
                  prefer: str = "fill"):
         self.target = load_target(target)
         symbols = {s.name: s for s in free_symbols(program)}
-        unknown = sorted(set(params) - set(symbols))
-        if unknown:
-            known = ", ".join(symbols) or "none"
-            raise PrismError(f"program '{program.name}' has no kernel parameter {', '.join(unknown)} (its parameters: {known})")
-        fixed = {symbols[n]: v for n, v in params.items()}
-        self.binding = {**dims, **fixed, **choose(program, dims, fixed, self.target, prefer)}
+        values = complete(program, dims, params, self.target, prefer)
+        self.binding = {**dims, **{symbols[n]: v for n, v in values.items()}}
         self.concrete = instantiate_program(program, self.binding, self.target)
         self.results: dict[int, list[np.ndarray]] = {}
 

@@ -20,7 +20,7 @@ from . import ast
 from .check import POISON, _unknown_name
 from .errors import Loc
 from .ir import Node, dim_symbol
-from .kernel import AXES, ONE, DimMap, Kernel, Load, Store, TileMap, loop_varying, output_shape, tile_shape
+from .kernel import AXES, ONE, DimMap, Kernel, Load, Store, TileMap, after_loop, loop_varying, output_shape, tile_shape
 from .ops import BLOCK_CALLABLE, KERNEL_RANK, OPS, Kind
 from .shapes import fmt_shape, same
 from .syntax import suggest
@@ -253,12 +253,11 @@ class _KernelCheck:
         return Store(stmt.name, value, tmap, stmt.add)
 
     def phases(self, kernel: Kernel) -> None:
-        varying = loop_varying(kernel)
-        after: set[Node] = set()
-        for n in kernel.body():
+        body = kernel.body()
+        varying, after = loop_varying(kernel), after_loop(body)
+        for n in body:
             loc = self.where.get(n, self.decl.loc)
-            kind = OPS[n.op].kind
-            if kind is Kind.ACCUMULATE:
+            if OPS[n.op].kind is Kind.ACCUMULATE:
                 if kernel.loop is None:
                     self.error(loc, f"{n.op} accumulates over the loop, but kernel '{kernel.name}' has no loop(...)")
                 elif any(a in after for a in n.args):
@@ -266,12 +265,9 @@ class _KernelCheck:
                 elif not any(a in varying for a in n.args):
                     self.error(loc, f"{n.op} accumulates a value that is the same in every iteration; accumulate a "
                                f"value computed from a tile the loop splits")
-                after.add(n)
-            elif any(a in after for a in n.args):
-                if any(a in varying for a in n.args):
-                    self.error(loc, f"{n.op} combines a value from inside the loop with one from after it; "
-                               f"accumulate the first (acc_sum, acc_rms_last, ...) before using it after the loop")
-                after.add(n)
+            elif any(a in after for a in n.args) and any(a in varying for a in n.args):
+                self.error(loc, f"{n.op} combines a value from inside the loop with one from after it; "
+                           f"accumulate the first (acc_sum, acc_rms_last, ...) before using it after the loop")
         for s in kernel.stores:
             if s.value in varying:
                 self.error(self.where.get(s.value, self.decl.loc),

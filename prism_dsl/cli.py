@@ -318,7 +318,7 @@ def _count(n: int, word: str) -> str:
 
 def cmd_run(args) -> int:
     from .check import load
-    from .kernel import choose, free_symbols, load_target, resolve_params
+    from .kernel import complete, free_symbols, load_target, resolve_params
     from .reference import bind_dims, evaluate, random_inputs
 
     program = load(args.file).program(args.program)
@@ -327,18 +327,14 @@ def cmd_run(args) -> int:
     given = read_npz(args.inputs, program) if args.inputs else None
     binding = bind_dims(program, args.dims, given)
     inputs = given if given is not None else random_inputs(program, binding, args.seed)
-    params = resolve_params(program, args.grid, args.loop)
-    symbols = {s.name: s for s in free_symbols(program)}
-    fixed = {symbols[n]: v for n, v in params.items()}
-    chosen = choose(program, binding, fixed, load_target(args.target)) if symbols else {}
-    params |= {s.name: v for s, v in chosen.items()}
+    params = complete(program, binding, resolve_params(program, args.grid, args.loop), load_target(args.target))
     outputs = evaluate(program, inputs, params, args.target)
     write_npz(args.out, outputs)
     if args.save_inputs:
         write_npz(args.save_inputs, inputs)
     sizes = ", ".join(f"{d.name}={binding[d.symbol]}" for d in program.dims)
     shown = ", ".join(f"{k}{list(v.shape)}" for k, v in outputs.items())
-    kernels = ", ".join(f"{s}={params[s]}" for s in symbols)
+    kernels = ", ".join(f"{s.name}={params[s.name]}" for s in free_symbols(program))
     print(f"{program.name}: {shown} -> {args.out}" + (f" (dims {sizes})" if sizes else "")
           + (f" (kernel parameters {kernels})" if kernels else ""))
     return EXIT_OK

@@ -158,6 +158,10 @@ class Kernel:
     def load(self, tile: str) -> Load:
         return next(l for l in self.loads if l.tile == tile)
 
+    def tile_node(self, name: str) -> Node | None:
+        """The body's node for the tile loaded as `name` (None when nothing uses it)."""
+        return next((n for n in self.body() if n.op == "tile" and n.attr == name), None)
+
     def body(self) -> list[Node]:
         """Every block-level node, operands first, each once."""
         order: list[Node] = []
@@ -215,6 +219,20 @@ def loop_varying(kernel: Kernel) -> set[Node]:
     return varying
 
 
+def after_loop(body: list[Node]) -> set[Node]:
+    """Nodes computed after the loop: accumulators, what depends on them, and tiles only they read."""
+    after: set[Node] = set()
+    for n in body:
+        if OPS[n.op].kind is Kind.ACCUMULATE or any(a in after for a in n.args):
+            after.add(n)
+    in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
+    users_in_loop = {a for n in in_loop for a in n.args}
+    for n in body:
+        if n.op == "tile" and n not in users_in_loop and any(n in m.args for m in after):
+            after.add(n)
+    return after
+
+
 # -- targets -----------------------------------------------------------------------------------------
 
 
@@ -265,6 +283,7 @@ def _elements(shape) -> sympy.Expr:
     return sympy.Mul(*shape) if shape else ONE
 
 
+@cache
 def shared_memory(kernel: Kernel) -> sympy.Expr:
     """Bytes of shared memory one block needs: the peak of the tiles live at once.
 
@@ -449,6 +468,20 @@ def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sy
                          + " satisfies the constraints:\n  "
                          + "\n  ".join(last_problem or ["no candidates"]))
     return best
+
+
+def complete(program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], target: Target,
+             prefer: str = "fill") -> dict[str, int]:
+    """Every kernel parameter of the program by name: those in `params`, and valid choices (`choose`)
+    for the rest. A name that is no kernel parameter is an error."""
+    symbols = {s.name: s for s in free_symbols(program)}
+    unknown = sorted(set(params) - set(symbols))
+    if unknown:
+        known = ", ".join(symbols) or "none"
+        raise PrismError(f"program '{program.name}' has no kernel parameter {', '.join(unknown)} (its parameters: {known})")
+    fixed = {symbols[n]: v for n, v in params.items()}
+    chosen = choose(program, dims, fixed, target, prefer)
+    return {**params, **{s.name: v for s, v in chosen.items()}}
 
 
 def _candidates(program: Program, sym: sympy.Symbol, binding) -> list[int]:

@@ -45,7 +45,7 @@ def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
         d = load.map.loop_dim()
         if d is not None and not _is_one(kernel.loop_range):
             t = build("split", [t], [d, LOOP_DIM, kernel.loop_range])
-        tile = next((n for n in kernel.body() if n.op == "tile" and n.attr == load.tile), None)
+        tile = kernel.tile_node(load.tile)
         if tile is not None:  # a tile loaded but never used contributes nothing
             fam[tile] = t
     for n in kernel.body():

@@ -64,7 +64,6 @@ def _statement_names(program: Program) -> dict[Node, str]:
     for out_name, node in program.outputs:
         if node.op != "input":
             names.setdefault(node, out_name)
-    counter = 0
     depth: dict[Node, int] = {}  # how deep the node's text nests when written inline
     loaded = {a for n in program.nodes() if n.op == "kernel" for a in n.args}  # a kernel loads by name
     taken |= {s.name for n in program.nodes() if n.op == "kernel" for s in n.attr[0].stores}
@@ -76,14 +75,19 @@ def _statement_names(program: Program) -> dict[Node, str]:
         if node in names or node.op in ("input", "const") or (
                 uses[node] < 2 and depth[node] < _INLINE_DEPTH and node not in loaded):
             continue
-        name = program.names.get(node)
-        if name is None or name in taken or name in OPS:
-            while f"t{counter}" in taken:
-                counter += 1
-            name = f"t{counter}"
-        taken.add(name)
-        names[node] = name
+        names[node] = _fresh(program.names.get(node), taken)
     return names
+
+
+def _fresh(wanted: str | None, taken: set[str]) -> str:
+    """`wanted` if it is free and no operator's name, else the first free t0, t1, ...; marked taken."""
+    name, counter = wanted, 0
+    if name is None or name in taken or name in OPS:
+        while f"t{counter}" in taken:
+            counter += 1
+        name = f"t{counter}"
+    taken.add(name)
+    return name
 
 
 def _size(size) -> str:
@@ -106,16 +110,10 @@ def _kernel(kernel, program: Program, text_of: dict) -> list[str]:
     uses: Counter = Counter(a for n in kernel.body() for a in set(n.args))
     for s in kernel.stores:
         uses[s.value] += 1
-    counter = 0
     for n in kernel.body():
         if n.op in ("tile", "const") or not (uses[n] > 1 or n in program.names):
             continue
-        name = program.names.get(n)
-        if name is None or name in taken or name in OPS:
-            while f"t{counter}" in taken:
-                counter += 1
-            name = f"t{counter}"
-        taken.add(name)
+        name = _fresh(program.names.get(n), taken)
         lines.append(f"        {name} = {_expr(n, local, top=True)}")
         local[n] = name
     for s in kernel.stores:

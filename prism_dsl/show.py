@@ -85,7 +85,7 @@ def kernel_text(program: Program, k: Kernel, binding, target) -> tuple[list[str]
     names = {n: program.names[n] for n in k.body() if n in program.names and n.op != "tile"}
     for load in k.loads:
         src = k.inputs[load.source]
-        tile = next((n for n in k.body() if n.op == "tile" and n.attr == load.tile), None)
+        tile = k.tile_node(load.tile)
         src_name = program.names.get(src, src.attr if src.op == "input" else "?")
         shape = _shape(tile.shape, binding) if tile is not None else "(unused)"
         lines.append(f"  load  {load.tile} = {src_name}{load.map}   tile {shape} {src.dtype}")
@@ -182,7 +182,7 @@ def _cluster(program: Program, k: Kernel, binding, nid) -> list[str]:
     lines = [f"  subgraph {c} {{", f"    label={_q(f'kernel {k.name}  grid({grid}){loop}')};",
              "    style=rounded; color=steelblue;"]
     for load in k.loads:
-        tile = next((n for n in k.body() if n.op == "tile" and n.attr == load.tile), None)
+        tile = k.tile_node(load.tile)
         shape = fmt_shape(tile.shape) if tile is not None else "unused"
         label = f"load {load.tile}{load.map}" + NL + f"tile {shape}"
         lines.append(f"    {nid(tile or load, 'b')} [shape=box, color=steelblue, label={_q(label)}];")
