@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -108,6 +109,42 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--format", choices=("text", "dot", "svg", "png"), default="text", help="default: text")
     sh.add_argument("-o", "--output", metavar="FILE", help="write the picture (or text) here instead of stdout")
     sh.set_defaults(run=cmd_show)
+
+    co = sub.add_parser("compile", help="render a program's kernels as CUDA C, compile-check, check and rank or time them",
+                        description="Compile a program to CUDA: every op outside custom kernels becomes a pre-defined "
+                                    "kernel, parameters not given are chosen by the cost model, every kernel is rendered, "
+                                    "compiled with nvcc, run as C++ on the CPU and checked against the float64 reference "
+                                    "(and with --target cuda run, checked and timed on the GPU).")
+    co.add_argument("file", metavar="FILE")
+    co.add_argument("--program", help="which program of the file (needed when it has several)")
+    co.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the results into")
+    co.add_argument("--search", choices=("none",), default="none",
+                    help="'none': compile the program as written (default)")
+    co.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    co.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
+    co.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges to use (64 or F=64)")
+    co.add_argument("--target", choices=("cost", "cuda"), default="cost",
+                    help="cost: rank by the cost model (default); cuda: run, check and time on the GPU")
+    co.add_argument("--hardware", default="h100", help="hardware description for limits and the cost model (h100, a100)")
+    co.add_argument("--arch", default="sm_90,sm_80", help="architectures nvcc checks, comma-separated "
+                    "(default %(default)s); 'none' to skip")
+    co.add_argument("--no-emulate", action="store_true", help="skip the CPU run of the generated code")
+    co.add_argument("--threads", type=_positive_int, default=128, help="threads per block (default 128)")
+    co.add_argument("--no-tensor-cores", action="store_true", help="plain matrix products only")
+    co.add_argument("--seed", type=_seed, default=0, help="seed for the random inputs of the checks (default 0)")
+    co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
+    co.set_defaults(run=cmd_compile)
+
+    be = sub.add_parser("bench", help="time a program's kernels against PyTorch eager and torch.compile (needs a GPU)")
+    be.add_argument("file", metavar="FILE")
+    be.add_argument("--program", help="which program of the file (needed when it has several)")
+    be.add_argument("--baseline", metavar="FILE",
+                    help="the program PyTorch runs (default: FILE itself; needed when FILE has custom kernels)")
+    be.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    be.add_argument("--hardware", default="h100", help="hardware description (h100, a100)")
+    be.add_argument("--repeat", type=_positive_int, default=200, help="timed repetitions (default 200)")
+    be.add_argument("--json", metavar="FILE", dest="json_out", help="also write the table as JSON here")
+    be.set_defaults(run=cmd_bench)
     return p
 
 
@@ -338,6 +375,44 @@ def cmd_run(args) -> int:
     print(f"{program.name}: {shown} -> {args.out}" + (f" (dims {sizes})" if sizes else "")
           + (f" (kernel parameters {kernels})" if kernels else ""))
     return EXIT_OK
+
+
+def cmd_compile(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .build import BuildOptions, compile_program, summary, write
+    from .check import load
+    from .codegen import CodegenConfig
+    from .cuda_runtime import gpu_status
+    from .kernel import load_target
+
+    if args.target == "cuda" and not gpu_status()[0]:
+        raise PrismError(f"--target cuda needs a usable CUDA GPU: {gpu_status()[1]}; use --target cost without one")
+    if args.threads % 32 or args.threads > 1024:
+        raise PrismError(f"--threads must be a multiple of 32 up to 1024, got {args.threads}")
+    archs = tuple(a for a in args.arch.split(",") if a and a != "none")
+    bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}a?", a)]
+    if bad:
+        raise PrismError(f"--arch: expected names like sm_90 or sm_80, got {', '.join(bad)}")
+    target = load_target(args.hardware)
+    program = load(args.file).program(args.program)
+    options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, mode=args.target, archs=archs,
+                           emulate=not args.no_emulate, seed=args.seed,
+                           codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
+    built = compile_program(program, target, options)
+    out = Path(args.output)
+    report = write(built, out, options)
+    print(json.dumps(report, indent=2) if args.json else summary(report, out))
+    checks = report["checks"]
+    failed = any(c.get("passed") is False for c in checks.values())
+    return EXIT_INPUT if failed else EXIT_OK
+
+
+def cmd_bench(args) -> int:
+    from .bench import bench
+
+    return bench(args)
 
 
 def cmd_show(args) -> int:

@@ -27,9 +27,8 @@ from typing import Mapping
 
 import sympy
 
-from .accumulators import ACCUMULATORS
 from .errors import PrismError
-from .ir import DType, Node, Program
+from .ir import Node, Program
 from .ops import OPS, Kind
 
 AXES = ("x", "y", "z")
@@ -249,6 +248,10 @@ class Target:
     bandwidth_gbs: float
     launch_overhead_us: float
     peak_tflops: Mapping[str, float]
+    l2_bandwidth_gbs: float
+    iteration_latency_us: float
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -276,43 +279,17 @@ def load_target(name: str = "h100") -> Target:
 
 # -- shared memory -----------------------------------------------------------------------------------
 
-F32_BYTES = 4
-
-
-def _elements(shape) -> sympy.Expr:
-    return sympy.Mul(*shape) if shape else ONE
-
-
 @cache
 def shared_memory(kernel: Kernel) -> sympy.Expr:
-    """Bytes of shared memory one block needs: the peak of the tiles live at once.
+    """Bytes of shared memory one block needs: every buffer the generated kernel allocates.
 
-    Loaded tiles take their tensor's dtype; computed tiles their node's dtype; accumulators keep their
-    state in f32 for the whole kernel. Element-wise unary ops are fused into their producer's registers
-    (thread-level fusion) and take no tile. Liveness follows the body's order: a tile, loaded or computed,
-    is live from where it is made to its last use.
+    `fusion.plan` decides them (loaded tiles in their tensor's dtype, values that must be materialized,
+    accumulator state in f32; element-wise chains fused into registers take none), so this bound and the
+    generated CUDA agree exactly. Buffers are not reused across the body: simple, and exact.
     """
-    body = kernel.body()
-    last_use: dict[Node, int] = {}
-    for i, n in enumerate(body):
-        for a in n.args:
-            last_use[a] = i
-    for s in kernel.stores:
-        last_use[s.value] = len(body)
-    resident = sympy.Integer(0)
-    live: dict[Node, sympy.Expr] = {}
-    peak = sympy.Integer(0)
-    for i, n in enumerate(body):
-        kind = OPS[n.op].kind
-        if kind is Kind.ACCUMULATE:
-            resident += ACCUMULATORS[n.op].state_tiles * _elements(n.shape) * F32_BYTES
-        elif kind is not Kind.CONST and not (kind is Kind.UNARY):
-            live[n] = _elements(n.shape) * (n.dtype or DType.F32).bytes
-        now = sympy.Add(*live.values())
-        peak = now if i == 0 else sympy.Max(peak, now)
-        for m in [m for m in live if last_use.get(m, -1) <= i]:
-            del live[m]
-    return resident + peak
+    from .fusion import plan  # fusion reads the kernel IR defined here
+
+    return plan(kernel).smem_bytes()
 
 
 # -- instantiation -----------------------------------------------------------------------------------

@@ -1,0 +1,308 @@
+"""`prismc compile --search none`: a program as written, instantiated, rendered, checked and written out.
+
+The driver is a short list of named passes:
+
+    lower        every op outside custom kernels becomes a pre-defined kernel (`lower`)
+    parameters   kernel parameters from the command line, the rest chosen by the cost model (`cost.tune`)
+    instantiate  every kernel concrete; constraint violations are errors (`kernel.instantiate_program`)
+    render       CUDA C per kernel through the templates (`codegen`)
+    nvcc         each kernel compiled for every requested architecture; ptxas figures kept (`nvcc_check`)
+    emulate      the generated code run as C++ on the CPU and compared with the float64 reference (`emulate`)
+    gpu          with `--target cuda`: run on the GPU, checked against the reference, timed (`cuda_runtime`)
+    write        .cu files, prism.cuh, launcher.py and prism_runtime.py, the program as .prism,
+                 report.json; built in a scratch directory and moved into place only when complete
+
+A result that was not checked is never called verified: `report["verified"]` is true only when every
+output agreed with the reference (in the emulation, or on the GPU with `--target cuda`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from . import cost, cuda_runtime, emulate
+from .codegen import HEADER, CodegenConfig, RenderedKernel, header_source, render_kernel
+from .errors import PrismError
+from .ir import Program
+from .kernel import Target, free_symbols, instantiate_program, kernels_of, resolve_params
+from .lower import lower
+from .printer import print_program
+from .reference import bind_dims, concrete_shape, evaluate, random_inputs
+
+ARCHS = ("sm_90", "sm_80")
+RTOL = 1e-2  # f16 storage: about three decimal digits
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    dims: Mapping[str, int] = field(default_factory=dict)
+    grid: Mapping[str, int] = field(default_factory=dict)
+    loop: Mapping[str, int] = field(default_factory=dict)
+    mode: str = "cost"  # "cost": rank by the model; "cuda": run and time on the GPU
+    archs: tuple[str, ...] = ARCHS
+    emulate: bool = True
+    seed: int = 0
+    codegen: CodegenConfig = CodegenConfig()
+
+
+@dataclass
+class Build:
+    program: Program  # as compiled: pre-defined kernels lowered
+    source: Program  # as given
+    binding: dict
+    params: dict[str, int]
+    kernels: list[RenderedKernel]
+    report: dict
+    target: str  # the target file's name, for the block interpreter
+
+
+def plan_of(build: Build) -> dict:
+    """The runtime plan (`cuda_runtime`): tensors, kernels, launch shapes."""
+    tensors = {n.attr: {"shape": list(concrete_shape(n.shape, build.binding)), "dtype": n.dtype.value}
+               for n in build.program.inputs}
+    concrete = build.report["_concrete"]
+    for k in kernels_of(build.program):
+        c = concrete[k.name]
+        for i, s in enumerate(k.stores):
+            tensors[s.name] = {"shape": list(c.output_shape(i)), "dtype": (s.value.dtype.value if s.value.dtype else "f32")}
+    return {
+        "program": build.program.name,
+        "inputs": [n.attr for n in build.program.inputs],
+        "outputs": [name for name, _ in build.program.outputs],
+        "tensors": tensors,
+        "kernels": [{"name": r.name, "file": r.file, "function": r.function, "grid": list(r.grid),
+                     "block": list(r.block), "smem": r.smem, "args": list(r.args), "zero": list(r.zero)}
+                    for r in build.kernels],
+    }
+
+
+def compile_program(source: Program, target: Target, options: BuildOptions) -> Build:
+    started = time.perf_counter()
+    program = lower(source)
+    binding = bind_dims(program, dict(options.dims))
+    given = resolve_params(program, options.grid, options.loop)
+    symbols = {s.name: s for s in free_symbols(program)}
+    fixed = {symbols[n]: v for n, v in given.items()}
+    try:
+        chosen = cost.tune(program, binding, fixed, target, options.codegen.threads)
+    except ValueError:
+        from .kernel import choose  # reports every violated constraint in words
+
+        chosen = choose(program, binding, fixed, target)
+    params = {**given, **{s.name: v for s, v in chosen.items()}}
+    full = {**binding, **{symbols[n]: v for n, v in params.items()}}
+    concrete = instantiate_program(program, full, target)
+    kernels = [render_kernel(concrete[k.name], program, options.codegen) for k in kernels_of(program)]
+    estimates = cost.program_estimate(concrete, target, options.codegen.threads)
+    report = {
+        "program": program.name,
+        "target": {"name": target.name, "arch": target.arch, "mode": options.mode},
+        "dims": {d.name: int(binding[d.symbol]) for d in program.dims},
+        "parameters": params,
+        "kernels": [],
+        "estimated_us": round(sum(e.time_us for e in estimates), 3),
+        "roofline": cost.roofline(source, binding, target),
+        "measured_us": None,
+        "checks": {},
+        "verified": False,
+        "_concrete": concrete,
+    }
+    for r, e in zip(kernels, estimates):
+        report["kernels"].append({"name": r.name, "function": r.function, "file": r.file, "grid": list(r.grid),
+                                  "block": list(r.block), "smem_bytes": r.smem, "tensor_cores": r.tensor_cores,
+                                  "estimate": e.as_dict(), "nvcc": {}})
+    report["compile_seconds"] = round(time.perf_counter() - started, 3)
+    return Build(program, source, full, params, kernels, report, target.name.lower())
+
+
+# -- nvcc -------------------------------------------------------------------------------------------------
+
+_PTXAS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "static_smem": re.compile(r"(\d+) bytes smem"),
+    "stack_frame": re.compile(r"(\d+) bytes stack frame"),
+}
+
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc")
+
+
+def ptxas_figures(text: str) -> dict:
+    out = {}
+    for key, pattern in _PTXAS.items():
+        m = pattern.search(text)
+        out[key] = int(m.group(1)) if m else 0
+    return out
+
+
+def nvcc_check(kernels: list[RenderedKernel], workdir: Path, archs: tuple[str, ...]) -> dict[str, dict[str, dict]]:
+    """Compile every kernel for every arch (`nvcc -cubin -Xptxas -v`); per kernel and arch: ok, the ptxas
+    figures, and nvcc's messages when it failed."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise PrismError("nvcc is not on the PATH")
+    (workdir / HEADER).write_text(header_source())
+    for k in kernels:
+        (workdir / k.file).write_text(k.source)
+
+    def one(job):
+        k, arch = job
+        cmd = [nvcc, "-cubin", f"-arch={arch}", *cuda_runtime.NVCC_OPTIONS, "-Xptxas", "-v",
+               "-o", os.devnull, k.file]
+        done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+        result = {"ok": done.returncode == 0, **ptxas_figures(done.stderr)}
+        if done.returncode != 0:
+            result["stderr"] = done.stderr[-4000:]
+        return k.name, arch, result
+
+    results: dict[str, dict[str, dict]] = {k.name: {} for k in kernels}
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        for name, arch, result in pool.map(one, [(k, a) for k in kernels for a in archs]):
+            results[name][arch] = result
+    return results
+
+
+# -- checks -----------------------------------------------------------------------------------------------
+
+
+def reference_outputs(build: Build, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The float64 oracle: the program as given (its custom kernels through the block interpreter, with the
+    parameters the rendered code uses)."""
+    own = {s.name for s in free_symbols(build.source)}
+    return evaluate(build.source, inputs, {k: v for k, v in build.params.items() if k in own}, build.target)
+
+
+def check_emulated(build: Build, seed: int) -> dict:
+    dims = {d.name: int(build.binding[d.symbol]) for d in build.source.dims}
+    inputs = random_inputs(build.source, bind_dims(build.source, dims), seed)
+    plan = plan_of(build)
+    from .ir import DTYPES
+
+    dtypes = {n: DTYPES[t["dtype"]] for n, t in plan["tensors"].items()}
+    shapes = {n: tuple(t["shape"]) for n, t in plan["tensors"].items()}
+    got = emulate.run(build.kernels, dtypes, shapes, inputs)
+    ref = reference_outputs(build, inputs)
+    outputs = {name: cuda_runtime.check(got[name], ref[name], RTOL) for name in plan["outputs"]}
+    return {"passed": all(o["passed"] for o in outputs.values()), "rtol": RTOL, "seed": seed,
+            "outputs": {n: _plain(o) for n, o in outputs.items()}}
+
+
+def check_gpu(build: Build, directory: Path, seed: int) -> dict:
+    """Run on the GPU through the written launcher files, check every output, time the whole program."""
+    plan = plan_of(build)
+    dims = {d.name: int(build.binding[d.symbol]) for d in build.source.dims}
+    binding = bind_dims(build.source, dims)
+    inputs = random_inputs(build.source, binding, seed)
+    launcher = cuda_runtime.Launcher(plan, directory, cast=True)
+    try:
+        got = launcher(**inputs)
+        ref = reference_outputs(build, inputs)
+        outputs = {name: cuda_runtime.check(got[name], ref[name], RTOL) for name in plan["outputs"]}
+        sets = [random_inputs(build.source, binding, seed + i) for i in range(3)]
+        timing = launcher.time(sets)
+        per_kernel = launcher.time_kernels(sets)
+        return {"passed": all(o["passed"] for o in outputs.values()), "rtol": RTOL, "device": cuda_runtime.gpu_status()[1],
+                "outputs": {n: _plain(o) for n, o in outputs.items()}, "timing_ms": timing, "kernels_ms": per_kernel}
+    finally:
+        launcher.close()
+
+
+def _plain(d: dict) -> dict:
+    return {k: (float(v) if isinstance(v, (np.floating, float)) else [int(i) for i in v] if isinstance(v, tuple)
+                else int(v) if isinstance(v, (np.integer,)) else v) for k, v in d.items()}
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+
+
+def write(build: Build, out: Path, options: BuildOptions) -> dict:
+    """Everything into `out`, checked on the way: built in a scratch directory beside it, then moved in."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    report = build.report
+    try:
+        (scratch / HEADER).write_text(header_source())
+        for k in build.kernels:
+            (scratch / k.file).write_text(k.source)
+        plan = plan_of(build)
+        shutil.copyfile(Path(cuda_runtime.__file__), scratch / "prism_runtime.py")
+        from .codegen import _env
+
+        launcher = _env().get_template("launcher.py.j2").render(plan=plan, program=build.program.name,
+                                                                plan_literal=cuda_runtime.format_plan(plan))
+        (scratch / "launcher.py").write_text(launcher)
+        (scratch / f"{build.program.name}.prism").write_text(print_program(build.program))
+        if options.archs and nvcc_path():
+            figures = nvcc_check(build.kernels, Path(tempfile.mkdtemp(dir=scratch)), options.archs)
+            for entry in report["kernels"]:
+                entry["nvcc"] = figures[entry["name"]]
+            bad = [f"{k} ({a})" for k, per in figures.items() for a, r in per.items() if not r["ok"]]
+            report["checks"]["nvcc"] = {"archs": list(options.archs), "passed": not bad}
+            if bad:
+                first = next(r["stderr"] for per in figures.values() for r in per.values() if not r["ok"])
+                raise PrismError(f"nvcc rejected the generated code for {', '.join(bad)}:\n{first}")
+        elif options.archs:
+            report["checks"]["nvcc"] = {"skipped": "nvcc is not on the PATH"}
+        for leftover in scratch.glob("tmp*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        if options.emulate and emulate.compiler():
+            report["checks"]["emulation"] = check_emulated(build, options.seed)
+        elif options.emulate:
+            report["checks"]["emulation"] = {"skipped": "no C++ compiler (g++ or clang++)"}
+        if options.mode == "cuda":
+            gpu = check_gpu(build, scratch, options.seed)
+            report["checks"]["gpu"] = gpu
+            report["measured_us"] = round(gpu["timing_ms"]["median_ms"] * 1000, 3)
+            for entry in report["kernels"]:
+                entry["measured_us"] = round(gpu["kernels_ms"][entry["name"]]["median_ms"] * 1000, 3)
+        numeric = [c for key, c in report["checks"].items() if key in ("emulation", "gpu") and "passed" in c]
+        report["verified"] = bool(numeric) and all(c["passed"] for c in numeric)
+        public = {k: v for k, v in report.items() if not k.startswith("_")}
+        (scratch / "report.json").write_text(json.dumps(public, indent=2) + "\n")
+        out.mkdir(exist_ok=True)
+        for f in scratch.iterdir():
+            os.replace(f, out / f.name)
+        return public
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def summary(report: dict, out: Path) -> str:
+    lines = [f"{report['program']} -> {out}/ (target {report['target']['name']}, "
+             f"dims {', '.join(f'{k}={v}' for k, v in report['dims'].items()) or 'none'})"]
+    for k in report["kernels"]:
+        nv = k["nvcc"].get(report["target"]["arch"]) or next(iter(k["nvcc"].values()), {})
+        res = f", {nv['registers']} registers, {nv['spill_stores']} B spilled" if nv else ""
+        measured = f", measured {k['measured_us']} us" if k.get("measured_us") is not None else ""
+        lines.append(f"  kernel {k['name']}: grid {'x'.join(map(str, k['grid']))}, {k['block'][0]} threads, "
+                     f"{k['smem_bytes']} B shared{res}{', tensor cores' if k['tensor_cores'] else ''}; "
+                     f"estimated {k['estimate']['time_us']} us ({k['estimate']['bound']}){measured}")
+    roof = report["roofline"]
+    lines.append(f"  estimated {report['estimated_us']} us; roofline floor {roof['floor_us']} us ({roof['bound']})"
+                 + (f"; measured {report['measured_us']} us" if report["measured_us"] is not None else ""))
+    for name, c in report["checks"].items():
+        if "skipped" in c:
+            lines.append(f"  {name}: skipped ({c['skipped']})")
+        elif name == "nvcc":
+            lines.append(f"  nvcc: every kernel compiles for {', '.join(c['archs'])}")
+        else:
+            errs = ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" for o, v in c["outputs"].items())
+            lines.append(f"  {name}: {'passed' if c['passed'] else 'FAILED'} against the float64 reference ({errs})")
+    lines.append("  verified: " + ("yes" if report["verified"] else "NO: the outputs were not checked or did not agree"))
+    return "\n".join(lines)

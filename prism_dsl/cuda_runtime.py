@@ -1,0 +1,514 @@
+"""Runs a compiled program's CUDA kernels through PyCUDA, checks their outputs and times them.
+
+This is the last stage of the pipeline: the CUDA generator writes `.cu` files and a *plan* (a JSON-compatible
+dict naming the program's tensors and the kernels to launch, in order); `Launcher` compiles those files with
+nvcc, allocates every tensor, launches the kernels and hands the outputs back. `check` compares an output
+with the float64 reference interpreter. The module imports nothing from `prism_dsl`: it is also copied beside
+generated kernels as `prism_runtime.py`, for users who run them without the compiler installed. PyCUDA and
+torch are imported only inside the functions that need them, so everything but launching works without a GPU.
+
+Inputs, decided once for every entry point:
+- numpy arrays must already have the storage dtype (f16 -> float16, f32 -> float32, f64 -> float64); bf16
+  tensors take float32 (numpy has no bfloat16), rounded to nearest even on the way in. Any other float dtype is
+  a PlanError unless the launcher or `marshal` is given `cast=True`. Integer and bool arrays are always
+  refused. Lists and scalars carry no dtype of their own and are converted as if cast=True.
+- numpy inputs are copied to the device, so any memory layout is fine; outputs come back as numpy, bf16 ones
+  widened to float32.
+- torch tensors on the CPU are treated as numpy arrays. torch CUDA tensors are passed by pointer, without a
+  copy: they must be contiguous, 16-byte aligned, on the launcher's device and of the exact dtype (torch.bfloat16
+  for bf16; with cast=True a wrong dtype is converted with one copy). Outputs are then torch CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import importlib.util
+import os
+import pprint
+import statistics
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+# Per plan dtype: the numpy dtype of its device storage (bf16 as raw bit patterns), and what a numpy caller
+# passes without cast=True.
+STORAGE = {k: np.dtype(v) for k, v in {"f16": "float16", "bf16": "uint16", "f32": "float32", "f64": "float64"}.items()}
+HOST = {k: np.dtype(v) for k, v in {"f16": "float16", "bf16": "float32", "f32": "float32", "f64": "float64"}.items()}
+TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
+ALIGNMENT = 16  # the generated kernels load 16 bytes at a time
+MAX_THREADS = 1024
+DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
+NVCC_OPTIONS = ["-O3", "-std=c++17"]
+
+
+class PlanError(ValueError):
+    """A malformed plan, or inputs that do not fit the program; the message says what was expected."""
+
+
+class GpuUnavailable(RuntimeError):
+    """A GPU operation was asked for and no CUDA GPU is usable; the message gives the reason."""
+
+
+class KernelCompileError(RuntimeError):
+    """nvcc rejected a kernel's source; `stderr` holds nvcc's own messages."""
+
+    def __init__(self, kernel: str, path: Path, stderr: str):
+        super().__init__(f"nvcc failed on kernel '{kernel}' ({path}):\n{stderr.strip()}")
+        self.kernel, self.path, self.stderr = kernel, path, stderr
+
+
+@functools.cache
+def gpu_status() -> tuple[bool, str]:
+    """(True, device name) when a CUDA GPU can be driven through pycuda, else (False, why not)."""
+    if os.environ.get("PRISM_NO_GPU"):
+        return False, "disabled by PRISM_NO_GPU"
+    if importlib.util.find_spec("pycuda") is None:
+        return False, "pycuda is not installed (pip install pycuda)"
+    try:
+        drv = _import_driver()
+        drv.init()
+        if drv.Device.count() == 0:
+            return False, "no CUDA device found"
+        return True, drv.Device(0).name()
+    except ImportError as err:  # libcuda.so.1 missing: pycuda installed on a machine without a driver
+        return False, f"the CUDA driver library cannot be loaded: {err}"
+    except Exception as err:  # pycuda.driver.Error and friends: no device, driver too old, ...
+        return False, f"CUDA driver error: {type(err).__name__}: {err}"
+
+
+def _import_driver():
+    # pycuda blames a header/driver mismatch for any failed symbol lookup; the ImportError that follows says why.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import pycuda.driver as drv
+    return drv
+
+
+def _driver(program: str):
+    ok, reason = gpu_status()
+    if not ok:
+        raise GpuUnavailable(f"cannot run '{program}' without a usable CUDA GPU: {reason}")
+    return _import_driver()
+
+
+# ---------------------------------------------------------------------------------------------------- plans
+
+def validate_plan(plan) -> None:
+    """Raise one PlanError listing every problem of a malformed plan."""
+    problems: list[str] = []
+    if not isinstance(plan, dict):
+        raise PlanError(f"a plan is a dict, not {type(plan).__name__}")
+    for key, kind in (("program", str), ("inputs", list), ("outputs", list), ("tensors", dict), ("kernels", list)):
+        if not isinstance(plan.get(key), kind):
+            problems.append(f"plan needs '{key}' ({kind.__name__})")
+    if problems:
+        raise PlanError("\n".join(problems))
+    tensors = plan["tensors"]
+    for name, spec in tensors.items():
+        shape, dtype = (spec.get("shape"), spec.get("dtype")) if isinstance(spec, dict) else (None, None)
+        if not (isinstance(shape, list) and all(_positive_int(n) for n in shape)):
+            problems.append(f"tensor '{name}': shape must be a list of positive ints, not {shape!r}")
+        if dtype not in STORAGE:
+            problems.append(f"tensor '{name}': dtype must be one of {', '.join(STORAGE)}, not {dtype!r}")
+    for role in ("inputs", "outputs"):
+        if not all(isinstance(n, str) for n in plan[role]):
+            raise PlanError(f"plan '{role}' must list tensor names (strings), not {plan[role]!r}")
+        problems += [f"{role[:-1]} '{n}' is not in 'tensors'" for n in plan[role] if n not in tensors]
+        problems += [f"{role[:-1]} '{n}' is listed twice" for n in sorted(set(plan[role]))
+                     if plan[role].count(n) > 1]
+    problems += [f"'{n}' is both an input and an output" for n in plan["outputs"] if n in plan["inputs"]]
+    names = [k.get("name") for k in plan["kernels"] if isinstance(k, dict)]
+    problems += [f"kernel name '{n}' is used twice" for n in sorted(set(names), key=str) if names.count(n) > 1]
+    for i, kernel in enumerate(plan["kernels"]):
+        problems += _kernel_problems(i, kernel, tensors, plan["inputs"])
+    if problems:
+        raise PlanError(f"plan for '{plan['program']}' is malformed:\n  " + "\n  ".join(problems))
+
+
+def _positive_int(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
+def _kernel_problems(i: int, kernel, tensors: dict, inputs: list) -> list[str]:
+    if not isinstance(kernel, dict):
+        return [f"kernel {i} is a {type(kernel).__name__}, not a dict"]
+    where = f"kernel {i} ('{kernel.get('name', '?')}')"
+    problems = [f"{where}: '{key}' must be a string" for key in ("name", "file", "function")
+                if not isinstance(kernel.get(key), str)]
+    for key in ("grid", "block"):
+        value = kernel.get(key)
+        if not (isinstance(value, list) and len(value) == 3 and all(_positive_int(n) for n in value)):
+            problems.append(f"{where}: '{key}' must be 3 positive ints, not {value!r}")
+        elif key == "block" and value[0] * value[1] * value[2] > MAX_THREADS:
+            problems.append(f"{where}: a block of {value} has {value[0] * value[1] * value[2]} threads; "
+                            f"CUDA allows at most {MAX_THREADS}")
+    smem = kernel.get("smem", 0)
+    if not (isinstance(smem, int) and not isinstance(smem, bool) and smem >= 0):
+        problems.append(f"{where}: 'smem' must be a non-negative int (bytes), not {smem!r}")
+    for key in ("args", "zero"):
+        names = kernel.get(key, [] if key == "zero" else None)
+        if not isinstance(names, list):
+            problems.append(f"{where}: '{key}' must be a list of tensor names")
+            continue
+        problems += [f"{where}: {key} names unknown tensor {n!r}" for n in names
+                     if not isinstance(n, str) or n not in tensors]
+        if key == "zero":
+            problems += [f"{where}: zeroes input '{n}', which the program must not write" for n in names
+                         if n in inputs]
+    return problems
+
+
+def format_plan(plan: dict) -> str:
+    """The plan as readable Python literal text, for writing into a generated launcher.py."""
+    return pprint.pformat(plan, width=110, sort_dicts=False)
+
+
+def random_inputs(plan: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Standard-normal inputs in the dtypes a numpy caller passes without cast=True."""
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(_shape(plan, name)).astype(HOST[plan["tensors"][name]["dtype"]])
+            for name in plan["inputs"]}
+
+
+def _shape(plan: dict, name: str) -> tuple[int, ...]:
+    return tuple(plan["tensors"][name]["shape"])
+
+
+def _nbytes(plan: dict, name: str) -> int:
+    return int(np.prod(_shape(plan, name))) * STORAGE[plan["tensors"][name]["dtype"]].itemsize
+
+
+# ---------------------------------------------------------------------------------------------- host data
+
+def to_bf16_bits(a) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of `a`, rounded to nearest even through float32; NaN stays NaN."""
+    f = np.ascontiguousarray(a, dtype=np.float32)
+    bits = f.view(np.uint32).astype(np.uint64)
+    # Round to nearest even on the 16 bits dropped: add 0x7FFF plus the lowest kept bit, then truncate.
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    quiet_nan = ((bits >> 16) | 0x0040).astype(np.uint16)  # rounding could carry a NaN's payload into inf
+    return np.where(np.isnan(f), quiet_nan, rounded)
+
+
+def from_bf16_bits(bits) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns (exact: bf16 is the top half of a float32)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _torch_to_numpy(t) -> np.ndarray:
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return from_bf16_bits(t.contiguous().view(torch.int16).numpy().view(np.uint16))
+    return t.numpy()
+
+
+def _check_names(plan: dict, given) -> None:
+    expected = plan["inputs"]
+    problems = [f"missing input '{n}'" for n in expected if n not in given]
+    for name in given:
+        if name not in expected:
+            folded = {n.lower(): n for n in expected}  # so that 'w' suggests 'W'
+            close = [folded[c] for c in difflib.get_close_matches(name.lower(), list(folded), n=1)]
+            problems.append(f"unknown input '{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+                            + f"; '{plan['program']}' takes {', '.join(expected)}")
+    if problems:
+        raise PlanError("\n".join(problems))
+
+
+def _check_shape(plan: dict, name: str, shape) -> None:
+    if tuple(shape) != _shape(plan, name):
+        raise PlanError(f"input '{name}' has shape {tuple(shape)}; the program expects {_shape(plan, name)}")
+
+
+def marshal(plan: dict, inputs: dict, cast: bool = False) -> dict[str, np.ndarray]:
+    """Check host inputs against the plan and convert them to their device storage form (see the module doc)."""
+    _check_names(plan, inputs)
+    return {name: _host_input(plan, name, inputs[name], cast) for name in plan["inputs"]}
+
+
+def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
+    dtype = plan["tensors"][name]["dtype"]
+    if _is_torch(value):
+        value = _torch_to_numpy(value)
+    elif not isinstance(value, np.ndarray):
+        try:
+            value, cast = np.asarray(value, dtype=np.float64), True
+        except (TypeError, ValueError):
+            raise PlanError(f"input '{name}' is a {type(value).__name__}, not an array of numbers") from None
+    _check_shape(plan, name, value.shape)
+    if value.dtype.kind != "f" and value.dtype.name != "bfloat16":
+        raise PlanError(f"input '{name}' is {value.dtype}; the program expects real floating-point data ({dtype})")
+    if value.dtype.name == "bfloat16" and dtype == "bf16":  # an ml_dtypes array already holds the bits
+        return np.ascontiguousarray(value).view(np.uint16)
+    if value.dtype != HOST[dtype] and not cast:
+        wanted = "float32 (rounded to bf16 on the way in)" if dtype == "bf16" else str(HOST[dtype])
+        raise PlanError(f"input '{name}' is {value.dtype}; the program stores it as {dtype}: "
+                        f"pass {wanted}, or any float array with cast=True")
+    if dtype == "bf16":
+        return to_bf16_bits(value.astype(np.float32))
+    return np.ascontiguousarray(value, dtype=STORAGE[dtype])
+
+
+def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
+    import torch
+
+    dtype = plan["tensors"][name]["dtype"]
+    want = getattr(torch, TORCH_DTYPE[dtype])
+    _check_shape(plan, name, t.shape)
+    if t.device.index != device:
+        raise PlanError(f"input '{name}' is on {t.device}; the launcher runs on cuda:{device}")
+    if t.dtype != want:
+        if not cast or not t.is_floating_point():
+            raise PlanError(f"input '{name}' is {t.dtype}; the program stores it as {dtype}: pass {want}, "
+                            "or any float tensor with cast=True (one copy)")
+        t = t.to(want)
+    if not t.is_contiguous():
+        raise PlanError(f"tensor '{name}' is not contiguous; pass {name}.contiguous()")
+    if t.data_ptr() % ALIGNMENT:
+        raise PlanError(f"tensor '{name}' is not {ALIGNMENT}-byte aligned (it is a view at an odd offset); "
+                        f"pass {name}.clone()")
+    return t
+
+
+# ------------------------------------------------------------------------------------------------- launching
+
+class Launcher:
+    """Compiles a plan's kernels once and runs the whole program on the GPU.
+
+    `directory` holds each kernel's `.cu` file and the headers it includes. `cast=True` lets inputs of another
+    float dtype be converted (see the module doc). Nothing touches the GPU until the first compile or call.
+    """
+
+    def __init__(self, plan: dict, directory, *, cast: bool = False, device: int = 0):
+        validate_plan(plan)
+        # Absolute, because nvcc runs in a temporary directory and finds the headers through this path.
+        self.plan, self.directory, self.cast, self.device = plan, Path(directory).resolve(), cast, device
+        self._context = None
+        self._functions: list | None = None
+        self._modules: list = []
+        self._buffers: dict = {}  # name -> DeviceAllocation, reused by every numpy-fed call
+
+    @contextlib.contextmanager
+    def _active(self):
+        """The device's primary context made current, so PyTorch or CuPy in the same process share it."""
+        drv = _driver(self.plan["program"])
+        if self._context is None:
+            self._context = drv.Device(self.device).retain_primary_context()
+        self._context.push()
+        try:
+            yield drv
+        finally:
+            drv.Context.pop()
+
+    def compile(self) -> None:
+        """Compile every kernel with nvcc for the current device (done by the first call if not before)."""
+        if self._functions is not None:
+            return
+        _driver(self.plan["program"])
+        from pycuda.compiler import SourceModule
+
+        with self._active() as drv:
+            dev = drv.Device(self.device)
+            arch = "sm_%d%d" % dev.compute_capability()
+            optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            modules: dict[Path, object] = {}
+            functions = []
+            for kernel in self.plan["kernels"]:
+                path = self.directory / kernel["file"]
+                if path not in modules:
+                    modules[path] = self._compile_file(SourceModule, drv, kernel["name"], path, arch)
+                functions.append(self._function(drv, modules[path], kernel, optin))
+            self._modules, self._functions = list(modules.values()), functions
+
+    def _compile_file(self, SourceModule, drv, kernel: str, path: Path, arch: str):
+        try:
+            source = path.read_text()
+        except OSError as err:
+            raise PlanError(f"kernel '{kernel}': cannot read {path}: {err.strerror}") from None
+        try:
+            return SourceModule(source, no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(path.parent)],
+                                arch=arch)
+        except drv.CompileError as err:
+            raise KernelCompileError(kernel, path, err.stderr or str(err)) from None
+
+    def _function(self, drv, module, kernel: dict, optin: int):
+        try:
+            fn = module.get_function(kernel["function"])
+        except drv.LogicError:
+            raise PlanError(f"kernel '{kernel['name']}': {kernel['file']} defines no extern \"C\" __global__ "
+                            f"function '{kernel['function']}'") from None
+        smem = kernel.get("smem", 0)
+        if smem > optin:
+            raise PlanError(f"kernel '{kernel['name']}' needs {smem} bytes of shared memory; this device "
+                            f"allows {optin} per block")
+        if smem > DEFAULT_SMEM_LIMIT:
+            fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        fn.prepare("P" * len(kernel["args"]))
+        return fn
+
+    def __call__(self, **inputs) -> dict:
+        """Run the program once; numpy in -> numpy out, torch CUDA tensors in -> torch CUDA tensors out."""
+        torch_mode, data = self._bind_inputs(inputs)
+        self.compile()
+        with self._active() as drv:
+            if torch_mode:
+                data = {**data, **self._torch_outputs()}
+            ptrs = self._pointers(drv, torch_mode, data, self._buffers)
+            # 0xFF bytes are a NaN in every float format, so an element no kernel wrote can never pass `check`.
+            for name in self.plan["tensors"]:
+                if name not in self.plan["inputs"]:
+                    drv.memset_d8(ptrs[name], 0xFF, _nbytes(self.plan, name))
+            self._launch(drv, ptrs)
+            if torch_mode:
+                drv.Context.synchronize()  # so torch work on any stream sees finished outputs
+                return {name: data[name] for name in self.plan["outputs"]}
+            return {name: self._download(drv, name, ptrs[name]) for name in self.plan["outputs"]}
+
+    def _torch_outputs(self) -> dict:
+        import torch
+
+        specs = {name: self.plan["tensors"][name] for name in self.plan["outputs"]}
+        return {name: torch.empty(spec["shape"], dtype=getattr(torch, TORCH_DTYPE[spec["dtype"]]),
+                                  device=f"cuda:{self.device}") for name, spec in specs.items()}
+
+    def _bind_inputs(self, inputs: dict):
+        """(True, checked torch CUDA tensors) or (False, marshalled numpy arrays); mixing the two is refused."""
+        on_gpu = {n for n, v in inputs.items() if _is_torch(v) and getattr(v, "is_cuda", False)}
+        if not on_gpu:
+            return False, marshal(self.plan, inputs, self.cast)
+        if len(on_gpu) < len(inputs):
+            raise PlanError(f"inputs {', '.join(sorted(on_gpu))} are torch CUDA tensors but "
+                            f"{', '.join(sorted(set(inputs) - on_gpu))} are not; pass all of them one way")
+        _check_names(self.plan, inputs)
+        tensors = {n: _torch_input(self.plan, n, inputs[n], self.device, self.cast) for n in self.plan["inputs"]}
+        import torch
+
+        torch.cuda.synchronize(self.device)  # we launch on the default stream: pending torch work comes first
+        return True, tensors
+
+    def _pointers(self, drv, torch_mode: bool, data: dict, input_buffers: dict) -> dict[str, int]:
+        """A device pointer for every tensor. torch tensors in `data` are used in place; numpy arrays are copied
+        into `input_buffers`; every other tensor lives in the launcher's own buffers, allocated on first use."""
+        ptrs = {}
+        for name in self.plan["tensors"]:
+            if torch_mode and name in data:
+                ptrs[name] = data[name].data_ptr()
+                continue
+            buffers = input_buffers if name in data else self._buffers
+            if name not in buffers:
+                buffers[name] = drv.mem_alloc(_nbytes(self.plan, name))
+            ptrs[name] = int(buffers[name])
+            if name in data:
+                drv.memcpy_htod(buffers[name], data[name])
+        return ptrs
+
+    def _download(self, drv, name: str, ptr: int) -> np.ndarray:
+        dtype = self.plan["tensors"][name]["dtype"]
+        host = np.empty(_shape(self.plan, name), STORAGE[dtype])
+        drv.memcpy_dtoh(host, ptr)
+        return from_bf16_bits(host) if dtype == "bf16" else host
+
+    def _launch(self, drv, ptrs: dict[str, int], events: list | None = None) -> None:
+        """Launch every kernel in order, zeroing its `zero` tensors first. events[i] (where not None) is recorded
+        before kernel i's zeroing and events[-1] after the last kernel, so a kernel's time includes its zeroing."""
+        for i, (kernel, fn) in enumerate(zip(self.plan["kernels"], self._functions)):
+            if events is not None and events[i] is not None:
+                events[i].record()
+            for name in kernel.get("zero", []):
+                drv.memset_d8(ptrs[name], 0, _nbytes(self.plan, name))
+            fn.prepared_call(tuple(kernel["grid"]), tuple(kernel["block"]), *(ptrs[n] for n in kernel["args"]),
+                             shared_size=kernel.get("smem", 0))
+        if events is not None:
+            events[-1].record()
+
+    def time(self, input_sets: list[dict], warmup: int = 10, repeat: int = 100) -> dict:
+        """Milliseconds of the whole launch sequence: two events around all kernels, rotating input sets."""
+        return _stats([s[0] for s in self._timed(input_sets, warmup, repeat, per_kernel=False)])
+
+    def time_kernels(self, input_sets: list[dict], warmup: int = 10, repeat: int = 100) -> dict[str, dict]:
+        """Per kernel name, milliseconds between events around that kernel (with the zeroing it needs)."""
+        samples = self._timed(input_sets, warmup, repeat, per_kernel=True)
+        return {k["name"]: _stats([s[i] for s in samples]) for i, k in enumerate(self.plan["kernels"])}
+
+    def _timed(self, input_sets: list[dict], warmup: int, repeat: int, per_kernel: bool) -> list[list[float]]:
+        if not input_sets or repeat < 1 or warmup < 0:
+            raise PlanError(f"timing needs at least one input set, repeat >= 1 and warmup >= 0; got "
+                            f"{len(input_sets)} sets, repeat={repeat}, warmup={warmup}")
+        bound = [self._bind_inputs(inputs) for inputs in input_sets]
+        self.compile()
+        with self._active() as drv, contextlib.ExitStack() as cleanup:
+            # Each set keeps its own input buffers so that rotating through them defeats the L2 cache.
+            own = [{} for _ in bound]
+            cleanup.callback(lambda: [buf.free() for buffers in own for buf in buffers.values()])
+            sets = [self._pointers(drv, mode, data, buffers) for (mode, data), buffers in zip(bound, own)]
+            n = len(self.plan["kernels"])
+            events = [drv.Event() if per_kernel or i in (0, n) else None for i in range(n + 1)]
+            for i in range(warmup):
+                self._launch(drv, sets[i % len(sets)])
+            samples = []
+            for i in range(repeat):
+                self._launch(drv, sets[i % len(sets)], events)
+                events[-1].synchronize()
+                samples.append([events[j].time_till(events[j + 1]) for j in range(n)] if per_kernel
+                               else [events[0].time_till(events[-1])])
+            return samples
+
+    def close(self) -> None:
+        """Free the device memory this launcher holds and release the primary context."""
+        if self._context is not None:
+            with self._active():
+                for buf in self._buffers.values():
+                    buf.free()
+            self._buffers, self._modules, self._functions = {}, [], None
+            self._context.detach()
+            self._context = None
+
+
+def _stats(times_ms: list[float]) -> dict:
+    return {"median_ms": statistics.median(times_ms), "min_ms": min(times_ms),
+            "mean_ms": statistics.fmean(times_ms), "repeat": len(times_ms)}
+
+
+# -------------------------------------------------------------------------------------------------- checking
+
+def check(got, ref, rtol: float = 1e-2) -> dict:
+    """Compare an output with a float64 reference, element by element.
+
+    Passes when no element of `got` is NaN or infinite and every element satisfies
+    |got - ref| <= rtol * (|ref| + scale), scale being the root-mean-square of `ref`: a relative test that does
+    not fail on elements whose reference happens to be near zero while the tensor's values are not.
+    """
+    got = _torch_to_numpy(got) if _is_torch(got) else np.asarray(got)
+    ref = np.asarray(ref, dtype=np.float64)
+    inf = float("inf")
+    result = {"passed": False, "max_rel_err": inf, "max_abs_err": inf, "nan": 0, "worst_index": (), "reason": ""}
+    if got.shape != ref.shape:
+        return {**result, "reason": f"shape {got.shape} differs from the reference's {ref.shape}"}
+    if got.dtype.kind not in "fiu":
+        return {**result, "reason": f"dtype {got.dtype} is not a real number type"}
+    if not np.isfinite(ref).all():
+        return {**result, "reason": "the reference itself holds NaN or inf"}
+    g = got.astype(np.float64)
+    if g.size == 0:
+        return {**result, "passed": True, "max_rel_err": 0.0, "max_abs_err": 0.0}
+    bad = ~np.isfinite(g)
+    err = np.where(bad, np.inf, np.abs(g - ref))
+    scale = float(np.sqrt(np.mean(ref * ref)))
+    denom = np.abs(ref) + scale
+    with np.errstate(divide="ignore", invalid="ignore"):  # an all-zero reference leaves denom 0
+        rel = np.where(denom > 0, err / denom, np.where(err > 0, np.inf, 0.0))
+    worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
+    passed = not bad.any() and bool(np.all(err <= rtol * denom))
+    reason = "" if passed else (f"{int(bad.sum())} elements are NaN or inf" if bad.any() else
+                                f"relative error {float(rel[worst]):.3g} at {tuple(map(int, worst))} exceeds {rtol}")
+    return {"passed": passed, "max_rel_err": float(rel.max()), "max_abs_err": float(err.max()),
+            "nan": int(bad.sum()), "worst_index": tuple(int(i) for i in worst), "reason": reason}

@@ -1,0 +1,246 @@
+"""CUDA code generation: golden files, nvcc compile checks, the CPU emulation against the reference, the
+cost model's ranking, and `prismc compile` / `prismc bench` as a user runs them (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prism_dsl.build import BuildOptions, compile_program, nvcc_check, write
+from prism_dsl.check import load
+from prism_dsl.cli import main
+from prism_dsl.codegen import comment, ident
+from prism_dsl.cost import estimate, tune
+from prism_dsl.emulate import compiler
+from prism_dsl.kernel import free_symbols, instantiate_program, kernels_of, load_target
+from prism_dsl.lower import lower
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent / "golden"
+H100 = load_target("h100")
+FUSED = sorted((ROOT / "programs" / "fused").glob("*.prism"))
+PROGRAMS = sorted((ROOT / "programs").glob("*.prism"))
+
+# Small sizes keep every test quick; each program's dims by name.
+SMALL = {"n": 8, "d": 256, "b": 1, "h": 2, "q": 1, "kv": 128, "dh": 64, "g": 1, "s": 16, "m": 256, "r": 16}
+# Fixed kernel parameters for the golden files, so that a change to the cost model does not move them.
+GOLDEN_PARAMS = {
+    "rmsnorm_linear": ({"gx": 8}, {"F": 4}), "rmsnorm_mlp": ({"gx": 8}, {"F": 4}), "swiglu": ({"gx": 8}, {"F": 4}),
+    "attention": ({"gb": 1, "gh": 2, "gq": 1}, {"F": 2}),
+    "attention.decoding": ({"gb": 1, "gh": 2, "S": 4}, {"F": 2}),
+}
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+needs_cxx = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++ or clang++) for the CPU emulation")
+
+
+def small_dims(program) -> dict[str, int]:
+    return {d.name: SMALL[d.name] for d in program.dims if d.name in SMALL}
+
+
+def build_of(path: Path, grid=None, loop=None, **kw):
+    program = load(path).program()
+    options = BuildOptions(dims=small_dims(program), grid=grid or {}, loop=loop or {}, **kw)
+    return compile_program(program, H100, options), options
+
+
+# -- golden files ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", FUSED, ids=lambda p: p.stem)
+def test_rendered_cuda_matches_the_golden_file(path):
+    grid, loop = GOLDEN_PARAMS[path.stem]
+    built, _ = build_of(path, grid, loop)
+    for k in built.kernels:
+        golden = GOLDEN / path.stem / k.file
+        if os.environ.get("PRISM_REGEN_GOLDEN"):
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(k.source)
+        assert golden.is_file(), f"no golden file {golden}; run with PRISM_REGEN_GOLDEN=1 to write it"
+        assert k.source == golden.read_text(), f"{golden} differs; if the change is meant, PRISM_REGEN_GOLDEN=1"
+
+
+def test_generated_code_names_the_program_and_uses_tensor_cores_where_tiles_allow():
+    built, _ = build_of(ROOT / "programs/fused/rmsnorm_linear.prism", {"gx": 8}, {"F": 4})
+    src = built.kernels[0].source
+    assert "// rmsnorm_linear: kernel rmsnorm_matmul" in src
+    assert "// acc = acc_sum((xt @ wt))" in src and "store Y[:, x] = (acc / rms)" in src
+    assert "wmma::mma_sync" in src and "#else" in src  # tensor cores, with the plain path beside them
+    assert "prism::copy_vec<8>" in src  # 16-byte loads
+    assert built.kernels[0].tensor_cores
+
+
+# -- nvcc -----------------------------------------------------------------------------------------------
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("path", FUSED + PROGRAMS, ids=lambda p: p.parent.name + "/" + p.stem)
+def test_every_rendered_kernel_compiles_with_nvcc(path, tmp_path):
+    built, _ = build_of(path)
+    archs = ("sm_90", "sm_80") if path.parent.name == "fused" else ("sm_90",)
+    results = nvcc_check(built.kernels, tmp_path, archs)
+    for kernel, per_arch in results.items():
+        for arch, r in per_arch.items():
+            assert r["ok"], f"{kernel} ({arch}): {r.get('stderr')}"
+            assert r["registers"] > 0 and r["spill_stores"] == 0
+
+
+# -- the generated code, run on the CPU --------------------------------------------------------------------
+
+
+@needs_cxx
+@pytest.mark.parametrize("path", FUSED + PROGRAMS, ids=lambda p: p.parent.name + "/" + p.stem)
+def test_generated_code_agrees_with_the_reference_in_the_cpu_emulation(path, tmp_path):
+    built, options = build_of(path, archs=())
+    report = write(built, tmp_path / "out", options)
+    check = report["checks"]["emulation"]
+    assert check["passed"], check
+    assert report["verified"] is True
+
+
+@needs_cxx
+def test_emulation_catches_a_wrong_kernel(tmp_path, monkeypatch):
+    import prism_dsl.codegen as codegen
+
+    monkeypatch.setitem(codegen.C_OPS, "mul", "({0} + {1})")  # a code generator bug: * rendered as +
+    built, options = build_of(ROOT / "programs/fused/swiglu.prism", archs=())
+    report = write(built, tmp_path / "out", options)
+    assert report["checks"]["emulation"]["passed"] is False and report["verified"] is False
+
+
+# -- the cost model ---------------------------------------------------------------------------------------
+
+
+def _tuned(program):
+    dims = program.default_binding()
+    params = tune(program, dims, {}, H100)
+    return sum(estimate(c, H100).time_us for c in instantiate_program(program, {**dims, **params}, H100).values())
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_linear", "rmsnorm_mlp", "swiglu"])
+def test_cost_model_ranks_the_fused_kernel_above_the_unfused_sequence(name):
+    fused = _tuned(load(ROOT / f"programs/fused/{name}.prism").program())
+    unfused = _tuned(lower(load(ROOT / f"programs/{name}.prism").program()))
+    assert fused < unfused
+
+
+def test_cost_model_ranks_a_grid_that_fills_the_sms_above_one_that_leaves_them_idle():
+    program = load(ROOT / "programs/fused/rmsnorm_linear.prism").program()
+    syms = {s.name: s for s in free_symbols(program)}
+    dims = program.default_binding()
+
+    def time(gx):
+        c = instantiate_program(program, {**dims, syms["gx"]: gx, syms["F"]: 64}, H100)["rmsnorm_matmul"]
+        return estimate(c, H100).time_us
+
+    assert time(128) < time(4)
+
+
+def test_pre_defined_kernels_cover_every_op_outside_custom_kernels():
+    program = lower(load(ROOT / "programs/attention.prism").program())
+    assert [k.name for k in kernels_of(program)] == ["matmul_t0", "softmax_t1", "matmul_O"]
+    assert all(n.op in ("input", "kernel") for n in program.nodes())
+
+
+# -- prismc compile ---------------------------------------------------------------------------------------
+
+
+@needs_nvcc
+def test_compile_writes_kernels_launcher_program_and_report(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["compile", str(ROOT / "programs/fused/rmsnorm_linear.prism"), "--search", "none", "-o", str(out),
+            "--dims", "n=4,d=256"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "verified: yes" in text and "nvcc: every kernel compiles for sm_90, sm_80" in text
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["launcher.py", "prism.cuh", "prism_runtime.py", "report.json", "rmsnorm_linear.prism",
+                     "rmsnorm_matmul.cu"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["program"] == "rmsnorm_linear" and report["target"]["name"] == "H100"
+    assert report["verified"] is True and report["measured_us"] is None and report["estimated_us"] > 0
+    k = report["kernels"][0]
+    assert k["nvcc"]["sm_90"]["registers"] > 0 and k["smem_bytes"] > 0 and set(report["parameters"]) == {"gx", "F"}
+    # each .cu compiles on its own beside the header written with it
+    done = subprocess.run(["nvcc", "--ptx", "-arch=sm_90", "rmsnorm_matmul.cu", "-o", os.devnull], cwd=out,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    # the program written back parses, checks and runs
+    assert main(["run", str(out / "rmsnorm_linear.prism"), "--dims", "n=4,d=256", "--out", str(tmp_path / "y.npz")]) == 0
+
+
+def test_compile_json_report_on_stdout(tmp_path, capsys):
+    assert main(["compile", str(ROOT / "programs/swiglu.prism"), "-o", str(tmp_path / "o"), "--dims", "n=4,d=256",
+                 "--arch", "none", "--no-emulate", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [k["name"] for k in report["kernels"]] == ["matmul_t0", "matmul_t1", "mul_Y"]
+    assert report["verified"] is False  # nothing checked the numbers
+    assert report["roofline"]["floor_us"] > 0
+
+
+def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    assert main(["compile", str(ROOT / "programs/fused/swiglu.prism"), "-o", str(out), "--dims", "n=4,d=256",
+                 "--arch", "none", "--no-emulate"]) == 0
+    env = {**os.environ, "PRISM_NO_GPU": "1"}
+    done = subprocess.run([sys.executable, "launcher.py"], cwd=out, capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "PRISM_NO_GPU" in done.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--target", "cuda"], "--target cuda needs a usable CUDA GPU"),
+    (["--grid", "x=3"], "is not a whole number"),
+    (["--arch", "volta"], "--arch: expected names like sm_90"),
+    (["--threads", "100"], "--threads must be a multiple of 32"),
+    (["--hardware", "b200"], "unknown target 'b200'"),
+])
+def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.setenv("PRISM_NO_GPU", "1")
+    from prism_dsl.cuda_runtime import gpu_status
+
+    gpu_status.cache_clear()
+    out = tmp_path / "out"
+    code = main(["compile", str(ROOT / "programs/fused/rmsnorm_linear.prism"), "-o", str(out), *argv])
+    gpu_status.cache_clear()
+    assert code == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_bench_needs_a_gpu(capsys, monkeypatch):
+    monkeypatch.setenv("PRISM_NO_GPU", "1")
+    from prism_dsl.cuda_runtime import gpu_status
+
+    gpu_status.cache_clear()
+    code = main(["bench", str(ROOT / "programs/rmsnorm_linear.prism")])
+    gpu_status.cache_clear()
+    assert code == 1 and "prismc bench needs a usable CUDA GPU: disabled by PRISM_NO_GPU" in capsys.readouterr().err
+
+
+# -- names from user text ---------------------------------------------------------------------------------
+
+
+def test_identifiers_and_comments_are_sanitized():
+    assert ident("x-y z") == "x_y_z" and ident("9a") == "_9a" and ident("int") == "int"
+    assert comment("a */ b\n#include <evil>\\") == "a */ b?#include <evil>/"
+
+
+@needs_nvcc
+def test_names_that_are_cuda_keywords_compile(tmp_path):
+    path = tmp_path / "kw.prism"
+    path.write_text("dims n = 256\nprogram half(int: f16[4, n], float: f16[4, n]) {\n"
+                    "    kernel double grid(x = gx) {\n        half = load int[:, x]\n        f = load float[:, x]\n"
+                    "        store void[:, x] = exp(half) * f\n    }\n    return void\n}\n")
+    built, _ = build_of(path)
+    results = nvcc_check(built.kernels, tmp_path, ("sm_90",))
+    assert all(r["ok"] for per in results.values() for r in per.values()), results
+    assert "g_int" in built.kernels[0].source and "prism_double" in built.kernels[0].source

@@ -1,0 +1,613 @@
+"""The CUDA runtime: plan validation, input marshalling, bf16 bits, output checks, the generated launcher.
+
+Everything but the `gpu`-marked tests runs without a GPU; those compile and launch small hand-written kernels.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import pytest
+
+from prism_dsl import cuda_runtime as rt
+from prism_dsl.cuda_runtime import GpuUnavailable, Launcher, PlanError, check, marshal, validate_plan
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+
+
+def make_plan(**changes) -> dict:
+    """Y = X + W on 8 x 64 floats, one kernel; `changes` replace top-level keys."""
+    plan = {
+        "program": "add",
+        "inputs": ["X", "W"],
+        "outputs": ["Y"],
+        "tensors": {
+            "X": {"shape": [8, 64], "dtype": "f16"},
+            "W": {"shape": [8, 64], "dtype": "f16"},
+            "Y": {"shape": [8, 64], "dtype": "f32"},
+        },
+        "kernels": [{"name": "add", "file": "add.cu", "function": "add", "grid": [2, 1, 1], "block": [256, 1, 1],
+                     "smem": 0, "args": ["X", "W", "Y"], "zero": []}],
+    }
+    plan.update(changes)
+    return plan
+
+
+def with_kernel(**changes) -> dict:
+    plan = make_plan()
+    plan["kernels"][0].update(changes)
+    return plan
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setenv("PRISM_NO_GPU", "1")
+    rt.gpu_status.cache_clear()
+    yield
+    rt.gpu_status.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------------- plans
+
+def test_good_plan_is_accepted():
+    validate_plan(make_plan())
+
+
+def _drop(key):
+    plan = make_plan()
+    del plan[key]
+    return plan
+
+
+def _tensor(name, **spec):
+    plan = make_plan()
+    plan["tensors"][name] = spec
+    return plan
+
+
+BAD_PLANS = [
+    (_drop("kernels"), "plan needs 'kernels' (list)"),
+    (_drop("tensors"), "plan needs 'tensors' (dict)"),
+    (make_plan(inputs=["X", "Z"]), "input 'Z' is not in 'tensors'"),
+    (make_plan(outputs=["Q"]), "output 'Q' is not in 'tensors'"),
+    (make_plan(inputs=["X", "X", "W"]), "input 'X' is listed twice"),
+    (make_plan(outputs=["Y", "X"]), "'X' is both an input and an output"),
+    (_tensor("Y", shape=[8, 0], dtype="f32"), "tensor 'Y': shape must be a list of positive ints, not [8, 0]"),
+    (_tensor("Y", shape=[8, 64], dtype="f8"), "tensor 'Y': dtype must be one of f16, bf16, f32, f64, not 'f8'"),
+    (with_kernel(args=["X", "Q", "Y"]), "kernel 0 ('add'): args names unknown tensor 'Q'"),
+    (with_kernel(zero=["Q"]), "kernel 0 ('add'): zero names unknown tensor 'Q'"),
+    (with_kernel(zero=["X"]), "kernel 0 ('add'): zeroes input 'X', which the program must not write"),
+    (with_kernel(grid=[2, 1]), "kernel 0 ('add'): 'grid' must be 3 positive ints, not [2, 1]"),
+    (with_kernel(grid=[0, 1, 1]), "'grid' must be 3 positive ints, not [0, 1, 1]"),
+    (with_kernel(block=[256, 1.0, 1]), "'block' must be 3 positive ints"),
+    (with_kernel(block=[64, 32, 1]), "a block of [64, 32, 1] has 2048 threads; CUDA allows at most 1024"),
+    (with_kernel(smem=-1), "'smem' must be a non-negative int (bytes), not -1"),
+    (with_kernel(function=None), "kernel 0 ('add'): 'function' must be a string"),
+    (make_plan(kernels=[with_kernel()["kernels"][0]] * 2), "kernel name 'add' is used twice"),
+    (make_plan(kernels=["add"]), "kernel 0 is a str, not a dict"),
+]
+
+
+@pytest.mark.parametrize("plan, message", BAD_PLANS, ids=[m for _, m in BAD_PLANS])
+def test_bad_plans_are_refused_with_a_message(plan, message):
+    with pytest.raises(PlanError) as err:
+        validate_plan(plan)
+    assert message in str(err.value)
+
+
+def test_every_problem_of_a_plan_is_reported_at_once():
+    plan = with_kernel(grid=[0, 1, 1], smem=-5, args=["Q"])
+    with pytest.raises(PlanError) as err:
+        Launcher(plan, ".")
+    text = str(err.value)
+    assert text.startswith("plan for 'add' is malformed")
+    assert "'grid'" in text and "'smem'" in text and "unknown tensor 'Q'" in text
+
+
+def test_plan_literal_round_trips():
+    plan = make_plan()
+    assert ast.literal_eval(rt.format_plan(plan)) == plan
+
+
+# ---------------------------------------------------------------------------------------------- marshalling
+
+def f16(*shape):
+    return np.ones(shape, np.float16)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"X": f16(8, 64)}, "missing input 'W'"),
+    ({"X": f16(8, 64), "W": f16(8, 64), "Z": f16(1)}, "unknown input 'Z'; 'add' takes X, W"),
+    ({"X": f16(8, 64), "w": f16(8, 64)}, "unknown input 'w' (did you mean 'W'?)"),
+    ({"X": f16(8, 63), "W": f16(8, 64)}, "input 'X' has shape (8, 63); the program expects (8, 64)"),
+    ({"X": f16(8, 64), "W": np.ones((8, 64), np.float32)},
+     "input 'W' is float32; the program stores it as f16: pass float16, or any float array with cast=True"),
+    ({"X": f16(8, 64), "W": np.ones((8, 64), np.int32)},
+     "input 'W' is int32; the program expects real floating-point data (f16)"),
+    ({"X": f16(8, 64), "W": "abc"}, "input 'W' is a str, not an array of numbers"),
+])
+def test_bad_inputs_are_refused_with_a_message(inputs, message):
+    with pytest.raises(PlanError) as err:
+        marshal(make_plan(), inputs)
+    assert message in str(err.value)
+
+
+def test_missing_and_unknown_inputs_are_reported_together():
+    with pytest.raises(PlanError) as err:
+        marshal(make_plan(), {"X": f16(8, 64), "Z": f16(8, 64)})
+    assert "missing input 'W'" in str(err.value) and "unknown input 'Z'" in str(err.value)
+
+
+def test_inputs_in_storage_dtype_pass_unchanged():
+    x = np.arange(8 * 64, dtype=np.float16).reshape(8, 64)
+    out = marshal(make_plan(), {"X": x, "W": x})
+    assert out["X"].dtype == np.float16 and np.array_equal(out["X"], x)
+
+
+def test_cast_converts_other_float_dtypes_but_never_integers():
+    w = np.full((8, 64), 1.5, np.float64)
+    out = marshal(make_plan(), {"X": f16(8, 64), "W": w}, cast=True)
+    assert out["W"].dtype == np.float16 and out["W"][0, 0] == 1.5
+    with pytest.raises(PlanError, match="int64"):
+        marshal(make_plan(), {"X": f16(8, 64), "W": w.astype(np.int64)}, cast=True)
+
+
+def test_lists_are_converted_and_layouts_made_contiguous():
+    plan = _tensor("W", shape=[2, 2], dtype="f32")
+    x = np.ones((64, 8), np.float16).T  # a transposed view
+    out = marshal(plan, {"X": x, "W": [[1, 2], [3, 4]]})
+    assert out["X"].flags.c_contiguous and out["W"].dtype == np.float32 and out["W"][1, 0] == 3
+
+
+def test_bf16_inputs_take_float32_and_become_bits():
+    plan = _tensor("W", shape=[3], dtype="bf16")
+    out = marshal(plan, {"X": f16(8, 64), "W": np.array([1.0, -2.5, 0.0], np.float32)})
+    assert out["W"].dtype == np.uint16 and list(out["W"]) == [0x3F80, 0xC020, 0x0000]
+    with pytest.raises(PlanError, match=r"stores it as bf16: pass float32 \(rounded to bf16 on the way in\)"):
+        marshal(plan, {"X": f16(8, 64), "W": np.ones(3, np.float16)})
+
+
+def test_cpu_torch_tensors_are_treated_like_numpy():
+    torch = pytest.importorskip("torch")
+    plan = _tensor("W", shape=[2], dtype="bf16")
+    out = marshal(plan, {"X": torch.ones(8, 64, dtype=torch.float16), "W": torch.tensor([1.0, 3.0]).bfloat16()})
+    assert out["X"].dtype == np.float16 and list(out["W"]) == [0x3F80, 0x4040]
+
+
+# ------------------------------------------------------------------------------------------------------ bf16
+
+def test_bf16_round_trip_is_exact_for_bf16_values():
+    bits = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16)
+    values = rt.from_bf16_bits(bits)
+    finite = np.isfinite(values)
+    assert np.array_equal(rt.to_bf16_bits(values)[finite], bits[finite])
+    assert np.isnan(rt.from_bf16_bits(rt.to_bf16_bits(values[~finite & np.isnan(values)]))).all()
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1 + 2**-8, 1.0),                  # halfway between 1 and 1 + 2^-7: to the even one
+    (1 + 3 * 2**-8, 1 + 2**-6),        # halfway between 1 + 2^-7 and 1 + 2^-6: to the even one
+    (1 + 2**-8 + 2**-20, 1 + 2**-7),   # just above halfway: up
+    (-(1 + 2**-8 + 2**-20), -(1 + 2**-7)),
+    (3.4e38, np.inf),                  # beyond the largest bf16: overflows to inf
+    (np.inf, np.inf),
+])
+def test_bf16_rounds_to_nearest_even(value, expected):
+    assert rt.from_bf16_bits(rt.to_bf16_bits(np.float32(value)))[()] == np.float32(expected)
+
+
+def test_bf16_keeps_every_nan_a_nan():
+    # A NaN whose payload sits only in the low 16 bits would round into inf if rounded naively.
+    nan = np.array([0x7F800001, 0xFF800001, 0x7FC00000], np.uint32).view(np.float32)
+    assert np.isnan(rt.from_bf16_bits(rt.to_bf16_bits(nan))).all()
+
+
+def test_bf16_error_is_at_most_half_a_unit():
+    x = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)
+    y = rt.from_bf16_bits(rt.to_bf16_bits(x)).astype(np.float64)
+    assert np.all(np.abs(y - x) <= np.abs(x) * 2.0**-8)
+
+
+# ----------------------------------------------------------------------------------------------------- check
+
+def test_check_passes_within_tolerance_and_fails_beyond():
+    ref = np.linspace(1, 2, 100)
+    assert check(ref * 1.005, ref)["passed"]
+    result = check(ref * (1 + 0.05 * (np.arange(100) == 37)), ref)
+    assert not result["passed"] and result["worst_index"] == (37,)
+    assert result["max_rel_err"] == pytest.approx(0.05 * ref[37] / (ref[37] + np.sqrt(np.mean(ref**2))))
+
+
+def test_check_never_passes_nan_or_inf():
+    ref = np.ones((4, 4))
+    got = ref.astype(np.float16)
+    got[1, 2], got[3, 0] = np.nan, np.inf
+    result = check(got, ref, rtol=1e9)
+    assert not result["passed"] and result["nan"] == 2 and result["worst_index"] == (1, 2)
+    assert "2 elements are NaN or inf" in result["reason"]
+
+
+def test_check_poison_pattern_fails():
+    poison = np.full(4, 0xFFFF, np.uint16).view(np.float16)
+    assert check(poison, np.zeros(4))["nan"] == 4
+
+
+def test_check_tolerates_near_zero_references():
+    ref = np.array([1.0, -1.0, 1e-9, 2.0])
+    got = ref + np.array([0, 0, 1e-4, 0])
+    result = check(got, ref)
+    assert result["passed"] and result["max_abs_err"] == pytest.approx(1e-4)
+
+
+def test_check_all_zero_reference():
+    assert check(np.zeros(3), np.zeros(3))["passed"]
+    result = check(np.array([0.0, 1e-30, 0.0]), np.zeros(3))
+    assert not result["passed"] and result["worst_index"] == (1,)
+
+
+def test_check_shape_mismatch_fails_with_a_reason():
+    result = check(np.zeros((2, 3)), np.zeros((3, 2)))
+    assert not result["passed"] and result["reason"] == "shape (2, 3) differs from the reference's (3, 2)"
+
+
+# ------------------------------------------------------------------------------------------------ no GPU here
+
+def test_runtime_is_standalone():
+    """Copied beside generated kernels, the module can import only the standard library and numpy."""
+    tree = ast.parse(Path(rt.__file__).read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    modules = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.level == 0}
+    assert all(n.level == 0 for n in top if isinstance(n, ast.ImportFrom))
+    assert modules - sys.stdlib_module_names == {"numpy"}
+
+
+def test_launcher_without_gpu_raises_with_the_reason(no_gpu, tmp_path):
+    launcher = Launcher(make_plan(), tmp_path)  # building one needs no GPU
+    assert rt.gpu_status() == (False, "disabled by PRISM_NO_GPU")
+    with pytest.raises(GpuUnavailable, match="cannot run 'add' without a usable CUDA GPU: disabled by PRISM_NO_GPU"):
+        launcher(X=f16(8, 64), W=f16(8, 64))
+    with pytest.raises(GpuUnavailable, match="PRISM_NO_GPU"):
+        launcher.time([{"X": f16(8, 64), "W": f16(8, 64)}])
+
+
+def test_bad_inputs_are_reported_before_the_missing_gpu(no_gpu, tmp_path):
+    with pytest.raises(PlanError, match="missing input 'W'"):
+        Launcher(make_plan(), tmp_path)(X=f16(8, 64))
+
+
+def render_launcher(directory: Path, plan: dict) -> Path:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined)
+    text = env.get_template("launcher.py.j2").render(plan=plan, plan_literal=rt.format_plan(plan),
+                                                     program=plan["program"])
+    shutil.copy(rt.__file__, directory / "prism_runtime.py")
+    path = directory / "launcher.py"
+    path.write_text(text)
+    return path
+
+
+def import_file(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rendered_launcher_imports_and_refuses_cleanly_without_gpu(no_gpu, tmp_path):
+    path = render_launcher(tmp_path, make_plan())
+    text = path.read_text()
+    assert "launcher.run(X=..., W=...)" in text and "'add'" in text.splitlines()[0]
+    module = import_file(path, "generated_launcher")
+    assert module.PLAN == make_plan()
+    with pytest.raises(module.GpuUnavailable, match="disabled by PRISM_NO_GPU"):
+        module.run(X=f16(8, 64), W=f16(8, 64))
+
+
+def test_rendered_launcher_script_exits_1_with_the_reason(tmp_path):
+    path = render_launcher(tmp_path, make_plan())
+    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "PRISM_NO_GPU": "1"}, timeout=60)
+    assert result.returncode == 1
+    assert "launcher.py: cannot run 'add' without a usable CUDA GPU: disabled by PRISM_NO_GPU" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+# ------------------------------------------------------------------------------------------------- on a GPU
+
+ADD_CU = r"""
+#include <cuda_fp16.h>
+#include "scale.cuh"
+
+// Y = X + W over n elements; S = sum of all of X (atomics, so S must start at zero).
+extern "C" __global__ void add(const __half* X, const __half* W, float* Y, float* S) {
+    extern __shared__ float staged[];
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    staged[threadIdx.x] = __half2float(X[i]);
+    __syncthreads();
+    Y[i] = staged[threadIdx.x] + scale(__half2float(W[i]));
+    atomicAdd(S, staged[threadIdx.x]);
+}
+"""
+
+
+def gpu_plan(tmp_path: Path, smem: int = 256 * 4, block: int = 256) -> dict:
+    (tmp_path / "add.cu").write_text(ADD_CU)
+    (tmp_path / "scale.cuh").write_text("__device__ inline float scale(float w) { return 2.0f * w; }\n")
+    plan = make_plan(outputs=["Y", "S"])
+    plan["tensors"]["S"] = {"shape": [1], "dtype": "f32"}
+    plan["kernels"][0].update(args=["X", "W", "Y", "S"], zero=["S"], smem=smem, block=[block, 1, 1],
+                              grid=[8 * 64 // block, 1, 1])
+    return plan
+
+
+def gpu_inputs(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal((8, 64)).astype(np.float16) for n in ("X", "W")}
+
+
+# ------------------------------------------------------------------------------------- a stand-in driver
+# The launcher's bookkeeping (buffers, poison, zeroing, launch order, timing) checked on the CPU: a fake
+# pycuda.driver whose memory is bytearrays and whose "kernels" are Python functions.
+
+class FakeDriver:
+    class CompileError(Exception):
+        stderr = "add.cu(3): error: identifier \"undeclared\" is undefined"
+
+    class LogicError(Exception):
+        pass
+
+    class device_attribute:
+        MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = "optin"
+
+    class function_attribute:
+        MAX_DYNAMIC_SHARED_SIZE_BYTES = "max_dynamic_smem"
+
+    def __init__(self, kernels: dict):
+        self.kernels, self.memory, self.log = kernels, {}, []
+        self.clock = self.depth = self.allocated = 0
+        drv = self
+
+        class Allocation(int):
+            def free(self):
+                drv.memory.pop(int(self))
+
+        class Context:
+            def push(self):
+                drv.depth += 1
+
+            @staticmethod
+            def pop():
+                drv.depth -= 1
+
+            @staticmethod
+            def synchronize():
+                pass
+
+            def detach(self):
+                pass
+
+        class Device:
+            def __init__(self, index):
+                pass
+
+            def retain_primary_context(self):
+                return Context()
+
+            def compute_capability(self):
+                return (9, 0)
+
+            def get_attribute(self, attribute):
+                return 227 * 1024
+
+        class Event:
+            def record(self):
+                drv.clock += 1
+                self.at = drv.clock
+
+            def synchronize(self):
+                pass
+
+            def time_till(self, other):
+                return (other.at - self.at) * 0.25
+
+        self.Allocation, self.Context, self.Device, self.Event = Allocation, Context, Device, Event
+
+    def mem_alloc(self, nbytes):
+        self.allocated += 1
+        address = self.allocated << 20
+        self.memory[address] = bytearray(nbytes)
+        return self.Allocation(address)
+
+    def memset_d8(self, ptr, value, count):
+        self.log.append(("memset", ptr, value))
+        self.memory[ptr][:count] = bytes([value]) * count
+
+    def memcpy_htod(self, dest, array):
+        self.memory[int(dest)][:] = np.ascontiguousarray(array).tobytes()
+
+    def memcpy_dtoh(self, array, ptr):
+        array.reshape(-1).view(np.uint8)[:] = np.frombuffer(self.memory[ptr], np.uint8)[:array.nbytes]
+
+    def view(self, ptr, dtype):
+        return np.frombuffer(self.memory[ptr], dtype)
+
+    def source_module(self, source, **options):
+        assert options["no_extern_c"] and options["arch"] == "sm_90", options
+        assert Path(options["include_dirs"][0]).is_absolute(), "nvcc runs elsewhere: relative -I paths break"
+        if "undeclared" in source:
+            raise self.CompileError()
+        drv = self
+
+        class Function:
+            def __init__(self, body):
+                self.body, self.attributes = body, {}
+
+            def set_attribute(self, attribute, value):
+                self.attributes[attribute] = value
+
+            def prepare(self, fmt):
+                self.fmt = fmt
+
+            def prepared_call(self, grid, block, *ptrs, shared_size):
+                assert drv.depth > 0 and len(ptrs) == len(self.fmt), "launched outside the context"
+                drv.log.append(("launch", grid, block, shared_size))
+                self.body(drv, grid[0] * block[0], *ptrs)
+
+        class Module:
+            def get_function(self, name):
+                if name not in drv.kernels:
+                    raise drv.LogicError("named symbol not found")
+                function = Function(drv.kernels[name])
+                drv.functions.append(function)
+                return function
+
+        self.functions = []
+        return Module()
+
+
+def fake_add(drv, threads, x, w, y, s):
+    """The ADD_CU kernel below, in numpy: the first `threads` elements of Y, and S += sum of those X."""
+    xv, wv = drv.view(x, np.float16).astype(np.float32), drv.view(w, np.float16).astype(np.float32)
+    drv.view(y, np.float32)[:threads] = xv[:threads] + 2 * wv[:threads]
+    drv.view(s, np.float32)[0] += xv[:threads].sum()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    drv = FakeDriver({"add": fake_add})
+    monkeypatch.setattr(rt, "gpu_status", lambda: (True, "fake device"))
+    monkeypatch.setattr(rt, "_import_driver", lambda: drv)
+    compiler = type(sys)("pycuda.compiler")
+    compiler.SourceModule = drv.source_module
+    monkeypatch.setitem(sys.modules, "pycuda", type(sys)("pycuda"))
+    monkeypatch.setitem(sys.modules, "pycuda.compiler", compiler)
+    return drv
+
+
+def test_launch_poisons_zeroes_and_reads_back(fake_gpu, tmp_path, monkeypatch):
+    plan = gpu_plan(tmp_path, block=128)
+    plan["kernels"][0]["grid"] = [3, 1, 1]  # 384 of the 512 elements are written
+    monkeypatch.chdir(tmp_path)
+    launcher = Launcher(plan, ".")
+    inputs = gpu_inputs()
+    x, w = (inputs[n].astype(np.float64) for n in ("X", "W"))
+    for _ in range(2):  # the second run must zero S again
+        out = launcher(**inputs)
+        assert out["Y"].dtype == np.float32 and out["Y"].shape == (8, 64)
+        assert check(out["Y"].ravel()[:384], (x + 2 * w).ravel()[:384])["passed"]
+        assert np.isnan(out["Y"].ravel()[384:]).all()
+        assert check(out["S"], np.array([x.ravel()[:384].sum()]))["passed"]
+    assert fake_gpu.depth == 0
+    kinds = [entry[0] if entry[0] == "launch" else entry[2] for entry in fake_gpu.log]
+    assert kinds == [0xFF, 0xFF, 0, "launch"] * 2  # poison Y and S, zero S, launch
+    assert fake_gpu.log[3] == ("launch", (3, 1, 1), (128, 1, 1), 1024)
+    assert fake_gpu.functions[0].fmt == "PPPP" and fake_gpu.functions[0].attributes == {}
+    launcher.close()
+    assert fake_gpu.memory == {} and fake_gpu.depth == 0
+
+
+def test_large_shared_memory_is_opted_into(fake_gpu, tmp_path):
+    Launcher(gpu_plan(tmp_path, smem=100 * 1024), tmp_path).compile()
+    assert fake_gpu.functions[0].attributes == {"max_dynamic_smem": 100 * 1024}
+    with pytest.raises(PlanError, match="needs 240000 bytes of shared memory; this device allows 232448"):
+        Launcher(gpu_plan(tmp_path, smem=240000), tmp_path).compile()
+
+
+def test_bf16_outputs_come_back_as_float32(fake_gpu, tmp_path):
+    def fill(drv, threads, y):
+        drv.view(y, np.uint16)[:] = rt.to_bf16_bits(np.arange(4, dtype=np.float32))
+
+    fake_gpu.kernels["fill"] = fill
+    (tmp_path / "add.cu").write_text("// stands in for a kernel that fills Y\n")
+    plan = make_plan(inputs=[], outputs=["Y"], tensors={"Y": {"shape": [4], "dtype": "bf16"}})
+    plan["kernels"][0].update(function="fill", args=["Y"], grid=[1, 1, 1], block=[4, 1, 1])
+    out = Launcher(plan, tmp_path)()
+    assert out["Y"].dtype == np.float32 and list(out["Y"]) == [0, 1, 2, 3]
+
+
+def test_timing_rotates_input_sets(fake_gpu, tmp_path):
+    launcher = Launcher(gpu_plan(tmp_path), tmp_path)
+    seen = []
+    fake_gpu.kernels["add"] = lambda drv, threads, x, *rest: seen.append(x)
+    stats = launcher.time([gpu_inputs(seed) for seed in range(3)], warmup=2, repeat=6)
+    assert stats == {"median_ms": 0.25, "min_ms": 0.25, "mean_ms": 0.25, "repeat": 6}
+    assert len(set(seen)) == 3 and seen[2:] == [seen[0], seen[1], seen[4]] * 2  # 2 warm-ups, then 0 1 2 0 1 2
+    assert list(launcher.time_kernels([gpu_inputs()], warmup=0, repeat=2)) == ["add"]
+    assert fake_gpu.depth == 0
+
+
+def test_compile_errors_carry_nvcc_stderr(fake_gpu, tmp_path):
+    plan = gpu_plan(tmp_path)
+    (tmp_path / "add.cu").write_text(ADD_CU.replace("staged[threadIdx.x] +", "undeclared +"))
+    with pytest.raises(rt.KernelCompileError) as err:
+        Launcher(plan, tmp_path).compile()
+    assert "undeclared" in err.value.stderr and "nvcc failed on kernel 'add'" in str(err.value)
+
+
+def test_missing_source_and_function_are_plan_errors(fake_gpu, tmp_path):
+    with pytest.raises(PlanError, match="kernel 'add': cannot read .*add.cu"):
+        Launcher(make_plan(), tmp_path).compile()
+    plan = gpu_plan(tmp_path)
+    plan["kernels"][0]["function"] = "sub"
+    with pytest.raises(PlanError, match="add.cu defines no extern \"C\" __global__ function 'sub'"):
+        Launcher(plan, tmp_path).compile()
+
+
+class TestOnGpu:
+    """Hand-written kernels compiled and launched through the runtime."""
+
+    pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not rt.gpu_status()[0], reason=rt.gpu_status()[1])]
+
+    @pytest.mark.parametrize("smem", [256 * 4, 64 * 1024], ids=["small-smem", "opt-in-smem"])
+    def test_runs_a_kernel_and_checks(self, tmp_path, smem):
+        launcher = Launcher(gpu_plan(tmp_path, smem), tmp_path)
+        inputs = gpu_inputs()
+        x, w = (inputs[n].astype(np.float64) for n in ("X", "W"))
+        for _ in range(2):  # the second run must zero S again
+            out = launcher(**inputs)
+            assert check(out["Y"], x + 2 * w)["passed"]
+            assert check(out["S"], np.array([x.sum()]))["passed"]
+        launcher.close()
+
+    def test_unwritten_output_is_poisoned(self, tmp_path):
+        plan = gpu_plan(tmp_path, block=128)
+        plan["kernels"][0]["grid"] = [2, 1, 1]  # half the elements are never written
+        out = Launcher(plan, tmp_path)(**gpu_inputs())
+        assert np.isnan(out["Y"].ravel()[256:]).all() and not check(out["Y"], np.zeros((8, 64)))["passed"]
+
+    def test_timing_gives_positive_medians(self, tmp_path):
+        launcher = Launcher(gpu_plan(tmp_path), tmp_path)
+        sets = [gpu_inputs(seed) for seed in range(3)]
+        stats = launcher.time(sets, warmup=2, repeat=10)
+        assert stats["repeat"] == 10 and 0 < stats["min_ms"] <= stats["median_ms"]
+        per_kernel = launcher.time_kernels(sets, warmup=2, repeat=10)
+        assert set(per_kernel) == {"add"} and per_kernel["add"]["median_ms"] > 0
+
+    def test_compile_error_carries_nvcc_stderr(self, tmp_path):
+        plan = gpu_plan(tmp_path)
+        (tmp_path / "add.cu").write_text(ADD_CU.replace("staged[threadIdx.x] +", "undeclared +"))
+        with pytest.raises(rt.KernelCompileError) as err:
+            Launcher(plan, tmp_path).compile()
+        assert "undeclared" in err.value.stderr and "add.cu" in str(err.value)
+
+    def test_torch_tensors_stay_on_the_device(self, tmp_path):
+        torch = pytest.importorskip("torch")
+        launcher = Launcher(gpu_plan(tmp_path), tmp_path)
+        inputs = {n: torch.from_numpy(a).cuda() for n, a in gpu_inputs().items()}
+        out = launcher(**inputs)
+        assert out["Y"].is_cuda and out["Y"].dtype == torch.float32
+        expected = (inputs["X"].double() + 2 * inputs["W"].double()).cpu().numpy()
+        assert check(out["Y"], expected)["passed"]
+        with pytest.raises(PlanError, match="not 16-byte aligned"):
+            launcher(X=torch.zeros(8 * 64 + 1, dtype=torch.float16, device="cuda")[1:].view(8, 64), W=inputs["W"])
+        with pytest.raises(PlanError, match="is not contiguous"):
+            launcher(X=inputs["X"].t().contiguous().t(), W=inputs["W"])
