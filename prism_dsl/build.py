@@ -36,7 +36,7 @@ from . import cost, cuda_runtime, emulate
 from .codegen import HEADER, CodegenConfig, RenderedKernel, header_source, render_kernel
 from .errors import PrismError
 from .ir import Program
-from .kernel import Target, free_symbols, instantiate_program, kernels_of, resolve_params
+from .kernel import Concrete, Target, free_symbols, instantiate_program, kernels_of, resolve_params
 from .lower import lower
 from .printer import print_program
 from .reference import bind_dims, concrete_shape, evaluate, random_inputs
@@ -64,7 +64,8 @@ class Build:
     binding: dict
     params: dict[str, int]
     kernels: list[RenderedKernel]
-    report: dict
+    report: dict  # what report.json holds, filled in as the checks run
+    concrete: dict[str, Concrete]
     target: str  # the target file's name, for the block interpreter
 
 
@@ -72,9 +73,8 @@ def plan_of(build: Build) -> dict:
     """The runtime plan (`cuda_runtime`): tensors, kernels, launch shapes."""
     tensors = {n.attr: {"shape": list(concrete_shape(n.shape, build.binding)), "dtype": n.dtype.value}
                for n in build.program.inputs}
-    concrete = build.report["_concrete"]
     for k in kernels_of(build.program):
-        c = concrete[k.name]
+        c = build.concrete[k.name]
         for i, s in enumerate(k.stores):
             tensors[s.name] = {"shape": list(c.output_shape(i)), "dtype": (s.value.dtype.value if s.value.dtype else "f32")}
     return {
@@ -117,14 +117,13 @@ def compile_program(source: Program, target: Target, options: BuildOptions) -> B
         "measured_us": None,
         "checks": {},
         "verified": False,
-        "_concrete": concrete,
     }
     for r, e in zip(kernels, estimates):
         report["kernels"].append({"name": r.name, "function": r.function, "file": r.file, "grid": list(r.grid),
                                   "block": list(r.block), "smem_bytes": r.smem, "tensor_cores": r.tensor_cores,
                                   "estimate": e.as_dict(), "nvcc": {}})
     report["compile_seconds"] = round(time.perf_counter() - started, 3)
-    return Build(program, source, full, params, kernels, report, target.name.lower())
+    return Build(program, source, full, params, kernels, report, concrete, target.name.lower())
 
 
 # -- nvcc -------------------------------------------------------------------------------------------------
@@ -273,12 +272,11 @@ def write(build: Build, out: Path, options: BuildOptions) -> dict:
                 entry["measured_us"] = round(gpu["kernels_ms"][entry["name"]]["median_ms"] * 1000, 3)
         numeric = [c for key, c in report["checks"].items() if key in ("emulation", "gpu") and "passed" in c]
         report["verified"] = bool(numeric) and all(c["passed"] for c in numeric)
-        public = {k: v for k, v in report.items() if not k.startswith("_")}
-        (scratch / "report.json").write_text(json.dumps(public, indent=2) + "\n")
+        (scratch / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         out.mkdir(exist_ok=True)
         for f in scratch.iterdir():
             os.replace(f, out / f.name)
-        return public
+        return report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

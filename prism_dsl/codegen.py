@@ -31,7 +31,7 @@ import jinja2
 
 from .fusion import ALIGN, SOFTMAX, Buffer, Place, compute_dtype, plan
 from .ir import DType, Node, Program
-from .kernel import Concrete, Kernel, after_loop, loop_varying
+from .kernel import Concrete, after_loop, bind, loop_varying
 from .ops import OPS, Kind
 from .printer import format_number
 
@@ -181,10 +181,7 @@ class _Emitter:
 
     # shapes and buffers
     def shape(self, node_or_buffer) -> tuple[int, ...]:
-        from .kernel import bind
-
-        shape = node_or_buffer.shape
-        return tuple(int(bind(s, self.c.binding)) for s in shape)
+        return tuple(int(bind(s, self.c.binding)) for s in node_or_buffer.shape)
 
     def buf(self, node: Node) -> Buffer:
         return self.plan.buffer(node)
@@ -301,19 +298,12 @@ class _Emitter:
     def _mma(self, a: Node, b: Node, shape, dst: str, accumulate: bool, text: str) -> dict | None:
         if not self.config.tensor_cores or self.real != "float":
             return None
-        pa, pb = self.plan.place.get(a), self.plan.place.get(b)
-        if pa is not Place.SMEM or pb is not Place.SMEM:
+        if not uses_tensor_cores(a, b, self.plan.place, self.shape):
             return None
         ba, bb = self.buf(a), self.buf(b)
-        if ba.dtype != bb.dtype or ba.dtype not in (DType.F16, DType.BF16):
-            return None
         sa, sb = self.shape(a), self.shape(b)
-        if any(s != 1 for s in sa[:-2] + sb[:-2] + tuple(shape[:-2])) or len(sa) < 2 or len(sb) < 2:
-            return None
         m, k, n = sa[-2], sa[-1], sb[-1]
         frag = mma_shape(m, n, k)
-        if frag is None:
-            return None
         self.tensor_core_steps += 1
         return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
                 "a": self.cname[ba.name], "b": self.cname[bb.name], "c": dst, "ab": CTYPE[ba.dtype],

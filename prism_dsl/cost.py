@@ -103,7 +103,7 @@ def _node_flops(n: Node, shape, place) -> tuple[int, int]:
         work = 2 * _elements(shape(n)) * shape(n.args[0])[-1]
         return (0, work) if uses_tensor_cores(n.args[0], n.args[1], place, shape) else (work, 0)
     if n.op == "acc_softmax_out":
-        s, v = n.args
+        s = n.args[0]
         return 2 * _elements(shape(n)) * shape(s)[-1] + 4 * _elements(shape(s)), 0
     if kind in (Kind.UNARY, Kind.BINARY, Kind.ACCUMULATE, Kind.REDUCE, Kind.ROWWISE):
         operand = n.args[0] if kind in (Kind.ACCUMULATE, Kind.REDUCE, Kind.ROWWISE) else n

@@ -114,7 +114,7 @@ def _tile_node(load: Load, source: Node, shell: Kernel) -> Node:
     return Node("tile", (), load.tile, source.dtype, tile_shape(source.shape, load.map, shell))
 
 
-def _map(shape, out_rank: int, split: dict[int, str], loop_dim: int | None = None, out_shape=None) -> tuple[DimMap, ...]:
+def _map(shape, split: dict[int, str], loop_dim: int | None = None, out_shape=None) -> tuple[DimMap, ...]:
     """A tile map for an operand of `shape` read by a kernel whose output dims (counted from the end) in
     `split` are split by grid axes: operand dims that broadcast (size 1 where the output is not) stay whole."""
     dims = []
@@ -140,8 +140,8 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node]) -> Node:
         grid = [("x", sym("gx")), ("y", sym("gy"))] + ([("z", shape[-3])] if n.rank >= 3 else [])
         split = {-1: "x", -2: "y", -3: "z"}
         bld = _Builder(kname, grid, sym("F"), lowered)
-        at = bld.tile(a, _map(a.shape, n.rank, {-2: "y", -3: "z"}, loop_dim=-1, out_shape=_pad(a, shape)))
-        bt = bld.tile(b, _map(b.shape, n.rank, {-1: "x", -3: "z"}, loop_dim=-2, out_shape=_pad(b, shape)))
+        at = bld.tile(a, _map(a.shape, {-2: "y", -3: "z"}, loop_dim=-1, out_shape=_pad(a, shape)))
+        bt = bld.tile(b, _map(b.shape, {-1: "x", -3: "z"}, loop_dim=-2, out_shape=_pad(b, shape)))
         value = build("acc_sum", [build("matmul", [at, bt])])
         return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
     if kind is Kind.REDUCE:
@@ -150,13 +150,13 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node]) -> Node:
         split = dict(zip(kept, AXES))
         grid = [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()]
         bld = _Builder(kname, grid, None, lowered)
-        xt = bld.tile(x, _map(x.shape, n.rank, split))
+        xt = bld.tile(x, _map(x.shape, split))
         return bld.kernel(build(n.op, [xt], [n.attr]), store, TileMap(_out_map(n.rank, split)))
     if kind is Kind.ROWWISE:
         split = dict(zip(range(-2, -n.rank - 1, -1), AXES))
         grid = [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()]
         bld = _Builder(kname, grid, None, lowered)
-        xt = bld.tile(n.args[0], _map(n.args[0].shape, n.rank, split))
+        xt = bld.tile(n.args[0], _map(n.args[0].shape, split))
         return bld.kernel(build(n.op, [xt]), store, TileMap(_out_map(n.rank, split)))
     if kind in _ELEMENTWISE:
         split = dict(zip(range(-1, -min(n.rank, 3) - 1, -1), AXES))
@@ -181,6 +181,6 @@ def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = Fals
     if n.op == "const":
         return n
     if not top and (n.op in ("input", "kernel") or n in lowered):
-        return bld.tile(n, _map(n.shape, len(out_shape), split, out_shape=out_shape))
+        return bld.tile(n, _map(n.shape, split, out_shape=out_shape))
     return build(n.op, [_rebuild(a, bld, split, out_shape, lowered) for a in n.args])
 
