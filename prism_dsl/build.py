@@ -229,8 +229,9 @@ def _plain(d: dict) -> dict:
 # -- writing ----------------------------------------------------------------------------------------------
 
 
-def write(build: Build, out: Path, options: BuildOptions) -> dict:
-    """Everything into `out`, checked on the way: built in a scratch directory beside it, then moved in."""
+def write(build: Build, out: Path, options: BuildOptions, extra: Mapping[str, str] | None = None) -> dict:
+    """Everything into `out`, checked on the way: built in a scratch directory beside it, then moved in.
+    `extra` files (name -> text) go beside the rest (the search's best.prism)."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -247,6 +248,8 @@ def write(build: Build, out: Path, options: BuildOptions) -> dict:
                                                                 plan_literal=cuda_runtime.format_plan(plan))
         (scratch / "launcher.py").write_text(launcher)
         (scratch / f"{build.program.name}.prism").write_text(print_program(build.program))
+        for name, text in (extra or {}).items():
+            (scratch / name).write_text(text)
         if options.archs and nvcc_path():
             figures = nvcc_check(build.kernels, Path(tempfile.mkdtemp(dir=scratch)), options.archs)
             for entry in report["kernels"]:
@@ -271,7 +274,8 @@ def write(build: Build, out: Path, options: BuildOptions) -> dict:
             for entry in report["kernels"]:
                 entry["measured_us"] = round(gpu["kernels_ms"][entry["name"]]["median_ms"] * 1000, 3)
         numeric = [c for key, c in report["checks"].items() if key in ("emulation", "gpu") and "passed" in c]
-        report["verified"] = bool(numeric) and all(c["passed"] for c in numeric)
+        # Verified: proved equal to the input (when a search chose it) and checked numerically.
+        report["verified"] = bool(numeric) and all(c["passed"] for c in numeric) and report.get("proved", True)
         (scratch / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         out.mkdir(exist_ok=True)
         for f in scratch.iterdir():
@@ -302,5 +306,12 @@ def summary(report: dict, out: Path) -> str:
         else:
             errs = ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" for o, v in c["outputs"].items())
             lines.append(f"  {name}: {'passed' if c['passed'] else 'FAILED'} against the float64 reference ({errs})")
+    if "search" in report:
+        sr = report["search"]
+        how = "from the checkpoint" if sr["from_checkpoint"] else (
+            "complete" if sr["complete"] else f"cut short ({sr['stopped']}): best so far")
+        lines.append(f"  search: {sr['verified_sgraphs']} proved programs ({how}), {sr['jobs']} prover processes, "
+                     f"{report['search_seconds']} s; best: {report['best']} with {report['kernels_in_best']} kernel(s)"
+                     + (" (the program as written: nothing faster was found)" if report["best_is_input"] else ""))
     lines.append("  verified: " + ("yes" if report["verified"] else "NO: the outputs were not checked or did not agree"))
     return "\n".join(lines)

@@ -46,10 +46,10 @@ def read(kind: str, key: str) -> Any | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        _warn(path, f"unreadable ({e.__class__.__name__})")
+        warn(path, f"unreadable ({e.__class__.__name__})")
         return None
     if not isinstance(record, dict) or record.get("key") != key or "value" not in record:
-        _warn(path, "does not match its key")
+        warn(path, "does not match its key")
         return None
     return record["value"]
 
@@ -66,13 +66,13 @@ def write(kind: str, key: str, value: Any) -> None:
         os.replace(tmp, path)
         tmp = None
     except OSError as e:
-        _warn(path, f"not writable ({e.strerror or e})")
+        warn(path, f"not writable ({e.strerror or e})")
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _warn(path: Path, why: str) -> None:
+def warn(path: Path, why: str) -> None:
     if str(path) not in _warned:
         _warned.add(str(path))
         print(f"prismc: warning: ignoring cache entry {path}: {why}", file=sys.stderr)

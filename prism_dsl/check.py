@@ -53,9 +53,10 @@ class Source:
         return self.programs[name]
 
 
-def load(path: str | Path) -> Source:
+def load(path: str | Path, text: str | None = None) -> Source:
+    """Parse and check a .prism file (or `text`, named `path` in messages)."""
     errors = Collector()
-    module, scope = _load_module(Path(path), errors, stack=(), at=None, cache={})
+    module, scope = _load_module(Path(path), errors, stack=(), at=None, cache={}, text=text)
     programs: dict[str, Program] = {}
     if module is not None and not scope.incomplete:  # after a failed import, every name could be a follow-on error
         for item in module.items:
@@ -71,7 +72,8 @@ def load(path: str | Path) -> Source:
     return Source(str(path), dims, programs)
 
 
-def _load_module(path: Path, errors: Collector, stack: tuple[Path, ...], at: Loc | None, cache: dict):
+def _load_module(path: Path, errors: Collector, stack: tuple[Path, ...], at: Loc | None, cache: dict,
+                 text: str | None = None):
     """Parse `path` and its imports (depth first) into a Scope; cycles and bad files become errors."""
     key = path.resolve()
     if key in stack:
@@ -81,7 +83,8 @@ def _load_module(path: Path, errors: Collector, stack: tuple[Path, ...], at: Loc
     if key in cache:
         return cache[key]
     try:
-        text = read_source(path, at=at, what="import" if at else "file")
+        if text is None:
+            text = read_source(path, at=at, what="import" if at else "file")
         module = parse_prism(text, str(path))
     except PrismError as e:
         errors.extend(e)

@@ -19,9 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from .egglog_runner import Limits
+from .printer import print_program
 from .errors import PrismError
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
+TOP_ALTERNATIVES = 5  # alternatives listed in report.json
 MAX_SECONDS = 1e6  # a time limit beyond this is a mistake, and overflows the platform's clocks
 
 
@@ -110,16 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("-o", "--output", metavar="FILE", help="write the picture (or text) here instead of stdout")
     sh.set_defaults(run=cmd_show)
 
-    co = sub.add_parser("compile", help="render a program's kernels as CUDA C, compile-check, check and rank or time them",
-                        description="Compile a program to CUDA: every op outside custom kernels becomes a pre-defined "
-                                    "kernel, parameters not given are chosen by the cost model, every kernel is rendered, "
-                                    "compiled with nvcc, run as C++ on the CPU and checked against the float64 reference "
-                                    "(and with --target cuda run, checked and timed on the GPU).")
+    co = sub.add_parser("compile", help="superoptimize a program: search fused kernels, prove, tune, render CUDA C",
+                        description="Compile a program to CUDA. By default the search looks for equivalent programs of "
+                                    "fused custom kernels, proves each equal to the input with the axioms, tunes the "
+                                    "parameters of every proved one (cost model, or timing with --target cuda) and keeps "
+                                    "the fastest, the program as written included. The result is rendered, compiled with "
+                                    "nvcc, run as C++ on the CPU and checked against the float64 reference.")
     co.add_argument("file", metavar="FILE")
     co.add_argument("--program", help="which program of the file (needed when it has several)")
     co.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the results into")
-    co.add_argument("--search", choices=("none",), default="none",
-                    help="'none': compile the program as written (default)")
+    co.add_argument("--search", choices=("full", "none"), default="full",
+                    help="'full': search fused programs (default); 'none': compile the program as written")
+    co.add_argument("--time-limit", type=_positive_float, default=60.0, metavar="SECONDS",
+                    help="stop the search after this long and use the best proved program so far (default 60)")
+    co.add_argument("--jobs", type=_positive_int, default=None,
+                    help="prover processes running at once (default: the machine's cores)")
+    co.add_argument("--max-kernels", type=_positive_int, default=None,
+                    help="custom kernels per program the search may use (default 1)")
+    co.add_argument("--no-cache", action="store_true",
+                    help="neither read nor write the search checkpoint and tuning database")
     co.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
     co.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
     co.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges to use (64 or F=64)")
@@ -400,13 +411,79 @@ def cmd_compile(args) -> int:
     options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, mode=args.target, archs=archs,
                            emulate=not args.no_emulate, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
-    built = compile_program(program, target, options)
+    extra: dict[str, str] = {}
+    searched = None
+    if args.search == "full":
+        searched = _search(args, program, target)
+        if searched is not None and not (args.grid or args.loop):
+            chosen = searched.best
+            options = BuildOptions(dims=args.dims, grid={}, loop={}, mode=args.target, archs=archs,
+                                   emulate=options.emulate, seed=args.seed, codegen=options.codegen)
+            program_to_build = chosen.program
+        else:
+            program_to_build = program
+    else:
+        program_to_build = program
+    built = compile_program(program_to_build, target, options)
+    if searched is not None:
+        _search_report(built.report, searched, program)
+        extra["best.prism"] = print_program(program_to_build)
     out = Path(args.output)
-    report = write(built, out, options)
+    report = write(built, out, options, extra)
     print(json.dumps(report, indent=2) if args.json else summary(report, out))
     checks = report["checks"]
     failed = any(c.get("passed") is False for c in checks.values())
     return EXIT_INPUT if failed else EXIT_OK
+
+
+def _search(args, program, target):
+    """The search's outcome for `compile`, or None when the program fixes its own kernels."""
+    import threading
+
+    from .reference import bind_dims
+    from .search import SearchConfig
+    from .superopt import optimize
+
+    if any(n.op == "kernel" for n in program.nodes()):
+        print(f"prismc: '{program.name}' already has custom kernels: compiling it as written (no search)",
+              file=sys.stderr)
+        return None
+    if args.grid or args.loop:
+        raise UsageError("--grid and --loop set the parameters of kernels you wrote; with the search, use --search none")
+    library = load_rules([], defaults=True)
+    config = SearchConfig() if args.max_kernels is None else SearchConfig(max_kernels=args.max_kernels)
+    binding = bind_dims(program, args.dims)
+    stop = threading.Event()
+    return optimize(program, library, target, binding, config=config, time_limit=args.time_limit, jobs=args.jobs,
+                    threads=args.threads, mode=args.target, device=_device_name(args.target),
+                    use_cache=not args.no_cache, progress=not args.json, stop_event=stop)
+
+
+def _device_name(mode: str) -> str:
+    if mode != "cuda":
+        return "model"
+    from .cuda_runtime import gpu_status
+
+    return gpu_status()[1]
+
+
+def _search_report(report: dict, outcome, program) -> None:
+    from .kernel import kernels_of
+    from .lower import lower
+
+    best = outcome.best
+    report["best"] = "best.prism"
+    report["best_is_input"] = best.as_written
+    report["proved"] = True  # every candidate the search keeps is proved; the input equals itself
+    report["kernels_in_best"] = len(kernels_of(lower(best.program)))
+    report["search"] = outcome.search
+    report["search_seconds"] = outcome.search["search_seconds"]
+    report["alternatives"] = [
+        {"rank": i + 1, "as_written": r.as_written, "kernels": len(kernels_of(lower(r.program))),
+         "estimated_us": round(r.estimated_us, 3),
+         "measured_us": None if r.measured_us is None else round(r.measured_us, 3),
+         "program": print_program(r.program, with_dims=False)}
+        for i, r in enumerate(outcome.ranked[:TOP_ALTERNATIVES])]
 
 
 def cmd_bench(args) -> int:

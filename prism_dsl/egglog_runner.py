@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .egraph import PRELUDE
@@ -50,6 +50,7 @@ class Outcome:
     nodes: int
     seconds: float
     matched: tuple[str, ...] = ()  # the rulesets whose rules matched at least once
+    table: tuple | None = None  # with dump: the e-graph's tensor e-nodes (see egglog_worker)
 
 
 class EgglogError(PrismError):
@@ -77,12 +78,15 @@ class Session:
             self._proc.wait()
             self._proc = None
 
-    def run(self, setup: str, goals: list[tuple[str, str]], rulesets: list[str], limits: Limits) -> Outcome:
-        """Add `setup` (egglog commands), then saturate: each iteration runs each ruleset once."""
+    def run(self, setup: str, goals: list[tuple[str, str]], rulesets: list[str], limits: Limits,
+            dump: bool = False) -> Outcome:
+        """Add `setup` (egglog commands), then saturate: each iteration runs each ruleset once. With
+        `dump`, the outcome carries the saturated e-graph's tensor e-nodes (`Outcome.table`); a run
+        killed at the time limit has none."""
         self._start()
         start = time.perf_counter()
         self._send({"op": "query", "setup": setup, "goals": goals, "prelude": list(PRELUDE),
-                    "rulesets": rulesets, "limits": asdict(limits)})
+                    "rulesets": rulesets, "limits": asdict(limits), "dump": dump})
         last = {"proved": [False] * len(goals), "iteration": 0, "nodes": 0, "matched": []}
         while True:
             msg = self._receive(deadline=start + limits.seconds)
@@ -92,7 +96,8 @@ class Session:
             if "error" in msg:
                 raise EgglogError(f"egglog rejected a query: {msg['error']}")
             if msg.get("done"):
-                return self._outcome({**msg, "iteration": msg["iterations"]}, msg["reason"], start)
+                out = self._outcome({**msg, "iteration": msg["iterations"]}, msg["reason"], start)
+                return replace(out, table=tuple(map(tuple, msg["table"]))) if "table" in msg else out
             last = msg
 
     @staticmethod

@@ -17,6 +17,10 @@ Requests (one JSON object per line):
    "limits": {...}}
       -> {"iteration": K, "proved": [...], "nodes": N, "matched": [RS, ...]}  after every round
       -> {"done": true, "reason": WHY, ...}                                 at the end
+With no goals, the query saturates the setup's terms up to the limits; with "dump": true, the final
+message also carries the e-graph's tensor e-nodes as [constructor, [child key, ...], e-class] rows
+(a child key is an e-class, or "sort:literal" for a primitive), so the parent can look terms up
+without asking again (`abstract` prunes the search that way).
 Each query runs between `(push)` and `(pop)`, so one loaded program answers many queries.
 
 This file imports nothing from the package: the parent starts it by path (with -P, so the package
@@ -84,7 +88,8 @@ def main() -> None:
             else:
                 run("(push)")
                 try:
-                    Query(run, request, EggSmolError).solve(send)
+                    dump = (lambda: tensor_nodes(egraph)) if request.get("dump") else None
+                    Query(run, request, EggSmolError).solve(send, dump)
                 finally:
                     run("(pop)")
         except EggSmolError as err:
@@ -103,9 +108,10 @@ class Query:
         self.iterations = 0
         run(request["setup"])
         run("(set (ticks) 0)")
-        run("(rule ({}) ((Proved)) :ruleset goal)".format(" ".join(f"(= {a} {b})" for a, b in self.goals)))
+        if self.goals:  # with none, nothing is to be proved: saturate up to the limits
+            run("(rule ({}) ((Proved)) :ruleset goal)".format(" ".join(f"(= {a} {b})" for a, b in self.goals)))
 
-    def solve(self, send) -> None:
+    def solve(self, send, dump=None) -> None:
         start = time.perf_counter()
         limits = self.limits
         self.run(f"(run-schedule {self.prelude})")
@@ -113,7 +119,7 @@ class Query:
         size, round_ = self.nodes(), 0
         growth = GROWTH_GUESS  # e-graph growth per iteration, measured after every round
         while True:
-            if all(self.proved):
+            if self.goals and all(self.proved):
                 reason = "proved"
             elif self.iterations >= limits["iterations"]:
                 reason = f"iteration limit ({limits['iterations']}) reached"
@@ -137,12 +143,15 @@ class Query:
                     growth = max(1.0, size / max(before, 1)) ** (1 / (self.iterations - done))
                 send({"iteration": self.iterations, "proved": self.proved, "nodes": size,
                       "matched": sorted(self.matched)})
-                if all(self.proved) or changed or banned:
+                if (self.goals and all(self.proved)) or changed or banned:
                     continue
                 reason = "saturated: the rules cannot rewrite either side any further"
             break
-        send({"done": True, "reason": reason, "proved": self.proved, "iterations": self.iterations,
-              "nodes": size, "matched": sorted(self.matched), "seconds": time.perf_counter() - start})
+        done = {"done": True, "reason": reason, "proved": self.proved, "iterations": self.iterations,
+                "nodes": size, "matched": sorted(self.matched), "seconds": time.perf_counter() - start}
+        if dump is not None:
+            done["table"] = dump()
+        send(done)
 
     def round(self, iterations: int, match_limit: int) -> tuple[bool, bool]:
         """Run `iterations` iterations; say whether any rule changed the e-graph, and whether any was
@@ -180,6 +189,20 @@ class Query:
     def nodes(self) -> int:
         (sizes,) = self.run("(print-size)")
         return sum(count for name, count in sizes.sizes if name != "ticks")
+
+
+def tensor_nodes(egraph) -> list:
+    """The e-nodes of sort T: [constructor, child keys, e-class] (see the module doc)."""
+    data = json.loads(egraph.serialize([]).to_json())
+    nodes, types = data["nodes"], data["class_data"]
+
+    def key(node_id: str) -> str:
+        child = nodes[node_id]
+        sort = types[child["eclass"]]["type"]
+        return f"{sort}:{child['op']}" if node_id.startswith("primitive-") else child["eclass"]
+
+    return [[n["op"], [key(c) for c in n["children"]], n["eclass"]]
+            for n in nodes.values() if types[n["eclass"]]["type"] == "T" and not n["op"].startswith("ticks")]
 
 
 if __name__ == "__main__":
