@@ -19,6 +19,8 @@ those of hand-written kernels. Kernel and store names come from the program's na
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy
 
 from .ir import Node, Program, dim_symbol
@@ -54,9 +56,23 @@ def lower(program: Program) -> Program:
     if not todo:
         return program
     lowered: dict[Node, Node] = {}  # program node -> the kernel output that computes it
+    todo_set = set(todo)
     names = dict(program.names)
     taken = {n.attr for n in program.inputs} | {name for name, _ in program.outputs} | set(program.names.values())
-    for i, n in enumerate(todo):
+    rebuilt: dict[int, object] = {}  # custom kernels re-pointed at lowered operands, by id of the original
+    i = -1  # the position in `todo`, for fresh names
+    for n in nodes:
+        if n.op == "kernel" and any(a in lowered for a in n.args):
+            # A custom kernel that reads a value now computed by a pre-defined kernel reads its output.
+            kernel, index = n.attr
+            if id(kernel) not in rebuilt:
+                rebuilt[id(kernel)] = replace(kernel, inputs=tuple(lowered.get(a, a) for a in kernel.inputs))
+            k = rebuilt[id(kernel)]
+            lowered[n] = Node("kernel", k.inputs, (k, index), n.dtype, n.shape)
+            continue
+        if n not in todo_set:
+            continue
+        i += 1
         store = outputs.get(id(n)) or program.names.get(n)
         if store is None or (store in taken and id(n) not in outputs and program.names.get(n) != store):
             store = _fresh(f"t{i}", taken)

@@ -1,18 +1,26 @@
 """The superoptimizer's search: programs of fused custom kernels, each proved equal to the target.
 
-Level 1, symbolic generation (`Generator`). Depth first over prefix graphs, one operator at a time. At
-the kernel level a step is a custom kernel (built at the block level below) or a pre-defined kernel for
-one of the target's own ops; a candidate is complete when every output of the target is computed. At the
-block level a kernel loads some of the tensors computed so far (tiles whose maps, grid sizes and loop
-range stay symbols) and applies body ops and loop accumulators one at a time. Pruning, with a counter
-per reason:
-- order: each new op's (operands, op) key must exceed the previous op's, so permutations of one graph
-  are generated once (a greedy argument shows every graph still has one admissible order);
-- expression: the op's abstract expression (`abstract`) must be in the target's saturated e-graph;
+Level 1, symbolic generation (`Generator`). Depth first over prefix programs, one kernel at a time,
+fewer kernels first. A step is a custom kernel or a pre-defined kernel for one of the target's own ops; a
+candidate is complete when every output of the target is computed and every step's result is read. A
+custom kernel loads some of the tensors computed so far (tiles whose maps, grid sizes and loop range
+stay symbols) and is one of:
+- a loop kernel: a set of loop accumulators, each over loop values of its tiles. The loop values (at
+  most MAX_LOOP_OPS ops) and the work after the loop are not enumerated op by op: they are extracted
+  from the target's e-graph (`TargetGraph.extract`), the cheapest terms over the tiles and over the
+  accumulators. What is enumerated is the accumulators (op and operand e-classes), in one canonical
+  order (combinations, so no permutation is generated twice);
+- a kernel without a loop: the missing outputs extracted over whole tiles (the last step only).
+Pruning, with a counter per reason:
+- expression: an accumulator's abstract expression (`abstract`) must be in the target's saturated
+  e-graph (with the definitions, algebra and subexpression rulesets of rules/);
 - shape: operands must agree on their whole, unsplit sizes (the maps are still symbols);
-- phase: an accumulator folds loop values only; post-loop values mix with plain tiles only;
-- duplicate: a value whose abstract e-class (and phase) the kernel already has adds nothing;
-- limits: the frozen `SearchConfig` (kernels, block ops, accumulators, inputs, outputs).
+- phase: `acc_sum` folds partial sums only (a matmul or a sum), so its meaning survives the loop;
+- unused accumulator / no post-loop form: the kernel's outputs cannot be built from its accumulators,
+  or do not read them all; accumulators that no output can reach through element-wise ops are dropped
+  before any combination is tried;
+- unstable exp: a target written with softmax accepts only max-shifted exp;
+- duplicate, unused output, limits: the frozen `SearchConfig` (kernels, accumulators, ops, outputs).
 
 Level 2, map instantiation (`instantiate_maps`). The dims of a kernel's body are grouped into index
 classes (dims that must be split alike: an element-wise op's operands, a matmul's contracted pair...).

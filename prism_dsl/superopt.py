@@ -93,9 +93,20 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
 
 
+def _model_version() -> str:
+    """The cost model's own code and the target files: an estimate made by other code is stale."""
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    parts = [(here / f).read_text() for f in ("cost.py", "lower.py", "fusion.py")]
+    parts += [p.read_text() for p in sorted((here / "targets").glob("*.toml"))]
+    return cache.digest(*parts)
+
+
 def tuning_key(program: Program, binding: dict, target: Target, mode: str, device: str) -> str:
     dims = json.dumps(sorted((str(k), int(v)) for k, v in binding.items()))
-    return cache.digest("tuning", SEARCH_VERSION, print_program(program, with_dims=False), dims, target.name, mode, device)
+    return cache.digest("tuning", SEARCH_VERSION, _model_version(), print_program(program, with_dims=False), dims,
+                        target.name, mode, device)
 
 
 def rank(program: Program, binding: dict, target: Target, threads: int, mode: str, device: str) -> Ranked | None:

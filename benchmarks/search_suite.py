@@ -1,0 +1,63 @@
+"""The search on the suite's five workloads, CPU only: time to search and prove, proved programs found,
+the chosen program, and the time to re-instantiate from the checkpoint at other dims.
+
+    python benchmarks/search_suite.py            # prints a Markdown table (paste it into NOTES.md)
+
+Uses a fresh cache directory, so the first compile of each program searches.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = {
+    "rmsnorm_linear": dict(n=16, d=1024),
+    "rmsnorm_mlp": dict(n=16, d=1024),
+    "swiglu": dict(n=16, d=4096),
+    "attention": dict(b=4, h=8, q=1, kv=1024, dh=128),
+    "qk_norm_attention": dict(b=2, h=8, q=128, kv=1024, dh=128),
+}
+
+
+def main() -> None:
+    os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")
+    from prism_dsl.check import load
+    from prism_dsl.kernel import kernels_of, load_target
+    from prism_dsl.printer import print_program
+    from prism_dsl.reference import bind_dims
+    from prism_dsl.rules import load_library
+    from prism_dsl.search import default_jobs
+    from prism_dsl.superopt import optimize
+
+    library = load_library([], defaults=True)
+    target = load_target("h100")
+    print(f"machine: {platform.processor() or platform.machine()}, {default_jobs()} cores, Python {platform.python_version()}")
+    print()
+    print("| program | search + proofs (s) | candidates | proofs | proved sGraphs | pruned (top reasons) | best: kernels | "
+          "best uses | est. us (default dims) | as written us | recompile at other dims (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, other in PROGRAMS.items():
+        program = load(ROOT / "programs" / f"{name}.prism").program()
+        start = time.perf_counter()
+        out = optimize(program, library, target, program.default_binding(), time_limit=600)
+        first = time.perf_counter() - start
+        s = out.search
+        start = time.perf_counter()
+        optimize(program, library, target, bind_dims(program, other))
+        again = time.perf_counter() - start
+        text = print_program(out.best.program)
+        uses = ", ".join(a for a in ("acc_softmax_out", "acc_sum", "acc_rms_last", "acc_mean_last") if a in text) or "no loop"
+        written = next(r for r in out.ranked if r.as_written)
+        pruned = ", ".join(f"{k} {v}" for k, v in sorted(s["pruned"].items(), key=lambda kv: -kv[1])[:3])
+        print(f"| {name} | {first:.1f} | {s['candidates']} | {s['proofs']} | {s['verified_sgraphs']} | {pruned} | "
+              f"{len(kernels_of(out.best.program))} | {uses} | {out.best.estimated_us:.1f} | {written.estimated_us:.1f} | "
+              f"{again:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The superoptimizer: search, proofs, checkpoint, tuning database, time limit, and `prismc compile`."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prism_dsl import cost, search as search_mod
+from prism_dsl.check import load
+from prism_dsl.cli import main
+from prism_dsl.kernel import kernels_of, load_target
+from prism_dsl.printer import print_program
+from prism_dsl.reference import bind_dims, evaluate, random_inputs
+from prism_dsl.rules import load_library
+from prism_dsl.search import SearchConfig, search
+from prism_dsl.superopt import optimize
+
+ROOT = Path(__file__).resolve().parent.parent
+H100 = load_target("h100")
+# Two bindings per program, small so that the checks stay quick.
+BINDINGS = {
+    "rmsnorm_linear": [dict(n=4, d=64), dict(n=8, d=128)],
+    "rmsnorm_mlp": [dict(n=4, d=64), dict(n=8, d=32)],
+    "swiglu": [dict(n=4, d=64), dict(n=2, d=128)],
+    "attention": [dict(b=1, h=2, q=2, kv=64, dh=16), dict(b=2, h=1, q=1, kv=32, dh=8)],
+    "qk_norm_attention": [dict(b=1, h=2, q=2, kv=64, dh=16), dict(b=2, h=1, q=1, kv=32, dh=8)],
+}
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def library():
+    return load_library([], defaults=True)
+
+
+def program(name: str):
+    return load(ROOT / "programs" / f"{name}.prism").program()
+
+
+def custom_kernels(p) -> int:
+    return len({id(n.attr[0]) for n in p.nodes() if n.op == "kernel"})
+
+
+@pytest.mark.parametrize("name", list(BINDINGS))
+def test_each_program_gets_one_fused_proved_kernel(name, library):
+    src = program(name)
+    for dims in BINDINGS[name]:
+        out = optimize(src, library, H100, bind_dims(src, dims), time_limit=120)
+        best = out.best
+        assert not best.as_written, f"{name}: nothing better than the program as written"
+        assert custom_kernels(best.program) == 1 and len(kernels_of(best.program)) == 1
+        # Numerically equal to the reference at these dims (block interpreter, the chosen parameters).
+        inputs = random_inputs(src, bind_dims(src, dims), seed=3)
+        want = evaluate(src, inputs)
+        got = evaluate(best.program, inputs, params=best.params)
+        for k, v in want.items():
+            assert np.allclose(got[k], v, rtol=1e-9, atol=1e-9 * np.abs(v).max())
+        assert out.search["verified_sgraphs"] >= 1
+    # At the suite's dims (the checkpoint is reused: only ranking runs) the loop-fused form wins.
+    out = optimize(src, library, H100, src.default_binding())
+    assert out.from_checkpoint and custom_kernels(out.best.program) == 1
+    text = print_program(out.best.program)
+    if "attention" in name:
+        assert "acc_softmax_out" in text and "acc_softmax_sum" in text and "exp" not in text  # online softmax
+    else:
+        assert "acc_sum" in text  # the projections accumulate over the loop
+
+
+def test_pruning_loses_nothing(library):
+    """With expression-guided pruning off (small limits), every proved program is also found with it on."""
+    src = program("rmsnorm_linear")
+    small = dict(max_kernels=1, max_predefined=0, max_accumulators=2, max_block_ops=4)
+    on = search(src, library, H100, SearchConfig(**small), jobs=2)
+    off = search(src, library, H100, SearchConfig(**small, expression_pruning=False), jobs=2)
+    assert on.complete and off.complete
+    found_on = {print_program(p) for p in on.verified}
+    found_off = {print_program(p) for p in off.verified}
+    assert found_off and found_off <= found_on
+    assert on.stats.pruned["expression"] > 0 and off.stats.pruned.get("expression", 0) == 0
+    assert off.stats.generated > on.stats.generated - on.stats.pruned["expression"]
+
+
+def test_search_is_deterministic(library):
+    src = program("swiglu")
+    a = search(src, library, H100, jobs=2)
+    b = search(src, library, H100, jobs=1)
+    assert [print_program(p) for p in a.verified] == [print_program(p) for p in b.verified]
+
+
+def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_path):
+    src = program("rmsnorm_linear")
+    binding = bind_dims(src, dict(n=4, d=64))
+    first = optimize(src, library, H100, binding)
+    assert not first.from_checkpoint and first.search["complete"]
+
+    def no_search(*a, **k):
+        raise AssertionError("searched again")
+
+    def no_tuning(*a, **k):
+        raise AssertionError("tuned again")
+
+    with monkeypatch.context() as m:
+        m.setattr("prism_dsl.superopt.search", no_search)
+        m.setattr(cost, "tune", no_tuning)
+        again = optimize(src, library, H100, binding)
+    assert again.from_checkpoint
+    assert print_program(again.best.program) == print_program(first.best.program)
+    assert again.best.params == first.best.params
+    # New dims: the checkpoint is reused, only tuning runs.
+    with monkeypatch.context() as m:
+        m.setattr("prism_dsl.superopt.search", no_search)
+        other = optimize(src, library, H100, bind_dims(src, dict(n=8, d=128)))
+    assert other.from_checkpoint
+    # Other rules: the checkpoint no longer applies.
+    extra = tmp_path / "extra.rules"
+    extra.write_text("ruleset algebra {\n    rule mul_one_right: a * 1 => a\n}\n")
+    changed = optimize(src, library + load_library([extra]), H100, binding)
+    assert not changed.from_checkpoint
+
+
+def test_corrupt_cache_entries_are_reported_once_and_ignored(library, cache_dir, capsys):
+    src = program("rmsnorm_linear")
+    binding = bind_dims(src, dict(n=4, d=64))
+    optimize(src, library, H100, binding)
+    for f in (cache_dir / "search").glob("*.json"):
+        f.write_text("{not json")
+    for f in (cache_dir / "tuning").glob("*.json"):
+        f.write_text(json.dumps({"key": "someone else's", "value": 1}))
+    out = optimize(src, library, H100, binding)
+    assert not out.from_checkpoint and not out.best.as_written
+    err = capsys.readouterr().err
+    assert "ignoring cache entry" in err and "unreadable" in err
+
+
+def test_time_limit_and_interruption_return_the_best_so_far(library):
+    src = program("attention")
+    binding = bind_dims(src, BINDINGS["attention"][0])
+    # Stopped before anything is proved: the program as written, reported as such, never a guess.
+    stop = threading.Event()
+    stop.set()
+    out = optimize(src, library, H100, binding, stop_event=stop, use_cache=False)
+    assert out.best.as_written and not out.search["complete"] and out.search["stopped"] == "interrupted"
+    # A limit that lets some proofs finish: whatever is returned was proved.
+    cut = search(src, library, H100, jobs=2, deadline=None)
+    assert cut.complete and cut.verified
+    calls = []
+
+    def stop_after_first(phase, stats):
+        calls.append(stats.verified)
+        if stats.verified:
+            stop.set()
+
+    stop.clear()
+    part = search(src, library, H100, jobs=2, stop_event=stop, progress=stop_after_first)
+    assert part.verified and all(print_program(p) in {print_program(q) for q in cut.verified} for p in part.verified)
+
+
+def test_compile_searches_by_default(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["compile", str(ROOT / "programs" / "swiglu.prism"), "-o", str(out), "--dims", "n=4,d=64",
+                 "--arch", "none", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verified"] and report["proved"] and report["best"] == "best.prism"
+    assert report["kernels_in_best"] == 1 and not report["best_is_input"]
+    assert report["search"]["verified_sgraphs"] >= 1 and "pruned" in report["search"]
+    assert report["alternatives"][0]["rank"] == 1 and isinstance(report["search_seconds"], float)
+    best = (out / "best.prism").read_text()
+    # prove and run accept the chosen program
+    assert main(["prove", str(ROOT / "programs" / "swiglu.prism"), str(out / "best.prism")]) == 0
+    assert main(["run", str(out / "best.prism"), "--dims", "n=4,d=64", "--out", str(tmp_path / "y.npz")]) == 0
+    assert "kernel fused" in best
+
+
+def test_compile_rejects_grid_with_search(tmp_path, capsys):
+    code = main(["compile", str(ROOT / "programs" / "swiglu.prism"), "-o", str(tmp_path / "o"), "--grid", "x=2"])
+    assert code != 0
+    assert "--search none" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
