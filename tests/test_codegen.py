@@ -177,7 +177,7 @@ def test_compile_writes_kernels_launcher_program_and_report(tmp_path, capsys):
 
 
 def test_compile_json_report_on_stdout(tmp_path, capsys):
-    assert main(["compile", str(ROOT / "programs/swiglu.prism"), "-o", str(tmp_path / "o"), "--dims", "n=4,d=256",
+    assert main(["compile", str(ROOT / "programs/swiglu.prism"), "--search", "none", "-o", str(tmp_path / "o"), "--dims", "n=4,d=256",
                  "--arch", "none", "--no-emulate", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [k["name"] for k in report["kernels"]] == ["matmul_t0", "matmul_t1", "mul_Y"]
