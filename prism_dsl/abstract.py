@@ -235,11 +235,12 @@ def saturate(program: Program, library: Library, limits: Limits = TARGET_LIMITS)
 
 
 def _run(text: str, setup: str, rulesets, limits: Limits):
+    names = [ruleset_name(r) for r in rulesets]
     with egglog_runner.Session(text) as session:
-        out = session.run(setup, [], [ruleset_name(r) for r in rulesets], limits, dump=True)
+        out = session.run(setup, [], names, limits, dump=True)
     if out.table is None:  # killed mid-round at the time limit: run again with fewer iterations
         with egglog_runner.Session(text) as session:
-            out = session.run(setup, [], [ruleset_name(r) for r in rulesets],
+            out = session.run(setup, [], names,
                               Limits(iterations=max(1, out.iterations), nodes=limits.nodes,
                                      seconds=limits.seconds * 2), dump=True)
     if out.table is None:

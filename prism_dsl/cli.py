@@ -23,7 +23,6 @@ from .printer import print_program
 from .errors import PrismError
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
-TOP_ALTERNATIVES = 5  # alternatives listed in report.json
 MAX_SECONDS = 1e6  # a time limit beyond this is a mistake, and overflows the platform's clocks
 
 
@@ -412,18 +411,8 @@ def cmd_compile(args) -> int:
                            emulate=not args.no_emulate, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
     extra: dict[str, str] = {}
-    searched = None
-    if args.search == "full":
-        searched = _search(args, program, target)
-        if searched is not None and not (args.grid or args.loop):
-            chosen = searched.best
-            options = BuildOptions(dims=args.dims, grid={}, loop={}, mode=args.target, archs=archs,
-                                   emulate=options.emulate, seed=args.seed, codegen=options.codegen)
-            program_to_build = chosen.program
-        else:
-            program_to_build = program
-    else:
-        program_to_build = program
+    searched = _search(args, program, target) if args.search == "full" else None
+    program_to_build = searched.best.program if searched is not None else program
     built = compile_program(program_to_build, target, options)
     if searched is not None:
         _search_report(built.report, searched, program)
@@ -438,8 +427,6 @@ def cmd_compile(args) -> int:
 
 def _search(args, program, target):
     """The search's outcome for `compile`, or None when the program fixes its own kernels."""
-    import threading
-
     from .reference import bind_dims
     from .search import SearchConfig
     from .superopt import optimize
@@ -453,10 +440,9 @@ def _search(args, program, target):
     library = load_rules([], defaults=True)
     config = SearchConfig() if args.max_kernels is None else SearchConfig(max_kernels=args.max_kernels)
     binding = bind_dims(program, args.dims)
-    stop = threading.Event()
     return optimize(program, library, target, binding, config=config, time_limit=args.time_limit, jobs=args.jobs,
                     threads=args.threads, mode=args.target, device=_device_name(args.target),
-                    use_cache=not args.no_cache, progress=not args.json, stop_event=stop)
+                    use_cache=not args.no_cache, progress=not args.json)
 
 
 def _device_name(mode: str) -> str:
@@ -470,6 +456,7 @@ def _device_name(mode: str) -> str:
 def _search_report(report: dict, outcome, program) -> None:
     from .kernel import kernels_of
     from .lower import lower
+    from .superopt import TOP
 
     best = outcome.best
     report["best"] = "best.prism"
@@ -483,7 +470,7 @@ def _search_report(report: dict, outcome, program) -> None:
          "estimated_us": round(r.estimated_us, 3),
          "measured_us": None if r.measured_us is None else round(r.measured_us, 3),
          "program": print_program(r.program, with_dims=False)}
-        for i, r in enumerate(outcome.ranked[:TOP_ALTERNATIVES])]
+        for i, r in enumerate(outcome.ranked[:TOP])]
 
 
 def cmd_bench(args) -> int:

@@ -202,7 +202,7 @@ def tensor_nodes(egraph) -> list:
         return f"{sort}:{child['op']}" if node_id.startswith("primitive-") else child["eclass"]
 
     return [[n["op"], [key(c) for c in n["children"]], n["eclass"]]
-            for n in nodes.values() if types[n["eclass"]]["type"] == "T" and not n["op"].startswith("ticks")]
+            for n in nodes.values() if types[n["eclass"]]["type"] == "T"]
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ import sympy
 from . import egglog_runner
 from .abstract import TargetGraph, meaning, saturate
 from .egglog_runner import Limits
-from .egraph import compile_library, constructor
+from .egraph import compile_library
 from .errors import PrismError
 from .ir import Node, Program, dim_symbol
 from .kernel import AXES, DimMap, Kernel, Load, Store, Target, TileMap, output_shape, shared_memory, tile_shape
@@ -355,7 +355,7 @@ class Generator:
                 self.prune("duplicate")
                 return
         sketch = Sketch(tuple(chosen), tuple(tiles), tuple(outs), True)
-        new_values = values + [meaning_of(sketch, o, _Abstracts(values)) for o in outs]
+        new_values = values + [meaning_of(sketch, o, values) for o in outs]
         yield from self._kernel_level(steps + [sketch], new_values, classes + new_classes, depth)
 
     def _no_loop(self, steps, values, classes, depth, chosen, tiles):
@@ -376,7 +376,7 @@ class Generator:
         if any(t not in reached for t in tiles):
             return  # the kernel with fewer inputs covers it
         sketch = Sketch(tuple(chosen), tuple(tiles), tuple(outs), False)
-        new_values = values + [meaning_of(sketch, o, _Abstracts(values)) for o in outs]
+        new_values = values + [meaning_of(sketch, o, values) for o in outs]
         yield from self._kernel_level(steps + [sketch], new_values, classes + goals, depth)
 
 
@@ -619,7 +619,7 @@ def smallest_tiles_fit(kernel: Kernel, dims: dict, target: Target) -> bool:
             full = int(sympy.sympify(size).xreplace({k: sympy.Integer(v) for k, v in dims.items()}))
             for sym in ([kernel.size(dm.axis)] if dm.axis else []) + ([kernel.loop_range] if dm.loop else []):
                 if isinstance(sym, sympy.Symbol) and sym not in dims:
-                    biggest[sym] = min(biggest.get(sym, full), full) if sym in biggest else full
+                    biggest[sym] = min(biggest.get(sym, full), full)
     binding = {**dims, **biggest}
     for _, g in kernel.grid:
         for s in g.free_symbols:
@@ -643,8 +643,6 @@ class Level2:
         self.small = small_binding(program)
         self.dims = program.default_binding()
         self.inputs = random_inputs(program, self.small, seed=1)
-        self.reference = evaluate_nodes([n for _, n in program.outputs],
-                                        {n: np.asarray(self.inputs[n.attr], dtype=np.float64) for n in program.inputs})
         self.seen_texts: set[str] = set()
         self.pool = ThreadPoolExecutor(max_workers=jobs)
         self.local = threading.local()
@@ -661,7 +659,7 @@ class Level2:
 
     # -- per kernel ------------------------------------------------------------------------------------
 
-    def kernel_options(self, cand: Candidate, k: int, sketch: Sketch) -> list[MapChoice]:
+    def kernel_options(self, cand: Candidate, sketch: Sketch) -> list[MapChoice]:
         """The map choices of one kernel that pass the static and numeric checks, in canonical order."""
         cache_key = (sketch, tuple(cand.abstracts[i] for i in sketch.inputs))
         if cache_key in self.kernel_cache:
@@ -671,7 +669,7 @@ class Level2:
                         for j, i in enumerate(sketch.inputs)]
         env = self._values(cand)
         operands = {placeholders[j]: env[cand.abstracts[i]] for j, i in enumerate(sketch.inputs)}
-        want = [env_of(meaning_of(sketch, s, cand), env) for s in sketch.outputs]
+        want = [env_of(meaning_of(sketch, s, cand.abstracts), env) for s in sketch.outputs]
         good = []
         for choice in choices:
             self.stats.maps += 1
@@ -712,9 +710,9 @@ class Level2:
     def programs(self, cand: Candidate) -> Iterator[Program]:
         """Each combination of surviving kernel maps as a checked program (printed and parsed back)."""
         options = []
-        for k, step in enumerate(cand.steps):
+        for step in cand.steps:
             if isinstance(step, Sketch):
-                opts = self.kernel_options(cand, k, step)
+                opts = self.kernel_options(cand, step)
                 if not opts:
                     return
                 options.append(opts)
@@ -801,16 +799,11 @@ def _split_params(kernel: Kernel, dims: dict) -> dict[str, int]:
     return out
 
 
-@dataclass(frozen=True)
-class _Abstracts:
-    abstracts: list
-
-
-def meaning_of(sketch: Sketch, out: Node, cand) -> Node:
+def meaning_of(sketch: Sketch, out: Node, abstracts) -> Node:
     """The abstract expression of a kernel output, over the kernel-level values' abstract expressions."""
     memo: dict[Node, Node] = {}
     for tile, i in zip(sketch.tiles, sketch.inputs):
-        memo[tile] = cand.abstracts[i]
+        memo[tile] = abstracts[i]
     for n in out.walk():
         if n in memo:
             continue

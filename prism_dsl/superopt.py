@@ -22,7 +22,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from . import cache
@@ -34,7 +34,7 @@ from .rules import Library
 from .search import Result, SearchConfig, Stats, default_jobs, search
 
 SEARCH_VERSION = "1"  # bump when the search's meaning changes: old checkpoints are then ignored
-TOP = 5  # alternatives listed in the report
+TOP = 5  # alternatives listed in report.json
 MEASURED = 3  # programs timed on a GPU, best by the model first
 
 
@@ -90,7 +90,6 @@ class Outcome:
     ranked: list[Ranked]
     search: dict  # what report.json says of the search
     from_checkpoint: bool
-    notes: list[str] = field(default_factory=list)
 
 
 def _model_version() -> str:

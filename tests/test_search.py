@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl import cost, search as search_mod
+from prism_dsl import cost
 from prism_dsl.check import load
 from prism_dsl.cli import main
 from prism_dsl.kernel import kernels_of, load_target
