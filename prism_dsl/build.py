@@ -36,7 +36,7 @@ from . import cost, cuda_runtime, emulate
 from .codegen import HEADER, CodegenConfig, RenderedKernel, header_source, render_kernel
 from .errors import PrismError
 from .ir import Program
-from .kernel import Concrete, Target, free_symbols, instantiate_program, kernels_of, resolve_params
+from .kernel import Concrete, Target, free_symbols, kernels_of, resolve_params
 from .lower import lower
 from .printer import print_program
 from .reference import bind_dims, concrete_shape, evaluate, random_inputs
@@ -93,19 +93,10 @@ def compile_program(source: Program, target: Target, options: BuildOptions) -> B
     program = lower(source)
     binding = bind_dims(program, dict(options.dims))
     given = resolve_params(program, options.grid, options.loop)
+    params, concrete, estimates = cost.parameters(program, binding, given, target, options.codegen.threads)
     symbols = {s.name: s for s in free_symbols(program)}
-    fixed = {symbols[n]: v for n, v in given.items()}
-    try:
-        chosen = cost.tune(program, binding, fixed, target, options.codegen.threads)
-    except ValueError:
-        from .kernel import choose  # reports every violated constraint in words
-
-        chosen = choose(program, binding, fixed, target)
-    params = {**given, **{s.name: v for s, v in chosen.items()}}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
-    concrete = instantiate_program(program, full, target)
     kernels = [render_kernel(concrete[k.name], program, options.codegen) for k in kernels_of(program)]
-    estimates = cost.program_estimate(concrete, target, options.codegen.threads)
     report = {
         "program": program.name,
         "target": {"name": target.name, "arch": target.arch, "mode": options.mode},

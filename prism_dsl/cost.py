@@ -37,7 +37,8 @@ import sympy
 from .codegen import uses_tensor_cores
 from .fusion import plan
 from .ir import DType, Node, Program
-from .kernel import Concrete, Target, after_loop, bind, free_symbols, instantiate, kernels_of, loop_varying
+from .kernel import (Concrete, Target, after_loop, bind, free_symbols, instantiate, instantiate_program, kernels_of,
+                     loop_varying)
 from .ops import OPS, Kind
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
@@ -158,6 +159,25 @@ def roofline(program: Program, binding: Mapping[sympy.Symbol, int], target: Targ
 
 
 # -- parameter choice by the model ------------------------------------------------------------------------
+
+
+def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mapping[str, int], target: Target,
+               threads: int = 128) -> tuple[dict[str, int], dict[str, Concrete], list[Estimate]]:
+    """A lowered program at these dims: its kernel parameters by name (`given` kept, the rest chosen by
+    the model), every kernel concrete, and their estimates. Raises PrismError listing the violated
+    constraints when no choice is valid."""
+    symbols = {s.name: s for s in free_symbols(program)}
+    fixed = {symbols[n]: v for n, v in given.items()}
+    try:
+        chosen = tune(program, dims, fixed, target, threads)
+    except ValueError:
+        from .kernel import choose  # searches further, and reports every violated constraint in words
+
+        chosen = choose(program, dims, fixed, target)
+    params = {**given, **{s.name: v for s, v in chosen.items()}}
+    concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, target)
+    return params, concrete, program_estimate(concrete, target, threads)
+
 
 
 def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], target: Target,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import tomllib
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cache
 from pathlib import Path
 from typing import Mapping
@@ -38,6 +39,64 @@ ONE = sympy.Integer(1)
 def bind(expr, binding: Mapping[sympy.Symbol, int]) -> sympy.Expr:
     """`expr` with the bound symbols replaced by their (integer) values."""
     return sympy.sympify(expr).xreplace({k: sympy.Integer(v) for k, v in binding.items()})
+
+
+def value(expr, binding: Mapping[sympy.Symbol, int]) -> int | Fraction | None:
+    """The exact value of `expr` when `binding` gives every symbol in it, else None (an int when whole).
+
+    The same number `bind` gives, without SymPy on the way: sizes, tiles, shared memory and constraints
+    are evaluated many thousands of times while parameters are tuned, so each expression is compiled
+    once into Python arithmetic on integers and fractions (`_compiled`)."""
+    symbols, fn = _compiled(expr if isinstance(expr, sympy.Basic) else sympy.sympify(expr))
+    try:
+        v = fn(*[int(binding[s]) for s in symbols])
+    except KeyError:
+        return None
+    return v
+
+
+def int_value(expr, binding: Mapping[sympy.Symbol, int]) -> int:
+    """`value` for an expression known to be a whole number under a complete binding."""
+    v = value(expr, binding)
+    if v is None or v.denominator != 1:
+        raise ValueError(f"{expr} is not a whole number under this binding ({v})")
+    return int(v)
+
+
+@cache
+def _compiled(expr: sympy.Expr):
+    """(symbols in order, a function of their values) computing `expr` exactly: sizes are built from
+    integers, symbols, sums, products and integer powers, nothing else. Integers stay Python ints; a
+    quotient becomes a Fraction only when it does not divide."""
+    symbols = tuple(sorted(expr.free_symbols, key=str))
+    index = {s: i for i, s in enumerate(symbols)}
+
+    def src(e) -> str:
+        if e.is_Integer:
+            return str(int(e))
+        if e.is_Rational:
+            return f"F({e.p}, {e.q})"
+        if e.is_Symbol:
+            return f"v{index[e]}"
+        if e.is_Add:
+            return "(" + " + ".join(src(a) for a in e.args) + ")"
+        if e.is_Mul:
+            up = [a for a in e.args if not (a.is_Pow and a.exp.is_Integer and a.exp < 0)]
+            down = [a.base ** -a.exp for a in e.args if a not in up]
+            num = "(" + " * ".join(src(a) for a in up) + ")" if up else "1"
+            return f"Q({num}, (" + " * ".join(src(a) for a in down) + "))" if down else num
+        if e.is_Pow and e.exp.is_Integer:
+            return f"({src(e.base)} ** {int(e.exp)})" if e.exp > 0 else f"Q(1, {src(e.base ** -e.exp)})"
+        raise ValueError(f"size expression {e} is not arithmetic on integers")
+
+    params = ", ".join(f"v{i}" for i in range(len(symbols)))
+    return symbols, eval(f"lambda {params}: {src(expr)}", {"F": Fraction, "Q": _quotient})
+
+
+def _quotient(n, d):
+    if isinstance(n, int) and isinstance(d, int) and n % d == 0:
+        return n // d
+    return Fraction(n, d)
 
 
 # -- maps --------------------------------------------------------------------------------------------
@@ -162,15 +221,17 @@ class Kernel:
         return next((n for n in self.body() if n.op == "tile" and n.attr == name), None)
 
     def body(self) -> list[Node]:
-        """Every block-level node, operands first, each once."""
-        order: list[Node] = []
-        seen: set[int] = set()
-        for s in self.stores:
-            for n in s.value.walk():
-                if id(n) not in seen:
-                    seen.add(id(n))
-                    order.append(n)
-        return order
+        """Every block-level node, operands first, each once (a fresh list; computed once per kernel)."""
+        order = self.__dict__.get("_body")
+        if order is None:
+            order, seen = [], set()
+            for s in self.stores:
+                for n in s.value.walk():
+                    if id(n) not in seen:
+                        seen.add(id(n))
+                        order.append(n)
+            object.__setattr__(self, "_body", order)  # the kernel is immutable: so is its body
+        return list(order)
 
     def symbols(self) -> set[sympy.Symbol]:
         out: set[sympy.Symbol] = set()
@@ -305,18 +366,18 @@ class Constraint:
     what: str
 
     def violation(self, binding: Mapping[sympy.Symbol, int]) -> str | None:
-        value = bind(self.expr, binding)
-        if not value.is_number:
-            missing = ", ".join(sorted(str(s) for s in value.free_symbols))
+        v = value(self.expr, binding)
+        if v is None:
+            missing = ", ".join(sorted(str(s) for s in self.expr.free_symbols if s not in binding))
             return f"{self.what}: no value for {missing}"
         if self.kind == "divides":
-            if not value.is_integer:
-                return f"{self.what}: {self.expr} = {value} is not a whole number"
+            if v.denominator != 1:
+                return f"{self.what}: {self.expr} = {sympy.Rational(v.numerator, v.denominator)} is not a whole number"
             return None
         if self.kind == "positive":
-            return None if value >= 1 else f"{self.what} must be at least 1, got {value}"
-        if value > self.limit:
-            return f"{self.what} is {int(value)}, above the limit of {self.limit}"
+            return None if v >= 1 else f"{self.what} must be at least 1, got {sympy.Rational(v.numerator, v.denominator)}"
+        if v > self.limit:
+            return f"{self.what} is {int(v)}, above the limit of {self.limit}"
         return None
 
 
@@ -354,11 +415,11 @@ class Concrete:
     smem_bytes: int
 
     def shape(self, node: Node) -> tuple[int, ...]:
-        return tuple(int(bind(s, self.binding)) for s in node.shape)
+        return tuple(int_value(s, self.binding) for s in node.shape)
 
     def output_shape(self, index: int) -> tuple[int, ...]:
         store = self.kernel.stores[index]
-        return tuple(int(bind(s, self.binding)) for s in output_shape(store.value.shape, store.map, self.kernel))
+        return tuple(int_value(s, self.binding) for s in output_shape(store.value.shape, store.map, self.kernel))
 
     def blocks(self) -> int:
         return math.prod(g for _, g in self.grid)
@@ -369,9 +430,9 @@ def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], target: Tar
     problems = [v for c in constraints(kernel, target) if (v := c.violation(binding))]
     if problems:
         return problems
-    grid = tuple((a, int(bind(g, binding))) for a, g in kernel.grid)
-    smem = int(bind(shared_memory(kernel), binding))
-    return Concrete(kernel, grid, int(bind(kernel.loop_range, binding)), dict(binding), smem)
+    grid = tuple((a, int_value(g, binding)) for a, g in kernel.grid)
+    smem = int_value(shared_memory(kernel), binding)
+    return Concrete(kernel, grid, int_value(kernel.loop_range, binding), dict(binding), smem)
 
 
 def kernels_of(program: Program) -> list[Kernel]:

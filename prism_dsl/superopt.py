@@ -28,7 +28,7 @@ from typing import Callable
 from . import cache
 from .errors import PrismError
 from .ir import Program
-from .kernel import Target, free_symbols, instantiate_program
+from .kernel import Target
 from .printer import print_program
 from .rules import Library
 from .search import Result, SearchConfig, Stats, default_jobs, search
@@ -97,7 +97,7 @@ def _model_version() -> str:
     from pathlib import Path
 
     here = Path(__file__).parent
-    parts = [(here / f).read_text() for f in ("cost.py", "lower.py", "fusion.py")]
+    parts = [(here / f).read_text() for f in ("cost.py", "kernel.py", "lower.py", "fusion.py")]
     parts += [p.read_text() for p in sorted((here / "targets").glob("*.toml"))]
     return cache.digest(*parts)
 
@@ -117,15 +117,11 @@ def rank(program: Program, binding: dict, target: Target, threads: int, mode: st
     hit = cache.read("tuning", key)
     if isinstance(hit, dict) and isinstance(hit.get("params"), dict) and isinstance(hit.get("us"), (int, float)):
         return Ranked(program, {str(k): int(v) for k, v in hit["params"].items()}, float(hit["us"]))
-    lowered = lower(program)
     try:
-        chosen = cost.tune(lowered, binding, {}, target, threads)
-        symbols = {s.name: s for s in free_symbols(lowered)}
-        params = {s.name: v for s, v in chosen.items()}
-        concrete = instantiate_program(lowered, {**binding, **{symbols[n]: v for n, v in params.items()}}, target)
-    except (ValueError, PrismError):
+        params, _, estimates = cost.parameters(lower(program), binding, {}, target, threads)
+    except PrismError:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
-    us = sum(e.time_us for e in cost.program_estimate(concrete, target, threads))
+    us = sum(e.time_us for e in estimates)
     cache.write("tuning", key, {"params": params, "us": us})
     return Ranked(program, params, us)
 
