@@ -50,6 +50,7 @@ class BuildOptions:
     dims: Mapping[str, int] = field(default_factory=dict)
     grid: Mapping[str, int] = field(default_factory=dict)
     loop: Mapping[str, int] = field(default_factory=dict)
+    params: Mapping[str, int] = field(default_factory=dict)  # by symbol name, as the search's tuning chose them
     mode: str = "cost"  # "cost": rank by the model; "cuda": run and time on the GPU
     archs: tuple[str, ...] = ARCHS
     emulate: bool = True
@@ -92,7 +93,7 @@ def compile_program(source: Program, target: Target, options: BuildOptions) -> B
     started = time.perf_counter()
     program = lower(source)
     binding = bind_dims(program, dict(options.dims))
-    given = resolve_params(program, options.grid, options.loop)
+    given = {**resolve_params(program, options.grid, options.loop), **options.params}
     params, concrete, estimates = cost.parameters(program, binding, given, target, options.codegen.threads)
     symbols = {s.name: s for s in free_symbols(program)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
@@ -304,5 +305,9 @@ def summary(report: dict, out: Path) -> str:
         lines.append(f"  search: {sr['verified_sgraphs']} proved programs ({how}), {sr['jobs']} prover processes, "
                      f"{report['search_seconds']} s; best: {report['best']} with {report['kernels_in_best']} kernel(s)"
                      + (" (the program as written: nothing faster was found)" if report["best_is_input"] else ""))
+        if "measured" in sr:
+            m = sr["measured"]
+            lines.append(f"  tuning on {m['device']}: {m['timed']} programs timed, {m['from_database']} from the "
+                         "tuning database" + "".join(f"\n    not used: {f}" for f in m["failed"]))
     lines.append("  verified: " + ("yes" if report["verified"] else "NO: the outputs were not checked or did not agree"))
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -411,8 +412,11 @@ def cmd_compile(args) -> int:
                            emulate=not args.no_emulate, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
     extra: dict[str, str] = {}
-    searched = _search(args, program, target) if args.search == "full" else None
-    program_to_build = searched.best.program if searched is not None else program
+    searched = _search(args, program, target, options) if args.search == "full" else None
+    program_to_build = program
+    if searched is not None:  # built with the parameters the search tuned (or measured) for it
+        program_to_build = searched.best.program
+        options = replace(options, params=searched.best.params)
     built = compile_program(program_to_build, target, options)
     if searched is not None:
         _search_report(built.report, searched, program)
@@ -425,11 +429,11 @@ def cmd_compile(args) -> int:
     return EXIT_INPUT if failed else EXIT_OK
 
 
-def _search(args, program, target):
+def _search(args, program, target, options):
     """The search's outcome for `compile`, or None when the program fixes its own kernels."""
     from .reference import bind_dims
     from .search import SearchConfig
-    from .superopt import optimize
+    from .superopt import gpu_timer, optimize
 
     if any(n.op == "kernel" for n in program.nodes()):
         print(f"prismc: '{program.name}' already has custom kernels: compiling it as written (no search)",
@@ -440,17 +444,14 @@ def _search(args, program, target):
     library = load_rules([], defaults=True)
     config = SearchConfig() if args.max_kernels is None else SearchConfig(max_kernels=args.max_kernels)
     binding = bind_dims(program, args.dims)
+    measure = device = None
+    if args.target == "cuda":
+        from .cuda_runtime import device_identity
+
+        measure, device = gpu_timer(target, options), device_identity()
     return optimize(program, library, target, binding, config=config, time_limit=args.time_limit, jobs=args.jobs,
-                    threads=args.threads, mode=args.target, device=_device_name(args.target),
-                    use_cache=not args.no_cache, progress=not args.json)
-
-
-def _device_name(mode: str) -> str:
-    if mode != "cuda":
-        return "model"
-    from .cuda_runtime import gpu_status
-
-    return gpu_status()[1]
+                    threads=args.threads, use_cache=not args.no_cache, progress=not args.json,
+                    measure=measure, device=device or "")
 
 
 def _search_report(report: dict, outcome, program) -> None:
@@ -469,6 +470,7 @@ def _search_report(report: dict, outcome, program) -> None:
         {"rank": i + 1, "as_written": r.as_written, "kernels": len(kernels_of(lower(r.program))),
          "estimated_us": round(r.estimated_us, 3),
          "measured_us": None if r.measured_us is None else round(r.measured_us, 3),
+         "measurement": None if r.measured is None else r.measured.note,
          "program": print_program(r.program, with_dims=False)}
         for i, r in enumerate(outcome.ranked[:TOP])]
 

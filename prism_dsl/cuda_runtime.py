@@ -79,6 +79,16 @@ def gpu_status() -> tuple[bool, str]:
         return False, f"CUDA driver error: {type(err).__name__}: {err}"
 
 
+def device_identity() -> str:
+    """What a measured time depends on besides the code: the GPU's name, compute capability and driver
+    version (the tuning database's key). Only meaningful when `gpu_status` says a GPU is usable."""
+    drv = _import_driver()
+    drv.init()
+    dev = drv.Device(0)
+    major, minor = dev.compute_capability()
+    return f"{dev.name()}, sm_{major}{minor}, driver {drv.get_driver_version()}"
+
+
 def _import_driver():
     # pycuda blames a header/driver mismatch for any failed symbol lookup; the ImportError that follows says why.
     with warnings.catch_warnings():

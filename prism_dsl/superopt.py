@@ -4,9 +4,11 @@
                  structure (printed without its dim values), the rules' text and the search limits; a
                  new binding of the dims reuses them and only re-instantiates
     search       levels 1 and 2 (`search`), when there is no usable checkpoint
-    tune         per verified program, kernel parameters for the dims: ranked by the cost model, or on a
-                 GPU (`--target cuda`) the best few by the model compiled, checked and timed; results go
-                 into the tuning database (user cache), keyed by structure, dims, target, GPU and driver
+    tune         per verified program, kernel parameters for the dims chosen by the cost model; on a GPU
+                 (`--target cuda`) the best few by the model are then built, checked against the float64
+                 reference and timed (`gpu_timer`). Both go into the tuning database (user cache): the
+                 model's choice keyed by structure, dims, target and the model's code; a measured time
+                 also by the GPU, its driver and the generated code's sources
     choose       the fastest; the program as written (pre-defined kernels) competes too, so the answer is
                  never worse than it and is it when nothing better was found
 
@@ -18,7 +20,6 @@ ignored (`cache`).
 from __future__ import annotations
 
 import json
-import math
 import sys
 import threading
 import time
@@ -71,17 +72,29 @@ def save_checkpoint(key: str, result: Result) -> None:
                                 "stats": {**result.stats.as_dict(), "seconds": round(result.seconds, 3)}})
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """One program timed on the GPU, its outputs checked against the float64 reference first."""
+
+    us: float | None  # None: not usable (it disagreed with the reference, or could not be built or run)
+    note: str  # "checked", or what went wrong
+    lasting: bool = True  # worth keeping in the tuning database (a failure to build or launch is not)
+
+
+Measure = Callable[[Program, dict[str, int]], Measurement]
+
+
 @dataclass
 class Ranked:
     program: Program
     params: dict[str, int]
     estimated_us: float
-    measured_us: float | None = None
+    measured: Measurement | None = None
     as_written: bool = False
 
     @property
-    def time_us(self) -> float:
-        return self.measured_us if self.measured_us is not None else self.estimated_us
+    def measured_us(self) -> float | None:
+        return None if self.measured is None else self.measured.us
 
 
 @dataclass
@@ -92,28 +105,52 @@ class Outcome:
     from_checkpoint: bool
 
 
-def _model_version() -> str:
-    """The cost model's own code and the target files: an estimate made by other code is stale."""
+def _code_version(*modules: str, templates: bool = False) -> str:
+    """A digest of the code a cached figure came from: a figure made by other code is stale."""
     from pathlib import Path
 
+    from .codegen import TEMPLATES
+
     here = Path(__file__).parent
-    parts = [(here / f).read_text() for f in ("cost.py", "kernel.py", "lower.py", "fusion.py")]
+    parts = [(here / f).read_text() for f in modules]
     parts += [p.read_text() for p in sorted((here / "targets").glob("*.toml"))]
+    if templates:
+        parts += [p.read_text() for p in sorted(Path(TEMPLATES).iterdir()) if p.is_file()]
     return cache.digest(*parts)
 
 
-def tuning_key(program: Program, binding: dict, target: Target, mode: str, device: str) -> str:
-    dims = json.dumps(sorted((str(k), int(v)) for k, v in binding.items()))
-    return cache.digest("tuning", SEARCH_VERSION, _model_version(), print_program(program, with_dims=False), dims,
-                        target.name, mode, device)
+def _model_version() -> str:
+    """The cost model's code (and what it reads): its estimates depend on nothing else."""
+    return _code_version("cost.py", "kernel.py", "lower.py", "fusion.py")
 
 
-def rank(program: Program, binding: dict, target: Target, threads: int, mode: str, device: str) -> Ranked | None:
-    """Parameters and time for one program at these dims, from the tuning database when it has them."""
+def _codegen_version() -> str:
+    """The generated code's sources: a time measured on other code is stale."""
+    return _code_version("cost.py", "kernel.py", "lower.py", "fusion.py", "codegen.py", "cuda_runtime.py",
+                         "build.py", templates=True)
+
+
+def _dims(binding: dict) -> str:
+    return json.dumps(sorted((str(k), int(v)) for k, v in binding.items()))
+
+
+def tuning_key(program: Program, binding: dict, target: Target) -> str:
+    """The model's parameters and estimate for a program at some dims on a target."""
+    return cache.digest("tuning", SEARCH_VERSION, _model_version(), structure(program), _dims(binding), target.name)
+
+
+def measured_key(program: Program, binding: dict, target: Target, device: str, params: dict[str, int]) -> str:
+    """A time measured on a GPU: the device string names the GPU, its compute capability and driver."""
+    return cache.digest("measured", SEARCH_VERSION, _codegen_version(), structure(program), _dims(binding),
+                        target.name, device, json.dumps(sorted(params.items())))
+
+
+def rank(program: Program, binding: dict, target: Target, threads: int) -> Ranked | None:
+    """Parameters and estimated time for one program at these dims, from the tuning database when it has them."""
     from . import cost
     from .lower import lower
 
-    key = tuning_key(program, binding, target, mode, device)
+    key = tuning_key(program, binding, target)
     hit = cache.read("tuning", key)
     if isinstance(hit, dict) and isinstance(hit.get("params"), dict) and isinstance(hit.get("us"), (int, float)):
         return Ranked(program, {str(k): int(v) for k, v in hit["params"].items()}, float(hit["us"]))
@@ -150,11 +187,12 @@ class Progress:
 
 
 def optimize(program: Program, library: Library, target: Target, binding: dict, *, config: SearchConfig = SearchConfig(),
-             time_limit: float | None = None, jobs: int | None = None, threads: int = 128, mode: str = "cost",
-             device: str = "", use_cache: bool = True, progress: bool = False,
-             stop_event: threading.Event | None = None,
-             measure: Callable[[Program, dict], float | None] | None = None) -> Outcome:
-    """Search (or reuse the checkpoint), tune every verified program, and choose the fastest."""
+             time_limit: float | None = None, jobs: int | None = None, threads: int = 128, use_cache: bool = True,
+             progress: bool = False, stop_event: threading.Event | None = None,
+             measure: Measure | None = None, device: str = "") -> Outcome:
+    """Search (or reuse the checkpoint), tune every verified program by the model, and choose the fastest;
+    with `measure` (on a GPU named by `device`), the best few by the model are timed and the fastest of
+    those that agreed with the reference is chosen."""
     started = time.perf_counter()
     key = checkpoint_key(program, library, config)
     saved = load_checkpoint(program, key) if use_cache else None
@@ -178,22 +216,75 @@ def optimize(program: Program, library: Library, target: Target, binding: dict, 
     ranked: list[Ranked] = []
     unfit = 0
     for p in verified:
-        r = rank(p, binding, target, threads, mode, device)
+        r = rank(p, binding, target, threads)
         if r is None:
             unfit += 1
         else:
             ranked.append(r)
-    written = rank(program, binding, target, threads, mode, device)
+    written = rank(program, binding, target, threads)
     if written is None:
         raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, even as written")
     written.as_written = True
     ranked.append(written)
     ranked.sort(key=lambda r: (r.estimated_us, not r.as_written))  # stable: search order breaks ties
     if measure is not None:
-        for r in ranked[:MEASURED]:
-            r.measured_us = measure(r.program, r.params)
-        ranked.sort(key=lambda r: (r.time_us if r.measured_us is not None else math.inf, r.estimated_us))
+        info["measured"] = _measure_best(ranked, binding, target, device, measure, use_cache)
+        # The fastest that agreed with the reference; then the rest, by the model.
+        ranked.sort(key=lambda r: (r.measured_us is None, r.measured_us or 0.0, r.measured is not None,
+                                   r.estimated_us))
     info["verified_sgraphs"] = len(verified)
     info["no_parameters_at_these_dims"] = unfit
     info["search_seconds"] = round(time.perf_counter() - started, 3)
     return Outcome(ranked[0], ranked, info, saved is not None)
+
+
+def _measure_best(ranked: list[Ranked], binding: dict, target: Target, device: str, measure: Measure,
+                  use_cache: bool) -> dict:
+    """Time the best MEASURED by the model (the tuning database first); what report.json says of it."""
+    timed = reused = 0
+    failures: list[str] = []
+    for i, r in enumerate(ranked[:MEASURED]):
+        key = measured_key(r.program, binding, target, device, r.params)
+        hit = cache.read("measured", key) if use_cache else None
+        if isinstance(hit, dict) and isinstance(hit.get("note"), str) and (
+                hit.get("us") is None or isinstance(hit.get("us"), (int, float))):
+            r.measured = Measurement(None if hit["us"] is None else float(hit["us"]), hit["note"])
+            reused += 1
+        else:
+            r.measured = measure(r.program, r.params)
+            timed += 1
+            if r.measured.lasting and use_cache:
+                cache.write("measured", key, {"us": r.measured.us, "note": r.measured.note})
+        if r.measured.us is None:
+            failures.append(f"alternative {i + 1}{' (as written)' if r.as_written else ''}: {r.measured.note}")
+    return {"device": device, "timed": timed, "from_database": reused, "failed": failures}
+
+
+def gpu_timer(target: Target, options) -> Measure:
+    """`measure` for `optimize` on a GPU: builds a program with the given parameters (`build.BuildOptions`
+    say how), runs it, checks every output against the float64 reference and times it (median of many
+    runs between CUDA events). A program that disagrees is never timed into a result."""
+    from dataclasses import replace
+    from pathlib import Path
+    import tempfile
+
+    from . import build, cuda_runtime
+    from .codegen import HEADER, header_source
+
+    def measure(program: Program, params: dict[str, int]) -> Measurement:
+        try:
+            built = build.compile_program(program, target, replace(options, params=dict(params), mode="cuda"))
+            with tempfile.TemporaryDirectory(prefix="prism-measure-") as scratch:
+                directory = Path(scratch)
+                (directory / HEADER).write_text(header_source())
+                for k in built.kernels:
+                    (directory / k.file).write_text(k.source)
+                gpu = build.check_gpu(built, directory, options.seed)
+        except (PrismError, cuda_runtime.PlanError, cuda_runtime.KernelCompileError) as e:
+            return Measurement(None, f"could not be built or run: {str(e).splitlines()[0]}", lasting=False)
+        if not gpu["passed"]:
+            worst = ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" for o, v in gpu["outputs"].items())
+            return Measurement(None, f"disagreed with the reference ({worst})")
+        return Measurement(gpu["timing_ms"]["median_ms"] * 1000, "checked")
+
+    return measure

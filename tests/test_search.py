@@ -9,18 +9,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl import cost
+from prism_dsl import cost, emulate
 from prism_dsl.check import load
 from prism_dsl.cli import main
+from prism_dsl.cuda_runtime import gpu_status
 from prism_dsl.kernel import kernels_of, load_target
 from prism_dsl.printer import print_program
 from prism_dsl.reference import bind_dims, evaluate, random_inputs
 from prism_dsl.rules import load_library
 from prism_dsl.search import SearchConfig, search
-from prism_dsl.superopt import optimize
+from prism_dsl.superopt import MEASURED, Measurement, optimize
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_target("h100")
+GPU = gpu_status()
 # Two bindings per program, small so that the checks stay quick.
 BINDINGS = {
     "rmsnorm_linear": [dict(n=4, d=64), dict(n=8, d=128)],
@@ -186,3 +188,92 @@ def test_compile_rejects_grid_with_search(tmp_path, capsys):
     assert code != 0
     assert "--search none" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(library):
+    """On a GPU the best few by the model are timed; a program that disagrees is never chosen, and a
+    repeated compile on the same GPU does no timing. (The GPU is stood in for by a function here.)"""
+    src = program("rmsnorm_linear")
+    binding = bind_dims(src, dict(n=4, d=64))
+    by_model = optimize(src, library, H100, binding).ranked
+    assert len(by_model) >= MEASURED
+    first, second, third = (print_program(r.program) for r in by_model[:MEASURED])
+    calls = []
+
+    def fake_gpu(prog, params):
+        calls.append(print_program(prog))
+        text = print_program(prog)
+        if text == first:
+            return Measurement(None, "disagreed with the reference (y: max rel err 1.00e+00)")
+        return Measurement(5.0 if text == third else 9.0, "checked")
+
+    out = optimize(src, library, H100, binding, measure=fake_gpu, device="Fake GPU, sm_90, driver 1")
+    assert sorted(calls) == sorted([first, second, third])
+    assert print_program(out.best.program) == third and out.best.measured_us == 5.0
+    assert print_program(out.ranked[-1].program) == first  # the one that disagreed comes last
+    assert out.search["measured"]["timed"] == 3 and len(out.search["measured"]["failed"]) == 1
+    calls.clear()
+    again = optimize(src, library, H100, binding, measure=fake_gpu, device="Fake GPU, sm_90, driver 1")
+    assert calls == [] and again.search["measured"]["from_database"] == 3
+    assert print_program(again.best.program) == third
+    # Another GPU or driver is timed afresh; a failure to build or run is not remembered.
+    optimize(src, library, H100, binding, device="Fake GPU, sm_90, driver 2",
+             measure=lambda p, q: calls.append(1) or Measurement(None, "could not be built", lasting=False))
+    optimize(src, library, H100, binding, device="Fake GPU, sm_90, driver 2", measure=fake_gpu)
+    assert len(calls) == 6
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """`--target cuda` on a CPU: the GPU check is the C++ emulation of the generated code, timed as the
+    model estimates. Everything around it (search, tuning database, report) is the real path."""
+    from prism_dsl import build, cuda_runtime
+
+    if not emulate.compiler():
+        pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
+    seen = []
+
+    def check_gpu(built, directory, seed):
+        seen.append(sorted(p.name for p in Path(directory).iterdir()))
+        result = build.check_emulated(built, seed)
+        us = sum(k["estimate"]["time_us"] for k in built.report["kernels"])
+        return {**result, "device": "emulated", "timing_ms": {"median_ms": us / 1000},
+                "kernels_ms": {k["name"]: {"median_ms": k["estimate"]["time_us"] / 1000} for k in built.report["kernels"]}}
+
+    monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "Emulated GPU"))
+    monkeypatch.setattr(cuda_runtime, "device_identity", lambda: "Emulated GPU, sm_90, driver 0")
+    monkeypatch.setattr(build, "check_gpu", check_gpu)
+    return seen
+
+
+def test_compile_target_cuda_times_the_best_few(tmp_path, capsys, emulated_gpu):
+    out = tmp_path / "out"
+    args = ["compile", str(ROOT / "programs" / "swiglu.prism"), "-o", str(out), "--dims", "n=4,d=64",
+            "--arch", "none", "--target", "cuda", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    measured = report["search"]["measured"]
+    assert measured["device"] == "Emulated GPU, sm_90, driver 0" and measured["timed"] == MEASURED
+    assert not measured["failed"] and report["verified"] and report["checks"]["gpu"]["passed"]
+    timed = [a for a in report["alternatives"] if a["measured_us"] is not None]
+    assert len(timed) == MEASURED and all(a["measurement"] == "checked" for a in timed)
+    assert report["alternatives"][0]["measured_us"] == min(a["measured_us"] for a in timed)
+    # every measurement built the kernels it ran
+    assert all("prism.cuh" in files and any(f.endswith(".cu") for f in files) for files in emulated_gpu)
+    # The same compile again: the tuning database answers, nothing is timed but the final check.
+    emulated_gpu.clear()
+    assert main(args) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["search"]["measured"]["timed"] == 0 and again["search"]["measured"]["from_database"] == MEASURED
+    assert len(emulated_gpu) == 1 and again["alternatives"][0]["program"] == report["alternatives"][0]["program"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU[0], reason=GPU[1])
+def test_compile_target_cuda_on_the_gpu(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["compile", str(ROOT / "programs" / "attention.prism"), "-o", str(out), "--dims",
+                 "b=1,h=2,q=2,kv=64,dh=16", "--target", "cuda", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verified"] and report["checks"]["gpu"]["passed"] and report["measured_us"] > 0
+    assert report["search"]["measured"]["timed"] == MEASURED and not report["search"]["measured"]["failed"]
