@@ -38,7 +38,7 @@ from .codegen import uses_tensor_cores
 from .fusion import plan
 from .ir import DType, Node, Program
 from .kernel import (Concrete, Target, after_loop, bind, free_symbols, instantiate, instantiate_program, kernels_of,
-                     loop_varying)
+                     loop_varying, valid)
 from .ops import OPS, Kind
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
@@ -183,8 +183,11 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
 def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], target: Target,
          threads: int = 128) -> dict[sympy.Symbol, int]:
     """Values for the free kernel parameters that minimise the estimated time. Kernels that share a
-    parameter are tuned together; the rest one at a time. Raises ValueError when a kernel has no valid
-    choice (the caller reports the violations through `kernel.choose`)."""
+    parameter are tuned together; the rest one at a time. Every combination of candidate values is tried
+    when there are at most MAX_CANDIDATES of them; beyond that, a descent from the best of a few starts
+    (every parameter at its smallest, middle or largest candidate) that changes one or two parameters at
+    a time while the estimate improves. Raises ValueError when a
+    kernel has no valid choice (the caller reports the violations through `kernel.choose`)."""
     from .kernel import _candidates
 
     binding = {**dims, **fixed}
@@ -193,24 +196,47 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     for group in _groups(program, free):
         syms = sorted({s for k in group for s in k.symbols() if s in free}, key=str)
         cands = [_candidates(program, s, binding) for s in syms]
-        best, best_time = None, math.inf
-        for i, values in enumerate(itertools.product(*cands)):
-            if i >= MAX_CANDIDATES:
-                break
-            trial = {**binding, **dict(zip(syms, values))}
+        own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()]) for k in group]
+        memo: dict = {}
+
+        def time_of(values: tuple[int, ...]) -> float:
             total = 0.0
-            for k in group:
-                c = instantiate(k, trial, target)
-                if isinstance(c, list):
-                    total = math.inf
-                    break
-                total += estimate(c, target, threads).time_us
-            if total < best_time:
-                best, best_time = dict(zip(syms, values)), total
-        if best is None:
+            for k, mine in own:  # a kernel's estimate depends on its own parameters only
+                key = (k.name, tuple(values[i] for i in mine))
+                if key not in memo:
+                    trial = {**binding, **{syms[i]: values[i] for i in mine}}
+                    memo[key] = estimate(instantiate(k, trial, target), target, threads).time_us \
+                        if valid(k, trial, target) else math.inf
+                total += memo[key]
+            return total
+
+        if math.prod(len(c) for c in cands) <= MAX_CANDIDATES:
+            best = min(itertools.product(*cands), key=time_of)  # the first of equal times: deterministic
+        else:
+            starts = [tuple(c[0] for c in cands), tuple(c[len(c) // 2] for c in cands), tuple(c[-1] for c in cands)]
+            start = min(starts, key=time_of)
+            if time_of(start) == math.inf:  # none valid: the first valid combination, if any
+                start = next((v for v in itertools.islice(itertools.product(*cands), 20 * MAX_CANDIDATES)
+                              if time_of(v) < math.inf), start)
+            best = _descend(start, cands, time_of)
+        if time_of(best) == math.inf:
             raise ValueError("no valid parameters for kernel " + ", ".join(k.name for k in group))
-        chosen.update(best)
+        chosen.update(zip(syms, best))
     return chosen
+
+
+def _descend(start: tuple[int, ...], cands: list[list[int]], time_of) -> tuple[int, ...]:
+    """Local search: the best change of one or two values at a time, until none improves."""
+    current, now = start, time_of(start)
+    for _ in range(16):
+        moves = [current[:i] + (v,) + current[i + 1:] for i, c in enumerate(cands) for v in c]
+        moves += [tuple(v if n == i else w if n == j else x for n, x in enumerate(current))
+                  for i, j in itertools.combinations(range(len(cands)), 2) for v in cands[i] for w in cands[j]]
+        best = min(moves, key=time_of)
+        if time_of(best) >= now:
+            break
+        current, now = best, time_of(best)
+    return current
 
 
 def _groups(program: Program, free: set) -> list[list]:

@@ -69,28 +69,31 @@ def _compiled(expr: sympy.Expr):
     integers, symbols, sums, products and integer powers, nothing else. Integers stay Python ints; a
     quotient becomes a Fraction only when it does not divide."""
     symbols = tuple(sorted(expr.free_symbols, key=str))
-    index = {s: i for i, s in enumerate(symbols)}
+    return symbols, _function(symbols, _source(expr, {s: i for i, s in enumerate(symbols)}))
 
-    def src(e) -> str:
-        if e.is_Integer:
-            return str(int(e))
-        if e.is_Rational:
-            return f"F({e.p}, {e.q})"
-        if e.is_Symbol:
-            return f"v{index[e]}"
-        if e.is_Add:
-            return "(" + " + ".join(src(a) for a in e.args) + ")"
-        if e.is_Mul:
-            up = [a for a in e.args if not (a.is_Pow and a.exp.is_Integer and a.exp < 0)]
-            down = [a.base ** -a.exp for a in e.args if a not in up]
-            num = "(" + " * ".join(src(a) for a in up) + ")" if up else "1"
-            return f"Q({num}, (" + " * ".join(src(a) for a in down) + "))" if down else num
-        if e.is_Pow and e.exp.is_Integer:
-            return f"({src(e.base)} ** {int(e.exp)})" if e.exp > 0 else f"Q(1, {src(e.base ** -e.exp)})"
-        raise ValueError(f"size expression {e} is not arithmetic on integers")
 
+def _function(symbols: tuple, body: str):
     params = ", ".join(f"v{i}" for i in range(len(symbols)))
-    return symbols, eval(f"lambda {params}: {src(expr)}", {"F": Fraction, "Q": _quotient})
+    return eval(f"lambda {params}: {body}", {"F": Fraction, "Q": _quotient})
+
+
+def _source(e: sympy.Expr, index: Mapping[sympy.Symbol, int]) -> str:
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Rational:
+        return f"F({e.p}, {e.q})"
+    if e.is_Symbol:
+        return f"v{index[e]}"
+    if e.is_Add:
+        return "(" + " + ".join(_source(a, index) for a in e.args) + ")"
+    if e.is_Mul:
+        up = [a for a in e.args if not (a.is_Pow and a.exp.is_Integer and a.exp < 0)]
+        down = [a.base ** -a.exp for a in e.args if a not in up]
+        num = "(" + " * ".join(_source(a, index) for a in up) + ")" if up else "1"
+        return f"Q({num}, (" + " * ".join(_source(a, index) for a in down) + "))" if down else num
+    if e.is_Pow and e.exp.is_Integer:
+        return f"({_source(e.base, index)} ** {int(e.exp)})" if e.exp > 0 else f"Q(1, {_source(e.base ** -e.exp, index)})"
+    raise ValueError(f"size expression {e} is not arithmetic on integers")
 
 
 def _quotient(n, d):
@@ -425,11 +428,33 @@ class Concrete:
         return math.prod(g for _, g in self.grid)
 
 
+def valid(kernel: Kernel, binding: Mapping[sympy.Symbol, int], target: Target) -> bool:
+    """Whether `instantiate` would succeed: every constraint at once, compiled (`_checker`)."""
+    symbols, fn = _checker(kernel, target)
+    try:
+        return fn(*[int(binding[s]) for s in symbols])
+    except KeyError:
+        return False
+
+
+@cache
+def _checker(kernel: Kernel, target: Target):
+    """(symbols, a function of their values) true when every constraint of `kernel` holds."""
+    checks = constraints(kernel, target)
+    symbols = tuple(sorted(set().union(*(sympy.sympify(c.expr).free_symbols for c in checks)), key=str))
+    index = {s: i for i, s in enumerate(symbols)}
+    tests = []
+    for c in checks:
+        e = _source(sympy.sympify(c.expr), index)
+        tests.append(f"({e}).denominator == 1" if c.kind == "divides" else f"({e}) >= 1" if c.kind == "positive"
+                     else f"({e}) <= {c.limit}")
+    return symbols, _function(symbols, " and ".join(tests) or "True")
+
+
 def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], target: Target) -> Concrete | list[str]:
     """The kernel with all symbols bound, or every violated constraint in words."""
-    problems = [v for c in constraints(kernel, target) if (v := c.violation(binding))]
-    if problems:
-        return problems
+    if not valid(kernel, binding, target):
+        return [v for c in constraints(kernel, target) if (v := c.violation(binding))]
     grid = tuple((a, int_value(g, binding)) for a, g in kernel.grid)
     smem = int_value(shared_memory(kernel), binding)
     return Concrete(kernel, grid, int_value(kernel.loop_range, binding), dict(binding), smem)
@@ -490,9 +515,8 @@ def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sy
     best, best_key, last_problem = None, None, None
     for values in _product(cands, free, limit=20000):
         trial = {**binding, **dict(zip(free, values))}
-        problems = [v for k in kernels_of(program) for c in constraints(k, target) if (v := c.violation(trial))]
-        if problems:
-            last_problem = problems
+        if not all(valid(k, trial, target) for k in kernels_of(program)):
+            last_problem = trial
             continue
         if prefer == "split":
             key = (-sum(v > 1 for v in values), sum(values))
@@ -504,7 +528,8 @@ def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sy
         given = "".join(f", {s} = {v}" for s, v in fixed.items())
         raise PrismError("no choice of " + ", ".join(str(s) for s in free) + (f" (with{given[1:]} as given)" if given else "")
                          + " satisfies the constraints:\n  "
-                         + "\n  ".join(last_problem or ["no candidates"]))
+                         + "\n  ".join([v for k in kernels_of(program) for c in constraints(k, target)
+                                        if (v := c.violation(last_problem))] if last_problem else ["no candidates"]))
     return best
 
 
@@ -529,9 +554,9 @@ def _candidates(program: Program, sym: sympy.Symbol, binding) -> list[int]:
             for size, dm in zip(k.inputs[load.source].shape, load.map.dims):
                 splitters = ([k.size(dm.axis)] if dm.axis else []) + ([k.loop_range] if dm.loop else [])
                 if any(sym in s.free_symbols for s in splitters):
-                    value = bind(size, binding)
-                    if value.is_number:
-                        sizes.add(int(value))
+                    whole = value(size, binding)
+                    if whole is not None:
+                        sizes.add(int(whole))
     if not sizes:
         return list(range(1, 9))
     g = math.gcd(*sizes)
@@ -550,12 +575,11 @@ def _product(cands, order, limit):
 def _preference(program: Program, binding, target: Target) -> tuple:
     blocks, loop_tiles = 0, []
     for k in kernels_of(program):
-        blocks = max(blocks, math.prod(int(bind(g, binding)) for _, g in k.grid))
+        blocks = max(blocks, math.prod(int_value(g, binding) for _, g in k.grid))
         for load in k.loads:
             d = load.map.loop_dim()
             if d is not None:
-                size = bind(tile_dim(k.inputs[load.source].shape[d], load.map.dims[d], k), binding)
-                loop_tiles.append(int(size))
+                loop_tiles.append(int(value(tile_dim(k.inputs[load.source].shape[d], load.map.dims[d], k), binding)))
     fill = abs(math.log(blocks / target.sms)) if blocks else 99.0
     width = sum(abs(math.log(t / 64)) for t in loop_tiles)  # tiles whose width is fixed add a constant
     return (round(fill, 1), round(width, 1))

@@ -22,13 +22,16 @@ Pruning, with a counter per reason:
 - unstable exp: a target written with softmax accepts only max-shifted exp;
 - duplicate, unused output, limits: the frozen `SearchConfig` (kernels, accumulators, ops, outputs).
 
-Level 2, map instantiation (`instantiate_maps`). The dims of a kernel's body are grouped into index
+Level 2, map instantiation (`Level2`). The dims of a kernel's body are grouped into index
 classes (dims that must be split alike: an element-wise op's operands, a matmul's contracted pair...).
 A map is then a choice of classes for the grid axes (a set, assigned to x, y, z in one canonical order:
 grid-axis symmetry broken, no dead axis) and one for the loop; each tile's map follows. A choice is
 dropped when a bound no instantiation can meet is broken (shared memory at the smallest tiles), when the
 kernel checker rejects it, or when the kernel disagrees numerically with its abstract expression on
-small random inputs (a filter that saves proof time; it proves nothing). Every kernel combination that
+small random inputs (a filter that saves proof time; it proves nothing). A valid choice for a loop kernel
+whose accumulators all have a combining form is also offered split in two (`Split`, FlashDecoding): the
+first kernel's loop dim is also split by one more grid axis and each block stores its piece's partial
+state; a combining kernel loops over the pieces. Every kernel combination that
 survives is then PROVED equal to the target by the e-graph with the layout axioms (`prove`), in parallel
 egglog processes. Only proved programs are results; their sizes stay symbolic, so each holds for every
 binding of the dims.
@@ -54,7 +57,8 @@ from .egglog_runner import Limits
 from .egraph import compile_library
 from .errors import PrismError
 from .ir import Node, Program, dim_symbol
-from .kernel import AXES, DimMap, Kernel, Load, Store, Target, TileMap, output_shape, shared_memory, tile_shape
+from .kernel import (AXES, DimMap, Kernel, Load, Store, Target, TileMap, output_shape, shared_memory, tile_shape,
+                     value)
 from .layout import to_terms
 from .ops import OPS, Kind
 from .printer import print_program
@@ -69,8 +73,8 @@ NUMERIC_RTOL = 1e-6  # float64 on both sides: anything above this is a real diff
 MAX_COMBINATIONS = 64  # kernel-map combinations proved per level-1 candidate
 ACCUMULATORS = ("acc_sum", "acc_sum_last", "acc_mean_last", "acc_rms_last", "acc_max_last",
                 "acc_softmax_sum", "acc_softmax_out", "acc_rescaled_sum")
-# Accumulators that combine per-block partial results (FlashDecoding's second kernel): stores of
-# partials along a new dim are not generated yet, so neither are these.
+# Accumulators that combine per-block partial results: only the combining kernel of a split reduction
+# (`Split`, built at level 2) uses them, so level 1 does not generate them.
 COMBINING = ("acc_max_last", "acc_rescaled_sum")
 MAX_LOOP_OPS = 3  # ops in the loop value an accumulator folds (extracted from the e-graph)
 
@@ -87,6 +91,7 @@ class SearchConfig:
     max_outputs: int = 3  # tensors one custom kernel stores
     max_grid_axes: int = 3
     expression_pruning: bool = True  # off: every op that passes the other checks (small limits only)
+    split_reductions: bool = True  # loop kernels also split in two (`Split`); the second is not counted above
     ops: tuple[str, ...] | None = None  # the block ops to try; None: those in the target's e-graph
 
     def key(self) -> dict:
@@ -542,13 +547,23 @@ def build_kernel(sketch: Sketch, choice: MapChoice, uf: _Classes, order: list, n
                  sources: list[Node], store_names: list[str]) -> tuple[Kernel, list[Node]] | str:
     """The concrete-map kernel for a choice, over `sources` (kernel-level nodes, one per tile); its output
     nodes. A string says why the choice is not a kernel."""
-    axes = AXES[: len(choice.grid)]
-    grid = tuple((a, dim_symbol(f"g{a}{suffix}")) for a in axes)
+    by_class = {order[c]: a for c, a in zip(choice.grid, AXES)}
+    loop_root = order[choice.loop] if choice.loop is not None else None
+    return _build_kernel(sketch, uf, by_class, loop_root, name, suffix, sources, store_names)
+
+
+def _build_kernel(sketch: Sketch, uf: _Classes, by_class: dict, loop_root, name: str, suffix: str,
+                  sources: list[Node], store_names: list[str], split: bool = False) -> tuple[Kernel, list[Node]] | str:
+    """`build_kernel` with the grid axis of each index class given (`by_class`: root -> axis). With
+    `split`, one more grid axis splits the loop's class too (each block walks its piece with the loop)
+    and every store gains a leading dim along that axis: the partial results of a split reduction."""
+    axes = AXES[: len(by_class)]
+    split_axis = AXES[len(axes)] if split else None
+    all_axes = axes + ((split_axis,) if split else ())
+    grid = tuple((a, dim_symbol(f"g{a}{suffix}")) for a in all_axes)
     if not grid:
         grid = (("x", sympy.Integer(1)),)
     loop = dim_symbol(f"F{suffix}") if sketch.loop else None
-    by_class = {order[c]: a for c, a in zip(choice.grid, axes)}
-    loop_root = order[choice.loop] if choice.loop is not None else None
     shell = Kernel(name, grid, loop, (), (), ())
 
     def dims_of(n: Node, loop_ok: bool) -> tuple[DimMap, ...] | None:
@@ -561,7 +576,8 @@ def build_kernel(sketch: Sketch, choice: MapChoice, uf: _Classes, order: list, n
             if root in seen:
                 return None  # two dims of one tensor in one class: no map splits them alike
             seen.add(root)
-            out.append(DimMap(by_class.get(root), loop_ok and root == loop_root))
+            looped = loop_ok and root == loop_root
+            out.append(DimMap(by_class.get(root) or (split_axis if looped else None), looped))
         return tuple(out)
 
     loads, new = [], {}
@@ -588,13 +604,129 @@ def build_kernel(sketch: Sketch, choice: MapChoice, uf: _Classes, order: list, n
         dims = dims_of(out, False)
         if dims is None:
             return "an output with two dims that must be split alike"
+        if split:
+            dims = (DimMap(split_axis),) + dims
         written = {d.axis for d in dims if d.axis}
-        add = any(a not in written for a in axes)
+        add = any(a not in written for a in all_axes)
+        if split and add:
+            return "a partial result summed across blocks"  # only plain stores are combined
         stores.append(Store(sname, new[out], TileMap(dims), add))
     kernel = Kernel(name, grid, loop, tuple(loads), tuple(stores), tuple(sources))
-    nodes = [Node("kernel", kernel.inputs, (kernel, i), s.value.dtype, output_shape(s.value.shape, s.map, kernel))
-             for i, s in enumerate(kernel.stores)]
-    return kernel, nodes
+    return kernel, _outputs(kernel)
+
+
+def _outputs(kernel: Kernel) -> list[Node]:
+    return [Node("kernel", kernel.inputs, (kernel, i), s.value.dtype, output_shape(s.value.shape, s.map, kernel))
+            for i, s in enumerate(kernel.stores)]
+
+
+# -- level 2: split reductions --------------------------------------------------------------------------
+
+# How a loop accumulator's per-piece results combine in the second kernel of a split reduction; a
+# kernel with any other accumulator (a mean or rms, whose pieces need their counts) is not split.
+COMBINE = {"acc_softmax_out": "acc_rescaled_sum", "acc_softmax_sum": "acc_rescaled_sum",
+           "acc_max_last": "acc_max_last", "acc_sum": "acc_sum"}
+STATE_NAMES = {"acc_softmax_out": "out", "acc_softmax_sum": "sum", "acc_max_last": "max", "acc_sum": "part"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """A loop kernel's map choice, split in two as FlashDecoding does: the first kernel gets one more grid
+    axis, which also splits the loop's dim into pieces, and stores each accumulator's per-piece state (and
+    the scores' running max, for the online-softmax ones) along a new leading dim; a combining kernel
+    loops over the pieces (`acc_rescaled_sum` rescales each by exp(its max - the running max)) and does
+    the post-loop work. It pays when the first kernel alone has too few blocks to fill the GPU."""
+
+    choice: MapChoice
+
+
+def split_states(sketch: Sketch) -> list[Node] | None:
+    """What the first kernel of a split stores: the scores' running max first (online softmax), then each
+    accumulator; None when the kernel cannot be split (an accumulator with no combining form, online
+    softmax over different scores, or post-loop work that reads more than the accumulators)."""
+    body = _body(sketch)
+    accs = [n for n in body if OPS[n.op].kind is Kind.ACCUMULATE]
+    if not sketch.loop or not accs or any(a.op not in COMBINE for a in accs):
+        return None
+
+    def only_accumulators(n: Node) -> bool:
+        if n in accs or n.op == "const":
+            return True
+        if n.op == "tile" or OPS[n.op].kind is Kind.REDUCE:
+            return False  # a reduce's dim index would move with the new leading dim
+        return all(only_accumulators(a) for a in n.args)
+
+    if not all(only_accumulators(o) for o in sketch.outputs):
+        return None
+    scores = list(dict.fromkeys(a.args[0] for a in accs if a.op in ("acc_softmax_out", "acc_softmax_sum")))
+    if len(scores) > 1:
+        return None
+    states = list(accs)
+    if scores:
+        m = next((a for a in accs if a.op == "acc_max_last" and a.args[0] is scores[0]), None)
+        if m is None:
+            m = build("acc_max_last", [scores[0]])
+        states = [m] + [a for a in accs if a is not m]
+    return states
+
+
+def build_split(sketch: Sketch, split: Split, uf: _Classes, order: list, names: tuple[str, str], suffix: str,
+                sources: list[Node], store_names: list[str], part_names: list[str]) -> tuple[Kernel, Kernel, list[Node]] | str:
+    """The two kernels of a split (see `Split`) and the combining kernel's output nodes, or why not."""
+    choice = split.choice
+    states = split_states(sketch)
+    if states is None:
+        return "no combining form"
+    if choice.loop is None or choice.loop in choice.grid or len(choice.grid) >= len(AXES):
+        return "no grid axis left to split the loop's dim"
+    by_class = {order[c]: a for c, a in zip(choice.grid, AXES)}
+    loop_root = order[choice.loop]
+    # Classes over the original body and the states together (a new running max ties to its scores).
+    whole = Sketch(sketch.inputs, sketch.tiles, tuple(sketch.outputs) + tuple(states), True)
+    uf_all, _ = index_classes(whole)
+    by_class_all = {uf_all.find(r): a for r, a in by_class.items()}
+    partial = Sketch(sketch.inputs, sketch.tiles, tuple(states), True)
+    built = _build_kernel(partial, uf_all, by_class_all, uf_all.find(loop_root), names[0], suffix, sources,
+                          part_names, split=True)
+    if isinstance(built, str):
+        return built
+    first, parts = built
+    pieces = first.grid[-1][1]  # the split axis's size: the combining loop walks that many pieces
+    axes = AXES[: len(by_class)]
+    # The same grid as the first kernel's (less the split axis): each block combines the pieces of the
+    # tile it would have computed unsplit, which is what the layout proof relates.
+    grid = first.grid[: len(axes)] or (("x", sympy.Integer(1)),)
+    shell = Kernel(names[1], grid, pieces, (), (), ())
+    loads, tiles = [], {}
+    for j, (state, part, store) in enumerate(zip(states, parts, first.stores)):
+        tmap = TileMap((DimMap(None, True),) + store.map.dims[1:])
+        name = f"{part_names[j].lower()}t"
+        loads.append(Load(name, j, tmap))
+        tiles[state] = Node("tile", (), name, part.dtype, tile_shape(part.shape, tmap, shell))
+    m = tiles[states[0]] if states[0].op == "acc_max_last" and any(
+        a.op in ("acc_softmax_out", "acc_softmax_sum") for a in states) else None
+    new: dict[Node, Node] = {}
+    try:
+        for a in states:
+            op = COMBINE[a.op]
+            new[a] = build(op, [m, tiles[a]] if op == "acc_rescaled_sum" else [tiles[a]])
+        for n in _body(sketch):
+            if n not in new and OPS[n.op].kind is not Kind.ACCUMULATE and n.op != "tile" and any(
+                    below in new for below in n.walk()):
+                new[n] = build(n.op, [new.get(a, a) for a in n.args])
+    except ShapeError as e:
+        return f"shapes: {e}"
+    stores = []
+    for out, sname in zip(sketch.outputs, store_names):
+        dims = []
+        for i in range(-out.rank, 0):
+            dims.append(DimMap() if _one(out.shape[i]) else DimMap(by_class.get(uf.find((out, i)))))
+        written = {d.axis for d in dims if d.axis}
+        if any(a not in written for a in axes):
+            return "an output summed across blocks"
+        stores.append(Store(sname, new[out], TileMap(tuple(dims)), False))
+    second = Kernel(names[1], grid, pieces, tuple(loads), tuple(stores), tuple(parts))
+    return first, second, _outputs(second)
 
 
 # -- level 2: checks ----------------------------------------------------------------------------------
@@ -616,7 +748,9 @@ def smallest_tiles_fit(kernel: Kernel, dims: dict, target: Target) -> bool:
     for load in kernel.loads:
         src = kernel.inputs[load.source]
         for size, dm in zip(src.shape, load.map.dims):
-            full = int(sympy.sympify(size).xreplace({k: sympy.Integer(v) for k, v in dims.items()}))
+            full = value(size, dims)
+            if full is None:
+                continue  # a size set by another kernel's parameter (a split's number of pieces)
             for sym in ([kernel.size(dm.axis)] if dm.axis else []) + ([kernel.loop_range] if dm.loop else []):
                 if isinstance(sym, sympy.Symbol) and sym not in dims:
                     biggest[sym] = min(biggest.get(sym, full), full)
@@ -626,11 +760,8 @@ def smallest_tiles_fit(kernel: Kernel, dims: dict, target: Target) -> bool:
             binding.setdefault(s, 1)
     for s in kernel.loop_range.free_symbols:
         binding.setdefault(s, 1)
-    try:
-        smem = int(sympy.sympify(shared_memory(kernel)).xreplace({k: sympy.Integer(v) for k, v in binding.items()}))
-    except (TypeError, ValueError):
-        return True
-    return smem <= target.smem_per_block
+    smem = value(shared_memory(kernel), binding)
+    return smem is None or smem <= target.smem_per_block
 
 
 class Level2:
@@ -679,27 +810,46 @@ class Level2:
                 self.stats.pruned["maps"] += 1
                 continue
             kernel, nodes = built
-            if not smallest_tiles_fit(kernel, self.dims, self.target):
-                self.stats.pruned["shared memory"] += 1
-                continue
-            mini = Program("k", self.program.dims, tuple(placeholders),
-                           tuple((f"o{i}", n) for i, n in enumerate(nodes)))
-            params = _split_params(kernel, self.small)
-            try:
-                got = evaluate(mini, {p.attr: operands[p] for p in placeholders}, params=params)
-            except (PrismError, ShapeError, ValueError, IndexError):
-                self.stats.pruned["maps"] += 1
-                continue
-            if all(_close(got[f"o{i}"], w) for i, w in enumerate(want)):
+            if self._agrees([kernel], nodes, placeholders, operands, want):
                 good.append(choice)
-            else:
-                self.stats.pruned["numeric"] += 1
         # A grid whose axes are a subset of another valid grid's (same loop) is that grid with the
         # extra axes of size 1, which tuning may choose: only the maximal grids go on.
         maximal = [c for c in good if not any(o.loop == c.loop and set(c.grid) < set(o.grid) for o in good)]
         self.stats.pruned["subsumed grid"] += len(good) - len(maximal)
+        if self.config.split_reductions and split_states(sketch) is not None:
+            # Every valid choice may be split (the split axis takes the place a subsuming grid's would).
+            for choice in good:
+                self.stats.maps += 1
+                built = build_split(sketch, Split(choice), uf, order, ("p", "c"), "", placeholders,
+                                    [f"o{i}" for i in range(len(sketch.outputs))],
+                                    [f"s{j}" for j in range(len(split_states(sketch)))])
+                if isinstance(built, str):
+                    self.stats.pruned["maps"] += 1
+                elif self._agrees(list(built[:2]), built[2], placeholders, operands, want):
+                    maximal.append(Split(choice))
         self.kernel_cache[cache_key] = maximal
         return maximal
+
+    def _agrees(self, kernels: list[Kernel], nodes: list[Node], placeholders, operands, want) -> bool:
+        """Whether kernels (the last computing `nodes`) fit shared memory at the smallest tiles and agree
+        numerically with the abstract expression on small inputs, every split exercised."""
+        if not all(smallest_tiles_fit(k, self.dims, self.target) for k in kernels):
+            self.stats.pruned["shared memory"] += 1
+            return False
+        mini = Program("k", self.program.dims, tuple(placeholders), tuple((f"o{i}", n) for i, n in enumerate(nodes)))
+        params: dict[str, int] = {}
+        for k in kernels:
+            bound = {**self.small, **{dim_symbol(n): v for n, v in params.items()}}
+            params.update({n: v for n, v in _split_params(k, bound).items() if n not in params})
+        try:
+            got = evaluate(mini, {p.attr: operands[p] for p in placeholders}, params=params)
+        except (PrismError, ShapeError, ValueError, IndexError):
+            self.stats.pruned["maps"] += 1
+            return False
+        if all(_close(got[f"o{i}"], w) for i, w in enumerate(want)):
+            return True
+        self.stats.pruned["numeric"] += 1
+        return False
 
     def _values(self, cand: Candidate) -> dict[Node, np.ndarray]:
         env = {n: np.asarray(self.inputs[n.attr], dtype=np.float64) for n in self.program.inputs}
@@ -739,11 +889,20 @@ class Level2:
             customs += 1
             uf, order = index_classes(step)
             store_names = [names.get(base + i, f"t{base + i}") for i in range(len(step.outputs))]
-            built = build_kernel(step, choice, uf, order, f"fused{customs}" if len(cand.steps) > 1 else "fused",
-                                 "" if customs == 1 else str(customs), [nodes[i] for i in step.inputs], store_names)
+            name = f"fused{customs}" if len(cand.steps) > 1 else "fused"
+            suffix = "" if customs == 1 else str(customs)
+            sources = [nodes[i] for i in step.inputs]
+            if isinstance(choice, Split):
+                kinds = [STATE_NAMES[a.op] for a in split_states(step)]
+                parts = [f"t{base}_{k}" + (str(kinds[:j].count(k)) if kinds.count(k) > 1 else "")
+                         for j, k in enumerate(kinds)]
+                built = build_split(step, choice, uf, order, (f"{name}_partial", f"{name}_combine"), suffix,
+                                    sources, store_names, parts)
+            else:
+                built = build_kernel(step, choice, uf, order, name, suffix, sources, store_names)
             if isinstance(built, str):
                 return None
-            nodes += built[1]
+            nodes += built[-1]
         outs = tuple((name, nodes[cand.outputs[i]]) for i, (name, _) in enumerate(self.program.outputs))
         for (name, node), (_, want) in zip(outs, self.program.outputs):
             if not same_shape(node.shape, want.shape):
@@ -786,16 +945,16 @@ def _split_params(kernel: Kernel, dims: dict) -> dict[str, int]:
     if isinstance(kernel.loop, sympy.Symbol):
         syms.append(kernel.loop)
     for sym in syms:
-        value = 2
+        chosen = 2
         for load in kernel.loads:
             src = kernel.inputs[load.source]
             for size, dm in zip(src.shape, load.map.dims):
                 splitters = ([kernel.size(dm.axis)] if dm.axis else []) + ([kernel.loop_range] if dm.loop else [])
                 if sym in splitters:
-                    full = int(sympy.sympify(size).xreplace({k: sympy.Integer(v) for k, v in dims.items()}))
-                    if full % (2 ** len(splitters)):
-                        value = 1
-        out[sym.name] = value
+                    full = value(size, dims)
+                    if full is None or full % (2 ** len(splitters)):
+                        chosen = 1
+        out[sym.name] = chosen
     return out
 
 

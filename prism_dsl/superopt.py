@@ -34,7 +34,7 @@ from .printer import print_program
 from .rules import Library
 from .search import Result, SearchConfig, Stats, default_jobs, search
 
-SEARCH_VERSION = "1"  # bump when the search's meaning changes: old checkpoints are then ignored
+SEARCH_VERSION = "2"  # bump when the search's meaning changes: old checkpoints are then ignored
 TOP = 5  # alternatives listed in report.json
 MEASURED = 3  # programs timed on a GPU, best by the model first
 

@@ -277,3 +277,43 @@ def test_compile_target_cuda_on_the_gpu(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["verified"] and report["checks"]["gpu"]["passed"] and report["measured_us"] > 0
     assert report["search"]["measured"]["timed"] == MEASURED and not report["search"]["measured"]["failed"]
+
+
+def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path, capsys):
+    """A loop kernel with online softmax is also split in two (partial results over S pieces of the keys,
+    then a combining kernel with acc_rescaled_sum); every such program is proved, agrees with the
+    reference with the pieces above 1, and its generated code passes the emulation."""
+    from prism_dsl.kernel import complete
+
+    src = program("attention")
+    dims = BINDINGS["attention"][0]
+    result = search(src, library, H100, jobs=2)
+    splits = [p for p in result.verified if custom_kernels(p) == 2]
+    assert splits and len(splits) < len(result.verified)
+    inputs = random_inputs(src, bind_dims(src, dims), seed=5)
+    want = evaluate(src, inputs)["O"]
+    for p in splits:
+        text = print_program(p)
+        assert "acc_rescaled_sum" in text and "acc_max_last" in text and "exp" not in text
+        partial, combine = kernels_of(p)
+        pieces = partial.grid[-1][1]
+        assert combine.loop == pieces  # the combining loop walks the pieces the first kernel's grid made
+        params = complete(p, bind_dims(p, dims), {pieces.name: 4}, H100, prefer="split")
+        got = evaluate(p, inputs, params=params)["O"]
+        assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    path = tmp_path / "split.prism"
+    path.write_text(print_program(splits[0]))
+    pieces = kernels_of(splits[0])[0].grid[-1][1].name
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--search", "none", "--arch", "none",
+                 "--dims", ",".join(f"{k}={v}" for k, v in dims.items()), "--grid", f"{pieces}=4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"][pieces] == 4 and len(report["kernels"]) == 2
+    if emulate.compiler():
+        assert report["checks"]["emulation"]["passed"] and report["verified"]
+
+
+def test_split_only_where_pieces_combine(library):
+    # RMSNorm's mean of squares has no combining form here: no split is generated.
+    assert all(custom_kernels(p) == 1 for p in search(program("rmsnorm_linear"), library, H100, jobs=2).verified)
+    off = search(program("attention"), library, H100, SearchConfig(split_reductions=False), jobs=2)
+    assert off.verified and all(custom_kernels(p) == 1 for p in off.verified)
