@@ -128,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--jobs", type=_positive_int, default=None,
                     help="prover processes running at once (default: the machine's cores)")
     co.add_argument("--max-kernels", type=_positive_int, default=None,
-                    help="custom kernels per program the search may use (default 1)")
+                    help="custom kernels per program the search may use (default 1; a split reduction's "
+                         "combining kernel is not counted)")
+    co.add_argument("--no-split", action="store_true",
+                    help="do not offer loop kernels split in two (FlashDecoding: partial results and a combining kernel)")
     co.add_argument("--no-cache", action="store_true",
                     help="neither read nor write the search checkpoint and tuning database")
     co.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
@@ -442,7 +445,8 @@ def _search(args, program, target, options):
     if args.grid or args.loop:
         raise UsageError("--grid and --loop set the parameters of kernels you wrote; with the search, use --search none")
     library = load_rules([], defaults=True)
-    config = SearchConfig() if args.max_kernels is None else SearchConfig(max_kernels=args.max_kernels)
+    limits = {} if args.max_kernels is None else {"max_kernels": args.max_kernels}
+    config = SearchConfig(**limits, split_reductions=not args.no_split)
     binding = bind_dims(program, args.dims)
     measure = device = None
     if args.target == "cuda":

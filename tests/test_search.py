@@ -317,3 +317,16 @@ def test_split_only_where_pieces_combine(library):
     assert all(custom_kernels(p) == 1 for p in search(program("rmsnorm_linear"), library, H100, jobs=2).verified)
     off = search(program("attention"), library, H100, SearchConfig(split_reductions=False), jobs=2)
     assert off.verified and all(custom_kernels(p) == 1 for p in off.verified)
+
+
+def test_compile_no_split(library, tmp_path, capsys):
+    dims = ",".join(f"{k}={v}" for k, v in BINDINGS["attention"][1].items())
+    assert main(["compile", str(ROOT / "programs" / "attention.prism"), "-o", str(tmp_path / "o"), "--dims", dims,
+                 "--arch", "none", "--no-split", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verified"] and not any("combine" in a["program"] for a in report["alternatives"])
+    # the search it saved is the one without splits
+    src = program("attention")
+    again = optimize(src, library, H100, bind_dims(src, BINDINGS["attention"][1]),
+                     config=SearchConfig(split_reductions=False))
+    assert again.from_checkpoint and again.search["verified_sgraphs"] == report["search"]["verified_sgraphs"]
