@@ -5,8 +5,8 @@
                  new binding of the dims reuses them and only re-instantiates
     search       levels 1 and 2 (`search`), when there is no usable checkpoint
     tune         per verified program, kernel parameters for the dims chosen by the cost model; on a GPU
-                 (`--target cuda`) the best few by the model are then built, checked against the float64
-                 reference and timed (`gpu_timer`). Both go into the tuning database (user cache): the
+                 (`--target cuda`) the best few by the model, and the best of each other shape, are then
+                 built, checked against the float64 reference and timed (`gpu_timer`). Both go into the tuning database (user cache): the
                  model's choice keyed by structure, dims, target and the model's code; a measured time
                  also by the GPU, its driver and the generated code's sources
     choose       the fastest; the program as written (pre-defined kernels) competes too, so the answer is
@@ -238,12 +238,31 @@ def optimize(program: Program, library: Library, target: Target, binding: dict, 
     return Outcome(ranked[0], ranked, info, saved is not None)
 
 
+def _to_measure(ranked: list[Ranked]) -> list[Ranked]:
+    """The best MEASURED by the model, and the best of each other shape (number of custom kernels; the
+    program as written): the model may misjudge a whole shape (a split reduction's second launch, say),
+    and timing its best is how that is caught."""
+    from .kernel import kernels_of
+
+    def shape(r: Ranked) -> tuple:
+        return r.as_written, len(kernels_of(r.program))
+
+    chosen = ranked[:MEASURED]
+    seen = {shape(r) for r in chosen}
+    for r in ranked[MEASURED:]:
+        if shape(r) not in seen:
+            seen.add(shape(r))
+            chosen.append(r)
+    return chosen
+
+
 def _measure_best(ranked: list[Ranked], binding: dict, target: Target, device: str, measure: Measure,
                   use_cache: bool) -> dict:
-    """Time the best MEASURED by the model (the tuning database first); what report.json says of it."""
+    """Time the programs `_to_measure` picks (the tuning database first); what report.json says of it."""
     timed = reused = 0
     failures: list[str] = []
-    for i, r in enumerate(ranked[:MEASURED]):
+    for r in _to_measure(ranked):
+        i = ranked.index(r)
         key = measured_key(r.program, binding, target, device, r.params)
         hit = cache.read("measured", key) if use_cache else None
         if isinstance(hit, dict) and isinstance(hit.get("note"), str) and (

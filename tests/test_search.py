@@ -18,7 +18,7 @@ from prism_dsl.printer import print_program
 from prism_dsl.reference import bind_dims, evaluate, random_inputs
 from prism_dsl.rules import load_library
 from prism_dsl.search import SearchConfig, search
-from prism_dsl.superopt import MEASURED, Measurement, optimize
+from prism_dsl.superopt import MEASURED, Measurement, _to_measure, optimize
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_target("h100")
@@ -207,20 +207,24 @@ def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(lib
             return Measurement(None, "disagreed with the reference (y: max rel err 1.00e+00)")
         return Measurement(5.0 if text == third else 9.0, "checked")
 
+    # The best three by the model, and the best of every other shape (here the program as written).
+    picked = _to_measure(by_model)
+    assert [print_program(r.program) for r in picked[:MEASURED]] == [first, second, third]
+    assert any(r.as_written for r in picked[MEASURED:])
     out = optimize(src, library, H100, binding, measure=fake_gpu, device="Fake GPU, sm_90, driver 1")
-    assert sorted(calls) == sorted([first, second, third])
+    assert sorted(calls) == sorted(print_program(r.program) for r in picked)
     assert print_program(out.best.program) == third and out.best.measured_us == 5.0
     assert print_program(out.ranked[-1].program) == first  # the one that disagreed comes last
-    assert out.search["measured"]["timed"] == 3 and len(out.search["measured"]["failed"]) == 1
+    assert out.search["measured"]["timed"] == len(picked) and len(out.search["measured"]["failed"]) == 1
     calls.clear()
     again = optimize(src, library, H100, binding, measure=fake_gpu, device="Fake GPU, sm_90, driver 1")
-    assert calls == [] and again.search["measured"]["from_database"] == 3
+    assert calls == [] and again.search["measured"]["from_database"] == len(picked)
     assert print_program(again.best.program) == third
     # Another GPU or driver is timed afresh; a failure to build or run is not remembered.
     optimize(src, library, H100, binding, device="Fake GPU, sm_90, driver 2",
              measure=lambda p, q: calls.append(1) or Measurement(None, "could not be built", lasting=False))
     optimize(src, library, H100, binding, device="Fake GPU, sm_90, driver 2", measure=fake_gpu)
-    assert len(calls) == 6
+    assert len(calls) == 2 * len(picked)
 
 
 @pytest.fixture
@@ -253,10 +257,10 @@ def test_compile_target_cuda_times_the_best_few(tmp_path, capsys, emulated_gpu):
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     measured = report["search"]["measured"]
-    assert measured["device"] == "Emulated GPU, sm_90, driver 0" and measured["timed"] == MEASURED
+    assert measured["device"] == "Emulated GPU, sm_90, driver 0" and measured["timed"] >= MEASURED
     assert not measured["failed"] and report["verified"] and report["checks"]["gpu"]["passed"]
     timed = [a for a in report["alternatives"] if a["measured_us"] is not None]
-    assert len(timed) == MEASURED and all(a["measurement"] == "checked" for a in timed)
+    assert len(timed) >= MEASURED and all(a["measurement"] == "checked" for a in timed)
     assert report["alternatives"][0]["measured_us"] == min(a["measured_us"] for a in timed)
     # every measurement built the kernels it ran
     assert all("prism.cuh" in files and any(f.endswith(".cu") for f in files) for files in emulated_gpu)
@@ -264,7 +268,8 @@ def test_compile_target_cuda_times_the_best_few(tmp_path, capsys, emulated_gpu):
     emulated_gpu.clear()
     assert main(args) == 0
     again = json.loads(capsys.readouterr().out)
-    assert again["search"]["measured"]["timed"] == 0 and again["search"]["measured"]["from_database"] == MEASURED
+    assert again["search"]["measured"]["timed"] == 0
+    assert again["search"]["measured"]["from_database"] == measured["timed"]
     assert len(emulated_gpu) == 1 and again["alternatives"][0]["program"] == report["alternatives"][0]["program"]
 
 
@@ -276,7 +281,7 @@ def test_compile_target_cuda_on_the_gpu(tmp_path, capsys):
                  "b=1,h=2,q=2,kv=64,dh=16", "--target", "cuda", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["verified"] and report["checks"]["gpu"]["passed"] and report["measured_us"] > 0
-    assert report["search"]["measured"]["timed"] == MEASURED and not report["search"]["measured"]["failed"]
+    assert report["search"]["measured"]["timed"] >= MEASURED and not report["search"]["measured"]["failed"]
 
 
 def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path, capsys):
@@ -313,8 +318,23 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
 
 
 def test_split_only_where_pieces_combine(library):
-    # RMSNorm's mean of squares has no combining form here: no split is generated.
-    assert all(custom_kernels(p) == 1 for p in search(program("rmsnorm_linear"), library, H100, jobs=2).verified)
+    from prism_dsl.kernel import complete
+
+    src = program("rmsnorm_linear")
+    found = search(src, library, H100, jobs=2).verified
+    splits = [p for p in found if custom_kernels(p) == 2]
+    # RMSNorm's mean of squares has no combining form: only a kernel that accumulates the product alone
+    # (after a pre-defined rms_norm) is split, as split-K with a combining kernel instead of += stores.
+    assert any("acc_mean_last" in print_program(p) for p in found)
+    assert splits and all("acc_mean_last" not in print_program(p) for p in splits)
+    dims = BINDINGS["rmsnorm_linear"][0]
+    inputs = random_inputs(src, bind_dims(src, dims), seed=2)
+    want = evaluate(src, inputs)["Y"]
+    for p in splits:
+        assert "acc_sum(t" in print_program(p)  # the combining loop sums the partial products
+        pieces = kernels_of(p)[0].grid[-1][1].name
+        got = evaluate(p, inputs, params=complete(p, bind_dims(p, dims), {pieces: 4}, H100, prefer="split"))["Y"]
+        assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
     off = search(program("attention"), library, H100, SearchConfig(split_reductions=False), jobs=2)
     assert off.verified and all(custom_kernels(p) == 1 for p in off.verified)
 
