@@ -69,11 +69,11 @@ def main() -> None:
     for dims in DECODING:
         out = optimize(program, library, target, bind_dims(program, dims))
         splits = [r for r in out.ranked if _split(r.program)]
-        written = next(r for r in out.ranked if r.as_written)
+        written = next((r for r in out.ranked if r.as_written), None)
         kind = "split" if _split(out.best.program) else "as written" if out.best.as_written else \
             f"{len(kernels_of(out.best.program))} custom kernel(s)"
         print(f"| {', '.join(f'{k}={v}' for k, v in dims.items())} | {kind} | {out.best.estimated_us:.1f} | "
-              f"{splits[0].estimated_us:.1f} | {written.estimated_us:.1f} |")
+              f"{splits[0].estimated_us:.1f} | {f'{written.estimated_us:.1f}' if written else 'does not fit'} |")
 
 
 def _split(program) -> bool:

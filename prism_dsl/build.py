@@ -305,6 +305,8 @@ def summary(report: dict, out: Path) -> str:
         lines.append(f"  search: {sr['verified_sgraphs']} proved programs ({how}), {sr['jobs']} prover processes, "
                      f"{report['search_seconds']} s; best: {report['best']} with {report['kernels_in_best']} kernel(s)"
                      + (" (the program as written: nothing faster was found)" if report["best_is_input"] else ""))
+        if sr.get("as_written_fits") is False:
+            lines.append("  the program as written cannot run at these dims (its pre-defined kernels do not fit)")
         if "measured" in sr:
             m = sr["measured"]
             lines.append(f"  tuning on {m['device']}: {m['timed']} programs timed, {m['from_database']} from the "

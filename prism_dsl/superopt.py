@@ -222,10 +222,13 @@ def optimize(program: Program, library: Library, target: Target, binding: dict, 
         else:
             ranked.append(r)
     written = rank(program, binding, target, threads)
-    if written is None:
-        raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, even as written")
-    written.as_written = True
-    ranked.append(written)
+    if written is not None:
+        written.as_written = True
+        ranked.append(written)
+    elif not ranked:
+        raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, neither as written "
+                         f"nor in any of the {len(verified)} proved programs")
+    info["as_written_fits"] = written is not None  # False: its pre-defined kernels cannot run at these dims
     ranked.sort(key=lambda r: (r.estimated_us, not r.as_written))  # stable: search order breaks ties
     if measure is not None:
         info["measured"] = _measure_best(ranked, binding, target, device, measure, use_cache)

@@ -284,7 +284,7 @@ def test_compile_target_cuda_on_the_gpu(tmp_path, capsys):
     assert report["search"]["measured"]["timed"] >= MEASURED and not report["search"]["measured"]["failed"]
 
 
-def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path, capsys):
+def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path, capsys, monkeypatch):
     """A loop kernel with online softmax is also split in two (partial results over S pieces of the keys,
     then a combining kernel with acc_rescaled_sum); every such program is proved, agrees with the
     reference with the pieces above 1, and its generated code passes the emulation."""
@@ -306,6 +306,12 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
         params = complete(p, bind_dims(p, dims), {pieces.name: 4}, H100, prefer="split")
         got = evaluate(p, inputs, params=params)["O"]
         assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    # Keys too long for the pre-defined softmax's row in shared memory: the program as written cannot
+    # run, the proved programs can.
+    with monkeypatch.context() as m:
+        m.setattr("prism_dsl.superopt.search", lambda *a, **k: result)
+        long = optimize(src, library, H100, bind_dims(src, dict(b=1, h=1, q=1, kv=65536, dh=8)))
+    assert long.search["as_written_fits"] is False and not long.best.as_written
     path = tmp_path / "split.prism"
     path.write_text(print_program(splits[0]))
     pieces = kernels_of(splits[0])[0].grid[-1][1].name
