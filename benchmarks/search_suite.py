@@ -30,6 +30,7 @@ def main() -> None:
     os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")
     from prism_dsl.check import load
     from prism_dsl.kernel import kernels_of, load_target
+    from prism_dsl.lower import lower
     from prism_dsl.printer import print_program
     from prism_dsl.reference import bind_dims
     from prism_dsl.rules import load_library
@@ -70,8 +71,9 @@ def main() -> None:
         out = optimize(program, library, target, bind_dims(program, dims))
         splits = [r for r in out.ranked if _split(r.program)]
         written = next((r for r in out.ranked if r.as_written), None)
+        custom, total = len(kernels_of(out.best.program)), len(kernels_of(lower(out.best.program)))
         kind = "split" if _split(out.best.program) else "as written" if out.best.as_written else \
-            f"{len(kernels_of(out.best.program))} custom kernel(s)"
+            f"{custom} custom + {total - custom} pre-defined kernel(s)"
         print(f"| {', '.join(f'{k}={v}' for k, v in dims.items())} | {kind} | {out.best.estimated_us:.1f} | "
               f"{splits[0].estimated_us:.1f} | {f'{written.estimated_us:.1f}' if written else 'does not fit'} |")
 
