@@ -6,9 +6,9 @@
     search       levels 1 and 2 (`search`), when there is no usable checkpoint
     tune         per verified program, kernel parameters for the dims chosen by the cost model; on a GPU
                  (`--target cuda`) the best few by the model, and the best of each other shape, are then
-                 built, checked against the float64 reference and timed (`gpu_timer`). Both go into the tuning database (user cache): the
-                 model's choice keyed by structure, dims, target and the model's code; a measured time
-                 also by the GPU, its driver and the generated code's sources
+                 built, checked against the float64 reference and timed (`gpu_timer`). Both go into the
+                 tuning database (user cache): the model's choice keyed by structure, dims, target and the
+                 model's code; a measured time also by the GPU, its driver and the generated code's sources
     choose       the fastest; the program as written (pre-defined kernels) competes too, so the answer is
                  never worse than it and is it when nothing better was found
 
@@ -191,8 +191,8 @@ def optimize(program: Program, library: Library, target: Target, binding: dict, 
              progress: bool = False, stop_event: threading.Event | None = None,
              measure: Measure | None = None, device: str = "") -> Outcome:
     """Search (or reuse the checkpoint), tune every verified program by the model, and choose the fastest;
-    with `measure` (on a GPU named by `device`), the best few by the model are timed and the fastest of
-    those that agreed with the reference is chosen."""
+    with `measure` (on a GPU named by `device`), the programs `_to_measure` picks are timed and the fastest
+    of those that agreed with the reference is chosen."""
     started = time.perf_counter()
     key = checkpoint_key(program, library, config)
     saved = load_checkpoint(program, key) if use_cache else None
@@ -264,8 +264,8 @@ def _measure_best(ranked: list[Ranked], binding: dict, target: Target, device: s
     """Time the programs `_to_measure` picks (the tuning database first); what report.json says of it."""
     timed = reused = 0
     failures: list[str] = []
+    by_model = {id(r): i + 1 for i, r in enumerate(ranked)}
     for r in _to_measure(ranked):
-        i = ranked.index(r)
         key = measured_key(r.program, binding, target, device, r.params)
         hit = cache.read("measured", key) if use_cache else None
         if isinstance(hit, dict) and isinstance(hit.get("note"), str) and (
@@ -278,7 +278,8 @@ def _measure_best(ranked: list[Ranked], binding: dict, target: Target, device: s
             if r.measured.lasting and use_cache:
                 cache.write("measured", key, {"us": r.measured.us, "note": r.measured.note})
         if r.measured.us is None:
-            failures.append(f"alternative {i + 1}{' (as written)' if r.as_written else ''}: {r.measured.note}")
+            what = "the program as written" if r.as_written else f"the model's number {by_model[id(r)]}"
+            failures.append(f"{what}: {r.measured.note}")
     return {"device": device, "timed": timed, "from_database": reused, "failed": failures}
 
 
