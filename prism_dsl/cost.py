@@ -179,15 +179,14 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
     return params, concrete, program_estimate(concrete, target, threads)
 
 
-
 def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], target: Target,
          threads: int = 128) -> dict[sympy.Symbol, int]:
     """Values for the free kernel parameters that minimise the estimated time. Kernels that share a
     parameter are tuned together; the rest one at a time. Every combination of candidate values is tried
     when there are at most MAX_CANDIDATES of them; beyond that, a descent from the best of a few starts
     (every parameter at its smallest, middle or largest candidate) that changes one or two parameters at
-    a time while the estimate improves. Raises ValueError when a
-    kernel has no valid choice (the caller reports the violations through `kernel.choose`)."""
+    a time while the estimate improves. Raises ValueError when a kernel has no valid choice (the caller
+    reports the violations through `kernel.choose`)."""
     from .kernel import _candidates
 
     binding = {**dims, **fixed}
