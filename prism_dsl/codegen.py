@@ -313,7 +313,7 @@ class _Emitter:
         x = node.args[0]
         dim = node.attr
         length = self.shape(x)[dim]
-        init = {"sum": self.lit(0.0), "mean": self.lit(0.0), "max": f"-real(INFINITY)"}[node.op]
+        init = {"sum": self.lit(0.0), "mean": self.lit(0.0), "max": "-real(INFINITY)"}[node.op]
 
         def body(idx):
             inner = list(idx)

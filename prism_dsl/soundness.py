@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ast, cache
-from .errors import Collector, PrismError
+from .errors import Collector
 from .ops import LOOP_DIM, OPS, Kind
 from .reference import NUMPY
 from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
