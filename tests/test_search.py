@@ -191,8 +191,9 @@ def test_compile_rejects_grid_with_search(tmp_path, capsys):
 
 
 def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(library):
-    """On a GPU the best few by the model are timed; a program that disagrees is never chosen, and a
-    repeated compile on the same GPU does no timing. (The GPU is stood in for by a function here.)"""
+    """On a GPU the best few by the model (and the best of each other shape) are timed; a program that
+    disagrees is never chosen, and a repeated compile on the same GPU does no timing. (The GPU is stood
+    in for by a function here.)"""
     src = program("rmsnorm_linear")
     binding = bind_dims(src, dict(n=4, d=64))
     by_model = optimize(src, library, H100, binding).ranked
