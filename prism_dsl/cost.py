@@ -37,8 +37,8 @@ import sympy
 from .codegen import uses_tensor_cores
 from .fusion import plan
 from .ir import DType, Node, Program
-from .kernel import (Concrete, Target, after_loop, bind, free_symbols, instantiate, instantiate_program, kernels_of,
-                     loop_varying, valid)
+from .kernel import (Concrete, Target, after_loop, bind, choose, free_symbols, instantiate, instantiate_program,
+                     kernels_of, loop_varying, valid)
 from .ops import OPS, Kind
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
@@ -170,9 +170,7 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
     fixed = {symbols[n]: v for n, v in given.items()}
     try:
         chosen = tune(program, dims, fixed, target, threads)
-    except ValueError:
-        from .kernel import choose  # searches further, and reports every violated constraint in words
-
+    except ValueError:  # `choose` searches further, and reports every violated constraint in words
         chosen = choose(program, dims, fixed, target)
     params = {**given, **{s.name: v for s, v in chosen.items()}}
     concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, target)

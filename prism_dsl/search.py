@@ -622,11 +622,11 @@ def _outputs(kernel: Kernel) -> list[Node]:
 
 # -- level 2: split reductions --------------------------------------------------------------------------
 
-# How a loop accumulator's per-piece results combine in the second kernel of a split reduction; a
-# kernel with any other accumulator (a mean or rms, whose pieces need their counts) is not split.
-COMBINE = {"acc_softmax_out": "acc_rescaled_sum", "acc_softmax_sum": "acc_rescaled_sum",
-           "acc_max_last": "acc_max_last", "acc_sum": "acc_sum"}
-STATE_NAMES = {"acc_softmax_out": "out", "acc_softmax_sum": "sum", "acc_max_last": "max", "acc_sum": "part"}
+# Per loop accumulator of a split reduction: the accumulator that combines its per-piece results in
+# the second kernel, and the name its partial tensor gets. A kernel with any other accumulator (a mean
+# or rms, whose pieces need their counts) is not split.
+COMBINE = {"acc_softmax_out": ("acc_rescaled_sum", "out"), "acc_softmax_sum": ("acc_rescaled_sum", "sum"),
+           "acc_max_last": ("acc_max_last", "max"), "acc_sum": ("acc_sum", "part")}
 
 
 @dataclass(frozen=True)
@@ -708,7 +708,7 @@ def build_split(sketch: Sketch, split: Split, uf: _Classes, order: list, names: 
     new: dict[Node, Node] = {}
     try:
         for a in states:
-            op = COMBINE[a.op]
+            op = COMBINE[a.op][0]
             new[a] = build(op, [m, tiles[a]] if op == "acc_rescaled_sum" else [tiles[a]])
         for n in _body(sketch):
             if n not in new and OPS[n.op].kind is not Kind.ACCUMULATE and n.op != "tile" and any(
@@ -816,13 +816,14 @@ class Level2:
         # extra axes of size 1, which tuning may choose: only the maximal grids go on.
         maximal = [c for c in good if not any(o.loop == c.loop and set(c.grid) < set(o.grid) for o in good)]
         self.stats.pruned["subsumed grid"] += len(good) - len(maximal)
-        if self.config.split_reductions and split_states(sketch) is not None:
+        states = split_states(sketch) if self.config.split_reductions else None
+        if states is not None:
             # Every valid choice may be split (the split axis takes the place a subsuming grid's would).
             for choice in good:
                 self.stats.maps += 1
                 built = build_split(sketch, Split(choice), uf, order, ("p", "c"), "", placeholders,
                                     [f"o{i}" for i in range(len(sketch.outputs))],
-                                    [f"s{j}" for j in range(len(split_states(sketch)))])
+                                    [f"s{j}" for j in range(len(states))])
                 if isinstance(built, str):
                     self.stats.pruned["maps"] += 1
                 elif self._agrees(list(built[:2]), built[2], placeholders, operands, want):
@@ -893,7 +894,7 @@ class Level2:
             suffix = "" if customs == 1 else str(customs)
             sources = [nodes[i] for i in step.inputs]
             if isinstance(choice, Split):
-                kinds = [STATE_NAMES[a.op] for a in split_states(step)]
+                kinds = [COMBINE[a.op][1] for a in split_states(step)]
                 parts = [f"t{base}_{k}" + (str(kinds[:j].count(k)) if kinds.count(k) > 1 else "")
                          for j, k in enumerate(kinds)]
                 built = build_split(step, choice, uf, order, (f"{name}_partial", f"{name}_combine"), suffix,

@@ -119,15 +119,17 @@ def _code_version(*modules: str, templates: bool = False) -> str:
     return cache.digest(*parts)
 
 
+MODEL_FILES = ("cost.py", "kernel.py", "lower.py", "fusion.py")  # what the cost model's estimates come from
+
+
 def _model_version() -> str:
     """The cost model's code (and what it reads): its estimates depend on nothing else."""
-    return _code_version("cost.py", "kernel.py", "lower.py", "fusion.py")
+    return _code_version(*MODEL_FILES)
 
 
 def _codegen_version() -> str:
     """The generated code's sources: a time measured on other code is stale."""
-    return _code_version("cost.py", "kernel.py", "lower.py", "fusion.py", "codegen.py", "cuda_runtime.py",
-                         "build.py", templates=True)
+    return _code_version(*MODEL_FILES, "codegen.py", "cuda_runtime.py", "build.py", templates=True)
 
 
 def _dims(binding: dict) -> str:
