@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from . import egglog_runner
 from .egglog_runner import Limits
-from .egraph import TermWriter, compile_library, constructor, ruleset_name
+from .egraph import TermWriter, compile_library, constructor, ruleset_name, string
 from .errors import PrismError
 from .ir import Node, Program, const
 from .ops import OPS, Kind
@@ -83,7 +83,7 @@ class TargetGraph:
 
     def _key(self, node: Node, memo) -> tuple | None:
         if node.op == "input":
-            return ("Input", (f'String:"{node.attr}"',))
+            return ("Input", (f"String:{string(node.attr)}",))
         if node.op == "const":
             return ("Num", (f"f64:{float(node.attr)!r}",))
         kids = []

@@ -8,7 +8,11 @@ The generated program has three parts, all derived from data:
 - the `fold` ruleset: arithmetic on two literals is a literal (evaluation, not an axiom: without it
   `-1 * (-1 * x)` would open an endless tower of distinct terms);
 - one egglog ruleset per `.rules` ruleset, each rule a `rewrite` whose conditions are `:when` queries
-  over `size`. Every emitted rule is preceded by a comment naming its source rule and file:line.
+  over `size` (a condition holds only where it holds for every binding of the symbolic sizes; see
+  `conditions`). Every emitted rule is preceded by a comment naming its source rule and file:line.
+
+Text from a user (a file's path, an input's or a dim's name) reaches the program only through `escape`,
+so no name can end a comment or a string early and add commands of its own.
 
 Nothing here runs egglog; `egglog_runner` does, in a separate process.
 """
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import sympy
 
 from . import ast
+from .errors import PrismError
 from .ir import Node, Program
 from .ops import LOOP_DIM, MAX_RANK, OPS, Kind
 from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
@@ -29,6 +34,10 @@ DIMS = tuple(range(-1, -MAX_RANK - 1, -1))
 SHAPES = "shapes"
 FOLD = "fold"
 PRELUDE = (SHAPES, FOLD)  # rulesets that always terminate; they run to saturation between rule passes
+
+# Rewrites one rule may emit for its conditions' alternatives: two `shape(a) != shape(b)` (9 * 9). egglog
+# loads 81 rewrites in about a second; 729 take it over a minute.
+MAX_ALTERNATIVES = 9 * 9
 
 # Constant folding: the egglog f64 primitive of each binary op, and of negation.
 FOLDS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -39,7 +48,47 @@ def constructor(op: str) -> str:
 
 
 def ruleset_name(name: str) -> str:
-    return f"rs_{name}"
+    return f"rs_{_identifier(name)}"
+
+
+# -- user text ---------------------------------------------------------------------------------------
+
+_SAFE = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
+_NAMED_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape(text: str) -> str:
+    """User text as one line of printable ASCII, the body of a Python string literal that reads back as
+    `text` (so distinct texts stay distinct).
+
+    egglog ends a comment at a newline and a string at an unescaped quote, and other lexers end lines
+    at more (CR, U+2028, NEL): every character outside printable ASCII, a backslash and a quote are
+    escaped (`\\n`, `\\x00`, `\\u2028`, `\\"`, `\\\\`), so nothing a user names can leave the comment or
+    string it is written into. Identifiers and ordinary paths come out unchanged.
+    """
+    out = []
+    for ch in text:
+        if ch in _NAMED_ESCAPES:
+            out.append(_NAMED_ESCAPES[ch])
+        elif " " <= ch <= "~":
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
+def string(text: str) -> str:
+    """An egglog string literal holding `escape(text)`: the e-graph compares names, never reads them."""
+    # egglog's string syntax escapes `\` and `"` with a backslash; escaped text has no other special character.
+    return '"' + escape(text).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _identifier(name: str) -> str:
+    """Rule, ruleset and variable names are identifiers by the grammar; one built by hand must be too."""
+    if not _SAFE.match(name):
+        raise ValueError(f"not an identifier, so it cannot name anything in egglog: {name!r}")
+    return name
 
 
 # -- the fixed part: sorts and shape propagation -----------------------------------------------------
@@ -179,7 +228,7 @@ def pattern(e: ast.Expr) -> str:
 
 def var(name: str) -> str:
     """Pattern variables get a prefix so no user name can collide with an egglog primitive (min, log...)."""
-    return f"v_{name}"
+    return f"v_{_identifier(name)}"
 
 
 def _float(value: float) -> str:
@@ -198,27 +247,72 @@ def _operand(o) -> str:
     raise TypeError(o)
 
 
-def conditions(rule: Rule) -> list[str]:
-    facts = []
-    for c in rule.conditions:
-        if any(isinstance(o, DimVar) and o.name in rule.dim_vars for o in (c.lhs, c.rhs)):
-            # A dim compared with a dim or a literal dim: plain integers, not sizes.
-            a, b = (var(o.name) if isinstance(o, DimVar) else str(o.value) for o in (c.lhs, c.rhs))
-            facts.append(f"({'=' if c.op == '==' else '!='} {a} {b})")
-            continue
-        if isinstance(c.lhs, ShapeOf):
-            # Same shape: every dim's size agrees (sizes beyond a rank are 1, so leading 1s don't count).
-            facts += [f"(= (size {var(c.lhs.var)} {i}) (size {var(c.rhs.var)} {i}))" for i in DIMS]
-        elif c.op == "==":
-            facts.append(f"(= {_operand(c.lhs)} {_operand(c.rhs)})")
+def conditions(rule: Rule) -> list[list[str]]:
+    """The rule's `:when` facts as alternatives: the rule may fire where all the facts of one hold.
+
+    A size in the e-graph stands for every value its symbols can take (dims and kernel parameters are
+    integers >= 1 that a user binds later, `--dims n=1` included), so a condition holds only where it
+    holds for all of them:
+    - `==` on sizes: one e-class, which is equal under every binding;
+    - `!=` on sizes: both sides are literals (`DNum`) that differ. Nothing else is known to differ for
+      every binding: `n` and `1` are equal at n = 1, `n` and `m` at n = m (`n` against `2 * n` would
+      need arithmetic on symbols, which no rule has needed);
+    - `shape(a) != shape(b)`: some dim whose sizes differ as above (the shapes are compared up to leading
+      1s, and sizes beyond a rank are 1). egglog has no `or` in a query, so each dim is an alternative,
+      and a rule emits one rewrite per combination of its conditions' alternatives.
+    Dims (`i != j` over reduction dims) are plain integers, compared as such.
+    """
+    alternatives: list[list[str]] = [[]]
+    for k, c in enumerate(rule.conditions):
+        options = _condition(rule, c, f"c{k}")
+        if len(alternatives) * len(options) > MAX_ALTERNATIVES:
+            raise PrismError(
+                f"rule '{rule.name}' has too many 'shape(..) != shape(..)' conditions for the prover: each holds "
+                f"in one of {len(DIMS)} dims, so each multiplies the rule's rewrites by {len(DIMS)} "
+                f"(at most {MAX_ALTERNATIVES} rewrites: two such conditions)", c.loc)
+        alternatives = [alt + option for alt in alternatives for option in options]
+    return alternatives
+
+
+def _condition(rule: Rule, c, tag: str) -> list[list[str]]:
+    """One condition's alternatives, each a list of facts; `tag` names the variables it introduces."""
+    if any(isinstance(o, DimVar) and o.name in rule.dim_vars for o in (c.lhs, c.rhs)):
+        # A dim compared with a dim or a literal dim: plain integers, not sizes.
+        a, b = (var(o.name) if isinstance(o, DimVar) else str(o.value) for o in (c.lhs, c.rhs))
+        return [[f"({'=' if c.op == '==' else '!='} {a} {b})"]]
+    if isinstance(c.lhs, ShapeOf):
+        a, b = var(c.lhs.var), var(c.rhs.var)
+        if c.op == "==":  # every dim's size agrees
+            return [[f"(= (size {a} {i}) (size {b} {i}))" for i in DIMS]]
+        return [_differ(f"(size {a} {i})", f"(size {b} {i})", f"{tag}_{-i}") for i in DIMS]
+    if isinstance(c.lhs, Lit) and isinstance(c.rhs, Lit):  # decided here: always or never
+        return [[]] if (c.lhs.value == c.rhs.value) == (c.op == "==") else []
+    if c.op == "==":
+        return [[f"(= {_operand(c.lhs)} {_operand(c.rhs)})"]]
+    return [_differ(_literal_or_term(c.lhs), _literal_or_term(c.rhs), tag)]
+
+
+def _literal_or_term(o) -> int | str:
+    return o.value if isinstance(o, Lit) else _operand(o)
+
+
+def _differ(a: int | str, b: int | str, tag: str) -> list[str]:
+    """Facts that hold where two sizes are different literals: a term counts only through a `DNum` in
+    its e-class, an int is compared as it is."""
+    facts, values = [], []
+    for side, x in (("l", a), ("r", b)):
+        if isinstance(x, int):
+            values.append(str(x))
         else:
-            facts.append(f"(!= {_operand(c.lhs)} {_operand(c.rhs)})")
-    return facts
+            values.append(f"{tag}{side}")
+            facts.append(f"(= (DNum {tag}{side}) {x})")
+    return facts + [f"(!= {values[0]} {values[1]})"]
 
 
 @dataclass(frozen=True)
 class Emitted:
-    """One egglog rewrite and the source rule it came from (a `<=>` rule emits two)."""
+    """One direction of a source rule (a `<=>` rule has two) and its egglog text: one `rewrite` per
+    alternative of its conditions (see `conditions`), one per line; none if they can never hold."""
 
     rule: Rule
     direction: str  # "->" or "<-"
@@ -229,12 +323,14 @@ def emit_rule(rule: Rule, ruleset: str) -> list[Emitted]:
     sides = [("->", rule.lhs, rule.rhs)]
     if rule.both_ways:
         sides.append(("<-", rule.rhs, rule.lhs))
+    alternatives = conditions(rule)
     out = []
     for direction, lhs, rhs in sides:
-        when = conditions(rule)
-        clause = f" :when ({' '.join(when)})" if when else ""
-        text = f"(rewrite {pattern(lhs)} {pattern(rhs)}{clause} :ruleset {ruleset})"
-        out.append(Emitted(rule, direction, text))
+        rewrites = []
+        for when in alternatives:
+            clause = f" :when ({' '.join(when)})" if when else ""
+            rewrites.append(f"(rewrite {pattern(lhs)} {pattern(rhs)}{clause} :ruleset {ruleset})")
+        out.append(Emitted(rule, direction, "\n".join(rewrites)))
     return out
 
 
@@ -251,8 +347,9 @@ def compile_library(library: Library, *, per_rule: bool = False) -> tuple[str, l
     for rule in library.rules:
         target = ruleset_name(rule.name if per_rule else rule.ruleset)
         for em in emit_rule(rule, target):
-            parts.append(f"; rule {rule.name} {em.direction} ({rule.ruleset}, {rule.loc})")
-            parts.append(em.text)
+            parts.append(f"; rule {escape(rule.name)} {em.direction} ({escape(rule.ruleset)}, {escape(str(rule.loc))})")
+            if em.text:
+                parts.append(em.text)
             emitted.append(em)
     return "\n".join(parts) + "\n", emitted
 
@@ -260,14 +357,11 @@ def compile_library(library: Library, *, per_rule: bool = False) -> tuple[str, l
 # -- terms from programs -----------------------------------------------------------------------------
 
 
-_SAFE = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
-
-
 def dim_term(size) -> str:
     size = sympy.sympify(size)
     if size.is_Integer:
         return f"(DNum {int(size)})"
-    return f'(DSym "{size}")'
+    return f"(DSym {string(str(size))})"
 
 
 class TermWriter:
@@ -288,8 +382,7 @@ class TermWriter:
     def _bind(self, node: Node) -> None:
         spec = OPS[node.op]
         if node.op == "input":
-            assert _SAFE.match(node.attr), node.attr  # input names are identifiers by the grammar
-            expr = f'(Input "{node.attr}")'
+            expr = f"(Input {string(node.attr)})"
             self.inputs[node.attr] = node
         elif node.op == "const":
             expr = f"(Num {_float(node.attr)})"
@@ -312,7 +405,7 @@ class TermWriter:
         for name, node in self.inputs.items():
             for i in DIMS:
                 size = node.shape[i] if -node.rank <= i else 1
-                facts.append(f'(set (size (Input "{name}") {i}) {dim_term(size)})')
+                facts.append(f"(set (size (Input {string(name)}) {i}) {dim_term(size)})")
         return facts
 
 
