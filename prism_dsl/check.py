@@ -341,7 +341,8 @@ class Checker:
         if value is None or value != int(value) or "." in _text(a) or "e" in _text(a).lower():
             self.errors.error(a.loc, f"the {pname} of {op} must be an integer literal such as -1")
             return POISON
-        return int(value)
+        # Not int(value): a float keeps 53 bits. The text has at most ~309 digits past its leading zeros.
+        return int(_text(a).lstrip("0") or "0") * (-1 if value < 0 else 1)
 
     def fold(self, e: ast.Call, operands: list[Node]) -> Node | _Poison:
         from .reference import NUMPY

@@ -44,6 +44,7 @@ def shown_path(path: str) -> str:
 
 
 _WIDTH = 100
+_VISIBLE = {c: 0x2400 + c for c in range(32)} | {0x7F: 0x2421}  # U+2400..: the Control Pictures block
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,9 @@ class Diagnostic:
         parts = [head]
         src = self.loc.source_line() if self.loc else None
         if src is not None:
-            # Tabs would shift the caret; expand them the same way on both lines.
-            shown = src.expandtabs(4)
+            # Tabs would shift the caret; expand them the same way on both lines. Other control characters
+            # (a stray CR, NUL, ESC) would move the terminal's cursor; show their symbols, one column each.
+            shown = src.expandtabs(4).translate(_VISIBLE)
             caret_col = len(src[: max(self.loc.col - 1, 0)].expandtabs(4))
             if len(shown) > _WIDTH:  # show a window around the caret, not a 5000-character line
                 start = max(0, min(caret_col - _WIDTH // 2, len(shown) - _WIDTH))

@@ -171,7 +171,7 @@ class RulesBuilder(_Located):
 
     @v_args(inline=True)
     def import_decl(self, tok):
-        return ast.Import(str(tok)[1:-1], self.loc(tok))
+        return self.import_item(tok)
 
     def ruleset(self, children):
         name, *rules = children
@@ -191,7 +191,7 @@ class RulesBuilder(_Located):
 
     @v_args(inline=True)
     def size_of(self, var, dim):
-        return SizeOf(str(var), int(dim) if dim.type == "SIGNED_INT" else str(dim))
+        return SizeOf(str(var), self.integer(dim) if dim.type == "SIGNED_INT" else str(dim))
 
     @v_args(inline=True)
     def shape_of(self, var):
@@ -203,7 +203,7 @@ class RulesBuilder(_Located):
 
     @v_args(inline=True)
     def literal(self, tok):
-        return Lit(int(tok))
+        return Lit(self.integer(tok))
 
 
 def parse_rules(text: str, path: str) -> list:
@@ -405,15 +405,22 @@ def _variable_ok(name: str, loc: Loc, errors: Collector) -> bool:
     if name in _RESERVED:
         errors.error(loc, f"'{name}' is an operator, not a pattern variable; call it as {name}(...)")
         return False
-    close = difflib.get_close_matches(name, _RESERVED, n=1, cutoff=0.75)
-    if close and len(name) >= 3:
+    close = _misspelt(name)
+    if close:
         errors.error(
             loc,
-            f"'{name}' would become a pattern variable, but it looks like a misspelling of '{close[0]}'",
+            f"'{name}' would become a pattern variable, but it looks like a misspelling of '{close}'",
             "pattern variables should be short names that resemble no operator (a, b, s, x, i, j)",
         )
         return False
     return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _misspelt(name: str) -> str | None:
+    """The reserved name that `name` looks like a misspelling of (cached: a file repeats its variables)."""
+    close = difflib.get_close_matches(name, _RESERVED, n=1, cutoff=0.75) if len(name) >= 3 else []
+    return close[0] if close else None
 
 
 def _check_condition(c: Condition, vars: _Vars, errors: Collector) -> None:

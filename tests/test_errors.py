@@ -28,6 +28,13 @@ def prog(body: str, params: str = "X: f16[n, d]", head: str = DIMS) -> str:
 BAD = [
     # syntax
     ("dims n = 4 d = 8\n", "a dim is 'NAME = INTEGER'", 1, 12),
+    # after a complete item, a line that starts no declaration is the mistake, not the item above it
+    ("dims n = 4\n    return X\n", "unexpected 'return': outside a program, a file holds only 'dims', 'def', "
+     "'program' and 'import' declarations", 2, 5),
+    ("dims n = 4\nprog p(X: f16[n]) {\n    return X\n}\n", "unexpected 'prog': outside a program", 2, 1),
+    (prog("    Y = exp(X)\n    import \"a.prism\"\n    return Y\n"),
+     "unexpected 'import': 'dims', 'def', 'program' and 'import' declarations go outside a program's braces", 4, 5),
+    (prog("    = exp(X)\n    return X\n"), "unexpected '=': a statement is 'NAME = expression'", 3, 5),
     ("dims n = 1.5\n", "a dim is 'NAME = INTEGER'", 1, 11),
     (prog("    Y = exp(X);;\n    return Y\n"), "one ';' at most", 3, 16),
     (prog("    Y = exp((X)\n    return Y\n"), "missing ')'", 4, 5),
@@ -40,6 +47,10 @@ BAD = [
     (DIMS + "program p(X) {\n    return X\n}\n", "an input is 'NAME: dtype[dims]'", 2, 12),
     (DIMS + "program p(X: f16[n, d]) {\n    return = X\n}\n", "unexpected '='", 3, 12),
     (prog("    Y = X * 1e999\n    return Y\n"), "number 1e999 is too large", 3, 13),
+    (prog("    Y = X * 1e-400\n    return Y\n"), "number 1e-400 is too small: it is 0 in float64; write 0", 3, 13),
+    ("dims n = 99999999999999999999\n", "integer 99999999999999999999 is too large (at most 2^63 - 1)", 1, 10),
+    (prog("    return X\n", params="X: f16[n, 10000000000000000000]"), "integer 10000000000000000000 is too large", 2, 21),
+    ("dims n = \u0663\n", "syntax error: unexpected character '\u0663'", 1, 10),
     # names
     (prog("    Y = expp(X)\n    return Y\n"), "unknown function 'expp'; did you mean 'exp'?", 3, 9),
     (prog("    Y = exp(Z)\n    return Y\n"), "undefined name 'Z'", 3, 13),
@@ -82,6 +93,8 @@ BAD = [
      "matmul: batch dims: shapes [2] and [3] do not broadcast", 3, 9),
     (prog("    Y = sum(X, 2)\n    return Y\n"), "sum: dim 2 is out of range for a rank-2 tensor (valid: -2..1)", 3, 9),
     (prog("    Y = mean(X, -3)\n    return Y\n"), "dim -3 is out of range", 3, 9),
+    (prog("    Y = sum(X, 100000000000000000000000)\n    return Y\n"),
+     "sum: dim 100000000000000000000000 is out of range", 3, 9),
     (prog("    Y = X * (1 / 0)\n    return Y\n"), "this constant expression has no finite value", 3, 14),
     # defs
     ("dims n = 4\ndef f(x) = f(x) + 1\nprogram p(X: f16[n]) {\n    Y = f(X)\n    return Y\n}\n",
