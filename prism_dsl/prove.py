@@ -3,14 +3,17 @@
 `prove(a, b, library, limits)` pairs the two programs' outputs, writes both as terms into one e-graph
 loaded with the library's rules, and saturates under the limits. An output pair is *proved* only when
 egglog puts both terms in one e-class; any limit, error or doubt is "not proved", with the reason.
-As a guard on the axioms themselves, both programs are also evaluated with the reference interpreter:
-a proof of two programs that differ numerically means an unsound rule, and is reported as such, never
+As a guard on the axioms themselves, both programs are also evaluated with the reference interpreter,
+at several bindings of the dims (size-1 dims and primes among them) with a new random seed each: a
+proof of two programs that differ numerically means an unsound rule, and is reported as such, never
 as a proof. `explain` finds a small set of rules that still proves the pair, by dropping rules one at
 a time (egglog keeps no proof objects to read it from).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -22,11 +25,14 @@ from .errors import PrismError
 from .ir import Program
 from .layout import to_terms
 from .ops import MAX_RANK
-from .reference import evaluate, random_inputs
+from .reference import concrete_shape, evaluate, random_inputs
 from .rules import Library, Rule
 from .shapes import fmt_shape, same_shape
 
 NUMERIC_DIM_CAP = 24  # numeric evidence is taken at small sizes: it is a guard, not the proof
+GUARD_PRIMES = (5, 3, 7, 2, 11, 13, 17, 19, 23)
+GUARD_SINGLE_ONES = 6  # programs with at most this many dims are also compared with each dim alone at 1
+GUARD_ELEMENTS = 1 << 18  # the declared sizes are compared when the inputs hold at most this many elements
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class Proof:
     nodes: int = 0
     seconds: float = 0.0
     numeric_gap: float | None = None  # largest relative difference seen numerically; None: not computed
+    numeric_at: str = ""  # the dim binding where that difference was seen, "n=1, d=7"
+    numeric_bindings: int = 0  # how many dim bindings the numeric guard compared at
     used: tuple[Rule, ...] | None = field(default=None)  # with explain: a set of rules that proves it
     unexplained: str | None = None  # with explain: why no such set was found within the limits
 
@@ -97,21 +105,73 @@ def _shape_mismatch(a: Program, b: Program, pairs) -> str | None:
     return None
 
 
-def numeric_gap(a: Program, b: Program, pairs, seed: int = 0) -> float | None:
-    """The largest relative difference between paired outputs on random inputs at small sizes."""
-    for cap in (NUMERIC_DIM_CAP, None):
-        binding = {d.symbol: min(d.default, cap or d.default) for d in b.dims + a.dims}  # a's defaults win
-        inputs = random_inputs(a, binding, seed)
-        try:
-            # Kernel parameters that split every dim they can: a kernel wrong only across pieces shows.
-            out_a, out_b = evaluate(a, inputs, prefer="split"), evaluate(b, inputs, prefer="split")
-            break
-        except PrismError:
-            # No valid kernel parameters at the small sizes (a literal grid size that does not divide
-            # them): try the declared sizes, slower but valid by the author's choice.
+@dataclass(frozen=True)
+class Evidence:
+    """What the numeric guard saw: the largest relative difference over every binding of the dims tried
+    (None: no binding could be evaluated), where it was largest, and how many bindings were compared."""
+
+    gap: float | None
+    at: str = ""
+    bindings: int = 0
+
+
+def guard_bindings(a: Program, b: Program) -> list[dict]:
+    """The dim bindings the guard compares at, each a different way for a false proof to show.
+
+    The declared sizes capped at NUMERIC_DIM_CAP; every dim 1 (broadcasting, one-element reductions);
+    distinct small primes (no split divides them by accident, no two dims alike); each dim alone at 1
+    with the others at primes (a rule whose condition fails only there); and last the declared sizes,
+    which `numeric_evidence` skips when their inputs are large and another binding was compared.
+    """
+    declared = {d.symbol: d.default for d in b.dims + a.dims}  # a's defaults win
+    symbols = list(declared)
+    capped = {s: min(v, NUMERIC_DIM_CAP) for s, v in declared.items()}
+    primes = {s: p for s, p in zip(symbols, itertools.cycle(GUARD_PRIMES))}
+    bindings = [capped, {s: 1 for s in symbols}, primes]
+    if len(symbols) <= GUARD_SINGLE_ONES:
+        bindings += [{**primes, s: 1} for s in symbols]
+    unique: dict[tuple, dict] = {}
+    for binding in bindings + [declared]:
+        unique.setdefault(tuple(sorted((s.name, v) for s, v in binding.items())), binding)
+    return list(unique.values())
+
+
+def numeric_evidence(a: Program, b: Program, pairs) -> Evidence:
+    """Paired outputs compared on random inputs (a new seed each) at every binding of `guard_bindings`.
+    A binding where the program's kernels have no valid parameters is skipped; the declared sizes are
+    skipped too when their inputs hold more than GUARD_ELEMENTS elements, unless nothing else could be
+    compared (a literal grid size that divides the declared sizes only)."""
+    worst, at, compared = 0.0, "", 0
+    for seed, binding in enumerate(guard_bindings(a, b)):
+        if compared and _input_elements(a, binding) > GUARD_ELEMENTS:
             continue
-    else:
-        return None
+        gap = _gap_at(a, b, pairs, binding, seed)
+        if gap is None:
+            continue
+        compared += 1
+        if gap > worst or not at:
+            worst, at = gap, ", ".join(f"{s}={v}" for s, v in binding.items())
+        if math.isinf(gap):
+            break
+    return Evidence(worst if compared else None, at, compared)
+
+
+def _input_elements(program: Program, binding) -> int:
+    return sum(math.prod(concrete_shape(n.shape, binding)) for n in program.inputs)
+
+
+def numeric_gap(a: Program, b: Program, pairs) -> float | None:
+    """The largest relative difference between paired outputs on random inputs (see `numeric_evidence`)."""
+    return numeric_evidence(a, b, pairs).gap
+
+
+def _gap_at(a: Program, b: Program, pairs, binding, seed: int) -> float | None:
+    inputs = random_inputs(a, binding, seed)
+    try:
+        # Kernel parameters that split every dim they can: a kernel wrong only across pieces shows.
+        out_a, out_b = evaluate(a, inputs, prefer="split"), evaluate(b, inputs, prefer="split")
+    except PrismError:
+        return None  # no valid kernel parameters at these sizes
     worst = 0.0
     for x, y in pairs:
         va, vb = out_a[x], out_b[y]
@@ -142,7 +202,7 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
     mismatch = _shape_mismatch(a, b, pairs)
     if mismatch:
         return Proof(False, tuple(Pair(x, y, False) for x, y in pairs), f"not equal: {mismatch}")
-    gap = numeric_gap(a, b, pairs) if numeric else None
+    evidence = numeric_evidence(a, b, pairs) if numeric else Evidence(None)
     program, _ = compile_library(library)
     # Custom kernels become terms over whole tensors with layout operators (`layout`); the layout
     # ruleset relates those to the plain program, for every size the symbols can take.
@@ -156,12 +216,14 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
         outcome.iterations,
         outcome.nodes,
         outcome.seconds,
-        gap,
+        evidence.gap,
+        evidence.at,
+        evidence.bindings,
     )
-    if proved and gap is not None and gap > 1e-6:
+    if proved and evidence.gap is not None and evidence.gap > 1e-6:
         raise PrismError(
-            f"the rules prove '{a.name}' equal to '{b.name}', but they differ numerically "
-            f"(relative difference {gap:.3g}): some axiom in use is unsound"
+            f"the rules prove '{a.name}' equal to '{b.name}', but they differ numerically at {evidence.at} "
+            f"(relative difference {evidence.gap:.3g}): some axiom in use is unsound"
         )
     if proved and explain:
         used = explain_rules(library, setup, goals, limits)
