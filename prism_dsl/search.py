@@ -770,23 +770,16 @@ class Level2:
     def __init__(self, program: Program, library: Library, target: Target, config: SearchConfig, stats: Stats,
                  jobs: int, limits: Limits = PROOF_LIMITS):
         self.program, self.library, self.target, self.config, self.stats = program, library, target, config, stats
-        self.jobs, self.limits = jobs, limits
+        self.jobs = jobs
         self.small = small_binding(program)
         self.dims = program.default_binding()
         self.inputs = random_inputs(program, self.small, seed=1)
         self.seen_texts: set[str] = set()
-        self.pool = ThreadPoolExecutor(max_workers=jobs)
-        self.local = threading.local()
-        self.sessions: list[egglog_runner.Session] = []
-        self.lock = threading.Lock()
-        self.egglog_program, _ = compile_library(library)
-        self.pairs = pair_outputs(program, program)
+        self.prover = Prover(program, library, jobs, limits)
         self.kernel_cache: dict = {}
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        for s in self.sessions:
-            s.close()
+        self.prover.close()
 
     # -- per kernel ------------------------------------------------------------------------------------
 
@@ -924,17 +917,61 @@ class Level2:
 
     def prove(self, candidate: Program) -> Future:
         self.stats.proofs += 1
+        return self.prover.submit(candidate)
+
+
+class Prover:
+    """Proofs that candidates equal one program, in a pool of egglog sessions (one per thread, each
+    loaded with the library once). A future's result is True only for a proof of every output; a
+    candidate that cannot even be written as terms next to the program (other outputs) is not proved.
+    Used by the search, and by `superopt` to prove again what it takes from the checkpoint."""
+
+    def __init__(self, program: Program, library: Library, jobs: int, limits: Limits = PROOF_LIMITS):
+        self.program, self.library, self.limits = program, library, limits
+        self.pool = ThreadPoolExecutor(max_workers=jobs)
+        self.local = threading.local()
+        self.sessions: list[egglog_runner.Session] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        self.egglog_program, _ = compile_library(library)
+        self.pairs = pair_outputs(program, program)
+
+    def submit(self, candidate: Program) -> Future:
         return self.pool.submit(self._prove, candidate)
 
+    def warm(self, sessions: int = 1) -> None:
+        """Start sessions now (starting one takes most of a second), so that they load while the caller
+        works: each proves the program equal to itself."""
+        for _ in range(sessions):
+            self.submit(self.program)
+
+    def close(self) -> None:
+        """Stop: queued proofs are dropped, and every session's process is ended (one still starting
+        or proving ends when its proof returns), without waiting for proofs in flight."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            self.closed = True
+            for s in self.sessions:
+                s.close()
+
     def _prove(self, candidate: Program) -> bool:
+        if sorted(n for n, _ in candidate.outputs) != sorted(n for n, _ in self.program.outputs):
+            return False
         session = getattr(self.local, "session", None)
         if session is None:
             session = egglog_runner.Session(self.egglog_program)
             with self.lock:
+                if self.closed:
+                    return False
                 self.sessions.append(session)
             self.local.session = session
         setup, goals = _terms(to_terms(candidate), to_terms(self.program), self.pairs)
-        outcome = session.run(setup, goals, schedule(list(self.library.rulesets)), self.limits)
+        try:
+            outcome = session.run(setup, goals, schedule(list(self.library.rulesets)), self.limits)
+        finally:
+            with self.lock:
+                if self.closed:
+                    session.close()
         return all(outcome.proved)
 
 

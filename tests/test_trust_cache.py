@@ -1,0 +1,316 @@
+"""The user cache is never trusted: a checkpoint's programs are proved again before they are emitted or
+timed, the final numeric check compares with the input program, and tuning or measured entries that are
+not valid at these dims (or not times) are reported once, ignored and computed again.
+
+Each test is the attack: a cache entry edited (or damaged) so that it still reads."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from prism_dsl import cache, emulate, superopt
+from prism_dsl.build import BuildOptions, check_emulated, compile_program
+from prism_dsl.check import load
+from prism_dsl.cli import main
+from prism_dsl.kernel import load_target
+from prism_dsl.printer import print_program
+from prism_dsl.reference import bind_dims
+from prism_dsl.rules import load_library
+from prism_dsl.search import SearchConfig
+from prism_dsl.soundness import check_library
+from prism_dsl.superopt import Measurement, checkpoint_key, load_checkpoint, optimize, rank, tuning_key
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "programs" / "rmsnorm_linear.prism"
+H100 = load_target("h100")
+SMALL = dict(n=4, d=64)  # the dims of the saved search
+OTHER = dict(n=8, d=128)
+EMULATION = emulate.compiler() is not None
+
+
+@pytest.fixture(scope="module")
+def library():
+    return load_library([], defaults=True)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return load(SOURCE).program()
+
+
+@pytest.fixture(scope="module")
+def saved_search(tmp_path_factory, library, source):
+    """A cache directory holding a complete search of rmsnorm_linear (checkpoint and tuning entries), and
+    the verdicts of the default rules' soundness check (made once in the session's cache)."""
+    root = tmp_path_factory.mktemp("saved")
+    old = os.environ.get("PRISM_CACHE_DIR")
+    if old:
+        check_library(library)
+        for entry in Path(old).iterdir():
+            if entry.is_dir() and entry.name not in ("search", "tuning", "measured"):
+                shutil.copytree(entry, root / entry.name)
+    os.environ["PRISM_CACHE_DIR"] = str(root)
+    try:
+        optimize(source, library, H100, bind_dims(source, SMALL))
+    finally:
+        os.environ["PRISM_CACHE_DIR"] = old if old is not None else ""
+        if old is None:
+            del os.environ["PRISM_CACHE_DIR"]
+    return root
+
+
+@pytest.fixture
+def cache_dir(saved_search, tmp_path, monkeypatch):
+    """This test's own copy of the saved search, as the user cache."""
+    here = tmp_path / "cache"
+    shutil.copytree(saved_search, here)
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(here))
+    return here
+
+
+def checkpoint_file(cache_dir: Path) -> Path:
+    (path,) = (cache_dir / "search").glob("*.json")
+    return path
+
+
+def edit_checkpoint(cache_dir: Path, edit) -> Path:
+    path = checkpoint_file(cache_dir)
+    record = json.loads(path.read_text())
+    record["value"]["programs"] = [edit(t) for t in record["value"]["programs"]]
+    path.write_text(json.dumps(record))
+    return path
+
+
+def doubled(text: str) -> str:
+    """The same program with its output doubled: it still parses and checks, and computes something else."""
+    return re.sub(r"(store Y\[[^\]]*\] \+?= )(.*)", r"\g<1>2.0 * (\2)", text)
+
+
+def edit_entries(cache_dir: Path, kind: str, edit) -> int:
+    files = sorted((cache_dir / kind).glob("*.json"))
+    for i, path in enumerate(files):
+        record = json.loads(path.read_text())
+        record["value"] = edit(i, record["value"])
+        path.write_text(json.dumps(record))
+    return len(files)
+
+
+def compile_json(capsys, out: Path, dims: dict, *extra: str) -> tuple[int, dict, str]:
+    code = main(["compile", str(SOURCE), "-o", str(out), "--dims", ",".join(f"{k}={v}" for k, v in dims.items()),
+                 "--arch", "none", "--json", *extra])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out) if captured.out else {}, captured.err
+
+
+# -- the checkpoint ------------------------------------------------------------------------------------
+
+
+def test_edited_checkpoint_program_is_proved_again_and_replaced(cache_dir, capsys, tmp_path):
+    path = edit_checkpoint(cache_dir, doubled)
+    assert "2.0 * (" in path.read_text()
+    code, report, err = compile_json(capsys, tmp_path / "out", OTHER)
+    assert code == 0
+    assert err.count("failed its proof; searching again") == 1 and str(path) in err
+    assert report["proved"] is True and not report["search"]["from_checkpoint"]
+    assert "2.0 *" not in (tmp_path / "out" / "best.prism").read_text()
+    if EMULATION:
+        emulation = report["checks"]["emulation"]
+        assert report["verified"] and emulation["passed"] and emulation["checked_against"] == "input program"
+    # The search's result replaced the entry: the next compile takes it, proves its choice, says nothing.
+    assert "2.0 *" not in path.read_text()
+    code, again, err = compile_json(capsys, tmp_path / "again", SMALL, "--no-emulate")
+    assert code == 0 and err == "" and again["search"]["from_checkpoint"] and again["proved"] is True
+
+
+def test_checkpoint_choice_is_proved_in_this_run(cache_dir, library, source):
+    out = optimize(source, library, H100, bind_dims(source, OTHER))
+    assert out.from_checkpoint and out.best.proved
+    assert out.search["reproved"] == (0 if out.best.as_written else 1)
+    # The others were not proved again: nothing says they were.
+    assert sum(r.proved and not r.as_written for r in out.ranked) == out.search["reproved"]
+
+
+def test_false_proof_is_caught_by_the_check_against_the_input(cache_dir, capsys, tmp_path, monkeypatch):
+    """Should a proof ever be wrong, the numeric check still compares with the program the user gave."""
+    if not EMULATION:
+        pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
+
+    def trusting(ranked, prover):
+        for r in ranked:
+            r.proved = True
+        return True
+
+    monkeypatch.setattr(superopt, "_confirm", trusting)
+    edit_checkpoint(cache_dir, doubled)
+    code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
+    assert "2.0 *" in (tmp_path / "out" / "best.prism").read_text()  # the edited program was emitted...
+    emulation = report["checks"]["emulation"]
+    assert code == 1 and not emulation["passed"] and not report["verified"]  # ...and caught
+    assert emulation["checked_against"] == "input program"
+
+
+def test_build_checks_against_the_reference_program(source):
+    """`compile_program(..., reference=input)`: the outputs are compared with the input, paired by position
+    when the names differ; a program with other inputs cannot stand in for it."""
+    if not EMULATION:
+        pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
+    text = "dims n = 4, d = 64\nprogram rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {\n    Z = {}\n    return Z\n}\n"
+    same = load("<same>", text.replace("{}", "rms_norm(X) @ W")).program()
+    other = load("<other>", text.replace("{}", "rms_norm(X) @ W * 2.0")).program()
+    options = BuildOptions(dims=SMALL, archs=())
+    assert check_emulated(compile_program(same, H100, options, reference=source), 0)["passed"]
+    assert not check_emulated(compile_program(other, H100, options, reference=source), 0)["passed"]
+    assert check_emulated(compile_program(other, H100, options), 0)["passed"]  # against itself: --search none
+    stranger = load("<x>", text.replace("X: f16[n, d]", "A: f16[n, d]").replace("rms_norm(X)", "rms_norm(A)")
+                    .replace("{}", "rms_norm(A) @ W")).program()
+    with pytest.raises(Exception, match="reads inputs"):
+        compile_program(stranger, H100, options, reference=source)
+
+
+DEEP = 100_000
+BAD_CHECKPOINTS = {
+    "programs not a list": {"programs": "program rmsnorm_linear", "stats": {}},
+    "a program not a text": {"programs": [1], "stats": {}},
+    "stats not a record": {"programs": [], "stats": [1, 2]},
+    "a count not a number": {"programs": [], "stats": {"generated": "many", "candidates": 1, "maps": 1,
+                                                       "proofs": 1, "verified": 1, "pruned": {}, "seconds": 1.0}},
+    "a count that is a bool": {"programs": [], "stats": {"generated": True, "candidates": 1, "maps": 1,
+                                                        "proofs": 1, "verified": 1, "pruned": {}, "seconds": 1.0}},
+    "seconds NaN": {"programs": [], "stats": {"generated": 1, "candidates": 1, "maps": 1, "proofs": 1,
+                                             "verified": 1, "pruned": {}, "seconds": math.nan}},
+    "seconds a bool": {"programs": [], "stats": {"generated": 1, "candidates": 1, "maps": 1, "proofs": 1,
+                                                "verified": 1, "pruned": {}, "seconds": False}},
+    "not a record": ["programs"],
+    "an import": {"programs": ['import "/dev/zero"\n']},
+    "two programs": {"programs": ["program a(X: f16[n, d]) {\n return X\n}\n"
+                                 "program b(X: f16[n, d]) {\n return X\n}\n"]},
+    "another program's signature": {"programs": ["program rmsnorm_linear(X: f16[n, d]) {\n    return X\n}\n"]},
+    "another name": {"programs": ["program other(X: f16[n, d], W: f16[d, d]) {\n    Y = X @ W\n    return Y\n}\n"]},
+    "another output": {"programs": ["program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {\n    Z = X @ W\n"
+                                    "    return Z\n}\n"]},
+    "nested expression": {"programs": ["program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {\n    Y = "
+                                       + "exp(" * 5000 + "X" + ")" * 5000 + " @ W\n    return Y\n}\n"]},
+}
+GOOD_STATS = {"generated": 1, "candidates": 1, "maps": 1, "proofs": 1, "verified": 1, "pruned": {"numeric": 2},
+              "seconds": 0.5}
+
+
+@pytest.mark.parametrize("name", [*BAD_CHECKPOINTS, "nested too deeply"])
+def test_checkpoint_of_the_wrong_form_is_reported_once_and_ignored(name, library, source, tmp_path, monkeypatch,
+                                                                   capsys, default_recursion_limit):
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
+    key = checkpoint_key(source, library, SearchConfig())
+    if name == "nested too deeply":
+        path = cache.path_for("search", key)
+        path.parent.mkdir(parents=True)
+        path.write_text(f'{{"key": "{key}", "value": ' + "[" * DEEP + "]" * DEEP + "}")
+    else:
+        value = BAD_CHECKPOINTS[name]
+        cache.write("search", key, {"stats": GOOD_STATS, **value} if isinstance(value, dict) and "stats" not in value
+                    else value)
+    assert load_checkpoint(source, key) is None
+    assert load_checkpoint(source, key) is None
+    err = capsys.readouterr().err
+    assert err.count("ignoring cache entry") == 1 and str(cache.path_for("search", key)) in err
+
+
+def test_checkpoint_figures_cannot_change_what_the_report_says(library, source, tmp_path, monkeypatch):
+    """Extra keys in the saved figures are dropped: they cannot overwrite the report's own fields."""
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
+    key = checkpoint_key(source, library, SearchConfig())
+    cache.write("search", key, {"programs": [], "stats": {**GOOD_STATS, "from_checkpoint": False, "jobs": "all"}})
+    programs, stats = load_checkpoint(source, key)
+    assert programs == [] and stats == GOOD_STATS
+
+
+# -- the tuning database -------------------------------------------------------------------------------
+
+
+def test_tuning_entry_that_breaks_the_kernel_constraints_is_ignored(cache_dir, capsys, tmp_path):
+    """gx = 3 divides nothing here: every later compile used to fail until the cache was deleted."""
+    def three(i, value):
+        return {**value, "params": {n: 3 for n in value["params"]}} if value["params"] else value
+
+    edit_entries(cache_dir, "tuning", three)
+    code, report, err = compile_json(capsys, tmp_path / "out", SMALL, "--no-emulate")
+    assert code == 0 and report["proved"] is True and "not a valid tuning entry" in err
+    assert "break the constraints" in err
+    assert len(set(re.findall(r"ignoring cache entry (\S+):", err))) == err.count("ignoring cache entry")
+    # Tuned again and overwritten: the next compile is quiet.
+    code, _, err = compile_json(capsys, tmp_path / "again", SMALL, "--no-emulate")
+    assert code == 0 and err == ""
+
+
+@pytest.mark.parametrize("params", [
+    {"gx": 3, "gy": 1}, {"gx": "2", "gy": 1}, {"gx": 2.0, "gy": 1}, {"gx": True, "gy": 1}, {"gx": 0, "gy": 1},
+    {"gx": -2, "gy": 1}, {"gx": 2}, {"gx": 2, "gy": 1, "F": 2}, {"gx": 2, "gy": 1, "nope": 1}, {"gx": 10**400, "gy": 1},
+    [2, 1], None])
+def test_tuning_parameters_are_checked_against_the_kernels(params, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
+    program = load("<fused>", "dims n = 4, d = 64\n" "program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {\n"
+                   "    kernel fused grid(x = gx, y = gy) {\n        xt = load X[y, :]\n        wt = load W[:, x]\n"
+                   "        store Y[y, x] = rms_norm(xt) @ wt\n    }\n    return Y\n}\n").program()
+    binding = bind_dims(program, SMALL)
+    key = tuning_key(program, binding, H100)
+    cache.write("tuning", key, {"params": params, "us": 1.0})
+    r = rank(program, binding, H100, 128)
+    assert r is not None and set(r.params) == {"gx", "gy"} and all(type(v) is int for v in r.params.values())
+    assert 64 % r.params["gx"] == 0 and 4 % r.params["gy"] == 0
+    assert "not a valid tuning entry" in capsys.readouterr().err
+    stored = cache.read("tuning", key)["params"]  # overwritten
+    assert stored == r.params and all(type(v) is int for v in stored.values())
+    assert rank(program, binding, H100, 128).params == r.params
+    assert capsys.readouterr().err == ""
+
+
+def test_tuning_times_that_are_not_times_do_not_change_the_choice(cache_dir, library, source, capsys):
+    """NaN, inf, a negative time, zero, a string, a bool: ignored (reported once each) and estimated again.
+    The worst program's entry claims 1 us (as `true`), which would make it the choice if it were believed."""
+    binding = bind_dims(source, SMALL)
+    clean = optimize(source, library, H100, binding)
+    worst = tuning_key(clean.ranked[-1].program, binding, H100)[:32]
+    bad = [math.nan, math.inf, -math.inf, -1.0, 0, 0.0, "3.5", None, 10**400, [1.0]]
+    count = edit_entries(cache_dir, "tuning", lambda i, v: {**v, "us": bad[i % len(bad)]})
+    path = cache_dir / "tuning" / f"{worst}.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "value": {"params": clean.ranked[-1].params, "us": True}}))
+    capsys.readouterr()
+    out = optimize(source, library, H100, binding)
+    assert print_program(out.best.program) == print_program(clean.best.program)
+    assert [round(r.estimated_us, 6) for r in out.ranked] == [round(r.estimated_us, 6) for r in clean.ranked]
+    assert all(math.isfinite(r.estimated_us) and r.estimated_us > 0 for r in out.ranked)
+    err = capsys.readouterr().err
+    assert err.count("ignoring cache entry") == count and "not a valid tuning entry" in err
+
+
+def test_measured_times_that_are_not_times_are_timed_again(cache_dir, library, source, capsys):
+    binding = bind_dims(source, SMALL)
+    calls = []
+
+    def fake_gpu(program, params):
+        calls.append(print_program(program))
+        return Measurement(10.0 + len(calls), "checked")
+
+    device = "Fake GPU, sm_90, driver 1"
+    clean = optimize(source, library, H100, binding, measure=fake_gpu, device=device)
+    timed = len(calls)
+    assert timed >= 1 and all(r.proved for r in clean.ranked if r.measured is not None)
+    # The slowest measured program claims the best time in every way a damaged entry could.
+    bad = [math.nan, True, -1.0, 0, "1", math.inf]
+    count = edit_entries(cache_dir, "measured", lambda i, v: {**v, "us": bad[i % len(bad)]})
+    assert count == timed
+    calls.clear()
+    capsys.readouterr()
+    out = optimize(source, library, H100, binding, measure=fake_gpu, device=device)
+    assert len(calls) == timed and out.search["measured"]["timed"] == timed
+    assert all(r.measured_us is None or math.isfinite(r.measured_us) and r.measured_us > 0 for r in out.ranked)
+    assert print_program(out.best.program) == calls[0]  # the first timed again is the fastest now
+    err = capsys.readouterr().err
+    assert err.count("ignoring cache entry") == count and "not a valid measurement" in err
