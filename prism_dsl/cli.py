@@ -12,16 +12,14 @@ import os
 import re
 import signal
 import sys
-import tempfile
-import zipfile
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 from .egglog_runner import Limits
+from .files import check_writable, write_bytes
 from .printer import print_program
 from .errors import PrismError
+from .syntax import MAX_INT, clip
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
 MAX_SECONDS = 1e6  # a time limit beyond this is a mistake, and overflows the platform's clocks
@@ -42,19 +40,32 @@ def parse_dims(text: str) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, value = part.partition("=")
         name, value = name.strip(), value.strip()
-        if not eq or not name.isidentifier() or not value.lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"expected NAME=INT[,NAME=INT...], got {part!r}")
+        if not eq or not name.isidentifier() or not _is_int(value.removeprefix("-")):
+            raise argparse.ArgumentTypeError(f"expected NAME=INT[,NAME=INT...], got {clip(part)!r}")
         if name in out:
             raise argparse.ArgumentTypeError(f"dim {name!r} is given twice")
-        out[name] = int(value)
+        out[name] = _size(value, f"{name} = ")
     return out
 
 
 def parse_loop(text: str) -> dict[str, int]:
     """`64` (every kernel's loop) or `F=64[,G=8]` (named loop symbols)."""
-    if text.strip().isdigit():
-        return {"": int(text)}
+    if _is_int(text.strip()):
+        return {"": _size(text.strip(), "")}
     return parse_dims(text)
+
+
+def _is_int(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # not "²" or "٣": int() would take some, and no user means them
+
+
+def _size(digits: str, what: str) -> int:
+    """An integer of the command line that is a size: at most MAX_INT, which also keeps int() within the
+    4,300 digits Python converts."""
+    plain = digits.removeprefix("-").lstrip("0")
+    if len(plain) > len(str(MAX_INT)) or int(plain or "0") > MAX_INT:
+        raise argparse.ArgumentTypeError(f"{what}{clip(digits)} is too large: sizes are at most 2^63 - 1")
+    return int(digits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,12 +264,18 @@ def cmd_check(args) -> int:
     for f in args.files:
         try:
             if f.endswith(".rules"):
+                from .soundness import NUMERIC_ONLY, SYMBOLIC
+
                 # Loaded beside the default library, as prove loads it, so that name clashes show now.
-                library = load_rules([f], defaults=not args.no_default_rules)
+                library, statuses = load_rules([f], defaults=not args.no_default_rules)
                 path = Path(f).resolve()
                 mine = [r for r in library.rules if Path(r.loc.path).resolve() == path]
                 sets = ", ".join(dict.fromkeys(r.ruleset for r in mine)) or "none"
-                print(f"{f}: ok: {_count(len(mine), 'rule')} (rulesets: {sets}), each sound on random tensors")
+                proved = sum(statuses[r.name] == SYMBOLIC for r in mine)
+                tested = sum(statuses[r.name] == NUMERIC_ONLY for r in mine)
+                print(f"{f}: ok: {_count(len(mine), 'rule')} (rulesets: {sets}), each sound on random tensors: "
+                      f"{proved} proved symbolically, {tested} tested numerically only")
+                _print_rules(mine, statuses)
             else:
                 progs = "; ".join(_summary(p) for p in load(f).programs.values()) or "no programs"
                 print(f"{f}: ok: {progs}")
@@ -271,21 +288,22 @@ def cmd_check(args) -> int:
 
 
 def load_rules(files: list[str], *, defaults: bool):
-    """Load and soundness-check rule files: every rule a command uses is checked (or known sound)."""
+    """Load and soundness-check rule files: every rule a command uses is checked (or known sound). The
+    library, and each rule's status by name ("symbolic": proved by SymPy; "numeric": tested only)."""
     from .rules import load_library
     from .soundness import check_library
 
     library = load_library(files, defaults=defaults)
-    check_library(library)
-    return library
+    return library, check_library(library)
 
 
 def cmd_prove(args) -> int:
     from .check import load
     from .prove import prove
+    from .soundness import NUMERIC_ONLY
 
     first, second = _pair(args, load)
-    library = load_rules(args.rules, defaults=not args.no_default_rules)
+    library, statuses = load_rules(args.rules, defaults=not args.no_default_rules)
     limits = Limits(iterations=args.iterations, nodes=args.nodes, seconds=args.timeout)
     proof = prove(first, second, library, limits, explain=args.explain)
     stats = f"[{proof.iterations} iterations, {proof.nodes:,} e-graph rows, {proof.seconds:.2f} s]"
@@ -293,18 +311,23 @@ def cmd_prove(args) -> int:
         label = pair.name if pair.name == pair.other else f"{pair.name} vs {pair.other}"
         print(f"{'proved' if pair.proved else 'not proved'}: {label}")
     if proof.numeric_gap is None:
-        print("note: no numeric cross-check: no valid kernel parameters at the test sizes or the declared ones")
+        print("note: no numeric cross-check: no valid kernel parameters at any of the sizes tried")
     if proof.proved:
         print(f"{first.name} == {second.name}: proved {stats}")
     else:
         print(f"{first.name} vs {second.name}: not proved: {proof.reason} {stats}")
         if proof.numeric_gap is not None and proof.numeric_gap > 1e-6:
-            print(f"  (on random inputs they differ: largest relative difference {proof.numeric_gap:.3g})")
+            print(f"  (on random inputs they differ: largest relative difference {proof.numeric_gap:.3g} "
+                  f"at {proof.numeric_at})")
     if proof.unexplained is not None:
         print(f"rules used: not narrowed down: {proof.unexplained}; a larger --timeout or --iterations may help")
     if proof.used is not None:
         print(f"rules used ({len(proof.used)}):")
-        _print_rules(proof.used)
+        _print_rules(proof.used, statuses, words=False)
+        tested = sum(statuses.get(r.name) == NUMERIC_ONLY for r in proof.used)
+        if tested:
+            print(f"  * {_count(tested, 'rule')} of these {'was' if tested == 1 else 'were'} tested numerically "
+                  "only, not proved symbolically: the proof rests on random testing there")
     return EXIT_OK if proof.proved else EXIT_NOT_PROVED
 
 
@@ -330,7 +353,7 @@ def _pair(args, load):
 def cmd_rules(args) -> int:
     from .egraph import compile_library
 
-    library = load_rules(args.rules, defaults=not args.no_default_rules)
+    library, _ = load_rules(args.rules, defaults=not args.no_default_rules)
     if args.emit_egglog:
         print(compile_library(library)[0], end="")
         return EXIT_OK
@@ -341,11 +364,23 @@ def cmd_rules(args) -> int:
     return EXIT_OK
 
 
-def _print_rules(rules) -> None:
-    """One line per rule: name, arrow, file:line:col, in aligned columns."""
+def _print_rules(rules, statuses=None, *, words: bool = True) -> None:
+    """One line per rule: name, arrow, file:line:col, in aligned columns.
+
+    With `statuses` (rule name -> "symbolic" or "numeric", from the soundness check), each rule's status
+    in words before its location, or, with `words=False`, a '*' after the location of each rule that was
+    tested numerically only (the caller says once what the mark means).
+    """
+    from .soundness import NUMERIC_ONLY, STATUS_WORDS
+
     width = max((len(r.name) for r in rules), default=0)
+    shown = max((len(w) for w in STATUS_WORDS.values()), default=0)
     for r in rules:
-        print(f"  {r.name:<{width}}  {r.arrow:<3}  {r.loc}")
+        status = (statuses or {}).get(r.name)
+        if statuses is not None and words:
+            print(f"  {r.name:<{width}}  {r.arrow:<3}  {STATUS_WORDS.get(status, ''):<{shown}}  {r.loc}")
+        else:
+            print(f"  {r.name:<{width}}  {r.arrow:<3}  {r.loc}" + ("  *" if status == NUMERIC_ONLY else ""))
 
 
 def _summary(prog) -> str:
@@ -370,15 +405,22 @@ def _count(n: int, word: str) -> str:
 def cmd_run(args) -> int:
     from .check import load
     from .kernel import complete, free_symbols, load_target, resolve_params
-    from .reference import bind_dims, evaluate, random_inputs
+    from .npz import read_npz, write_npz
+    from .reference import bind_dims, check_sizes, evaluate, random_inputs
 
     program = load(args.file).program(args.program)
     for target in filter(None, (args.out, args.save_inputs)):
-        _check_writable(target)
-    given = read_npz(args.inputs, program) if args.inputs else None
+        check_writable(target)
+
+    def vet(headers: dict) -> None:  # the .npz's shapes (arrays without data), before its data is read
+        check_sizes(program, bind_dims(program, args.dims, headers))
+
+    given = read_npz(args.inputs, program, vet) if args.inputs else None
     binding = bind_dims(program, args.dims, given)
+    check_sizes(program, binding)  # every tensor, before random inputs or any value is made
     inputs = given if given is not None else random_inputs(program, binding, args.seed)
     params = complete(program, binding, resolve_params(program, args.grid, args.loop), load_target(args.target))
+    check_sizes(program, {**binding, **{s: params[s.name] for s in free_symbols(program)}})  # kernels' outputs
     outputs = evaluate(program, inputs, params, args.target)
     write_npz(args.out, outputs)
     if args.save_inputs:
@@ -395,7 +437,7 @@ def cmd_compile(args) -> int:
     import json
     from pathlib import Path
 
-    from .build import BuildOptions, compile_program, summary, write
+    from .build import BuildOptions, check_output, compile_program, summary, write
     from .check import load
     from .codegen import CodegenConfig
     from .cuda_runtime import gpu_status
@@ -411,6 +453,7 @@ def cmd_compile(args) -> int:
         raise PrismError(f"--arch: expected names like sm_90 or sm_80, got {', '.join(bad)}")
     target = load_target(args.hardware)
     program = load(args.file).program(args.program)
+    check_output(Path(args.output))  # before the search: a run of minutes must not end in "cannot write"
     options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, mode=args.target, archs=archs,
                            emulate=not args.no_emulate, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
@@ -420,7 +463,8 @@ def cmd_compile(args) -> int:
     if searched is not None:  # built with the parameters the search tuned (or measured) for it
         program_to_build = searched.best.program
         options = replace(options, params=searched.best.params)
-    built = compile_program(program_to_build, target, options)
+    # The numeric checks compare with the program the user gave, whatever the search chose.
+    built = compile_program(program_to_build, target, options, reference=program)
     if searched is not None:
         _search_report(built.report, searched, program)
         extra["best.prism"] = print_program(program_to_build)
@@ -444,7 +488,7 @@ def _search(args, program, target, options):
         return None
     if args.grid or args.loop:
         raise UsageError("--grid and --loop set the parameters of kernels you wrote; with the search, use --search none")
-    library = load_rules([], defaults=True)
+    library, _ = load_rules([], defaults=True)
     limits = {} if args.max_kernels is None else {"max_kernels": args.max_kernels}
     config = SearchConfig(**limits, split_reductions=not args.no_split)
     binding = bind_dims(program, args.dims)
@@ -452,7 +496,7 @@ def _search(args, program, target, options):
     if args.target == "cuda":
         from .cuda_runtime import device_identity
 
-        measure, device = gpu_timer(target, options), device_identity()
+        measure, device = gpu_timer(target, options, program), device_identity()
     return optimize(program, library, target, binding, config=config, time_limit=args.time_limit, jobs=args.jobs,
                     threads=args.threads, use_cache=not args.no_cache, progress=not args.json,
                     measure=measure, device=device or "")
@@ -466,7 +510,7 @@ def _search_report(report: dict, outcome, program) -> None:
     best = outcome.best
     report["best"] = "best.prism"
     report["best_is_input"] = best.as_written
-    report["proved"] = True  # every candidate the search keeps is proved; the input equals itself
+    report["proved"] = best.proved  # proved equal to the input in this run (the input equals itself)
     report["kernels_in_best"] = len(kernels_of(lower(best.program)))
     report["search"] = outcome.search
     report["search_seconds"] = outcome.search["search_seconds"]
@@ -475,6 +519,7 @@ def _search_report(report: dict, outcome, program) -> None:
          "estimated_us": round(r.estimated_us, 3),
          "measured_us": None if r.measured_us is None else round(r.measured_us, 3),
          "measurement": None if r.measured is None else r.measured.note,
+         "proved": True if r.proved else None,  # None: from the checkpoint, not proved again in this run
          "program": print_program(r.program, with_dims=False)}
         for i, r in enumerate(outcome.ranked[:TOP])]
 
@@ -491,7 +536,7 @@ def cmd_show(args) -> int:
 
     program = load(args.file).program(args.program)
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     text, ok, note = render(program, args.dims, args.grid, args.loop, args.target, args.format)
     if args.output:
         write_bytes(args.output, text if isinstance(text, bytes) else text.encode())
@@ -503,74 +548,6 @@ def cmd_show(args) -> int:
     if note:
         print(note, file=sys.stderr)
     return EXIT_OK if ok else EXIT_INPUT
-
-
-def read_npz(path: str, program) -> dict[str, np.ndarray]:
-    p = Path(path)
-    if p.is_dir():
-        raise PrismError(f"cannot read inputs '{path}': it is a directory")
-    if not p.exists():
-        raise PrismError(f"cannot read inputs '{path}': no such file")
-    if not zipfile.is_zipfile(p):
-        raise PrismError(f"cannot read inputs '{path}': not a .npz archive (as numpy.savez writes)")
-    try:
-        with np.load(p, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
-    except ValueError as e:
-        if "allow_pickle" in str(e):  # object arrays: loading them would run code from the file
-            raise PrismError(f"cannot read inputs '{path}': it holds arrays of Python objects; only numeric arrays are read") from None
-        raise PrismError(f"cannot read inputs '{path}': {e}") from None
-    except (OSError, zipfile.BadZipFile) as e:
-        raise PrismError(f"cannot read inputs '{path}': {e}") from None
-    wanted = set(program.input_names())
-    bad = [k for k, v in arrays.items() if k in wanted and not (isinstance(v, np.ndarray) and v.dtype.kind in "fiub")]
-    if bad:
-        raise PrismError(f"cannot read inputs '{path}': {', '.join(repr(k) for k in bad)} must hold numbers")
-    missing = [n for n in program.input_names() if n not in arrays]
-    if missing:
-        has = ", ".join(sorted(arrays)) or "nothing"
-        raise PrismError(f"inputs '{path}' lack {', '.join(repr(m) for m in missing)} (it has: {has})")
-    return {n: arrays[n] for n in program.input_names()}
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _check_writable(path: str) -> None:
-    """Fail before any work (and before any other output is written) if `path` cannot be written."""
-    target = Path(path)
-    if target.is_dir():
-        raise PrismError(f"cannot write '{path}': it is a directory")
-    if not target.parent.is_dir():
-        raise PrismError(f"cannot write '{path}': directory '{target.parent}' does not exist")
-
-
-def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-    _write(path, lambda f: np.savez(f, **arrays))
-
-
-def write_bytes(path: str, data: bytes) -> None:
-    _write(path, lambda f: f.write(data))
-
-
-def _write(path: str, fill) -> None:
-    """Write through a temporary file in the same directory, then rename: never a half-written file."""
-    _check_writable(path)
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual mode
-        os.replace(tmp, target)
-    except OSError as e:
-        raise PrismError(f"cannot write '{path}': {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 if __name__ == "__main__":

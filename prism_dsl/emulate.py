@@ -15,12 +15,12 @@ import ctypes
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from . import files
 from .codegen import CTYPE, HEADER, RenderedKernel, header_source
 from .errors import PrismError
 from .ir import DType
@@ -75,7 +75,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
     Tensors a kernel writes start as NaN, so an element no block writes can never pass a check; those
     written with atomic adds start at zero."""
     own = workdir is None
-    workdir = Path(tempfile.mkdtemp(prefix="prism-emulate-")) if own else workdir
+    workdir = files.temp_dir("emulate") if own else workdir  # also removes those of killed runs
     try:
         lib = build(kernels, dtypes, workdir)
         store = {name: to_storage(np.asarray(arr, dtype=np.float64), dtypes[name]) for name, arr in inputs.items()}

@@ -559,8 +559,25 @@ def _candidates(program: Program, sym: sympy.Symbol, binding) -> list[int]:
                         sizes.add(int(whole))
     if not sizes:
         return list(range(1, 9))
-    g = math.gcd(*sizes)
-    return [d for d in range(1, g + 1) if g % d == 0]
+    return divisors(math.gcd(*sizes))
+
+
+MAX_DIVISORS = 64  # candidates per symbol: every divisor of real sizes (4096 has 13, 12288 has 28)
+
+
+def divisors(n: int, limit: int = MAX_DIVISORS) -> list[int]:
+    """The divisors of `n` in increasing order, found by factoring (so n = 2^32 costs microseconds, not a
+    loop to n). Beyond `limit` of them (a highly composite size), a geometric spread from 1 to n: every
+    kept divisor at least (n ** (1 / limit)) times the one before, so small and large tiles both stay."""
+    every = sympy.divisors(int(n))
+    if len(every) <= limit:
+        return every
+    ratio = float(n) ** (1.0 / limit)
+    kept = [1]
+    for d in every[1:-1]:
+        if d >= kept[-1] * ratio:
+            kept.append(d)
+    return kept + [int(n)]
 
 
 def _product(cands, order, limit):

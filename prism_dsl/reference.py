@@ -163,6 +163,35 @@ def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
     return binding
 
 
+# The float64 reference evaluates tensors of at most this many elements (8 GiB each in float64): a larger
+# one would exhaust a workstation's memory, and a binding such as n = 2^62 is a mistake, not a workload.
+MAX_ELEMENTS = 2**30
+MAX_RANK = 64  # NumPy's limit on an array's dims
+
+
+def check_sizes(program: Program, binding: Binding, nodes: list[Node] | None = None) -> None:
+    """Refuse, before anything is allocated, a binding under which a tensor of the program (its inputs and
+    every intermediate value, or just `nodes`) is beyond what the reference can hold. Sizes that name a
+    symbol `binding` lacks (a kernel parameter not chosen yet) are not checked."""
+    for node in program.nodes() if nodes is None else nodes:
+        what = f"input '{node.attr}'" if node.op == "input" else f"a tensor of shape {fmt_shape(node.shape)}"
+        where = program.locs.get(node)
+        if node.rank > MAX_RANK:
+            raise PrismError(f"{what} has {node.rank} dims; the float64 reference handles at most {MAX_RANK} "
+                             "(NumPy's limit)", where)
+        sizes = [s.xreplace(binding) if isinstance(s, sympy.Basic) else s for s in node.shape]
+        if any(isinstance(s, sympy.Basic) and not s.is_Integer for s in sizes):
+            continue
+        count = math.prod(int(s) for s in sizes)
+        if count > MAX_ELEMENTS:
+            named = sorted({x for s in node.shape if isinstance(s, sympy.Basic) for x in s.free_symbols}, key=str)
+            dims = ", ".join(f"{x} = {binding[x]}" for x in named)
+            sizes = (f"dim {dims} is" if len(named) == 1 else f"dims {dims} are") if named else "these sizes are"
+            raise PrismError(f"{sizes} too large: {what} would have "
+                             f"{count:,} elements; the float64 reference evaluates tensors of at most "
+                             f"{MAX_ELEMENTS:,} (2^30) elements", where)
+
+
 def check_input(node: Node, arr: np.ndarray, binding: Binding) -> None:
     expected = concrete_shape(node.shape, binding)
     sym = fmt_shape(node.shape)
@@ -191,6 +220,7 @@ def quantize(x: np.ndarray, dtype: DType | None) -> np.ndarray:
 
 def random_inputs(program: Program, binding: Binding, seed: int = 0) -> dict[str, np.ndarray]:
     """Standard-normal inputs rounded to each input's dtype; the same seed gives the same arrays."""
+    check_sizes(program, binding, list(program.inputs))
     rng = np.random.default_rng(seed)
     return {
         node.attr: quantize(rng.standard_normal(concrete_shape(node.shape, binding)), node.dtype)

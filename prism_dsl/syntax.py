@@ -1,6 +1,7 @@
 """Text to syntax tree: reading source files and parsing them with the lark grammars.
 
-`read_source` turns every file-system problem (missing, a directory, not UTF-8) into a PrismError.
+`read_source` turns every file-system problem (missing, a directory, a device or FIFO, too large, not
+UTF-8) into a PrismError.
 `parse_prism` runs the LALR parser from `grammar/prism.lark` and builds `ast` nodes with positions.
 Syntax errors are classified by `SYNTAX_ERRORS`, a table of (message, bad examples) matched by parser
 state the way lark's `match_examples` does; a test walks the same table. The `.rules` front end reuses
@@ -19,11 +20,22 @@ from lark.visitors import merge_transformers
 
 from . import ast
 from .errors import Loc, PrismError
+from .files import MiB, describe, read_regular
 
 GRAMMAR_DIR = Path(__file__).parent / "grammar"
 
+# Source files (programs, rules, their imports) larger than this are refused unread: real ones are a few KiB.
+MAX_SOURCE_BYTES = 16 * MiB
+
 # Deeper trees than this are refused before any recursive pass walks them. Real programs stay below 30.
 MAX_DEPTH = 200
+
+# Integer literals (sizes, dims) above this are refused where they are written: no tensor comes near, and
+# Python will not even convert an integer of 4,300 digits or more.
+MAX_INT = 2**63 - 1
+
+# How the examples below end a statement: LALR fails in a different state after each.
+_ENDS = ["X", "exp(X)", "(X)", "1", "X;"]
 
 # Syntax errors worth a specific message, with examples that put the parser in the same state.
 # Order matters: the first label whose examples match the failing state wins.
@@ -87,6 +99,8 @@ SYNTAX_ERRORS: dict[str, list[str]] = {
     "a statement is 'NAME = expression'": [
         "program p(X: f16[n]) { exp(X) return X }",
         "program p(X: f16[n]) { Y + X return Y }",
+        "program p(X: f16[n]) { = X\n return X }",
+        *(f"program p(X: f16[n]) {{ Y = {e}\n = X\n return Y }}" for e in _ENDS),
     ],
     "missing '}' at the end of the program": [
         "program p(X: f16[n]) { Y = X return Y",
@@ -97,11 +111,24 @@ SYNTAX_ERRORS: dict[str, list[str]] = {
         "program p(X: f16[n], Y) { return X }",
         "program p(X f16[n]) { return X }",
     ],
+    "outside a program, a file holds only 'dims', 'def', 'program' and 'import' declarations": [
+        "Y = X",
+        "return X",
+        "lora(X: f16[n]) { return X }",
+        "kernel k grid(x = 1) { store Y[x] = X }",
+        "}",
+    ],
     "a dim is 'NAME = INTEGER', e.g. 'dims n = 8'": [
         "dims n",
         "dims n = x",
         "dims n = 1.5",
         "dims n = 8, d",
+    ],
+    # Last, so that it only adds (state, keyword) pairs: inside a program, after '{' or any statement.
+    "'dims', 'def', 'program' and 'import' declarations go outside a program's braces": [
+        f"program p(X: f16[n]) {{ {before}\n {keyword} }}"
+        for before in ["", *(f"Y = {e}" for e in _ENDS), "kernel k grid(x = 1) { store Y[x] = X }"]
+        for keyword in ["dims m = 1", "def f(x) = x", 'import "a.prism"', "program q(X: f16[n]) { return X }"]
     ],
 }
 
@@ -112,19 +139,15 @@ def prism_parser() -> Lark:
 
 
 def read_source(path: str | Path, *, at: Loc | None = None, what: str = "file") -> str:
-    """Read a UTF-8 source file or raise a PrismError that says why it cannot be read."""
-    p = Path(path)
+    """Read a UTF-8 source file or raise a PrismError that says why it cannot be read.
+
+    Only a regular file of at most MAX_SOURCE_BYTES is read (`files.read_regular`): `import "/dev/zero"`
+    or a FIFO is refused at once, not read until memory runs out or forever."""
     where = at or Loc(str(path))
     try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise PrismError(f"cannot read {what} '{path}': no such file", where) from None
-    except IsADirectoryError:
-        raise PrismError(f"cannot read {what} '{path}': it is a directory", where) from None
-    except PermissionError:
-        raise PrismError(f"cannot read {what} '{path}': permission denied", where) from None
-    except OSError as e:
-        raise PrismError(f"cannot read {what} '{path}': {e.strerror or e}", where) from None
+        data = read_regular(path, MAX_SOURCE_BYTES)
+    except (OSError, ValueError) as e:
+        raise PrismError(f"cannot read {what} '{path}': {describe(e)}", where) from None
     try:
         return data.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is not text
     except UnicodeDecodeError as e:
@@ -182,7 +205,8 @@ def _labels(parser: Lark, table_id: int) -> dict:
 
     Like lark's `match_examples`, but without comparing the depth of the parse stack (which makes an
     example stop matching as soon as a file has one more item before it). The token type separates
-    states that LALR shares, such as "just read a name" on either side of a rule's arrow.
+    states that LALR shares, such as "just read a name" on either side of a rule's arrow. An example that
+    fails at its first token also says what a top-level line may not start with: ("line", token type).
     """
     labels: dict = {}
     for label, examples in _TABLES[table_id].items():
@@ -193,6 +217,8 @@ def _labels(parser: Lark, table_id: int) -> dict:
                 state, token = _key(u)
                 labels.setdefault((state, token), label)
                 labels.setdefault(state, label)
+                if getattr(getattr(u, "token", None), "start_pos", None) == 0:
+                    labels.setdefault(("line", token), label)
             else:
                 raise AssertionError(f"syntax error example parses: {example!r}")
     return labels
@@ -201,25 +227,51 @@ def _labels(parser: Lark, table_id: int) -> dict:
 _TABLES: dict[int, dict[str, list[str]]] = {}
 
 
-def classify(parser: Lark, u: UnexpectedInput, table: dict[str, list[str]]) -> str | None:
-    """The label of `table` whose examples fail in the same parser state as `u`, if any."""
+def classify(parser: Lark, u: UnexpectedInput, table: dict[str, list[str]], text: str = "") -> str | None:
+    """The label of `table` whose examples fail in the same parser state as `u`, if any.
+
+    When the file could have ended just before the unexpected token and that token starts a line, the
+    item above is complete and the new line is what is wrong: `return Y` or a misspelt `program` after
+    a `dims` line is not a malformed dim. Such a line is judged as the first line of a file.
+    """
     _TABLES[id(table)] = table
     labels = _labels(parser, id(table))
     state, token = _key(u)
     if state is None:
         return None
+    if _may_end(u) and _starts_line(u, text):
+        return labels.get(("line", token))
     return labels.get((state, token)) or labels.get(state)
+
+
+def _may_end(u: UnexpectedInput) -> bool:
+    """Whether the file could have ended where `u` happened: the parse so far, fed the end of file, is
+    accepted. (Not "$END is in the state's table": LALR merges states, so the table's lookaheads can
+    belong to another context, such as a def's body at the top level.)"""
+    parser = getattr(u, "interactive_parser", None)
+    if parser is None:
+        return False
+    try:
+        parser.copy().feed_eof()
+    except UnexpectedInput:
+        return False
+    return True
+
+
+def _starts_line(u: UnexpectedInput, text: str) -> bool:
+    start = getattr(getattr(u, "token", None), "start_pos", None)
+    return start is not None and not text[text.rfind("\n", 0, start) + 1 : start].strip()
 
 
 def syntax_message(parser: Lark, u: UnexpectedInput, text: str, table: dict[str, list[str]] = SYNTAX_ERRORS) -> str:
     # A bad character says nothing about the grammar state; only token errors get a specific message.
-    label = None if isinstance(u, UnexpectedCharacters) else classify(parser, u, table)
+    label = None if isinstance(u, UnexpectedCharacters) else classify(parser, u, table, text)
     if isinstance(u, UnexpectedCharacters):
         found = f"unexpected character {text[u.pos_in_stream]!r}"
     elif isinstance(u, UnexpectedToken) and u.token.type == "$END":
         found = "unexpected end of file"
     elif isinstance(u, UnexpectedToken):
-        found = f"unexpected {u.token.value!r}"
+        found = f"unexpected {clip(repr(u.token.value))}"
     else:
         found = "unexpected end of file"
     msg = f"syntax error: {found}"
@@ -257,6 +309,11 @@ def check_depth(tree: Tree, path: str, text: str) -> None:
         stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
 
 
+def clip(text: str, limit: int = 40) -> str:
+    """`text` for a message: a 5,000-digit number or name is shown by its ends and its length."""
+    return text if len(text) <= limit else f"{text[:16]}...{text[-8:]} ({len(text)} characters)"
+
+
 def suggest(name: str, candidates) -> str:
     close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
@@ -271,6 +328,20 @@ class _Located(Transformer):
         if isinstance(x, Token):
             return Loc(self.path, x.line, x.column, self.text)
         return Loc(self.path, getattr(x, "line", 0), getattr(x, "column", 0), self.text)
+
+    def import_item(self, tok: Token) -> ast.Import:
+        """`import "NAME"`: NAME names a file, and no file name holds a NUL (the OS would refuse it)."""
+        name = str(tok)[1:-1]
+        if "\0" in name:
+            raise PrismError("cannot import a file whose name contains a NUL character", self.loc(tok))
+        return ast.Import(name, self.loc(tok))
+
+    def integer(self, tok: Token) -> int:
+        """An integer literal's value, or a located error when it is beyond any size or dim."""
+        digits = str(tok).lstrip("-").lstrip("0") or "0"  # 5,000 zeros are still too many for int()
+        if len(digits) > len(str(MAX_INT)) or int(digits) > MAX_INT:
+            raise PrismError(f"integer {clip(str(tok))} is too large (at most 2^63 - 1)", self.loc(tok))
+        return -int(digits) if str(tok).startswith("-") else int(digits)
 
 
 def _binary(fn: str):
@@ -295,7 +366,10 @@ class ExprBuilder(_Located):
     def number(self, tok):
         value = float(tok)
         if value == float("inf"):
-            raise PrismError(f"number {tok} is too large", self.loc(tok))
+            raise PrismError(f"number {clip(str(tok))} is too large", self.loc(tok))
+        if value == 0 and any(c in "123456789" for c in str(tok).lower().partition("e")[0]):
+            # float64 would make it 0, while the symbolic check of axioms reads the text exactly
+            raise PrismError(f"number {clip(str(tok))} is too small: it is 0 in float64; write 0", self.loc(tok))
         return ast.Num(value, str(tok), self.loc(tok))
 
     @v_args(inline=True)
@@ -318,14 +392,14 @@ class ModuleBuilder(_Located):
 
     @v_args(inline=True)
     def import_decl(self, tok):
-        return ast.Import(str(tok)[1:-1], self.loc(tok))
+        return self.import_item(tok)
 
     def dims_decl(self, children):
         return children
 
     @v_args(inline=True)
     def dim_binding(self, name, value):
-        return ast.DimDecl(str(name), int(value), self.loc(name))
+        return ast.DimDecl(str(name), self.integer(value), self.loc(name))
 
     @v_args(inline=True)
     def def_decl(self, name, params, body):
@@ -339,7 +413,7 @@ class ModuleBuilder(_Located):
         return ast.Param(str(name), str(dtype), tuple(shape or ()), self.loc(name), self.loc(dtype))
 
     def shape(self, toks):
-        return [ast.ShapeDim(int(t) if t.type == "INT" else str(t), self.loc(t)) for t in toks]
+        return [ast.ShapeDim(self.integer(t) if t.type == "INT" else str(t), self.loc(t)) for t in toks]
 
     def params(self, children):
         return children
@@ -368,7 +442,7 @@ class ModuleBuilder(_Located):
         return self._size(size)
 
     def _size(self, tok) -> ast.Size:
-        return ast.Size(int(tok) if tok.type == "INT" else str(tok), self.loc(tok))
+        return ast.Size(self.integer(tok) if tok.type == "INT" else str(tok), self.loc(tok))
 
     @v_args(inline=True)
     def load(self, tile, source, entries):
