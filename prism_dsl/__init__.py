@@ -2,7 +2,7 @@
 
 Pipeline (ARCHITECTURE.md section 4): `.prism` text -> `syntax` (lark) -> `check` (symbolic shapes) ->
 `ir` programs, evaluated by `reference` (the float64 oracle) and printed back by `printer`.
-Axioms: `.rules` text -> `rules` (parsed, checked) -> `soundness` (numeric check) -> `egraph` (egglog
+Axioms: `.rules` text -> `rules` (parsed, checked) -> `soundness` (numeric check; `symbolic`: SymPy) -> `egraph` (egglog
 program text) -> `prove`, which runs egglog through `egglog_runner` in a child process.
 """
 

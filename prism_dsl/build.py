@@ -462,7 +462,7 @@ def summary(report: dict, out: Path) -> str:
             lines.append(f"  nvcc: every kernel compiles for {', '.join(c['archs'])}")
         else:
             errs = ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" for o, v in c["outputs"].items())
-            lines.append(f"  {name}: {'passed' if c['passed'] else 'FAILED'} against the float64 reference ({errs})")
+            lines.append(f"  {name}: {'passed' if c['passed'] else 'FAILED'} against the float64 reference of the {c.get('checked_against', 'program')} ({errs})")
     if "search" in report:
         sr = report["search"]
         how = "from the checkpoint" if sr["from_checkpoint"] else (

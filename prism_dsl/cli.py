@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "fused custom kernels, proves each equal to the input with the axioms, tunes the "
                                     "parameters of every proved one (cost model, or timing with --target cuda) and keeps "
                                     "the fastest, the program as written included. The result is rendered, compiled with "
-                                    "nvcc, run as C++ on the CPU and checked against the float64 reference.")
+                                    "nvcc, run as C++ on the CPU and checked against the float64 reference of the input program.")
     co.add_argument("file", metavar="FILE")
     co.add_argument("--program", help="which program of the file (needed when it has several)")
     co.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the results into")
