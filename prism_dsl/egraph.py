@@ -28,16 +28,16 @@ from . import ast
 from .errors import PrismError
 from .ir import Node, Program
 from .ops import LOOP_DIM, MAX_RANK, OPS, Kind
-from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
+from .rules import MAX_SHAPE_INEQUALITIES, DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
 
 DIMS = tuple(range(-1, -MAX_RANK - 1, -1))
 SHAPES = "shapes"
 FOLD = "fold"
 PRELUDE = (SHAPES, FOLD)  # rulesets that always terminate; they run to saturation between rule passes
 
-# Rewrites one rule may emit for its conditions' alternatives: two `shape(a) != shape(b)` (9 * 9). egglog
-# loads 81 rewrites in about a second; 729 take it over a minute.
-MAX_ALTERNATIVES = 9 * 9
+# Rewrites one rule may emit for its conditions' alternatives (`rules.MAX_SHAPE_INEQUALITIES`; a rule
+# built by hand, not read from a file, meets the limit here).
+MAX_ALTERNATIVES = MAX_RANK ** MAX_SHAPE_INEQUALITIES
 
 # Constant folding: the egglog f64 primitive of each binary op, and of negation.
 FOLDS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}

@@ -92,6 +92,9 @@ def test_more_shape_inequalities_than_the_prover_can_load_are_an_error(tmp_path,
     assert main(["rules", "--emit-egglog", "--no-default-rules", "--rules", str(mine)]) == 1
     err = capsys.readouterr().err
     assert f"{mine}:2:" in err and "too many 'shape(..) != shape(..)' conditions" in err and "Traceback" not in err
+    assert main(["check", "--no-default-rules", str(mine)]) == 1  # found when the file is read, before any proof
+    err = capsys.readouterr().err
+    assert f"{mine}:2:" in err and "too many 'shape(..) != shape(..)' conditions" in err
 
 
 # -- size(a, d) != ... -------------------------------------------------------------------------------
