@@ -88,7 +88,7 @@ def bench(args) -> int:
     if kernels_of(baseline):
         raise PrismError(f"'{program.name}' has custom kernels; give --baseline with the program as written")
     options = BuildOptions(dims=args.dims, mode="cuda", emulate=False, archs=())
-    built = compile_program(program, target, options)
+    built = compile_program(program, target, options, reference=baseline)  # checked against the program as written
     binding = bind_dims(baseline, dict(args.dims))
     inputs = [random_inputs(baseline, binding, seed) for seed in range(3)]
     ref = reference_outputs(built, inputs[0])

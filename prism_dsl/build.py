@@ -254,19 +254,19 @@ def check_output(out: Path) -> None:
     prismc refuse and touch nothing.
     """
     shown = str(out)
-    if os.path.lexists(out) and not out.is_dir():
+    if os.path.lexists(out) and not os.path.isdir(out):
         raise PrismError(f"cannot write to '{shown}': it exists and is not a directory "
                          "(-o names the directory the results go into)")
     probe = out.parent
     while not os.path.lexists(probe) and probe != probe.parent:
         probe = probe.parent
-    if not probe.is_dir():
+    if not os.path.isdir(probe):
         raise PrismError(f"cannot write to '{shown}': '{probe}' is not a directory")
     here, target = Path.cwd().resolve(), out.resolve()
     if target == here or target in here.parents:
         raise PrismError(f"cannot write to '{shown}': it holds the current directory, and prismc replaces its "
                          "output directory whole; give a directory inside it, e.g. -o out")
-    if out.is_dir():
+    if os.path.isdir(out):
         foreign = _foreign(target)
         if foreign:
             listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -371,7 +371,7 @@ def write(build: Build, out: Path, options: BuildOptions, extra: Mapping[str, st
         raise PrismError(f"cannot write to '{shown}': {files.describe(e)}") from None
     try:
         report = _fill(build, scratch, options, extra or {})
-        mode = out.stat().st_mode if out.is_dir() else 0o777 & ~files.umask()
+        mode = out.stat().st_mode if os.path.isdir(out) else 0o777 & ~files.umask()
         os.chmod(scratch, stat.S_IMODE(mode))  # mkdtemp's directory is private; keep the usual mode
         check_output(Path(shown))  # the user may have put something there while the checks ran
         _swap_in(scratch, out)
@@ -433,7 +433,7 @@ def _fill(build: Build, scratch: Path, options: BuildOptions, extra: Mapping[str
 
 def _too_large(build: Build) -> str | None:
     """Why the float64 reference cannot run at these sizes (then the CPU run is skipped), or None."""
-    programs = [p for p in (build.source, getattr(build, "reference", None)) if p is not None]
+    programs = [p for p in (build.source, build.reference) if p is not None]
     try:
         for program in programs:
             check_sizes(program, build.binding)

@@ -134,7 +134,10 @@ def write(kind: str, key: str, value: Any) -> None:
     if "write" in _off.get(str(cache_dir()), ()):
         return
     path = path_for(kind, key)
-    text = json.dumps({"key": key, "value": value})  # a NaN or infinity is written, and refused when read
+    try:
+        text = json.dumps({"key": key, "value": value}, allow_nan=False)
+    except ValueError:  # a NaN or infinity: `read` would refuse it, so it is not worth keeping
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _sweep(path.parent)
@@ -163,6 +166,14 @@ def _sweep(directory: Path) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+def remove(kind: str, key: str) -> None:
+    """Drop the record under `key` (one found false), so that no later run meets it again."""
+    try:
+        os.unlink(path_for(kind, key))
+    except OSError:
+        pass
 
 
 def warn(path: Path, why: str) -> None:

@@ -238,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `prismc rules | head`: the reader has gone; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as e:  # a file system refusal not foreseen where it happened: still the user's setup, in words
+        where = f" '{e.filename}'" if e.filename else ""
+        print(f"prismc: cannot use{where}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_INPUT
     finally:
         sys.setrecursionlimit(limit)
         if on_term is not None:

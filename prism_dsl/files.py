@@ -215,7 +215,7 @@ def check_writable(path: str) -> None:
     replaced atomically. A character device or a FIFO (`/dev/null`, `/dev/stdout` in a pipe) is written
     directly; anything else (a directory, a block device, a socket) is refused."""
     target = Path(path)
-    if target.is_dir():
+    if os.path.isdir(target):
         raise PrismError(f"cannot write '{path}': it is a directory")
     try:
         mode = os.stat(target).st_mode
@@ -223,11 +223,11 @@ def check_writable(path: str) -> None:
         mode = None
     if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
         raise PrismError(f"cannot write '{path}': it is not a regular file")
-    if mode is None and not Path(os.path.realpath(target)).parent.is_dir():
+    if mode is None and not os.path.isdir(Path(os.path.realpath(target)).parent):
         probe = target.parent
         while not os.path.lexists(probe) and probe != probe.parent:
             probe = probe.parent
-        if probe.is_dir():
+        if os.path.isdir(probe):
             raise PrismError(f"cannot write '{path}': directory '{target.parent}' does not exist")
         raise PrismError(f"cannot write '{path}': '{probe}' is not a directory")
 

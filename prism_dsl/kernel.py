@@ -562,7 +562,7 @@ def _candidates(program: Program, sym: sympy.Symbol, binding) -> list[int]:
     return divisors(math.gcd(*sizes))
 
 
-MAX_DIVISORS = 64  # candidates per symbol: every divisor of real sizes (4096 has 13, 12288 has 28)
+MAX_DIVISORS = 64  # candidates per symbol: every divisor of real sizes (4096 has 13, 12288 has 26)
 
 
 def divisors(n: int, limit: int = MAX_DIVISORS) -> list[int]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import files
 from .errors import PrismError
-from .reference import MAX_ELEMENTS, MAX_RANK
+from .reference import MAX_ELEMENTS, NUMPY_MAX_DIMS
 from .syntax import clip
 
 # Compression methods zipfile reads (stored, deflated, bzip2, lzma); numpy.savez writes the first two.
@@ -91,13 +91,15 @@ def _npz_header(path: str, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> t
         raise PrismError(f"cannot read inputs '{path}': it holds arrays of Python objects; only numeric arrays are read")
     if dtype.kind not in "fiub" or dtype.fields is not None or dtype.subdtype is not None:
         raise PrismError(f"cannot read inputs '{path}': {name} must hold numbers, not {dtype}")
+    if not all(isinstance(s, int) and s >= 0 for s in shape):  # numpy's header reader takes (-2, -3)
+        raise PrismError(f"{what} is not a readable NumPy array (its header's shape is {clip(repr(shape))})")
     nbytes = math.prod(shape) * dtype.itemsize
     if info.file_size != start + nbytes:
         raise PrismError(f"{what} is damaged: its header says {list(shape)} {dtype} ({nbytes:,} bytes of data), "
                          f"but it holds {max(info.file_size - start, 0):,}")
-    if math.prod(shape) > MAX_ELEMENTS or len(shape) > MAX_RANK:
+    if math.prod(shape) > MAX_ELEMENTS or len(shape) > NUMPY_MAX_DIMS:
         raise PrismError(f"cannot read inputs '{path}': {name} has shape {list(shape)}; the float64 reference "
-                         f"evaluates tensors of at most {MAX_ELEMENTS:,} (2^30) elements and {MAX_RANK} dims")
+                         f"evaluates tensors of at most {MAX_ELEMENTS:,} (2^30) elements and {NUMPY_MAX_DIMS} dims")
     return tuple(shape), dtype
 
 

@@ -166,7 +166,7 @@ def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
 # The float64 reference evaluates tensors of at most this many elements (8 GiB each in float64): a larger
 # one would exhaust a workstation's memory, and a binding such as n = 2^62 is a mistake, not a workload.
 MAX_ELEMENTS = 2**30
-MAX_RANK = 64  # NumPy's limit on an array's dims
+NUMPY_MAX_DIMS = 64  # NumPy's limit on an array's dims
 
 
 def check_sizes(program: Program, binding: Binding, nodes: list[Node] | None = None) -> None:
@@ -176,8 +176,8 @@ def check_sizes(program: Program, binding: Binding, nodes: list[Node] | None = N
     for node in program.nodes() if nodes is None else nodes:
         what = f"input '{node.attr}'" if node.op == "input" else f"a tensor of shape {fmt_shape(node.shape)}"
         where = program.locs.get(node)
-        if node.rank > MAX_RANK:
-            raise PrismError(f"{what} has {node.rank} dims; the float64 reference handles at most {MAX_RANK} "
+        if node.rank > NUMPY_MAX_DIMS:
+            raise PrismError(f"{what} has {node.rank} dims; the float64 reference handles at most {NUMPY_MAX_DIMS} "
                              "(NumPy's limit)", where)
         sizes = [s.xreplace(binding) if isinstance(s, sympy.Basic) else s for s in node.shape]
         if any(isinstance(s, sympy.Basic) and not s.is_Integer for s in sizes):

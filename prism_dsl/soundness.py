@@ -7,8 +7,8 @@ where its left side is fine, is rejected with its name and location. The draws a
 a rule that is false only somewhere is still false: sizes from 1 up to 64 (primes among them, at most two
 large dims per instance and a cap on elements), every dim down to the deepest the prover tracks for dim
 variables, and values at magnitudes from 1e-3 to 1e3 of both signs where the operators' domains allow.
-A draw that overflows float64 is compared only where both sides stay finite, and drawn again ten times
-smaller, so that overflow is never taken for a difference.
+A draw that overflows float64 is compared only where both sides stay finite, and drawn again at half the
+scale, so that overflow is never taken for a difference.
 
 A rule that passes is then given to SymPy (`symbolic`): if SymPy shows both sides equal, the rule is
 *proved symbolically*; if it shows they differ, the rule is rejected; otherwise it stays *tested
@@ -23,9 +23,11 @@ facts, where a dim beyond a tensor's rank has size 1.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -34,7 +36,7 @@ from . import ast, cache
 from .errors import Collector
 from .ops import LOOP_DIM, MAX_RANK, OPS, Kind
 from .reference import NUMPY
-from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
+from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, default_files, literal_dim
 
 SHAPE_TRIES = 4000  # random shape draws per direction of a rule
 SHAPE_INSTANCES = 40  # well-formed shape instances whose result shapes are compared, per direction
@@ -46,7 +48,7 @@ OVERFLOW_RETRIES = 9  # a draw that overflows or underflows float64 is halved in
 SMALL_SIZES = (2, 3, 4, 5)
 LARGE_SIZES = (6, 7, 8, 11, 13, 16, 17, 23, 32, 64)  # primes and powers of two beyond the small sizes
 MAX_LARGE = 2  # large dims per instance, so that a tensor stays small
-MAX_ELEMENTS = 4096  # per tensor
+SAMPLE_MAX_ELEMENTS = 4096  # per tensor
 DIMS = tuple(range(-1, -MAX_RANK - 1, -1))
 DIM_WEIGHTS = (5, 4, 3, 2, 2, 2, 2, 2, 2)  # the last dims matter most (matmul and row-wise ops treat them apart)
 
@@ -193,7 +195,7 @@ class _Sizes:
 
     small: tuple[int, ...] = SMALL_SIZES
     large: tuple[int, ...] = LARGE_SIZES
-    max_elements: int = MAX_ELEMENTS
+    max_elements: int = SAMPLE_MAX_ELEMENTS
 
 
 WIDE = _Sizes()
@@ -318,7 +320,7 @@ def _repair_conditions(rule: Rule, sizes: np.ndarray, index: dict[str, int], env
         match lhs, rhs:
             case SizeOf(var=v, dim=d), SizeOf(var=w, dim=e):
                 sizes[rows, index[w], env.dim(e)] = sizes[rows, index[v], env.dim(d)]
-            case SizeOf(var=v, dim=d), Lit(value=value) if 1 <= value <= MAX_ELEMENTS:
+            case SizeOf(var=v, dim=d), Lit(value=value) if 1 <= value <= SAMPLE_MAX_ELEMENTS:
                 sizes[rows, index[v], env.dim(d)] = value
             case SizeOf(var=v, dim=d), DimVar(name=g) if g in env.cvars:
                 sizes[rows, index[v], env.dim(d)] = env.count(g)
@@ -584,24 +586,51 @@ def check_rule(rule: Rule) -> str | None:
     return verdict.why if verdict.status == UNSOUND else None
 
 
-# Bump when the check itself changes, so that rules judged by an older check are judged again.
+# Bump when the check's meaning changes in a way its code does not show (the code is in the key too).
 CHECK_VERSION = "5"
+
+
+@functools.cache
+def _code() -> str:
+    """A digest of the code a verdict comes from: a verdict of other code is judged again."""
+    here = Path(__file__).parent
+    return cache.digest(*((here / f).read_text() for f in ("soundness.py", "symbolic.py", "ops.py", "reference.py")))
+
+
+def verdict_key(rule: Rule) -> str:
+    return cache.digest("soundness", CHECK_VERSION, _code(), rule.name, rule.canonical())
+
+
+def cacheable(rule: Rule) -> bool:
+    """Whether a verdict on `rule` may come from the cache: only for the default library's rules.
+
+    A cached verdict is a claim anyone who can write the cache can make: for a rule of the default
+    library (sound, and tested by the suite) it can at worst refuse a sound rule, while for a user's rule
+    an edited "sound" would let a false rule into proofs. A user's rules are judged on every load.
+    """
+    return Path(rule.loc.path).resolve() in _default_paths(tuple(default_files()))
+
+
+@functools.cache
+def _default_paths(files: tuple[Path, ...]) -> frozenset[Path]:
+    return frozenset(f.resolve() for f in files)
 
 
 def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]:
     """Each rule's status by name, SYMBOLIC or NUMERIC_ONLY; raise one PrismError naming every unsound rule.
 
-    A rule judged before (same meaning, same check) is not judged again: loading the default library on
-    every `prove` would otherwise cost seconds.
+    A rule of the default library judged before (same meaning, same code) is not judged again: loading
+    it on every `prove` would otherwise cost seconds. A user's rules are judged every time (`cacheable`).
     """
     errors = Collector()
     statuses: dict[str, str] = {}
     for rule in library.rules:
-        key = cache.digest("soundness", CHECK_VERSION, rule.name, rule.canonical())
-        verdict = _cached(key) if use_cache else None
+        use = use_cache and cacheable(rule)
+        key = verdict_key(rule) if use else ""
+        verdict = _cached(key) if use else None
         if verdict is None:
             verdict = judge(rule)
-            if use_cache:
+            if use:
                 cache.write("sound", key, {"status": verdict.status, "why": verdict.why})
         if verdict.status == UNSOUND:
             errors.error(rule.loc, f"rule '{rule.name}' is unsound: {verdict.why}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from .errors import PrismError
 from .ir import Program
 from .kernel import Target
 from .printer import print_program
+from .syntax import clip
 from .rules import Library
 from .search import Prover, Result, SearchConfig, Stats, default_jobs, search
 
@@ -260,10 +262,10 @@ def _tuning_problem(hit, lowered: Program, binding: dict, target: Target) -> str
         return "no parameters"
     params, us = hit["params"], hit.get("us")
     if not _positive_time(us):
-        return f"the time {_brief(us)} is not a finite positive number"
+        return f"the time {clip(repr(us))} is not a finite positive number"
     symbols = {s.name: s for s in free_symbols(lowered)}
     if set(params) != set(symbols):
-        return f"parameters {_brief(sorted(params))} are not the program's ({', '.join(symbols) or 'none'})"
+        return f"parameters {clip(repr(sorted(params)))} are not the program's ({', '.join(symbols) or 'none'})"
     bad = [n for n, v in params.items() if not _count(v) or v < 1]
     if bad:
         return f"{', '.join(bad)} not a whole number from 1"
@@ -272,11 +274,6 @@ def _tuning_problem(hit, lowered: Program, binding: dict, target: Target) -> str
     if broken:
         return f"the parameters break the constraints of kernel {', '.join(broken)} at these dims"
     return None
-
-
-def _brief(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class Progress:
@@ -363,7 +360,7 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
     each for attention): only what can reach the user or the GPU is proved, without a GPU one proof in
     one egglog process. That process starts (most of a second) while the checkpoint is read and its
     programs are ranked, so that the proof waits for little."""
-    if not cache.path_for("search", key).is_file():
+    if not os.path.isfile(cache.path_for("search", key)):
         return None
     prover = Prover(program, library, 1 if how.measure is None else jobs)
     try:
@@ -377,6 +374,7 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
     if chosen is None:
         cache.warn(cache.path_for("search", key), f"checkpoint entry for '{program.name}' failed its proof; "
                    "searching again")
+        cache.remove("search", key)  # gone even if the new search is cut short and saves nothing
         return None
     ranked, info = chosen
     reproved = sum(r.proved and not r.as_written for r in ranked)
@@ -483,7 +481,7 @@ def _measured_problem(hit) -> str | None:
     if not isinstance(hit, dict) or not isinstance(hit.get("note"), str) or "us" not in hit:
         return "not a time with a note"
     if hit["us"] is not None and not _positive_time(hit["us"]):
-        return f"the time {_brief(hit['us'])} is not a finite positive number"
+        return f"the time {clip(repr(hit['us']))} is not a finite positive number"
     return None
 
 

@@ -24,6 +24,7 @@ numerically only.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import time
 from collections import Counter
@@ -42,6 +43,7 @@ from .soundness import ones, rule_domains, rule_seed, strip_ones
 MAX_SHAPES = 8  # symbolic shape instances per rule
 PER_CLASS = 2  # of those, for one way the dims coincide (with different size-1 dims)
 MAX_NODES = 2000  # a difference larger than this (in SymPy nodes) is not expanded
+MAX_TERMS = 20000  # nor one whose expansion could have more terms than this (`_expanded_terms`)
 SECONDS = 5.0  # CPU seconds per rule (the default library's slowest takes under 1); past it, tested numerically
 REFUTE_RTOL = 1e-12  # a difference this large (relative to the sides) at 30 digits is not rounding
 POINT_MAGNITUDES = (1, 10, 300)  # the points of the domain where an undecided rule is evaluated exactly
@@ -256,11 +258,27 @@ def _size_within(d, cap: int) -> bool:
     return True
 
 
+def _expanded_terms(e) -> int:
+    """An upper bound of the terms `sympy.expand` would make of `e` (and of any argument of a function in
+    it), capped just above MAX_TERMS: a small expression such as square(square(...(a + b + c)...)) expands
+    to millions of terms, which no time check between elements could stop."""
+    if e.is_Atom:
+        return 1
+    if e.is_Add:
+        return min(sum(_expanded_terms(a) for a in e.args), MAX_TERMS + 1)
+    if e.is_Mul:
+        return min(math.prod(_expanded_terms(a) for a in e.args), MAX_TERMS + 1)
+    if e.is_Pow and e.exp.is_Integer and e.exp > 1:
+        k = _expanded_terms(e.base)
+        return MAX_TERMS + 1 if k > MAX_TERMS or int(e.exp) > MAX_TERMS else min(math.comb(k + int(e.exp) - 1, int(e.exp)), MAX_TERMS + 1)
+    return 1 if all(_expanded_terms(a) <= MAX_TERMS for a in e.args) else MAX_TERMS + 1  # a function: one term
+
+
 def _zero(d) -> bool:
     """Whether cheap SymPy means show `d` to be zero."""
     if d == 0:
         return True
-    if not _size_within(d, MAX_NODES):
+    if not _size_within(d, MAX_NODES) or _expanded_terms(d) > MAX_TERMS:
         return False
     d = sympy.expand(d)
     if d == 0:

@@ -213,8 +213,10 @@ def test_checkpoint_of_the_wrong_form_is_reported_once_and_ignored(name, library
         path.write_text(f'{{"key": "{key}", "value": ' + "[" * DEEP + "]" * DEEP + "}")
     else:
         value = BAD_CHECKPOINTS[name]
-        cache.write("search", key, {"stats": GOOD_STATS, **value} if isinstance(value, dict) and "stats" not in value
-                    else value)
+        value = {"stats": GOOD_STATS, **value} if isinstance(value, dict) and "stats" not in value else value
+        path = cache.path_for("search", key)  # written as a damaged file would be: NaN included
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"key": key, "value": value}))
     assert load_checkpoint(source, key) is None
     assert load_checkpoint(source, key) is None
     err = capsys.readouterr().err

@@ -269,6 +269,8 @@ def _bad_crc(p):
     (lambda p: p.write_bytes(_archive(p, {"X.npy": _npy(X), "W.npy": _npy(W)}).read_bytes()[:-30]),
      "not a .npz archive"),
     (lambda p: os.mkfifo(p), "it is a FIFO (named pipe), not a regular file"),
+    (lambda p: _archive(p, {"X.npy": _npy(X).replace(b"(2, 8)", b"(-2,-8)"), "W.npy": _npy(W)}),
+     "member 'X.npy' is not a readable NumPy array (its header's shape is (-2, -8))"),
 ])
 def test_run_refuses_hostile_archives(capsys, tmp_path, make, message):
     path = tmp_path / "in.npz"
@@ -466,8 +468,11 @@ def test_cache_temporary_files_of_killed_runs_are_removed(own_cache):
     assert not left.exists() and cache.read("kind", KEY) == 1
 
 
-def test_prove_does_not_hang_on_a_fifo_in_the_cache(own_cache, capsys, write):
+def test_prove_does_not_hang_on_a_fifo_in_the_cache(own_cache, capsys, write, monkeypatch):
     """A FIFO where the soundness verdict of a rule is cached used to hang `prove` and `check`."""
+    from prism_dsl import soundness
+
+    monkeypatch.setattr(soundness, "cacheable", lambda rule: True)  # as the default library's rules are
     rules = write("ruleset algebra {\n    rule twice: x + x => 2 * x\n}\n", "mine.rules")
     assert prismc(capsys, "check", "--no-default-rules", rules)[0] == 0
     (entry,) = (own_cache / "sound").iterdir()
@@ -503,3 +508,16 @@ def test_run_removes_partial_outputs_of_killed_runs(capsys, tmp_path):
     left.write_bytes(b"PK")
     assert prismc(capsys, "run", RMSNORM, "--dims", "n=2,d=8", "--out", tmp_path / "o.npz")[0] == 0
     assert not left.exists() and re.fullmatch(r"o\.npz", " ".join(p.name for p in tmp_path.iterdir()))
+
+
+def test_an_unforeseen_file_system_refusal_is_a_message_not_a_traceback(capsys, tmp_path, monkeypatch):
+    """Whatever OSError escapes a command (a permission a root test cannot take away, say) ends as exit 1."""
+    from prism_dsl import cli
+
+    def refuse(args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "private"))
+
+    monkeypatch.setattr(cli, "cmd_check", refuse)
+    assert main(["check", str(RMSNORM)]) == 1
+    err = capsys.readouterr().err
+    assert f"prismc: cannot use '{tmp_path / 'private'}': Permission denied" in err and "Traceback" not in err

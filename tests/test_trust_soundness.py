@@ -68,7 +68,7 @@ def test_large_sizes_and_primes_are_drawn():
     rule = DEFAULT.rule("matmul_add_right")
     sizes = {s for inst in soundness.instances(rule, rule.lhs, 1) for shape in inst.shapes.values() for s in shape}
     assert {1, 2, 3, 5} <= sizes and sizes & {7, 11, 13, 17, 23} and max(sizes) > 16
-    assert all(math.prod(shape) <= soundness.MAX_ELEMENTS
+    assert all(math.prod(shape) <= soundness.SAMPLE_MAX_ELEMENTS
                for inst in soundness.instances(rule, rule.lhs, 1) for shape in inst.shapes.values())
 
 
@@ -138,6 +138,7 @@ def test_default_algebra_and_definitions_are_proved_symbolically(rule):
 
 def test_verdicts_are_cached_by_content_and_a_damaged_entry_is_judged_again(tmp_path, monkeypatch):
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(soundness, "cacheable", lambda rule: True)  # as the default library's rules are
     library = load_library([rules_file(tmp_path, "e: exp(a - b) => exp(a) / exp(b)", "r: relu(a) - relu(-a) => a")])
     first = soundness.check_library(library)
     assert first == {"e": soundness.SYMBOLIC, "r": soundness.NUMERIC_ONLY}
@@ -148,17 +149,42 @@ def test_verdicts_are_cached_by_content_and_a_damaged_entry_is_judged_again(tmp_
         entry.write_text(json.dumps({"key": record["key"], "value": {"status": "proved", "why": 3}}))
     monkeypatch.undo()
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(soundness, "cacheable", lambda rule: True)
     assert soundness.check_library(library) == first
 
 
 def test_an_unsound_verdict_is_cached_too(tmp_path, monkeypatch):
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(soundness, "cacheable", lambda rule: True)
     library = load_library([rules_file(tmp_path, "bad: a - b => b - a")])
     for _ in range(2):
         with pytest.raises(PrismError, match="rule 'bad' is unsound: its sides differ"):
             soundness.check_library(library)
-    key = cache.digest("soundness", soundness.CHECK_VERSION, "bad", library.rules[0].canonical())
+    key = soundness.verdict_key(library.rules[0])
     assert cache.read("sound", key)["status"] == soundness.UNSOUND
+
+
+def test_a_rule_whose_expansion_explodes_is_left_to_the_numeric_check(tmp_path):
+    # Six squares of a five-term sum expand to millions of terms: SymPy must not be asked to.
+    nest = lambda x: "square(" * 6 + x + ")" * 6
+    path = rules_file(tmp_path, f"big: {nest('a + b + c + d - e')} => {nest('e - a - b - c - d')}")
+    assert soundness.check_library(load_library([path]), use_cache=False) == {"big": soundness.NUMERIC_ONLY}
+
+
+def test_a_cached_verdict_on_a_users_rule_is_never_trusted(tmp_path, monkeypatch):
+    # The attack: the cache says a false rule of the user's was proved sound.
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    library = load_library([rules_file(tmp_path, "bad: a - b => b - a")])
+    cache.write("sound", soundness.verdict_key(library.rules[0]), {"status": soundness.SYMBOLIC, "why": ""})
+    with pytest.raises(PrismError, match="rule 'bad' is unsound"):
+        soundness.check_library(library)
+
+
+def test_the_default_librarys_verdicts_are_cached():
+    library = load_library([], defaults=True)
+    assert all(soundness.cacheable(r) for r in library.rules)
+    soundness.check_library(library)
+    assert all(cache.read("sound", soundness.verdict_key(r)) for r in library.rules)
 
 
 # -- the command line --------------------------------------------------------------------------------
