@@ -27,10 +27,9 @@ import sympy
 from . import ast
 from .errors import PrismError
 from .ir import Node, Program
-from .ops import LOOP_DIM, MAX_RANK, OPS, Kind
+from .ops import DIMS, LOOP_DIM, MAX_RANK, OPS, Kind
 from .rules import MAX_SHAPE_INEQUALITIES, DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
 
-DIMS = tuple(range(-1, -MAX_RANK - 1, -1))
 SHAPES = "shapes"
 FOLD = "fold"
 PRELUDE = (SHAPES, FOLD)  # rulesets that always terminate; they run to saturation between rule passes

@@ -98,6 +98,7 @@ KERNEL_RANK = 5
 BLOCK_DIMS = {"x": -6, "y": -7, "z": -8}
 LOOP_DIM = -9
 MAX_RANK = 9
+DIMS = tuple(range(-1, -MAX_RANK - 1, -1))  # every dim the prover tracks, counted from the end
 
 # Names a user may call in a program, in a kernel body, and in a rule.
 CALLABLE = frozenset(name for name, spec in OPS.items() if spec.where == "any" and spec.kind not in (Kind.INPUT, Kind.CONST))

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import ast, cache
 from .errors import Collector
-from .ops import LOOP_DIM, MAX_RANK, OPS, Kind
+from .ops import DIMS, LOOP_DIM, MAX_RANK, OPS, Kind
 from .reference import NUMPY
 from .rules import DimVar, Library, Lit, Rule, ShapeOf, SizeOf, default_files, literal_dim
 
@@ -49,7 +49,6 @@ SMALL_SIZES = (2, 3, 4, 5)
 LARGE_SIZES = (6, 7, 8, 11, 13, 16, 17, 23, 32, 64)  # primes and powers of two beyond the small sizes
 MAX_LARGE = 2  # large dims per instance, so that a tensor stays small
 SAMPLE_MAX_ELEMENTS = 4096  # per tensor
-DIMS = tuple(range(-1, -MAX_RANK - 1, -1))
 DIM_WEIGHTS = (5, 4, 3, 2, 2, 2, 2, 2, 2)  # the last dims matter most (matmul and row-wise ops treat them apart)
 
 # Value draws, each at every instance whose values are compared: standard normal (or 0.5 .. 2 where a
