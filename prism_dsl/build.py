@@ -293,7 +293,7 @@ def _listed(directory: Path) -> set[str] | _AnyLegacy | None:
     """The names prismc wrote in `directory`, as its report.json lists them (the names an older prismc gave
     its files, when it lists none); None when there is no report.json of prismc's form."""
     try:
-        report = json.loads(files.read_regular(directory / "report.json", 16 * files.MiB))
+        report = json.loads(files.read_regular(directory / "report.json", files.MAX_TEXT_BYTES))
     except (OSError, ValueError, RecursionError):
         return None
     if not (isinstance(report, dict) and {"program", "target", "kernels", "checks", "verified"} <= report.keys()):

@@ -25,9 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from .files import MiB, NotRegularFile, TooLarge, abandoned, describe, read_regular, scratch_pattern, scratch_prefix
+from .files import MAX_TEXT_BYTES, NotRegularFile, TooLarge, abandoned, describe, read_regular, scratch_pattern, scratch_prefix
 
-MAX_RECORD_BYTES = 16 * MiB  # a search checkpoint of thousands of programs stays far below
+MAX_RECORD_BYTES = MAX_TEXT_BYTES  # a search checkpoint of thousands of programs stays far below
 MAX_NESTING = 64  # records are a few levels deep; json's parser recurses once per level
 
 _warned: set[str] = set()

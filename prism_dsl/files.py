@@ -31,6 +31,7 @@ from typing import BinaryIO, Callable, Iterator
 from .errors import PrismError
 
 MiB = 1 << 20
+MAX_TEXT_BYTES = 16 * MiB  # the largest text the tool reads: a source, a cache record, a report.json
 TAG = "prismc"  # in every scratch directory's name, before the pid
 
 

@@ -20,12 +20,12 @@ from lark.visitors import merge_transformers
 
 from . import ast
 from .errors import Loc, PrismError
-from .files import MiB, describe, read_regular
+from .files import MAX_TEXT_BYTES, describe, read_regular
 
 GRAMMAR_DIR = Path(__file__).parent / "grammar"
 
 # Source files (programs, rules, their imports) larger than this are refused unread: real ones are a few KiB.
-MAX_SOURCE_BYTES = 16 * MiB
+MAX_SOURCE_BYTES = MAX_TEXT_BYTES
 
 # Deeper trees than this are refused before any recursive pass walks them. Real programs stay below 30.
 MAX_DEPTH = 200
