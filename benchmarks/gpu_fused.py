@@ -11,8 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from prism_dsl.cli import main
-from prism_dsl.cuda_runtime import gpu_status
+from prism_dsl.cli.main import main
+from prism_dsl.backend.cuda_runtime import gpu_status
 
 ROOT = Path(__file__).resolve().parent.parent
 NK = ["n=8,d=1024", "n=8,d=2048", "n=8,d=4096", "n=16,d=1024", "n=16,d=4096"]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from importlib.metadata import version
 
-from prism_dsl.check import load
-from prism_dsl.prove import prove
-from prism_dsl.rules import load_library
-from prism_dsl.soundness import check_library
+from prism_dsl.lang.check import load
+from prism_dsl.prove.prover import prove
+from prism_dsl.prove.rules import load_library
+from prism_dsl.prove.soundness import check_library
 
 REPO = Path(__file__).resolve().parent.parent
 

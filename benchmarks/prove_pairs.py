@@ -17,11 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from prism_dsl.check import load
-from prism_dsl.egglog_runner import Limits
-from prism_dsl.prove import prove
-from prism_dsl.rules import load_library
-from prism_dsl.soundness import check_library
+from prism_dsl.lang.check import load
+from prism_dsl.prove.egglog_runner import Limits
+from prism_dsl.prove.prover import prove
+from prism_dsl.prove.rules import load_library
+from prism_dsl.prove.soundness import check_library
 
 HEADER = "dims n = 8, d = 64, m = 32, k = 16\n"
 SIGNATURE = "X: f32[n, d], W: f32[d, m], V: f32[d, m], U: f32[m, k], A: f32[n, d], B: f32[n, d]"

@@ -28,14 +28,14 @@ DECODING = [dict(b=1, h=8, q=1, kv=8192, dh=128), dict(b=1, h=8, q=1, kv=32768, 
 
 def main() -> None:
     os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")
-    from prism_dsl.check import load
-    from prism_dsl.kernel import kernels_of, load_target
-    from prism_dsl.lower import lower
-    from prism_dsl.printer import print_program
-    from prism_dsl.reference import bind_dims
-    from prism_dsl.rules import load_library
-    from prism_dsl.search import default_jobs
-    from prism_dsl.superopt import optimize
+    from prism_dsl.lang.check import load
+    from prism_dsl.kernels.kernel import kernels_of, load_target
+    from prism_dsl.kernels.lower import lower
+    from prism_dsl.lang.printer import print_program
+    from prism_dsl.semantics.reference import bind_dims
+    from prism_dsl.prove.rules import load_library
+    from prism_dsl.search.driver import default_jobs
+    from prism_dsl.pipeline.optimize import optimize
 
     library = load_library([], defaults=True)
     target = load_target("h100")
@@ -79,7 +79,7 @@ def main() -> None:
 
 
 def _split(program) -> bool:
-    from prism_dsl.kernel import kernels_of
+    from prism_dsl.kernels.kernel import kernels_of
 
     return any(k.name.endswith("_combine") for k in kernels_of(program))
 

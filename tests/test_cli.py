@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.reference import evaluate
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.semantics.reference import evaluate
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = REPO / "programs"

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from prism_dsl.build import BuildOptions, compile_program, nvcc_check, write
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.codegen import comment, ident
-from prism_dsl.cost import estimate, tune
-from prism_dsl.emulate import compiler
-from prism_dsl.kernel import free_symbols, instantiate_program, kernels_of, load_target
-from prism_dsl.lower import lower
+from prism_dsl.pipeline.build import BuildOptions, compile_program, nvcc_check, write
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.backend.codegen import comment, ident
+from prism_dsl.backend.cost import estimate, tune
+from prism_dsl.backend.emulate import compiler
+from prism_dsl.kernels.kernel import free_symbols, instantiate_program, kernels_of, load_target
+from prism_dsl.kernels.lower import lower
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
@@ -107,7 +107,7 @@ def test_generated_code_agrees_with_the_reference_in_the_cpu_emulation(path, tmp
 
 @needs_cxx
 def test_emulation_catches_a_wrong_kernel(tmp_path, monkeypatch):
-    import prism_dsl.codegen as codegen
+    import prism_dsl.backend.codegen as codegen
 
     monkeypatch.setitem(codegen.C_OPS, "mul", "({0} + {1})")  # a code generator bug: * rendered as +
     built, options = build_of(ROOT / "programs/fused/swiglu.prism", archs=())
@@ -204,7 +204,7 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
 ])
 def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.setenv("PRISM_NO_GPU", "1")
-    from prism_dsl.cuda_runtime import gpu_status
+    from prism_dsl.backend.cuda_runtime import gpu_status
 
     gpu_status.cache_clear()
     out = tmp_path / "out"
@@ -218,7 +218,7 @@ def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monke
 
 def test_bench_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setenv("PRISM_NO_GPU", "1")
-    from prism_dsl.cuda_runtime import gpu_status
+    from prism_dsl.backend.cuda_runtime import gpu_status
 
     gpu_status.cache_clear()
     code = main(["bench", str(ROOT / "programs/rmsnorm_linear.prism")])

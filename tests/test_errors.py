@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.errors import PrismError
-from prism_dsl.syntax import SYNTAX_ERRORS
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.base.errors import PrismError
+from prism_dsl.lang.syntax import SYNTAX_ERRORS
 
 DIMS = "dims n = 4, d = 8\n"
 

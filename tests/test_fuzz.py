@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from prism_dsl.cli import main
-from prism_dsl.errors import PrismError
-from prism_dsl.ops import OPS
-from prism_dsl.rules import load_library
+from prism_dsl.cli.main import main
+from prism_dsl.base.errors import PrismError
+from prism_dsl.ir.ops import OPS
+from prism_dsl.prove.rules import load_library
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = sorted((ROOT / "programs").rglob("*.prism"))

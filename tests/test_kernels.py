@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import sympy
 
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.egglog_runner import Limits
-from prism_dsl.kernel import SymbolicMap, choose, free_symbols, instantiate, kernels_of, load_target, tile_shape
-from prism_dsl.layout import bind_counts, to_terms
-from prism_dsl.printer import print_program
-from prism_dsl.prove import prove
-from prism_dsl.reference import bind_dims, evaluate, evaluate_nodes, random_inputs
-from prism_dsl.rules import load_library
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.prove.egglog_runner import Limits
+from prism_dsl.kernels.kernel import SymbolicMap, choose, free_symbols, instantiate, kernels_of, load_target, tile_shape
+from prism_dsl.prove.layout import bind_counts, to_terms
+from prism_dsl.lang.printer import print_program
+from prism_dsl.prove.prover import prove
+from prism_dsl.semantics.reference import bind_dims, evaluate, evaluate_nodes, random_inputs
+from prism_dsl.prove.rules import load_library
 
 REPO = Path(__file__).resolve().parent.parent
 FUSED = sorted((REPO / "programs" / "fused").glob("*.prism"))

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl.check import load
-from prism_dsl.ir import DType, Program
-from prism_dsl.printer import print_program
-from prism_dsl.reference import bind_dims, concrete_shape, evaluate, random_inputs
+from prism_dsl.lang.check import load
+from prism_dsl.ir.nodes import DType, Program
+from prism_dsl.lang.printer import print_program
+from prism_dsl.semantics.reference import bind_dims, concrete_shape, evaluate, random_inputs
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM_FILES = sorted((REPO / "programs").glob("*.prism"))

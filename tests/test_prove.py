@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.egglog_runner import Limits
-from prism_dsl.egraph import compile_library
-from prism_dsl.errors import PrismError
-from prism_dsl.prove import prove
-from prism_dsl.rules import Library, load_library
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.prove.egglog_runner import Limits
+from prism_dsl.prove.egraph import compile_library
+from prism_dsl.base.errors import PrismError
+from prism_dsl.prove.prover import prove
+from prism_dsl.prove.rules import Library, load_library
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT = load_library([], defaults=True)
@@ -242,7 +242,7 @@ def test_program_options_pick_programs_from_files(capsys, tmp_path):
 
 
 def test_explain_says_so_when_it_cannot_narrow_the_rules_down(tmp_path):
-    from prism_dsl.prove import _terms, explain_rules, pair_outputs
+    from prism_dsl.prove.prover import _terms, explain_rules, pair_outputs
 
     a, b = programs(tmp_path, "(rms_norm(X) @ W) * (rms_norm(X) @ V)",
                     "((X @ W) * (X @ V)) / square(sqrt(mean(square(X), -1)))")

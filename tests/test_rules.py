@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from prism_dsl.errors import PrismError
-from prism_dsl.rules import RULE_SYNTAX_ERRORS, default_files, load_library
-from prism_dsl import soundness
-from prism_dsl.soundness import check_library, check_rule
+from prism_dsl.base.errors import PrismError
+from prism_dsl.prove.rules import RULE_SYNTAX_ERRORS, default_files, load_library
+from prism_dsl.prove import soundness
+from prism_dsl.prove.soundness import check_library, check_rule
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT = load_library([], defaults=True)

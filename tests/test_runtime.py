@@ -17,8 +17,8 @@ import jinja2
 import numpy as np
 import pytest
 
-from prism_dsl import cuda_runtime as rt
-from prism_dsl.cuda_runtime import GpuUnavailable, Launcher, PlanError, check, marshal, validate_plan
+from prism_dsl.backend import cuda_runtime as rt
+from prism_dsl.backend.cuda_runtime import GpuUnavailable, Launcher, PlanError, check, marshal, validate_plan
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 

@@ -9,16 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl import cost, emulate
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.cuda_runtime import gpu_status
-from prism_dsl.kernel import kernels_of, load_target
-from prism_dsl.printer import print_program
-from prism_dsl.reference import bind_dims, evaluate, random_inputs
-from prism_dsl.rules import load_library
-from prism_dsl.search import SearchConfig, search
-from prism_dsl.superopt import MEASURED, Measurement, _to_measure, optimize
+from prism_dsl.backend import cost
+
+from prism_dsl.backend import emulate
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.backend.cuda_runtime import gpu_status
+from prism_dsl.kernels.kernel import kernels_of, load_target
+from prism_dsl.lang.printer import print_program
+from prism_dsl.semantics.reference import bind_dims, evaluate, random_inputs
+from prism_dsl.prove.rules import load_library
+from prism_dsl.search.driver import SearchConfig, search
+from prism_dsl.pipeline.optimize import MEASURED, Measurement, _to_measure, optimize
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_target("h100")
@@ -111,7 +113,7 @@ def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_pat
         raise AssertionError("tuned again")
 
     with monkeypatch.context() as m:
-        m.setattr("prism_dsl.superopt.search", no_search)
+        m.setattr("prism_dsl.pipeline.optimize.search", no_search)
         m.setattr(cost, "tune", no_tuning)
         again = optimize(src, library, H100, binding)
     assert again.from_checkpoint
@@ -119,7 +121,7 @@ def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_pat
     assert again.best.params == first.best.params
     # New dims: the checkpoint is reused, only tuning runs.
     with monkeypatch.context() as m:
-        m.setattr("prism_dsl.superopt.search", no_search)
+        m.setattr("prism_dsl.pipeline.optimize.search", no_search)
         other = optimize(src, library, H100, bind_dims(src, dict(n=8, d=128)))
     assert other.from_checkpoint
     # Other rules: the checkpoint no longer applies.
@@ -232,7 +234,8 @@ def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(lib
 def emulated_gpu(monkeypatch):
     """`--target cuda` on a CPU: the GPU check is the C++ emulation of the generated code, timed as the
     model estimates. Everything around it (search, tuning database, report) is the real path."""
-    from prism_dsl import build, cuda_runtime
+    from prism_dsl.pipeline import build
+    from prism_dsl.backend import cuda_runtime
 
     if not emulate.compiler():
         pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
@@ -289,7 +292,7 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
     """A loop kernel with online softmax is also split in two (partial results over S pieces of the keys,
     then a combining kernel with acc_rescaled_sum); every such program is proved, agrees with the
     reference with the pieces above 1, and its generated code passes the emulation."""
-    from prism_dsl.kernel import complete
+    from prism_dsl.kernels.kernel import complete
 
     src = program("attention")
     dims = BINDINGS["attention"][0]
@@ -310,7 +313,7 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
     # Keys too long for the pre-defined softmax's row in shared memory: the program as written cannot
     # run, the proved programs can.
     with monkeypatch.context() as m:
-        m.setattr("prism_dsl.superopt.search", lambda *a, **k: result)
+        m.setattr("prism_dsl.pipeline.optimize.search", lambda *a, **k: result)
         long = optimize(src, library, H100, bind_dims(src, dict(b=1, h=1, q=1, kv=65536, dh=8)))
     assert long.search["as_written_fits"] is False and not long.best.as_written
     path = tmp_path / "split.prism"
@@ -325,7 +328,7 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
 
 
 def test_split_only_where_pieces_combine(library):
-    from prism_dsl.kernel import complete
+    from prism_dsl.kernels.kernel import complete
 
     src = program("rmsnorm_linear")
     found = search(src, library, H100, jobs=2).verified

@@ -15,17 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from prism_dsl import cache, emulate, superopt
-from prism_dsl.build import BuildOptions, check_emulated, compile_program
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.kernel import load_target
-from prism_dsl.printer import print_program
-from prism_dsl.reference import bind_dims
-from prism_dsl.rules import load_library
-from prism_dsl.search import SearchConfig
-from prism_dsl.soundness import check_library
-from prism_dsl.superopt import Measurement, checkpoint_key, load_checkpoint, optimize, rank, tuning_key
+from prism_dsl.base import cache
+
+from prism_dsl.backend import emulate
+
+from prism_dsl.pipeline import optimize as superopt
+from prism_dsl.pipeline.build import BuildOptions, check_emulated, compile_program
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.kernels.kernel import load_target
+from prism_dsl.lang.printer import print_program
+from prism_dsl.semantics.reference import bind_dims
+from prism_dsl.prove.rules import load_library
+from prism_dsl.search.driver import SearchConfig
+from prism_dsl.prove.soundness import check_library
+from prism_dsl.pipeline.optimize import Measurement, checkpoint_key, load_checkpoint, optimize, rank, tuning_key
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "programs" / "rmsnorm_linear.prism"

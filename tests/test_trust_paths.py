@@ -20,10 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl import build, cache, files
-from prism_dsl.cli import main
-from prism_dsl.kernel import divisors
-from prism_dsl.reference import MAX_ELEMENTS
+from prism_dsl.pipeline import build
+
+from prism_dsl.base import cache
+
+from prism_dsl.base import files
+from prism_dsl.cli.main import main
+from prism_dsl.kernels.kernel import divisors
+from prism_dsl.semantics.reference import MAX_ELEMENTS
 
 ROOT = Path(__file__).resolve().parent.parent
 RMSNORM = ROOT / "programs" / "rmsnorm_linear.prism"
@@ -302,7 +306,7 @@ def test_run_checks_shapes_before_loading_the_data(capsys, tmp_path, monkeypatch
 
 
 def test_run_refuses_a_member_beyond_the_reference_from_its_header(capsys, tmp_path, monkeypatch):
-    from prism_dsl import npz
+    from prism_dsl.cli import npz
 
     monkeypatch.setattr(npz, "MAX_ELEMENTS", 8)  # X has 16: as a 2^31-element member, without 16 GiB of test data
     path = _archive(tmp_path / "in.npz", {"X.npy": _npy(X), "W.npy": _npy(W)})
@@ -470,7 +474,7 @@ def test_cache_temporary_files_of_killed_runs_are_removed(own_cache):
 
 def test_prove_does_not_hang_on_a_fifo_in_the_cache(own_cache, capsys, write, monkeypatch):
     """A FIFO where the soundness verdict of a rule is cached used to hang `prove` and `check`."""
-    from prism_dsl import soundness
+    from prism_dsl.prove import soundness
 
     monkeypatch.setattr(soundness, "cacheable", lambda rule: True)  # as the default library's rules are
     rules = write("ruleset algebra {\n    rule twice: x + x => 2 * x\n}\n", "mine.rules")
@@ -512,7 +516,7 @@ def test_run_removes_partial_outputs_of_killed_runs(capsys, tmp_path):
 
 def test_an_unforeseen_file_system_refusal_is_a_message_not_a_traceback(capsys, tmp_path, monkeypatch):
     """Whatever OSError escapes a command (a permission a root test cannot take away, say) ends as exit 1."""
-    from prism_dsl import cli
+    from prism_dsl.cli import main as cli
 
     def refuse(args):
         raise PermissionError(13, "Permission denied", str(tmp_path / "private"))

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import sympy
 
-from prism_dsl import egglog_runner
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.egglog_runner import Limits
-from prism_dsl.egraph import compile_library, conditions, dim_term, escape, string
-from prism_dsl.prove import prove
-from prism_dsl.rules import Library, load_library
+from prism_dsl.prove import egglog_runner
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.prove.egglog_runner import Limits
+from prism_dsl.prove.egraph import compile_library, conditions, dim_term, escape, string
+from prism_dsl.prove.prover import prove
+from prism_dsl.prove.rules import Library, load_library
 
 EXIT_OK, EXIT_NOT_PROVED = 0, 3
 FAST = Limits(iterations=10, seconds=10.0)

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from prism_dsl import cache, soundness, symbolic
-from prism_dsl.check import load
-from prism_dsl.cli import main
-from prism_dsl.errors import PrismError
-from prism_dsl.prove import guard_bindings, numeric_evidence, pair_outputs, prove
-from prism_dsl.rules import load_library
+from prism_dsl.base import cache
+
+from prism_dsl.prove import soundness
+
+from prism_dsl.prove import symbolic
+from prism_dsl.lang.check import load
+from prism_dsl.cli.main import main
+from prism_dsl.base.errors import PrismError
+from prism_dsl.prove.prover import guard_bindings, numeric_evidence, pair_outputs, prove
+from prism_dsl.prove.rules import load_library
 
 DEFAULT = load_library([], defaults=True)
 

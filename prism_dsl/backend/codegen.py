@@ -1,0 +1,529 @@
+"""CUDA code generation: one concrete custom kernel becomes one CUDA C kernel, through Jinja2 templates.
+
+Where it sits: after parameter instantiation (`kernel.instantiate`), before compiling (`nvcc`, `gpu`).
+The generated kernel does what ARCHITECTURE.md section 3 says, with every size a compile-time constant:
+
+    prologue:  accumulator state initialised; tiles the loop does not split loaded once
+    loop:      tiles the loop splits loaded (16-byte copies where rows allow); the body's materialized
+               values computed; each accumulator folds its operand(s); a barrier after each step
+    epilogue:  tiles read only after the loop loaded; post-loop values; stores at the block's place
+               (atomic adds for grid axes that write no dim)
+
+`fusion.plan` decides where each value lives (shared memory, registers, accumulator state). Element-wise
+values fused into registers are evaluated where they are read, so a chain like `silu(gate) * up` costs
+no buffer and no barrier. Matrix products whose operands are f16/bf16 tiles of suitable shape run on
+tensor cores (wmma, f32 accumulation), with the plain path kept beside them for other targets.
+
+Names in the generated code are derived from the program's, with a prefix (`g_` for tensors in device
+memory, `s_` for shared buffers) and every character outside [A-Za-z0-9_] replaced, so no user text
+reaches the code unsanitized. Comments quote the program, sanitized the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import jinja2
+
+from ..kernels.fusion import ALIGN, SOFTMAX, Buffer, Place, compute_dtype, plan
+from ..ir.nodes import DType, Node, Program
+from ..kernels.kernel import Concrete, after_loop, bind, loop_varying
+from ..ir.ops import OPS, Kind
+from ..lang.printer import format_number
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+if not (TEMPLATES / "kernel.cu.j2").is_file():  # a source checkout: the package maps templates/ here
+    TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+HEADER = "prism.cuh"
+
+CTYPE = {DType.F16: "half", DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.F64: "double"}
+
+# How each element-wise op reads in C, over the arithmetic type `real` (helpers live in prism.cuh).
+C_OPS = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "neg": "(-{0})", "exp": "prism::exp_({0})", "sqrt": "prism::sqrt_({0})", "rsqrt": "prism::rsqrt_({0})",
+    "square": "({0} * {0})", "sigmoid": "prism::sigmoid_({0})", "silu": "prism::silu_({0})",
+    "gelu": "prism::gelu_({0})", "relu": "prism::relu_({0})",
+}
+
+
+@dataclass(frozen=True)
+class CodegenConfig:
+    threads: int = 128  # threads per block
+    tensor_cores: bool = True  # emit the wmma path where tile shapes allow
+    vector_loads: bool = True  # 16-byte copies from global memory where alignment allows
+
+
+@dataclass(frozen=True)
+class RenderedKernel:
+    name: str  # the kernel's name in the program
+    function: str  # the C function
+    file: str  # NAME.cu
+    source: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int  # dynamic shared memory, bytes
+    args: tuple[str, ...]  # tensor names, one pointer each, in parameter order: inputs, then outputs
+    stores: int  # how many of `args` (the last ones) the kernel writes
+    zero: tuple[str, ...]  # outputs that blocks add into: zeroed before the launch
+    tensor_cores: bool  # a wmma path is in the code
+
+
+def ident(text: str) -> str:
+    """A C identifier fragment from user text: [A-Za-z0-9_] only, never starting with a digit."""
+    out = re.sub(r"[^A-Za-z0-9_]", "_", text)
+    return out if out and not out[0].isdigit() else "_" + out
+
+
+def comment(text: str) -> str:
+    """User text made safe inside a // comment: one line, ASCII, no backslash continuation."""
+    return re.sub(r"[^ -~]", "?", text.replace("\\", "/"))[:200]
+
+
+def tensor_name(node: Node) -> str:
+    """The program-level name of a tensor a kernel reads: an input's name or a kernel output's store."""
+    if node.op == "input":
+        return node.attr
+    if node.op == "kernel":
+        kernel, index = node.attr
+        return kernel.stores[index].name
+    raise ValueError(f"a kernel operand must be an input or a kernel output, not {node.op}")
+
+
+@cache
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, autoescape=False)
+
+
+def header_source() -> str:
+    return (TEMPLATES / HEADER).read_text()
+
+
+def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
+    """The wmma fragment (rows, cols; depth 16) for an m x k @ k x n product, or None.
+
+    Fragment pointers must be 32-byte aligned: with f16/bf16 operands and f32 results that holds when
+    fragment columns are multiples of 16, so the 32 x 8 shape is not used."""
+    if k % 16:
+        return None
+    return next(((fm, fn) for fm, fn in ((16, 16), (8, 32)) if m % fm == 0 and n % fn == 0), None)
+
+
+def uses_tensor_cores(a: Node, b: Node, place, shape_of) -> bool:
+    """Whether the product a @ b of a kernel body runs on tensor cores (see `_Emitter._mma`)."""
+    if place.get(a) is not Place.SMEM or place.get(b) is not Place.SMEM:
+        return False
+    if a.dtype != b.dtype or a.dtype not in (DType.F16, DType.BF16) or a.op != "tile" or b.op != "tile":
+        return False
+    sa, sb = shape_of(a), shape_of(b)
+    if len(sa) < 2 or len(sb) < 2 or any(s != 1 for s in sa[:-2] + sb[:-2]):
+        return False
+    return mma_shape(sa[-2], sb[-1], sa[-1]) is not None
+
+
+# -- index arithmetic ---------------------------------------------------------------------------------
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+def decompose(var: str, shape: tuple[int, ...], prefix: str) -> tuple[list[str], list[str]]:
+    """C lines that split flat index `var` (row-major over `shape`) into one index per dim, and those
+    index expressions ("0" for dims of size 1)."""
+    lines, idx = [], []
+    for d, (size, stride) in enumerate(zip(shape, _strides(shape))):
+        if size == 1:
+            idx.append("0")
+            continue
+        expr = var if stride == 1 else f"{var} / {stride}"
+        if d > 0 and any(s > 1 for s in shape[:d]):
+            expr = f"({expr}) % {size}" if stride != 1 else f"{var} % {size}"
+        lines.append(f"const int {prefix}{d} = {expr};")
+        idx.append(f"{prefix}{d}")
+    return lines, idx
+
+
+def offset(idx: list[str], shape: tuple[int, ...]) -> str:
+    """Row-major offset of index expressions `idx` (aligned to the right of `shape`; size-1 dims
+    broadcast and read index 0)."""
+    rank = len(shape)
+    idx = list(idx[len(idx) - rank:]) if len(idx) >= rank else ["0"] * (rank - len(idx)) + list(idx)
+    terms = []
+    for i, size, stride in zip(idx, shape, _strides(shape)):
+        if size == 1 or i == "0":
+            continue
+        terms.append(i if stride == 1 else f"{i} * {stride}")
+    return " + ".join(terms) or "0"
+
+
+# -- one kernel -----------------------------------------------------------------------------------------
+
+
+class _Emitter:
+    def __init__(self, c: Concrete, program: Program, config: CodegenConfig):
+        self.c, self.k, self.program, self.config = c, c.kernel, program, config
+        self.plan = plan(self.k)
+        self.real = CTYPE[compute_dtype(self.k)]
+        self.suffix = "f" if self.real == "float" else ""
+        self.names = program.names
+        self.tensor_core_steps = 0
+        self.cname = {b.name: f"s_{ident(b.name)}" for b in self.plan.buffers}
+
+    # shapes and buffers
+    def shape(self, node_or_buffer) -> tuple[int, ...]:
+        return tuple(int(bind(s, self.c.binding)) for s in node_or_buffer.shape)
+
+    def buf(self, node: Node) -> Buffer:
+        return self.plan.buffer(node)
+
+    def lit(self, value: float) -> str:
+        text = format_number(value)
+        if "." not in text and "e" not in text and "inf" not in text:
+            text += ".0"
+        return f"real({text})" if self.real != "float" else text + "f"
+
+    def at(self, b: Buffer, idx: list[str]) -> str:
+        ref = f"{self.cname[b.name]}[{offset(idx, self.shape(b))}]"
+        return ref if b.dtype in (DType.F32, DType.F64) else f"prism::to_f({ref})"
+
+    # reading a value at an index of the reader's index space (numpy broadcasting, right-aligned)
+    def read(self, node: Node, idx: list[str]) -> str:
+        place = self.plan.place[node]
+        if place is Place.SMEM:
+            return self.at(self.buf(node), idx)
+        if place is Place.STATE:
+            return self.finish(node, idx)
+        if node.op == "const":
+            return self.lit(node.attr)
+        if place is Place.INLINE:
+            return self.value(node, idx)
+        raise AssertionError(f"{node.op} is fused into its accumulator and has no value of its own")
+
+    def value(self, node: Node, idx: list[str]) -> str:
+        """The element-wise op `node` applied to its operands read at `idx`."""
+        return C_OPS[node.op].format(*[self.read(a, idx) for a in node.args])
+
+    def finish(self, acc: Node, idx: list[str]) -> str:
+        st = self.plan.state[acc]
+        if acc.op == "acc_max_last":
+            return self.at(st["m"], idx)  # its own, or the running max it shares with online softmax
+        ref = self.at(st["acc"], idx)
+        if acc.op in ("acc_mean_last", "acc_rms_last"):
+            count = self.shape(acc.args[0])[-1] * self.c.loop
+            mean = f"{ref} / real({count})"
+            return mean if acc.op == "acc_mean_last" else f"prism::sqrt_({mean})"
+        return ref
+
+    def describe(self, node: Node) -> str:
+        from ..cli.show import _text_of
+
+        name = self.names.get(node)
+        text = _text_of(node, {k: v for k, v in self.names.items() if k is not node})
+        shape = list(self.shape(node))
+        return comment(f"{name} = {text}  {shape}" if name else f"{text}  {shape}")
+
+    # steps --------------------------------------------------------------------------------------------
+    def elements(self, shape, body_of, text: str) -> dict:
+        n = math.prod(shape)
+        lines, idx = decompose("e", shape, "i")
+        return {"kind": "elements", "comment": text, "n": n, "idx": lines, "body": body_of(idx)}
+
+    def load_step(self, node: Node) -> dict:
+        load = self.k.load(node.attr)
+        src = self.k.inputs[load.source]
+        full = self.shape(src)
+        tile = self.shape(node)
+        b = self.buf(node)
+        vec = 16 // b.dtype.bytes if self.config.vector_loads else 1
+        if vec > 1 and not (tile[-1] % vec == 0 and full[-1] % vec == 0):
+            vec = 1
+        lines, idx = decompose("e", tile, "i")
+        terms = []
+        for d, (size, t, dm, stride) in enumerate(zip(full, tile, load.map.dims, _strides(full))):
+            parts = []
+            if dm.axis:
+                parts.append(f"blockIdx.{dm.axis} * {size // dict(self.c.grid)[dm.axis]}")
+            if dm.loop:
+                parts.append(f"it * {t}")
+            if idx[d] != "0":
+                parts.append(idx[d])
+            if parts and stride:
+                term = " + ".join(parts)
+                terms.append(term if stride == 1 else f"({term}) * {stride}" if len(parts) > 1 else f"{term} * {stride}")
+        where = f"{load.map}"
+        text = comment(f"{node.attr} = load {tensor_name(src)}{where}  tile {list(tile)} of {list(full)}")
+        return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec,
+                "dst": self.cname[b.name], "src": f"g_{ident(tensor_name(src))}", "offset": " + ".join(terms) or "0"}
+
+    def compute_step(self, node: Node) -> dict:
+        b = self.buf(node)
+        shape = self.shape(node)
+        dst = self.cname[b.name]
+        kind = OPS[node.op].kind
+        if kind in (Kind.UNARY, Kind.BINARY):
+            return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
+        if kind is Kind.MATMUL:
+            return self.matmul(node.args[0], node.args[1], node, dst, accumulate=False, text=self.describe(node))
+        if kind is Kind.REDUCE:
+            return self.reduce(node, dst)
+        if kind is Kind.ROWWISE:
+            return self.rowwise(node, dst)
+        raise AssertionError(node.op)
+
+    def matmul(self, a: Node, b: Node, out_node: Node, dst: str, accumulate: bool, text: str) -> dict:
+        """out = a @ b (or out += a @ b) over the output's elements; on tensor cores where shapes allow."""
+        shape = self.shape(out_node)
+        length = self.shape(a)[-1]
+
+        def body(idx):
+            lead, i, j = idx[:-2], idx[-2], idx[-1]
+            ra, rb = self.read(a, lead + [i, "k"]), self.read(b, lead + ["k", j])
+            start = f"{dst}[e]" if accumulate else "real(0)"
+            return [f"real dot = {start};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};", f"{dst}[e] = dot;"]
+
+        plain = self.elements(shape, body, text)
+        mma = self._mma(a, b, shape, dst, accumulate, text)
+        return mma | {"plain": plain} if mma else plain
+
+    def _mma(self, a: Node, b: Node, shape, dst: str, accumulate: bool, text: str) -> dict | None:
+        if not self.config.tensor_cores or self.real != "float":
+            return None
+        if not uses_tensor_cores(a, b, self.plan.place, self.shape):
+            return None
+        ba, bb = self.buf(a), self.buf(b)
+        sa, sb = self.shape(a), self.shape(b)
+        m, k, n = sa[-2], sa[-1], sb[-1]
+        frag = mma_shape(m, n, k)
+        self.tensor_core_steps += 1
+        return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
+                "a": self.cname[ba.name], "b": self.cname[bb.name], "c": dst, "ab": CTYPE[ba.dtype],
+                "accumulate": accumulate}
+
+    def reduce(self, node: Node, dst: str) -> dict:
+        x = node.args[0]
+        dim = node.attr
+        length = self.shape(x)[dim]
+        init = {"sum": self.lit(0.0), "mean": self.lit(0.0), "max": "-real(INFINITY)"}[node.op]
+
+        def body(idx):
+            inner = list(idx)
+            inner[dim] = "r"
+            term = self.read(x, inner)
+            fold = f"acc = prism::max_(acc, {term});" if node.op == "max" else f"acc += {term};"
+            result = f"acc / real({length})" if node.op == "mean" else "acc"
+            return [f"real acc = {init};", f"for (int r = 0; r < {length}; ++r) {fold}", f"{dst}[e] = {result};"]
+
+        return self.elements(self.shape(node), body, self.describe(node))
+
+    def rowwise(self, node: Node, dst: str) -> dict:
+        x = node.args[0]
+        shape = self.shape(node)
+        length = shape[-1]
+        lines, idx = decompose("row", shape[:-1], "i")
+        xj = self.read(x, idx + ["j"])
+        out = f"{dst}[row * {length} + j]"
+        if node.op == "rms_norm":
+            body = [f"real ss = {self.lit(0.0)};", f"for (int j = 0; j < {length}; ++j) {{ const real v = {xj}; ss += v * v; }}",
+                    f"const real inv = real(1) / prism::sqrt_(ss / real({length}));",
+                    f"for (int j = 0; j < {length}; ++j) {out} = {xj} * inv;"]
+        else:  # softmax, the stable form
+            body = [f"real mx = -real(INFINITY), sum = {self.lit(0.0)};",
+                    f"for (int j = 0; j < {length}; ++j) mx = prism::max_(mx, {xj});",
+                    f"for (int j = 0; j < {length}; ++j) sum += prism::exp_({xj} - mx);",
+                    f"for (int j = 0; j < {length}; ++j) {out} = prism::exp_({xj} - mx) / sum;"]
+        return {"kind": "serial_rows", "comment": self.describe(node), "rows": math.prod(shape[:-1]),
+                "idx": lines, "body": body}
+
+    def rows(self, x_shape, read_row, reduce: str, finish: list[str], text: str) -> dict:
+        """A row reduction: `read_row(idx)` gives the term for element (row..., j)."""
+        lines, idx = decompose("row", x_shape[:-1], "i")
+        term = read_row(idx + ["j"])
+        init = self.lit(0.0) if reduce == "sum" else "-real(INFINITY)"
+        fold = f"part += {term}" if reduce == "sum" else f"part = prism::max_(part, {term})"
+        return {"kind": "rows", "comment": text, "rows": math.prod(x_shape[:-1]), "idx": lines, "length": x_shape[-1],
+                "init": init, "fold": fold, "reduce": reduce, "finish": finish}
+
+    # accumulators
+    def init_steps(self) -> list[dict]:
+        steps, done = [], set()
+        for acc, st in self.plan.state.items():
+            for role, b in st.items():
+                if b.name in done:
+                    continue
+                done.add(b.name)
+                start = "-real(INFINITY)" if role == "m" else self.lit(0.0)  # "m": a running max
+                steps.append(self.elements(self.shape(b), lambda idx, b=b, s=start: [f"{self.cname[b.name]}[e] = {s};"],
+                                           comment(f"{self.names.get(acc, acc.op)}: {role} starts at {start}")))
+        return [s | {"idx": []} for s in steps]
+
+    def acc_steps(self, acc: Node, done: set) -> list[dict]:
+        if acc in done:
+            return []
+        done.add(acc)
+        st, text = self.plan.state[acc], self.describe(acc)
+        x = acc.args[0]
+        if acc.op in SOFTMAX or (acc.op == "acc_max_last" and x in self.plan.groups):
+            return self.softmax_steps(x, done)
+        acc_buf = st["acc"] if "acc" in st else st["m"]
+        dst = self.cname[acc_buf.name]
+        if acc.op == "acc_sum":
+            if self.plan.place[x] is Place.FUSED:
+                return [self.matmul(x.args[0], x.args[1], acc, dst, accumulate=True, text=text)]
+            return [self.elements(self.shape(acc), lambda idx: [f"{dst}[e] += {self.read(x, idx)};"], text)]
+        if acc.op == "acc_rescaled_sum":
+            m_buf, m_node = self.cname[st["m"].name], x
+            def body(idx):
+                return [f"const real mv = {self.read(m_node, idx)}, mo = {m_buf}[e], mn = prism::max_(mo, mv);",
+                        f"{dst}[e] = {dst}[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * {self.read(acc.args[1], idx)};",
+                        f"{m_buf}[e] = mn;"]
+            return [self.elements(self.shape(acc), body, text)]
+        square = acc.op == "acc_rms_last"
+        if acc.op == "acc_max_last":
+            return [self.rows(self.shape(x), lambda idx: self.read(x, idx), "max",
+                              [f"{dst}[row] = prism::max_({dst}[row], part);"], text)]
+
+        def term(idx):
+            v = self.read(x, idx)
+            return f"{v} * {v}" if square else v
+        return [self.rows(self.shape(x), term, "sum", [f"{dst}[row] += part;"], text)]
+
+    def softmax_steps(self, s: Node, done: set) -> list[dict]:
+        """Online softmax over scores `s`, for every accumulator that folds them (they share the running
+        max): the new row max and the factor exp(old max - new max); p = exp(s - new max); then each sum
+        and each weighted sum is rescaled by the factor and adds this iteration's terms."""
+        g = self.plan.groups[s]
+        m, scale, p = (self.cname[g[r].name] for r in ("m", "scale", "p"))
+        shape = self.shape(s)
+        users = [u for u in self.plan.users[s] if u.op in SOFTMAX or u.op == "acc_max_last"]
+        done.update(users)
+        name = self.names.get(s, "s")
+        steps = [self.rows(shape, lambda idx: self.read(s, idx), "max",
+                           [f"const real grown = prism::max_({m}[row], part);",
+                            f"{scale}[row] = prism::rescale({m}[row], grown);", f"{m}[row] = grown;"],
+                           comment(f"online softmax over {name}: running row max, rescaling factor")),
+                 self.elements(shape, lambda idx: [f"{p}[e] = prism::exp_({self.read(s, idx)} - {m}[{offset(idx[:-1] + ['0'], self.shape(g['m']))}]);"],
+                               comment(f"p = exp({name} - running max)"))]
+        p_buf = g["p"]
+        for acc in users:
+            if acc.op == "acc_softmax_sum":
+                dst = self.cname[self.plan.state[acc]["acc"].name]
+                steps.append(self.rows(shape, lambda idx: self.at(p_buf, idx), "sum",
+                                       [f"{dst}[row] = {dst}[row] * {scale}[row] + part;"], self.describe(acc)))
+            elif acc.op == "acc_softmax_out":
+                steps.append(self.rescaled_product(acc, p_buf, g["scale"]))
+        return steps
+
+    def rescaled_product(self, acc: Node, p_buf: Buffer, scale_buf: Buffer) -> dict:
+        """o = o * factor(row) + p @ v, over o's elements (`acc` is acc_softmax_out(s, v))."""
+        dst, v = self.cname[self.plan.state[acc]["acc"].name], acc.args[1]
+        length = self.shape(p_buf)[-1]
+        shape = self.shape(acc)
+
+        def body(idx):
+            lead, i, j = idx[:-2], idx[-2], idx[-1]
+            factor = self.at(scale_buf, lead + [i, "0"])
+            ra, rb = self.at(p_buf, lead + [i, "k"]), self.read(v, lead + ["k", j])
+            return [f"real dot = {dst}[e] * {factor};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};",
+                    f"{dst}[e] = dot;"]
+        return self.elements(shape, body, self.describe(acc))
+
+    def store_step(self, index: int) -> dict:
+        store = self.k.stores[index]
+        out = self.c.output_shape(index)
+        grid = dict(self.c.grid)
+        tile = tuple(s // grid[dm.axis] if dm.axis else s for s, dm in zip(out, store.map.dims))
+        name = f"g_{ident(store.name)}"
+        ctype = CTYPE[store.value.dtype or DType.F32]
+        atomic = store.add and any(g > 1 and a not in store.map.axes() for a, g in grid.items())
+
+        def body(idx):
+            terms = []
+            for d, (t, dm, stride) in enumerate(zip(tile, store.map.dims, _strides(out))):
+                parts = ([f"blockIdx.{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else []) + ([idx[d]] if idx[d] != "0" else [])
+                if parts:
+                    term = " + ".join(parts)
+                    terms.append(term if stride == 1 else (f"({term}) * {stride}" if len(parts) > 1 else f"{term} * {stride}"))
+            where = " + ".join(terms) or "0"
+            v = self.read(store.value, idx)
+            if atomic:
+                return [f"prism::atomic_add(&{name}[{where}], {v});"]
+            return [f"{name}[{where}] = prism::from_f<{ctype}>({v});"]
+
+        op = "+=" if store.add else "="
+        text = comment(f"store {store.name}{store.map} {op} {self.describe(store.value)}")
+        return self.elements(tile, body, text)
+
+    # the whole kernel
+    def render(self) -> RenderedKernel:
+        k, c = self.k, self.c
+        body = k.body()
+        after = after_loop(body)
+        varying = loop_varying(k)
+        in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
+        prologue = self.init_steps()
+        loop_steps: list[dict] = []
+        epilogue: list[dict] = []
+        loads_in_loop = [n for n in in_loop if n.op == "tile" and n in varying]
+        prologue += [self.load_step(n) for n in in_loop if n.op == "tile" and n not in varying]
+        if loads_in_loop:
+            # the loop's loads run together; one barrier after them
+            loop_steps.append(self._merge([self.load_step(n) for n in loads_in_loop]))
+        done: set = set()
+        for n in in_loop:
+            kind = OPS[n.op].kind
+            if kind is Kind.ACCUMULATE:
+                loop_steps += self.acc_steps(n, done)
+            elif n.op != "tile" and self.plan.place[n] is Place.SMEM:
+                loop_steps.append(self.compute_step(n))
+        post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
+        post_loads = [self.load_step(n) for n in post if n.op == "tile"]
+        if post_loads:
+            epilogue.append(self._merge(post_loads))
+        epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
+        epilogue += [self.store_step(i) for i in range(len(k.stores))]
+
+        buffers, at = [], 0
+        for b in self.plan.buffers:
+            buffers.append({"cname": self.cname[b.name], "ctype": CTYPE[b.dtype], "offset": at,
+                            "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}")})
+            at += -(-self.shape_bytes(b) // ALIGN) * ALIGN
+        smem = max(at, 16)
+        args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
+        params = [f"const {CTYPE[n.dtype]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
+        params += [f"{CTYPE[s.value.dtype or DType.F32]}* __restrict__ g_{ident(s.name)}" for s in k.stores]
+        function = f"prism_{ident(k.name)}"
+        grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
+        summary = [comment(f"load {l.tile} = {tensor_name(k.inputs[l.source])}{l.map}") for l in k.loads]
+        summary += [comment(f"store {s.name}{s.map}") for s in k.stores]
+        ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function,
+               "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
+               "loop": c.loop, "threads": self.config.threads, "smem": smem, "summary": summary, "params": params,
+               "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
+        source = _env().get_template("kernel.cu.j2").render(k=ctx)
+        zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
+        return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.config.threads, 1, 1), smem,
+                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0)
+
+    def shape_bytes(self, b: Buffer) -> int:
+        return math.prod(self.shape(b)) * b.dtype.bytes
+
+    @staticmethod
+    def _merge(steps: list[dict]) -> dict:
+        """Several loads as one step (they are independent; one barrier after all of them)."""
+        if len(steps) == 1:
+            return steps[0]
+        return {"kind": "group", "steps": steps}
+
+
+def render_kernel(c: Concrete, program: Program, config: CodegenConfig = CodegenConfig()) -> RenderedKernel:
+    return _Emitter(c, program, config).render()

@@ -1,0 +1,207 @@
+"""The user cache directory: small JSON records written atomically and read defensively.
+
+Location: `$PRISM_CACHE_DIR`, else `$XDG_CACHE_HOME/prism-dsl`, else `~/.cache/prism-dsl`. Nothing is
+ever written to the current directory. A cache may make the tool faster, never wrong, and never stop it:
+
+- a record is read only from a regular file of at most MAX_RECORD_BYTES (a FIFO, a device or a link to
+  one is refused unread), and must be JSON without NaN or infinities, nested at most MAX_NESTING deep,
+  holding {"key": <its key>, "value": ...}; a caller may also pass `valid` to check the value's form.
+  A record that fails is ignored and reported once per process and file;
+- a cache directory that cannot be read or written is reported once per process, and then not tried
+  again: no warning per entry;
+- a write goes to a temporary file (`.tmp-prismc-<pid>-...`) renamed into place; those left by a killed
+  run are removed by a later write to the same directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from .files import MAX_TEXT_BYTES, NotRegularFile, TooLarge, abandoned, describe, read_regular, scratch_pattern, scratch_prefix
+
+MAX_RECORD_BYTES = MAX_TEXT_BYTES  # a search checkpoint of thousands of programs stays far below
+MAX_NESTING = 64  # records are a few levels deep; json's parser recurses once per level
+
+_warned: set[str] = set()
+_off: dict[str, set[str]] = {}  # per cache directory: "read", "write", what failed there, not tried again
+_swept: set[str] = set()  # directories whose abandoned temporary files were removed
+_TMP = re.compile(scratch_pattern(r"\.tmp-").pattern + r"\.json")  # `.tmp-prismc-<pid>-XXXXXXXX.json`
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PRISM_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "prism-dsl"
+
+
+def digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def code_digest(*paths: str, extra: Path | None = None) -> str:
+    """A digest of the package's sources under `paths` (files or folders, relative to the package; a folder
+    gives its Python and TOML files), plus the files of folder `extra`: what a cached figure was made by."""
+    files: list[Path] = []
+    for path in (PACKAGE / p for p in paths):
+        files += sorted([*path.rglob("*.py"), *path.rglob("*.toml")]) if path.is_dir() else [path]
+    files += sorted(p for p in extra.iterdir() if p.is_file()) if extra else []
+    return digest(*(f.read_text() for f in files))
+
+
+def path_for(kind: str, key: str) -> Path:
+    return cache_dir() / kind / f"{key[:32]}.json"
+
+
+def read(kind: str, key: str, valid: Callable[[Any], bool] | None = None) -> Any | None:
+    """The value stored under `key`, or None if absent, unreadable, stale or (with `valid`) of the wrong
+    form; anything but absence is reported once."""
+    if "read" in _off.get(str(cache_dir()), ()):
+        return None
+    path = path_for(kind, key)
+    try:
+        data = read_regular(path, MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return None
+    except (NotRegularFile, TooLarge, IsADirectoryError) as e:
+        warn(path, describe(e))
+        return None
+    except OSError as e:
+        if not os.access(path.parent, os.R_OK | os.X_OK):  # the directory, not this entry
+            unusable("read", f"{describe(e)}")
+        else:
+            warn(path, f"unreadable ({describe(e)})")
+        return None
+    record = parse(data)
+    if record is None:
+        warn(path, "unreadable (not a JSON record of the expected form)")
+        return None
+    if not isinstance(record, dict) or record.get("key") != key or "value" not in record:
+        warn(path, "does not match its key")
+        return None
+    if valid is not None and not _holds(valid, record["value"]):
+        warn(path, "its fields are not of the expected types")
+        return None
+    return record["value"]
+
+
+def parse(data: bytes) -> Any | None:
+    """A record's JSON, or None when it is not JSON of the kind `write` writes (finite numbers, shallow)."""
+    if _nesting(data) > MAX_NESTING:
+        return None
+    try:
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+
+
+def _nesting(data: bytes) -> int:
+    """An upper bound of the JSON's nesting (brackets inside strings count too: a bound is enough)."""
+    if data.count(b"[") + data.count(b"{") <= MAX_NESTING:
+        return 0
+    depth = deepest = 0
+    for m in re.finditer(rb"[\[\]{}]", data):
+        depth += 1 if m.group() in b"[{" else -1
+        deepest = max(deepest, depth)
+        if deepest > MAX_NESTING:
+            break
+    return deepest
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a cached figure")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _holds(valid: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bool(valid(value))
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
+        return False
+
+
+def write(kind: str, key: str, value: Any) -> None:
+    """Store `value` atomically (temporary file + rename); a cache that cannot be written is skipped."""
+    if "write" in _off.get(str(cache_dir()), ()):
+        return
+    path = path_for(kind, key)
+    try:
+        text = json.dumps({"key": key, "value": value}, allow_nan=False)
+    except ValueError:  # a NaN or infinity: `read` would refuse it, so it is not worth keeping
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _sweep(path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=scratch_prefix(".tmp-"), suffix=".json")
+    except OSError as e:
+        unusable("write", describe(e))
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        warn(path, f"not writable ({describe(e)})")
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _sweep(directory: Path) -> None:
+    """Remove the temporary files that killed runs left in `directory`, once per process and directory."""
+    if str(directory) in _swept:
+        return
+    _swept.add(str(directory))
+    for path in abandoned(directory, _TMP, dirs=False):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def remove(kind: str, key: str) -> None:
+    """Drop the record under `key` (one found false), so that no later run meets it again."""
+    try:
+        os.unlink(path_for(kind, key))
+    except OSError:
+        pass
+
+
+def warn(path: Path, why: str) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        print(f"prismc: warning: ignoring cache entry {path}: {why}", file=sys.stderr)
+
+
+def unusable(what: str, why: str) -> None:
+    """The cache directory cannot be read or written: say so once, and stop trying (reads and writes
+    after a failed read; writes after a failed write)."""
+    off = _off.setdefault(str(cache_dir()), set())
+    first = not off
+    off.update(("read", "write") if what == "read" else ("write",))
+    if first:
+        doing = "read" if what == "read" else "written"
+        print(f"prismc: warning: the cache directory {cache_dir()} cannot be {doing} ({why}); "
+              f"going on without {'it' if what == 'read' else 'saving results'}", file=sys.stderr)

@@ -1,0 +1,558 @@
+"""The `prismc` command line. `main(argv)` is what tests call in-process.
+
+Exit codes: 0 success, 1 an error in the user's input (files, programs, rules, parameters), 2 a usage
+error on the command line. User errors are printed as located diagnostics; no traceback reaches a user
+for bad input. Outputs are written atomically, so a failed run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from ..prove.egglog_runner import Limits
+from ..base.files import check_writable, write_bytes
+from ..lang.printer import print_program
+from ..base.errors import PrismError
+from ..lang.syntax import MAX_INT, clip
+
+EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
+MAX_SECONDS = 1e6  # a time limit beyond this is a mistake, and overflows the platform's clocks
+
+
+class UsageError(Exception):
+    """A bad command line: exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print and exit; keep control in main()
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def parse_dims(text: str) -> dict[str, int]:
+    """`n=16,d=1024` -> {"n": 16, "d": 1024}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name.isidentifier() or not _is_int(value.removeprefix("-")):
+            raise argparse.ArgumentTypeError(f"expected NAME=INT[,NAME=INT...], got {clip(part)!r}")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"dim {name!r} is given twice")
+        out[name] = _size(value, f"{name} = ")
+    return out
+
+
+def parse_loop(text: str) -> dict[str, int]:
+    """`64` (every kernel's loop) or `F=64[,G=8]` (named loop symbols)."""
+    if _is_int(text.strip()):
+        return {"": _size(text.strip(), "")}
+    return parse_dims(text)
+
+
+def _is_int(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # not "²" or "٣": int() would take some, and no user means them
+
+
+def _size(digits: str, what: str) -> int:
+    """An integer of the command line that is a size: at most MAX_INT, which also keeps int() within the
+    4,300 digits Python converts."""
+    plain = digits.removeprefix("-").lstrip("0")
+    if len(plain) > len(str(MAX_INT)) or int(plain or "0") > MAX_INT:
+        raise argparse.ArgumentTypeError(f"{what}{clip(digits)} is too large: sizes are at most 2^63 - 1")
+    return int(digits)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="prismc", description="A symbolic superoptimizer for tensor programs.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    c = sub.add_parser("check", help="check .prism programs, or .rules axioms (syntax, shapes, soundness)")
+    c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("--no-default-rules", action="store_true",
+                   help="check .rules files on their own, not beside the default library")
+    c.set_defaults(run=cmd_check)
+
+    pv = sub.add_parser(
+        "prove", help="prove two programs equal with the axioms (exit 0 proved, 3 not proved)",
+        description="Prove two programs equal: the programs of two files, or the two programs of one file.",
+    )
+    pv.add_argument("first", metavar="A.prism")
+    pv.add_argument("second", metavar="B.prism", nargs="?", help="omit it to compare the two programs of A.prism")
+    pv.add_argument("--program", action="append", default=[], metavar="NAME",
+                    help="the program to compare: once for the same name in both files, twice for "
+                         "the first and the second (also to pick two programs of one file)")
+    _rule_options(pv)
+    pv.add_argument("--explain", action="store_true", help="list the rules (name, file:line) the proof needs")
+    pv.add_argument("--iterations", type=_positive_int, default=Limits.iterations, help="saturation iterations (default %(default)s)")
+    pv.add_argument("--nodes", type=_positive_int, default=Limits.nodes, help="e-graph size limit (default %(default)s)")
+    pv.add_argument("--timeout", type=_positive_float, default=Limits.seconds, help="wall-clock limit in seconds (default %(default)s)")
+    pv.set_defaults(run=cmd_prove)
+
+    ru = sub.add_parser("rules", help="show the axiom library, or the egglog program it compiles to")
+    _rule_options(ru)
+    ru.add_argument("--emit-egglog", action="store_true", help="print the generated egglog program")
+    ru.set_defaults(run=cmd_rules)
+
+    r = sub.add_parser("run", help="evaluate a program with the float64 reference interpreter")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("--program", help="which program of the file (needed when it has several)")
+    r.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    source = r.add_mutually_exclusive_group()
+    source.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name (default: random)")
+    source.add_argument("--seed", type=_seed, default=0, help="seed for random inputs (default 0)")
+    r.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
+    r.add_argument("--save-inputs", metavar="FILE.npz", help="also write the inputs used")
+    _kernel_options(r)
+    r.set_defaults(run=cmd_run)
+
+    sh = sub.add_parser("show", help="show a program's kernels: grid, loop, maps, tile shapes, shared memory, checks",
+                        description="Show a program's custom kernels instantiated (text), or draw its kernel graph "
+                                    "(--format dot|svg|png; svg and png need Graphviz's 'dot').")
+    sh.add_argument("file", metavar="FILE")
+    sh.add_argument("--program", help="which program of the file (needed when it has several)")
+    sh.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    _kernel_options(sh)
+    sh.add_argument("--format", choices=("text", "dot", "svg", "png"), default="text", help="default: text")
+    sh.add_argument("-o", "--output", metavar="FILE", help="write the picture (or text) here instead of stdout")
+    sh.set_defaults(run=cmd_show)
+
+    co = sub.add_parser("compile", help="superoptimize a program: search fused kernels, prove, tune, render CUDA C",
+                        description="Compile a program to CUDA. By default the search looks for equivalent programs of "
+                                    "fused custom kernels, proves each equal to the input with the axioms, tunes the "
+                                    "parameters of every proved one (cost model, or timing with --target cuda) and keeps "
+                                    "the fastest, the program as written included. The result is rendered, compiled with "
+                                    "nvcc, run as C++ on the CPU and checked against the float64 reference of the input program.")
+    co.add_argument("file", metavar="FILE")
+    co.add_argument("--program", help="which program of the file (needed when it has several)")
+    co.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the results into")
+    co.add_argument("--search", choices=("full", "none"), default="full",
+                    help="'full': search fused programs (default); 'none': compile the program as written")
+    co.add_argument("--time-limit", type=_positive_float, default=60.0, metavar="SECONDS",
+                    help="stop the search after this long and use the best proved program so far (default 60)")
+    co.add_argument("--jobs", type=_positive_int, default=None,
+                    help="prover processes running at once (default: the machine's cores)")
+    co.add_argument("--max-kernels", type=_positive_int, default=None,
+                    help="custom kernels per program the search may use (default 1; a split reduction's "
+                         "combining kernel is not counted)")
+    co.add_argument("--no-split", action="store_true",
+                    help="do not offer loop kernels split in two (FlashDecoding: partial results and a combining kernel)")
+    co.add_argument("--no-cache", action="store_true",
+                    help="neither read nor write the search checkpoint and tuning database")
+    co.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    co.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
+    co.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges to use (64 or F=64)")
+    co.add_argument("--target", choices=("cost", "cuda"), default="cost",
+                    help="cost: rank by the cost model (default); cuda: run, check and time on the GPU")
+    co.add_argument("--hardware", default="h100", help="hardware description for limits and the cost model (h100, a100)")
+    co.add_argument("--arch", default="sm_90,sm_80", help="architectures nvcc checks, comma-separated "
+                    "(default %(default)s); 'none' to skip")
+    co.add_argument("--no-emulate", action="store_true", help="skip the CPU run of the generated code")
+    co.add_argument("--threads", type=_positive_int, default=128, help="threads per block (default 128)")
+    co.add_argument("--no-tensor-cores", action="store_true", help="plain matrix products only")
+    co.add_argument("--seed", type=_seed, default=0, help="seed for the random inputs of the checks (default 0)")
+    co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
+    co.set_defaults(run=cmd_compile)
+
+    be = sub.add_parser("bench", help="time a program's kernels against PyTorch eager and torch.compile (needs a GPU)")
+    be.add_argument("file", metavar="FILE")
+    be.add_argument("--program", help="which program of the file (needed when it has several)")
+    be.add_argument("--baseline", metavar="FILE",
+                    help="the program PyTorch runs (default: FILE itself; needed when FILE has custom kernels)")
+    be.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    be.add_argument("--hardware", default="h100", help="hardware description (h100, a100)")
+    be.add_argument("--repeat", type=_positive_int, default=200, help="timed repetitions (default 200)")
+    be.add_argument("--json", metavar="FILE", dest="json_out", help="also write the table as JSON here")
+    be.set_defaults(run=cmd_bench)
+    return p
+
+
+def _kernel_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N",
+                   help="grid sizes of custom kernels: by axis (x=96) or by symbol (gx=96); the rest are chosen")
+    p.add_argument("--loop", type=parse_loop, default={}, metavar="N",
+                   help="loop range of every custom kernel (64), or by symbol (F=64)")
+    p.add_argument("--target", default="h100", help="hardware target for the limits (h100, a100; default h100)")
+
+
+def _rule_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rules", action="append", default=[], metavar="FILE.rules",
+                   help="more axioms, added to the default library (repeatable)")
+    p.add_argument("--no-default-rules", action="store_true", help="do not load the default library in rules/")
+
+
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _seed(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0 and at most {MAX_SECONDS:g}, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"{e}\n(see 'prismc --help')", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10000))  # headroom for lark and sympy on big programs
+    on_term = _exit_on_sigterm()
+    try:
+        return args.run(args)
+    except PrismError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_INPUT
+    except UsageError as e:
+        print(f"prismc: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except MemoryError:
+        print("prismc: not enough memory at these sizes; choose smaller dims with --dims", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        print("prismc: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `prismc rules | head`: the reader has gone; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as e:  # a file system refusal not foreseen where it happened: still the user's setup, in words
+        where = f" '{e.filename}'" if e.filename else ""
+        print(f"prismc: cannot use{where}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_INPUT
+    finally:
+        sys.setrecursionlimit(limit)
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+
+
+def _exit_on_sigterm():
+    """Turn SIGTERM (what `timeout` and CI runners send) into an orderly exit that stops the egglog
+    worker; returns the handler it replaced, or None where none can be set (not the main thread)."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        return None
+
+
+def cmd_check(args) -> int:
+    """Check every file given, reporting each file's errors; exit 1 if any file has one."""
+    from ..lang.check import load
+
+    failed = 0
+    for f in args.files:
+        try:
+            if f.endswith(".rules"):
+                from ..prove.soundness import NUMERIC_ONLY, SYMBOLIC
+
+                # Loaded beside the default library, as prove loads it, so that name clashes show now.
+                library, statuses = load_rules([f], defaults=not args.no_default_rules)
+                path = Path(f).resolve()
+                mine = [r for r in library.rules if Path(r.loc.path).resolve() == path]
+                sets = ", ".join(dict.fromkeys(r.ruleset for r in mine)) or "none"
+                proved = sum(statuses[r.name] == SYMBOLIC for r in mine)
+                tested = sum(statuses[r.name] == NUMERIC_ONLY for r in mine)
+                print(f"{f}: ok: {_count(len(mine), 'rule')} (rulesets: {sets}), each sound on random tensors: "
+                      f"{proved} proved symbolically, {tested} tested numerically only")
+                _print_rules(mine, statuses)
+            else:
+                progs = "; ".join(_summary(p) for p in load(f).programs.values()) or "no programs"
+                print(f"{f}: ok: {progs}")
+        except PrismError as e:
+            print(e.render(), file=sys.stderr)
+            failed += 1
+    if failed and len(args.files) > 1:
+        print(f"{_count(failed, 'file')} of {len(args.files)} failed", file=sys.stderr)
+    return EXIT_INPUT if failed else EXIT_OK
+
+
+def load_rules(files: list[str], *, defaults: bool):
+    """Load and soundness-check rule files: every rule a command uses is checked (or known sound). The
+    library, and each rule's status by name ("symbolic": proved by SymPy; "numeric": tested only)."""
+    from ..prove.rules import load_library
+    from ..prove.soundness import check_library
+
+    library = load_library(files, defaults=defaults)
+    return library, check_library(library)
+
+
+def cmd_prove(args) -> int:
+    from ..lang.check import load
+    from ..prove.prover import prove
+    from ..prove.soundness import NUMERIC_ONLY
+
+    first, second = _pair(args, load)
+    library, statuses = load_rules(args.rules, defaults=not args.no_default_rules)
+    limits = Limits(iterations=args.iterations, nodes=args.nodes, seconds=args.timeout)
+    proof = prove(first, second, library, limits, explain=args.explain)
+    stats = f"[{proof.iterations} iterations, {proof.nodes:,} e-graph rows, {proof.seconds:.2f} s]"
+    for pair in proof.pairs:
+        label = pair.name if pair.name == pair.other else f"{pair.name} vs {pair.other}"
+        print(f"{'proved' if pair.proved else 'not proved'}: {label}")
+    if proof.numeric_gap is None:
+        print("note: no numeric cross-check: no valid kernel parameters at any of the sizes tried")
+    if proof.proved:
+        print(f"{first.name} == {second.name}: proved {stats}")
+    else:
+        print(f"{first.name} vs {second.name}: not proved: {proof.reason} {stats}")
+        if proof.numeric_gap is not None and proof.numeric_gap > 1e-6:
+            print(f"  (on random inputs they differ: largest relative difference {proof.numeric_gap:.3g} "
+                  f"at {proof.numeric_at})")
+    if proof.unexplained is not None:
+        print(f"rules used: not narrowed down: {proof.unexplained}; a larger --timeout or --iterations may help")
+    if proof.used is not None:
+        print(f"rules used ({len(proof.used)}):")
+        _print_rules(proof.used, statuses, words=False)
+        tested = sum(statuses.get(r.name) == NUMERIC_ONLY for r in proof.used)
+        if tested:
+            print(f"  * {_count(tested, 'rule')} of these {'was' if tested == 1 else 'were'} tested numerically "
+                  "only, not proved symbolically: the proof rests on random testing there")
+    return EXIT_OK if proof.proved else EXIT_NOT_PROVED
+
+
+def _pair(args, load):
+    names = args.program
+    if len(names) > 2:
+        raise UsageError("--program is given at most twice: the first program and the second")
+    if args.second is not None:
+        first, second = (names * 2)[:2] if names else (None, None)
+        return load(args.first).program(first), load(args.second).program(second)
+    src = load(args.first)
+    if len(names) == 2:
+        return src.program(names[0]), src.program(names[1])
+    if names:
+        raise UsageError("with one file, give --program twice (the two programs to compare) or not at all")
+    if len(src.programs) != 2:
+        listed = ", ".join(src.programs) or "none"
+        raise PrismError(f"{args.first} defines {_count(len(src.programs), 'program')} ({listed}); "
+                         "to prove with one file, it must hold exactly two, or name two with --program")
+    return tuple(src.programs.values())
+
+
+def cmd_rules(args) -> int:
+    from ..prove.egraph import compile_library
+
+    library, _ = load_rules(args.rules, defaults=not args.no_default_rules)
+    if args.emit_egglog:
+        print(compile_library(library)[0], end="")
+        return EXIT_OK
+    for ruleset in library.rulesets:
+        rules = [r for r in library.rules if r.ruleset == ruleset]
+        print(f"ruleset {ruleset} ({_count(len(rules), 'rule')})")
+        _print_rules(rules)
+    return EXIT_OK
+
+
+def _print_rules(rules, statuses=None, *, words: bool = True) -> None:
+    """One line per rule: name, arrow, file:line:col, in aligned columns.
+
+    With `statuses` (rule name -> "symbolic" or "numeric", from the soundness check), each rule's status
+    in words before its location, or, with `words=False`, a '*' after the location of each rule that was
+    tested numerically only (the caller says once what the mark means).
+    """
+    from ..prove.soundness import NUMERIC_ONLY, STATUS_WORDS
+
+    width = max((len(r.name) for r in rules), default=0)
+    shown = max((len(w) for w in STATUS_WORDS.values()), default=0)
+    for r in rules:
+        status = (statuses or {}).get(r.name)
+        if statuses is not None and words:
+            print(f"  {r.name:<{width}}  {r.arrow:<3}  {STATUS_WORDS.get(status, ''):<{shown}}  {r.loc}")
+        else:
+            print(f"  {r.name:<{width}}  {r.arrow:<3}  {r.loc}" + ("  *" if status == NUMERIC_ONLY else ""))
+
+
+def _summary(prog) -> str:
+    from ..kernels.kernel import kernels_of
+
+    ops = sum(1 for n in prog.nodes() if n.op not in ("input", "const", "kernel"))
+    kernels = len(kernels_of(prog))
+    dims = ", ".join(f"{d.name}={d.default}" for d in prog.dims)
+    return (
+        f"program {prog.name} ({_count(len(prog.inputs), 'input')}, {_count(len(prog.outputs), 'output')}, "
+        + (f"{_count(kernels, 'custom kernel')}, " if kernels else "")
+        + f"{_count(ops, 'op')}"
+        + (f", dims {dims}" if dims else "")
+        + ")"
+    )
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def cmd_run(args) -> int:
+    from ..lang.check import load
+    from ..kernels.kernel import complete, free_symbols, load_target, resolve_params
+    from .npz import read_npz, write_npz
+    from ..semantics.reference import bind_dims, check_sizes, evaluate, random_inputs
+
+    program = load(args.file).program(args.program)
+    for target in filter(None, (args.out, args.save_inputs)):
+        check_writable(target)
+
+    def vet(headers: dict) -> None:  # the .npz's shapes (arrays without data), before its data is read
+        check_sizes(program, bind_dims(program, args.dims, headers))
+
+    given = read_npz(args.inputs, program, vet) if args.inputs else None
+    binding = bind_dims(program, args.dims, given)
+    check_sizes(program, binding)  # every tensor, before random inputs or any value is made
+    inputs = given if given is not None else random_inputs(program, binding, args.seed)
+    params = complete(program, binding, resolve_params(program, args.grid, args.loop), load_target(args.target))
+    check_sizes(program, {**binding, **{s: params[s.name] for s in free_symbols(program)}})  # kernels' outputs
+    outputs = evaluate(program, inputs, params, args.target)
+    write_npz(args.out, outputs)
+    if args.save_inputs:
+        write_npz(args.save_inputs, inputs)
+    sizes = ", ".join(f"{d.name}={binding[d.symbol]}" for d in program.dims)
+    shown = ", ".join(f"{k}{list(v.shape)}" for k, v in outputs.items())
+    kernels = ", ".join(f"{s.name}={params[s.name]}" for s in free_symbols(program))
+    print(f"{program.name}: {shown} -> {args.out}" + (f" (dims {sizes})" if sizes else "")
+          + (f" (kernel parameters {kernels})" if kernels else ""))
+    return EXIT_OK
+
+
+def cmd_compile(args) -> int:
+    import json
+    from pathlib import Path
+
+    from ..pipeline.build import BuildOptions, check_output, compile_program, summary, write
+    from ..lang.check import load
+    from ..backend.codegen import CodegenConfig
+    from ..backend.cuda_runtime import gpu_status
+    from ..kernels.kernel import load_target
+
+    if args.target == "cuda" and not gpu_status()[0]:
+        raise PrismError(f"--target cuda needs a usable CUDA GPU: {gpu_status()[1]}; use --target cost without one")
+    if args.threads % 32 or args.threads > 1024:
+        raise PrismError(f"--threads must be a multiple of 32 up to 1024, got {args.threads}")
+    archs = tuple(a for a in args.arch.split(",") if a and a != "none")
+    bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}a?", a)]
+    if bad:
+        raise PrismError(f"--arch: expected names like sm_90 or sm_80, got {', '.join(bad)}")
+    target = load_target(args.hardware)
+    program = load(args.file).program(args.program)
+    check_output(Path(args.output))  # before the search: a run of minutes must not end in "cannot write"
+    options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, mode=args.target, archs=archs,
+                           emulate=not args.no_emulate, seed=args.seed,
+                           codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
+    extra: dict[str, str] = {}
+    searched = _search(args, program, target, options) if args.search == "full" else None
+    program_to_build = program
+    if searched is not None:  # built with the parameters the search tuned (or measured) for it
+        program_to_build = searched.best.program
+        options = replace(options, params=searched.best.params)
+    # The numeric checks compare with the program the user gave, whatever the search chose.
+    built = compile_program(program_to_build, target, options, reference=program)
+    if searched is not None:
+        _search_report(built.report, searched, program)
+        extra["best.prism"] = print_program(program_to_build)
+    out = Path(args.output)
+    report = write(built, out, options, extra)
+    print(json.dumps(report, indent=2) if args.json else summary(report, out))
+    checks = report["checks"]
+    failed = any(c.get("passed") is False for c in checks.values())
+    return EXIT_INPUT if failed else EXIT_OK
+
+
+def _search(args, program, target, options):
+    """The search's outcome for `compile`, or None when the program fixes its own kernels."""
+    from ..semantics.reference import bind_dims
+    from ..search.driver import SearchConfig
+    from ..pipeline.optimize import gpu_timer, optimize
+
+    if any(n.op == "kernel" for n in program.nodes()):
+        print(f"prismc: '{program.name}' already has custom kernels: compiling it as written (no search)",
+              file=sys.stderr)
+        return None
+    if args.grid or args.loop:
+        raise UsageError("--grid and --loop set the parameters of kernels you wrote; with the search, use --search none")
+    library, _ = load_rules([], defaults=True)
+    limits = {} if args.max_kernels is None else {"max_kernels": args.max_kernels}
+    config = SearchConfig(**limits, split_reductions=not args.no_split)
+    binding = bind_dims(program, args.dims)
+    measure = device = None
+    if args.target == "cuda":
+        from ..backend.cuda_runtime import device_identity
+
+        measure, device = gpu_timer(target, options, program), device_identity()
+    return optimize(program, library, target, binding, config=config, time_limit=args.time_limit, jobs=args.jobs,
+                    threads=args.threads, use_cache=not args.no_cache, progress=not args.json,
+                    measure=measure, device=device or "")
+
+
+def _search_report(report: dict, outcome, program) -> None:
+    from ..kernels.kernel import kernels_of
+    from ..kernels.lower import lower
+    from ..pipeline.optimize import TOP
+
+    best = outcome.best
+    report["best"] = "best.prism"
+    report["best_is_input"] = best.as_written
+    report["proved"] = best.proved  # proved equal to the input in this run (the input equals itself)
+    report["kernels_in_best"] = len(kernels_of(lower(best.program)))
+    report["search"] = outcome.search
+    report["search_seconds"] = outcome.search["search_seconds"]
+    report["alternatives"] = [
+        {"rank": i + 1, "as_written": r.as_written, "kernels": len(kernels_of(lower(r.program))),
+         "estimated_us": round(r.estimated_us, 3),
+         "measured_us": None if r.measured_us is None else round(r.measured_us, 3),
+         "measurement": None if r.measured is None else r.measured.note,
+         "proved": True if r.proved else None,  # None: from the checkpoint, not proved again in this run
+         "program": print_program(r.program, with_dims=False)}
+        for i, r in enumerate(outcome.ranked[:TOP])]
+
+
+def cmd_bench(args) -> int:
+    from .bench import bench
+
+    return bench(args)
+
+
+def cmd_show(args) -> int:
+    from ..lang.check import load
+    from .show import render
+
+    program = load(args.file).program(args.program)
+    if args.output:
+        check_writable(args.output)
+    text, ok, note = render(program, args.dims, args.grid, args.loop, args.target, args.format)
+    if args.output:
+        write_bytes(args.output, text if isinstance(text, bytes) else text.encode())
+        print(f"{program.name}: {args.format} -> {args.output}")
+    elif isinstance(text, bytes):
+        raise UsageError(f"--format {args.format} is binary; give -o FILE")
+    else:
+        print(text, end="")
+    if note:
+        print(note, file=sys.stderr)
+    return EXIT_OK if ok else EXIT_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""`prismc show`: a program's custom kernels, instantiated, as text or as a picture.
+
+The text says, per kernel: the grid and loop with their values, each load's map and tile shape
+(symbolic = concrete), the block ops with their tile shapes, the stores, the shared memory a block
+needs against the target's limit, and every constraint the values violate. The picture is a Graphviz
+graph of the kernel-level program with each custom kernel's block graph nested in it as a cluster
+(grid, loop, maps and tile shapes as labels); `dot` renders it to SVG or PNG when it is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Mapping
+
+import sympy
+
+from ..base.errors import PrismError
+from ..ir.nodes import Node, Program
+from ..kernels.kernel import (Kernel, bind, choose, constraints, free_symbols, kernels_of, load_target, output_shape,
+                     resolve_params, shared_memory)
+from ..ir.ops import OPS, Kind
+from ..lang.printer import format_number
+from ..semantics.reference import bind_dims
+from ..ir.shapes import fmt_shape
+
+
+def _binding(program: Program, dims: Mapping[str, int], grid, loop, target) -> tuple[dict, list[str]]:
+    """Dims, the given kernel parameters and valid choices for the rest (if there are any)."""
+    binding = dict(bind_dims(program, dims))
+    given = resolve_params(program, grid, loop)
+    symbols = {s.name: s for s in free_symbols(program)}
+    fixed = {symbols[n]: v for n, v in given.items()}
+    binding.update(fixed)
+    notes = []
+    if all(s in binding for s in symbols.values()):
+        return binding, notes
+    try:
+        chosen = choose(program, binding, fixed, target)
+        binding.update(chosen)
+        if chosen:
+            notes.append("chosen: " + ", ".join(f"{s} = {v}" for s, v in chosen.items()))
+    except PrismError as e:
+        notes.append(str(e).splitlines()[0])
+    return binding, notes
+
+
+def _value(expr, binding) -> str:
+    v = bind(expr, binding)
+    if v.is_Integer:
+        return str(int(v))
+    if v.is_number:
+        return f"{float(v):.4g} (not whole)"
+    return str(v)
+
+
+def _shape(shape, binding) -> str:
+    sym = fmt_shape(shape)
+    conc = "[" + ", ".join(_value(s, binding) for s in shape) + "]"
+    return sym if sym == conc else f"{sym} = {conc}"
+
+
+def _text_of(node: Node, names: Mapping[Node, str]) -> str:
+    if node in names:
+        return names[node]
+    if node.op == "const":
+        return format_number(node.attr)
+    if node.op == "tile":
+        return node.attr
+    args = [_text_of(a, names) for a in node.args]
+    spec = OPS[node.op]
+    if spec.infix:
+        return f"({args[0]} {spec.infix} {args[1]})"
+    if spec.kind is Kind.REDUCE:
+        args.append(str(node.attr - node.rank))
+    return f"{node.op}({', '.join(args)})"
+
+
+def kernel_text(program: Program, k: Kernel, binding, target) -> tuple[list[str], list[str]]:
+    """The lines describing kernel `k`, and the constraints it violates (in words)."""
+    grid = ", ".join(f"{a} = {g}" + ("" if bind(g, binding) == g else f" = {_value(g, binding)}") for a, g in k.grid)
+    loop = "" if k.loop is None else f" loop({k.loop}" + ("" if bind(k.loop, binding) == k.loop else f" = {_value(k.loop, binding)}") + ")"
+    blocks = _value(sympy.Mul(*[g for _, g in k.grid]), binding)
+    lines = [f"kernel {k.name} grid({grid}){loop}: {blocks} blocks, {_value(k.loop_range, binding)} iterations each"]
+    names = {n: program.names[n] for n in k.body() if n in program.names and n.op != "tile"}
+    for load in k.loads:
+        src = k.inputs[load.source]
+        tile = k.tile_node(load.tile)
+        src_name = program.names.get(src, src.attr if src.op == "input" else "?")
+        shape = _shape(tile.shape, binding) if tile is not None else "(unused)"
+        lines.append(f"  load  {load.tile} = {src_name}{load.map}   tile {shape} {src.dtype}")
+    for n in k.body():
+        if n in names:
+            lines.append(f"  {'acc ' if OPS[n.op].kind is Kind.ACCUMULATE else 'op  '}  {names[n]} = "
+                         f"{_text_of(n, {m: v for m, v in names.items() if m is not n})}   tile {_shape(n.shape, binding)}")
+    for s in k.stores:
+        full = output_shape(s.value.shape, s.map, k)
+        op = "+=" if s.add else "="
+        lines.append(f"  store {s.name}{s.map} {op} {_text_of(s.value, names)}   tile {_shape(s.value.shape, binding)}"
+                     f" -> {s.name} {_shape(full, binding)}")
+    smem = shared_memory(k)
+    lines.append(f"  shared memory per block: {smem} = {_value(smem, binding)} bytes (limit {target.smem_per_block} on {target.name})")
+    problems = [v for c in constraints(k, target) if (v := c.violation(binding))]
+    return lines, problems
+
+
+def text_report(program: Program, dims, grid, loop, target_name: str) -> tuple[str, bool]:
+    target = load_target(target_name)
+    binding, notes = _binding(program, dims, grid, loop, target)
+    sizes = ", ".join(f"{d.name}={binding[d.symbol]}" for d in program.dims)
+    lines = [f"program {program.name} (dims {sizes or 'none'}; target {target.name})"]
+    lines += [f"  {n}" for n in notes]
+    kernels = kernels_of(program)
+    if not kernels:
+        lines.append("  no custom kernels: every op is a pre-defined kernel")
+    ok = True
+    for k in kernels:
+        body, problems = kernel_text(program, k, binding, target)
+        lines += body
+        if problems:
+            ok = False
+            lines.append("  NOT VALID:")
+            lines += [f"    - {p}" for p in problems]
+        else:
+            lines.append("  checks: every division exact, shared memory and grid within the limits")
+    return "\n".join(lines) + "\n", ok
+
+
+# -- pictures ----------------------------------------------------------------------------------------
+
+
+NL = "\n"  # a line break inside a label
+
+
+def _q(text: str) -> str:
+    """A DOT string: quotes and backslashes escaped, line breaks as DOT's \\n."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace(NL, "\\n") + '"'
+
+
+def dot_graph(program: Program, binding) -> str:
+    """The kernel graph as DOT: tensors in device memory as boxes, each custom kernel a cluster."""
+    out = [f"digraph {_q(program.name)} {{", "  rankdir=TB; node [fontname=Helvetica, fontsize=10];",
+           "  edge [fontname=Helvetica, fontsize=9];"]
+    ids: dict[int, str] = {}
+
+    def nid(n: Node, prefix: str = "t") -> str:
+        return ids.setdefault(id(n), f"{prefix}{len(ids)}")
+
+    outputs = {id(n): name for name, n in program.outputs}
+    done_kernels: set[int] = set()
+    for n in program.nodes():
+        if n.op == "input":
+            out.append(f"  {nid(n)} [shape=box, style=filled, fillcolor=lightgrey, "
+                       f"label={_q(f'{n.attr}: {n.dtype}{fmt_shape(n.shape)}')}];")
+        elif n.op == "const":
+            continue
+        elif n.op == "kernel":
+            kernel, index = n.attr
+            name = program.names.get(n, kernel.stores[index].name)
+            out.append(f"  {nid(n)} [shape=box, style=filled, fillcolor=lightgrey, "
+                       f"label={_q(f'{name}: {n.dtype}{fmt_shape(n.shape)}')}];")
+            if id(kernel) not in done_kernels:
+                done_kernels.add(id(kernel))
+                out += _cluster(program, kernel, binding, nid)
+        else:
+            label = f"{program.names.get(n, n.op)} = {n.op}" + (NL + fmt_shape(n.shape) if n.shape else "")
+            out.append(f"  {nid(n)} [shape=ellipse, label={_q(label)}];")
+            for a in n.args:
+                if a.op != "const":
+                    out.append(f"  {nid(a)} -> {nid(n)};")
+        if id(n) in outputs:
+            out.append(f"  out_{nid(n)} [shape=plaintext, label={_q('return ' + outputs[id(n)])}];")
+            out.append(f"  {nid(n)} -> out_{nid(n)};")
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def _cluster(program: Program, k: Kernel, binding, nid) -> list[str]:
+    grid = ", ".join(f"{a}={g}" + _bound(g, binding) for a, g in k.grid)
+    loop = "" if k.loop is None else f"  loop({k.loop}{_bound(k.loop, binding)})"
+    c = f"cluster_{nid(k, 'k')}"
+    lines = [f"  subgraph {c} {{", f"    label={_q(f'kernel {k.name}  grid({grid}){loop}')};",
+             "    style=rounded; color=steelblue;"]
+    for load in k.loads:
+        tile = k.tile_node(load.tile)
+        shape = fmt_shape(tile.shape) if tile is not None else "unused"
+        label = f"load {load.tile}{load.map}" + NL + f"tile {shape}"
+        lines.append(f"    {nid(tile or load, 'b')} [shape=box, color=steelblue, label={_q(label)}];")
+        lines.append(f"    {nid(k.inputs[load.source])} -> {nid(tile or load, 'b')};")
+    for n in k.body():
+        if n.op in ("tile", "const"):
+            continue
+        acc = OPS[n.op].kind is Kind.ACCUMULATE
+        name = program.names.get(n)
+        label = (f"{name} = " if name else "") + n.op + NL + fmt_shape(n.shape)
+        style = "shape=box, style=\"rounded,filled\", fillcolor=lightyellow" if acc else "shape=ellipse"
+        lines.append(f"    {nid(n, 'b')} [{style}, label={_q(label)}];")
+        for a in n.args:
+            if a.op != "const":
+                lines.append(f"    {nid(a, 'b')} -> {nid(n, 'b')};")
+    lines.append("  }")
+    for i, s in enumerate(k.stores):
+        op = "+=" if s.add else "="
+        lines.append(f"  {nid(s.value, 'b')} -> {_store_target(program, k, i, nid)} [label={_q(f'store {s.name}{s.map} {op}')}];")
+    return lines
+
+
+def _store_target(program: Program, k: Kernel, index: int, nid) -> str:
+    for n in program.nodes():
+        if n.op == "kernel" and n.attr[0] is k and n.attr[1] == index:
+            return nid(n)
+    return nid(k.stores[index])
+
+
+def _bound(expr, binding) -> str:
+    v = bind(expr, binding)
+    return "" if v == expr else f"={_value(expr, binding)}"
+
+
+def render(program: Program, dims, grid, loop, target_name: str, fmt: str) -> tuple[str | bytes, bool, str | None]:
+    """(text or image bytes, whether every kernel is valid, a note for the terminal)."""
+    text, ok = text_report(program, dims, grid, loop, target_name)
+    if fmt == "text":
+        return text, ok, None
+    binding, _ = _binding(program, dims, grid, loop, load_target(target_name))
+    dot = dot_graph(program, binding)
+    if fmt == "dot":
+        return dot, ok, None
+    exe = shutil.which("dot")
+    if exe is None:
+        return dot, ok, f"Graphviz's 'dot' is not installed, so this is the graph as DOT text, not {fmt}"
+    try:
+        done = subprocess.run([exe, f"-T{fmt}"], input=dot.encode(), capture_output=True, timeout=60, check=True)
+    except (subprocess.SubprocessError, OSError) as e:
+        raise PrismError(f"Graphviz's dot failed to draw the graph: {e}") from None
+    return done.stdout, ok, None

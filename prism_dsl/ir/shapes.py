@@ -1,0 +1,174 @@
+"""Shape and dtype rules, one per operator kind, over symbolic sizes.
+
+`infer(op, operands, params)` gives the result's (dtype, shape) or raises `ShapeError` with a message for
+people. Sizes are SymPy expressions; two sizes agree only if they are equal for every binding of the dims
+(`same`), so a program that checks here is well shaped at every size.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import sympy
+
+from .nodes import DType, Node, Shape
+from .ops import OPS, Kind
+
+
+class ShapeError(Exception):
+    """A shape or dtype mismatch; the checker attaches the location."""
+
+
+def same(a: sympy.Expr, b: sympy.Expr) -> bool:
+    return a == b or sympy.expand(a - b) == 0
+
+
+def same_shape(a: Shape, b: Shape) -> bool:
+    """The same rank and the same size in every dim, for every binding of the dims."""
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def fmt_shape(shape: Shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+# Mixed storage types compute in the narrowest type that holds both (numpy's rule, with bf16 beside f16).
+_RANK = {DType.F16: 1, DType.BF16: 1, DType.F32: 2, DType.F64: 3}
+
+
+def promote(a: DType | None, b: DType | None) -> DType | None:
+    if a is None or a == b:
+        return b
+    if b is None:
+        return a
+    if _RANK[a] == _RANK[b]:  # f16 with bf16: neither holds the other
+        return DType.F32
+    return a if _RANK[a] > _RANK[b] else b
+
+
+def broadcast(a: Shape, b: Shape) -> Shape:
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else sympy.Integer(1)
+        y = b[-i] if i <= len(b) else sympy.Integer(1)
+        if same(x, y) or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            raise ShapeError(f"shapes {fmt_shape(a)} and {fmt_shape(b)} do not broadcast: {x} vs {y}")
+    return tuple(reversed(out))
+
+
+def _unary(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    return args[0].dtype, args[0].shape
+
+
+def _binary(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    a, b = args
+    return promote(a.dtype, b.dtype), broadcast(a.shape, b.shape)
+
+
+def _matmul(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    a, b = args
+    if a.rank < 2 or b.rank < 2:
+        bad = a if a.rank < 2 else b
+        raise ShapeError(f"operands need rank 2 or more, got {fmt_shape(bad.shape)}")
+    if not same(a.shape[-1], b.shape[-2]):
+        raise ShapeError(
+            f"inner dims differ: {a.shape[-1]} (last of {fmt_shape(a.shape)}) "
+            f"vs {b.shape[-2]} (second to last of {fmt_shape(b.shape)})"
+        )
+    try:
+        batch = broadcast(a.shape[:-2], b.shape[:-2])
+    except ShapeError as e:
+        raise ShapeError(f"batch dims: {e}") from None
+    return promote(a.dtype, b.dtype), batch + (a.shape[-2], b.shape[-1])
+
+
+def normalize_dim(dim: int, rank: int) -> int:
+    if not -rank <= dim < rank:
+        valid = f"{-rank}..{rank - 1}" if rank else "none"
+        raise ShapeError(f"dim {dim} is out of range for a rank-{rank} tensor (valid: {valid})")
+    return dim % rank
+
+
+def _reduce(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    (x,), (dim,) = args, params
+    axis = normalize_dim(dim, x.rank)
+    return x.dtype, x.shape[:axis] + (sympy.Integer(1),) + x.shape[axis + 1 :]
+
+
+def _rowwise(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    if args[0].rank < 1:
+        raise ShapeError("needs a tensor of rank 1 or more (it works along the last dim)")
+    return args[0].dtype, args[0].shape
+
+
+def _accumulate(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    """At block level the result has the shape of one iteration's value; in a tile family (rank above
+    KERNEL_RANK, see `layout`) the loop dim also folds to 1."""
+    from .ops import LOOP_DIM
+
+    op = params[0]
+    if op in ("acc_softmax_out",):
+        dtype, shape = _matmul(args, ())
+    elif op == "acc_rescaled_sum":
+        dtype, shape = _binary(args, ())
+    else:
+        dtype, shape = args[0].dtype, args[0].shape
+    if op not in ("acc_sum", "acc_softmax_out", "acc_rescaled_sum"):
+        if not shape:
+            raise ShapeError("needs a tile of rank 1 or more (it works along the last dim)")
+        shape = shape[:-1] + (sympy.Integer(1),)
+    if len(shape) >= -LOOP_DIM:
+        shape = shape[:LOOP_DIM] + (sympy.Integer(1),) + (shape[LOOP_DIM + 1 :] if LOOP_DIM + 1 else ())
+    return dtype, shape
+
+
+def _padded(shape: Shape, *dims: int) -> Shape:
+    rank = max(len(shape), *(-d for d in dims))
+    return (sympy.Integer(1),) * (rank - len(shape)) + tuple(shape)
+
+
+def _split(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    dim, block, count = params
+    shape = list(_padded(args[0].shape, dim, block))
+    shape[dim], shape[block] = shape[dim] / count, sympy.sympify(count)
+    return args[0].dtype, tuple(shape)
+
+
+def _concat(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    dim, block = params
+    shape = list(_padded(args[0].shape, dim, block))
+    shape[dim], shape[block] = shape[dim] * shape[block], sympy.Integer(1)
+    return args[0].dtype, tuple(shape)
+
+
+RULES: dict[Kind, Callable] = {
+    Kind.ACCUMULATE: _accumulate,
+    Kind.SPLIT: _split,
+    Kind.CONCAT: _concat,
+    Kind.UNARY: _unary,
+    Kind.BINARY: _binary,
+    Kind.MATMUL: _matmul,
+    Kind.REDUCE: _reduce,
+    Kind.ROWWISE: _rowwise,
+}
+
+
+def infer(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> tuple[DType | None, Shape]:
+    if OPS[op].kind is Kind.ACCUMULATE:
+        params = (op,)
+    return RULES[OPS[op].kind](args, params)
+
+
+def build(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> Node:
+    """The node for `op(args, params)` with its inferred type; reductions store the normalized dim."""
+    dtype, shape = infer(op, args, params)
+    attr = None
+    if OPS[op].kind is Kind.REDUCE:
+        attr = normalize_dim(params[0], args[0].rank)
+    elif OPS[op].kind in (Kind.SPLIT, Kind.CONCAT):
+        attr = tuple(params)
+    return Node(op, tuple(args), attr, dtype, shape)

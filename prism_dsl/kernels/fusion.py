@@ -1,0 +1,155 @@
+"""Thread-level fusion and buffer planning for a custom kernel: where each block-level value lives.
+
+A pass, not a search (ARCHITECTURE.md section 2): given a kernel's block graph it decides, for every
+body node, one placement:
+
+- `SMEM`: the value is computed by all the block's threads into a shared-memory buffer (loaded tiles,
+  matrix products, reductions, row-wise ops, and element-wise values that a non-element-wise op reads);
+- `INLINE`: an element-wise value whose every user is element-wise too; it is never stored, each user
+  evaluates it in registers at the element it needs (chains of unary and binary ops fuse this way);
+- `STATE`: an accumulator: its running state lives in shared memory across the loop, and its value after
+  the loop is read from the state;
+- `FUSED`: a matrix product whose only user is `acc_sum`: the product is added straight into the
+  accumulator's state, never stored on its own.
+
+`plan(kernel)` also lists the buffers a block needs, with symbolic shapes: this is what the generated
+CUDA allocates, and what the shared-memory constraint of `kernel.constraints` bounds (buffers are
+128-byte aligned in the kernel, so each counts 128 bytes of padding). The online-softmax accumulators on
+the same scores share one running row max, one rescaling factor per row and one tile of exp(s - max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from functools import cache
+
+import sympy
+
+from ..ir.nodes import DType, Node
+from .kernel import Kernel
+from ..ir.ops import OPS, Kind
+
+ALIGN = 128  # bytes: shared-memory buffers start at multiples of this (tensor-core loads need 32)
+
+SOFTMAX = ("acc_softmax_sum", "acc_softmax_out")
+
+
+class Place(Enum):
+    SMEM = "smem"
+    INLINE = "inline"
+    STATE = "state"
+    FUSED = "fused"
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One shared-memory buffer: `name` is a C identifier fragment, unique within the kernel."""
+
+    name: str
+    shape: tuple[sympy.Expr, ...]
+    dtype: DType  # how its elements are stored
+    node: Node | None  # the value it holds (None for softmax scratch)
+    role: str  # "tile", "value", "state", "scratch"
+
+    @property
+    def elements(self) -> sympy.Expr:
+        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+
+    @property
+    def bytes(self) -> sympy.Expr:
+        return self.elements * self.dtype.bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    place: dict[Node, Place]
+    buffers: tuple[Buffer, ...]
+    state: dict[Node, dict[str, Buffer]]  # accumulator -> its state buffers by role ("m", "l", "o", "acc"...)
+    groups: dict[Node, dict[str, Buffer]]  # scores s -> shared online-softmax buffers ("m", "scale", "p")
+    users: dict[Node, list[Node]]
+
+    def buffer(self, node: Node) -> Buffer:
+        return next(b for b in self.buffers if b.node is node and b.role in ("tile", "value"))
+
+    def smem_bytes(self) -> sympy.Expr:
+        return sympy.Add(*[b.bytes + ALIGN for b in self.buffers])
+
+
+# Users that read an element-wise value one element at a time, at most once per element they make.
+_ELEMENTWISE_USERS = {Kind.UNARY, Kind.BINARY}
+_ELEMENTWISE_ACCUMULATORS = {"acc_sum", "acc_rescaled_sum"}
+
+
+def compute_dtype(kernel: Kernel) -> DType:
+    """Arithmetic happens in f32, or f64 when the kernel touches an f64 tensor."""
+    f64 = any(n.dtype is DType.F64 for n in kernel.body()) or any(i.dtype is DType.F64 for i in kernel.inputs)
+    return DType.F64 if f64 else DType.F32
+
+
+@cache
+def plan(kernel: Kernel) -> Plan:
+    body = kernel.body()
+    users: dict[Node, list[Node]] = {n: [] for n in body}
+    for n in body:
+        for a in n.args:
+            if n not in users[a]:
+                users[a].append(n)
+    stored = {s.value for s in kernel.stores}
+    real = compute_dtype(kernel)
+    place: dict[Node, Place] = {}
+    buffers: list[Buffer] = []
+    state: dict[Node, dict[str, Buffer]] = {}
+    groups: dict[Node, dict[str, Buffer]] = {}
+    names: set[str] = set()
+
+    def add(base: str, shape, dtype: DType, node: Node | None, role: str) -> Buffer:
+        name, i = base, 1
+        while name in names:
+            i += 1
+            name = f"{base}_{i}"
+        names.add(name)
+        b = Buffer(name, tuple(shape), dtype, node, role)
+        buffers.append(b)
+        return b
+
+    softmax_scores = {n.args[0] for n in body if n.op in SOFTMAX}
+    for i, n in enumerate(body):
+        kind = OPS[n.op].kind
+        if kind is Kind.TILE:
+            place[n] = Place.SMEM
+            add(n.attr, n.shape, n.dtype or real, n, "tile")
+        elif kind is Kind.CONST:
+            place[n] = Place.INLINE
+        elif kind in (Kind.UNARY, Kind.BINARY):
+            inline = all(OPS[u.op].kind in _ELEMENTWISE_USERS or u.op in _ELEMENTWISE_ACCUMULATORS for u in users[n])
+            place[n] = Place.INLINE if inline else Place.SMEM
+            if not inline:
+                add(f"v{i}", n.shape, real, n, "value")
+        elif kind is Kind.MATMUL and [u.op for u in users[n]] == ["acc_sum"] and n not in stored:
+            place[n] = Place.FUSED
+        elif kind is Kind.ACCUMULATE:
+            place[n] = Place.STATE
+            state[n] = _state_buffers(n, i, add, real, groups, softmax_scores)
+        else:  # matmul, reductions, row-wise ops
+            place[n] = Place.SMEM
+            add(f"v{i}", n.shape, real, n, "value")
+    return Plan(place, tuple(buffers), state, groups, users)
+
+
+def _state_buffers(n: Node, i: int, add, real: DType, groups, softmax_scores) -> dict[str, Buffer]:
+    if n.op in SOFTMAX or (n.op == "acc_max_last" and n.args[0] in softmax_scores):
+        s = n.args[0]
+        if s not in groups:
+            rows = s.shape[:-1] + (sympy.Integer(1),)
+            groups[s] = {"m": add(f"a{i}_max", rows, real, None, "scratch"),
+                         "scale": add(f"a{i}_scale", rows, real, None, "scratch"),
+                         "p": add(f"a{i}_p", s.shape, real, None, "scratch")}
+        if n.op == "acc_max_last":
+            return {"m": groups[s]["m"]}
+        return {"m": groups[s]["m"], "acc": add(f"a{i}", n.shape, real, n, "state")}
+    if n.op == "acc_rescaled_sum":
+        return {"m": add(f"a{i}_max", n.shape, real, None, "state"), "acc": add(f"a{i}", n.shape, real, n, "state")}
+    if n.op == "acc_max_last":
+        return {"m": add(f"a{i}", n.shape, real, n, "state")}
+    return {"acc": add(f"a{i}", n.shape, real, n, "state")}

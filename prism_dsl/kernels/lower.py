@@ -1,0 +1,202 @@
+"""Pre-defined kernels: every kernel-level op a program computes outside custom kernels becomes a kernel.
+
+Where it sits: before instantiation and codegen. A program as written (`rms_norm(X) @ W`) has no custom
+kernels; to render, run and time it, each of its operators becomes one *pre-defined kernel*, expressed
+as a small custom kernel of the same IR, so the one code generator, the block interpreter, the cost
+model and the proofs all apply to it unchanged:
+
+- element-wise chains: one kernel per chain (thread-level fusion at kernel level: an element-wise value
+  with one element-wise user is computed inside its user's kernel); blocks split the last dim (free
+  size) and one row or plane per block along the two dims before it;
+- matmul: blocks split the output's columns (x) and rows (y), and the batch dim before them (z, one
+  per block); the loop walks the contracted dim and `acc_sum` adds the partial products;
+- reductions: blocks split the kept dims; each block holds the reduced dim whole;
+- row-wise ops (`rms_norm`, `softmax`): one block per group of rows, each row whole.
+
+Grid sizes and loop ranges are fresh free symbols (`gx_NAME`, `F_NAME`), chosen at instantiation like
+those of hand-written kernels. Kernel and store names come from the program's names for the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy
+
+from ..ir.nodes import Node, Program, dim_symbol
+from .kernel import AXES, DimMap, Kernel, Load, Store, TileMap, output_shape, tile_shape
+from ..ir.ops import KERNEL_RANK, OPS, Kind
+from ..ir.shapes import build, same
+from ..base.errors import PrismError
+
+_ELEMENTWISE = (Kind.UNARY, Kind.BINARY)
+
+
+def lower(program: Program) -> Program:
+    """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused
+    into its element-wise user's). A program with nothing left outside kernels comes back as it is."""
+    nodes = program.nodes()
+    users: dict[Node, list[Node]] = {n: [] for n in nodes}
+    for n in nodes:
+        for a in n.args:
+            users[a].append(n)
+    outputs = {id(node): name for name, node in reversed(program.outputs)}
+    for name, node in program.outputs:
+        if node.op == "input":
+            raise PrismError(f"output '{name}' is input '{node.attr}' itself: there is nothing to compute")
+
+    def materialized(n: Node) -> bool:
+        if n.op in ("input", "const", "kernel"):
+            return False
+        if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
+            return True
+        return not (len(users[n]) == 1 and OPS[users[n][0].op].kind in _ELEMENTWISE)
+
+    todo = [n for n in nodes if materialized(n)]
+    if not todo:
+        return program
+    lowered: dict[Node, Node] = {}  # program node -> the kernel output that computes it
+    todo_set = set(todo)
+    names = dict(program.names)
+    taken = {n.attr for n in program.inputs} | {name for name, _ in program.outputs} | set(program.names.values())
+    rebuilt: dict[int, object] = {}  # custom kernels re-pointed at lowered operands, by id of the original
+    i = -1  # the position in `todo`, for fresh names
+    for n in nodes:
+        if n.op == "kernel" and any(a in lowered for a in n.args):
+            # A custom kernel that reads a value now computed by a pre-defined kernel reads its output.
+            kernel, index = n.attr
+            if id(kernel) not in rebuilt:
+                rebuilt[id(kernel)] = replace(kernel, inputs=tuple(lowered.get(a, a) for a in kernel.inputs))
+            k = rebuilt[id(kernel)]
+            lowered[n] = Node("kernel", k.inputs, (k, index), n.dtype, n.shape)
+            continue
+        if n not in todo_set:
+            continue
+        i += 1
+        store = outputs.get(id(n)) or program.names.get(n)
+        if store is None or (store in taken and id(n) not in outputs and program.names.get(n) != store):
+            store = _fresh(f"t{i}", taken)
+        taken.add(store)
+        node = _kernel_for(n, store, lowered)
+        lowered[n] = node
+        names[node] = store
+    outs = tuple((name, lowered.get(node, node)) for name, node in program.outputs)
+    return Program(program.name, program.dims, program.inputs, outs, {}, names, program.loc)
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name, i = base, 1
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+class _Builder:
+    """Collects a kernel's loads while its body is rebuilt over tiles."""
+
+    def __init__(self, name: str, grid, loop, lowered: dict[Node, Node]):
+        grid = list(grid) or [("x", sympy.Integer(1))]  # a rank-1 value: one block
+        self.shell = Kernel(name, tuple(grid), loop, (), (), ())
+        self.lowered = lowered
+        self.sources: list[Node] = []
+        self.loads: list[Load] = []
+
+    def tile(self, source: Node, dims: tuple[DimMap, ...]) -> Node:
+        source = self.lowered.get(source, source)
+        tmap = TileMap(dims)
+        for load in self.loads:
+            if self.sources[load.source] is source and load.map == tmap:
+                return _tile_node(load, source, self.shell)
+        if source not in self.sources:
+            self.sources.append(source)
+        load = Load(f"{_tile_name(source)}_{len(self.loads)}", self.sources.index(source), tmap)
+        self.loads.append(load)
+        return _tile_node(load, source, self.shell)
+
+    def kernel(self, value: Node, store: str, tmap: TileMap, add: bool = False) -> Node:
+        s = self.shell
+        k = Kernel(s.name, s.grid, s.loop, tuple(self.loads), (Store(store, value, tmap, add),), tuple(self.sources))
+        return Node("kernel", k.inputs, (k, 0), value.dtype, output_shape(value.shape, tmap, k))
+
+
+def _tile_name(source: Node) -> str:
+    if source.op == "input":
+        return source.attr.lower()
+    return source.attr[0].stores[source.attr[1]].name.lower()
+
+
+def _tile_node(load: Load, source: Node, shell: Kernel) -> Node:
+    return Node("tile", (), load.tile, source.dtype, tile_shape(source.shape, load.map, shell))
+
+
+def _map(shape, split: dict[int, str], loop_dim: int | None = None, out_shape=None) -> tuple[DimMap, ...]:
+    """A tile map for an operand of `shape` read by a kernel whose output dims (counted from the end) in
+    `split` are split by grid axes: operand dims that broadcast (size 1 where the output is not) stay whole."""
+    dims = []
+    rank = len(shape)
+    for d in range(rank):
+        from_end = d - rank
+        axis = split.get(from_end)
+        if axis and out_shape is not None and -from_end <= len(out_shape) and not same(shape[d], out_shape[from_end]):
+            axis = None
+        dims.append(DimMap(axis, loop_dim == from_end))
+    return tuple(dims)
+
+
+def _kernel_for(n: Node, store: str, lowered: dict[Node, Node]) -> Node:
+    kind = OPS[n.op].kind
+    if n.rank > KERNEL_RANK:
+        raise PrismError(f"'{store}' has rank {n.rank}; pre-defined kernels handle rank {KERNEL_RANK} at most")
+    kname = f"{n.op}_{store}"
+    sym = lambda base: dim_symbol(f"{base}_{store}")  # noqa: E731 - fresh kernel parameters, named after the value
+    shape = n.shape
+    if kind is Kind.MATMUL:
+        a, b = n.args
+        grid = [("x", sym("gx")), ("y", sym("gy"))] + ([("z", shape[-3])] if n.rank >= 3 else [])
+        split = {-1: "x", -2: "y", -3: "z"}
+        bld = _Builder(kname, grid, sym("F"), lowered)
+        at = bld.tile(a, _map(a.shape, {-2: "y", -3: "z"}, loop_dim=-1, out_shape=_pad(a, shape)))
+        bt = bld.tile(b, _map(b.shape, {-1: "x", -3: "z"}, loop_dim=-2, out_shape=_pad(b, shape)))
+        value = build("acc_sum", [build("matmul", [at, bt])])
+        return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
+    if kind is Kind.REDUCE:
+        x = n.args[0]
+        kept = [d for d in range(-1, -n.rank - 1, -1) if d != n.attr - n.rank]
+        split = dict(zip(kept, AXES))
+        grid = [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()]
+        bld = _Builder(kname, grid, None, lowered)
+        xt = bld.tile(x, _map(x.shape, split))
+        return bld.kernel(build(n.op, [xt], [n.attr]), store, TileMap(_out_map(n.rank, split)))
+    if kind is Kind.ROWWISE:
+        split = dict(zip(range(-2, -n.rank - 1, -1), AXES))
+        grid = [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()]
+        bld = _Builder(kname, grid, None, lowered)
+        xt = bld.tile(n.args[0], _map(n.args[0].shape, split))
+        return bld.kernel(build(n.op, [xt]), store, TileMap(_out_map(n.rank, split)))
+    if kind in _ELEMENTWISE:
+        split = dict(zip(range(-1, -min(n.rank, 3) - 1, -1), AXES))
+        grid = [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()]
+        bld = _Builder(kname, grid, None, lowered)
+        value = _rebuild(n, bld, split, shape, lowered, top=True)
+        return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
+    raise PrismError(f"no pre-defined kernel for '{n.op}'")
+
+
+def _pad(operand: Node, out_shape) -> tuple:
+    """The output's shape seen from an operand's batch dims (the last two dims are the operand's own)."""
+    return tuple(out_shape[:-2]) + tuple(operand.shape[-2:])
+
+
+def _out_map(rank: int, split: dict[int, str]) -> tuple[DimMap, ...]:
+    return tuple(DimMap(split.get(d - rank)) for d in range(rank))
+
+
+def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = False) -> Node:
+    """The element-wise chain ending at `n`, over tiles of the values it reads."""
+    if n.op == "const":
+        return n
+    if not top and (n.op in ("input", "kernel") or n in lowered):
+        return bld.tile(n, _map(n.shape, split, out_shape=out_shape))
+    return build(n.op, [_rebuild(a, bld, split, out_shape, lowered) for a in n.args])
+

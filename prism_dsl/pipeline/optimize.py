@@ -1,0 +1,506 @@
+"""`prismc compile` with the search: checkpoint, parameter instantiation, ranking, the chosen program.
+
+    checkpoint   the proved sGraphs of a program, in the user cache (`cache`), keyed by the program's
+                 structure (printed without its dim values), the rules' text and the search limits; a
+                 new binding of the dims reuses them and only re-instantiates. The saved programs are
+                 not trusted: each one that is chosen or timed is proved again first, and one that fails
+                 discards the checkpoint (the search runs again and replaces it)
+    search       levels 1 and 2 (`search`), when there is no usable checkpoint
+    tune         per proved program, kernel parameters for the dims chosen by the cost model; on a GPU
+                 (`--target cuda`) the best few by the model, and the best of each other shape, are then
+                 built, checked against the float64 reference of the input program and timed
+                 (`gpu_timer`). Both go into the tuning database (user cache): the model's choice keyed by
+                 structure, dims, target and the model's code; a measured time also by the GPU, its driver
+                 and the generated code's sources. An entry is used only when it is valid here: parameters
+                 that meet every kernel's constraints at these dims, a finite positive time
+    choose       the fastest; the program as written (pre-defined kernels) competes too, so the answer is
+                 never worse than it and is it when nothing better was found
+
+The checkpoint holds only complete searches (a search cut short by the time limit is not reused).
+Every cache record is written atomically; a record that cannot be read, parsed or used is reported once
+and ignored (`cache`), and what it held is computed again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..base import cache
+from ..base.errors import PrismError
+from ..ir.nodes import Program
+from ..kernels.kernel import Target
+from ..lang.printer import print_program
+from ..lang.syntax import clip
+from ..prove.rules import Library
+from ..search.driver import Prover, Result, SearchConfig, Stats, default_jobs, search
+
+SEARCH_VERSION = "2"  # bump when the search's meaning changes: old checkpoints are then ignored
+TOP = 5  # alternatives listed in report.json
+MEASURED = 3  # programs timed on a GPU, best by the model first
+
+
+def structure(program: Program) -> str:
+    return print_program(program, with_dims=False)
+
+
+def checkpoint_key(program: Program, library: Library, config: SearchConfig) -> str:
+    return cache.digest("search", SEARCH_VERSION, structure(program), *library.texts,
+                        json.dumps(config.key(), sort_keys=True))
+
+
+def _dims_line(program: Program) -> str:
+    return ("dims " + ", ".join(f"{d.name} = {d.default}" for d in program.dims) + "\n") if program.dims else ""
+
+
+def load_checkpoint(program: Program, key: str) -> tuple[list[Program], dict] | None:
+    """The saved programs (with this program's dims) and the search's figures, or None; a bad entry is
+    reported once. The programs are NOT trusted here: `optimize` proves each again before it is emitted
+    or timed. What is checked here is their form: each is one program declaration (nothing imported)
+    with the name, inputs and outputs of `program`."""
+    record = cache.read("search", key)
+    if record is None:
+        return None
+    saved = _checkpoint(program, record)
+    if isinstance(saved, str):
+        cache.warn(cache.path_for("search", key), f"not a valid checkpoint ({saved})")
+        return None
+    return saved
+
+
+STAT_COUNTS = ("generated", "candidates", "maps", "proofs", "verified")  # `Stats.as_dict`'s counters
+
+
+def _checkpoint(program: Program, record) -> tuple[list[Program], dict] | str:
+    """The checkpoint's programs and figures, or what is wrong with it."""
+    if not isinstance(record, dict):
+        return "not a record"
+    texts, stats = record.get("programs"), _stats(record.get("stats"))
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        return "its programs are not a list of texts"
+    if isinstance(stats, str):
+        return stats
+    programs = []
+    for i, text in enumerate(texts):
+        saved = _saved_program(program, text)
+        if isinstance(saved, str):
+            return f"program {i + 1}: {saved}"
+        programs.append(saved)
+    return programs, stats
+
+
+def _stats(stats) -> dict | str:
+    """The search's figures as report.json shows them: only the known keys, each of its type."""
+    if not isinstance(stats, dict):
+        return "its figures are not a record"
+    counts = {k: stats.get(k) for k in STAT_COUNTS}
+    pruned, seconds = stats.get("pruned"), stats.get("seconds")
+    if not all(_count(v) for v in counts.values()):
+        return "its counts are not all whole numbers"
+    if not isinstance(pruned, dict) or not all(isinstance(k, str) and _count(v) for k, v in pruned.items()):
+        return "its pruning counts are not a record of whole numbers"
+    if not _positive_time(seconds, zero=True):
+        return "its search time is not a number of seconds"
+    return {**counts, "pruned": pruned, "seconds": seconds}
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _saved_program(program: Program, text: str) -> Program | str:
+    """One saved program, checked, with `program`'s dims; or why it is not usable in its place."""
+    from ..lang import syntax_tree as ast
+    from ..lang.check import load
+    from ..prove.prover import check_signatures
+    from ..ir.shapes import same_shape
+    from ..lang.syntax import parse_prism
+
+    try:
+        items = parse_prism(text, "<checkpoint>").items
+        if len(items) != 1 or not isinstance(items[0], ast.ProgramDecl):
+            return "not one program declaration"
+        saved = load("<checkpoint>", _dims_line(program) + text).program()
+        check_signatures(program, saved)
+    except (PrismError, RecursionError) as e:
+        return str(e).splitlines()[0] if str(e) else e.__class__.__name__
+    outputs, theirs = dict(program.outputs), dict(saved.outputs)
+    if saved.name != program.name or set(theirs) != set(outputs) or not all(
+            same_shape(theirs[n].shape, outputs[n].shape) for n in outputs):
+        return f"not a program '{program.name}' with its outputs"
+    return saved
+
+
+def _positive_time(us, zero: bool = False) -> bool:
+    """A time in a cache record: a finite number above zero, or zero where `zero` allows (not a bool, a
+    string or NaN)."""
+    if isinstance(us, bool) or not isinstance(us, (int, float)):
+        return False
+    try:
+        return math.isfinite(us) and (us > 0 or zero and us == 0)
+    except OverflowError:  # an integer too large for a float is no time either
+        return False
+
+
+def save_checkpoint(key: str, result: Result) -> None:
+    cache.write("search", key, {"programs": [structure(p) for p in result.verified],
+                                "stats": {**result.stats.as_dict(), "seconds": round(result.seconds, 3)}})
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One program timed on the GPU, its outputs checked against the float64 reference first."""
+
+    us: float | None  # None: not usable (it disagreed with the reference, or could not be built or run)
+    note: str  # "checked", or what went wrong
+    lasting: bool = True  # worth keeping in the tuning database (a failure to build or launch is not)
+
+
+Measure = Callable[[Program, dict[str, int]], Measurement]
+
+
+@dataclass
+class Ranked:
+    program: Program
+    params: dict[str, int]
+    estimated_us: float
+    measured: Measurement | None = None
+    as_written: bool = False
+    proved: bool = False  # proved equal to the input in this run (by the search or again), or the input itself
+
+    @property
+    def measured_us(self) -> float | None:
+        return None if self.measured is None else self.measured.us
+
+
+@dataclass
+class Outcome:
+    best: Ranked
+    ranked: list[Ranked]
+    search: dict  # what report.json says of the search
+    from_checkpoint: bool
+
+
+MODEL_CODE = ("ir", "kernels", "backend/cost.py")  # what the cost model's estimates come from
+
+
+def _model_version() -> str:
+    """The cost model's code (and what it reads, the hardware files): its estimates depend on nothing else."""
+    return cache.code_digest(*MODEL_CODE)
+
+
+def _codegen_version() -> str:
+    """The generated code's sources and templates: a time measured on other code is stale."""
+    from ..backend.codegen import TEMPLATES
+
+    return cache.code_digest(*MODEL_CODE, "backend", "pipeline/build.py", extra=TEMPLATES)
+
+
+def _dims(binding: dict) -> str:
+    return json.dumps(sorted((str(k), int(v)) for k, v in binding.items()))
+
+
+def tuning_key(program: Program, binding: dict, target: Target) -> str:
+    """The model's parameters and estimate for a program at some dims on a target."""
+    return cache.digest("tuning", SEARCH_VERSION, _model_version(), structure(program), _dims(binding), target.name)
+
+
+def measured_key(program: Program, binding: dict, target: Target, device: str, params: dict[str, int]) -> str:
+    """A time measured on a GPU: the device string names the GPU, its compute capability and driver."""
+    return cache.digest("measured", SEARCH_VERSION, _codegen_version(), structure(program), _dims(binding),
+                        target.name, device, json.dumps(sorted(params.items())))
+
+
+def rank(program: Program, binding: dict, target: Target, threads: int) -> Ranked | None:
+    """Parameters and estimated time for one program at these dims, from the tuning database when it has
+    a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again."""
+    from ..backend import cost
+    from ..kernels.lower import lower
+
+    lowered = lower(program)
+    key = tuning_key(program, binding, target)
+    hit = cache.read("tuning", key)
+    if hit is not None:
+        problem = _tuning_problem(hit, lowered, binding, target)
+        if problem is None:
+            return Ranked(program, dict(hit["params"]), float(hit["us"]))
+        cache.warn(cache.path_for("tuning", key), f"not a valid tuning entry ({problem}); tuning again")
+    try:
+        params, _, estimates = cost.parameters(lowered, binding, {}, target, threads)
+    except PrismError:
+        return None  # no valid parameters at these dims (a tile that does not fit, say)
+    us = sum(e.time_us for e in estimates)
+    cache.write("tuning", key, {"params": params, "us": us})
+    return Ranked(program, params, us)
+
+
+def _tuning_problem(hit, lowered: Program, binding: dict, target: Target) -> str | None:
+    """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
+    parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
+    kernel meets its constraints (`kernel.valid`); its time a finite positive number."""
+    from ..kernels.kernel import free_symbols, kernels_of, valid
+
+    if not isinstance(hit, dict) or not isinstance(hit.get("params"), dict):
+        return "no parameters"
+    params, us = hit["params"], hit.get("us")
+    if not _positive_time(us):
+        return f"the time {clip(repr(us))} is not a finite positive number"
+    symbols = {s.name: s for s in free_symbols(lowered)}
+    if set(params) != set(symbols):
+        return f"parameters {clip(repr(sorted(params)))} are not the program's ({', '.join(symbols) or 'none'})"
+    bad = [n for n, v in params.items() if not _count(v) or v < 1]
+    if bad:
+        return f"{', '.join(bad)} not a whole number from 1"
+    full = {**binding, **{symbols[n]: v for n, v in params.items()}}
+    broken = [k.name for k in kernels_of(lowered) if not valid(k, full, target)]
+    if broken:
+        return f"the parameters break the constraints of kernel {', '.join(broken)} at these dims"
+    return None
+
+
+class Progress:
+    """One status line on stderr, rewritten in place; silent when stderr is not a terminal."""
+
+    def __init__(self, enabled: bool, started: float) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.started = started
+        self.last = 0.0
+
+    def __call__(self, phase: str, stats: Stats) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < 0.2:
+            return
+        self.last = now
+        sys.stderr.write(f"\r\x1b[2Ksearch: {phase}; {stats.candidates} candidates, {stats.proofs} proofs, "
+                         f"{stats.verified} verified; {now - self.started:.1f} s")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+
+@dataclass(frozen=True)
+class Choosing:
+    """How the proved programs are ranked and timed: the dims, the hardware, the GPU's timer (if any)."""
+
+    binding: dict
+    target: Target
+    threads: int = 128
+    measure: Measure | None = None
+    device: str = ""
+    use_cache: bool = True
+
+
+def optimize(program: Program, library: Library, target: Target, binding: dict, *, config: SearchConfig = SearchConfig(),
+             time_limit: float | None = None, jobs: int | None = None, threads: int = 128, use_cache: bool = True,
+             progress: bool = False, stop_event: threading.Event | None = None,
+             measure: Measure | None = None, device: str = "") -> Outcome:
+    """Search (or reuse the checkpoint), tune every proved program by the model, and choose the fastest;
+    with `measure` (on a GPU named by `device`), the programs `_to_measure` picks are timed and the fastest
+    of those that agreed with the reference is chosen.
+
+    A checkpoint is trusted for nothing: the program chosen from it, and every one timed, is proved equal
+    to `program` again first (`_from_checkpoint`). One that fails its proof discards the checkpoint: it
+    is reported once, the search runs and its result replaces the entry."""
+    started = time.perf_counter()
+    key = checkpoint_key(program, library, config)
+    jobs = jobs or default_jobs()
+    how = Choosing(binding, target, threads, measure, device, use_cache)
+    chosen = _from_checkpoint(program, library, key, how, jobs) if use_cache else None
+    if chosen is not None:
+        return _outcome(*chosen, started, True)
+    show = Progress(progress, started)
+    deadline = started + time_limit if time_limit else None
+    try:
+        result = search(program, library, target, config, jobs=jobs, deadline=deadline, progress=show,
+                        stop_event=stop_event)
+    finally:
+        show.done()
+    if result.complete and use_cache:
+        save_checkpoint(key, result)
+    ranked, info = _choose(program, result.verified, how, None)
+    info = {"from_checkpoint": False, "complete": result.complete, "stopped": result.stopped, "jobs": jobs,
+            **result.stats.as_dict(), "seconds": round(result.seconds, 3), "target_egraph": result.target_egraph,
+            "reproved": 0, **info}
+    return _outcome(ranked, info, started, False)
+
+
+def _outcome(ranked: list[Ranked], info: dict, started: float, from_checkpoint: bool) -> Outcome:
+    info["search_seconds"] = round(time.perf_counter() - started, 3)
+    return Outcome(ranked[0], ranked, info, from_checkpoint)
+
+
+def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing,
+                     jobs: int) -> tuple[list[Ranked], dict] | None:
+    """`_choose` over the checkpoint's programs, proving in this run each one that is timed or chosen;
+    None when there is no usable checkpoint, or when one of them is not proved (reported once: the
+    caller searches again and replaces the entry).
+
+    Proving every saved program would cost more than the rest of a recompile (25 proofs of up to 1.4 s
+    each for attention): only what can reach the user or the GPU is proved, without a GPU one proof in
+    one egglog process. That process starts (most of a second) while the checkpoint is read and its
+    programs are ranked, so that the proof waits for little."""
+    if not os.path.isfile(cache.path_for("search", key)):
+        return None
+    prover = Prover(program, library, 1 if how.measure is None else jobs)
+    try:
+        prover.warm(1 if how.measure is None else jobs)
+        saved = load_checkpoint(program, key)
+        chosen = None if saved is None else _choose(program, saved[0], how, prover)
+    finally:
+        prover.close()
+    if saved is None:
+        return None
+    if chosen is None:
+        cache.warn(cache.path_for("search", key), f"checkpoint entry for '{program.name}' failed its proof; "
+                   "searching again")
+        cache.remove("search", key)  # gone even if the new search is cut short and saves nothing
+        return None
+    ranked, info = chosen
+    reproved = sum(r.proved and not r.as_written for r in ranked)
+    return ranked, {"from_checkpoint": True, "complete": True, "stopped": None, "jobs": jobs, **saved[1], **info,
+                    "reproved": reproved}
+
+
+def _choose(program: Program, verified: list[Program], how: Choosing,
+            prover: Prover | None) -> tuple[list[Ranked], dict] | None:
+    """Every program that fits these dims ranked, the chosen one first, with what report.json says of it.
+    `verified` are proved already when `prover` is None; else `prover` proves those to be timed and the
+    chosen one, and the answer is None when one of them is not proved."""
+    ranked: list[Ranked] = []
+    unfit = 0
+    for p in verified:
+        r = rank(p, how.binding, how.target, how.threads)
+        if r is None:
+            unfit += 1
+        else:
+            r.proved = prover is None
+            ranked.append(r)
+    written = rank(program, how.binding, how.target, how.threads)
+    if written is not None:
+        written.as_written = written.proved = True  # the input itself
+        ranked.append(written)
+    elif not ranked:
+        raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, neither as written "
+                         f"nor in any of the {len(verified)} proved programs")
+    info: dict = {"as_written_fits": written is not None}  # False: its pre-defined kernels cannot run here
+    ranked.sort(key=lambda r: (r.estimated_us, not r.as_written))  # stable: search order breaks ties
+    if how.measure is not None:
+        if not _confirm(_to_measure(ranked), prover):
+            return None
+        info["measured"] = _measure_best(ranked, how.binding, how.target, how.device, how.measure, how.use_cache)
+        # The fastest that agreed with the reference; then the rest, by the model.
+        ranked.sort(key=lambda r: (r.measured_us is None, r.measured_us or 0.0, r.measured is not None,
+                                   r.estimated_us))
+    if not _confirm(ranked[:1], prover):
+        return None
+    info["verified_sgraphs"] = len(verified)
+    info["no_parameters_at_these_dims"] = unfit
+    return ranked, info
+
+
+def _confirm(ranked: list[Ranked], prover: Prover | None) -> bool:
+    """Prove (in parallel) those of `ranked` not proved in this run; whether every one is proved now. A
+    proof that could not run (a killed or failed egglog process) proves nothing."""
+    todo = [(r, prover.submit(r.program)) for r in ranked if not r.proved] if prover is not None else []
+    for r, future in todo:
+        try:
+            r.proved = future.result() is True
+        except Exception:
+            r.proved = False
+    return all(r.proved for r in ranked)
+
+
+def _to_measure(ranked: list[Ranked]) -> list[Ranked]:
+    """The best MEASURED by the model, and the best of each other shape (number of custom kernels; the
+    program as written): the model may misjudge a whole shape (a split reduction's second launch, say),
+    and timing its best is how that is caught."""
+    from ..kernels.kernel import kernels_of
+
+    def shape(r: Ranked) -> tuple:
+        return r.as_written, len(kernels_of(r.program))
+
+    chosen = ranked[:MEASURED]
+    seen = {shape(r) for r in chosen}
+    for r in ranked[MEASURED:]:
+        if shape(r) not in seen:
+            seen.add(shape(r))
+            chosen.append(r)
+    return chosen
+
+
+def _measure_best(ranked: list[Ranked], binding: dict, target: Target, device: str, measure: Measure,
+                  use_cache: bool) -> dict:
+    """Time the programs `_to_measure` picks (the tuning database first); what report.json says of it."""
+    timed = reused = 0
+    failures: list[str] = []
+    by_model = {id(r): i + 1 for i, r in enumerate(ranked)}
+    for r in _to_measure(ranked):
+        key = measured_key(r.program, binding, target, device, r.params)
+        hit = cache.read("measured", key) if use_cache else None
+        problem = None if hit is None else _measured_problem(hit)
+        if problem is not None:
+            cache.warn(cache.path_for("measured", key), f"not a valid measurement ({problem}); timing again")
+        if hit is not None and problem is None:
+            r.measured = Measurement(None if hit["us"] is None else float(hit["us"]), hit["note"])
+            reused += 1
+        else:
+            r.measured = measure(r.program, r.params)
+            timed += 1
+            if r.measured.lasting and use_cache:
+                cache.write("measured", key, {"us": r.measured.us, "note": r.measured.note})
+        if r.measured.us is None:
+            what = "the program as written" if r.as_written else f"the model's number {by_model[id(r)]}"
+            failures.append(f"{what}: {r.measured.note}")
+    return {"device": device, "timed": timed, "from_database": reused, "failed": failures}
+
+
+def _measured_problem(hit) -> str | None:
+    """What makes a measured entry unusable, or None: a note in words, and a time that is a finite
+    positive number or null (the program was not usable)."""
+    if not isinstance(hit, dict) or not isinstance(hit.get("note"), str) or "us" not in hit:
+        return "not a time with a note"
+    if hit["us"] is not None and not _positive_time(hit["us"]):
+        return f"the time {clip(repr(hit['us']))} is not a finite positive number"
+    return None
+
+
+def gpu_timer(target: Target, options, reference: Program) -> Measure:
+    """`measure` for `optimize` on a GPU: builds a program with the given parameters (`build.BuildOptions`
+    say how), runs it, checks every output against the float64 reference of `reference` (the input
+    program) and times it (median of many runs between CUDA events). A program that disagrees is never
+    timed into a result."""
+    from dataclasses import replace
+
+    from . import build
+
+    from ..backend import cuda_runtime
+
+    from ..base import files
+    from ..backend.codegen import HEADER, header_source
+
+    def measure(program: Program, params: dict[str, int]) -> Measurement:
+        try:
+            built = build.compile_program(program, target, replace(options, params=dict(params), mode="cuda"),
+                                          reference=reference)
+            with files.temp_scratch("measure") as directory:  # removes those of killed runs too
+                (directory / HEADER).write_text(header_source())
+                for k in built.kernels:
+                    (directory / k.file).write_text(k.source)
+                gpu = build.check_gpu(built, directory, options.seed)
+        except (PrismError, cuda_runtime.PlanError, cuda_runtime.KernelCompileError) as e:
+            return Measurement(None, f"could not be built or run: {str(e).splitlines()[0]}", lasting=False)
+        if not gpu["passed"]:
+            worst = ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" for o, v in gpu["outputs"].items())
+            return Measurement(None, f"disagreed with the reference ({worst})")
+        return Measurement(gpu["timing_ms"]["median_ms"] * 1000, "checked")
+
+    return measure

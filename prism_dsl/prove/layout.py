@@ -1,0 +1,112 @@
+"""Custom kernels as terms with layout operators, for the prover.
+
+A kernel's tiles are seen all at once as one *tile family*: a tensor whose last KERNEL_RANK dims hold
+a tile's data and whose dims before that index the blocks (grid axis x at dim -6, y at -7, z at -8) and
+the loop's iterations (dim -9). A tensor whose family has size 1 along a block dim is the same for
+every block there (replicated: broadcasting does the rest). Then:
+
+- a load is `split` applied per mapped dim: `split(T, d, -6, gx)` cuts dim d into gx equal pieces and
+  lays them along x; the grid axis splits first, the loop (`split(.., d, -9, F)`) within that;
+- body ops are the same ops on families (element-wise ops and matmul broadcast over the block dims;
+  reductions keep their dim counted from the end);
+- an accumulator is its `acc_*` operator, which folds the loop dim -9 (its meaning is an axiom);
+- a store is `concat` along each mapped axis (the pieces side by side again) and a `sum` over the block
+  dim of each axis that writes no dim (the blocks' results added), innermost axis first.
+
+Every one of these operators has NumPy semantics (`reference.NUMPY`), so the translated program can be
+evaluated and compared with the block interpreter, and the layout axioms (rules/layout.rules) are
+checked numerically like all others. The sizes stay symbolic (grid symbols, F), so a proof over the
+translated program holds for every valid instantiation.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from ..ir.nodes import Node, Program
+from ..kernels.kernel import AXES, Kernel
+from ..ir.ops import BLOCK_DIMS, LOOP_DIM, OPS, Kind
+from ..ir.shapes import build
+
+
+def _is_one(size) -> bool:
+    return sympy.sympify(size) == 1
+
+
+def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
+    """The family term of each of the kernel's outputs, over the (translated) operand terms."""
+    fam: dict[Node, Node] = {}
+    for load in kernel.loads:
+        t = operands[load.source]
+        for axis, g in kernel.grid:
+            d = load.map.dim_of(axis)
+            if d is not None and not _is_one(g):
+                t = build("split", [t], [d, BLOCK_DIMS[axis], g])
+        d = load.map.loop_dim()
+        if d is not None and not _is_one(kernel.loop_range):
+            t = build("split", [t], [d, LOOP_DIM, kernel.loop_range])
+        tile = kernel.tile_node(load.tile)
+        if tile is not None:  # a tile loaded but never used contributes nothing
+            fam[tile] = t
+    for n in kernel.body():
+        if n in fam:
+            continue
+        if n.op == "const":
+            fam[n] = n
+            continue
+        args = [fam[a] for a in n.args]
+        params = [n.attr - n.args[0].rank] if OPS[n.op].kind is Kind.REDUCE else []
+        fam[n] = build(n.op, args, params)
+    outs = []
+    for store in kernel.stores:
+        v = fam[store.value]
+        for axis in reversed(AXES):
+            g = kernel.size(axis)
+            if axis not in dict(kernel.grid) or _is_one(g):
+                continue
+            d = store.map.dim_of(axis)
+            v = build("concat", [v], [d, BLOCK_DIMS[axis]]) if d is not None else build("sum", [v], [BLOCK_DIMS[axis]])
+        outs.append(v)
+    return outs
+
+
+
+def to_terms(program: Program) -> Program:
+    """The program with every custom kernel replaced by its layout terms (unchanged if it has none)."""
+    if not any(n.op == "kernel" for n in program.nodes()):
+        return program
+    memo: dict[Node, Node] = {}
+    outputs: dict[int, list[Node]] = {}
+    for n in program.nodes():
+        if n.op in ("input", "const"):
+            memo[n] = n
+        elif n.op == "kernel":
+            kernel, index = n.attr
+            if id(kernel) not in outputs:
+                outputs[id(kernel)] = kernel_terms(kernel, [memo[a] for a in n.args])
+            memo[n] = outputs[id(kernel)][index]
+        else:
+            args = [memo[a] for a in n.args]
+            params = [n.attr - n.rank] if OPS[n.op].kind is Kind.REDUCE else []
+            memo[n] = build(n.op, args, params)
+    return Program(program.name, program.dims, program.inputs,
+                   tuple((name, memo[node]) for name, node in program.outputs), {}, {}, program.loc)
+
+
+def bind_counts(program: Program, binding) -> Program:
+    """The translated program with every split count bound to a number, so that NumPy can evaluate it
+    (tests compare it with the block interpreter: the translation must mean what the kernel computes)."""
+    memo: dict[Node, Node] = {}
+
+    def go(n: Node) -> Node:
+        if n not in memo:
+            attr = n.attr
+            if n.op == "split":
+                attr = (attr[0], attr[1], int(sympy.sympify(attr[2]).xreplace({k: sympy.Integer(v) for k, v in binding.items()})))
+            memo[n] = Node(n.op, tuple(go(a) for a in n.args), attr, n.dtype, n.shape)
+        return memo[n]
+
+    for n in program.nodes():
+        go(n)
+    return Program(program.name, program.dims, program.inputs,
+                   tuple((name, memo[node]) for name, node in program.outputs), {}, {}, program.loc)

@@ -1,0 +1,263 @@
+"""Proving two programs equal with the e-graph: the trust base of everything the tool reports.
+
+`prove(a, b, library, limits)` pairs the two programs' outputs, writes both as terms into one e-graph
+loaded with the library's rules, and saturates under the limits. An output pair is *proved* only when
+egglog puts both terms in one e-class; any limit, error or doubt is "not proved", with the reason.
+As a guard on the axioms themselves, both programs are also evaluated with the reference interpreter,
+at several bindings of the dims (size-1 dims and primes among them) with a new random seed each: a
+proof of two programs that differ numerically means an unsound rule, and is reported as such, never
+as a proof. `explain` finds a small set of rules that still proves the pair, by dropping rules one at
+a time (egglog keeps no proof objects to read it from).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from . import egglog_runner
+from .egglog_runner import Limits
+from .egraph import TermWriter, compile_library, program_terms, ruleset_name
+from ..base.errors import PrismError
+from ..ir.nodes import Program
+from .layout import to_terms
+from ..ir.ops import MAX_RANK
+from ..semantics.reference import concrete_shape, evaluate, random_inputs
+from .rules import Library, Rule
+from ..ir.shapes import fmt_shape, same_shape
+
+NUMERIC_DIM_CAP = 24  # numeric evidence is taken at small sizes: it is a guard, not the proof
+GUARD_PRIMES = (5, 3, 7, 2, 11, 13, 17, 19, 23)
+GUARD_SINGLE_ONES = 6  # programs with at most this many dims are also compared with each dim alone at 1
+GUARD_ELEMENTS = 1 << 18  # the declared sizes are compared when the inputs hold at most this many elements
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str  # the output's name in the first program
+    other: str  # its partner's name in the second
+    proved: bool
+
+
+@dataclass(frozen=True)
+class Proof:
+    proved: bool
+    pairs: tuple[Pair, ...]
+    reason: str
+    iterations: int = 0
+    nodes: int = 0
+    seconds: float = 0.0
+    numeric_gap: float | None = None  # largest relative difference seen numerically; None: not computed
+    numeric_at: str = ""  # the dim binding where that difference was seen, "n=1, d=7"
+    numeric_bindings: int = 0  # how many dim bindings the numeric guard compared at
+    used: tuple[Rule, ...] | None = field(default=None)  # with explain: a set of rules that proves it
+    unexplained: str | None = None  # with explain: why no such set was found within the limits
+
+
+def pair_outputs(a: Program, b: Program) -> list[tuple[str, str]]:
+    """Outputs matched by name when both programs use the same names, else by position."""
+    names_a, names_b = [n for n, _ in a.outputs], [n for n, _ in b.outputs]
+    if sorted(names_a) == sorted(names_b):
+        return [(n, n) for n in names_a]
+    if len(names_a) == len(names_b):
+        return list(zip(names_a, names_b))
+    raise PrismError(
+        f"cannot compare '{a.name}' ({len(names_a)} outputs: {', '.join(names_a)}) with "
+        f"'{b.name}' ({len(names_b)} outputs: {', '.join(names_b)})"
+    )
+
+
+def check_signatures(a: Program, b: Program) -> None:
+    """Both programs must read the same inputs, with the same symbolic shapes."""
+    ins_a = {n.attr: n for n in a.inputs}
+    ins_b = {n.attr: n for n in b.inputs}
+    if set(ins_a) != set(ins_b):
+        raise PrismError(
+            f"'{a.name}' reads inputs ({', '.join(ins_a)}) but '{b.name}' ({b.loc}) reads ({', '.join(ins_b)}); "
+            "programs are compared on the same inputs", a.loc)
+    for name, node in ins_a.items():
+        other = ins_b[name]
+        if not same_shape(node.shape, other.shape):
+            raise PrismError(
+                f"input '{name}' has shape {fmt_shape(node.shape)} in '{a.name}' but {fmt_shape(other.shape)} "
+                f"in '{b.name}' ({b.locs.get(other, b.loc)})", a.locs.get(node, a.loc))
+
+
+def check_ranks(program: Program) -> None:
+    """The e-graph knows the sizes of the last MAX_RANK dims only; a deeper tensor cannot be reasoned about."""
+    for node in program.nodes():
+        if len(node.shape) > MAX_RANK:
+            loc = program.locs.get(node)
+            raise PrismError(
+                f"'{program.name}' has a tensor of rank {len(node.shape)} ({fmt_shape(node.shape)}); "
+                f"the prover handles ranks up to {MAX_RANK}", loc)
+
+
+def _shape_mismatch(a: Program, b: Program, pairs) -> str | None:
+    outs_a, outs_b = dict(a.outputs), dict(b.outputs)
+    for x, y in pairs:
+        sa, sb = outs_a[x].shape, outs_b[y].shape
+        if not same_shape(sa, sb):
+            return f"output '{x}' has shape {fmt_shape(sa)} but '{y}' has {fmt_shape(sb)}"
+    return None
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the numeric guard saw: the largest relative difference over every binding of the dims tried
+    (None: no binding could be evaluated), where it was largest, and how many bindings were compared."""
+
+    gap: float | None
+    at: str = ""
+    bindings: int = 0
+
+
+def guard_bindings(a: Program, b: Program) -> list[dict]:
+    """The dim bindings the guard compares at, each a different way for a false proof to show.
+
+    The declared sizes capped at NUMERIC_DIM_CAP; every dim 1 (broadcasting, one-element reductions);
+    distinct small primes (no split divides them by accident, no two dims alike); each dim alone at 1
+    with the others at primes (a rule whose condition fails only there); and last the declared sizes,
+    which `numeric_evidence` skips when their inputs are large and another binding was compared.
+    """
+    declared = {d.symbol: d.default for d in b.dims + a.dims}  # a's defaults win
+    symbols = list(declared)
+    capped = {s: min(v, NUMERIC_DIM_CAP) for s, v in declared.items()}
+    primes = {s: p for s, p in zip(symbols, itertools.cycle(GUARD_PRIMES))}
+    bindings = [capped, {s: 1 for s in symbols}, primes]
+    if len(symbols) <= GUARD_SINGLE_ONES:
+        bindings += [{**primes, s: 1} for s in symbols]
+    unique: dict[tuple, dict] = {}
+    for binding in bindings + [declared]:
+        unique.setdefault(tuple(sorted((s.name, v) for s, v in binding.items())), binding)
+    return list(unique.values())
+
+
+def numeric_evidence(a: Program, b: Program, pairs) -> Evidence:
+    """Paired outputs compared on random inputs (a new seed each) at every binding of `guard_bindings`.
+    A binding where the program's kernels have no valid parameters is skipped; the declared sizes are
+    skipped too when their inputs hold more than GUARD_ELEMENTS elements, unless nothing else could be
+    compared (a literal grid size that divides the declared sizes only)."""
+    worst, at, compared = 0.0, "", 0
+    for seed, binding in enumerate(guard_bindings(a, b)):
+        if compared and _input_elements(a, binding) > GUARD_ELEMENTS:
+            continue
+        gap = _gap_at(a, b, pairs, binding, seed)
+        if gap is None:
+            continue
+        compared += 1
+        if gap > worst or not at:
+            worst, at = gap, ", ".join(f"{s}={v}" for s, v in binding.items())
+        if math.isinf(gap):
+            break
+    return Evidence(worst if compared else None, at, compared)
+
+
+def _input_elements(program: Program, binding) -> int:
+    return sum(math.prod(concrete_shape(n.shape, binding)) for n in program.inputs)
+
+
+def _gap_at(a: Program, b: Program, pairs, binding, seed: int) -> float | None:
+    try:
+        inputs = random_inputs(a, binding, seed)  # refuses tensors too large for the reference
+        # Kernel parameters that split every dim they can: a kernel wrong only across pieces shows.
+        out_a, out_b = evaluate(a, inputs, prefer="split"), evaluate(b, inputs, prefer="split")
+    except PrismError:
+        return None  # no valid kernel parameters at these sizes, or tensors too large to evaluate
+    worst = 0.0
+    for x, y in pairs:
+        va, vb = out_a[x], out_b[y]
+        if va.shape != vb.shape:
+            return float("inf")
+        fa, fb = np.isfinite(va), np.isfinite(vb)
+        overflow = np.isinf(va).any() or np.isinf(vb).any()
+        if (fa != fb).any() and not overflow:
+            return float("inf")  # defined on one side only: a real difference, not float overflow
+        both = fa & fb
+        if both.any():
+            scale = max(float(np.abs(va[both]).max()), 1e-30)
+            worst = max(worst, float(np.abs(va[both] - vb[both]).max()) / scale)
+    return worst
+
+
+def schedule(groups: list[str]) -> list[str]:
+    """The egglog rulesets that one iteration runs, once each, in order."""
+    return [ruleset_name(g) for g in groups]
+
+
+def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *, explain: bool = False,
+          numeric: bool = True) -> Proof:
+    check_signatures(a, b)
+    check_ranks(a)
+    check_ranks(b)
+    pairs = pair_outputs(a, b)
+    mismatch = _shape_mismatch(a, b, pairs)
+    if mismatch:
+        return Proof(False, tuple(Pair(x, y, False) for x, y in pairs), f"not equal: {mismatch}")
+    evidence = numeric_evidence(a, b, pairs) if numeric else Evidence(None)
+    program, _ = compile_library(library)
+    # Custom kernels become terms over whole tensors with layout operators (`layout`); the layout
+    # ruleset relates those to the plain program, for every size the symbols can take.
+    setup, goals = _terms(to_terms(a), to_terms(b), pairs)
+    outcome = egglog_runner.run(program, setup, goals, schedule(list(library.rulesets)), limits)
+    proved = all(outcome.proved)
+    result = Proof(
+        proved,
+        tuple(Pair(x, y, p) for (x, y), p in zip(pairs, outcome.proved)),
+        outcome.reason,
+        outcome.iterations,
+        outcome.nodes,
+        outcome.seconds,
+        evidence.gap,
+        evidence.at,
+        evidence.bindings,
+    )
+    if proved and evidence.gap is not None and evidence.gap > 1e-6:
+        raise PrismError(
+            f"the rules prove '{a.name}' equal to '{b.name}', but they differ numerically at {evidence.at} "
+            f"(relative difference {evidence.gap:.3g}): some axiom in use is unsound"
+        )
+    if proved and explain:
+        used = explain_rules(library, setup, goals, limits)
+        if isinstance(used, str):
+            result = replace(result, unexplained=used)
+        else:
+            result = replace(result, used=used)
+    return result
+
+
+def _terms(a: Program, b: Program, pairs) -> tuple[str, list[tuple[str, str]]]:
+    writer = TermWriter()
+    terms_a = program_terms(a, writer)
+    terms_b = program_terms(b, writer)
+    setup = "\n".join(writer.lines + writer.shape_facts())
+    return setup, [(terms_a[x], terms_b[y]) for x, y in pairs]
+
+
+def explain_rules(library: Library, setup: str, goals, limits: Limits) -> tuple[Rule, ...] | str:
+    """A set of rules that still proves every goal: of the rules that matched anything in a proof with
+    one egglog ruleset per rule, drop each in turn and keep it out when the goals are still proved.
+
+    Every set tried is checked by a full query, so the answer always proves the goals. A trial that
+    fails can run long (fewer rules, no proof: it saturates or reaches a limit), so trials get a few
+    more iterations than the first proof took and a short time limit; one that runs out counts as
+    needing the rule, which may leave in a rule that is not strictly needed, never leave one out.
+    When the proof with one ruleset per rule itself runs out (its schedule differs from the grouped
+    one), the answer is the reason, in words, not a list.
+    """
+    program, _ = compile_library(library, per_rule=True)
+    with egglog_runner.Session(program) as session:
+        first = session.run(setup, goals, schedule([r.name for r in library.rules]), limits)
+        if not all(first.proved):  # one rule at a time reached a limit that all of them at once did not
+            return f"the search with one ruleset per rule stopped first ({first.reason})"
+        needed = [r.name for r in library.rules if ruleset_name(r.name) in first.matched]
+        short = replace(limits, iterations=min(limits.iterations, 2 * first.iterations + 2),
+                        seconds=min(limits.seconds, 1.0 + 4 * first.seconds))
+        for name in list(needed):
+            trial = [n for n in needed if n != name]
+            if all(session.run(setup, goals, schedule(trial), short).proved):
+                needed = trial
+    return tuple(library.rule(n) for n in needed)

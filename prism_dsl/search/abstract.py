@@ -1,0 +1,248 @@
+"""Abstract expressions and the target e-graph: the search's expression-guided pruning.
+
+The *abstract expression* of a value in a candidate kernel is what the value would be if the kernel ran
+as one block with one loop iteration: a tile is the whole tensor it is loaded from, a body op is the same
+op on whole tensors, and an accumulator is what it computes over a whole dim (`acc_sum(a)` is `a`,
+`acc_rms_last(a)` is `sqrt(mean(square(a), -1))`, `acc_softmax_out(s, v)` is `exp(s - max(s, -1)) @ v`).
+The layout is forgotten; the algebra is kept.
+
+`TargetGraph` saturates the program's outputs once with the library's non-layout rulesets (definitions,
+algebra, subexpression: all in rules/) under limits, and keeps the e-graph's tensor e-nodes as a table.
+A candidate op survives only when its abstract expression is already in that e-graph (a hash lookup per
+op, e-class by e-class, bottom up: what egg's `lookup_expr` does). Every value of a program equal to the
+target under the axioms is, by construction, a sub-term of a term in that e-class, so the pruning loses
+only what the axioms (or the limits) cannot reach.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..prove import egglog_runner
+from ..prove.egglog_runner import Limits
+from ..prove.egraph import TermWriter, compile_library, constructor, ruleset_name, string
+from ..base.errors import PrismError
+from ..ir.nodes import Node, Program, const
+from ..ir.ops import OPS, Kind
+from ..prove.rules import Library
+from ..ir.shapes import ShapeError, build
+
+# The rulesets the target is saturated with: everything but the layout axioms (no tiles at this level).
+RULESETS = ("definitions", "algebra", "subexpression")
+# Enough for the sub-terms fused kernels compute (a few rewrites deep) without the associativity and
+# commutativity closure of a large program growing for long.
+TARGET_LIMITS = Limits(iterations=12, nodes=60_000, seconds=20.0)
+
+
+def meaning(op: str, args: list[Node]) -> Node:
+    """The abstract expression of accumulator `op` applied to abstract operands: its value when the loop
+    runs once over whole tensors (rules/layout.rules defines each one with the loop dim; here it has size 1)."""
+    a = args[0]
+    last = [a.rank - 1]
+    if op == "acc_sum":
+        return a
+    if op == "acc_sum_last":
+        return build("sum", [a], last)
+    if op == "acc_mean_last":
+        return build("mean", [a], last)
+    if op == "acc_rms_last":
+        return build("sqrt", [build("mean", [build("square", [a])], last)])
+    if op == "acc_max_last":
+        return build("max", [a], last)
+    if op in ("acc_softmax_sum", "acc_softmax_out"):
+        e = build("exp", [build("sub", [a, build("max", [a], last)])])
+        return build("sum", [e], last) if op == "acc_softmax_sum" else build("matmul", [e, args[1]])
+    if op == "acc_rescaled_sum":
+        return args[1]
+    raise PrismError(f"no abstract meaning for accumulator '{op}'")
+
+
+@dataclass
+class TargetGraph:
+    """The target's saturated e-graph as a lookup table: e-node key -> e-class."""
+
+    classes: dict[tuple, str]
+    outputs: dict[str, str]  # output name -> its e-class
+    reason: str  # why saturation stopped
+    nodes: int
+    seconds: float
+    _parents: dict[str, list[tuple]] | None = field(default=None, repr=False)
+    _children: dict[str, list[str]] | None = field(default=None, repr=False)
+    _extracted: dict = field(default_factory=dict, repr=False)
+
+    def lookup(self, node: Node, memo: dict[Node, str | None] | None = None) -> str | None:
+        """The e-class of `node`'s term, or None when the e-graph does not hold it."""
+        memo = {} if memo is None else memo
+        if node in memo:
+            return memo[node]
+        key = self._key(node, memo)
+        found = self.classes.get(key) if key is not None else None
+        memo[node] = found
+        return found
+
+    def _key(self, node: Node, memo) -> tuple | None:
+        if node.op == "input":
+            return ("Input", (f"String:{string(node.attr)}",))
+        if node.op == "const":
+            return ("Num", (f"f64:{float(node.attr)!r}",))
+        kids = []
+        for a in node.args:
+            c = self.lookup(a, memo)
+            if c is None:
+                return None
+            kids.append(c)
+        if OPS[node.op].kind is Kind.REDUCE:
+            kids.append(f"i64:{node.attr - node.rank}")
+        return (constructor(node.op), tuple(kids))
+
+
+    # -- extraction ------------------------------------------------------------------------------------
+
+    def extract(self, goals: list[str], leaves: dict[str, Node]) -> list[Node] | None:
+        """Terms for the goal e-classes built from the leaf e-classes (and literals) only, each the
+        cheapest the e-graph holds (EXTRACT_COST per op; ties broken by e-node order, so it is
+        deterministic); None when some goal cannot be built from the leaves. A kernel's work after
+        its loop is found this way rather than searched: it is a few cheap ops on accumulated tiles."""
+        cost, make = self._builder(leaves)
+        if any(g not in cost for g in goals):
+            return None
+        try:
+            return [make(g) for g in goals]
+        except (PrismError, ShapeError):
+            return None
+
+    def terms_from(self, leaves: dict[str, Node], max_ops: int) -> dict[str, Node]:
+        """Every e-class buildable from the leaves whose cheapest term reads a leaf and has at most
+        `max_ops` ops: the loop values a kernel over these tiles can compute."""
+        cost, make = self._builder(leaves)
+        out = {}
+        for c in sorted(cost, key=lambda c: (cost[c], c)):
+            if cost[c] > max_ops * max(EXTRACT_COST.values()):
+                continue
+            try:
+                term = make(c)
+            except (PrismError, ShapeError):
+                continue
+            nodes = {m for m in term.walk() if m.op != "const"}
+            if nodes & set(leaves.values()) and len(nodes - set(leaves.values())) <= max_ops:
+                out[c] = term
+        return out
+
+    def below(self, goals: list[str]) -> set[str]:
+        """The e-classes reachable from the goals through element-wise e-nodes (and the goals)."""
+        if self._children is None:
+            self._children = {}
+            by_ctor = _ops_by_constructor()
+            for (ctor, kids), c in self.classes.items():
+                op = by_ctor.get(ctor)
+                if op is not None and OPS[op].kind in (Kind.UNARY, Kind.BINARY):
+                    self._children.setdefault(c, []).extend(k for k in kids if k.startswith("T-"))
+        seen, todo = set(goals), list(goals)
+        while todo:
+            for k in self._children.get(todo.pop(), ()):
+                if k not in seen:
+                    seen.add(k)
+                    todo.append(k)
+        return seen
+
+    def _builder(self, leaves: dict[str, Node]):
+        key = tuple(sorted(leaves))  # the costs depend on the leaf classes only, not on their terms
+        if key not in self._extracted:
+            self._extracted[key] = self._costs(leaves)
+        cost, choice = self._extracted[key]
+        by_ctor = _ops_by_constructor()
+        built: dict[str, Node] = {}
+
+        def make(c: str) -> Node:
+            if c in leaves:
+                return leaves[c]
+            if c not in built:
+                ctor, kids = choice[c]
+                if ctor == "Num":
+                    built[c] = const(float(kids[0].split(":", 1)[1]))
+                else:
+                    args = [make(k) for k in kids if not k.startswith("i64:")]
+                    params = [int(k.split(":")[1]) for k in kids if k.startswith("i64:")]
+                    built[c] = build(by_ctor[ctor], args, params)
+            return built[c]
+
+        return cost, make
+
+    def _costs(self, leaves) -> tuple[dict, dict]:
+        if self._parents is None:
+            self._parents = {}
+            for (ctor, kids), c in self.classes.items():
+                for k in kids:
+                    self._parents.setdefault(k, []).append((ctor, kids, c))
+        by_ctor = _ops_by_constructor()
+        cost: dict[str, float] = {c: 0.0 for c in leaves}
+        choice: dict[str, tuple] = {}
+        todo = list(leaves) + [c for (ctor, _), c in self.classes.items() if ctor == "Num"]
+        for (ctor, kids), c in self.classes.items():
+            if ctor == "Num" and c not in cost:
+                cost[c], choice[c] = 1.0, (ctor, kids)
+        while todo:  # relax upward from what is buildable until nothing gets cheaper
+            nxt = []
+            for k in todo:
+                for ctor, kids, c in self._parents.get(k, ()):
+                    op = by_ctor.get(ctor)
+                    if op is None or OPS[op].kind in (Kind.ACCUMULATE, Kind.SPLIT, Kind.CONCAT, Kind.INPUT):
+                        continue
+                    total = EXTRACT_COST.get(OPS[op].kind, 1.0)
+                    for kid in kids:
+                        if kid.startswith("T-"):
+                            total += cost.get(kid, math.inf)
+                    if total < cost.get(c, math.inf) - 1e-9:
+                        cost[c], choice[c] = total, (ctor, kids)
+                        nxt.append(c)
+            todo = nxt
+        return cost, choice
+
+
+# What an op costs when extracting post-loop work: element-wise ops are cheap; reductions and matrix
+# products after the loop are avoided where the e-graph offers another form.
+EXTRACT_COST = {Kind.MATMUL: 20.0, Kind.REDUCE: 5.0, Kind.ROWWISE: 5.0}
+
+
+def _ops_by_constructor() -> dict[str, str]:
+    return {constructor(name): name for name in OPS}
+
+
+def saturate(program: Program, library: Library, limits: Limits = TARGET_LIMITS) -> TargetGraph:
+    """Saturate the program's outputs with the library's abstract rulesets; raise if none is there."""
+    missing = [r for r in RULESETS if r not in library.rulesets]
+    rulesets = [r for r in RULESETS if r in library.rulesets]
+    if "algebra" in missing or "definitions" in missing:
+        raise PrismError("the search needs the 'definitions' and 'algebra' rulesets (rules/); "
+                         f"the library has {', '.join(library.rulesets) or 'none'}")
+    text, _ = compile_library(library)
+    writer = TermWriter()
+    for _, node in program.outputs:
+        writer.term(node)
+    setup = "\n".join(writer.lines + writer.shape_facts())
+    outcome = _run(text, setup, rulesets, limits)
+    classes: dict[tuple, str] = {}
+    for op, kids, eclass in outcome.table or ():
+        classes[(op, tuple(kids))] = eclass
+    graph = TargetGraph(classes, {}, outcome.reason, outcome.nodes, outcome.seconds)
+    for name, node in program.outputs:
+        c = graph.lookup(node)
+        if c is None:
+            raise PrismError(f"the target e-graph lost output '{name}' (egglog: {outcome.reason})")
+        graph.outputs[name] = c
+    return graph
+
+
+def _run(text: str, setup: str, rulesets, limits: Limits):
+    names = [ruleset_name(r) for r in rulesets]
+    with egglog_runner.Session(text) as session:
+        out = session.run(setup, [], names, limits, dump=True)
+    if out.table is None:  # killed mid-round at the time limit: run again with fewer iterations
+        with egglog_runner.Session(text) as session:
+            out = session.run(setup, [], names,
+                              Limits(iterations=max(1, out.iterations), nodes=limits.nodes,
+                                     seconds=limits.seconds * 2), dump=True)
+    if out.table is None:
+        raise PrismError(f"could not saturate the target e-graph: {out.reason}")
+    return out

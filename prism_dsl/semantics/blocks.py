@@ -1,0 +1,119 @@
+"""The block-level interpreter: the executable definition of what a custom kernel computes.
+
+It does what ARCHITECTURE.md section 3 says, literally: for every block of the grid, for every loop
+iteration, it slices each input's tile (through the load's map), runs the loop-body ops on the tiles,
+folds the accumulators (`accumulators`), then runs the post-loop ops and writes each stored tile at the
+block's place (through the store's map), adding the results of blocks along axes that write no dim.
+Everything is float64 NumPy. It must agree with the reference interpreter of the original program
+(tests check that for every fused program), and generated CUDA, when there is some, must agree with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Mapping
+
+import numpy as np
+import sympy
+
+from ..ir.accumulators import ACCUMULATORS
+from ..ir.nodes import Node, Program
+from ..kernels.kernel import Concrete, TileMap, after_loop, complete, free_symbols, instantiate_program, load_target
+from ..ir.ops import OPS, Kind
+from .reference import apply
+
+
+def _slices(full: tuple[int, ...], tile: tuple[int, ...], tmap: TileMap, grid: Mapping[str, int],
+            block: Mapping[str, int], i: int) -> tuple[slice, ...]:
+    """Where the tile of `block` at iteration `i` sits in the whole tensor: a split dim gives block b
+    the b-th of g equal slices, and the loop walks that slice (or the whole dim) in F equal steps."""
+    out = []
+    for size, t, dm in zip(full, tile, tmap.dims):
+        start = block[dm.axis] * (size // grid[dm.axis]) if dm.axis else 0
+        if dm.loop:
+            start += i * t
+        out.append(slice(start, start + t))
+    return tuple(out)
+
+
+def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
+    """Every output of the concrete kernel `c` for the given input arrays."""
+    k = c.kernel
+    body = k.body()
+    accs = [n for n in body if OPS[n.op].kind is Kind.ACCUMULATE]
+    after = after_loop(body)
+    in_loop = [n for n in body if n not in after and OPS[n.op].kind is not Kind.ACCUMULATE]
+    post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
+    tiles = {l.tile: l for l in k.loads}
+    outs = [np.zeros(c.output_shape(i)) for i in range(len(k.stores))]
+    grid = dict(c.grid)
+    axes = [a for a, _ in c.grid]
+    with np.errstate(all="ignore"):
+        for idx in itertools.product(*(range(g) for _, g in c.grid)):
+            block = dict(zip(axes, idx))
+            states: dict[Node, tuple] = {}
+            values: dict[Node, np.ndarray] = {}
+            for i in range(c.loop):
+                values = {}
+                for n in in_loop:
+                    if n.op == "tile":
+                        load = tiles[n.attr]
+                        src = operands[load.source]
+                        values[n] = src[_slices(src.shape, c.shape(n), load.map, grid, block, i)]
+                    else:
+                        values[n] = apply(n, [values[a] for a in n.args])
+                for n in accs:
+                    args = [values[a] for a in n.args]
+                    acc = ACCUMULATORS[n.op]
+                    if n not in states:
+                        states[n] = acc.init(*[a.shape for a in args])
+                    states[n] = acc.step(states[n], *args)
+            for n in accs:
+                values[n] = np.asarray(ACCUMULATORS[n.op].finish(states[n]), dtype=np.float64)
+            for n in post:
+                if n.op == "tile":  # a tile the loop does not split, read after the loop
+                    load = tiles[n.attr]
+                    src = operands[load.source]
+                    values[n] = src[_slices(src.shape, c.shape(n), load.map, grid, block, 0)]
+                else:
+                    values[n] = apply(n, [values[a] for a in n.args])
+            for out, store in zip(outs, k.stores):
+                _write(out, values[store.value], store, block)
+    return outs
+
+
+def _write(out: np.ndarray, tile: np.ndarray, store, block: Mapping[str, int]) -> None:
+    rank = out.ndim
+    tile = np.asarray(tile)
+    if tile.ndim > rank:
+        tile = tile.reshape(tile.shape[tile.ndim - rank :])
+    tile = tile.reshape((1,) * (rank - tile.ndim) + tile.shape)
+    where = []
+    for dm, t, size in zip(store.map.dims, tile.shape, out.shape):
+        start = block[dm.axis] * t if dm.axis else 0
+        where.append(slice(start, start + t))
+    tile = np.broadcast_to(tile, tuple(s.stop - s.start for s in where))
+    if store.add:
+        out[tuple(where)] += tile
+    else:
+        out[tuple(where)] = tile
+
+
+class KernelRunner:
+    """Evaluates `kernel` nodes for `reference.evaluate_nodes`: instantiates each kernel once (with the
+    given params by symbol name, valid defaults for the rest) and runs it once for all its outputs."""
+
+    def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], target: str,
+                 prefer: str = "fill"):
+        self.target = load_target(target)
+        symbols = {s.name: s for s in free_symbols(program)}
+        values = complete(program, dims, params, self.target, prefer)
+        self.binding = {**dims, **{symbols[n]: v for n, v in values.items()}}
+        self.concrete = instantiate_program(program, self.binding, self.target)
+        self.results: dict[int, list[np.ndarray]] = {}
+
+    def __call__(self, node: Node, operands: list[np.ndarray]) -> np.ndarray:
+        kernel, index = node.attr
+        if id(kernel) not in self.results:
+            self.results[id(kernel)] = run_kernel(self.concrete[kernel.name], operands)
+        return self.results[id(kernel)][index]

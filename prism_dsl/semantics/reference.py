@@ -1,0 +1,235 @@
+"""The reference semantics: a float64 NumPy interpreter for checked programs, the oracle of the project.
+
+Every operator's meaning is one entry of `NUMPY`. Inputs of any float dtype are cast to float64 and every
+operation runs in float64; storage dtypes only decide how random inputs are rounded (`quantize`), so that
+inputs saved as f16 and re-read give the same result. Sizes come from a binding of the dim symbols: the
+defaults, `--dims` overrides, and whatever the given input arrays fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+import sympy
+
+from ..ir.accumulators import ACCUMULATORS, fold_along
+from ..base.errors import PrismError
+from ..ir.nodes import DType, Node, Program
+from ..ir.ops import LOOP_DIM, OPS, Kind
+from ..ir.shapes import fmt_shape
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _sigmoid(x):
+    # Split by sign so that exp never overflows: 1/(1+e^-x) for x >= 0, e^x/(1+e^x) otherwise.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _softmax(x):
+    shifted = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def _padded(x: np.ndarray, *dims: int) -> tuple[np.ndarray, list[int]]:
+    """`x` with leading size-1 dims so that every (negative) dim in `dims` exists, and those dims as indices."""
+    rank = max(x.ndim, *(-d for d in dims))
+    x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+    return x, [d % rank for d in dims]
+
+
+def _split(x, dim: int, block: int, count: int):
+    """Cut `dim` into `count` equal pieces and lay them along `block` (a size-1 dim): piece k at index k."""
+    x, (i, j) = _padded(np.asarray(x), dim, block)
+    if i == j or x.shape[j] != 1 or count < 1 or x.shape[i] % count:
+        raise ValueError(f"cannot split a dim of size {x.shape[i]} into {count} pieces along a dim of size {x.shape[j]}")
+    return np.concatenate(np.split(x, count, axis=i), axis=j)
+
+
+def _concat(x, dim: int, block: int):
+    """The inverse of `_split`: the pieces along `block` side by side in `dim`, in order."""
+    x, (i, j) = _padded(np.asarray(x), dim, block)
+    if i == j:
+        raise ValueError("concat needs two different dims")
+    return np.concatenate(np.split(x, x.shape[j], axis=j), axis=i)
+
+
+NUMPY = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": np.divide,
+    "matmul": np.matmul,
+    "neg": np.negative,
+    "exp": np.exp,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "square": np.square,
+    "sigmoid": _sigmoid,
+    "silu": lambda x: x * _sigmoid(x),
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "relu": lambda x: np.maximum(x, 0.0),
+    "sum": lambda x, axis: np.sum(x, axis=axis, keepdims=True),
+    "max": lambda x, axis: np.max(x, axis=axis, keepdims=True),
+    "mean": lambda x, axis: np.mean(x, axis=axis, keepdims=True),
+    "rms_norm": lambda x: x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)),
+    "softmax": _softmax,
+    "split": _split,
+    "concat": _concat,
+}
+NUMPY.update({name: (lambda name: lambda *xs: fold_along(name, LOOP_DIM, *xs))(name) for name in ACCUMULATORS})
+
+Binding = Mapping[sympy.Symbol, int]
+
+
+def concrete_shape(shape, binding: Binding) -> tuple[int, ...]:
+    return tuple(int(s.xreplace(binding)) if isinstance(s, sympy.Basic) else int(s) for s in shape)
+
+
+def apply(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """One node's value from its operands' values, in float64."""
+    if node.op == "const":
+        return np.float64(node.attr)
+    extra = node.attr if OPS[node.op].kind in (Kind.SPLIT, Kind.CONCAT) else ((node.attr,) if node.attr is not None else ())
+    return np.asarray(NUMPY[node.op](*args, *extra), dtype=np.float64)
+
+
+def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=None) -> dict[Node, np.ndarray]:
+    """Evaluate `roots` given values for the leaves in `env` (inputs); every node computed once, in float64.
+
+    Outputs of custom kernels are computed by `kernels(node, operand values)` (the block interpreter)."""
+    values: dict[Node, np.ndarray] = dict(env)
+    with np.errstate(all="ignore"):  # inf/nan are results to report, not exceptions
+        for root in roots:
+            for node in root.walk():
+                if node in values:
+                    continue
+                if node.op == "input":
+                    raise KeyError(f"no value for input '{node.attr}'")
+                args = [values[a] for a in node.args]
+                values[node] = kernels(node, args) if node.op == "kernel" else apply(node, args)
+    return values
+
+
+def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
+             target: str = "h100", prefer: str = "fill") -> dict[str, np.ndarray]:
+    """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
+
+    Custom kernels run in the block-level interpreter (`blocks`) with the grid sizes and loop ranges in
+    `params` (by symbol name), and valid choices for the ones not given (see `kernel.choose`)."""
+    env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
+    kernels = None
+    if any(n.op == "kernel" for n in program.nodes()):
+        from .blocks import KernelRunner
+
+        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, target, prefer)
+    values = evaluate_nodes([n for _, n in program.outputs], env, kernels)
+    return {name: values[node] for name, node in program.outputs}
+
+
+def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
+              inputs: Mapping[str, np.ndarray] | None = None) -> dict[sympy.Symbol, int]:
+    """Sizes for every dim: `overrides` first, then what the input arrays fix, then the defaults.
+
+    Every given array is checked against its declared shape under the final binding.
+    """
+    overrides = dict(overrides or {})
+    for name in overrides:
+        if program.dim(name) is None:
+            known = ", ".join(d.name for d in program.dims) or "none"
+            raise PrismError(f"program '{program.name}' has no dim '{name}' (its dims: {known})")
+        if overrides[name] < 1:
+            raise PrismError(f"dim {name} must be at least 1, got {overrides[name]}")
+    binding = {d.symbol: overrides[d.name] for d in program.dims if d.name in overrides}
+    arrays = dict(inputs or {})
+    for node in program.inputs:  # let inputs fix the dims nobody named
+        arr = arrays.get(node.attr)
+        if arr is None or np.ndim(arr) != node.rank:
+            continue
+        for size, actual in zip(node.shape, np.shape(arr)):
+            if isinstance(size, sympy.Symbol) and size not in binding:
+                if actual < 1:
+                    raise PrismError(f"input '{node.attr}' has shape {list(np.shape(arr))}: dim {size} must be at least 1")
+                binding[size] = int(actual)
+    for d in program.dims:
+        binding.setdefault(d.symbol, d.default)
+    for node in program.inputs:
+        if node.attr in arrays:
+            check_input(node, arrays[node.attr], binding)
+    return binding
+
+
+# The float64 reference evaluates tensors of at most this many elements (8 GiB each in float64): a larger
+# one would exhaust a workstation's memory, and a binding such as n = 2^62 is a mistake, not a workload.
+MAX_ELEMENTS = 2**30
+NUMPY_MAX_DIMS = 64  # NumPy's limit on an array's dims
+
+
+def check_sizes(program: Program, binding: Binding, nodes: list[Node] | None = None) -> None:
+    """Refuse, before anything is allocated, a binding under which a tensor of the program (its inputs and
+    every intermediate value, or just `nodes`) is beyond what the reference can hold. Sizes that name a
+    symbol `binding` lacks (a kernel parameter not chosen yet) are not checked."""
+    for node in program.nodes() if nodes is None else nodes:
+        what = f"input '{node.attr}'" if node.op == "input" else f"a tensor of shape {fmt_shape(node.shape)}"
+        where = program.locs.get(node)
+        if node.rank > NUMPY_MAX_DIMS:
+            raise PrismError(f"{what} has {node.rank} dims; the float64 reference handles at most {NUMPY_MAX_DIMS} "
+                             "(NumPy's limit)", where)
+        sizes = [s.xreplace(binding) if isinstance(s, sympy.Basic) else s for s in node.shape]
+        if any(isinstance(s, sympy.Basic) and not s.is_Integer for s in sizes):
+            continue
+        count = math.prod(int(s) for s in sizes)
+        if count > MAX_ELEMENTS:
+            named = sorted({x for s in node.shape if isinstance(s, sympy.Basic) for x in s.free_symbols}, key=str)
+            dims = ", ".join(f"{x} = {binding[x]}" for x in named)
+            sizes = (f"dim {dims} is" if len(named) == 1 else f"dims {dims} are") if named else "these sizes are"
+            raise PrismError(f"{sizes} too large: {what} would have "
+                             f"{count:,} elements; the float64 reference evaluates tensors of at most "
+                             f"{MAX_ELEMENTS:,} (2^30) elements", where)
+
+
+def check_input(node: Node, arr: np.ndarray, binding: Binding) -> None:
+    expected = concrete_shape(node.shape, binding)
+    sym = fmt_shape(node.shape)
+    if np.ndim(arr) != node.rank:  # its sizes fixed no dim, so a concrete expected shape would be made up
+        raise PrismError(f"input '{node.attr}' should have {node.rank} dims {sym}, got shape {list(np.shape(arr))}")
+    if tuple(np.shape(arr)) != expected:
+        raise PrismError(
+            f"input '{node.attr}' should have shape {list(expected)} ({sym}), got {list(np.shape(arr))}"
+        )
+    if not np.issubdtype(np.asarray(arr).dtype, np.floating):
+        raise PrismError(f"input '{node.attr}' should hold floats, got {np.asarray(arr).dtype}")
+
+
+def quantize(x: np.ndarray, dtype: DType | None) -> np.ndarray:
+    """Round float64 values to the storage dtype and back, so the reference sees what the GPU would."""
+    if dtype is DType.F16:
+        return x.astype(np.float16).astype(np.float64)
+    if dtype is DType.F32:
+        return x.astype(np.float32).astype(np.float64)
+    if dtype is DType.BF16:
+        bits = x.astype(np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even
+        return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def random_inputs(program: Program, binding: Binding, seed: int = 0) -> dict[str, np.ndarray]:
+    """Standard-normal inputs rounded to each input's dtype; the same seed gives the same arrays."""
+    check_sizes(program, binding, list(program.inputs))
+    rng = np.random.default_rng(seed)
+    return {
+        node.attr: quantize(rng.standard_normal(concrete_shape(node.shape, binding)), node.dtype)
+        for node in program.inputs
+    }
+
+
+def storage_array(x: np.ndarray, dtype: DType | None) -> np.ndarray:
+    """An array in the closest NumPy storage type (bf16 has none: float32 holding bf16 values)."""
+    return {DType.F16: x.astype(np.float16), DType.F32: x.astype(np.float32), DType.BF16: x.astype(np.float32)}.get(
+        dtype, x.astype(np.float64)
+    )
