@@ -34,7 +34,7 @@ def main() -> int:
             r = json.loads(done.stdout)
             regs = max((a["registers"] for k in r["kernels"] for a in k["nvcc"].values()), default=0)
             spills = sum(a["spill_stores"] for k in r["kernels"] for a in k["nvcc"].values())
-            emu = r["checks"].get("emulation", {})
+            emu = r["checked"]["emulation"] or {}
             err = max((o["max_rel_err"] for o in emu.get("outputs", {}).values()), default=float("nan"))
             print(f"| {name} | {len(r['kernels'])} | {r['estimated_us']:.1f} | {r['roofline']['floor_us']:.1f} | {regs} "
                   f"| {spills} | {err:.1e} | {'yes' if r['verified'] else 'no'} | {secs:.1f} |")

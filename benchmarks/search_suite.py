@@ -29,7 +29,8 @@ DECODING = [dict(b=1, h=8, q=1, kv=8192, dh=128), dict(b=1, h=8, q=1, kv=32768, 
 def main() -> None:
     os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")
     from prism_dsl.lang.check import load
-    from prism_dsl.kernels.kernel import kernels_of, load_target
+    from prism_dsl.kernels.hardware import load_target
+    from prism_dsl.kernels.kernel import kernels_of
     from prism_dsl.kernels.lower import lower
     from prism_dsl.lang.printer import print_program
     from prism_dsl.semantics.reference import bind_dims
@@ -59,7 +60,7 @@ def main() -> None:
         pruned = ", ".join(f"{k} {v}" for k, v in sorted(s["pruned"].items(), key=lambda kv: -kv[1])[:3])
         splits = [r for r in out.ranked if _split(r.program)]
         best_split = f"{splits[0].estimated_us:.1f}" if splits else "-"
-        print(f"| {name} | {first:.1f} | {s['candidates']} | {s['proofs']} | {s['verified_sgraphs']} | {len(splits)} | "
+        print(f"| {name} | {first:.1f} | {s['candidates']} | {s['proofs']} | {s['proved_programs']} | {len(splits)} | "
               f"{pruned} | {len(kernels_of(out.best.program))} | {uses} | {out.best.estimated_us:.1f} | {best_split} | "
               f"{written.estimated_us:.1f} | {again:.1f} |")
     # Decoding with long keys: where the split reduction stands in the model's ranking.

@@ -7,3 +7,7 @@ program text) -> `prove`, which runs egglog through `egglog_runner` in a child p
 """
 
 __version__ = "0.1.0"
+
+# The stages, lowest first: a stage's modules import only their own stage and the stages before it
+# (tests/test_layers.py checks this from the source).
+STAGES = ("base", "ir", "kernels", "semantics", "lang", "prove", "search", "backend", "pipeline", "cli")

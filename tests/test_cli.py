@@ -1,10 +1,13 @@
-"""`prismc check` and `prismc run`, driven in-process through `main(argv)`, and once as a real process.
+"""`prismc check` and `prismc run`, driven in-process through `main(argv)`, and once as a real process;
+the flags every command shares, and what `prismc compile` reports.
 
 Exit codes: 0 success, 1 an error in the user's input, 2 a command-line usage error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -13,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prism_dsl.backend import emulate
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
-from prism_dsl.semantics.reference import evaluate
+from prism_dsl.semantics.blocks import evaluate
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = REPO / "programs"
@@ -299,3 +303,82 @@ def test_subprocess_user_error_exit_code(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "bad.prism:1:18: undeclared dim 'n'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# -- one flag for the hardware; renamed flags --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compile", RMSNORM, "-o", "out", "--target", "cuda"],
+     "--target is no longer an option: use --rank model|measure to choose how programs are ranked, "
+     "--hardware NAME for the hardware"),
+    (["compile", RMSNORM, "-o", "out", "--target"], "--target is no longer an option"),
+    (["run", RMSNORM, "--out", "x.npz", "--target", "h100"], "--target is no longer an option: use --hardware NAME"),
+    (["show", RMSNORM, "--target", "a100"], "--target is no longer an option: use --hardware NAME"),
+    (["compile", RMSNORM, "-o", "out", "--rank", "cuda"], "argument --rank: invalid choice: 'cuda'"),
+])
+def test_renamed_flags_are_refused_with_what_to_use(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = prismc(capsys, *argv)
+    assert code == 2 and message in err and out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hardware_is_one_flag_on_every_command(capsys, tmp_path):
+    assert "--target" not in prismc(capsys, "compile", "--help")[1]
+    code, out, _ = prismc(capsys, "show", PROGRAMS / "fused" / "rmsnorm_linear.prism", "--dims", "n=4,d=256",
+                          "--hardware", "a100")
+    assert code == 0 and "hardware A100" in out and "on A100" in out
+    assert prismc(capsys, "run", RMSNORM, "--dims", "n=2,d=8", "--hardware", "a100", "--out", tmp_path / "y.npz")[0] == 0
+    code, out, _ = prismc(capsys, "compile", RMSNORM, "--search", "none", "--arch", "none", "--no-emulate",
+                          "--dims", "n=2,d=8", "--hardware", "a100", "-o", tmp_path / "out", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["hardware"]["name"] == "A100" and report["rank"] == "model"
+    code, _, err = prismc(capsys, "run", RMSNORM, "--hardware", "b200", "--out", tmp_path / "z.npz")
+    assert code == 1 and "b200" in err
+
+
+# -- compile's report: typed, written once; proved, checked, verified ----------------------------------------
+
+
+def test_compile_report_is_a_frozen_dataclass_written_once(tmp_path, monkeypatch):
+    from prism_dsl.kernels.hardware import load_target
+    from prism_dsl.pipeline import compile as pipeline
+    from prism_dsl.pipeline.build import BuildOptions
+
+    writes = []
+    monkeypatch.setattr(pipeline, "write", lambda out, texts: writes.append((out, dict(texts))))
+    request = pipeline.Request(load(RMSNORM).program(), tmp_path / "out", load_target("h100"),
+                               BuildOptions(dims={"n": 2, "d": 8}, archs=(), emulate=False), search=None)
+    report = pipeline.compile_program(request)
+    assert dataclasses.is_dataclass(report) and isinstance(report, pipeline.Report)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.proved = False
+    ((out, texts),) = writes  # one write, every file at once, report.json among them
+    assert out == tmp_path / "out" and list(texts)[-1] == "report.json"
+    assert texts["report.json"] == report.to_json() and json.loads(report.to_json())["files"] == list(texts)
+
+
+def compile_report(capsys, tmp_path, *extra) -> tuple[int, dict, str]:
+    out = tmp_path / "out"
+    code, text, err = prismc(capsys, "compile", PROGRAMS / "fused" / "rmsnorm_linear.prism", "--search", "none",
+                             "--arch", "none", "--dims", "n=4,d=256", "-o", out, *extra)
+    return code, json.loads((out / "report.json").read_text()), text
+
+
+def test_compiled_as_written_unchecked_is_proved_not_verified(capsys, tmp_path):
+    code, report, text = compile_report(capsys, tmp_path, "--no-emulate")
+    assert code == 0 and report["proved"] is True
+    assert report["checked"] == {"emulation": None, "gpu": None} and report["verified"] is False
+    assert "verified: NO: the outputs were not checked" in text
+    assert not {"target", "checks"} & report.keys() and report["nvcc"] is None
+
+
+@pytest.mark.skipif(not emulate.compiler(), reason="no C++ compiler (g++ or clang++) to emulate the generated code")
+def test_compiled_as_written_and_checked_is_verified(capsys, tmp_path):
+    code, report, text = compile_report(capsys, tmp_path)
+    emulation = report["checked"]["emulation"]
+    assert code == 0 and report["proved"] is True and emulation["passed"] and report["verified"] is True
+    assert emulation["rtol"] == 0.01 and emulation["checked_against"] == "input program"
+    assert all(o["max_rel_err"] <= 0.01 for o in emulation["outputs"].values())
+    assert "verified: yes" in text

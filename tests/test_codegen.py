@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from prism_dsl.pipeline.build import BuildOptions, compile_program, nvcc_check, write
+from prism_dsl.pipeline.build import BuildOptions, build, emulate, nvcc_check
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.backend.codegen import comment, ident
 from prism_dsl.backend.cost import estimate, tune
 from prism_dsl.backend.emulate import compiler
-from prism_dsl.kernels.kernel import free_symbols, instantiate_program, kernels_of, load_target
+from prism_dsl.kernels.constraints import instantiate_program
+from prism_dsl.kernels.hardware import load_target
+from prism_dsl.kernels.kernel import free_symbols, kernels_of
 from prism_dsl.kernels.lower import lower
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +49,7 @@ def small_dims(program) -> dict[str, int]:
 def build_of(path: Path, grid=None, loop=None, **kw):
     program = load(path).program()
     options = BuildOptions(dims=small_dims(program), grid=grid or {}, loop=loop or {}, **kw)
-    return compile_program(program, H100, options), options
+    return build(program, H100, options), options
 
 
 # -- golden files ---------------------------------------------------------------------------------------
@@ -99,10 +101,8 @@ def test_every_rendered_kernel_compiles_with_nvcc(path, tmp_path):
 @pytest.mark.parametrize("path", FUSED + PROGRAMS, ids=lambda p: p.parent.name + "/" + p.stem)
 def test_generated_code_agrees_with_the_reference_in_the_cpu_emulation(path, tmp_path):
     built, options = build_of(path, archs=())
-    report = write(built, tmp_path / "out", options)
-    check = report["checks"]["emulation"]
-    assert check["passed"], check
-    assert report["verified"] is True
+    check = emulate(built, options)
+    assert check.passed, check
 
 
 @needs_cxx
@@ -111,8 +111,7 @@ def test_emulation_catches_a_wrong_kernel(tmp_path, monkeypatch):
 
     monkeypatch.setitem(codegen.C_OPS, "mul", "({0} + {1})")  # a code generator bug: * rendered as +
     built, options = build_of(ROOT / "programs/fused/swiglu.prism", archs=())
-    report = write(built, tmp_path / "out", options)
-    assert report["checks"]["emulation"]["passed"] is False and report["verified"] is False
+    assert emulate(built, options).passed is False
 
 
 # -- the cost model ---------------------------------------------------------------------------------------
@@ -164,7 +163,7 @@ def test_compile_writes_kernels_launcher_program_and_report(tmp_path, capsys):
     assert names == ["launcher.py", "prism.cuh", "prism_runtime.py", "report.json", "rmsnorm_linear.prism",
                      "rmsnorm_matmul.cu"]
     report = json.loads((out / "report.json").read_text())
-    assert report["program"] == "rmsnorm_linear" and report["target"]["name"] == "H100"
+    assert report["program"] == "rmsnorm_linear" and report["hardware"]["name"] == "H100"
     assert report["verified"] is True and report["measured_us"] is None and report["estimated_us"] > 0
     k = report["kernels"][0]
     assert k["nvcc"]["sm_90"]["registers"] > 0 and k["smem_bytes"] > 0 and set(report["parameters"]) == {"gx", "F"}
@@ -196,7 +195,7 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--target", "cuda"], "--target cuda needs a usable CUDA GPU"),
+    (["--rank", "measure"], "--rank measure needs a usable CUDA GPU"),
     (["--grid", "x=3"], "is not a whole number"),
     (["--arch", "volta"], "--arch: expected names like sm_90"),
     (["--threads", "100"], "--threads must be a multiple of 32"),

@@ -12,11 +12,15 @@ import sympy
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.prove.egglog_runner import Limits
-from prism_dsl.kernels.kernel import SymbolicMap, choose, free_symbols, instantiate, kernels_of, load_target, tile_shape
+from prism_dsl.kernels.constraints import instantiate
+from prism_dsl.kernels.hardware import load_target
+from prism_dsl.kernels.kernel import SymbolicMap, free_symbols, kernels_of, tile_shape
+from prism_dsl.kernels.params import choose
 from prism_dsl.prove.layout import bind_counts, to_terms
 from prism_dsl.lang.printer import print_program
 from prism_dsl.prove.prover import prove
-from prism_dsl.semantics.reference import bind_dims, evaluate, evaluate_nodes, random_inputs
+from prism_dsl.semantics.blocks import evaluate
+from prism_dsl.semantics.reference import bind_dims, evaluate_nodes, random_inputs
 from prism_dsl.prove.rules import load_library
 
 REPO = Path(__file__).resolve().parent.parent

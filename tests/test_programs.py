@@ -16,7 +16,8 @@ import pytest
 from prism_dsl.lang.check import load
 from prism_dsl.ir.nodes import DType, Program
 from prism_dsl.lang.printer import print_program
-from prism_dsl.semantics.reference import bind_dims, concrete_shape, evaluate, random_inputs
+from prism_dsl.semantics.blocks import evaluate
+from prism_dsl.semantics.reference import bind_dims, concrete_shape, random_inputs
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM_FILES = sorted((REPO / "programs").glob("*.prism"))
@@ -56,7 +57,7 @@ FORMULAS = {
     "ntrans": lambda H, X, alpha: rms_norm(rms_norm(H) + X) * alpha + X,
 }
 
-# file stem -> (inputs in order as (name, dims), outputs, default dims) per ARCHITECTURE.md section 7.
+# file stem -> (inputs in order as (name, dims), outputs, default dims) of each benchmark program.
 SIGNATURES = {
     "rmsnorm_linear": ([("X", "n d"), ("W", "d d")], ["Y"], {"n": 8, "d": 4096}),
     "rmsnorm_mlp": ([("X", "n d"), ("Wu", "d d"), ("Wg", "d d")], ["Y"], {"n": 8, "d": 4096}),

@@ -242,11 +242,11 @@ def test_program_options_pick_programs_from_files(capsys, tmp_path):
 
 
 def test_explain_says_so_when_it_cannot_narrow_the_rules_down(tmp_path):
-    from prism_dsl.prove.prover import _terms, explain_rules, pair_outputs
+    from prism_dsl.prove.prover import explain_rules, pair_outputs, proof_terms
 
     a, b = programs(tmp_path, "(rms_norm(X) @ W) * (rms_norm(X) @ V)",
                     "((X @ W) * (X @ V)) / square(sqrt(mean(square(X), -1)))")
-    setup, goals = _terms(a, b, pair_outputs(a, b))
+    setup, goals = proof_terms(a, b, pair_outputs(a, b))
     why = explain_rules(DEFAULT, setup, goals, Limits(iterations=1))
     assert isinstance(why, str) and "iteration limit (1) reached" in why
 

@@ -15,11 +15,14 @@ from prism_dsl.backend import emulate
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.backend.cuda_runtime import gpu_status
-from prism_dsl.kernels.kernel import kernels_of, load_target
+from prism_dsl.kernels.hardware import load_target
+from prism_dsl.kernels.kernel import kernels_of
 from prism_dsl.lang.printer import print_program
-from prism_dsl.semantics.reference import bind_dims, evaluate, random_inputs
+from prism_dsl.semantics.blocks import evaluate
+from prism_dsl.semantics.reference import bind_dims, random_inputs
 from prism_dsl.prove.rules import load_library
-from prism_dsl.search.driver import SearchConfig, search
+from prism_dsl.search.config import Rejection, SearchConfig
+from prism_dsl.search.driver import search
 from prism_dsl.pipeline.optimize import MEASURED, Measurement, _to_measure, optimize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +71,7 @@ def test_each_program_gets_one_fused_proved_kernel(name, library):
         got = evaluate(best.program, inputs, params=best.params)
         for k, v in want.items():
             assert np.allclose(got[k], v, rtol=1e-9, atol=1e-9 * np.abs(v).max())
-        assert out.search["verified_sgraphs"] >= 1
+        assert out.search["proved_programs"] >= 1
     # At the suite's dims (the checkpoint is reused: only ranking runs) the loop-fused form wins.
     out = optimize(src, library, H100, src.default_binding())
     assert out.from_checkpoint and custom_kernels(out.best.program) == 1
@@ -89,8 +92,33 @@ def test_pruning_loses_nothing(library):
     found_on = {print_program(p) for p in on.verified}
     found_off = {print_program(p) for p in off.verified}
     assert found_off and found_off <= found_on
-    assert on.stats.pruned["expression"] > 0 and off.stats.pruned.get("expression", 0) == 0
-    assert off.stats.generated > on.stats.generated - on.stats.pruned["expression"]
+    assert on.stats.pruned[Rejection.EXPRESSION] > 0 and off.stats.pruned[Rejection.EXPRESSION] == 0
+    assert off.stats.generated > on.stats.generated - on.stats.pruned[Rejection.EXPRESSION]
+
+
+def test_a_crashing_prover_is_an_error_not_a_failed_proof(library, monkeypatch):
+    """A proof that raises (its egglog worker died, say) is reported with its message, is not counted as
+    "unproved", and the search goes on: every other program is still proved and returned."""
+    from prism_dsl.search.assembly import Prover
+
+    src = program("rmsnorm_linear")
+    config = SearchConfig(max_kernels=1, max_predefined=0, max_accumulators=2, max_block_ops=4)
+    clean = search(src, library, H100, config, jobs=2)
+    assert len(clean.verified) >= 2 and not clean.stats.errors
+    victim, real = print_program(clean.verified[0]), Prover.prove
+
+    def prove(self, candidate):
+        if print_program(candidate) == victim:
+            raise RuntimeError("the egglog worker stopped (exit code -9)")
+        return real(self, candidate)
+
+    monkeypatch.setattr(Prover, "prove", prove)
+    crashed = search(src, library, H100, config, jobs=2)
+    assert crashed.complete and crashed.stats.errors == ["RuntimeError: the egglog worker stopped (exit code -9)"]
+    assert crashed.stats.as_dict()["errors"] == crashed.stats.errors  # report.json's search section shows it
+    assert crashed.stats.pruned[Rejection.UNPROVED] == clean.stats.pruned[Rejection.UNPROVED]
+    assert crashed.stats.verified == clean.stats.verified - 1
+    assert [print_program(p) for p in crashed.verified] == [print_program(p) for p in clean.verified[1:]]
 
 
 def test_search_is_deterministic(library):
@@ -176,7 +204,7 @@ def test_compile_searches_by_default(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["verified"] and report["proved"] and report["best"] == "best.prism"
     assert report["kernels_in_best"] == 1 and not report["best_is_input"]
-    assert report["search"]["verified_sgraphs"] >= 1 and "pruned" in report["search"]
+    assert report["search"]["proved_programs"] >= 1 and "pruned" in report["search"]
     assert report["alternatives"][0]["rank"] == 1 and isinstance(report["search_seconds"], float)
     best = (out / "best.prism").read_text()
     # prove and run accept the chosen program
@@ -232,7 +260,7 @@ def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(lib
 
 @pytest.fixture
 def emulated_gpu(monkeypatch):
-    """`--target cuda` on a CPU: the GPU check is the C++ emulation of the generated code, timed as the
+    """`--rank measure` on a CPU: the GPU check is the C++ emulation of the generated code, timed as the
     model estimates. Everything around it (search, tuning database, report) is the real path."""
     from prism_dsl.pipeline import build
     from prism_dsl.backend import cuda_runtime
@@ -243,10 +271,11 @@ def emulated_gpu(monkeypatch):
 
     def check_gpu(built, directory, seed):
         seen.append(sorted(p.name for p in Path(directory).iterdir()))
-        result = build.check_emulated(built, seed)
-        us = sum(k["estimate"]["time_us"] for k in built.report["kernels"])
-        return {**result, "device": "emulated", "timing_ms": {"median_ms": us / 1000},
-                "kernels_ms": {k["name"]: {"median_ms": k["estimate"]["time_us"] / 1000} for k in built.report["kernels"]}}
+        result = vars(build.check_emulated(built, seed))
+        us = sum(e.time_us for e in built.estimates)
+        return build.GpuCheck(**result, device="emulated", timing_ms={"median_ms": us / 1000},
+                              kernels_ms={k.name: {"median_ms": e.time_us / 1000}
+                                          for k, e in zip(built.kernels, built.estimates)})
 
     monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "Emulated GPU"))
     monkeypatch.setattr(cuda_runtime, "device_identity", lambda: "Emulated GPU, sm_90, driver 0")
@@ -254,15 +283,15 @@ def emulated_gpu(monkeypatch):
     return seen
 
 
-def test_compile_target_cuda_times_the_best_few(tmp_path, capsys, emulated_gpu):
+def test_compile_rank_measure_times_the_best_few(tmp_path, capsys, emulated_gpu):
     out = tmp_path / "out"
     args = ["compile", str(ROOT / "programs" / "swiglu.prism"), "-o", str(out), "--dims", "n=4,d=64",
-            "--arch", "none", "--target", "cuda", "--json"]
+            "--arch", "none", "--rank", "measure", "--json"]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     measured = report["search"]["measured"]
     assert measured["device"] == "Emulated GPU, sm_90, driver 0" and measured["timed"] >= MEASURED
-    assert not measured["failed"] and report["verified"] and report["checks"]["gpu"]["passed"]
+    assert not measured["failed"] and report["verified"] and report["checked"]["gpu"]["passed"]
     timed = [a for a in report["alternatives"] if a["measured_us"] is not None]
     assert len(timed) >= MEASURED and all(a["measurement"] == "checked" for a in timed)
     assert report["alternatives"][0]["measured_us"] == min(a["measured_us"] for a in timed)
@@ -279,12 +308,12 @@ def test_compile_target_cuda_times_the_best_few(tmp_path, capsys, emulated_gpu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU[0], reason=GPU[1])
-def test_compile_target_cuda_on_the_gpu(tmp_path, capsys):
+def test_compile_rank_measure_on_the_gpu(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["compile", str(ROOT / "programs" / "attention.prism"), "-o", str(out), "--dims",
-                 "b=1,h=2,q=2,kv=64,dh=16", "--target", "cuda", "--json"]) == 0
+                 "b=1,h=2,q=2,kv=64,dh=16", "--rank", "measure", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["verified"] and report["checks"]["gpu"]["passed"] and report["measured_us"] > 0
+    assert report["verified"] and report["checked"]["gpu"]["passed"] and report["measured_us"] > 0
     assert report["search"]["measured"]["timed"] >= MEASURED and not report["search"]["measured"]["failed"]
 
 
@@ -292,7 +321,7 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
     """A loop kernel with online softmax is also split in two (partial results over S pieces of the keys,
     then a combining kernel with acc_rescaled_sum); every such program is proved, agrees with the
     reference with the pieces above 1, and its generated code passes the emulation."""
-    from prism_dsl.kernels.kernel import complete
+    from prism_dsl.kernels.params import complete
 
     src = program("attention")
     dims = BINDINGS["attention"][0]
@@ -324,11 +353,11 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
     report = json.loads(capsys.readouterr().out)
     assert report["parameters"][pieces] == 4 and len(report["kernels"]) == 2
     if emulate.compiler():
-        assert report["checks"]["emulation"]["passed"] and report["verified"]
+        assert report["checked"]["emulation"]["passed"] and report["verified"]
 
 
 def test_split_only_where_pieces_combine(library):
-    from prism_dsl.kernels.kernel import complete
+    from prism_dsl.kernels.params import complete
 
     src = program("rmsnorm_linear")
     found = search(src, library, H100, jobs=2).verified
@@ -359,4 +388,4 @@ def test_compile_no_split(library, tmp_path, capsys):
     src = program("attention")
     again = optimize(src, library, H100, bind_dims(src, BINDINGS["attention"][1]),
                      config=SearchConfig(split_reductions=False))
-    assert again.from_checkpoint and again.search["verified_sgraphs"] == report["search"]["verified_sgraphs"]
+    assert again.from_checkpoint and again.search["proved_programs"] == report["search"]["proved_programs"]

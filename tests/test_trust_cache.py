@@ -20,16 +20,17 @@ from prism_dsl.base import cache
 from prism_dsl.backend import emulate
 
 from prism_dsl.pipeline import optimize as superopt
-from prism_dsl.pipeline.build import BuildOptions, check_emulated, compile_program
+from prism_dsl.pipeline.build import BuildOptions, build, check_emulated
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
-from prism_dsl.kernels.kernel import load_target
+from prism_dsl.kernels.hardware import load_target
 from prism_dsl.lang.printer import print_program
 from prism_dsl.semantics.reference import bind_dims
 from prism_dsl.prove.rules import load_library
-from prism_dsl.search.driver import SearchConfig
+from prism_dsl.search.config import SearchConfig
 from prism_dsl.prove.soundness import check_library
-from prism_dsl.pipeline.optimize import Measurement, checkpoint_key, load_checkpoint, optimize, rank, tuning_key
+from prism_dsl.pipeline.optimize import Measurement, optimize, rank, tuning_key
+from prism_dsl.search.checkpoint import checkpoint_key, load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "programs" / "rmsnorm_linear.prism"
@@ -125,7 +126,7 @@ def test_edited_checkpoint_program_is_proved_again_and_replaced(cache_dir, capsy
     assert report["proved"] is True and not report["search"]["from_checkpoint"]
     assert "2.0 *" not in (tmp_path / "out" / "best.prism").read_text()
     if EMULATION:
-        emulation = report["checks"]["emulation"]
+        emulation = report["checked"]["emulation"]
         assert report["verified"] and emulation["passed"] and emulation["checked_against"] == "input program"
     # The search's result replaced the entry: the next compile takes it, proves its choice, says nothing.
     assert "2.0 *" not in path.read_text()
@@ -155,13 +156,25 @@ def test_false_proof_is_caught_by_the_check_against_the_input(cache_dir, capsys,
     edit_checkpoint(cache_dir, doubled)
     code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
     assert "2.0 *" in (tmp_path / "out" / "best.prism").read_text()  # the edited program was emitted...
-    emulation = report["checks"]["emulation"]
+    emulation = report["checked"]["emulation"]
     assert code == 1 and not emulation["passed"] and not report["verified"]  # ...and caught
     assert emulation["checked_against"] == "input program"
 
 
+def test_a_choice_not_proved_in_this_run_is_not_verified(cache_dir, capsys, tmp_path, monkeypatch):
+    """`proved` means a proof ran: a checkpoint's program used without its proof again is reported as not
+    proved, and so not verified, however well its numbers agree (`checked`)."""
+    if not EMULATION:
+        pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
+    monkeypatch.setattr(superopt, "_confirm", lambda ranked, prover: True)  # no proof runs
+    code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
+    assert report["search"]["from_checkpoint"] and not report["best_is_input"]
+    assert report["proved"] is False and report["alternatives"][0]["proved"] is None
+    assert report["checked"]["emulation"]["passed"] and report["verified"] is False and code == 0
+
+
 def test_build_checks_against_the_reference_program(source):
-    """`compile_program(..., reference=input)`: the outputs are compared with the input, paired by position
+    """`build(..., reference=input)`: the outputs are compared with the input, paired by position
     when the names differ; a program with other inputs cannot stand in for it."""
     if not EMULATION:
         pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
@@ -169,13 +182,13 @@ def test_build_checks_against_the_reference_program(source):
     same = load("<same>", text.replace("{}", "rms_norm(X) @ W")).program()
     other = load("<other>", text.replace("{}", "rms_norm(X) @ W * 2.0")).program()
     options = BuildOptions(dims=SMALL, archs=())
-    assert check_emulated(compile_program(same, H100, options, reference=source), 0)["passed"]
-    assert not check_emulated(compile_program(other, H100, options, reference=source), 0)["passed"]
-    assert check_emulated(compile_program(other, H100, options), 0)["passed"]  # against itself: --search none
+    assert check_emulated(build(same, H100, options, reference=source), 0).passed
+    assert not check_emulated(build(other, H100, options, reference=source), 0).passed
+    assert check_emulated(build(other, H100, options), 0).passed  # against itself: --search none
     stranger = load("<x>", text.replace("X: f16[n, d]", "A: f16[n, d]").replace("rms_norm(X)", "rms_norm(A)")
                     .replace("{}", "rms_norm(A) @ W")).program()
     with pytest.raises(Exception, match="reads inputs"):
-        compile_program(stranger, H100, options, reference=source)
+        build(stranger, H100, options, reference=source)
 
 
 DEEP = 100_000

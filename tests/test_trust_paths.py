@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl.pipeline import build
+from prism_dsl.pipeline import output
 
 from prism_dsl.base import cache
 
 from prism_dsl.base import files
 from prism_dsl.cli.main import main
-from prism_dsl.kernels.kernel import divisors
+from prism_dsl.kernels.params import divisors
 from prism_dsl.semantics.reference import MAX_ELEMENTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,16 +158,22 @@ def test_compile_of_an_older_prismc_output_is_replaced(capsys, tmp_path):
 
 
 def test_failed_compile_leaves_the_earlier_output_untouched(capsys, tmp_path, monkeypatch):
+    """The output is checked again just before the swap (a user may have put a file there meanwhile): a
+    refusal then, with every file already written into the scratch directory, leaves the old output."""
     out = tmp_path / "out"
     assert prismc(capsys, "compile", FUSED, *FAST, "-o", out)[0] == 0
     before = snapshot(out)
+    written = []
 
-    def fail(*args, **kwargs):
-        raise build.PrismError("the check failed on purpose")
+    def refuse(path):  # the check before the swap (the first, before any work, passed)
+        (scratch,) = scratch_beside(tmp_path)
+        written.append(sorted(p.name for p in (tmp_path / scratch).iterdir()))
+        raise output.PrismError("the check failed on purpose")
 
-    monkeypatch.setattr(build, "plan_of", fail)  # after the header and the kernels are written
+    monkeypatch.setattr(output, "check_output", refuse)
     code, _, err = prismc(capsys, "compile", RMSNORM, *FAST, "-o", out)
     assert code == 1 and "the check failed on purpose" in err
+    assert len(written) == 1 and "report.json" in written[0] and "launcher.py" in written[0]
     assert snapshot(out) == before and scratch_beside(tmp_path) == []
 
 

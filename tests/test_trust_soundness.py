@@ -15,10 +15,7 @@ from pathlib import Path
 import pytest
 
 from prism_dsl.base import cache
-
-from prism_dsl.prove import soundness
-
-from prism_dsl.prove import symbolic
+from prism_dsl.prove import sampling, soundness, symbolic
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.base.errors import PrismError
@@ -70,16 +67,16 @@ def test_rules_false_only_at_large_values_sizes_or_deep_dims_are_rejected(tmp_pa
 
 def test_large_sizes_and_primes_are_drawn():
     rule = DEFAULT.rule("matmul_add_right")
-    sizes = {s for inst in soundness.instances(rule, rule.lhs, 1) for shape in inst.shapes.values() for s in shape}
+    sizes = {s for inst in sampling.instances(rule, rule.lhs, 1) for shape in inst.shapes.values() for s in shape}
     assert {1, 2, 3, 5} <= sizes and sizes & {7, 11, 13, 17, 23} and max(sizes) > 16
-    assert all(math.prod(shape) <= soundness.SAMPLE_MAX_ELEMENTS
-               for inst in soundness.instances(rule, rule.lhs, 1) for shape in inst.shapes.values())
+    assert all(math.prod(shape) <= sampling.SAMPLE_MAX_ELEMENTS
+               for inst in sampling.instances(rule, rule.lhs, 1) for shape in inst.shapes.values())
 
 
 def test_every_dim_down_to_the_deepest_is_compared():
     rule = DEFAULT.rule("sum_add")
-    found = soundness.instances(rule, rule.lhs, 1)
-    chosen = soundness.for_values(rule, found)
+    found = sampling.instances(rule, rule.lhs, 1)
+    chosen = sampling.for_values(rule, found)
     assert {inst.dims["i"] for inst in chosen} == set(range(-1, -10, -1))
 
 

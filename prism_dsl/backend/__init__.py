@@ -1,1 +1,13 @@
-"""The backend stage."""
+"""The backend stage: concrete kernels become code a GPU runs, and that code is compiled, run and timed.
+
+Takes concrete custom kernels (`kernels.constraints.Concrete`) of a lowered program. Gives:
+
+- `codegen`: CUDA C per kernel through the Jinja templates (`RenderedKernel`), and those templates;
+- `cost`: the cost model: an `Estimate` per kernel, kernel parameters tuned by it, the roofline floor;
+- `nvcc`: the generated code compiled by nvcc for each architecture, with ptxas's figures;
+- `emulate`: the generated code compiled as C++ and run on the CPU, where there is no GPU;
+- `cuda_runtime`: a runtime plan launched through PyCUDA, outputs checked, kernels timed. It imports
+  nothing of the package: it is copied beside generated code as prism_runtime.py.
+
+May import: base, ir, kernels, semantics, lang, prove, search (it uses base, ir, kernels and lang).
+"""

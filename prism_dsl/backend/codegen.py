@@ -1,7 +1,8 @@
 """CUDA code generation: one concrete custom kernel becomes one CUDA C kernel, through Jinja2 templates.
 
-Where it sits: after parameter instantiation (`kernel.instantiate`), before compiling (`nvcc`, `gpu`).
-The generated kernel does what ARCHITECTURE.md section 3 says, with every size a compile-time constant:
+Where it sits: after parameter instantiation (`kernels.constraints.instantiate`), before compiling
+(`nvcc`, the GPU). The generated kernel does what docs/ARCHITECTURE.md says a custom kernel does, with
+every size a compile-time constant:
 
     prologue:  accumulator state initialised; tiles the loop does not split loaded once
     loop:      tiles the loop splits loaded (16-byte copies where rows allow); the body's materialized
@@ -12,7 +13,9 @@ The generated kernel does what ARCHITECTURE.md section 3 says, with every size a
 `fusion.plan` decides where each value lives (shared memory, registers, accumulator state). Element-wise
 values fused into registers are evaluated where they are read, so a chain like `silu(gate) * up` costs
 no buffer and no barrier. Matrix products whose operands are f16/bf16 tiles of suitable shape run on
-tensor cores (wmma, f32 accumulation), with the plain path kept beside them for other targets.
+tensor cores (wmma, f32 accumulation), with the plain path kept beside them for other targets. How each
+accumulator folds and finishes is format strings in its row of `ir.accumulators`; the kinds of fold
+(per state element, per row, a matrix product, online softmax) are the code here.
 
 Names in the generated code are derived from the program's, with a prefix (`g_` for tensors in device
 memory, `s_` for shared buffers) and every character outside [A-Za-z0-9_] replaced, so no user text
@@ -29,11 +32,14 @@ from pathlib import Path
 
 import jinja2
 
-from ..kernels.fusion import ALIGN, SOFTMAX, Buffer, Place, compute_dtype, plan
+from ..ir.accumulators import ACCUMULATORS
+from ..kernels.fusion import ALIGN, Buffer, Place, compute_dtype, plan
 from ..ir.nodes import DType, Node, Program
-from ..kernels.kernel import Concrete, after_loop, bind, loop_varying
+from ..kernels.constraints import Concrete
+from ..kernels.kernel import after_loop, loop_varying
+from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
-from ..lang.printer import format_number
+from ..lang.printer import format_number, node_text
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 if not (TEMPLATES / "kernel.cu.j2").is_file():  # a source checkout: the package maps templates/ here
@@ -95,7 +101,8 @@ def tensor_name(node: Node) -> str:
 
 
 @cache
-def _env() -> jinja2.Environment:
+def template_env() -> jinja2.Environment:
+    """The Jinja environment of `templates/`: kernels here, the launcher in `pipeline`."""
     return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, autoescape=False)
 
@@ -151,6 +158,16 @@ def decompose(var: str, shape: tuple[int, ...], prefix: str) -> tuple[list[str],
         lines.append(f"const int {prefix}{d} = {expr};")
         idx.append(f"{prefix}{d}")
     return lines, idx
+
+
+def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
+    """Row-major offset in a tensor of `shape` whose index in each dim is the sum of that dim's `parts`."""
+    terms = []
+    for p, stride in zip(parts, _strides(shape)):
+        if p and stride:
+            term = " + ".join(p)
+            terms.append(term if stride == 1 else f"({term}) * {stride}" if len(p) > 1 else f"{term} * {stride}")
+    return " + ".join(terms) or "0"
 
 
 def offset(idx: list[str], shape: tuple[int, ...]) -> str:
@@ -214,62 +231,44 @@ class _Emitter:
         return C_OPS[node.op].format(*[self.read(a, idx) for a in node.args])
 
     def finish(self, acc: Node, idx: list[str]) -> str:
-        st = self.plan.state[acc]
-        if acc.op == "acc_max_last":
-            return self.at(st["m"], idx)  # its own, or the running max it shares with online softmax
-        ref = self.at(st["acc"], idx)
-        if acc.op in ("acc_mean_last", "acc_rms_last"):
-            count = self.shape(acc.args[0])[-1] * self.c.loop
-            mean = f"{ref} / real({count})"
-            return mean if acc.op == "acc_mean_last" else f"prism::sqrt_({mean})"
-        return ref
+        """An accumulator's value after the loop: its `cuda_finish` over the state that holds it."""
+        fmt = ACCUMULATORS[acc.op].cuda_finish
+        count = self.shape(acc.args[0])[-1] * self.c.loop if "{count}" in fmt else 0
+        return fmt.format(self.at(self.held(acc), idx), count=count)
+
+    def held(self, acc: Node) -> Buffer:
+        """The state buffer that holds an accumulator's value (the last of its `state` roles)."""
+        return self.plan.state[acc][ACCUMULATORS[acc.op].state[-1]]
 
     def describe(self, node: Node) -> str:
-        from ..cli.show import _text_of
-
         name = self.names.get(node)
-        text = _text_of(node, {k: v for k, v in self.names.items() if k is not node})
+        text = node_text(node, {k: v for k, v in self.names.items() if k is not node})
         shape = list(self.shape(node))
         return comment(f"{name} = {text}  {shape}" if name else f"{text}  {shape}")
 
     # steps --------------------------------------------------------------------------------------------
     def elements(self, shape, body_of, text: str) -> dict:
-        n = math.prod(shape)
         lines, idx = decompose("e", shape, "i")
-        return {"kind": "elements", "comment": text, "n": n, "idx": lines, "body": body_of(idx)}
+        return {"kind": "elements", "comment": text, "n": math.prod(shape), "idx": lines, "body": body_of(idx)}
 
     def load_step(self, node: Node) -> dict:
         load = self.k.load(node.attr)
         src = self.k.inputs[load.source]
-        full = self.shape(src)
-        tile = self.shape(node)
-        b = self.buf(node)
+        full, tile, b = self.shape(src), self.shape(node), self.buf(node)
         vec = 16 // b.dtype.bytes if self.config.vector_loads else 1
         if vec > 1 and not (tile[-1] % vec == 0 and full[-1] % vec == 0):
             vec = 1
         lines, idx = decompose("e", tile, "i")
-        terms = []
-        for d, (size, t, dm, stride) in enumerate(zip(full, tile, load.map.dims, _strides(full))):
-            parts = []
-            if dm.axis:
-                parts.append(f"blockIdx.{dm.axis} * {size // dict(self.c.grid)[dm.axis]}")
-            if dm.loop:
-                parts.append(f"it * {t}")
-            if idx[d] != "0":
-                parts.append(idx[d])
-            if parts and stride:
-                term = " + ".join(parts)
-                terms.append(term if stride == 1 else f"({term}) * {stride}" if len(parts) > 1 else f"{term} * {stride}")
+        parts = [([f"blockIdx.{dm.axis} * {size // dict(self.c.grid)[dm.axis]}"] if dm.axis else [])
+                 + ([f"it * {t}"] if dm.loop else []) + ([i] if i != "0" else [])
+                 for size, t, dm, i in zip(full, tile, load.map.dims, idx)]
         where = f"{load.map}"
         text = comment(f"{node.attr} = load {tensor_name(src)}{where}  tile {list(tile)} of {list(full)}")
         return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec,
-                "dst": self.cname[b.name], "src": f"g_{ident(tensor_name(src))}", "offset": " + ".join(terms) or "0"}
+                "dst": self.cname[b.name], "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
 
     def compute_step(self, node: Node) -> dict:
-        b = self.buf(node)
-        shape = self.shape(node)
-        dst = self.cname[b.name]
-        kind = OPS[node.op].kind
+        shape, dst, kind = self.shape(node), self.cname[self.buf(node).name], OPS[node.op].kind
         if kind in (Kind.UNARY, Kind.BINARY):
             return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
         if kind is Kind.MATMUL:
@@ -283,17 +282,18 @@ class _Emitter:
     def matmul(self, a: Node, b: Node, out_node: Node, dst: str, accumulate: bool, text: str) -> dict:
         """out = a @ b (or out += a @ b) over the output's elements; on tensor cores where shapes allow."""
         shape = self.shape(out_node)
-        length = self.shape(a)[-1]
-
-        def body(idx):
-            lead, i, j = idx[:-2], idx[-2], idx[-1]
-            ra, rb = self.read(a, lead + [i, "k"]), self.read(b, lead + ["k", j])
-            start = f"{dst}[e]" if accumulate else "real(0)"
-            return [f"real dot = {start};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};", f"{dst}[e] = dot;"]
-
-        plain = self.elements(shape, body, text)
+        plain = self.product(lambda ix: self.read(a, ix), lambda ix: self.read(b, ix), self.shape(a)[-1], shape, dst,
+                             lambda idx: f"{dst}[e]" if accumulate else "real(0)", text)
         mma = self._mma(a, b, shape, dst, accumulate, text)
         return mma | {"plain": plain} if mma else plain
+
+    def product(self, read_a, read_b, length: int, shape, dst: str, start, text: str) -> dict:
+        """dst = start + a @ b over dst's elements, where read_a(idx), read_b(idx), start(idx) are C expressions."""
+        def body(idx):
+            lead, i, j = idx[:-2], idx[-2], idx[-1]
+            ra, rb = read_a(lead + [i, "k"]), read_b(lead + ["k", j])
+            return [f"real dot = {start(idx)};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};", f"{dst}[e] = dot;"]
+        return self.elements(shape, body, text)
 
     def _mma(self, a: Node, b: Node, shape, dst: str, accumulate: bool, text: str) -> dict | None:
         if not self.config.tensor_cores or self.real != "float":
@@ -310,8 +310,7 @@ class _Emitter:
                 "accumulate": accumulate}
 
     def reduce(self, node: Node, dst: str) -> dict:
-        x = node.args[0]
-        dim = node.attr
+        x, dim = node.args[0], node.attr
         length = self.shape(x)[dim]
         init = {"sum": self.lit(0.0), "mean": self.lit(0.0), "max": "-real(INFINITY)"}[node.op]
 
@@ -326,8 +325,7 @@ class _Emitter:
         return self.elements(self.shape(node), body, self.describe(node))
 
     def rowwise(self, node: Node, dst: str) -> dict:
-        x = node.args[0]
-        shape = self.shape(node)
+        x, shape = node.args[0], self.shape(node)
         length = shape[-1]
         lines, idx = decompose("row", shape[:-1], "i")
         xj = self.read(x, idx + ["j"])
@@ -370,41 +368,38 @@ class _Emitter:
         if acc in done:
             return []
         done.add(acc)
-        st, text = self.plan.state[acc], self.describe(acc)
         x = acc.args[0]
-        if acc.op in SOFTMAX or (acc.op == "acc_max_last" and x in self.plan.groups):
+        if ACCUMULATORS[acc.op].online and x in self.plan.groups:
             return self.softmax_steps(x, done)
-        acc_buf = st["acc"] if "acc" in st else st["m"]
-        dst = self.cname[acc_buf.name]
-        if acc.op == "acc_sum":
-            if self.plan.place[x] is Place.FUSED:
-                return [self.matmul(x.args[0], x.args[1], acc, dst, accumulate=True, text=text)]
-            return [self.elements(self.shape(acc), lambda idx: [f"{dst}[e] += {self.read(x, idx)};"], text)]
-        if acc.op == "acc_rescaled_sum":
-            m_buf, m_node = self.cname[st["m"].name], x
-            def body(idx):
-                return [f"const real mv = {self.read(m_node, idx)}, mo = {m_buf}[e], mn = prism::max_(mo, mv);",
-                        f"{dst}[e] = {dst}[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * {self.read(acc.args[1], idx)};",
-                        f"{m_buf}[e] = mn;"]
-            return [self.elements(self.shape(acc), body, text)]
-        square = acc.op == "acc_rms_last"
-        if acc.op == "acc_max_last":
-            return [self.rows(self.shape(x), lambda idx: self.read(x, idx), "max",
-                              [f"{dst}[row] = prism::max_({dst}[row], part);"], text)]
+        if self.plan.place[x] is Place.FUSED:  # a product added straight into the running sum
+            return [self.matmul(x.args[0], x.args[1], acc, self.cname[self.held(acc).name], True, self.describe(acc))]
+        return [self.fold(acc, [lambda idx, a=a: self.read(a, idx) for a in acc.args])]
 
-        def term(idx):
-            v = self.read(x, idx)
-            return f"{v} * {v}" if square else v
-        return [self.rows(self.shape(x), term, "sum", [f"{dst}[row] += part;"], text)]
+    def fold(self, acc: Node, reads: list, **names: str) -> dict:
+        """One iteration of `acc`, from its `cuda_*` strings (see `accumulators`): `reads[i](idx)` is operand
+        i at an index; `names` adds buffers of the online-softmax group ("scale")."""
+        a, x, text = ACCUMULATORS[acc.op], self.shape(acc.args[0]), self.describe(acc)
+        names |= {role: self.cname[b.name] for role, b in self.plan.state[acc].items()}
+        if a.row:
+            return self.rows(x, lambda idx: a.cuda_term.format(*[r(idx) for r in reads]), a.cuda_reduce,
+                             [line.format(**names) for line in a.cuda_fold], text)
+        if a.like == "matmul":  # its fold is the dot product's start; {row}: the element's row in per-row state
+            def start(idx) -> str:
+                return a.cuda_fold[0].format(row=offset(idx[:-1] + ["0"], x[:-1] + (1,)), **names)
+            return self.product(reads[0], reads[1], x[-1], self.shape(acc), names[a.state[-1]], start, text)
+
+        def lines(idx) -> list[str]:
+            return [line.format(*[r(idx) for r in reads], **names) for line in a.cuda_fold]
+        return self.elements(self.shape(acc), lines, text)
 
     def softmax_steps(self, s: Node, done: set) -> list[dict]:
         """Online softmax over scores `s`, for every accumulator that folds them (they share the running
-        max): the new row max and the factor exp(old max - new max); p = exp(s - new max); then each sum
-        and each weighted sum is rescaled by the factor and adds this iteration's terms."""
+        max): the new row max and the factor exp(old max - new max); p = exp(s - new max); then each
+        softmax accumulator folds p (for s), rescaling what it holds by the factor."""
         g = self.plan.groups[s]
         m, scale, p = (self.cname[g[r].name] for r in ("m", "scale", "p"))
         shape = self.shape(s)
-        users = [u for u in self.plan.users[s] if u.op in SOFTMAX or u.op == "acc_max_last"]
+        users = [u for u in self.plan.users[s] if u.op in ACCUMULATORS and ACCUMULATORS[u.op].online]
         done.update(users)
         name = self.names.get(s, "s")
         steps = [self.rows(shape, lambda idx: self.read(s, idx), "max",
@@ -413,29 +408,11 @@ class _Emitter:
                            comment(f"online softmax over {name}: running row max, rescaling factor")),
                  self.elements(shape, lambda idx: [f"{p}[e] = prism::exp_({self.read(s, idx)} - {m}[{offset(idx[:-1] + ['0'], self.shape(g['m']))}]);"],
                                comment(f"p = exp({name} - running max)"))]
-        p_buf = g["p"]
         for acc in users:
-            if acc.op == "acc_softmax_sum":
-                dst = self.cname[self.plan.state[acc]["acc"].name]
-                steps.append(self.rows(shape, lambda idx: self.at(p_buf, idx), "sum",
-                                       [f"{dst}[row] = {dst}[row] * {scale}[row] + part;"], self.describe(acc)))
-            elif acc.op == "acc_softmax_out":
-                steps.append(self.rescaled_product(acc, p_buf, g["scale"]))
+            if ACCUMULATORS[acc.op].online == "softmax":
+                reads = [lambda idx: self.at(g["p"], idx)] + [lambda idx, a=a: self.read(a, idx) for a in acc.args[1:]]
+                steps.append(self.fold(acc, reads, scale=scale))
         return steps
-
-    def rescaled_product(self, acc: Node, p_buf: Buffer, scale_buf: Buffer) -> dict:
-        """o = o * factor(row) + p @ v, over o's elements (`acc` is acc_softmax_out(s, v))."""
-        dst, v = self.cname[self.plan.state[acc]["acc"].name], acc.args[1]
-        length = self.shape(p_buf)[-1]
-        shape = self.shape(acc)
-
-        def body(idx):
-            lead, i, j = idx[:-2], idx[-2], idx[-1]
-            factor = self.at(scale_buf, lead + [i, "0"])
-            ra, rb = self.at(p_buf, lead + [i, "k"]), self.read(v, lead + ["k", j])
-            return [f"real dot = {dst}[e] * {factor};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};",
-                    f"{dst}[e] = dot;"]
-        return self.elements(shape, body, self.describe(acc))
 
     def store_step(self, index: int) -> dict:
         store = self.k.stores[index]
@@ -447,13 +424,8 @@ class _Emitter:
         atomic = store.add and any(g > 1 and a not in store.map.axes() for a, g in grid.items())
 
         def body(idx):
-            terms = []
-            for d, (t, dm, stride) in enumerate(zip(tile, store.map.dims, _strides(out))):
-                parts = ([f"blockIdx.{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else []) + ([idx[d]] if idx[d] != "0" else [])
-                if parts:
-                    term = " + ".join(parts)
-                    terms.append(term if stride == 1 else (f"({term}) * {stride}" if len(parts) > 1 else f"{term} * {stride}"))
-            where = " + ".join(terms) or "0"
+            where = address([([f"blockIdx.{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else [])
+                             + ([i] if i != "0" else []) for t, dm, i in zip(tile, store.map.dims, idx)], out)
             v = self.read(store.value, idx)
             if atomic:
                 return [f"prism::atomic_add(&{name}[{where}], {v});"]
@@ -496,7 +468,7 @@ class _Emitter:
         for b in self.plan.buffers:
             buffers.append({"cname": self.cname[b.name], "ctype": CTYPE[b.dtype], "offset": at,
                             "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}")})
-            at += -(-self.shape_bytes(b) // ALIGN) * ALIGN
+            at += -(-(math.prod(self.shape(b)) * b.dtype.bytes) // ALIGN) * ALIGN
         smem = max(at, 16)
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
         params = [f"const {CTYPE[n.dtype]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
@@ -509,13 +481,10 @@ class _Emitter:
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "threads": self.config.threads, "smem": smem, "summary": summary, "params": params,
                "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
-        source = _env().get_template("kernel.cu.j2").render(k=ctx)
+        source = template_env().get_template("kernel.cu.j2").render(k=ctx)
         zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
         return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.config.threads, 1, 1), smem,
                               tuple(args), len(k.stores), zero, self.tensor_core_steps > 0)
-
-    def shape_bytes(self, b: Buffer) -> int:
-        return math.prod(self.shape(b)) * b.dtype.bytes
 
     @staticmethod
     def _merge(steps: list[dict]) -> dict:

@@ -35,10 +35,14 @@ from typing import Mapping
 import sympy
 
 from .codegen import uses_tensor_cores
+from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import plan
 from ..ir.nodes import DType, Node, Program
-from ..kernels.kernel import (Concrete, Target, after_loop, bind, choose, free_symbols, instantiate, instantiate_program,
-                     kernels_of, loop_varying, valid)
+from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
+from ..kernels.hardware import Target
+from ..kernels.kernel import after_loop, free_symbols, kernels_of, loop_varying
+from ..kernels.params import choose
+from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
@@ -103,11 +107,11 @@ def _node_flops(n: Node, shape, place) -> tuple[int, int]:
     if kind is Kind.MATMUL:
         work = 2 * _elements(shape(n)) * shape(n.args[0])[-1]
         return (0, work) if uses_tensor_cores(n.args[0], n.args[1], place, shape) else (work, 0)
-    if n.op == "acc_softmax_out":
-        s = n.args[0]
-        return 2 * _elements(shape(n)) * shape(s)[-1] + 4 * _elements(shape(s)), 0
-    if kind in (Kind.UNARY, Kind.BINARY, Kind.ACCUMULATE, Kind.REDUCE, Kind.ROWWISE):
-        operand = n.args[0] if kind in (Kind.ACCUMULATE, Kind.REDUCE, Kind.ROWWISE) else n
+    if kind is Kind.ACCUMULATE:  # `flops` per element of its first operand, plus any product it folds
+        acc, x = ACCUMULATORS[n.op], shape(n.args[0])
+        return acc.flops * _elements(x) + (2 * _elements(shape(n)) * x[-1] if acc.like == "matmul" else 0), 0
+    if kind in (Kind.UNARY, Kind.BINARY, Kind.REDUCE, Kind.ROWWISE):
+        operand = n.args[0] if kind in (Kind.REDUCE, Kind.ROWWISE) else n
         return _elements(shape(operand)) * (3 if kind is Kind.ROWWISE else 1), 0
     return 0, 0
 
@@ -185,14 +189,14 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     (every parameter at its smallest, middle or largest candidate) that changes one or two parameters at
     a time while the estimate improves. Raises ValueError when a kernel has no valid choice (the caller
     reports the violations through `kernel.choose`)."""
-    from ..kernels.kernel import _candidates
+    from ..kernels.params import candidates
 
     binding = {**dims, **fixed}
     free = set(free_symbols(program)) - set(fixed)
     chosen: dict[sympy.Symbol, int] = {}
     for group in _groups(program, free):
         syms = sorted({s for k in group for s in k.symbols() if s in free}, key=str)
-        cands = [_candidates(program, s, binding) for s in syms]
+        cands = [candidates(program, s, binding) for s in syms]
         own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()]) for k in group]
         memo: dict = {}
 

@@ -21,7 +21,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..base import files
-from .codegen import CTYPE, HEADER, RenderedKernel, header_source
+from .codegen import CTYPE, RenderedKernel
+from .nvcc import write_sources
 from ..base.errors import PrismError
 from ..ir.nodes import DType
 
@@ -56,9 +57,7 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], workdi
     cxx = compiler()
     if cxx is None:
         raise PrismError("no C++ compiler (g++ or clang++) for the CPU emulation; set CXX")
-    (workdir / HEADER).write_text(header_source())
-    for k in kernels:
-        (workdir / k.file).write_text(k.source)
+    write_sources(kernels, workdir)
     (workdir / "harness.cpp").write_text(_harness(kernels, dtypes))
     lib = workdir / "emulate.so"
     cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-x", "c++", "harness.cpp", "-o", str(lib)]

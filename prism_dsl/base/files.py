@@ -141,7 +141,7 @@ def scratch_prefix(prefix: str) -> str:
 
 def scratch_pattern(prefix: str) -> re.Pattern:
     """The names `scratch_prefix` gives (for any pid), with `prefix` a regular expression; groups: `pid`,
-    and `old` ("old-") in the name of a directory set aside while another takes its place (`build.write`)."""
+    and `old` ("old-") in the name of a directory set aside while another takes its place (`pipeline.output`)."""
     return re.compile(rf"{prefix}{TAG}-(?P<pid>\d+)-(?P<old>old-)?{_RANDOM}")
 
 

@@ -1,1 +1,14 @@
-"""The cli stage."""
+"""The cli stage: `prismc`. Parses the command line, calls the stage that does the work, prints its result.
+
+Takes argv; gives an exit code (0 success, 1 an error in the user's input, 2 a usage error, 3 not proved)
+and text: results on stdout, located diagnostics on stderr, never a traceback for a user's mistake.
+
+- `main`: the parser and `main(argv)` (what tests call in-process); the commands check, prove, rules,
+  run, show, compile (one call of `pipeline.compile.compile_program`) and bench;
+- `values`: the flags' values, read strictly (sizes, dims, counts, seconds);
+- `show`: a program's kernels instantiated, as text or as a Graphviz picture;
+- `bench`: the generated kernels against PyTorch eager and torch.compile on a GPU;
+- `npz`: the .npz archives of `prismc run`, read defensively, written atomically.
+
+May import every stage.
+"""

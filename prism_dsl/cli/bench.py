@@ -10,7 +10,6 @@ by op through `TORCH` below; torch is imported only here.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +17,11 @@ import numpy as np
 from ..backend import cost
 
 from ..backend import cuda_runtime
-from ..pipeline.build import RTOL, BuildOptions, compile_program, reference_outputs, write
+from ..pipeline.build import RTOL, BuildOptions, build, measure, reference_outputs
 from ..lang.check import load
 from ..base.errors import PrismError
-from ..kernels.kernel import kernels_of, load_target
+from ..kernels.hardware import load_target
+from ..kernels.kernel import kernels_of
 from ..semantics.reference import bind_dims, random_inputs
 
 # How each op of a program runs in PyTorch (x: tensors; attr: a reduction's dim).
@@ -89,15 +89,14 @@ def bench(args) -> int:
     baseline = load(args.baseline).program() if args.baseline else program
     if kernels_of(baseline):
         raise PrismError(f"'{program.name}' has custom kernels; give --baseline with the program as written")
-    options = BuildOptions(dims=args.dims, mode="cuda", emulate=False, archs=())
-    built = compile_program(program, target, options, reference=baseline)  # checked against the program as written
+    options = BuildOptions(dims=args.dims, rank="measure", emulate=False, archs=())
+    built = build(program, target, options, baseline)  # checked against the program as written
     binding = bind_dims(baseline, dict(args.dims))
     inputs = [random_inputs(baseline, binding, seed) for seed in range(3)]
     ref = reference_outputs(built, inputs[0])
-    with tempfile.TemporaryDirectory() as tmp:
-        report = write(built, Path(tmp) / "out", options)
-    rows = [{"impl": "prism-dsl", "us": report["measured_us"], "passed": report["checks"]["gpu"]["passed"],
-             "max_rel_err": max(o["max_rel_err"] for o in report["checks"]["gpu"]["outputs"].values())}]
+    gpu = measure(built, options.seed)
+    rows = [{"impl": "prism-dsl", "us": round(gpu.timing_ms["median_ms"] * 1000, 3), "passed": gpu.passed,
+             "max_rel_err": max(o["max_rel_err"] for o in gpu.outputs.values())}]
     dev = [{k: torch.tensor(v, dtype=getattr(torch, cuda_runtime.TORCH_DTYPE[_dtype(baseline, k)]), device="cuda")
             for k, v in s.items()} for s in inputs]
     eager = torch_function(baseline)

@@ -12,17 +12,14 @@ import os
 import re
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from ..prove.egglog_runner import Limits
 from ..base.files import check_writable, write_bytes
-from ..lang.printer import print_program
 from ..base.errors import PrismError
-from ..lang.syntax import MAX_INT, clip
+from .values import parse_dims, parse_loop, positive_int, seconds, whole
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
-MAX_SECONDS = 1e6  # a time limit beyond this is a mistake, and overflows the platform's clocks
 
 
 class UsageError(Exception):
@@ -32,40 +29,6 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print and exit; keep control in main()
         raise UsageError(f"{self.prog}: {message}")
-
-
-def parse_dims(text: str) -> dict[str, int]:
-    """`n=16,d=1024` -> {"n": 16, "d": 1024}."""
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, value = part.partition("=")
-        name, value = name.strip(), value.strip()
-        if not eq or not name.isidentifier() or not _is_int(value.removeprefix("-")):
-            raise argparse.ArgumentTypeError(f"expected NAME=INT[,NAME=INT...], got {clip(part)!r}")
-        if name in out:
-            raise argparse.ArgumentTypeError(f"dim {name!r} is given twice")
-        out[name] = _size(value, f"{name} = ")
-    return out
-
-
-def parse_loop(text: str) -> dict[str, int]:
-    """`64` (every kernel's loop) or `F=64[,G=8]` (named loop symbols)."""
-    if _is_int(text.strip()):
-        return {"": _size(text.strip(), "")}
-    return parse_dims(text)
-
-
-def _is_int(text: str) -> bool:
-    return text.isascii() and text.isdigit()  # not "²" or "٣": int() would take some, and no user means them
-
-
-def _size(digits: str, what: str) -> int:
-    """An integer of the command line that is a size: at most MAX_INT, which also keeps int() within the
-    4,300 digits Python converts."""
-    plain = digits.removeprefix("-").lstrip("0")
-    if len(plain) > len(str(MAX_INT)) or int(plain or "0") > MAX_INT:
-        raise argparse.ArgumentTypeError(f"{what}{clip(digits)} is too large: sizes are at most 2^63 - 1")
-    return int(digits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the first and the second (also to pick two programs of one file)")
     _rule_options(pv)
     pv.add_argument("--explain", action="store_true", help="list the rules (name, file:line) the proof needs")
-    pv.add_argument("--iterations", type=_positive_int, default=Limits.iterations, help="saturation iterations (default %(default)s)")
-    pv.add_argument("--nodes", type=_positive_int, default=Limits.nodes, help="e-graph size limit (default %(default)s)")
-    pv.add_argument("--timeout", type=_positive_float, default=Limits.seconds, help="wall-clock limit in seconds (default %(default)s)")
+    pv.add_argument("--iterations", type=positive_int, default=Limits.iterations, help="saturation iterations (default %(default)s)")
+    pv.add_argument("--nodes", type=positive_int, default=Limits.nodes, help="e-graph size limit (default %(default)s)")
+    pv.add_argument("--timeout", type=seconds, default=Limits.seconds, help="wall-clock limit in seconds (default %(default)s)")
     pv.set_defaults(run=cmd_prove)
 
     ru = sub.add_parser("rules", help="show the axiom library, or the egglog program it compiles to")
@@ -101,12 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     ru.set_defaults(run=cmd_rules)
 
     r = sub.add_parser("run", help="evaluate a program with the float64 reference interpreter")
-    r.add_argument("file", metavar="FILE")
-    r.add_argument("--program", help="which program of the file (needed when it has several)")
-    r.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    _program_options(r)
     source = r.add_mutually_exclusive_group()
     source.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name (default: random)")
-    source.add_argument("--seed", type=_seed, default=0, help="seed for random inputs (default 0)")
+    source.add_argument("--seed", type=whole, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
     r.add_argument("--save-inputs", metavar="FILE.npz", help="also write the inputs used")
     _kernel_options(r)
@@ -115,9 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="show a program's kernels: grid, loop, maps, tile shapes, shared memory, checks",
                         description="Show a program's custom kernels instantiated (text), or draw its kernel graph "
                                     "(--format dot|svg|png; svg and png need Graphviz's 'dot').")
-    sh.add_argument("file", metavar="FILE")
-    sh.add_argument("--program", help="which program of the file (needed when it has several)")
-    sh.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    _program_options(sh)
     _kernel_options(sh)
     sh.add_argument("--format", choices=("text", "dot", "svg", "png"), default="text", help="default: text")
     sh.add_argument("-o", "--output", metavar="FILE", help="write the picture (or text) here instead of stdout")
@@ -126,51 +85,55 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("compile", help="superoptimize a program: search fused kernels, prove, tune, render CUDA C",
                         description="Compile a program to CUDA. By default the search looks for equivalent programs of "
                                     "fused custom kernels, proves each equal to the input with the axioms, tunes the "
-                                    "parameters of every proved one (cost model, or timing with --target cuda) and keeps "
+                                    "parameters of every proved one (cost model, or timing with --rank measure) and keeps "
                                     "the fastest, the program as written included. The result is rendered, compiled with "
                                     "nvcc, run as C++ on the CPU and checked against the float64 reference of the input program.")
-    co.add_argument("file", metavar="FILE")
-    co.add_argument("--program", help="which program of the file (needed when it has several)")
+    _program_options(co)
     co.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the results into")
     co.add_argument("--search", choices=("full", "none"), default="full",
                     help="'full': search fused programs (default); 'none': compile the program as written")
-    co.add_argument("--time-limit", type=_positive_float, default=60.0, metavar="SECONDS",
+    co.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
                     help="stop the search after this long and use the best proved program so far (default 60)")
-    co.add_argument("--jobs", type=_positive_int, default=None,
+    co.add_argument("--jobs", type=positive_int, default=None,
                     help="prover processes running at once (default: the machine's cores)")
-    co.add_argument("--max-kernels", type=_positive_int, default=None,
+    co.add_argument("--max-kernels", type=positive_int, default=None,
                     help="custom kernels per program the search may use (default 1; a split reduction's "
                          "combining kernel is not counted)")
     co.add_argument("--no-split", action="store_true",
                     help="do not offer loop kernels split in two (FlashDecoding: partial results and a combining kernel)")
     co.add_argument("--no-cache", action="store_true",
                     help="neither read nor write the search checkpoint and tuning database")
-    co.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
     co.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
     co.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges to use (64 or F=64)")
-    co.add_argument("--target", choices=("cost", "cuda"), default="cost",
-                    help="cost: rank by the cost model (default); cuda: run, check and time on the GPU")
-    co.add_argument("--hardware", default="h100", help="hardware description for limits and the cost model (h100, a100)")
+    co.add_argument("--rank", choices=("model", "measure"), default="model",
+                    help="how launch parameters and programs are ranked: 'model', by the cost model (default); "
+                         "'measure', run, checked and timed on the GPU")
+    _hardware(co)
+    _gone(co, "--target", "use --rank model|measure to choose how programs are ranked, --hardware NAME for the hardware")
     co.add_argument("--arch", default="sm_90,sm_80", help="architectures nvcc checks, comma-separated "
                     "(default %(default)s); 'none' to skip")
     co.add_argument("--no-emulate", action="store_true", help="skip the CPU run of the generated code")
-    co.add_argument("--threads", type=_positive_int, default=128, help="threads per block (default 128)")
+    co.add_argument("--threads", type=positive_int, default=128, help="threads per block (default 128)")
     co.add_argument("--no-tensor-cores", action="store_true", help="plain matrix products only")
-    co.add_argument("--seed", type=_seed, default=0, help="seed for the random inputs of the checks (default 0)")
+    co.add_argument("--seed", type=whole, default=0, help="seed for the random inputs of the checks (default 0)")
     co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
     co.set_defaults(run=cmd_compile)
 
     be = sub.add_parser("bench", help="time a program's kernels against PyTorch eager and torch.compile (needs a GPU)")
-    be.add_argument("file", metavar="FILE")
-    be.add_argument("--program", help="which program of the file (needed when it has several)")
+    _program_options(be)
     be.add_argument("--baseline", metavar="FILE",
                     help="the program PyTorch runs (default: FILE itself; needed when FILE has custom kernels)")
-    be.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
-    be.add_argument("--hardware", default="h100", help="hardware description (h100, a100)")
-    be.add_argument("--repeat", type=_positive_int, default=200, help="timed repetitions (default 200)")
+    _hardware(be)
+    be.add_argument("--repeat", type=positive_int, default=200, help="timed repetitions (default 200)")
     be.add_argument("--json", metavar="FILE", dest="json_out", help="also write the table as JSON here")
     be.set_defaults(run=cmd_bench)
     return p
+
+
+def _program_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--program", help="which program of the file (needed when it has several)")
+    p.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
 
 
 def _kernel_options(p: argparse.ArgumentParser) -> None:
@@ -178,35 +141,28 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
                    help="grid sizes of custom kernels: by axis (x=96) or by symbol (gx=96); the rest are chosen")
     p.add_argument("--loop", type=parse_loop, default={}, metavar="N",
                    help="loop range of every custom kernel (64), or by symbol (F=64)")
-    p.add_argument("--target", default="h100", help="hardware target for the limits (h100, a100; default h100)")
+    _hardware(p)
+    _gone(p, "--target", "use --hardware NAME")
+
+
+def _hardware(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", default="h100", metavar="NAME",
+                   help="the hardware, for the limits and the cost model (h100, a100; default h100)")
+
+
+def _gone(p: argparse.ArgumentParser, flag: str, instead: str) -> None:
+    """A flag that was renamed: refused (exit 2) with what to use instead; not listed by --help."""
+    class Gone(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{flag} is no longer an option: {instead}")
+
+    p.add_argument(flag, action=Gone, nargs="?", help=argparse.SUPPRESS)
 
 
 def _rule_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rules", action="append", default=[], metavar="FILE.rules",
                    help="more axioms, added to the default library (repeatable)")
     p.add_argument("--no-default-rules", action="store_true", help="do not load the default library in rules/")
-
-
-def _positive_int(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def _seed(text: str) -> int:
-    if not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return int(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0 and at most {MAX_SECONDS:g}, got {text!r}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,9 +364,12 @@ def _count(n: int, word: str) -> str:
 
 def cmd_run(args) -> int:
     from ..lang.check import load
-    from ..kernels.kernel import complete, free_symbols, load_target, resolve_params
+    from ..kernels.hardware import load_target
+    from ..kernels.kernel import free_symbols
+    from ..kernels.params import complete, resolve_params
     from .npz import read_npz, write_npz
-    from ..semantics.reference import bind_dims, check_sizes, evaluate, random_inputs
+    from ..semantics.blocks import evaluate
+    from ..semantics.reference import bind_dims, check_sizes, random_inputs
 
     program = load(args.file).program(args.program)
     for target in filter(None, (args.out, args.save_inputs)):
@@ -423,9 +382,9 @@ def cmd_run(args) -> int:
     binding = bind_dims(program, args.dims, given)
     check_sizes(program, binding)  # every tensor, before random inputs or any value is made
     inputs = given if given is not None else random_inputs(program, binding, args.seed)
-    params = complete(program, binding, resolve_params(program, args.grid, args.loop), load_target(args.target))
+    params = complete(program, binding, resolve_params(program, args.grid, args.loop), load_target(args.hardware))
     check_sizes(program, {**binding, **{s: params[s.name] for s in free_symbols(program)}})  # kernels' outputs
-    outputs = evaluate(program, inputs, params, args.target)
+    outputs = evaluate(program, inputs, params, args.hardware)
     write_npz(args.out, outputs)
     if args.save_inputs:
         write_npz(args.save_inputs, inputs)
@@ -438,94 +397,38 @@ def cmd_run(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    import json
-    from pathlib import Path
-
-    from ..pipeline.build import BuildOptions, check_output, compile_program, summary, write
-    from ..lang.check import load
     from ..backend.codegen import CodegenConfig
-    from ..backend.cuda_runtime import gpu_status
-    from ..kernels.kernel import load_target
+    from ..kernels.hardware import load_target
+    from ..lang.check import load
+    from ..pipeline.build import BuildOptions
+    from ..pipeline.compile import Request, Searching, compile_program
+    from ..pipeline.report import summary
+    from ..search.config import SearchConfig
 
-    if args.target == "cuda" and not gpu_status()[0]:
-        raise PrismError(f"--target cuda needs a usable CUDA GPU: {gpu_status()[1]}; use --target cost without one")
     if args.threads % 32 or args.threads > 1024:
         raise PrismError(f"--threads must be a multiple of 32 up to 1024, got {args.threads}")
     archs = tuple(a for a in args.arch.split(",") if a and a != "none")
     bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}a?", a)]
     if bad:
         raise PrismError(f"--arch: expected names like sm_90 or sm_80, got {', '.join(bad)}")
-    target = load_target(args.hardware)
+    hardware = load_target(args.hardware)
     program = load(args.file).program(args.program)
-    check_output(Path(args.output))  # before the search: a run of minutes must not end in "cannot write"
-    options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, mode=args.target, archs=archs,
-                           emulate=not args.no_emulate, seed=args.seed,
-                           codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
-    extra: dict[str, str] = {}
-    searched = _search(args, program, target, options) if args.search == "full" else None
-    program_to_build = program
-    if searched is not None:  # built with the parameters the search tuned (or measured) for it
-        program_to_build = searched.best.program
-        options = replace(options, params=searched.best.params)
-    # The numeric checks compare with the program the user gave, whatever the search chose.
-    built = compile_program(program_to_build, target, options, reference=program)
-    if searched is not None:
-        _search_report(built.report, searched, program)
-        extra["best.prism"] = print_program(program_to_build)
-    out = Path(args.output)
-    report = write(built, out, options, extra)
-    print(json.dumps(report, indent=2) if args.json else summary(report, out))
-    checks = report["checks"]
-    failed = any(c.get("passed") is False for c in checks.values())
-    return EXIT_INPUT if failed else EXIT_OK
-
-
-def _search(args, program, target, options):
-    """The search's outcome for `compile`, or None when the program fixes its own kernels."""
-    from ..semantics.reference import bind_dims
-    from ..search.driver import SearchConfig
-    from ..pipeline.optimize import gpu_timer, optimize
-
-    if any(n.op == "kernel" for n in program.nodes()):
+    searching = None
+    if args.search == "full" and any(n.op == "kernel" for n in program.nodes()):
         print(f"prismc: '{program.name}' already has custom kernels: compiling it as written (no search)",
               file=sys.stderr)
-        return None
-    if args.grid or args.loop:
-        raise UsageError("--grid and --loop set the parameters of kernels you wrote; with the search, use --search none")
-    library, _ = load_rules([], defaults=True)
-    limits = {} if args.max_kernels is None else {"max_kernels": args.max_kernels}
-    config = SearchConfig(**limits, split_reductions=not args.no_split)
-    binding = bind_dims(program, args.dims)
-    measure = device = None
-    if args.target == "cuda":
-        from ..backend.cuda_runtime import device_identity
-
-        measure, device = gpu_timer(target, options, program), device_identity()
-    return optimize(program, library, target, binding, config=config, time_limit=args.time_limit, jobs=args.jobs,
-                    threads=args.threads, use_cache=not args.no_cache, progress=not args.json,
-                    measure=measure, device=device or "")
-
-
-def _search_report(report: dict, outcome, program) -> None:
-    from ..kernels.kernel import kernels_of
-    from ..kernels.lower import lower
-    from ..pipeline.optimize import TOP
-
-    best = outcome.best
-    report["best"] = "best.prism"
-    report["best_is_input"] = best.as_written
-    report["proved"] = best.proved  # proved equal to the input in this run (the input equals itself)
-    report["kernels_in_best"] = len(kernels_of(lower(best.program)))
-    report["search"] = outcome.search
-    report["search_seconds"] = outcome.search["search_seconds"]
-    report["alternatives"] = [
-        {"rank": i + 1, "as_written": r.as_written, "kernels": len(kernels_of(lower(r.program))),
-         "estimated_us": round(r.estimated_us, 3),
-         "measured_us": None if r.measured_us is None else round(r.measured_us, 3),
-         "measurement": None if r.measured is None else r.measured.note,
-         "proved": True if r.proved else None,  # None: from the checkpoint, not proved again in this run
-         "program": print_program(r.program, with_dims=False)}
-        for i, r in enumerate(outcome.ranked[:TOP])]
+    elif args.search == "full":
+        if args.grid or args.loop:
+            raise UsageError("--grid and --loop set the parameters of kernels you wrote; with the search, use --search none")
+        limits = {} if args.max_kernels is None else {"max_kernels": args.max_kernels}
+        searching = Searching(SearchConfig(**limits, split_reductions=not args.no_split), args.time_limit, args.jobs,
+                              use_cache=not args.no_cache, progress=not args.json)
+    options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs,
+                           emulate=not args.no_emulate, seed=args.seed,
+                           codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
+    report = compile_program(Request(program, Path(args.output), hardware, options, searching))
+    sys.stdout.write(report.to_json() if args.json else summary(report, Path(args.output)) + "\n")
+    return EXIT_INPUT if report.checked.failed else EXIT_OK
 
 
 def cmd_bench(args) -> int:
@@ -541,7 +444,7 @@ def cmd_show(args) -> int:
     program = load(args.file).program(args.program)
     if args.output:
         check_writable(args.output)
-    text, ok, note = render(program, args.dims, args.grid, args.loop, args.target, args.format)
+    text, ok, note = render(program, args.dims, args.grid, args.loop, args.hardware, args.format)
     if args.output:
         write_bytes(args.output, text if isinstance(text, bytes) else text.encode())
         print(f"{program.name}: {args.format} -> {args.output}")

@@ -2,7 +2,7 @@
 
 The text says, per kernel: the grid and loop with their values, each load's map and tile shape
 (symbolic = concrete), the block ops with their tile shapes, the stores, the shared memory a block
-needs against the target's limit, and every constraint the values violate. The picture is a Graphviz
+needs against the hardware's limit, and every constraint the values violate. The picture is a Graphviz
 graph of the kernel-level program with each custom kernel's block graph nested in it as a cluster
 (grid, loop, maps and tile shapes as labels); `dot` renders it to SVG or PNG when it is installed.
 """
@@ -17,10 +17,13 @@ import sympy
 
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
-from ..kernels.kernel import (Kernel, bind, choose, constraints, free_symbols, kernels_of, load_target, output_shape,
-                     resolve_params, shared_memory)
+from ..kernels.constraints import constraints, shared_memory
+from ..kernels.hardware import load_target
+from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape
+from ..kernels.params import choose, resolve_params
+from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
-from ..lang.printer import format_number
+from ..lang.printer import node_text
 from ..semantics.reference import bind_dims
 from ..ir.shapes import fmt_shape
 
@@ -60,22 +63,6 @@ def _shape(shape, binding) -> str:
     return sym if sym == conc else f"{sym} = {conc}"
 
 
-def _text_of(node: Node, names: Mapping[Node, str]) -> str:
-    if node in names:
-        return names[node]
-    if node.op == "const":
-        return format_number(node.attr)
-    if node.op == "tile":
-        return node.attr
-    args = [_text_of(a, names) for a in node.args]
-    spec = OPS[node.op]
-    if spec.infix:
-        return f"({args[0]} {spec.infix} {args[1]})"
-    if spec.kind is Kind.REDUCE:
-        args.append(str(node.attr - node.rank))
-    return f"{node.op}({', '.join(args)})"
-
-
 def kernel_text(program: Program, k: Kernel, binding, target) -> tuple[list[str], list[str]]:
     """The lines describing kernel `k`, and the constraints it violates (in words)."""
     grid = ", ".join(f"{a} = {g}" + ("" if bind(g, binding) == g else f" = {_value(g, binding)}") for a, g in k.grid)
@@ -92,11 +79,11 @@ def kernel_text(program: Program, k: Kernel, binding, target) -> tuple[list[str]
     for n in k.body():
         if n in names:
             lines.append(f"  {'acc ' if OPS[n.op].kind is Kind.ACCUMULATE else 'op  '}  {names[n]} = "
-                         f"{_text_of(n, {m: v for m, v in names.items() if m is not n})}   tile {_shape(n.shape, binding)}")
+                         f"{node_text(n, {m: v for m, v in names.items() if m is not n})}   tile {_shape(n.shape, binding)}")
     for s in k.stores:
         full = output_shape(s.value.shape, s.map, k)
         op = "+=" if s.add else "="
-        lines.append(f"  store {s.name}{s.map} {op} {_text_of(s.value, names)}   tile {_shape(s.value.shape, binding)}"
+        lines.append(f"  store {s.name}{s.map} {op} {node_text(s.value, names)}   tile {_shape(s.value.shape, binding)}"
                      f" -> {s.name} {_shape(full, binding)}")
     smem = shared_memory(k)
     lines.append(f"  shared memory per block: {smem} = {_value(smem, binding)} bytes (limit {target.smem_per_block} on {target.name})")
@@ -108,7 +95,7 @@ def text_report(program: Program, dims, grid, loop, target_name: str) -> tuple[s
     target = load_target(target_name)
     binding, notes = _binding(program, dims, grid, loop, target)
     sizes = ", ".join(f"{d.name}={binding[d.symbol]}" for d in program.dims)
-    lines = [f"program {program.name} (dims {sizes or 'none'}; target {target.name})"]
+    lines = [f"program {program.name} (dims {sizes or 'none'}; hardware {target.name})"]
     lines += [f"  {n}" for n in notes]
     kernels = kernels_of(program)
     if not kernels:

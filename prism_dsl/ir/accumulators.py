@@ -1,15 +1,25 @@
-"""The loop accumulators of custom kernels, as folds: the one definition of what each computes.
+"""The loop accumulators of custom kernels: one table, each accumulator declared once with all a stage needs.
 
 An accumulator ends a kernel's loop body: it starts from `init`, folds each iteration's tile(s) into its
 state with `step`, and gives its value after the loop with `finish`. The block-level interpreter runs
 these folds one iteration at a time, exactly as a GPU block would; the NumPy semantics of the `acc_*`
 operators (used when axioms are checked numerically) run the same folds along the loop dim of a tile
-family (see `layout`). What each accumulator *means*, in closed form, is an axiom in rules/layout.rules,
-so the numeric check of that file tests these folds against the closed forms.
+family (see `prove.layout`). What each accumulator *means*, in closed form, is an axiom in
+rules/layout.rules, so the numeric check of that file tests these folds against the closed forms.
 
 The online-softmax accumulators keep a running row max `m` and rescale what they have summed so far by
 `exp(m_old - m_new)` whenever it grows, so no `exp` ever sees a positive argument (numerically safe
 attention, as FlashAttention computes it).
+
+Who reads which field of `Accumulator`: `ops` (name, operands, doc: the `acc_*` OpSpecs), `shapes` and
+the prover's size rules in `prove.egraph` (like, row), `semantics` (init, step, finish), the search
+(closed, combine, combining_only, operand_ops, like, row, online), `kernels.fusion` (state, online,
+per_element, adds_products), `backend.codegen` (cuda_*), `backend.cost` (flops, like). A new
+accumulator is one row here plus its definition in rules/layout.rules, as long as its CUDA fold is one of
+the kinds `codegen` renders from these strings: per state element (`cuda_fold` lines), per row (a
+`cuda_reduce` of `cuda_term`, then `cuda_fold`), a matrix product (`like` "matmul": `cuda_fold` is the
+dot product's start), or a member of the online-softmax group. Another kind of fold needs its own code
+in `backend.codegen` (and, for new shared state, in `kernels.fusion`).
 """
 
 from __future__ import annotations
@@ -53,45 +63,112 @@ def _rescaled_step(state: State, m: np.ndarray, x: np.ndarray) -> State:
     return big_new, acc * _rescale(big, big_new) + np.exp(m - big_new) * x
 
 
-def _zeros(*shapes) -> np.ndarray:
-    return np.zeros(np.broadcast_shapes(*shapes))
-
-
-@dataclass(frozen=True)
-class Accumulator:
-    name: str
-    init: Callable[..., State]  # from the first iteration's operand shapes
-    step: Callable[..., State]
-    finish: Callable[[State], np.ndarray]
-    state_tiles: int  # how many tiles of the result's shape the state holds (for shared-memory sizing)
-
-
 def _last(shape):
     return shape[:-1] + (1,)
 
 
+def _softmax_terms(b, s):
+    """exp(s - max(s, -1)) through the builder `b`: online softmax's terms over whole rows."""
+    return b("exp", [b("sub", [s, b("max", [s], [-1])])])
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """One loop accumulator: its NumPy fold, shape, closed form, search facts, CUDA fold and cost."""
+
+    name: str
+    doc: str
+    operands: int  # tensor operands
+    like: str  # the op kind ("unary", "binary", "matmul") whose shape rule gives one iteration's value
+    row: bool  # the last dim folds too (one value per row), besides the loop's iterations
+    # NumPy fold: the state from the first iteration's operand shapes, one iteration, the value.
+    init: Callable[..., State]
+    step: Callable[..., State]
+    finish: Callable[[State], np.ndarray]
+    # The value over whole tensors when the loop runs once (the search's abstract expression):
+    # closed(build, *operands), where build(op, operands, params) makes a node (`shapes.build`).
+    closed: Callable
+    # Split reductions (FlashDecoding): the accumulator that combines the per-piece results and the name
+    # of the partial tensor; None when pieces cannot be combined (a mean needs its counts).
+    combine: tuple[str, str] | None = None
+    combining_only: bool = False  # only a split's combining kernel uses it (generation skips it)
+    operand_ops: tuple[str, ...] = ()  # generation folds only values of these ops (empty: any value)
+    # Online softmax: "softmax" folds exp(first operand - its running row max), rescaled as the max grows;
+    # "max" is that running max. Such accumulators over the same scores share its buffers.
+    online: str = ""
+    # CUDA: the state buffers by role, the value in the last ("m": a running max, starting at -inf);
+    # the fold's format strings ({0}, {1}: the operands at the element; {acc}, {m}: the state buffers;
+    # {scale}: online softmax's rescaling factor per row; `part` and `row`: a row fold's C variables; for a
+    # product fold, one string: the dot product's start, {row} the element's row in per-row state);
+    # the value after the loop ({0}: the state at the element; {count}: the row elements folded).
+    state: tuple[str, ...] = ("acc",)
+    cuda_reduce: str = ""  # row folds: "sum" or "max" of `cuda_term` over each row, into `part`
+    cuda_term: str = "{0}"
+    cuda_fold: tuple[str, ...] = ()
+    cuda_finish: str = "{0}"
+    adds_products: bool = False  # a matrix product that only it reads is added straight into its state
+    flops: int = 1  # per element of the first operand (a product adds 2 per multiply-add)
+
+    @property
+    def per_element(self) -> bool:
+        """Each state element folds the operands' elements at its own index, once each."""
+        return not self.row and self.like != "matmul"
+
+    def advance(self, state: State | None, *operands) -> State:
+        """The state after one more iteration (the first starts it from `init`)."""
+        return self.step(self.init(*[np.shape(t) for t in operands]) if state is None else state, *operands)
+
+    def value(self, state: State) -> np.ndarray:
+        return np.asarray(self.finish(state), dtype=np.float64)
+
+
+_ROW_SUM = ("{acc}[row] += part;",)
+
 ACCUMULATORS: dict[str, Accumulator] = {
     a.name: a
     for a in (
-        Accumulator("acc_sum", lambda s: (np.zeros(s),), lambda st, t: (st[0] + t,), lambda st: st[0], 1),
-        Accumulator("acc_sum_last", lambda s: (np.zeros(_last(s)),), lambda st, t: (st[0] + _rowsum(t),),
-                    lambda st: st[0], 1),
-        Accumulator("acc_mean_last", lambda s: (np.zeros(_last(s)), 0),
-                    lambda st, t: (st[0] + _rowsum(t), st[1] + t.shape[-1]), lambda st: st[0] / st[1], 1),
-        Accumulator("acc_rms_last", lambda s: (np.zeros(_last(s)), 0),
-                    lambda st, t: (st[0] + _rowsum(t * t), st[1] + t.shape[-1]),
-                    lambda st: np.sqrt(st[0] / st[1]), 1),
-        Accumulator("acc_max_last", lambda s: (np.full(_last(s), -np.inf),),
-                    lambda st, t: (np.maximum(st[0], _rowmax(t)),), lambda st: st[0], 1),
-        Accumulator("acc_softmax_sum", lambda s: (np.full(_last(s), -np.inf), np.zeros(_last(s))),
-                    _softmax_sum_step, lambda st: st[1], 2),
-        Accumulator("acc_softmax_out",
+        Accumulator("acc_sum", "running sum of the tile", 1, "unary", False,
+                    lambda s: (np.zeros(s),), lambda st, t: (st[0] + t,), lambda st: st[0],
+                    lambda b, a: a, combine=("acc_sum", "part"), operand_ops=("matmul", "sum"),
+                    cuda_fold=("{acc}[e] += {0};",), adds_products=True),
+        Accumulator("acc_sum_last", "running sum of the tile's row sums", 1, "unary", True,
+                    lambda s: (np.zeros(_last(s)),), lambda st, t: (st[0] + _rowsum(t),), lambda st: st[0],
+                    lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM),
+        Accumulator("acc_mean_last", "mean of every row element seen", 1, "unary", True,
+                    lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t), st[1] + t.shape[-1]),
+                    lambda st: st[0] / st[1], lambda b, a: b("mean", [a], [-1]),
+                    cuda_reduce="sum", cuda_fold=_ROW_SUM, cuda_finish="({0} / real({count}))"),
+        Accumulator("acc_rms_last", "root mean square of every row element seen", 1, "unary", True,
+                    lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t * t), st[1] + t.shape[-1]),
+                    lambda st: np.sqrt(st[0] / st[1]), lambda b, a: b("sqrt", [b("mean", [b("square", [a])], [-1])]),
+                    cuda_reduce="sum", cuda_term="{0} * {0}", cuda_fold=_ROW_SUM,
+                    cuda_finish="prism::sqrt_({0} / real({count}))"),
+        Accumulator("acc_max_last", "running row max", 1, "unary", True,
+                    lambda s: (np.full(_last(s), -np.inf),), lambda st, t: (np.maximum(st[0], _rowmax(t)),),
+                    lambda st: st[0], lambda b, a: b("max", [a], [-1]), combine=("acc_max_last", "max"),
+                    combining_only=True, online="max", state=("m",), cuda_reduce="max",
+                    cuda_fold=("{m}[row] = prism::max_({m}[row], part);",)),
+        Accumulator("acc_softmax_sum", "sum of exp(s - running max), rescaled", 1, "unary", True,
+                    lambda s: (np.full(_last(s), -np.inf), np.zeros(_last(s))), _softmax_sum_step,
+                    lambda st: st[1], lambda b, s: b("sum", [_softmax_terms(b, s)], [-1]),
+                    combine=("acc_rescaled_sum", "sum"), online="softmax", state=("m", "acc"), cuda_reduce="sum",
+                    cuda_fold=("{acc}[row] = {acc}[row] * {scale}[row] + part;",)),
+        Accumulator("acc_softmax_out", "exp(s - running max) @ v, rescaled", 2, "matmul", False,
                     lambda s, v: (np.full(_last(s), -np.inf), np.zeros(np.matmul(np.zeros(s), np.zeros(v)).shape)),
-                    _softmax_out_step, lambda st: st[1], 2),
-        Accumulator("acc_rescaled_sum", lambda m, x: (np.full(np.broadcast_shapes(m, x), -np.inf), _zeros(m, x)),
-                    _rescaled_step, lambda st: st[1], 2),
+                    _softmax_out_step, lambda st: st[1], lambda b, s, v: b("matmul", [_softmax_terms(b, s), v]),
+                    combine=("acc_rescaled_sum", "out"), online="softmax", state=("m", "acc"),
+                    cuda_fold=("{acc}[e] * {scale}[{row}]",), flops=4),
+        Accumulator("acc_rescaled_sum", "sum of exp(m - running max of m) * x", 2, "binary", False,
+                    lambda m, x: (np.full(np.broadcast_shapes(m, x), -np.inf), np.zeros(np.broadcast_shapes(m, x))),
+                    _rescaled_step, lambda st: st[1], lambda b, m, x: x, combining_only=True, state=("m", "acc"),
+                    cuda_fold=("const real mv = {0}, mo = {m}[e], mn = prism::max_(mo, mv);",
+                               "{acc}[e] = {acc}[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * {1};",
+                               "{m}[e] = mn;")),
     )
 }
+
+ONLINE_SOFTMAX = tuple(name for name, a in ACCUMULATORS.items() if a.online == "softmax")
+RUNNING_MAX = next(name for name, a in ACCUMULATORS.items() if a.online == "max")  # the max they share
 
 
 def fold(name: str, tiles_per_iteration) -> np.ndarray:
@@ -100,10 +177,8 @@ def fold(name: str, tiles_per_iteration) -> np.ndarray:
     state = None
     with np.errstate(all="ignore"):
         for operands in tiles_per_iteration:
-            if state is None:
-                state = acc.init(*[np.shape(t) for t in operands])
-            state = acc.step(state, *operands)
-        return np.asarray(acc.finish(state), dtype=np.float64)
+            state = acc.advance(state, *operands)
+        return acc.value(state)
 
 
 def fold_along(name: str, axis: int, *operands: np.ndarray) -> np.ndarray:

@@ -3,13 +3,16 @@
 `OPS` says what each operator is: its kind (which decides its shape rule), how many tensor operands it
 takes, its integer parameters, and how it is written. Other concerns keep their own table keyed by the
 same names: NumPy semantics in `reference.NUMPY`, shape rules by kind in `shapes.RULES`. Adding an
-element-wise op is one line here and one line in each table that renders or evaluates it.
+element-wise op is one line here and one line in each table that renders or evaluates it. The loop
+accumulators (`acc_*`) are declared in `accumulators.ACCUMULATORS`; their entries here come from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+
+from .accumulators import ACCUMULATORS
 
 
 class Kind(Enum):
@@ -74,16 +77,9 @@ OPS: dict[str, OpSpec] = _table(
     OpSpec("mean", Kind.REDUCE, 1, params=("dim",)),
     OpSpec("rms_norm", Kind.ROWWISE, 1, doc="x / sqrt(mean(square(x), -1)), no epsilon"),
     OpSpec("softmax", Kind.ROWWISE, 1, doc="exp(x - max(x, -1)) / sum(exp(x - max(x, -1)), -1)"),
-    # Loop accumulators of custom kernels: each folds its operand over the loop's iterations (see
-    # `accumulators` for the fold of each, and rules/layout.rules for what each one means).
-    OpSpec("acc_sum", Kind.ACCUMULATE, 1, where="block", doc="running sum of the tile"),
-    OpSpec("acc_sum_last", Kind.ACCUMULATE, 1, where="block", doc="running sum of the tile's row sums"),
-    OpSpec("acc_mean_last", Kind.ACCUMULATE, 1, where="block", doc="mean of every row element seen"),
-    OpSpec("acc_rms_last", Kind.ACCUMULATE, 1, where="block", doc="root mean square of every row element seen"),
-    OpSpec("acc_max_last", Kind.ACCUMULATE, 1, where="block", doc="running row max"),
-    OpSpec("acc_softmax_sum", Kind.ACCUMULATE, 1, where="block", doc="sum of exp(s - running max), rescaled"),
-    OpSpec("acc_softmax_out", Kind.ACCUMULATE, 2, where="block", doc="exp(s - running max) @ v, rescaled"),
-    OpSpec("acc_rescaled_sum", Kind.ACCUMULATE, 2, where="block", doc="sum of exp(m - running max of m) * x"),
+    # Loop accumulators of custom kernels, from their table (see `accumulators`; rules/layout.rules
+    # says what each one means).
+    *(OpSpec(a.name, Kind.ACCUMULATE, a.operands, where="block", doc=a.doc) for a in ACCUMULATORS.values()),
     # Layout operators: how the tiles of a custom kernel relate to whole tensors (see `layout`).
     OpSpec("split", Kind.SPLIT, 1, params=("dim", "block dim", "count"), where="rules"),
     OpSpec("concat", Kind.CONCAT, 1, params=("dim", "block dim"), where="rules"),

@@ -11,8 +11,9 @@ from typing import Callable, Sequence
 
 import sympy
 
+from .accumulators import ACCUMULATORS
 from .nodes import DType, Node, Shape
-from .ops import OPS, Kind
+from .ops import LOOP_DIM, OPS, Kind
 
 
 class ShapeError(Exception):
@@ -106,18 +107,12 @@ def _rowwise(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
 
 
 def _accumulate(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
-    """At block level the result has the shape of one iteration's value; in a tile family (rank above
-    KERNEL_RANK, see `layout`) the loop dim also folds to 1."""
-    from .ops import LOOP_DIM
-
-    op = params[0]
-    if op in ("acc_softmax_out",):
-        dtype, shape = _matmul(args, ())
-    elif op == "acc_rescaled_sum":
-        dtype, shape = _binary(args, ())
-    else:
-        dtype, shape = args[0].dtype, args[0].shape
-    if op not in ("acc_sum", "acc_softmax_out", "acc_rescaled_sum"):
+    """At block level the result has the shape of one iteration's value (the rule of the op kind the
+    accumulator is `like`), with the last dim folded to 1 for a row accumulator; in a tile family (rank
+    above KERNEL_RANK, see `prove.layout`) the loop dim also folds to 1."""
+    acc = ACCUMULATORS[params[0]]
+    dtype, shape = RULES[Kind(acc.like)](args, ())
+    if acc.row:
         if not shape:
             raise ShapeError("needs a tile of rank 1 or more (it works along the last dim)")
         shape = shape[:-1] + (sympy.Integer(1),)

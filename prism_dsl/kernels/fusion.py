@@ -1,6 +1,6 @@
 """Thread-level fusion and buffer planning for a custom kernel: where each block-level value lives.
 
-A pass, not a search (ARCHITECTURE.md section 2): given a kernel's block graph it decides, for every
+A pass, not a search (docs/ARCHITECTURE.md): given a kernel's block graph it decides, for every
 body node, one placement:
 
 - `SMEM`: the value is computed by all the block's threads into a shared-memory buffer (loaded tiles,
@@ -13,7 +13,7 @@ body node, one placement:
   accumulator's state, never stored on its own.
 
 `plan(kernel)` also lists the buffers a block needs, with symbolic shapes: this is what the generated
-CUDA allocates, and what the shared-memory constraint of `kernel.constraints` bounds (buffers are
+CUDA allocates, and what the shared-memory constraint of `constraints.constraints` bounds (buffers are
 128-byte aligned in the kernel, so each counts 128 bytes of padding). The online-softmax accumulators on
 the same scores share one running row max, one rescaling factor per row and one tile of exp(s - max).
 """
@@ -26,13 +26,12 @@ from functools import cache
 
 import sympy
 
+from ..ir.accumulators import ACCUMULATORS, ONLINE_SOFTMAX
 from ..ir.nodes import DType, Node
 from .kernel import Kernel
 from ..ir.ops import OPS, Kind
 
 ALIGN = 128  # bytes: shared-memory buffers start at multiples of this (tensor-core loads need 32)
-
-SOFTMAX = ("acc_softmax_sum", "acc_softmax_out")
 
 
 class Place(Enum):
@@ -76,9 +75,9 @@ class Plan:
         return sympy.Add(*[b.bytes + ALIGN for b in self.buffers])
 
 
-# Users that read an element-wise value one element at a time, at most once per element they make.
+# Users that read an element-wise value one element at a time, at most once per element they make
+# (and the accumulators that fold that way: `Accumulator.per_element`).
 _ELEMENTWISE_USERS = {Kind.UNARY, Kind.BINARY}
-_ELEMENTWISE_ACCUMULATORS = {"acc_sum", "acc_rescaled_sum"}
 
 
 def compute_dtype(kernel: Kernel) -> DType:
@@ -113,7 +112,7 @@ def plan(kernel: Kernel) -> Plan:
         buffers.append(b)
         return b
 
-    softmax_scores = {n.args[0] for n in body if n.op in SOFTMAX}
+    softmax_scores = {n.args[0] for n in body if n.op in ONLINE_SOFTMAX}
     for i, n in enumerate(body):
         kind = OPS[n.op].kind
         if kind is Kind.TILE:
@@ -122,11 +121,11 @@ def plan(kernel: Kernel) -> Plan:
         elif kind is Kind.CONST:
             place[n] = Place.INLINE
         elif kind in (Kind.UNARY, Kind.BINARY):
-            inline = all(OPS[u.op].kind in _ELEMENTWISE_USERS or u.op in _ELEMENTWISE_ACCUMULATORS for u in users[n])
+            inline = all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "per_element") for u in users[n])
             place[n] = Place.INLINE if inline else Place.SMEM
             if not inline:
                 add(f"v{i}", n.shape, real, n, "value")
-        elif kind is Kind.MATMUL and [u.op for u in users[n]] == ["acc_sum"] and n not in stored:
+        elif kind is Kind.MATMUL and len(users[n]) == 1 and _accumulator(users[n][0], "adds_products") and n not in stored:
             place[n] = Place.FUSED
         elif kind is Kind.ACCUMULATE:
             place[n] = Place.STATE
@@ -137,19 +136,26 @@ def plan(kernel: Kernel) -> Plan:
     return Plan(place, tuple(buffers), state, groups, users)
 
 
+def _accumulator(n: Node, flag: str) -> bool:
+    """Whether `n` is an accumulator whose table entry has `flag` set."""
+    return n.op in ACCUMULATORS and getattr(ACCUMULATORS[n.op], flag)
+
+
 def _state_buffers(n: Node, i: int, add, real: DType, groups, softmax_scores) -> dict[str, Buffer]:
-    if n.op in SOFTMAX or (n.op == "acc_max_last" and n.args[0] in softmax_scores):
-        s = n.args[0]
+    """The accumulator's state buffers by role (`Accumulator.state`; the last holds its value). Online
+    softmax over the same scores shares one running max (its "m"), rescaling factor and exp(s - max)."""
+    acc, s = ACCUMULATORS[n.op], n.args[0]
+    shared = {}
+    if acc.online and s in softmax_scores:
         if s not in groups:
             rows = s.shape[:-1] + (sympy.Integer(1),)
             groups[s] = {"m": add(f"a{i}_max", rows, real, None, "scratch"),
                          "scale": add(f"a{i}_scale", rows, real, None, "scratch"),
                          "p": add(f"a{i}_p", s.shape, real, None, "scratch")}
-        if n.op == "acc_max_last":
-            return {"m": groups[s]["m"]}
-        return {"m": groups[s]["m"], "acc": add(f"a{i}", n.shape, real, n, "state")}
-    if n.op == "acc_rescaled_sum":
-        return {"m": add(f"a{i}_max", n.shape, real, None, "state"), "acc": add(f"a{i}", n.shape, real, n, "state")}
-    if n.op == "acc_max_last":
-        return {"m": add(f"a{i}", n.shape, real, n, "state")}
-    return {"acc": add(f"a{i}", n.shape, real, n, "state")}
+        shared = {"m": groups[s]["m"]}
+
+    def own(role: str) -> Buffer:  # the value's buffer is named after the accumulator, the others after it
+        if role == acc.state[-1]:
+            return add(f"a{i}", n.shape, real, n, "state")
+        return add(f"a{i}_max" if role == "m" else f"a{i}_{role}", n.shape, real, None, "state")
+    return {role: shared[role] if role in shared else own(role) for role in acc.state}

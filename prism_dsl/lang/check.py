@@ -8,7 +8,7 @@ result is the kernel-level graph of `ir.Node`s the rest of the pipeline works on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -20,17 +20,10 @@ from ..base.errors import Collector, Loc, PrismError
 from ..ir.nodes import DTYPES, Dim, Node, Program, const, dim_symbol
 from ..ir.ops import BLOCK_CALLABLE, CALLABLE, OPS, Kind, arity_words
 from ..ir.shapes import ShapeError, build, fmt_shape
+from ..semantics.reference import NUMPY
+from .check_kernel import check_kernel
+from .scope import POISON, Poison, Scope, unknown_function, unknown_name
 from .syntax import MAX_DEPTH, parse_prism, read_source, suggest
-
-
-@dataclass
-class Scope:
-    """What a file sees: its own and its imports' dims and defs (each with where it was declared)."""
-
-    dims: dict[str, ast.DimDecl] = field(default_factory=dict)
-    defs: dict[str, ast.Def] = field(default_factory=dict)
-    broken: set[str] = field(default_factory=set)  # defs whose body has an error, reported where declared
-    incomplete: bool = False  # an import failed: names it would have declared are unknown
 
 
 @dataclass(frozen=True)
@@ -151,14 +144,14 @@ def _check_def(f: ast.Def, scope: Scope, errors: Collector) -> bool:
     while stack:
         e = stack.pop()
         if isinstance(e, ast.Name) and e.id not in f.params:
-            errors.error(e.loc, _unknown_name(e.id, f.params, scope))
+            errors.error(e.loc, unknown_name(e.id, f.params, scope))
         elif isinstance(e, ast.Call):
             if e.fn in scope.defs or e.fn in BLOCK_CALLABLE:  # accumulators: for defs used in kernels
                 problem = _arity_problem(e, scope)
                 if problem:
                     errors.error(e.loc, problem)
             else:
-                errors.error(e.loc, _unknown_function(e.fn, scope))
+                errors.error(e.loc, unknown_function(e.fn, scope))
             stack.extend(e.args)
     return len(errors.diagnostics) == before
 
@@ -170,25 +163,6 @@ def _arity_problem(e: ast.Call, scope: Scope) -> str | None:
         return None if len(e.args) == wanted else f"{e.fn} takes {wanted} argument(s), got {len(e.args)}"
     spec = OPS[e.fn]
     return None if len(e.args) == spec.arity else f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}"
-
-
-def _unknown_name(name: str, known, scope: Scope) -> str:
-    if name in CALLABLE or name in scope.defs:
-        return f"'{name}' is a function; call it as {name}(...)"
-    if name in scope.dims:
-        return f"'{name}' is a dim; dims appear only in input shapes"
-    return f"undefined name '{name}'{suggest(name, known)}"
-
-
-def _unknown_function(name: str, scope: Scope) -> str:
-    return f"unknown function '{name}'{suggest(name, set(CALLABLE) | set(scope.defs))}"
-
-
-class _Poison:
-    """The value of an expression that already produced an error: uses of it stay quiet."""
-
-
-POISON = _Poison()
 
 
 class _TooDeep(Exception):
@@ -213,7 +187,7 @@ class Checker:
 
     def program(self, decl: ast.ProgramDecl) -> Program | None:
         before = len(self.errors.diagnostics)
-        env: dict[str, Node | _Poison] = {}
+        env: dict[str, Node | Poison] = {}
         inputs = []
         for p in decl.params:
             node = self.input(p)
@@ -227,8 +201,6 @@ class Checker:
                 inputs.append(node)
         for stmt in decl.body:
             if isinstance(stmt, ast.KernelDecl):
-                from .check_kernel import check_kernel
-
                 check_kernel(self, stmt, env)
                 continue
             value = self.expr(stmt.expr, env, defs_stack=())
@@ -256,7 +228,7 @@ class Checker:
         dims = tuple(Dim(dim_symbol(d.name), d.value) for d in self.scope.dims.values() if d.name in self.used_dims)
         return Program(decl.name, dims, tuple(inputs), tuple(outputs), self.locs, self.names, decl.loc)
 
-    def input(self, p: ast.Param) -> Node | _Poison:
+    def input(self, p: ast.Param) -> Node | Poison:
         dtype = DTYPES.get(p.dtype)
         ok = True
         if dtype is None:
@@ -282,7 +254,7 @@ class Checker:
         self.locs.setdefault(node, p.loc)
         return node
 
-    def expr(self, e: ast.Expr, env: Mapping, defs_stack: tuple) -> Node | _Poison:
+    def expr(self, e: ast.Expr, env: Mapping, defs_stack: tuple) -> Node | Poison:
         self.depth += 1
         try:
             match e:
@@ -296,13 +268,13 @@ class Checker:
         finally:
             self.depth -= 1
 
-    def name(self, e: ast.Name, env: Mapping) -> Node | _Poison:
+    def name(self, e: ast.Name, env: Mapping) -> Node | Poison:
         if e.id in env:
             return env[e.id]
-        self.errors.error(e.loc, _unknown_name(e.id, env, self.scope))
+        self.errors.error(e.loc, unknown_name(e.id, env, self.scope))
         return POISON
 
-    def call(self, e: ast.Call, env: Mapping, defs_stack: tuple) -> Node | _Poison:
+    def call(self, e: ast.Call, env: Mapping, defs_stack: tuple) -> Node | Poison:
         if e.fn in self.scope.defs:
             return self.inline(e, env, defs_stack)
         spec = OPS.get(e.fn)
@@ -312,7 +284,7 @@ class Checker:
             elif spec is not None and spec.where == "rules":
                 self.errors.error(e.loc, f"{e.fn} is a layout operator of the prover; it can only be used in rules")
             else:
-                self.errors.error(e.loc, _unknown_function(e.fn, self.scope))
+                self.errors.error(e.loc, unknown_function(e.fn, self.scope))
             for a in e.args:  # still report errors inside the arguments
                 self.expr(a, env, defs_stack)
             return POISON
@@ -334,7 +306,7 @@ class Checker:
         self.locs.setdefault(node, e.loc)
         return node
 
-    def int_param(self, a: ast.Expr, op: str, pname: str) -> int | _Poison:
+    def int_param(self, a: ast.Expr, op: str, pname: str) -> int | Poison:
         value = a.value if isinstance(a, ast.Num) else None
         if isinstance(a, ast.Call) and a.fn == "neg" and isinstance(a.args[0], ast.Num):
             value = -a.args[0].value
@@ -344,9 +316,7 @@ class Checker:
         # Not int(value): a float keeps 53 bits. The text has at most ~309 digits past its leading zeros.
         return int(_text(a).lstrip("0") or "0") * (-1 if value < 0 else 1)
 
-    def fold(self, e: ast.Call, operands: list[Node]) -> Node | _Poison:
-        from ..semantics.reference import NUMPY
-
+    def fold(self, e: ast.Call, operands: list[Node]) -> Node | Poison:
         with np.errstate(all="ignore"):
             value = float(NUMPY[e.fn](*[np.float64(o.attr) for o in operands]))
         if not np.isfinite(value):
@@ -361,7 +331,7 @@ class Checker:
                 notes.append(f"{_describe(arg)} has shape {fmt_shape(node.shape)}")
         return notes
 
-    def inline(self, e: ast.Call, env: Mapping, defs_stack: tuple) -> Node | _Poison:
+    def inline(self, e: ast.Call, env: Mapping, defs_stack: tuple) -> Node | Poison:
         f = self.scope.defs[e.fn]
         if e.fn in defs_stack:
             chain = " -> ".join(defs_stack[defs_stack.index(e.fn) :] + (e.fn,))

@@ -1,7 +1,7 @@
 """Checking a `kernel` declaration inside a program: maps, tile shapes, phases, stores.
 
 Called by `check.Checker` for each kernel in a program body. Errors go to the checker's Collector with
-their file:line:col like every other error. The result is a `kernel.Kernel` whose outputs enter the
+their file:line:col like every other error. The result is a `kernels.kernel.Kernel` whose outputs enter the
 program's environment as `kernel` nodes, so later statements, kernels and `return` use them by name.
 
 Phases are inferred, not declared: a value that depends on a tile the loop splits changes every
@@ -12,25 +12,22 @@ op, storing a value that still changes per iteration, or accumulating one that d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import sympy
 
 from . import syntax_tree as ast
-from .check import POISON, _unknown_name
 from ..base.errors import Loc
 from ..ir.nodes import Node, dim_symbol
 from ..kernels.kernel import AXES, ONE, DimMap, Kernel, Load, Store, TileMap, after_loop, loop_varying, output_shape, tile_shape
 from ..ir.ops import BLOCK_CALLABLE, KERNEL_RANK, OPS, Kind
 from ..ir.shapes import fmt_shape, same
+from .scope import POISON, unknown_name
 from .syntax import suggest
-
-if TYPE_CHECKING:
-    from .check import Checker
 
 
 class _KernelCheck:
-    def __init__(self, checker: "Checker", decl: ast.KernelDecl, env: dict):
+    """One kernel declaration checked for the program `checker` (a `check.Checker`) whose names are `env`."""
+
+    def __init__(self, checker, decl: ast.KernelDecl, env: dict):
         self.c, self.decl, self.env = checker, decl, env
         self.errors = checker.errors
         self.before = len(self.errors.diagnostics)
@@ -189,24 +186,19 @@ class _KernelCheck:
             return
         source = self.env.get(stmt.source)
         if source is None:
-            self.error(stmt.source_loc, _unknown_name(stmt.source, self.env, self.c.scope))
+            self.error(stmt.source_loc, unknown_name(stmt.source, self.env, self.c.scope))
         tmap = self.tile_map(stmt.entries, axes, loop_ok=has_loop)
+        local[stmt.tile] = POISON  # until the load is found sound
         if not isinstance(source, Node) or tmap is None:
-            local[stmt.tile] = POISON
             return
         if source.op == "const":
-            self.error(stmt.source_loc, f"'{stmt.source}' is a constant; a kernel loads tensors")
-            local[stmt.tile] = POISON
-            return
+            return self.error(stmt.source_loc, f"'{stmt.source}' is a constant; a kernel loads tensors")
         if len(tmap.dims) != source.rank:
-            self.error(stmt.loc, f"the map of '{stmt.tile}' has {len(tmap.dims)} entries but '{stmt.source}' has "
-                       f"{source.rank} dims {fmt_shape(source.shape)}; give one entry per dim")
-            local[stmt.tile] = POISON
-            return
+            return self.error(stmt.loc, f"the map of '{stmt.tile}' has {len(tmap.dims)} entries but '{stmt.source}' "
+                              f"has {source.rank} dims {fmt_shape(source.shape)}; give one entry per dim")
         if source.rank > KERNEL_RANK:
-            self.error(stmt.loc, f"'{stmt.source}' has rank {source.rank}; kernels load tensors of rank {KERNEL_RANK} at most")
-            local[stmt.tile] = POISON
-            return
+            return self.error(stmt.loc, f"'{stmt.source}' has rank {source.rank}; kernels load tensors of rank "
+                              f"{KERNEL_RANK} at most")
         if source not in sources:
             sources.append(source)
         shape = tile_shape(source.shape, tmap, shell)
@@ -279,5 +271,5 @@ def _one(size) -> bool:
     return sympy.sympify(size) == 1
 
 
-def check_kernel(checker: "Checker", decl: ast.KernelDecl, env: dict) -> None:
+def check_kernel(checker, decl: ast.KernelDecl, env: dict) -> None:
     _KernelCheck(checker, decl, env).run()

@@ -8,6 +8,7 @@ parentheses the precedence allows.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Mapping
 
 from ..ir.nodes import Node, Program
 from ..ir.ops import OPS, Kind
@@ -23,6 +24,24 @@ _INLINE_DEPTH = 50
 
 def format_number(value: float) -> str:
     return repr(float(value))  # repr round-trips exactly through float()
+
+
+def node_text(node: Node, names: Mapping[Node, str]) -> str:
+    """`node` on one line, for people: `names` where given, every infix operation in parentheses,
+    reduction dims counted from the end (generated code's comments and `prismc show`; not parsed back)."""
+    if node in names:
+        return names[node]
+    if node.op == "const":
+        return format_number(node.attr)
+    if node.op == "tile":
+        return node.attr
+    args = [node_text(a, names) for a in node.args]
+    spec = OPS[node.op]
+    if spec.infix:
+        return f"({args[0]} {spec.infix} {args[1]})"
+    if spec.kind is Kind.REDUCE:
+        args.append(str(node.attr - node.rank))
+    return f"{node.op}({', '.join(args)})"
 
 
 def print_program(program: Program, *, with_dims: bool = True) -> str:

@@ -2,10 +2,11 @@
 
 `read_source` turns every file-system problem (missing, a directory, a device or FIFO, too large, not
 UTF-8) into a PrismError.
-`parse_prism` runs the LALR parser from `grammar/prism.lark` and builds `ast` nodes with positions.
+`parse_prism` runs the LALR parser from `grammar/prism.lark` and builds `syntax_tree` nodes with positions.
 Syntax errors are classified by `SYNTAX_ERRORS`, a table of (message, bad examples) matched by parser
-state the way lark's `match_examples` does; a test walks the same table. The `.rules` front end reuses
-`ExprBuilder`, `parse_with` and the same error machinery.
+state the way lark's `match_examples` does; a test walks the same table. The `.rules` front end
+(`prove.rules`) reuses `parse_with` (so its expressions are `ExprBuilder`'s), `LocatedBuilder` and the same
+error machinery.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def prism_parser() -> Lark:
 def read_source(path: str | Path, *, at: Loc | None = None, what: str = "file") -> str:
     """Read a UTF-8 source file or raise a PrismError that says why it cannot be read.
 
-    Only a regular file of at most MAX_SOURCE_BYTES is read (`files.read_regular`): `import "/dev/zero"`
+    Only a regular file of at most MAX_SOURCE_BYTES is read (`base.files.read_regular`): `import "/dev/zero"`
     or a FIFO is refused at once, not read until memory runs out or forever."""
     where = at or Loc(str(path))
     try:
@@ -161,28 +162,24 @@ def read_source(path: str | Path, *, at: Loc | None = None, what: str = "file") 
 
 
 def parse_prism(text: str, path: str) -> ast.Module:
-    tree = parse_with(prism_parser(), text, path)
-    builder = merge_transformers(ModuleBuilder(path, text), expr=ExprBuilder(path, text))
-    return transform(builder, tree)
+    return parse_with(prism_parser(), ModuleBuilder, text, path)
 
 
-def transform(builder: Transformer, tree: Tree):
-    try:
-        return builder.transform(tree)
-    except VisitError as e:  # a PrismError raised inside a transformer method arrives wrapped
-        if isinstance(e.orig_exc, PrismError):
-            raise e.orig_exc from None
-        raise
-
-
-def parse_with(parser: Lark, text: str, path: str, table: dict[str, list[str]] = SYNTAX_ERRORS) -> Tree:
-    """Parse, turning lark's exceptions into one located PrismError, and refuse absurdly deep trees."""
+def parse_with(parser: Lark, builder: type[LocatedBuilder], text: str, path: str,
+               table: dict[str, list[str]] = SYNTAX_ERRORS):
+    """Parse and build the syntax tree with `builder` (expressions with `ExprBuilder`), turning lark's
+    exceptions into one located PrismError; an absurdly deep tree is refused before it is built."""
     try:
         tree = parser.parse(text)
     except UnexpectedInput as u:
         raise PrismError(syntax_message(parser, u, text, table), Loc(path, *_position(u, text), text)) from None
     check_depth(tree, path, text)
-    return tree
+    try:
+        return merge_transformers(builder(path, text), expr=ExprBuilder(path, text)).transform(tree)
+    except VisitError as e:  # a PrismError raised inside a transformer method arrives wrapped
+        if isinstance(e.orig_exc, PrismError):
+            raise e.orig_exc from None
+        raise
 
 
 def _position(u: UnexpectedInput, text: str) -> tuple[int, int]:
@@ -319,7 +316,10 @@ def suggest(name: str, candidates) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-class _Located(Transformer):
+class LocatedBuilder(Transformer):
+    """The base of the tree-to-AST builders (`.prism` here, `.rules` in `prove.rules`): locations as
+    file:line:col, and the items both languages share (imports, integer literals)."""
+
     def __init__(self, path: str, text: str):
         super().__init__()
         self.path, self.text = path, text
@@ -353,7 +353,7 @@ def _binary(fn: str):
     return build
 
 
-class ExprBuilder(_Located):
+class ExprBuilder(LocatedBuilder):
     """The shared expression layer: `expr.lark` rules to `ast.Num | ast.Name | ast.Call`."""
 
     add, sub, mul, div, matmul = _binary("add"), _binary("sub"), _binary("mul"), _binary("div"), _binary("matmul")
@@ -384,7 +384,7 @@ class ExprBuilder(_Located):
         return children
 
 
-class ModuleBuilder(_Located):
+class ModuleBuilder(LocatedBuilder):
     """`prism.lark` items to `ast` items."""
 
     def start(self, items):

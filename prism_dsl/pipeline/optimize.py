@@ -1,13 +1,11 @@
-"""`prismc compile` with the search: checkpoint, parameter instantiation, ranking, the chosen program.
+"""The compile pipeline's search and choice: the proved programs of the input, ranked, the fastest first.
 
-    checkpoint   the proved sGraphs of a program, in the user cache (`cache`), keyed by the program's
-                 structure (printed without its dim values), the rules' text and the search limits; a
-                 new binding of the dims reuses them and only re-instantiates. The saved programs are
-                 not trusted: each one that is chosen or timed is proved again first, and one that fails
-                 discards the checkpoint (the search runs again and replaces it)
+    checkpoint   the proved programs of a complete search (`search.checkpoint`), reused for any binding
+                 of the dims; trusted for nothing: each one that is chosen or timed is proved again
+                 first, and one that fails discards the checkpoint (the search runs again and replaces it)
     search       levels 1 and 2 (`search`), when there is no usable checkpoint
     tune         per proved program, kernel parameters for the dims chosen by the cost model; on a GPU
-                 (`--target cuda`) the best few by the model, and the best of each other shape, are then
+                 (`--rank measure`) the best few by the model, and the best of each other shape, are then
                  built, checked against the float64 reference of the input program and timed
                  (`gpu_timer`). Both go into the tuning database (user cache): the model's choice keyed by
                  structure, dims, target and the model's code; a measured time also by the GPU, its driver
@@ -16,7 +14,7 @@
     choose       the fastest; the program as written (pre-defined kernels) competes too, so the answer is
                  never worse than it and is it when nothing better was found
 
-The checkpoint holds only complete searches (a search cut short by the time limit is not reused).
+The tuning database is the pipeline's (it holds what the cost model and the GPU said of built programs).
 Every cache record is written atomically; a record that cannot be read, parsed or used is reported once
 and ignored (`cache`), and what it held is computed again.
 """
@@ -24,133 +22,32 @@ and ignored (`cache`), and what it held is computed again.
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
+from ..backend import cost, cuda_runtime
+from ..backend.codegen import TEMPLATES
 from ..base import cache
 from ..base.errors import PrismError
 from ..ir.nodes import Program
-from ..kernels.kernel import Target
-from ..lang.printer import print_program
+from ..kernels.constraints import valid
+from ..kernels.hardware import Target
+from ..kernels.kernel import free_symbols, kernels_of
+from ..kernels.lower import lower
 from ..lang.syntax import clip
 from ..prove.rules import Library
-from ..search.driver import Prover, Result, SearchConfig, Stats, default_jobs, search
+from ..search.checkpoint import (SEARCH_VERSION, checkpoint_key, discard, has_checkpoint, is_count, is_time,
+                                 load_checkpoint, save_checkpoint, structure)
+from ..search.assembly import Prover
+from ..search.config import SearchConfig, Stats
+from ..search.driver import default_jobs, search
+from . import build
 
-SEARCH_VERSION = "2"  # bump when the search's meaning changes: old checkpoints are then ignored
 TOP = 5  # alternatives listed in report.json
 MEASURED = 3  # programs timed on a GPU, best by the model first
-
-
-def structure(program: Program) -> str:
-    return print_program(program, with_dims=False)
-
-
-def checkpoint_key(program: Program, library: Library, config: SearchConfig) -> str:
-    return cache.digest("search", SEARCH_VERSION, structure(program), *library.texts,
-                        json.dumps(config.key(), sort_keys=True))
-
-
-def _dims_line(program: Program) -> str:
-    return ("dims " + ", ".join(f"{d.name} = {d.default}" for d in program.dims) + "\n") if program.dims else ""
-
-
-def load_checkpoint(program: Program, key: str) -> tuple[list[Program], dict] | None:
-    """The saved programs (with this program's dims) and the search's figures, or None; a bad entry is
-    reported once. The programs are NOT trusted here: `optimize` proves each again before it is emitted
-    or timed. What is checked here is their form: each is one program declaration (nothing imported)
-    with the name, inputs and outputs of `program`."""
-    record = cache.read("search", key)
-    if record is None:
-        return None
-    saved = _checkpoint(program, record)
-    if isinstance(saved, str):
-        cache.warn(cache.path_for("search", key), f"not a valid checkpoint ({saved})")
-        return None
-    return saved
-
-
-STAT_COUNTS = ("generated", "candidates", "maps", "proofs", "verified")  # `Stats.as_dict`'s counters
-
-
-def _checkpoint(program: Program, record) -> tuple[list[Program], dict] | str:
-    """The checkpoint's programs and figures, or what is wrong with it."""
-    if not isinstance(record, dict):
-        return "not a record"
-    texts, stats = record.get("programs"), _stats(record.get("stats"))
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        return "its programs are not a list of texts"
-    if isinstance(stats, str):
-        return stats
-    programs = []
-    for i, text in enumerate(texts):
-        saved = _saved_program(program, text)
-        if isinstance(saved, str):
-            return f"program {i + 1}: {saved}"
-        programs.append(saved)
-    return programs, stats
-
-
-def _stats(stats) -> dict | str:
-    """The search's figures as report.json shows them: only the known keys, each of its type."""
-    if not isinstance(stats, dict):
-        return "its figures are not a record"
-    counts = {k: stats.get(k) for k in STAT_COUNTS}
-    pruned, seconds = stats.get("pruned"), stats.get("seconds")
-    if not all(_count(v) for v in counts.values()):
-        return "its counts are not all whole numbers"
-    if not isinstance(pruned, dict) or not all(isinstance(k, str) and _count(v) for k, v in pruned.items()):
-        return "its pruning counts are not a record of whole numbers"
-    if not _positive_time(seconds, zero=True):
-        return "its search time is not a number of seconds"
-    return {**counts, "pruned": pruned, "seconds": seconds}
-
-
-def _count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _saved_program(program: Program, text: str) -> Program | str:
-    """One saved program, checked, with `program`'s dims; or why it is not usable in its place."""
-    from ..lang import syntax_tree as ast
-    from ..lang.check import load
-    from ..prove.prover import check_signatures
-    from ..ir.shapes import same_shape
-    from ..lang.syntax import parse_prism
-
-    try:
-        items = parse_prism(text, "<checkpoint>").items
-        if len(items) != 1 or not isinstance(items[0], ast.ProgramDecl):
-            return "not one program declaration"
-        saved = load("<checkpoint>", _dims_line(program) + text).program()
-        check_signatures(program, saved)
-    except (PrismError, RecursionError) as e:
-        return str(e).splitlines()[0] if str(e) else e.__class__.__name__
-    outputs, theirs = dict(program.outputs), dict(saved.outputs)
-    if saved.name != program.name or set(theirs) != set(outputs) or not all(
-            same_shape(theirs[n].shape, outputs[n].shape) for n in outputs):
-        return f"not a program '{program.name}' with its outputs"
-    return saved
-
-
-def _positive_time(us, zero: bool = False) -> bool:
-    """A time in a cache record: a finite number above zero, or zero where `zero` allows (not a bool, a
-    string or NaN)."""
-    if isinstance(us, bool) or not isinstance(us, (int, float)):
-        return False
-    try:
-        return math.isfinite(us) and (us > 0 or zero and us == 0)
-    except OverflowError:  # an integer too large for a float is no time either
-        return False
-
-
-def save_checkpoint(key: str, result: Result) -> None:
-    cache.write("search", key, {"programs": [structure(p) for p in result.verified],
-                                "stats": {**result.stats.as_dict(), "seconds": round(result.seconds, 3)}})
 
 
 @dataclass(frozen=True)
@@ -197,8 +94,6 @@ def _model_version() -> str:
 
 def _codegen_version() -> str:
     """The generated code's sources and templates: a time measured on other code is stale."""
-    from ..backend.codegen import TEMPLATES
-
     return cache.code_digest(*MODEL_CODE, "backend", "pipeline/build.py", extra=TEMPLATES)
 
 
@@ -220,9 +115,6 @@ def measured_key(program: Program, binding: dict, target: Target, device: str, p
 def rank(program: Program, binding: dict, target: Target, threads: int) -> Ranked | None:
     """Parameters and estimated time for one program at these dims, from the tuning database when it has
     a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again."""
-    from ..backend import cost
-    from ..kernels.lower import lower
-
     lowered = lower(program)
     key = tuning_key(program, binding, target)
     hit = cache.read("tuning", key)
@@ -244,17 +136,15 @@ def _tuning_problem(hit, lowered: Program, binding: dict, target: Target) -> str
     """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
     parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
     kernel meets its constraints (`kernel.valid`); its time a finite positive number."""
-    from ..kernels.kernel import free_symbols, kernels_of, valid
-
     if not isinstance(hit, dict) or not isinstance(hit.get("params"), dict):
         return "no parameters"
     params, us = hit["params"], hit.get("us")
-    if not _positive_time(us):
+    if not is_time(us):
         return f"the time {clip(repr(us))} is not a finite positive number"
     symbols = {s.name: s for s in free_symbols(lowered)}
     if set(params) != set(symbols):
         return f"parameters {clip(repr(sorted(params)))} are not the program's ({', '.join(symbols) or 'none'})"
-    bad = [n for n, v in params.items() if not _count(v) or v < 1]
+    bad = [n for n, v in params.items() if not is_count(v) or v < 1]
     if bad:
         return f"{', '.join(bad)} not a whole number from 1"
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
@@ -278,7 +168,7 @@ class Progress:
             return
         self.last = now
         sys.stderr.write(f"\r\x1b[2Ksearch: {phase}; {stats.candidates} candidates, {stats.proofs} proofs, "
-                         f"{stats.verified} verified; {now - self.started:.1f} s")
+                         f"{stats.verified} proved; {now - self.started:.1f} s")
         sys.stderr.flush()
 
     def done(self) -> None:
@@ -328,7 +218,7 @@ def optimize(program: Program, library: Library, target: Target, binding: dict, 
         save_checkpoint(key, result)
     ranked, info = _choose(program, result.verified, how, None)
     info = {"from_checkpoint": False, "complete": result.complete, "stopped": result.stopped, "jobs": jobs,
-            **result.stats.as_dict(), "seconds": round(result.seconds, 3), "target_egraph": result.target_egraph,
+            **result.stats.as_dict(), "seconds": round(result.seconds, 3), "input_egraph": result.input_egraph,
             "reproved": 0, **info}
     return _outcome(ranked, info, started, False)
 
@@ -348,7 +238,7 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
     each for attention): only what can reach the user or the GPU is proved, without a GPU one proof in
     one egglog process. That process starts (most of a second) while the checkpoint is read and its
     programs are ranked, so that the proof waits for little."""
-    if not os.path.isfile(cache.path_for("search", key)):
+    if not has_checkpoint(key):
         return None
     prover = Prover(program, library, 1 if how.measure is None else jobs)
     try:
@@ -360,9 +250,7 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
     if saved is None:
         return None
     if chosen is None:
-        cache.warn(cache.path_for("search", key), f"checkpoint entry for '{program.name}' failed its proof; "
-                   "searching again")
-        cache.remove("search", key)  # gone even if the new search is cut short and saves nothing
+        discard(key, f"checkpoint entry for '{program.name}' failed its proof; searching again")
         return None
     ranked, info = chosen
     reproved = sum(r.proved and not r.as_written for r in ranked)
@@ -370,14 +258,14 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
                     "reproved": reproved}
 
 
-def _choose(program: Program, verified: list[Program], how: Choosing,
+def _choose(program: Program, proved: list[Program], how: Choosing,
             prover: Prover | None) -> tuple[list[Ranked], dict] | None:
     """Every program that fits these dims ranked, the chosen one first, with what report.json says of it.
-    `verified` are proved already when `prover` is None; else `prover` proves those to be timed and the
+    `proved` are proved already when `prover` is None; else `prover` proves those to be timed and the
     chosen one, and the answer is None when one of them is not proved."""
     ranked: list[Ranked] = []
     unfit = 0
-    for p in verified:
+    for p in proved:
         r = rank(p, how.binding, how.target, how.threads)
         if r is None:
             unfit += 1
@@ -390,7 +278,7 @@ def _choose(program: Program, verified: list[Program], how: Choosing,
         ranked.append(written)
     elif not ranked:
         raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, neither as written "
-                         f"nor in any of the {len(verified)} proved programs")
+                         f"nor in any of the {len(proved)} proved programs")
     info: dict = {"as_written_fits": written is not None}  # False: its pre-defined kernels cannot run here
     ranked.sort(key=lambda r: (r.estimated_us, not r.as_written))  # stable: search order breaks ties
     if how.measure is not None:
@@ -402,7 +290,7 @@ def _choose(program: Program, verified: list[Program], how: Choosing,
                                    r.estimated_us))
     if not _confirm(ranked[:1], prover):
         return None
-    info["verified_sgraphs"] = len(verified)
+    info["proved_programs"] = len(proved)
     info["no_parameters_at_these_dims"] = unfit
     return ranked, info
 
@@ -423,8 +311,6 @@ def _to_measure(ranked: list[Ranked]) -> list[Ranked]:
     """The best MEASURED by the model, and the best of each other shape (number of custom kernels; the
     program as written): the model may misjudge a whole shape (a split reduction's second launch, say),
     and timing its best is how that is caught."""
-    from ..kernels.kernel import kernels_of
-
     def shape(r: Ranked) -> tuple:
         return r.as_written, len(kernels_of(r.program))
 
@@ -468,39 +354,23 @@ def _measured_problem(hit) -> str | None:
     positive number or null (the program was not usable)."""
     if not isinstance(hit, dict) or not isinstance(hit.get("note"), str) or "us" not in hit:
         return "not a time with a note"
-    if hit["us"] is not None and not _positive_time(hit["us"]):
+    if hit["us"] is not None and not is_time(hit["us"]):
         return f"the time {clip(repr(hit['us']))} is not a finite positive number"
     return None
 
 
-def gpu_timer(target: Target, options, reference: Program) -> Measure:
-    """`measure` for `optimize` on a GPU: builds a program with the given parameters (`build.BuildOptions`
-    say how), runs it, checks every output against the float64 reference of `reference` (the input
-    program) and times it (median of many runs between CUDA events). A program that disagrees is never
-    timed into a result."""
-    from dataclasses import replace
-
-    from . import build
-
-    from ..backend import cuda_runtime
-
-    from ..base import files
-    from ..backend.codegen import HEADER, header_source
-
+def gpu_timer(target: Target, options: build.BuildOptions, reference: Program) -> Measure:
+    """`measure` for `optimize` on a GPU: builds a program with the given parameters (`options` say how),
+    runs it, checks every output against the float64 reference of `reference` (the input program) and
+    times it (`build.measure`). A program that disagrees is never timed into a result."""
     def measure(program: Program, params: dict[str, int]) -> Measurement:
         try:
-            built = build.compile_program(program, target, replace(options, params=dict(params), mode="cuda"),
-                                          reference=reference)
-            with files.temp_scratch("measure") as directory:  # removes those of killed runs too
-                (directory / HEADER).write_text(header_source())
-                for k in built.kernels:
-                    (directory / k.file).write_text(k.source)
-                gpu = build.check_gpu(built, directory, options.seed)
+            gpu = build.measure(build.build(program, target, replace(options, params=dict(params)), reference),
+                                options.seed)
         except (PrismError, cuda_runtime.PlanError, cuda_runtime.KernelCompileError) as e:
             return Measurement(None, f"could not be built or run: {str(e).splitlines()[0]}", lasting=False)
-        if not gpu["passed"]:
-            worst = ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" for o, v in gpu["outputs"].items())
-            return Measurement(None, f"disagreed with the reference ({worst})")
-        return Measurement(gpu["timing_ms"]["median_ms"] * 1000, "checked")
+        if not gpu.passed:
+            return Measurement(None, f"disagreed with the reference ({gpu.errors()})")
+        return Measurement(gpu.timing_ms["median_ms"] * 1000, "checked")
 
     return measure

@@ -111,7 +111,7 @@ class Session:
         if self._proc is not None:
             return
         self._proc = subprocess.Popen(
-            # -P keeps the package folder off sys.path: its ast.py would shadow the standard module.
+            # -P keeps the worker's folder off sys.path, where a module of ours could shadow a standard one.
             [sys.executable, "-P", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, bufsize=1,
         )

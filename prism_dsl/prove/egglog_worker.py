@@ -20,11 +20,11 @@ Requests (one JSON object per line):
 With no goals, the query saturates the setup's terms up to the limits; with "dump": true, the final
 message also carries the e-graph's tensor e-nodes as [constructor, [child key, ...], e-class] rows
 (a child key is an e-class, or "sort:literal" for a primitive), so the parent can look terms up
-without asking again (`abstract` prunes the search that way).
+without asking again (`search.abstract` prunes the search that way).
 Each query runs between `(push)` and `(pop)`, so one loaded program answers many queries.
 
-This file imports nothing from the package: the parent starts it by path (with -P, so the package
-folder, whose ast.py would shadow the standard one, stays off sys.path).
+This file imports nothing from the package: the parent starts it by path (with -P, so that its folder
+stays off sys.path, where a module of the package could shadow a standard one).
 """
 
 from __future__ import annotations

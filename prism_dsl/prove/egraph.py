@@ -2,9 +2,9 @@
 
 The generated program has three parts, all derived from data:
 - sorts: `Dim` (a size: a dim symbol or a number) and `T` (tensor terms), with one constructor per
-  operator of `ops.OPS` (`rms_norm` -> `RmsNorm`; reductions carry their dim, counted from the end);
+  operator of `ir.ops.OPS` (`rms_norm` -> `RmsNorm`; reductions carry their dim, counted from the end);
 - the `shapes` ruleset: for every term, `(size t i)` for i = -1 .. -MAX_RANK, propagated by one rule
-  family per operator kind; sizes beyond a tensor's rank are 1 (the broadcasting view of `soundness`);
+  family per operator kind; sizes beyond a tensor's rank are 1 (the broadcasting view of `patterns`);
 - the `fold` ruleset: arithmetic on two literals is a literal (evaluation, not an axiom: without it
   `-1 * (-1 * x)` would open an endless tower of distinct terms);
 - one egglog ruleset per `.rules` ruleset, each rule a `rewrite` whose conditions are `:when` queries
@@ -26,6 +26,7 @@ import sympy
 
 from ..lang import syntax_tree as ast
 from ..base.errors import PrismError
+from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program
 from ..ir.ops import DIMS, LOOP_DIM, MAX_RANK, OPS, Kind
 from .rules import MAX_SHAPE_INEQUALITIES, DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
@@ -127,31 +128,25 @@ def _broadcast(e: str, a: str, b: str, i: str) -> list[str]:
     ]
 
 
-# Accumulators whose result keeps one value per row (the last dim folds to 1 as well as the loop dim).
-_ROW_ACCUMULATORS = {"acc_sum_last", "acc_mean_last", "acc_rms_last", "acc_max_last", "acc_softmax_sum"}
-
-
 def _except(dims: tuple[int, ...]) -> str:
     return " ".join(f"(!= i {d})" for d in dims)
 
 
 def _accumulate_rules(name: str, c: str) -> list[str]:
-    L = LOOP_DIM
-    if name == "acc_softmax_out":  # a matrix product folded over the loop
-        out = [_rule(f"(= e ({c} a b)) (= s (size a -2))", "(set (size e -2) s)"),
-               _rule(f"(= e ({c} a b)) (= s (size b -1))", "(set (size e -1) s)")]
-        for i in DIMS[2:]:
-            if i != L:
-                out += _broadcast(f"e ({c} a b)", "a", "b", str(i))
-    elif name == "acc_rescaled_sum":
-        out = [r for i in DIMS if i != L for r in _broadcast(f"e ({c} a b)", "a", "b", str(i))]
+    """An accumulator's sizes: those of one iteration's value (the op kind it is `like`), with the loop
+    dim, and for a row accumulator the last dim, folded to 1."""
+    acc, L = ACCUMULATORS[name], LOOP_DIM
+    e = f"e ({c} a b)" if acc.operands == 2 else f"e ({c} a)"
+    folded = (-1, L) if acc.row else (L,)
+    if acc.like == "matmul":
+        out = [_rule(f"(= {e}) (= s (size a -2))", "(set (size e -2) s)"),
+               _rule(f"(= {e}) (= s (size b -1))", "(set (size e -1) s)")]
+        out += [r for i in DIMS[2:] if i not in folded for r in _broadcast(e, "a", "b", str(i))]
+    elif acc.like == "binary":
+        out = [r for i in DIMS if i not in folded for r in _broadcast(e, "a", "b", str(i))]
     else:
-        folded = (-1, L) if name in _ROW_ACCUMULATORS else (L,)
-        out = [_rule(f"(= e ({c} a)) (= s (size a i)) {_except(folded)}", "(set (size e i) s)")]
-        out += [_rule(f"(= e ({c} a))", f"(set (size e {d}) (DNum 1))") for d in folded if d != L]
-    args = " a b" if OPS[name].operands == 2 else " a"
-    out.append(_rule(f"(= e ({c}{args}))", f"(set (size e {L}) (DNum 1))"))
-    return out
+        out = [_rule(f"(= {e}) (= s (size a i)) {_except(folded)}", "(set (size e i) s)")]
+    return out + [_rule(f"(= {e})", f"(set (size e {d}) (DNum 1))") for d in folded]
 
 
 def _layout_rules() -> list[str]:

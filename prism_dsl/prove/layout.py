@@ -13,9 +13,9 @@ every block there (replicated: broadcasting does the rest). Then:
 - a store is `concat` along each mapped axis (the pieces side by side again) and a `sum` over the block
   dim of each axis that writes no dim (the blocks' results added), innermost axis first.
 
-Every one of these operators has NumPy semantics (`reference.NUMPY`), so the translated program can be
-evaluated and compared with the block interpreter, and the layout axioms (rules/layout.rules) are
-checked numerically like all others. The sizes stay symbolic (grid symbols, F), so a proof over the
+Every one of these operators has NumPy semantics (`semantics.reference.NUMPY`), so the translated
+program can be evaluated and compared with the block interpreter, and the layout axioms
+(rules/layout.rules) are checked numerically like all others. The sizes stay symbolic (grid symbols, F), so a proof over the
 translated program holds for every valid instantiation.
 """
 

@@ -25,7 +25,8 @@ from ..base.errors import PrismError
 from ..ir.nodes import Program
 from .layout import to_terms
 from ..ir.ops import MAX_RANK
-from ..semantics.reference import concrete_shape, evaluate, random_inputs
+from ..semantics.blocks import evaluate
+from ..semantics.reference import concrete_shape, random_inputs
 from .rules import Library, Rule
 from ..ir.shapes import fmt_shape, same_shape
 
@@ -201,7 +202,7 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
     program, _ = compile_library(library)
     # Custom kernels become terms over whole tensors with layout operators (`layout`); the layout
     # ruleset relates those to the plain program, for every size the symbols can take.
-    setup, goals = _terms(to_terms(a), to_terms(b), pairs)
+    setup, goals = proof_terms(to_terms(a), to_terms(b), pairs)
     outcome = egglog_runner.run(program, setup, goals, schedule(list(library.rulesets)), limits)
     proved = all(outcome.proved)
     result = Proof(
@@ -229,7 +230,9 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
     return result
 
 
-def _terms(a: Program, b: Program, pairs) -> tuple[str, list[tuple[str, str]]]:
+def proof_terms(a: Program, b: Program, pairs) -> tuple[str, list[tuple[str, str]]]:
+    """Both programs as terms in one e-graph's setup, and the goals: the term pairs of `pairs` (output
+    names) that a proof puts in one e-class."""
     writer = TermWriter()
     terms_a = program_terms(a, writer)
     terms_b = program_terms(b, writer)

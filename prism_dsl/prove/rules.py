@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lark import Lark, v_args
-from lark.visitors import merge_transformers
 
 from ..lang import syntax_tree as ast
 from ..base.errors import Collector, Loc, PrismError
 from ..base.resources import data_dir
 from ..ir.ops import MAX_RANK, OPS, RULE_CALLABLE, arity_words
-from ..lang.syntax import GRAMMAR_DIR, ExprBuilder, _Located, parse_with, read_source, suggest, transform
+from ..lang.syntax import GRAMMAR_DIR, LocatedBuilder, parse_with, read_source, suggest
 
 
 RULE_SYNTAX_ERRORS: dict[str, list[str]] = {
@@ -170,7 +169,7 @@ class _RawRuleset:
     loc: Loc
 
 
-class RulesBuilder(_Located):
+class RulesBuilder(LocatedBuilder):
     def start(self, items):
         return items
 
@@ -212,9 +211,7 @@ class RulesBuilder(_Located):
 
 
 def parse_rules(text: str, path: str) -> list:
-    tree = parse_with(rules_parser(), text, path, RULE_SYNTAX_ERRORS)
-    builder = merge_transformers(RulesBuilder(path, text), expr=ExprBuilder(path, text))
-    return transform(builder, tree)
+    return parse_with(rules_parser(), RulesBuilder, text, path, RULE_SYNTAX_ERRORS)
 
 
 # -- loading and checking ----------------------------------------------------------------------------
@@ -358,29 +355,20 @@ def _check_pattern(e: ast.Expr, vars: _Vars, errors: Collector) -> None:
             for a in e.args[: spec.operands]:
                 _check_pattern(a, vars, errors)
             for a, role in zip(e.args[spec.operands :], spec.params):
-                if role == "count":
-                    _check_count_arg(a, vars, errors, e.fn)
-                else:
-                    _check_dim_arg(a, vars, errors, e.fn)
+                _check_param(a, "count" if role == "count" else "dim", vars, errors, e.fn)
 
 
-def _check_count_arg(a: ast.Expr, vars: _Vars, errors: Collector, op: str) -> None:
+def _check_param(a: ast.Expr, role: str, vars: _Vars, errors: Collector, op: str) -> None:
+    """A dim (or block dim) or count argument: a variable of that role, or an integer literal in range."""
     if isinstance(a, ast.Name):
         if _variable_ok(a.id, a.loc, errors):
-            vars.count.setdefault(a.id, a.loc)
+            getattr(vars, role).setdefault(a.id, a.loc)
         return
     value = literal_dim(a)
-    if value is None or value < 1:
-        errors.error(a.loc, f"the count of {op} must be a variable or a positive integer")
-
-
-def _check_dim_arg(a: ast.Expr, vars: _Vars, errors: Collector, op: str) -> None:
-    if isinstance(a, ast.Name):
-        if _variable_ok(a.id, a.loc, errors):
-            vars.dim.setdefault(a.id, a.loc)
-        return
-    value = literal_dim(a)
-    if value is None:
+    if role == "count":
+        if value is None or value < 1:
+            errors.error(a.loc, f"the count of {op} must be a variable or a positive integer")
+    elif value is None:
         errors.error(a.loc, f"the dim of {op} must be a dim variable or a negative integer literal")
     elif value >= 0:
         errors.error(a.loc, "dims in rules count from the end so that one rule fits every rank: write a negative dim such as -1 (the last)")

@@ -1,12 +1,12 @@
 """Symbolic checking of axioms with SymPy: each operator as a formula, and a decision per rule.
 
 `soundness` tests every rule numerically; this module then tries to decide it exactly. Both sides are
-evaluated over arrays of SymPy symbols, with the rule shape semantics of `soundness.evaluate` and the
-formulas in `FORMULAS` (what each operator means, as `ops.py` documents it): an element-wise rule at scalar
+evaluated over arrays of SymPy symbols, with the rule shape semantics of `patterns.evaluate` and the
+formulas in `FORMULAS` (what each operator means, as `ir.ops` documents it): an element-wise rule at scalar
 symbols, which decides it for every shape; a rule with reductions, matrix products or row-wise ops at
 small concrete shapes (sizes 1 to 3) whose every entry is a symbol, one shape for each way the rule's dim
 variables can coincide with one another and with the dims it names, since that is all its meaning depends
-on. Symbols are real, and positive or nonzero where the operators need it (`soundness.rule_domains`).
+on. Symbols are real, and positive or nonzero where the operators need it (`sampling.rule_domains`).
 
 Each element of the difference of the two sides is decided by cheap means only (SymPy's automatic
 simplification, `expand`, `cancel`; never `simplify`), under a size cap and a time limit:
@@ -34,11 +34,11 @@ import numpy as np
 import sympy
 from sympy.polys.polyerrors import BasePolynomialError
 
+from ..ir.ops import DIMS, OPS, Kind
 from ..lang import syntax_tree as ast
-from ..ir.ops import OPS, Kind
+from .patterns import IllFormed, Semantics, distinct_digits, sides
 from .rules import DimVar, Lit, Rule
-from .soundness import DIMS, TINY, IllFormed, Instance, Semantics, distinct_digits, evaluate, instances, named_dims
-from .soundness import ones, rule_domains, rule_seed, strip_ones
+from .sampling import TINY, Instance, instances, named_dims, ones, rule_domains, rule_seed
 
 MAX_SHAPES = 8  # symbolic shape instances per rule
 PER_CLASS = 2  # of those, for one way the dims coincide (with different size-1 dims)
@@ -223,17 +223,11 @@ def _symbols(inst: Instance, domains: dict[str, str]) -> dict[str, np.ndarray]:
     return values
 
 
-def _sides(rule: Rule, inst: Instance, values: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    left = np.asarray(evaluate(rule.lhs, values, inst.dims, SYMPY), dtype=object)
-    right = np.asarray(evaluate(rule.rhs, values, inst.dims, SYMPY), dtype=object)
-    return left.reshape(strip_ones(left.shape) or ()), right.reshape(strip_ones(right.shape) or ())
-
-
 def _decide_at(rule: Rule, inst: Instance, domains, rng, deadline: float, scalar: bool) -> Outcome:
     """Every element of the difference zero (proved), or a point where one clearly is not (refuted)."""
     values = _symbols(inst, domains)
     try:
-        left, right = _sides(rule, inst, values)
+        left, right = sides(rule.lhs, rule.rhs, values, inst.dims, SYMPY)
     except IllFormed:
         return Outcome(why="its right side is ill formed at a small shape")  # the numeric check says more
     if left.shape != right.shape:
@@ -292,7 +286,7 @@ def _refute(rule: Rule, inst: Instance, symbols: dict[str, np.ndarray], domains,
     """The first point found where the sides clearly differ, or only one is a real number, in words."""
     for magnitude in POINT_MAGNITUDES:
         point = {v: _point(cells, domains.get(v, ""), rng, magnitude) for v, cells in symbols.items()}
-        left, right = _sides(rule, inst, point)
+        left, right = sides(rule.lhs, rule.rhs, point, inst.dims, SYMPY)
         for idx in np.ndindex(*left.shape):
             why = _differ(sympy.sympify(left[idx]), sympy.sympify(right[idx]))
             if why:

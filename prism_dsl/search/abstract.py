@@ -1,4 +1,4 @@
-"""Abstract expressions and the target e-graph: the search's expression-guided pruning.
+"""Abstract expressions and the input program's saturated e-graph: the search's expression-guided pruning.
 
 The *abstract expression* of a value in a candidate kernel is what the value would be if the kernel ran
 as one block with one loop iteration: a tile is the whole tensor it is loaded from, a body op is the same
@@ -6,12 +6,12 @@ op on whole tensors, and an accumulator is what it computes over a whole dim (`a
 `acc_rms_last(a)` is `sqrt(mean(square(a), -1))`, `acc_softmax_out(s, v)` is `exp(s - max(s, -1)) @ v`).
 The layout is forgotten; the algebra is kept.
 
-`TargetGraph` saturates the program's outputs once with the library's non-layout rulesets (definitions,
-algebra, subexpression: all in rules/) under limits, and keeps the e-graph's tensor e-nodes as a table.
-A candidate op survives only when its abstract expression is already in that e-graph (a hash lookup per
-op, e-class by e-class, bottom up: what egg's `lookup_expr` does). Every value of a program equal to the
-target under the axioms is, by construction, a sub-term of a term in that e-class, so the pruning loses
-only what the axioms (or the limits) cannot reach.
+`InputGraph` saturates the input program's outputs once with the library's non-layout rulesets
+(definitions, algebra, subexpression: all in rules/) under limits, and keeps the e-graph's tensor e-nodes
+as a table. A candidate op survives only when its abstract expression is already in that e-graph (a hash
+lookup per op, e-class by e-class, bottom up: what egg's `lookup_expr` does). Every value of a program
+equal to the input program under the axioms is, by construction, a sub-term of a term in that e-class,
+so the pruning loses only what the axioms (or the limits) cannot reach.
 """
 
 from __future__ import annotations
@@ -23,44 +23,31 @@ from ..prove import egglog_runner
 from ..prove.egglog_runner import Limits
 from ..prove.egraph import TermWriter, compile_library, constructor, ruleset_name, string
 from ..base.errors import PrismError
+from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program, const
 from ..ir.ops import OPS, Kind
 from ..prove.rules import Library
 from ..ir.shapes import ShapeError, build
 
-# The rulesets the target is saturated with: everything but the layout axioms (no tiles at this level).
+# The rulesets the input program is saturated with: everything but the layout axioms (no tiles here).
 RULESETS = ("definitions", "algebra", "subexpression")
 # Enough for the sub-terms fused kernels compute (a few rewrites deep) without the associativity and
 # commutativity closure of a large program growing for long.
-TARGET_LIMITS = Limits(iterations=12, nodes=60_000, seconds=20.0)
+SATURATION_LIMITS = Limits(iterations=12, nodes=60_000, seconds=20.0)
 
 
 def meaning(op: str, args: list[Node]) -> Node:
     """The abstract expression of accumulator `op` applied to abstract operands: its value when the loop
-    runs once over whole tensors (rules/layout.rules defines each one with the loop dim; here it has size 1)."""
-    a = args[0]
-    last = [a.rank - 1]
-    if op == "acc_sum":
-        return a
-    if op == "acc_sum_last":
-        return build("sum", [a], last)
-    if op == "acc_mean_last":
-        return build("mean", [a], last)
-    if op == "acc_rms_last":
-        return build("sqrt", [build("mean", [build("square", [a])], last)])
-    if op == "acc_max_last":
-        return build("max", [a], last)
-    if op in ("acc_softmax_sum", "acc_softmax_out"):
-        e = build("exp", [build("sub", [a, build("max", [a], last)])])
-        return build("sum", [e], last) if op == "acc_softmax_sum" else build("matmul", [e, args[1]])
-    if op == "acc_rescaled_sum":
-        return args[1]
-    raise PrismError(f"no abstract meaning for accumulator '{op}'")
+    runs once over whole tensors (its `closed` form; rules/layout.rules defines each one with the loop dim,
+    here of size 1)."""
+    if op not in ACCUMULATORS:
+        raise PrismError(f"no abstract meaning for accumulator '{op}'")
+    return ACCUMULATORS[op].closed(build, *args)
 
 
 @dataclass
-class TargetGraph:
-    """The target's saturated e-graph as a lookup table: e-node key -> e-class."""
+class InputGraph:
+    """The input program's saturated e-graph as a lookup table: e-node key -> e-class."""
 
     classes: dict[tuple, str]
     outputs: dict[str, str]  # output name -> its e-class
@@ -209,8 +196,8 @@ def _ops_by_constructor() -> dict[str, str]:
     return {constructor(name): name for name in OPS}
 
 
-def saturate(program: Program, library: Library, limits: Limits = TARGET_LIMITS) -> TargetGraph:
-    """Saturate the program's outputs with the library's abstract rulesets; raise if none is there."""
+def saturate(program: Program, library: Library, limits: Limits = SATURATION_LIMITS) -> InputGraph:
+    """Saturate the input program's outputs with the library's abstract rulesets; raise if none is there."""
     missing = [r for r in RULESETS if r not in library.rulesets]
     rulesets = [r for r in RULESETS if r in library.rulesets]
     if "algebra" in missing or "definitions" in missing:
@@ -225,11 +212,11 @@ def saturate(program: Program, library: Library, limits: Limits = TARGET_LIMITS)
     classes: dict[tuple, str] = {}
     for op, kids, eclass in outcome.table or ():
         classes[(op, tuple(kids))] = eclass
-    graph = TargetGraph(classes, {}, outcome.reason, outcome.nodes, outcome.seconds)
+    graph = InputGraph(classes, {}, outcome.reason, outcome.nodes, outcome.seconds)
     for name, node in program.outputs:
         c = graph.lookup(node)
         if c is None:
-            raise PrismError(f"the target e-graph lost output '{name}' (egglog: {outcome.reason})")
+            raise PrismError(f"the saturated e-graph lost output '{name}' (egglog: {outcome.reason})")
         graph.outputs[name] = c
     return graph
 
@@ -244,5 +231,5 @@ def _run(text: str, setup: str, rulesets, limits: Limits):
                               Limits(iterations=max(1, out.iterations), nodes=limits.nodes,
                                      seconds=limits.seconds * 2), dump=True)
     if out.table is None:
-        raise PrismError(f"could not saturate the target e-graph: {out.reason}")
+        raise PrismError(f"could not saturate the input program's e-graph: {out.reason}")
     return out

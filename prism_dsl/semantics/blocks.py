@@ -1,11 +1,12 @@
 """The block-level interpreter: the executable definition of what a custom kernel computes.
 
-It does what ARCHITECTURE.md section 3 says, literally: for every block of the grid, for every loop
+It does what a kernel means (docs/ARCHITECTURE.md), literally: for every block of the grid, for every loop
 iteration, it slices each input's tile (through the load's map), runs the loop-body ops on the tiles,
-folds the accumulators (`accumulators`), then runs the post-loop ops and writes each stored tile at the
+folds the accumulators (`ir.accumulators`), then runs the post-loop ops and writes each stored tile at the
 block's place (through the store's map), adding the results of blocks along axes that write no dim.
 Everything is float64 NumPy. It must agree with the reference interpreter of the original program
 (tests check that for every fused program), and generated CUDA, when there is some, must agree with it.
+`evaluate` runs a whole program: custom kernels here, every other node in `reference`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import sympy
 
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program
-from ..kernels.kernel import Concrete, TileMap, after_loop, complete, free_symbols, instantiate_program, load_target
+from ..kernels.constraints import Concrete, instantiate_program
+from ..kernels.hardware import load_target
+from ..kernels.kernel import TileMap, after_loop, free_symbols
+from ..kernels.params import complete
 from ..ir.ops import OPS, Kind
-from .reference import apply
+from .reference import apply, bind_dims, evaluate_nodes
 
 
 def _slices(full: tuple[int, ...], tile: tuple[int, ...], tmap: TileMap, grid: Mapping[str, int],
@@ -63,13 +67,9 @@ def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
                     else:
                         values[n] = apply(n, [values[a] for a in n.args])
                 for n in accs:
-                    args = [values[a] for a in n.args]
-                    acc = ACCUMULATORS[n.op]
-                    if n not in states:
-                        states[n] = acc.init(*[a.shape for a in args])
-                    states[n] = acc.step(states[n], *args)
+                    states[n] = ACCUMULATORS[n.op].advance(states.get(n), *[values[a] for a in n.args])
             for n in accs:
-                values[n] = np.asarray(ACCUMULATORS[n.op].finish(states[n]), dtype=np.float64)
+                values[n] = ACCUMULATORS[n.op].value(states[n])
             for n in post:
                 if n.op == "tile":  # a tile the loop does not split, read after the loop
                     load = tiles[n.attr]
@@ -117,3 +117,18 @@ class KernelRunner:
         if id(kernel) not in self.results:
             self.results[id(kernel)] = run_kernel(self.concrete[kernel.name], operands)
         return self.results[id(kernel)][index]
+
+
+def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
+             target: str = "h100", prefer: str = "fill") -> dict[str, np.ndarray]:
+    """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
+
+    Kernel-level ops run in the reference semantics (`reference.apply`); custom kernels run in this
+    block-level interpreter with the grid sizes and loop ranges in `params` (by symbol name), and valid
+    choices for the ones not given (see `kernels.params.complete`)."""
+    env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
+    kernels = None
+    if any(n.op == "kernel" for n in program.nodes()):
+        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, target, prefer)
+    values = evaluate_nodes([n for _, n in program.outputs], env, kernels)
+    return {name: values[node] for name, node in program.outputs}

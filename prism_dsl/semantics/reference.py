@@ -3,7 +3,8 @@
 Every operator's meaning is one entry of `NUMPY`. Inputs of any float dtype are cast to float64 and every
 operation runs in float64; storage dtypes only decide how random inputs are rounded (`quantize`), so that
 inputs saved as f16 and re-read give the same result. Sizes come from a binding of the dim symbols: the
-defaults, `--dims` overrides, and whatever the given input arrays fix.
+defaults, `--dims` overrides, and whatever the given input arrays fix. A whole program is evaluated by
+`blocks.evaluate`, which runs custom kernels in the block interpreter and everything else here.
 """
 
 from __future__ import annotations
@@ -113,22 +114,6 @@ def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=No
                 args = [values[a] for a in node.args]
                 values[node] = kernels(node, args) if node.op == "kernel" else apply(node, args)
     return values
-
-
-def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
-             target: str = "h100", prefer: str = "fill") -> dict[str, np.ndarray]:
-    """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
-
-    Custom kernels run in the block-level interpreter (`blocks`) with the grid sizes and loop ranges in
-    `params` (by symbol name), and valid choices for the ones not given (see `kernel.choose`)."""
-    env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
-    kernels = None
-    if any(n.op == "kernel" for n in program.nodes()):
-        from .blocks import KernelRunner
-
-        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, target, prefer)
-    values = evaluate_nodes([n for _, n in program.outputs], env, kernels)
-    return {name: values[node] for name, node in program.outputs}
 
 
 def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,

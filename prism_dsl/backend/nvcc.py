@@ -1,0 +1,72 @@
+"""The compile check: the generated kernels compiled by nvcc for each architecture, ptxas's figures kept.
+
+Where it sits: after codegen, beside the CPU emulation (`emulate`); the pipeline's compile-check pass
+(`pipeline.build.compile_check`) turns a rejection into an error and the figures into the report.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Sequence
+
+from ..base.errors import PrismError
+from .codegen import HEADER, RenderedKernel, header_source
+from .cuda_runtime import NVCC_OPTIONS
+
+
+def write_sources(kernels: Sequence[RenderedKernel], directory: Path) -> None:
+    """prism.cuh and each kernel's .cu into `directory`: each .cu compiles there on its own."""
+    (directory / HEADER).write_text(header_source())
+    for k in kernels:
+        (directory / k.file).write_text(k.source)
+
+
+_PTXAS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "static_smem": re.compile(r"(\d+) bytes smem"),
+    "stack_frame": re.compile(r"(\d+) bytes stack frame"),
+}
+
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc")
+
+
+def ptxas_figures(text: str) -> dict:
+    out = {}
+    for key, pattern in _PTXAS.items():
+        m = pattern.search(text)
+        out[key] = int(m.group(1)) if m else 0
+    return out
+
+
+def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[str, ...]) -> dict[str, dict[str, dict]]:
+    """Compile every kernel for every arch (`nvcc -cubin -Xptxas -v`); per kernel and arch: ok, the ptxas
+    figures, and nvcc's messages when it failed."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise PrismError("nvcc is not on the PATH")
+    write_sources(kernels, workdir)
+
+    def one(job):
+        k, arch = job
+        cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_OPTIONS, "-Xptxas", "-v",
+               "-o", os.devnull, k.file]
+        done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+        result = {"ok": done.returncode == 0, **ptxas_figures(done.stderr)}
+        if done.returncode != 0:
+            result["stderr"] = done.stderr[-4000:]
+        return k.name, arch, result
+
+    results: dict[str, dict[str, dict]] = {k.name: {} for k in kernels}
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        for name, arch, result in pool.map(one, [(k, a) for k in kernels for a in archs]):
+            results[name][arch] = result
+    return results

@@ -1,0 +1,66 @@
+"""The values of the command line, read strictly: a value that is not what its flag takes is a usage
+error (exit 2) that says what was expected, never a traceback or a silently different number."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..lang.syntax import MAX_INT, clip
+
+MAX_SECONDS = 1e6  # a time limit beyond this is a mistake, and overflows the platform's clocks
+
+
+def parse_dims(text: str) -> dict[str, int]:
+    """`n=16,d=1024` -> {"n": 16, "d": 1024}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name.isidentifier() or not _is_int(value.removeprefix("-")):
+            raise argparse.ArgumentTypeError(f"expected NAME=INT[,NAME=INT...], got {clip(part)!r}")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"dim {name!r} is given twice")
+        out[name] = _size(value, f"{name} = ")
+    return out
+
+
+def parse_loop(text: str) -> dict[str, int]:
+    """`64` (every kernel's loop) or `F=64[,G=8]` (named loop symbols)."""
+    if _is_int(text.strip()):
+        return {"": _size(text.strip(), "")}
+    return parse_dims(text)
+
+
+def _is_int(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # not "²" or "٣": int() would take some, and no user means them
+
+
+def _size(digits: str, what: str) -> int:
+    """An integer of the command line that is a size: at most MAX_INT, which also keeps int() within the
+    4,300 digits Python converts."""
+    plain = digits.removeprefix("-").lstrip("0")
+    if len(plain) > len(str(MAX_INT)) or int(plain or "0") > MAX_INT:
+        raise argparse.ArgumentTypeError(f"{what}{clip(digits)} is too large: sizes are at most 2^63 - 1")
+    return int(digits)
+
+
+def positive_int(text: str) -> int:
+    if not _is_int(text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def whole(text: str) -> int:
+    if not _is_int(text):
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0 and at most {MAX_SECONDS:g}, got {text!r}")
+    return value

@@ -1,0 +1,137 @@
+"""Constraints on a kernel's symbols, and instantiation: binding every symbol for a hardware target.
+
+Each kernel brings conditions, as data (`Constraint`): grid sizes and the loop range at least 1, grid
+axes within the target's limits, every split tile dim a whole number, and the shared memory that the
+fusion plan allocates within the target's per-block limit. `instantiate` checks them all and returns a
+`Concrete` kernel or every violation in words; `valid` answers the same question compiled, for tuning.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from typing import Mapping
+
+import sympy
+
+from ..base.errors import PrismError
+from ..ir.nodes import Node, Program
+from .fusion import plan
+from .hardware import Target
+from .kernel import AXES, WHOLE, Kernel, kernels_of, output_shape, tile_dim
+from .sizes import call, compile_sizes, int_value, value
+
+
+@cache
+def shared_memory(kernel: Kernel) -> sympy.Expr:
+    """Bytes of shared memory one block needs: every buffer the generated kernel allocates.
+
+    `fusion.plan` decides them (loaded tiles in their tensor's dtype, values that must be materialized,
+    accumulator state in f32; element-wise chains fused into registers take none), so this bound and the
+    generated CUDA agree exactly. Buffers are not reused across the body: simple, and exact.
+    """
+    return plan(kernel).smem_bytes()
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One condition on the symbols, as data: `what` in words, and how to test it under an assignment."""
+
+    kind: str  # "divides", "smem", "grid", "positive"
+    expr: sympy.Expr  # for "divides": the quotient that must be an integer; else the value to bound
+    limit: int | None
+    what: str
+
+    def violation(self, binding: Mapping[sympy.Symbol, int]) -> str | None:
+        v = value(self.expr, binding)
+        if v is None:
+            missing = ", ".join(sorted(str(s) for s in self.expr.free_symbols if s not in binding))
+            return f"{self.what}: no value for {missing}"
+        shown = sympy.Rational(v.numerator, v.denominator)
+        if self.kind == "divides":
+            return None if v.denominator == 1 else f"{self.what}: {self.expr} = {shown} is not a whole number"
+        if self.kind == "positive":
+            return None if v >= 1 else f"{self.what} must be at least 1, got {shown}"
+        return f"{self.what} is {int(v)}, above the limit of {self.limit}" if v > self.limit else None
+
+
+@cache
+def constraints(kernel: Kernel, target: Target) -> list[Constraint]:
+    out: list[Constraint] = []
+    for axis, g in kernel.grid:
+        out.append(Constraint("positive", g, None, f"kernel '{kernel.name}': grid axis {axis} ({g})"))
+        limit = target.max_grid[AXES.index(axis)]
+        out.append(Constraint("grid", g, limit, f"kernel '{kernel.name}': grid axis {axis} ({g} blocks)"))
+    if kernel.loop is not None:
+        out.append(Constraint("positive", kernel.loop, None, f"kernel '{kernel.name}': the loop range ({kernel.loop})"))
+    for load in kernel.loads:
+        source = kernel.inputs[load.source]
+        for i, (size, dm) in enumerate(zip(source.shape, load.map.dims)):
+            if dm == WHOLE:
+                continue
+            by = " and ".join(([f"grid axis {dm.axis} ({kernel.size(dm.axis)})"] if dm.axis else [])
+                             + ([f"the loop ({kernel.loop_range})"] if dm.loop else []))
+            out.append(Constraint("divides", tile_dim(size, dm, kernel), None,
+                                  f"kernel '{kernel.name}': tile '{load.tile}' splits dim {i} of size {size} by {by}"))
+    out.append(Constraint("smem", shared_memory(kernel), target.smem_per_block,
+                          f"kernel '{kernel.name}': shared memory per block (bytes)"))
+    return out
+
+
+@dataclass(frozen=True)
+class Concrete:
+    """A kernel with every symbol bound: concrete grid, loop range and shapes."""
+
+    kernel: Kernel
+    grid: tuple[tuple[str, int], ...]
+    loop: int
+    binding: Mapping[sympy.Symbol, int]
+    smem_bytes: int
+
+    def shape(self, node: Node) -> tuple[int, ...]:
+        return tuple(int_value(s, self.binding) for s in node.shape)
+
+    def output_shape(self, index: int) -> tuple[int, ...]:
+        store = self.kernel.stores[index]
+        return tuple(int_value(s, self.binding) for s in output_shape(store.value.shape, store.map, self.kernel))
+
+    def blocks(self) -> int:
+        return math.prod(g for _, g in self.grid)
+
+
+def valid(kernel: Kernel, binding: Mapping[sympy.Symbol, int], target: Target) -> bool:
+    """Whether `instantiate` would succeed: every constraint at once, compiled (`_checker`)."""
+    return call(_checker(kernel, target), binding, False)
+
+
+@cache
+def _checker(kernel: Kernel, target: Target) -> tuple:
+    """(symbols, a function of their values) true when every constraint of `kernel` holds."""
+    checks = constraints(kernel, target)
+    forms = {"divides": "({}).denominator == 1", "positive": "({}) >= 1"}  # "smem", "grid": at most the limit
+    test = lambda sources: " and ".join(  # noqa: E731
+        forms.get(c.kind, f"({{}}) <= {c.limit}").format(e) for c, e in zip(checks, sources)) or "True"
+    return compile_sizes([sympy.sympify(c.expr) for c in checks], test)
+
+
+def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], target: Target) -> Concrete | list[str]:
+    """The kernel with all symbols bound, or every violated constraint in words."""
+    if not valid(kernel, binding, target):
+        return [v for c in constraints(kernel, target) if (v := c.violation(binding))]
+    grid = tuple((a, int_value(g, binding)) for a, g in kernel.grid)
+    smem = int_value(shared_memory(kernel), binding)
+    return Concrete(kernel, grid, int_value(kernel.loop_range, binding), dict(binding), smem)
+
+
+def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], target: Target) -> dict[str, Concrete]:
+    """Every kernel instantiated; raises one PrismError listing every violated constraint."""
+    out: dict[str, Concrete] = {}
+    problems: list[str] = []
+    for k in kernels_of(program):
+        c = instantiate(k, binding, target)
+        if isinstance(c, list):
+            problems += c
+        else:
+            out[k.name] = c
+    if problems:
+        raise PrismError("the kernel parameters are not valid:\n  " + "\n  ".join(problems))
+    return out

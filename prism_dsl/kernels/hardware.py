@@ -1,0 +1,55 @@
+"""The GPUs a kernel is instantiated for: one TOML file per target in `targets/`.
+
+A target gives the limits the constraints check (shared memory per block, grid size) and the figures the
+cost model reads (SMs, bandwidths, peak rates, launch overhead). Adding a GPU is adding a file.
+"""
+
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Mapping
+
+from ..base.errors import PrismError
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    arch: str
+    sms: int
+    smem_per_block: int
+    smem_per_sm: int
+    max_threads_per_block: int
+    max_grid: tuple[int, int, int]
+    l2_bytes: int
+    bandwidth_gbs: float
+    launch_overhead_us: float
+    peak_tflops: Mapping[str, float]
+    l2_bandwidth_gbs: float
+    iteration_latency_us: float
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+TARGETS_DIR = Path(__file__).parent / "targets"
+
+
+def target_names() -> list[str]:
+    return sorted(p.stem for p in TARGETS_DIR.glob("*.toml"))
+
+
+@cache
+def load_target(name: str = "h100") -> Target:
+    path = TARGETS_DIR / f"{name.lower()}.toml"
+    if not path.is_file():
+        raise PrismError(f"unknown target '{name}' (known: {', '.join(target_names())})")
+    try:
+        data = tomllib.loads(path.read_text())
+        data["max_grid"] = tuple(data["max_grid"])
+        return Target(**data)
+    except (tomllib.TOMLDecodeError, TypeError, KeyError) as e:
+        raise PrismError(f"target file {path} is malformed: {e}") from None

@@ -1,0 +1,131 @@
+"""`prismc compile` as one function: `compile_program(request) -> Report`, the pipeline's passes in order.
+
+    search         the input program's proved equivalents, each tuned by the cost model (or timed on the
+                   GPU), ranked (`optimize`); not run when compiling the program as written
+    choose         the program to build: the fastest found, or the input as written
+    lower, tune, render, compile-check, emulate, measure          (`build`)
+    write          every file, report.json last, into the output directory, replaced whole (`output`)
+
+Nothing is written before the last pass, and the output is checked before the first, so that minutes of
+search never end in "cannot write".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Mapping
+
+from ..backend import cost, cuda_runtime
+from ..base.errors import PrismError
+from ..ir.nodes import Program
+from ..kernels.hardware import Target
+from ..kernels.kernel import kernels_of
+from ..kernels.lower import lower
+from ..lang.printer import print_program
+from ..prove.rules import load_library
+from ..prove.soundness import check_library
+from ..search.config import SearchConfig
+from ..semantics.reference import bind_dims
+from .build import Build, BuildOptions, compile_check, dims_of, emulate, measure, render, tune
+from .optimize import TOP, Outcome, gpu_timer, optimize
+from .output import check_output, contents, write
+from .report import Alternative, Checked, Hardware, KernelReport, NvccCheck, Report, Searched, Skipped
+
+
+@dataclass(frozen=True)
+class Searching:
+    """How the search runs: its limits, and what it may spend."""
+
+    config: SearchConfig = SearchConfig()
+    time_limit: float | None = 60.0  # seconds; then the best proved program so far
+    jobs: int | None = None  # prover processes (None: one per core)
+    use_cache: bool = True  # read and write the checkpoint and the tuning database
+    progress: bool = False  # a status line on stderr (a terminal only)
+
+
+@dataclass(frozen=True)
+class Request:
+    program: Program  # the input program
+    output: Path  # the directory the results replace
+    hardware: Target
+    options: BuildOptions = BuildOptions()
+    search: Searching | None = Searching()  # None: compile the program as written
+
+
+@dataclass(frozen=True)
+class Choice:
+    program: Program
+    options: BuildOptions  # with the parameters the search tuned (or measured) for the program
+    proved: bool  # the input itself, or proved equal to it in this run
+    searched: Searched | None = None
+
+
+def compile_program(request: Request) -> Report:
+    """The input program compiled, checked and written to `request.output`; what was found."""
+    if request.options.rank == "measure" and not cuda_runtime.gpu_status()[0]:
+        raise PrismError(f"--rank measure needs a usable CUDA GPU: {cuda_runtime.gpu_status()[1]}; "
+                         "use --rank model without one")
+    check_output(request.output)
+    outcome = search(request)
+    chosen = choose(request, outcome)
+    started = time.perf_counter()
+    tuned = tune(lower(chosen.program), chosen.program, request.hardware, chosen.options, request.program)
+    built = render(tuned, chosen.options.codegen)
+    seconds = round(time.perf_counter() - started, 3)
+    nvcc, figures = compile_check(built.kernels, chosen.options.archs)
+    checked = Checked(emulate(built, chosen.options),
+                      measure(built, chosen.options.seed) if chosen.options.rank == "measure" else None)
+    texts = contents(built, {} if chosen.searched is None else {chosen.searched.best: print_program(chosen.program)})
+    report = _report(chosen, built, seconds, nvcc, figures, checked, (*texts, "report.json"))
+    write(request.output, {**texts, "report.json": report.to_json()})
+    return report
+
+
+def search(request: Request) -> Outcome | None:
+    """The proved programs, ranked, the fastest first; None when compiling as written."""
+    if request.search is None:
+        return None
+    library = load_library([], defaults=True)
+    check_library(library)  # every axiom a proof may use is checked sound first
+    s, o = request.search, request.options
+    measure = gpu_timer(request.hardware, o, request.program) if o.rank == "measure" else None
+    return optimize(request.program, library, request.hardware, bind_dims(request.program, dict(o.dims)),
+                    config=s.config, time_limit=s.time_limit, jobs=s.jobs, threads=o.codegen.threads,
+                    use_cache=s.use_cache, progress=s.progress, measure=measure,
+                    device=cuda_runtime.device_identity() if measure else "")
+
+
+def choose(request: Request, outcome: Outcome | None) -> Choice:
+    if outcome is None:
+        return Choice(request.program, request.options, proved=True)  # the input itself
+    best = outcome.best
+    alternatives = tuple(
+        Alternative(i + 1, r.as_written, len(kernels_of(lower(r.program))), round(r.estimated_us, 3),
+                    None if r.measured_us is None else round(r.measured_us, 3),
+                    None if r.measured is None else r.measured.note, True if r.proved else None,
+                    print_program(r.program, with_dims=False))
+        for i, r in enumerate(outcome.ranked[:TOP]))
+    searched = Searched("best.prism", best.as_written, alternatives[0].kernels, outcome.search,
+                        outcome.search["search_seconds"], alternatives)
+    return Choice(best.program, replace(request.options, params=best.params), best.proved, searched)
+
+
+def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skipped | None, figures: Mapping,
+            checked: Checked, files: tuple[str, ...]) -> Report:
+    gpu = checked.gpu
+    kernels = tuple(
+        KernelReport(r.name, r.function, r.file, r.grid, r.block, r.smem, r.tensor_cores, e.as_dict(),
+                     figures.get(r.name, {}), None if gpu is None else _us(gpu.kernels_ms[r.name]))
+        for r, e in zip(built.kernels, built.estimates))
+    hardware = built.hardware
+    return Report(built.program.name, Hardware(hardware.name, hardware.arch), chosen.options.rank, dims_of(built),
+                  built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
+                  cost.roofline(built.source, bind_dims(built.source, dims_of(built)), hardware),
+                  None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
+                  chosen.searched)
+
+
+def _us(timing_ms: Mapping[str, float]) -> float:
+    return round(timing_ms["median_ms"] * 1000, 3)

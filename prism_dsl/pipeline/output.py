@@ -1,0 +1,163 @@
+"""The write pass: a compile's files into the output directory, which is replaced whole, or not at all.
+
+`-o DIR` is built in a scratch directory beside it (`.DIR.prismc-<pid>-XXXXXXXX`), which takes DIR's place
+only when every file is written; an earlier DIR (only one that `check_output` allows) is then removed, so
+no stale file of an earlier compile remains and a failed or killed compile leaves the old DIR as it was.
+Scratch directories of killed compiles are swept by the next compile beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from typing import Callable, Mapping
+
+from ..backend import cuda_runtime
+from ..backend.codegen import HEADER, header_source, template_env
+from ..base import files
+from ..base.errors import PrismError
+from ..lang.printer import print_program
+from . import build
+
+_LEGACY = re.compile(r"[^/]+\.cu|prism\.cuh|launcher\.py|prism_runtime\.py|[^/]+\.prism|report\.json")
+_SCRATCH = files.scratch_pattern(r"\.(?P<name>.+)\.")  # `.DIR.prismc-<pid>-XXXXXXXX` beside DIR
+
+
+def check_output(out: Path) -> None:
+    """Refuse an output directory prismc may not write, before any work (and again before the swap).
+
+    `-o DIR` is replaced whole, so DIR must be new, empty, or one that prismc wrote: its report.json is
+    prismc's (the keys prismc writes), and DIR holds only the files that report lists under "files" (a
+    report without that list, from an older prismc: the names prismc gives its files), and Python's
+    `__pycache__`. Anything else (a file of the user's, a directory where prismc writes a file) makes
+    prismc refuse and touch nothing.
+    """
+    shown = str(out)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise PrismError(f"cannot write to '{shown}': it exists and is not a directory "
+                         "(-o names the directory the results go into)")
+    probe = out.parent
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not os.path.isdir(probe):
+        raise PrismError(f"cannot write to '{shown}': '{probe}' is not a directory")
+    here, target = Path.cwd().resolve(), out.resolve()
+    if target == here or target in here.parents:
+        raise PrismError(f"cannot write to '{shown}': it holds the current directory, and prismc replaces its "
+                         "output directory whole; give a directory inside it, e.g. -o out")
+    if os.path.isdir(out):
+        foreign = _foreign(target)
+        if foreign:
+            listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise PrismError(f"cannot write to '{shown}': it holds what prismc did not write ({listed}); prismc "
+                             "replaces its output directory whole, so give a new or empty directory, or one "
+                             "an earlier compile wrote")
+
+
+def _foreign(directory: Path) -> list[str]:
+    """What in an existing directory prismc did not write (sorted; directories end with '/')."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError as e:
+        raise PrismError(f"cannot write to '{directory}': {files.describe(e)}") from None
+    if not entries:
+        return []
+    mine = _mine(directory)
+    return [e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries
+            if not (e.is_file(follow_symlinks=False) and mine(e.name))
+            and not (e.name == "__pycache__" and _bytecode_only(e))]
+
+
+def _mine(directory: Path) -> Callable[[str], bool]:
+    """Whether a file name is one prismc wrote in `directory`: one its report.json lists (any name an older
+    prismc gave its files, when it lists none); none, without a report.json of prismc's form."""
+    try:
+        report = json.loads(files.read_regular(directory / "report.json", files.MAX_TEXT_BYTES))
+    except (OSError, ValueError, RecursionError):
+        report = None
+    if not (isinstance(report, dict) and {"program", "kernels", "verified"} <= report.keys()):
+        return lambda name: False
+    listed = report.get("files")
+    if isinstance(listed, list) and all(isinstance(n, str) for n in listed):
+        return {*listed, "report.json"}.__contains__
+    return lambda name: _LEGACY.fullmatch(name) is not None
+
+
+def _bytecode_only(entry: os.DirEntry) -> bool:
+    """A `__pycache__` that Python made when launcher.py was imported: only .pyc files."""
+    if not entry.is_dir(follow_symlinks=False):
+        return False
+    try:
+        return all(e.is_file(follow_symlinks=False) and e.name.endswith(".pyc") for e in os.scandir(entry.path))
+    except OSError:
+        return False
+
+
+def _sweep(parent: Path) -> None:
+    """Scratch directories that killed compiles left beside their outputs: removed, except a directory set
+    aside during a swap whose output is missing (killed between the two renames), which is put back."""
+    for path in files.abandoned(parent, _SCRATCH):
+        m = _SCRATCH.fullmatch(path.name)
+        home = parent / m.group("name")
+        if m.group("old") and not os.path.lexists(home):
+            try:
+                os.rename(path, home)
+                continue
+            except OSError:
+                pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _swap_in(scratch: Path, out: Path) -> None:
+    """`scratch` becomes `out`: renamed into place, an existing `out` set aside first and removed after."""
+    if not os.path.lexists(out):
+        os.rename(scratch, out)
+        return
+    aside = out.parent / (files.scratch_prefix(f".{out.name}.") + "old-" + secrets.token_hex(4))
+    os.rename(out, aside)
+    try:
+        os.rename(scratch, out)
+    except OSError:
+        os.rename(aside, out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def contents(built: build.Build, extra: Mapping[str, str]) -> dict[str, str]:
+    """Every file of an output but report.json, name -> text: prism.cuh and the kernels, the runtime and a
+    launcher for it, the program as compiled, and `extra` (the search's best.prism)."""
+    plan = build.plan_of(built)
+    launcher = template_env().get_template("launcher.py.j2").render(
+        plan=plan, program=built.program.name, plan_literal=cuda_runtime.format_plan(plan))
+    return {HEADER: header_source(), **{k.file: k.source for k in built.kernels},
+            "prism_runtime.py": Path(cuda_runtime.__file__).read_text(), "launcher.py": launcher,
+            f"{built.program.name}.prism": print_program(built.program), **extra}
+
+
+def write(out: Path, texts: Mapping[str, str]) -> None:
+    """`texts` (file name -> text) as the files of `out`, replacing it whole (see the module doc)."""
+    shown = str(out)
+    out = out.resolve()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _sweep(out.parent)
+        scratch = Path(tempfile.mkdtemp(prefix=files.scratch_prefix(f".{out.name}."), dir=out.parent))
+    except OSError as e:
+        raise PrismError(f"cannot write to '{shown}': {files.describe(e)}") from None
+    try:
+        for name, text in texts.items():
+            (scratch / name).write_text(text)
+        mode = out.stat().st_mode if os.path.isdir(out) else 0o777 & ~files.umask()
+        os.chmod(scratch, stat.S_IMODE(mode))  # mkdtemp's directory is private; keep the usual mode
+        check_output(Path(shown))  # the user may have put something there while the compile ran
+        _swap_in(scratch, out)
+    except OSError as e:
+        raise PrismError(f"cannot write to '{shown}': {files.describe(e)}") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

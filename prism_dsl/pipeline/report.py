@@ -1,0 +1,199 @@
+"""What `prismc compile` found, typed and frozen: built by the pipeline's passes, serialised once to
+report.json (`Report.to_json`) and said in words (`summary`).
+
+Three words, three meanings:
+
+    proved    the emitted program is the input program itself (compiled as written, or nothing faster was
+              found), or an e-graph proof in this run showed it equal to the input program
+    checked   what ran against the float64 reference of the input program: the generated code emulated on
+              the CPU, and run on the GPU when ranking by measurement; each with its errors and tolerance
+    verified  both: proved, and at least one check ran and every check that ran agreed
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A check that could not run here, and why."""
+
+    skipped: str
+
+
+@dataclass(frozen=True)
+class Check:
+    """The generated code run on random inputs, each output compared with the float64 reference
+    (`cuda_runtime.check`: |got - ref| <= rtol * (|ref| + rms(ref)) everywhere, NaN never passes)."""
+
+    passed: bool
+    rtol: float
+    seed: int
+    checked_against: str  # "input program": never the program the search chose
+    outputs: Mapping[str, Mapping]  # per output: passed, max_rel_err, max_abs_err, nan, worst_index, reason
+
+    def errors(self) -> str:
+        return ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" for o, v in self.outputs.items())
+
+
+@dataclass(frozen=True)
+class GpuCheck(Check):
+    """A check on the GPU, with the program's times there (CUDA-event medians of rotated input sets)."""
+
+    device: str
+    timing_ms: Mapping[str, float]  # the whole program: median_ms, min_ms, mean_ms, repeat
+    kernels_ms: Mapping[str, Mapping[str, float]]  # the same per kernel, its zeroing included
+
+
+@dataclass(frozen=True)
+class Checked:
+    emulation: Check | Skipped | None = None  # None: not asked for
+    gpu: GpuCheck | None = None  # None: not ranked by measurement
+
+    def ran(self) -> list[Check]:
+        return [c for c in (self.emulation, self.gpu) if isinstance(c, Check)]
+
+    @property
+    def passed(self) -> bool:
+        """At least one check ran, and every one agreed."""
+        return bool(self.ran()) and all(c.passed for c in self.ran())
+
+    @property
+    def failed(self) -> bool:
+        return not all(c.passed for c in self.ran())
+
+
+@dataclass(frozen=True)
+class NvccCheck:
+    """Every kernel compiled by nvcc for every architecture (a rejection is an error, not a report)."""
+
+    archs: tuple[str, ...]
+    passed: bool = True
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    name: str
+    function: str
+    file: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+    tensor_cores: bool
+    estimate: Mapping  # `cost.Estimate`'s fields
+    nvcc: Mapping[str, Mapping]  # per architecture: ok and ptxas's figures; empty when not compiled
+    measured_us: float | None = None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    arch: str
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One of the best programs the search ranked."""
+
+    rank: int
+    as_written: bool
+    kernels: int
+    estimated_us: float
+    measured_us: float | None
+    measurement: str | None  # "checked", or why a time is not usable; None: not timed
+    proved: bool | None  # True: proved in this run (or the input itself); None: from the checkpoint, not again
+    program: str
+
+
+@dataclass(frozen=True)
+class Searched:
+    """The search's part of the report (written at report.json's top level)."""
+
+    best: str  # the file the chosen program is written to
+    best_is_input: bool
+    kernels_in_best: int
+    search: Mapping  # what `optimize` says of the search
+    search_seconds: float
+    alternatives: tuple[Alternative, ...]
+
+
+@dataclass(frozen=True)
+class Report:
+    program: str
+    hardware: Hardware
+    rank: str  # how launch parameters were ranked: "model" or "measure"
+    dims: Mapping[str, int]
+    parameters: Mapping[str, int]
+    kernels: tuple[KernelReport, ...]
+    estimated_us: float
+    roofline: Mapping
+    measured_us: float | None  # on the GPU, when ranking by measurement
+    nvcc: NvccCheck | Skipped | None  # None: no architecture asked for
+    checked: Checked
+    proved: bool
+    compile_seconds: float
+    files: tuple[str, ...]  # what prismc wrote into the output directory
+    searched: Searched | None = None  # None: compiled as written
+
+    @property
+    def verified(self) -> bool:
+        return self.proved and self.checked.passed
+
+    def to_json(self) -> str:
+        fields = asdict(self)
+        searched = fields.pop("searched") or {}
+        return json.dumps({**fields, **searched, "verified": self.verified}, indent=2) + "\n"
+
+
+def summary(report: Report, out: Path) -> str:
+    """The report in words, for the terminal."""
+    lines = [f"{report.program} -> {out}/ (hardware {report.hardware.name}, "
+             f"dims {', '.join(f'{k}={v}' for k, v in report.dims.items()) or 'none'})"]
+    for k in report.kernels:
+        nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})
+        res = f", {nv['registers']} registers, {nv['spill_stores']} B spilled" if nv else ""
+        measured = f", measured {k.measured_us} us" if k.measured_us is not None else ""
+        lines.append(f"  kernel {k.name}: grid {'x'.join(map(str, k.grid))}, {k.block[0]} threads, "
+                     f"{k.smem_bytes} B shared{res}{', tensor cores' if k.tensor_cores else ''}; "
+                     f"estimated {k.estimate['time_us']} us ({k.estimate['bound']}){measured}")
+    roof = report.roofline
+    lines.append(f"  estimated {report.estimated_us} us; roofline floor {roof['floor_us']} us ({roof['bound']})"
+                 + (f"; measured {report.measured_us} us" if report.measured_us is not None else ""))
+    checks = {"nvcc": report.nvcc, "emulation": report.checked.emulation, "gpu": report.checked.gpu}
+    for name, c in ((n, c) for n, c in checks.items() if c is not None):
+        if isinstance(c, Skipped):
+            lines.append(f"  {name}: skipped ({c.skipped})")
+        elif isinstance(c, NvccCheck):
+            lines.append(f"  nvcc: every kernel compiles for {', '.join(c.archs)}")
+        else:
+            lines.append(f"  {name}: {'passed' if c.passed else 'FAILED'} against the float64 reference of the "
+                         f"{c.checked_against} ({c.errors()})")
+    if report.searched is not None:
+        lines += _search_lines(report.searched)
+    lines.append("  verified: " + ("yes: proved and checked" if report.verified else "NO: " + (
+        "not proved equal to the input program" if not report.proved else
+        "the outputs did not agree" if report.checked.failed else "the outputs were not checked")))
+    return "\n".join(lines)
+
+
+def _search_lines(s: Searched) -> list[str]:
+    sr = s.search
+    how = "from the checkpoint" if sr["from_checkpoint"] else (
+        "complete" if sr["complete"] else f"cut short ({sr['stopped']}): best so far")
+    lines = [f"  search: {sr['proved_programs']} proved programs ({how}), {sr['jobs']} prover processes, "
+             f"{s.search_seconds} s; best: {s.best} with {s.kernels_in_best} kernel(s)"
+             + (" (the program as written: nothing faster was found)" if s.best_is_input else "")]
+    if sr.get("errors"):
+        lines.append(f"  {len(sr['errors'])} proofs could not run (errors, not failed proofs): "
+                     + "; ".join(dict.fromkeys(sr["errors"])))
+    if sr.get("as_written_fits") is False:
+        lines.append("  the program as written cannot run at these dims (its pre-defined kernels do not fit)")
+    if "measured" in sr:
+        m = sr["measured"]
+        lines.append(f"  tuning on {m['device']}: {m['timed']} programs timed, {m['from_database']} from the "
+                     "tuning database" + "".join(f"\n    not used: {f}" for f in m["failed"]))
+    return lines

@@ -1,0 +1,294 @@
+"""Program assembly, the search's second phase: generated candidates made concrete, checked and proved.
+
+Each custom kernel of a candidate gets its map choices (`maps`, and the `split` of each valid loop
+choice). A choice is dropped when a bound no instantiation can meet is broken (shared memory at the
+smallest tiles), or when the kernel disagrees numerically with its abstract expression on small random
+inputs (a filter that saves proof time; it proves nothing). Every combination of kernel choices that
+survives is printed, checked, and PROVED equal to the input program by the e-graph with the layout
+axioms, in a pool of egglog processes (`Prover`). Only proved programs are results; their sizes stay
+symbolic, so each holds for every binding of the dims.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator
+
+import numpy as np
+import sympy
+
+from ..base.errors import PrismError
+from ..ir.nodes import Node, Program, dim_symbol
+from ..ir.shapes import ShapeError, same_shape
+from ..kernels.constraints import shared_memory
+from ..kernels.hardware import Target
+from ..kernels.kernel import Kernel
+from ..kernels.sizes import value
+from ..lang import check
+from ..lang.printer import print_program
+from ..prove import egglog_runner
+from ..prove.egglog_runner import Limits
+from ..prove.egraph import compile_library
+from ..prove.layout import to_terms
+from ..prove.prover import pair_outputs, proof_terms, schedule
+from ..prove.rules import Library
+from ..semantics.blocks import evaluate
+from ..semantics.reference import evaluate_nodes, random_inputs
+from .config import Rejection, SearchConfig, Stats
+from .generate import Candidate, Predefined, Sketch, meaning_of, rebuild
+from .maps import MapChoice, NoKernel, index_classes, map_choices
+from .split import Split, build_choice, split_states
+
+PROOF_LIMITS = Limits(iterations=30, nodes=150_000, seconds=20.0)
+NUMERIC_CAP = 16  # dims are capped at this size for the numeric filter
+NUMERIC_RTOL = 1e-6  # float64 on both sides: anything above this is a real difference
+MAX_COMBINATIONS = 64  # kernel-map combinations proved per generated candidate
+
+
+class Assembly:
+    """Program assembly for generated candidates; proofs run in parallel egglog processes."""
+
+    def __init__(self, program: Program, library: Library, target: Target, config: SearchConfig, stats: Stats,
+                 jobs: int, limits: Limits = PROOF_LIMITS):
+        self.program, self.library, self.target, self.config, self.stats = program, library, target, config, stats
+        self.small = small_binding(program)
+        self.dims = program.default_binding()
+        self.inputs = random_inputs(program, self.small, seed=1)
+        self.seen_texts: set[str] = set()
+        self.prover = Prover(program, library, jobs, limits)
+        self.kernel_cache: dict = {}
+
+    def close(self) -> None:
+        self.prover.close()
+
+    # -- per kernel ------------------------------------------------------------------------------------
+
+    def kernel_options(self, cand: Candidate, sketch: Sketch) -> list[MapChoice | Split]:
+        """The map choices of one kernel that pass the static and numeric checks, in canonical order."""
+        cache_key = (sketch, tuple(cand.abstracts[i] for i in sketch.inputs))
+        if cache_key in self.kernel_cache:
+            return self.kernel_cache[cache_key]
+        choices, uf, order = map_choices(sketch, self.config)
+        placeholders = [Node("input", (), f"in{j}", cand.abstracts[i].dtype, cand.abstracts[i].shape)
+                        for j, i in enumerate(sketch.inputs)]
+        env = self._values(cand)
+        operands = {placeholders[j]: env[cand.abstracts[i]] for j, i in enumerate(sketch.inputs)}
+        meanings = [meaning_of(sketch, s, cand.abstracts) for s in sketch.outputs]
+        values = evaluate_nodes(meanings, env)
+        want = [values[m] for m in meanings]
+
+        def valid(choice: MapChoice | Split) -> bool:
+            self.stats.maps += 1
+            built = build_choice(sketch, choice, uf, order, "k", "", placeholders,
+                                 [f"o{i}" for i in range(len(sketch.outputs))])
+            if isinstance(built, NoKernel):
+                self.stats.prune(Rejection.MAPS)
+                return False
+            return self._agrees(*built, placeholders, operands, want)
+
+        good = [choice for choice in choices if valid(choice)]
+        # A grid whose axes are a subset of another valid grid's (same loop) is that grid with the
+        # extra axes of size 1, which tuning may choose: only the maximal grids go on.
+        maximal = [c for c in good if not any(o.loop == c.loop and set(c.grid) < set(o.grid) for o in good)]
+        self.stats.prune(Rejection.SUBSUMED_GRID, len(good) - len(maximal))
+        if self.config.split_reductions and split_states(sketch) is not None:
+            # Every valid choice may be split (the split axis takes the place a subsuming grid's would).
+            maximal += [Split(choice) for choice in good if valid(Split(choice))]
+        self.kernel_cache[cache_key] = maximal
+        return maximal
+
+    def _agrees(self, kernels: list[Kernel], nodes: list[Node], placeholders, operands, want) -> bool:
+        """Whether kernels (the last computing `nodes`) fit shared memory at the smallest tiles and agree
+        numerically with the abstract expression on small inputs, every split exercised."""
+        if not all(smallest_tiles_fit(k, self.dims, self.target) for k in kernels):
+            self.stats.prune(Rejection.SHARED_MEMORY)
+            return False
+        mini = Program("k", self.program.dims, tuple(placeholders), tuple((f"o{i}", n) for i, n in enumerate(nodes)))
+        params: dict[str, int] = {}
+        for k in kernels:
+            bound = {**self.small, **{dim_symbol(n): v for n, v in params.items()}}
+            params.update({n: v for n, v in _split_params(k, bound).items() if n not in params})
+        try:
+            got = evaluate(mini, {p.attr: operands[p] for p in placeholders}, params=params)
+        except (PrismError, ShapeError, ValueError, IndexError):
+            self.stats.prune(Rejection.MAPS)
+            return False
+        if all(_near(got[f"o{i}"], w) for i, w in enumerate(want)):
+            return True
+        self.stats.prune(Rejection.NUMERIC)
+        return False
+
+    def _values(self, cand: Candidate) -> dict[Node, np.ndarray]:
+        env = {n: np.asarray(self.inputs[n.attr], dtype=np.float64) for n in self.program.inputs}
+        return evaluate_nodes(list(cand.abstracts), env)
+
+    # -- whole programs --------------------------------------------------------------------------------
+
+    def programs(self, cand: Candidate) -> Iterator[Program]:
+        """Each combination of surviving kernel maps as a checked program (printed and parsed back)."""
+        options = []
+        for step in cand.steps:
+            opts = self.kernel_options(cand, step) if isinstance(step, Sketch) else [None]
+            if not opts:
+                return
+            options.append(opts)
+        for combo in itertools.islice(itertools.product(*options), MAX_COMBINATIONS):
+            prog = self.assemble(cand, combo)
+            if prog is not None:
+                yield prog
+
+    def assemble(self, cand: Candidate, combo) -> Program | None:
+        names = {cand.outputs[i]: name for i, (name, _) in enumerate(self.program.outputs)}
+        nodes: list[Node] = list(self.program.inputs)
+        customs = 0
+        for step, choice in zip(cand.steps, combo):
+            base = len(nodes)
+            if isinstance(step, Predefined):
+                nodes.append(rebuild(step.op, [nodes[a] for a in step.args]))
+                continue
+            customs += 1
+            uf, order = index_classes(step)
+            store_names = [names.get(base + i, f"t{base + i}") for i in range(len(step.outputs))]
+            built = build_choice(step, choice, uf, order, f"fused{customs}" if len(cand.steps) > 1 else "fused",
+                                 "" if customs == 1 else str(customs), [nodes[i] for i in step.inputs],
+                                 store_names, base)
+            if isinstance(built, NoKernel):
+                return None
+            nodes += built[1]
+        outs = tuple((name, nodes[cand.outputs[i]]) for i, (name, _) in enumerate(self.program.outputs))
+        for (name, node), (_, want) in zip(outs, self.program.outputs):
+            if not same_shape(node.shape, want.shape):
+                self.stats.prune(Rejection.SHAPE)
+                return None
+        names_map = {nodes[i]: f"t{i}" for i in range(len(self.program.inputs), len(nodes)) if i not in names}
+        prog = Program(self.program.name, self.program.dims, self.program.inputs, outs, {}, names_map, self.program.loc)
+        text = print_program(prog)
+        if text in self.seen_texts:
+            self.stats.prune(Rejection.DUPLICATE)
+            return None
+        self.seen_texts.add(text)
+        try:
+            return check.load("<candidate>", text).program()
+        except PrismError:
+            self.stats.prune(Rejection.CHECKER)
+            return None
+
+    def prove(self, candidate: Program) -> Future:
+        self.stats.proofs += 1
+        return self.prover.submit(candidate)
+
+
+class Prover:
+    """Proofs that candidates equal one program, in a pool of egglog sessions (one per thread, each
+    loaded with the library once). A future's result is True only for a proof of every output; a
+    candidate that cannot even be written as terms next to the program (other outputs) is not proved.
+    A proof that cannot run (its egglog worker died, egglog rejected the terms) raises in its future:
+    `proof_error` reads that as an error, which is not a "not proved". Used by the search, and by the
+    compile pipeline to prove again what it takes from the checkpoint."""
+
+    def __init__(self, program: Program, library: Library, jobs: int, limits: Limits = PROOF_LIMITS):
+        self.program, self.library, self.limits = program, library, limits
+        self.pool = ThreadPoolExecutor(max_workers=jobs)
+        self.local = threading.local()
+        self.sessions: list[egglog_runner.Session] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        self.egglog_program, _ = compile_library(library)
+        self.pairs = pair_outputs(program, program)
+
+    def submit(self, candidate: Program) -> Future:
+        return self.pool.submit(self.prove, candidate)
+
+    def warm(self, sessions: int = 1) -> None:
+        """Start sessions now (starting one takes most of a second), so that they load while the caller
+        works: each proves the program equal to itself."""
+        for _ in range(sessions):
+            self.submit(self.program)
+
+    def close(self) -> None:
+        """Stop: queued proofs are dropped, and every session's process is ended (one still starting
+        or proving ends when its proof returns), without waiting for proofs in flight."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            self.closed = True
+            for s in self.sessions:
+                s.close()
+
+    def prove(self, candidate: Program) -> bool:
+        """One proof, in this thread's egglog session (started on its first proof)."""
+        if sorted(n for n, _ in candidate.outputs) != sorted(n for n, _ in self.program.outputs):
+            return False
+        session = getattr(self.local, "session", None)
+        if session is None:
+            session = egglog_runner.Session(self.egglog_program)
+            with self.lock:
+                if self.closed:
+                    return False
+                self.sessions.append(session)
+            self.local.session = session
+        setup, goals = proof_terms(to_terms(candidate), to_terms(self.program), self.pairs)
+        try:
+            outcome = session.run(setup, goals, schedule(list(self.library.rulesets)), self.limits)
+        finally:
+            with self.lock:
+                if self.closed:
+                    session.close()
+        return all(outcome.proved)
+
+
+def proof_error(future: Future) -> str | None:
+    """Why a finished proof could not run (the exception it raised, in words), or None when it ran."""
+    error = future.exception()
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def small_binding(program: Program) -> dict[sympy.Symbol, int]:
+    """Dims for the numeric filter: the defaults, capped (even sizes keep splits possible)."""
+    out = {}
+    for d in program.dims:
+        v = min(d.default, NUMERIC_CAP)
+        out[d.symbol] = v if v < 4 or d.default <= NUMERIC_CAP else v - v % 4
+    return out
+
+
+def smallest_tiles_fit(kernel: Kernel, dims: dict, target: Target) -> bool:
+    """Shared memory with every split as fine as it can be (grid sizes and F at the sizes they split):
+    if even that does not fit, no instantiation does."""
+    biggest: dict[sympy.Symbol, int] = {}
+    for size, splitters in _splits(kernel):
+        full = value(size, dims)
+        if full is None:
+            continue  # a size set by another kernel's parameter (a split's number of pieces)
+        for sym in splitters:
+            if isinstance(sym, sympy.Symbol) and sym not in dims:
+                biggest[sym] = min(biggest.get(sym, full), full)
+    rest = kernel.loop_range.free_symbols.union(*(g.free_symbols for _, g in kernel.grid))
+    smem = value(shared_memory(kernel), {**dict.fromkeys(rest, 1), **dims, **biggest})
+    return smem is None or smem <= target.smem_per_block
+
+
+def _split_params(kernel: Kernel, dims: dict) -> dict[str, int]:
+    """Grid sizes and loop range for the numeric filter: 2 wherever that divides what they split (so
+    every split and the loop are exercised), else 1."""
+    def halves(size, splitters) -> bool:  # 2 for every symbol that splits this dim divides it
+        full = value(size, dims)
+        return full is not None and full % 2 ** len(splitters) == 0
+
+    syms = [s for s in [g for _, g in kernel.grid] + [kernel.loop] if isinstance(s, sympy.Symbol)]
+    return {s.name: 2 if all(halves(*d) for d in _splits(kernel) if s in d[1]) else 1 for s in syms}
+
+
+def _splits(kernel: Kernel) -> Iterator[tuple[sympy.Expr, list[sympy.Expr]]]:
+    """Each loaded dim's whole size, and the grid sizes and loop range that split it."""
+    for load in kernel.loads:
+        for size, dm in zip(kernel.inputs[load.source].shape, load.map.dims):
+            yield size, ([kernel.size(dm.axis)] if dm.axis else []) + ([kernel.loop_range] if dm.loop else [])
+
+
+def _near(got: np.ndarray, want: np.ndarray) -> bool:
+    if got.shape != want.shape or not (np.isfinite(got).all() and np.isfinite(want).all()):
+        return False
+    scale = max(float(np.abs(want).max()), 1e-30)
+    return float(np.abs(got - want).max()) / scale <= NUMERIC_RTOL

@@ -1,0 +1,366 @@
+"""Kernel generation, the search's first phase: candidate programs of custom kernels whose maps, grid
+sizes and loop ranges are still symbols.
+
+`Generator` goes depth first over prefix programs, one kernel at a time, fewer kernels first. A step
+is a custom kernel or a pre-defined kernel for one of the input program's own ops; a candidate is
+complete when every output of the input program is computed and every step's result is read. A custom
+kernel loads some of the tensors computed so far (tiles at their whole sizes) and is one of:
+- a loop kernel: a set of loop accumulators, each over loop values of its tiles. The loop values (at
+  most MAX_LOOP_OPS ops) and the work after the loop are not enumerated op by op: they are extracted
+  from the input program's saturated e-graph (`InputGraph.extract`), the cheapest terms over the tiles
+  and over the accumulators. What is enumerated is the accumulators (op and operand e-classes), in one
+  canonical order (combinations, so no permutation is generated twice);
+- a kernel without a loop: the missing outputs extracted over whole tiles (the last step only).
+What is dropped is counted by its `Rejection`. The main prune is expression-guided: an accumulator's
+abstract expression (`abstract`) must be in the saturated e-graph. `acc_sum` folds partial sums only (a
+matmul or a sum), so its meaning survives the loop; accumulators that no output can reach through
+element-wise ops are dropped before any combination is tried.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import sympy
+
+from ..base.errors import PrismError
+from ..ir.nodes import Node, Program
+from ..ir.ops import OPS, Kind
+from ..ir.shapes import ShapeError, build
+from .abstract import InputGraph, meaning
+from .config import Rejection, SearchConfig, Stats, Stop
+
+ACCUMULATORS = ("acc_sum", "acc_sum_last", "acc_mean_last", "acc_rms_last", "acc_max_last",
+                "acc_softmax_sum", "acc_softmax_out", "acc_rescaled_sum")
+# Accumulators that combine per-block partial results: only the combining kernel of a split reduction
+# (`split.Split`, built by program assembly) uses them, so kernel generation does not generate them.
+COMBINING = ("acc_max_last", "acc_rescaled_sum")
+MAX_LOOP_OPS = 3  # ops in the loop value an accumulator folds (extracted from the e-graph)
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """A generated custom kernel: body ops over whole-size tiles of kernel-level values."""
+
+    inputs: tuple[int, ...]  # indices of the kernel-level values it loads, in load order
+    tiles: tuple[Node, ...]  # the tile nodes (whole sizes), one per input
+    outputs: tuple[Node, ...]  # the block values it stores
+    loop: bool  # it has accumulators, hence a loop
+
+
+@dataclass(frozen=True)
+class Predefined:
+    """A pre-defined kernel computing one op of the input program on kernel-level values."""
+
+    op: Node  # the input program's node (its op and attr are reused)
+    args: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A complete generated program: steps in order; each output of the input program is some step's value."""
+
+    steps: tuple[Sketch | Predefined, ...]
+    outputs: tuple[int, ...]  # per output of the input program, the kernel-level value that holds it
+    abstracts: tuple[Node, ...]  # the abstract expression of every kernel-level value
+
+
+@dataclass(frozen=True)
+class Atom:
+    """One accumulator of a loop kernel: its op, operand e-classes, block node and abstract e-class."""
+
+    op: str
+    operands: tuple[str, ...]
+    node: Node
+    eclass: object
+    ops: int  # block ops it takes (the accumulator and its loop values)
+
+
+class Generator:
+    """Kernel generation: enumerates complete candidates (see the module doc), counting what it prunes."""
+
+    def __init__(self, program: Program, graph: InputGraph, config: SearchConfig, stats: Stats,
+                 should_stop: Callable[[], bool] = lambda: False):
+        self.program, self.graph, self.config, self.stats = program, graph, config, stats
+        self.should_stop = should_stop
+        self.atom_cache: dict = {}
+        # An input program written with softmax asks for the stable form: no exp of an unshifted value.
+        self.stable = any(n.op == "softmax" for n in program.nodes())
+        self.memo: dict[Node, str | None] = {}
+        self.wanted = [graph.outputs[name] for name, _ in program.outputs]
+        self.seen: set = set()
+        # the input program's own ops, for pre-defined kernels: e-class of the node -> node
+        self.input_ops = {}
+        for n in program.nodes():
+            if n.op not in ("input", "const"):
+                self.input_ops.setdefault(graph.lookup(n, self.memo), n)
+
+    def eclass(self, abstract: Node) -> str | None:
+        return self.graph.lookup(abstract, self.memo)
+
+    def candidates(self) -> Iterator[Candidate]:
+        """Complete programs with fewer steps first (iterative deepening), each once."""
+        inputs = list(self.program.inputs)
+        classes = [self.eclass(n) for n in inputs]
+        limit = self.config.max_kernels + self.config.max_predefined
+        for depth in range(1, limit + 1):  # fewer kernels first
+            yield from self._kernel_level([], inputs, classes, depth)
+
+    # -- kernel level ----------------------------------------------------------------------------------
+
+    def _missing(self, classes: list) -> list:
+        """The e-classes of the input program's outputs that no value computes yet, each once."""
+        return [w for w in dict.fromkeys(self.wanted) if w not in classes]
+
+    def _kernel_level(self, steps: list, values: list[Node], classes: list, depth: int) -> Iterator[Candidate]:
+        if self.should_stop():
+            raise Stop
+        if all(w in classes for w in self.wanted):
+            done = tuple(classes.index(w) for w in self.wanted)
+            if len(steps) == depth:
+                key = (tuple(steps), done)
+                if not _all_used(steps, done, len(self.program.inputs)):
+                    self.stats.prune(Rejection.UNUSED_OUTPUT)
+                elif key in self.seen:
+                    self.stats.prune(Rejection.DUPLICATE)
+                else:
+                    self.seen.add(key)
+                    self.stats.candidates += 1
+                    yield Candidate(tuple(steps), done, tuple(values))
+            return
+        if len(steps) >= depth:
+            return
+        customs = sum(isinstance(s, Sketch) for s in steps)
+        if len(steps) - customs < self.config.max_predefined:
+            for n in self.input_ops.values():
+                args = [classes.index(c) if (c := self.eclass(a)) in classes else None for a in n.args]
+                if None in args or self.eclass(n) in classes or any(a.op == "const" for a in n.args):
+                    continue
+                self.stats.generated += 1
+                step = Predefined(n, tuple(args))
+                yield from self._kernel_level(steps + [step], values + [n], classes + [self.eclass(n)], depth)
+        if customs < self.config.max_kernels:
+            last = steps[-1] if steps else None
+            last_start = len(values) - (len(last.outputs) if isinstance(last, Sketch) else 1) if last else 0
+            for k in range(1, self.config.max_inputs + 1):
+                for chosen in itertools.combinations(range(len(values)), k):
+                    # After the first step, a kernel reads something the step before it computed: any
+                    # other order of independent steps is generated from another prefix.
+                    if steps and max(chosen) < last_start:
+                        continue
+                    yield from self._block_level(steps, values, classes, depth, chosen)
+
+    def _step(self, steps, values, classes, depth, sketch: Sketch, new_classes: list) -> Iterator[Candidate]:
+        """Go on from the prefix with one more custom kernel."""
+        new_values = values + [meaning_of(sketch, o, values) for o in sketch.outputs]
+        yield from self._kernel_level(steps + [sketch], new_values, classes + new_classes, depth)
+
+    # -- block level -----------------------------------------------------------------------------------
+
+    def _block_level(self, steps, values, classes, depth, chosen) -> Iterator[Candidate]:
+        tiles = []
+        taken: set[str] = set()
+        for i in chosen:
+            v = values[i]
+            name = (v.attr if v.op == "input" else f"t{i}").lower() + "t"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            tiles.append(Node("tile", (), name, v.dtype, v.shape))
+        leaves = {classes[i]: (t, values[i]) for i, t in zip(chosen, tiles)}
+        if len(leaves) < len(tiles) or not all(isinstance(c, str) for c in leaves):
+            return
+        yield from self._no_loop(steps, values, classes, depth, chosen, tiles)
+        atoms = self._atoms(leaves)
+        if len(steps) + 1 == depth:
+            # The last kernel's accumulators are leaves of its outputs' post-loop terms: only those
+            # under the missing outputs through element-wise ops can be.
+            under = self.graph.below(self._missing(classes))
+            useful = [a for a in atoms if a.eclass in under]
+            self.stats.prune(Rejection.UNUSED_ACCUMULATOR, len(atoms) - len(useful))
+            atoms = useful
+        for k in range(1, min(self.config.max_accumulators, self.config.max_block_ops) + 1):
+            for combo in itertools.combinations(atoms, k):
+                if self.should_stop():
+                    raise Stop
+                self.stats.generated += 1
+                if len({a.eclass for a in combo}) < k:
+                    self.stats.prune(Rejection.DUPLICATE)
+                elif sum(a.ops for a in combo) > self.config.max_block_ops:
+                    self.stats.prune(Rejection.LIMITS)
+                else:
+                    yield from self._close(steps, values, classes, depth, chosen, tiles, combo)
+
+    def _atoms(self, leaves: dict) -> list[Atom]:
+        """The accumulators a loop kernel over these tiles may hold: each accumulator applied to loop
+        values (small terms over the tiles, extracted from the e-graph), kept when its abstract
+        expression is in the input's saturated e-graph (expression-guided pruning)."""
+        key = tuple(sorted((c, t) for c, (t, _) in leaves.items()))
+        if key in self.atom_cache:
+            return self.atom_cache[key]
+        block_terms = self.graph.terms_from({c: t for c, (t, _) in leaves.items()}, MAX_LOOP_OPS)
+        abstract_terms = self.graph.terms_from({c: v for c, (_, v) in leaves.items()}, MAX_LOOP_OPS)
+        operands = [(c, t, abstract_terms[c]) for c, t in block_terms.items() if c in abstract_terms]
+        atoms = []
+        for op in ACCUMULATORS:
+            if self.config.ops is not None and op not in self.config.ops or op in COMBINING:
+                continue
+            for args in self._operand_tuples(op, operands):
+                self.stats.generated += 1
+                try:
+                    node = build(op, [t for _, t, _ in args])
+                    abstract = meaning(op, [a for _, _, a in args])
+                except (ShapeError, PrismError):
+                    self.stats.prune(Rejection.SHAPE)
+                    continue
+                eclass = self.eclass(abstract)
+                if eclass is None:
+                    if self.config.expression_pruning:
+                        self.stats.prune(Rejection.EXPRESSION)
+                        continue
+                    eclass = abstract
+                if self.stable and _unstable(node):
+                    self.stats.prune(Rejection.UNSTABLE_EXP)
+                    continue
+                ops = len({m for m in node.walk() if m.op not in ("tile", "const")})
+                atoms.append(Atom(op, tuple(c for c, _, _ in args), node, eclass, ops))
+        self.atom_cache[key] = atoms
+        return atoms
+
+    def _operand_tuples(self, op: str, operands: list) -> Iterator[tuple]:
+        """Operand tuples whose whole sizes fit the accumulator (pairs matched through an index)."""
+        if op == "acc_sum":
+            # A running sum keeps its operand's meaning only when each iteration's value is a partial
+            # sum (the loop splits a contracted or summed dim).
+            yield from ((o,) for o in operands if o[1].op in ("matmul", "sum"))
+            return
+        if OPS[op].operands == 1:
+            yield from ((o,) for o in operands if o[1].rank >= 1 and not is_one(o[1].shape[-1]))
+            return
+        by_rows: dict = {}
+        for o in operands:
+            if o[1].rank >= 2:
+                by_rows.setdefault(o[1].shape[-2], []).append(o)
+        for s in operands:
+            if s[1].rank >= 2:
+                for v in by_rows.get(s[1].shape[-1], ()):
+                    if _fits(op, [s[1], v[1]]):
+                        yield (s, v)
+
+    def _post_loop(self, classes: list, leaves: dict[str, Node]) -> tuple[list, list[Node]] | Rejection:
+        """The missing outputs' e-classes and their terms over `leaves` (e-class -> block node), the
+        cheapest the e-graph holds; or why there are none."""
+        goals = self._missing(classes)
+        outs = self.graph.extract(goals, leaves)
+        if outs is None:
+            return Rejection.NO_POST_LOOP_FORM
+        if self.stable and any(_unstable(o) for o in outs):
+            return Rejection.UNSTABLE_EXP
+        return goals, outs
+
+    def _close(self, steps, values, classes, depth, chosen, tiles, combo):
+        """A loop kernel with these accumulators. Its post-loop work is extracted: the missing outputs
+        built from the accumulators alone (when this is the last step); otherwise it stores the
+        accumulators themselves."""
+        accumulated = [(a.node, a.eclass) for a in combo]
+        used_tiles = {m for a in combo for m in a.node.walk() if m.op == "tile"}
+        if len(used_tiles) < len(tiles):
+            return  # a tile nothing reads: the same kernel with fewer inputs covers it
+        if len(steps) + 1 == depth:
+            if not all(isinstance(k, str) for _, k in accumulated):
+                self.stats.prune(Rejection.NO_POST_LOOP_FORM)
+                return
+            found = self._post_loop(classes, {k: n for n, k in accumulated})
+            if isinstance(found, Rejection):
+                self.stats.prune(found)
+                return
+            new_classes, outs = found
+            reached = {m for o in outs for m in o.walk()}
+            if any(n not in reached for n, _ in accumulated):
+                self.stats.prune(Rejection.UNUSED_ACCUMULATOR)
+                return
+            if len(outs) > self.config.max_outputs:
+                self.stats.prune(Rejection.LIMITS)
+                return
+        else:
+            outs = [n for n, _ in accumulated]
+            new_classes = [k for _, k in accumulated]
+            if len(outs) > self.config.max_outputs or any(c in classes for c in new_classes) \
+                    or not all(isinstance(c, str) for c in new_classes):
+                self.stats.prune(Rejection.DUPLICATE)
+                return
+        sketch = Sketch(tuple(chosen), tuple(tiles), tuple(outs), True)
+        yield from self._step(steps, values, classes, depth, sketch, new_classes)
+
+    def _no_loop(self, steps, values, classes, depth, chosen, tiles):
+        """A kernel without a loop (the last step only): the missing outputs built from whole tiles."""
+        if len(steps) + 1 != depth:
+            return
+        self.stats.generated += 1
+        found = self._post_loop(classes, {classes[i]: t for i, t in zip(chosen, tiles)})
+        if isinstance(found, Rejection):
+            self.stats.prune(found)
+            return
+        goals, outs = found
+        reached = {m for o in outs for m in o.walk()}
+        if any(t not in reached for t in tiles):
+            return  # the kernel with fewer inputs covers it
+        sketch = Sketch(tuple(chosen), tuple(tiles), tuple(outs), False)
+        yield from self._step(steps, values, classes, depth, sketch, goals)
+
+
+def _unstable(node: Node) -> bool:
+    """An exp of something not shifted by a max: it overflows where the max-shifted form does not."""
+    return any(m.op == "exp" and not (m.args[0].op == "sub" and m.args[0].args[1].op == "max") for m in node.walk())
+
+
+def _fits(op: str, operands: list[Node]) -> bool:
+    """Whether the operands' whole sizes agree for the accumulator (numpy broadcasting): the cheap test
+    that spares most shape errors (building the node checks again)."""
+    if op == "acc_softmax_out":
+        a, b = operands
+        return a.rank >= 2 and b.rank >= 2 and a.shape[-1] == b.shape[-2] and _broadcasts(a.shape[:-2], b.shape[:-2])
+    if op == "acc_rescaled_sum":
+        return _broadcasts(operands[0].shape, operands[1].shape)
+    return operands[0].rank >= 1 and (op == "acc_sum" or not is_one(operands[0].shape[-1]))
+
+
+def _broadcasts(a, b) -> bool:
+    return all(x == y or x == 1 or y == 1 for x, y in zip(reversed(a), reversed(b)))
+
+
+def _all_used(steps, outputs: tuple[int, ...], n_inputs: int) -> bool:
+    """Every value a step computes is read by a later step or is an output."""
+    used = set(outputs).union(*(s.inputs if isinstance(s, Sketch) else s.args for s in steps))
+    made = n_inputs + sum(len(s.outputs) if isinstance(s, Sketch) else 1 for s in steps)
+    return all(i in used for i in range(n_inputs, made))
+
+
+def is_one(size) -> bool:
+    return sympy.sympify(size) == 1
+
+
+def rebuild(n: Node, args: list[Node]) -> Node:
+    """`n`'s op (and a reduction's dim) over other operands."""
+    return build(n.op, args, [n.attr] if OPS[n.op].kind is Kind.REDUCE else [])
+
+
+def body_nodes(sketch: Sketch) -> list[Node]:
+    """Every node under the kernel's outputs, operands first, each once."""
+    return list(dict.fromkeys(n for s in sketch.outputs for n in s.walk()))
+
+
+def meaning_of(sketch: Sketch, out: Node, abstracts) -> Node:
+    """The abstract expression of a kernel output, over the kernel-level values' abstract expressions."""
+    memo: dict[Node, Node] = {tile: abstracts[i] for tile, i in zip(sketch.tiles, sketch.inputs)}
+    for n in out.walk():
+        if n in memo:
+            continue
+        args = [memo[a] for a in n.args]
+        if OPS[n.op].kind is Kind.ACCUMULATE:
+            memo[n] = meaning(n.op, args)
+        else:
+            memo[n] = n if n.op == "const" else rebuild(n, args)
+    return memo[out]

@@ -1,0 +1,202 @@
+"""Index classes and maps: how program assembly turns a generated kernel into kernels with concrete maps.
+
+The dims of a kernel's body are grouped into index classes (dims that must be split alike: an
+element-wise op's operands, a matmul's contracted pair...). A map is then a choice of classes for the
+grid axes (a set, assigned to x, y, z in one canonical order: grid-axis symmetry broken, no dead axis)
+and one for the loop; each tile's map follows (`build_kernel`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+import sympy
+
+from ..ir.nodes import Node, dim_symbol
+from ..ir.ops import OPS, Kind
+from ..ir.shapes import ShapeError
+from ..kernels.kernel import AXES, DimMap, Kernel, Load, Store, TileMap, output_shape, tile_shape
+from .config import SearchConfig
+from .generate import Sketch, body_nodes, is_one, rebuild
+
+
+class IndexClasses:
+    """Union-find over (node, dim from the end): the dims of a kernel body that must be split alike."""
+
+    def __init__(self) -> None:
+        self.parent: dict = {}
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a, b) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def index_classes(sketch: Sketch) -> tuple[IndexClasses, list]:
+    """Group the body's splittable dims (size above 1) into classes; the classes in canonical order
+    (first seen scanning the outputs' dims from the last, then the tiles')."""
+    uf = IndexClasses()
+
+    def dim(n: Node, i: int):
+        return (n, i) if -n.rank <= i and not is_one(n.shape[i]) else None
+
+    def tie(a, b) -> None:
+        if a is not None and b is not None:
+            uf.union(a, b)
+
+    for n in body_nodes(sketch):
+        kind = OPS[n.op].kind
+        for i in range(-1, -n.rank - 1, -1):
+            uf.find((n, i)) if dim(n, i) else None
+        if kind in (Kind.UNARY, Kind.ROWWISE) or n.op == "acc_sum":
+            for i in range(-1, -n.rank - 1, -1):
+                tie(dim(n, i), dim(n.args[0], i))
+        elif kind is Kind.BINARY or n.op == "acc_rescaled_sum":
+            for a in n.args:
+                for i in range(-1, -n.rank - 1, -1):
+                    tie(dim(n, i), dim(a, i))
+        elif kind is Kind.MATMUL or n.op == "acc_softmax_out":
+            a, b = n.args
+            tie(dim(n, -1), dim(b, -1))
+            tie(dim(n, -2), dim(a, -2))
+            tie(dim(a, -1), dim(b, -2))
+            for i in range(-3, -n.rank - 1, -1):
+                tie(dim(n, i), dim(a, i))
+                tie(dim(n, i), dim(b, i))
+        elif kind is Kind.REDUCE:
+            reduced = n.attr - n.rank
+            for i in range(-1, -n.rank - 1, -1):
+                if i != reduced:
+                    tie(dim(n, i), dim(n.args[0], i))
+        elif kind is Kind.ACCUMULATE:  # the *_last accumulators keep every dim but the last
+            for a in n.args:
+                for i in range(-2, -n.rank - 1, -1):
+                    tie(dim(n, i), dim(a, i))
+    order: list = []
+    for n in list(sketch.outputs) + list(sketch.tiles):
+        for i in range(-1, -n.rank - 1, -1):
+            if dim(n, i) is not None:
+                root = uf.find((n, i))
+                if root not in order:
+                    order.append(root)
+    return uf, order
+
+
+@dataclass(frozen=True)
+class MapChoice:
+    grid: tuple[int, ...]  # class index per grid axis x, y, z
+    loop: int | None  # class index the loop walks
+
+    def axes(self, order: list) -> dict:
+        """The grid axis of each class the grid splits: class root -> axis."""
+        return {order[c]: a for c, a in zip(self.grid, AXES)}
+
+
+def map_choices(sketch: Sketch, config: SearchConfig) -> tuple[list[MapChoice], IndexClasses, list]:
+    """Every canonical map choice: grid classes as a set in class order (no two orders of the same axes,
+    no axis without a class), and a loop class when the kernel accumulates. A loop over a dim the kernel
+    stores would fold different output elements together, so it is not offered."""
+    uf, order = index_classes(sketch)
+    stored = {uf.find((o, i)) for o in sketch.outputs for i in range(-1, -o.rank - 1, -1)
+              if not is_one(o.shape[i])}
+    loops = [c for c, root in enumerate(order) if root not in stored] if sketch.loop else [None]
+    out = []
+    for k in range(0, min(config.max_grid_axes, len(order)) + 1):
+        for grid in itertools.combinations(range(len(order)), k):
+            for loop in loops:
+                out.append(MapChoice(grid, loop))
+    return out, uf, order
+
+
+class NoKernel(enum.Enum):
+    """Why a map choice gives no kernel (program assembly counts it as `Rejection.MAPS`)."""
+
+    TWO_DIMS_LOADED = "a tensor with two dims that must be split alike"  # no map splits them alike
+    TWO_DIMS_STORED = "an output with two dims that must be split alike"
+    SHAPES = "the body does not build at the tiles' sizes"
+    SUMMED = "a split's result summed across blocks"  # only plain stores are combined
+    NO_COMBINING_FORM = "no combining form"
+    NO_SPLIT_AXIS = "no grid axis left to split the loop's dim"
+
+
+def tensor_map(n: Node, uf: IndexClasses, by_class: dict, loop_root=None, spare: str | None = None) -> TileMap | None:
+    """The map of one of the kernel's tensors: each dim split by its class's grid axis (`by_class`:
+    root -> axis), the loop's class also walked by the loop (and split by the `spare` axis when no grid
+    axis splits it); None when two of its dims are in one class."""
+    out, seen = [], set()
+    for i in range(-n.rank, 0):
+        if is_one(n.shape[i]):
+            out.append(DimMap())
+            continue
+        root = uf.find((n, i))
+        if root in seen:
+            return None
+        seen.add(root)
+        looped = root == loop_root
+        out.append(DimMap(by_class.get(root) or (spare if looped else None), looped))
+    return TileMap(tuple(out))
+
+
+def build_kernel(sketch: Sketch, uf: IndexClasses, by_class: dict, loop_root, name: str, suffix: str,
+                 sources: list[Node], store_names: list[str], split: bool = False) -> tuple[Kernel, list[Node]] | NoKernel:
+    """The concrete-map kernel over `sources` (kernel-level nodes, one per tile) with the grid axis of
+    each index class given (`by_class`: root -> axis) and the loop over `loop_root`'s class; its output
+    nodes. With `split`, one more grid axis splits the loop's class too (each block walks its piece with
+    the loop) and every store gains a leading dim along that axis: the partial results of a split
+    reduction."""
+    axes = AXES[: len(by_class)]
+    split_axis = AXES[len(axes)] if split else None
+    all_axes = axes + ((split_axis,) if split else ())
+    grid = tuple((a, dim_symbol(f"g{a}{suffix}")) for a in all_axes) or (("x", sympy.Integer(1)),)
+    loop = dim_symbol(f"F{suffix}") if sketch.loop else None
+    shell = Kernel(name, grid, loop, (), (), ())
+    loads, new = [], {}
+    for j, (tile, src) in enumerate(zip(sketch.tiles, sources)):
+        tmap = tensor_map(tile, uf, by_class, loop_root, split_axis)
+        if tmap is None:
+            return NoKernel.TWO_DIMS_LOADED
+        loads.append(Load(tile.attr, j, tmap))
+        new[tile] = Node("tile", (), tile.attr, src.dtype, tile_shape(src.shape, tmap, shell))
+    try:
+        for n in body_nodes(sketch):
+            if n not in new:
+                new[n] = n if n.op == "const" else rebuild(n, [new[a] for a in n.args])
+    except ShapeError:
+        return NoKernel.SHAPES
+    stores = stores_of(sketch.outputs, store_names, new, uf, by_class, all_axes,
+                       DimMap(split_axis) if split else None, summed=not split)
+    if isinstance(stores, NoKernel):
+        return stores
+    kernel = Kernel(name, grid, loop, tuple(loads), stores, tuple(sources))
+    return kernel, kernel_outputs(kernel)
+
+
+def stores_of(outputs, names: list[str], new: dict, uf: IndexClasses, by_class: dict, axes: tuple,
+              lead: DimMap | None = None, summed: bool = True) -> tuple[Store, ...] | NoKernel:
+    """The stores of a kernel's outputs (`new`: body node -> its node in the kernel), each split by the
+    grid axes of its classes (after `lead`, a new leading dim, for a split's partial results). An output
+    that some grid axis does not split is summed across blocks (`+=`) where `summed` allows."""
+    stores = []
+    for out, name in zip(outputs, names):
+        tmap = tensor_map(out, uf, by_class)
+        if tmap is None:
+            return NoKernel.TWO_DIMS_STORED
+        dims = ((lead,) if lead is not None else ()) + tmap.dims
+        written = {d.axis for d in dims if d.axis}
+        add = any(a not in written for a in axes)
+        if add and not summed:
+            return NoKernel.SUMMED
+        stores.append(Store(name, new[out], TileMap(dims), add))
+    return tuple(stores)
+
+
+def kernel_outputs(kernel: Kernel) -> list[Node]:
+    return [Node("kernel", kernel.inputs, (kernel, i), s.value.dtype, output_shape(s.value.shape, s.map, kernel))
+            for i, s in enumerate(kernel.stores)]
