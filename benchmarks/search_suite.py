@@ -29,7 +29,7 @@ DECODING = [dict(b=1, h=8, q=1, kv=8192, dh=128), dict(b=1, h=8, q=1, kv=32768, 
 def main() -> None:
     os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")
     from prism_dsl.lang.check import load
-    from prism_dsl.kernels.hardware import load_target
+    from prism_dsl.kernels.hardware import load_hardware
     from prism_dsl.kernels.kernel import kernels_of
     from prism_dsl.kernels.lower import lower
     from prism_dsl.lang.printer import print_program
@@ -39,7 +39,7 @@ def main() -> None:
     from prism_dsl.pipeline.optimize import optimize
 
     library = load_library([], defaults=True)
-    target = load_target("h100")
+    hardware = load_hardware("h100")
     print(f"machine: {platform.processor() or platform.machine()}, {default_jobs()} cores, Python {platform.python_version()}")
     print()
     print("| program | search + proofs (s) | candidates | proofs | proved sGraphs | of which split | pruned (top reasons) | "
@@ -48,11 +48,11 @@ def main() -> None:
     for name, other in PROGRAMS.items():
         program = load(ROOT / "programs" / f"{name}.prism").program()
         start = time.perf_counter()
-        out = optimize(program, library, target, program.default_binding(), time_limit=600)
+        out = optimize(program, library, hardware, program.default_binding(), time_limit=600)
         first = time.perf_counter() - start
         s = out.search
         start = time.perf_counter()
-        optimize(program, library, target, bind_dims(program, other))
+        optimize(program, library, hardware, bind_dims(program, other))
         again = time.perf_counter() - start
         text = print_program(out.best.program)
         uses = ", ".join(a for a in ("acc_softmax_out", "acc_sum", "acc_rms_last", "acc_mean_last") if a in text) or "no loop"
@@ -69,7 +69,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     program = load(ROOT / "programs" / "attention.prism").program()
     for dims in DECODING:
-        out = optimize(program, library, target, bind_dims(program, dims))
+        out = optimize(program, library, hardware, bind_dims(program, dims))
         splits = [r for r in out.ranked if _split(r.program)]
         written = next((r for r in out.ranked if r.as_written), None)
         custom, total = len(kernels_of(out.best.program)), len(kernels_of(lower(out.best.program)))

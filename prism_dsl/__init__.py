@@ -1,9 +1,9 @@
 """prism-dsl: a symbolic superoptimizer for tensor programs.
 
-Pipeline (ARCHITECTURE.md section 4): `.prism` text -> `syntax` (lark) -> `check` (symbolic shapes) ->
-`ir` programs, evaluated by `reference` (the float64 oracle) and printed back by `printer`.
-Axioms: `.rules` text -> `rules` (parsed, checked) -> `soundness` (numeric check; `symbolic`: SymPy) -> `egraph` (egglog
-program text) -> `prove`, which runs egglog through `egglog_runner` in a child process.
+`.prism` text -> `lang` (checked IR programs) -> `search` (candidate programs of fused kernels, each proved
+equal to the input program by `prove` with the axioms of `.rules` files) -> `pipeline` (choose, lower,
+tune, render CUDA with `backend`, check against `semantics.reference`, write). docs/ARCHITECTURE.md
+describes the stages, the data each passes on and the chain of checks.
 """
 
 __version__ = "0.1.0"

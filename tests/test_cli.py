@@ -342,13 +342,13 @@ def test_hardware_is_one_flag_on_every_command(capsys, tmp_path):
 
 
 def test_compile_report_is_a_frozen_dataclass_written_once(tmp_path, monkeypatch):
-    from prism_dsl.kernels.hardware import load_target
+    from prism_dsl.kernels.hardware import load_hardware
     from prism_dsl.pipeline import compile as pipeline
     from prism_dsl.pipeline.build import BuildOptions
 
     writes = []
     monkeypatch.setattr(pipeline, "write", lambda out, texts: writes.append((out, dict(texts))))
-    request = pipeline.Request(load(RMSNORM).program(), tmp_path / "out", load_target("h100"),
+    request = pipeline.Request(load(RMSNORM).program(), tmp_path / "out", load_hardware("h100"),
                                BuildOptions(dims={"n": 2, "d": 8}, archs=(), emulate=False), search=None)
     report = pipeline.compile_program(request)
     assert dataclasses.is_dataclass(report) and isinstance(report, pipeline.Report)

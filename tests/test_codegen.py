@@ -19,13 +19,13 @@ from prism_dsl.backend.codegen import comment, ident
 from prism_dsl.backend.cost import estimate, tune
 from prism_dsl.backend.emulate import compiler
 from prism_dsl.kernels.constraints import instantiate_program
-from prism_dsl.kernels.hardware import load_target
+from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.kernels.kernel import free_symbols, kernels_of
 from prism_dsl.kernels.lower import lower
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
-H100 = load_target("h100")
+H100 = load_hardware("h100")
 FUSED = sorted((ROOT / "programs" / "fused").glob("*.prism"))
 PROGRAMS = sorted((ROOT / "programs").glob("*.prism"))
 
@@ -199,7 +199,7 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     (["--grid", "x=3"], "is not a whole number"),
     (["--arch", "volta"], "--arch: expected names like sm_90"),
     (["--threads", "100"], "--threads must be a multiple of 32"),
-    (["--hardware", "b200"], "unknown target 'b200'"),
+    (["--hardware", "b200"], "unknown hardware 'b200'"),
 ])
 def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.setenv("PRISM_NO_GPU", "1")

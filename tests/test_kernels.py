@@ -13,7 +13,7 @@ from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.prove.egglog_runner import Limits
 from prism_dsl.kernels.constraints import instantiate
-from prism_dsl.kernels.hardware import load_target
+from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.kernels.kernel import SymbolicMap, free_symbols, kernels_of, tile_shape
 from prism_dsl.kernels.params import choose
 from prism_dsl.prove.layout import bind_counts, to_terms
@@ -26,7 +26,7 @@ from prism_dsl.prove.rules import load_library
 REPO = Path(__file__).resolve().parent.parent
 FUSED = sorted((REPO / "programs" / "fused").glob("*.prism"))
 DEFAULT = load_library([], defaults=True)
-H100 = load_target("h100")
+H100 = load_hardware("h100")
 
 # Per fused program: small shapes and kernel parameters at which the block interpreter is run.
 CASES = {

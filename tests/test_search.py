@@ -15,7 +15,7 @@ from prism_dsl.backend import emulate
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.backend.cuda_runtime import gpu_status
-from prism_dsl.kernels.hardware import load_target
+from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.kernels.kernel import kernels_of
 from prism_dsl.lang.printer import print_program
 from prism_dsl.semantics.blocks import evaluate
@@ -26,7 +26,7 @@ from prism_dsl.search.driver import search
 from prism_dsl.pipeline.optimize import MEASURED, Measurement, _to_measure, optimize
 
 ROOT = Path(__file__).resolve().parent.parent
-H100 = load_target("h100")
+H100 = load_hardware("h100")
 GPU = gpu_status()
 # Two bindings per program, small so that the checks stay quick.
 BINDINGS = {
@@ -89,8 +89,8 @@ def test_pruning_loses_nothing(library):
     on = search(src, library, H100, SearchConfig(**small), jobs=2)
     off = search(src, library, H100, SearchConfig(**small, expression_pruning=False), jobs=2)
     assert on.complete and off.complete
-    found_on = {print_program(p) for p in on.verified}
-    found_off = {print_program(p) for p in off.verified}
+    found_on = {print_program(p) for p in on.proved}
+    found_off = {print_program(p) for p in off.proved}
     assert found_off and found_off <= found_on
     assert on.stats.pruned[Rejection.EXPRESSION] > 0 and off.stats.pruned[Rejection.EXPRESSION] == 0
     assert off.stats.generated > on.stats.generated - on.stats.pruned[Rejection.EXPRESSION]
@@ -104,8 +104,8 @@ def test_a_crashing_prover_is_an_error_not_a_failed_proof(library, monkeypatch):
     src = program("rmsnorm_linear")
     config = SearchConfig(max_kernels=1, max_predefined=0, max_accumulators=2, max_block_ops=4)
     clean = search(src, library, H100, config, jobs=2)
-    assert len(clean.verified) >= 2 and not clean.stats.errors
-    victim, real = print_program(clean.verified[0]), Prover.prove
+    assert len(clean.proved) >= 2 and not clean.stats.errors
+    victim, real = print_program(clean.proved[0]), Prover.prove
 
     def prove(self, candidate):
         if print_program(candidate) == victim:
@@ -117,15 +117,15 @@ def test_a_crashing_prover_is_an_error_not_a_failed_proof(library, monkeypatch):
     assert crashed.complete and crashed.stats.errors == ["RuntimeError: the egglog worker stopped (exit code -9)"]
     assert crashed.stats.as_dict()["errors"] == crashed.stats.errors  # report.json's search section shows it
     assert crashed.stats.pruned[Rejection.UNPROVED] == clean.stats.pruned[Rejection.UNPROVED]
-    assert crashed.stats.verified == clean.stats.verified - 1
-    assert [print_program(p) for p in crashed.verified] == [print_program(p) for p in clean.verified[1:]]
+    assert crashed.stats.proved == clean.stats.proved - 1
+    assert [print_program(p) for p in crashed.proved] == [print_program(p) for p in clean.proved[1:]]
 
 
 def test_search_is_deterministic(library):
     src = program("swiglu")
     a = search(src, library, H100, jobs=2)
     b = search(src, library, H100, jobs=1)
-    assert [print_program(p) for p in a.verified] == [print_program(p) for p in b.verified]
+    assert [print_program(p) for p in a.proved] == [print_program(p) for p in b.proved]
 
 
 def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_path):
@@ -183,17 +183,17 @@ def test_time_limit_and_interruption_return_the_best_so_far(library):
     assert out.best.as_written and not out.search["complete"] and out.search["stopped"] == "interrupted"
     # A limit that lets some proofs finish: whatever is returned was proved.
     cut = search(src, library, H100, jobs=2, deadline=None)
-    assert cut.complete and cut.verified
+    assert cut.complete and cut.proved
     calls = []
 
     def stop_after_first(phase, stats):
-        calls.append(stats.verified)
-        if stats.verified:
+        calls.append(stats.proved)
+        if stats.proved:
             stop.set()
 
     stop.clear()
     part = search(src, library, H100, jobs=2, stop_event=stop, progress=stop_after_first)
-    assert part.verified and all(print_program(p) in {print_program(q) for q in cut.verified} for p in part.verified)
+    assert part.proved and all(print_program(p) in {print_program(q) for q in cut.proved} for p in part.proved)
 
 
 def test_compile_searches_by_default(tmp_path, capsys):
@@ -326,8 +326,8 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
     src = program("attention")
     dims = BINDINGS["attention"][0]
     result = search(src, library, H100, jobs=2)
-    splits = [p for p in result.verified if custom_kernels(p) == 2]
-    assert splits and len(splits) < len(result.verified)
+    splits = [p for p in result.proved if custom_kernels(p) == 2]
+    assert splits and len(splits) < len(result.proved)
     inputs = random_inputs(src, bind_dims(src, dims), seed=5)
     want = evaluate(src, inputs)["O"]
     for p in splits:
@@ -360,7 +360,7 @@ def test_split_only_where_pieces_combine(library):
     from prism_dsl.kernels.params import complete
 
     src = program("rmsnorm_linear")
-    found = search(src, library, H100, jobs=2).verified
+    found = search(src, library, H100, jobs=2).proved
     splits = [p for p in found if custom_kernels(p) == 2]
     # RMSNorm's mean of squares has no combining form: only a kernel that accumulates the product alone
     # (after a pre-defined rms_norm) is split, as split-K with a combining kernel instead of += stores.
@@ -375,7 +375,7 @@ def test_split_only_where_pieces_combine(library):
         got = evaluate(p, inputs, params=complete(p, bind_dims(p, dims), {pieces: 4}, H100, prefer="split"))["Y"]
         assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
     off = search(program("attention"), library, H100, SearchConfig(split_reductions=False), jobs=2)
-    assert off.verified and all(custom_kernels(p) == 1 for p in off.verified)
+    assert off.proved and all(custom_kernels(p) == 1 for p in off.proved)
 
 
 def test_compile_no_split(library, tmp_path, capsys):

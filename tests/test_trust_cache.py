@@ -23,7 +23,7 @@ from prism_dsl.pipeline import optimize as superopt
 from prism_dsl.pipeline.build import BuildOptions, build, check_emulated
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
-from prism_dsl.kernels.hardware import load_target
+from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.lang.printer import print_program
 from prism_dsl.semantics.reference import bind_dims
 from prism_dsl.prove.rules import load_library
@@ -34,7 +34,7 @@ from prism_dsl.search.checkpoint import checkpoint_key, load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "programs" / "rmsnorm_linear.prism"
-H100 = load_target("h100")
+H100 = load_hardware("h100")
 SMALL = dict(n=4, d=64)  # the dims of the saved search
 OTHER = dict(n=8, d=128)
 EMULATION = emulate.compiler() is not None
@@ -150,7 +150,7 @@ def test_false_proof_is_caught_by_the_check_against_the_input(cache_dir, capsys,
     def trusting(ranked, prover):
         for r in ranked:
             r.proved = True
-        return True
+        return None
 
     monkeypatch.setattr(superopt, "_confirm", trusting)
     edit_checkpoint(cache_dir, doubled)
@@ -166,7 +166,7 @@ def test_a_choice_not_proved_in_this_run_is_not_verified(cache_dir, capsys, tmp_
     proved, and so not verified, however well its numbers agree (`checked`)."""
     if not EMULATION:
         pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
-    monkeypatch.setattr(superopt, "_confirm", lambda ranked, prover: True)  # no proof runs
+    monkeypatch.setattr(superopt, "_confirm", lambda ranked, prover: None)  # no proof runs
     code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
     assert report["search"]["from_checkpoint"] and not report["best_is_input"]
     assert report["proved"] is False and report["alternatives"][0]["proved"] is None
@@ -197,13 +197,13 @@ BAD_CHECKPOINTS = {
     "a program not a text": {"programs": [1], "stats": {}},
     "stats not a record": {"programs": [], "stats": [1, 2]},
     "a count not a number": {"programs": [], "stats": {"generated": "many", "candidates": 1, "maps": 1,
-                                                       "proofs": 1, "verified": 1, "pruned": {}, "seconds": 1.0}},
+                                                       "proofs": 1, "proved": 1, "pruned": {}, "seconds": 1.0}},
     "a count that is a bool": {"programs": [], "stats": {"generated": True, "candidates": 1, "maps": 1,
-                                                        "proofs": 1, "verified": 1, "pruned": {}, "seconds": 1.0}},
+                                                        "proofs": 1, "proved": 1, "pruned": {}, "seconds": 1.0}},
     "seconds NaN": {"programs": [], "stats": {"generated": 1, "candidates": 1, "maps": 1, "proofs": 1,
-                                             "verified": 1, "pruned": {}, "seconds": math.nan}},
+                                             "proved": 1, "pruned": {}, "seconds": math.nan}},
     "seconds a bool": {"programs": [], "stats": {"generated": 1, "candidates": 1, "maps": 1, "proofs": 1,
-                                                "verified": 1, "pruned": {}, "seconds": False}},
+                                                "proved": 1, "pruned": {}, "seconds": False}},
     "not a record": ["programs"],
     "an import": {"programs": ['import "/dev/zero"\n']},
     "two programs": {"programs": ["program a(X: f16[n, d]) {\n return X\n}\n"
@@ -215,7 +215,7 @@ BAD_CHECKPOINTS = {
     "nested expression": {"programs": ["program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {\n    Y = "
                                        + "exp(" * 5000 + "X" + ")" * 5000 + " @ W\n    return Y\n}\n"]},
 }
-GOOD_STATS = {"generated": 1, "candidates": 1, "maps": 1, "proofs": 1, "verified": 1, "pruned": {"numeric": 2},
+GOOD_STATS = {"generated": 1, "candidates": 1, "maps": 1, "proofs": 1, "proved": 1, "pruned": {"numeric": 2},
               "seconds": 0.5}
 
 

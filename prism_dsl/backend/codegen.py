@@ -13,7 +13,7 @@ every size a compile-time constant:
 `fusion.plan` decides where each value lives (shared memory, registers, accumulator state). Element-wise
 values fused into registers are evaluated where they are read, so a chain like `silu(gate) * up` costs
 no buffer and no barrier. Matrix products whose operands are f16/bf16 tiles of suitable shape run on
-tensor cores (wmma, f32 accumulation), with the plain path kept beside them for other targets. How each
+tensor cores (wmma, f32 accumulation), with the plain path kept beside them for other GPUs. How each
 accumulator folds and finishes is format strings in its row of `ir.accumulators`; the kinds of fold
 (per state element, per row, a matrix product, online softmax) are the code here.
 
@@ -28,10 +28,10 @@ import math
 import re
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import jinja2
 
+from ..base.resources import data_dir
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import ALIGN, Buffer, Place, compute_dtype, plan
 from ..ir.nodes import DType, Node, Program
@@ -41,9 +41,7 @@ from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 from ..lang.printer import format_number, node_text
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
-if not (TEMPLATES / "kernel.cu.j2").is_file():  # a source checkout: the package maps templates/ here
-    TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+TEMPLATES = data_dir("templates", "templates")
 HEADER = "prism.cuh"
 
 CTYPE = {DType.F16: "half", DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.F64: "double"}
@@ -200,9 +198,6 @@ class _Emitter:
     def shape(self, node_or_buffer) -> tuple[int, ...]:
         return tuple(int(bind(s, self.c.binding)) for s in node_or_buffer.shape)
 
-    def buf(self, node: Node) -> Buffer:
-        return self.plan.buffer(node)
-
     def lit(self, value: float) -> str:
         text = format_number(value)
         if "." not in text and "e" not in text and "inf" not in text:
@@ -217,7 +212,7 @@ class _Emitter:
     def read(self, node: Node, idx: list[str]) -> str:
         place = self.plan.place[node]
         if place is Place.SMEM:
-            return self.at(self.buf(node), idx)
+            return self.at(self.plan.buffer(node), idx)
         if place is Place.STATE:
             return self.finish(node, idx)
         if node.op == "const":
@@ -254,7 +249,7 @@ class _Emitter:
     def load_step(self, node: Node) -> dict:
         load = self.k.load(node.attr)
         src = self.k.inputs[load.source]
-        full, tile, b = self.shape(src), self.shape(node), self.buf(node)
+        full, tile, b = self.shape(src), self.shape(node), self.plan.buffer(node)
         vec = 16 // b.dtype.bytes if self.config.vector_loads else 1
         if vec > 1 and not (tile[-1] % vec == 0 and full[-1] % vec == 0):
             vec = 1
@@ -262,13 +257,12 @@ class _Emitter:
         parts = [([f"blockIdx.{dm.axis} * {size // dict(self.c.grid)[dm.axis]}"] if dm.axis else [])
                  + ([f"it * {t}"] if dm.loop else []) + ([i] if i != "0" else [])
                  for size, t, dm, i in zip(full, tile, load.map.dims, idx)]
-        where = f"{load.map}"
-        text = comment(f"{node.attr} = load {tensor_name(src)}{where}  tile {list(tile)} of {list(full)}")
+        text = comment(f"{node.attr} = load {tensor_name(src)}{load.map}  tile {list(tile)} of {list(full)}")
         return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec,
                 "dst": self.cname[b.name], "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
 
     def compute_step(self, node: Node) -> dict:
-        shape, dst, kind = self.shape(node), self.cname[self.buf(node).name], OPS[node.op].kind
+        shape, dst, kind = self.shape(node), self.cname[self.plan.buffer(node).name], OPS[node.op].kind
         if kind in (Kind.UNARY, Kind.BINARY):
             return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
         if kind is Kind.MATMUL:
@@ -300,7 +294,7 @@ class _Emitter:
             return None
         if not uses_tensor_cores(a, b, self.plan.place, self.shape):
             return None
-        ba, bb = self.buf(a), self.buf(b)
+        ba, bb = self.plan.buffer(a), self.plan.buffer(b)
         sa, sb = self.shape(a), self.shape(b)
         m, k, n = sa[-2], sa[-1], sb[-1]
         frag = mma_shape(m, n, k)
@@ -443,13 +437,9 @@ class _Emitter:
         varying = loop_varying(k)
         in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
         prologue = self.init_steps()
-        loop_steps: list[dict] = []
-        epilogue: list[dict] = []
-        loads_in_loop = [n for n in in_loop if n.op == "tile" and n in varying]
         prologue += [self.load_step(n) for n in in_loop if n.op == "tile" and n not in varying]
-        if loads_in_loop:
-            # the loop's loads run together; one barrier after them
-            loop_steps.append(self._merge([self.load_step(n) for n in loads_in_loop]))
+        # the loop's loads run together; one barrier after them
+        loop_steps = self._merge([self.load_step(n) for n in in_loop if n.op == "tile" and n in varying])
         done: set = set()
         for n in in_loop:
             kind = OPS[n.op].kind
@@ -458,9 +448,7 @@ class _Emitter:
             elif n.op != "tile" and self.plan.place[n] is Place.SMEM:
                 loop_steps.append(self.compute_step(n))
         post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
-        post_loads = [self.load_step(n) for n in post if n.op == "tile"]
-        if post_loads:
-            epilogue.append(self._merge(post_loads))
+        epilogue = self._merge([self.load_step(n) for n in post if n.op == "tile"])
         epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
         epilogue += [self.store_step(i) for i in range(len(k.stores))]
 
@@ -487,11 +475,9 @@ class _Emitter:
                               tuple(args), len(k.stores), zero, self.tensor_core_steps > 0)
 
     @staticmethod
-    def _merge(steps: list[dict]) -> dict:
+    def _merge(steps: list[dict]) -> list[dict]:
         """Several loads as one step (they are independent; one barrier after all of them)."""
-        if len(steps) == 1:
-            return steps[0]
-        return {"kind": "group", "steps": steps}
+        return steps if len(steps) < 2 else [{"kind": "group", "steps": steps}]
 
 
 def render_kernel(c: Concrete, program: Program, config: CodegenConfig = CodegenConfig()) -> RenderedKernel:

@@ -21,7 +21,7 @@ Where it sits: parameter instantiation (`tune`) and reports. It counts what the 
 
 It is meant to rank, not to predict to the microsecond: it puts a fused kernel ahead of the unfused
 sequence (launches and the intermediates' round trips), and a grid that fills the SMs ahead of one that
-leaves most idle. `roofline` is the floor a program cannot beat on a target: max(bytes/bandwidth,
+leaves most idle. `roofline` is the floor a program cannot beat on some hardware: max(bytes/bandwidth,
 flops/peak) with bytes = its inputs read once and outputs written once.
 """
 
@@ -39,9 +39,9 @@ from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import plan
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
-from ..kernels.hardware import Target
+from ..kernels.hardware import Hardware
 from ..kernels.kernel import after_loop, free_symbols, kernels_of, loop_varying
-from ..kernels.params import choose
+from ..kernels.params import candidates, choose
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 
@@ -66,11 +66,7 @@ class Estimate:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def _elements(shape) -> int:
-    return math.prod(shape)
-
-
-def kernel_work(c: Concrete, target: Target) -> tuple[int, int, int, int]:
+def kernel_work(c: Concrete, hardware: Hardware) -> tuple[int, int, int, int]:
     """(dram bytes, l2 bytes, f32 flops, tensor-core flops) of one launch of `c`."""
     k = c.kernel
     shape = c.shape
@@ -82,13 +78,13 @@ def kernel_work(c: Concrete, target: Target) -> tuple[int, int, int, int]:
         if node is None:
             continue
         src = k.inputs[load.source]
-        tile_bytes = _elements(shape(node)) * src.dtype.bytes
+        tile_bytes = math.prod(shape(node)) * src.dtype.bytes
         traffic = tile_bytes * blocks * (loop if node in varying else 1)
-        whole = _elements(shape(src)) * src.dtype.bytes
+        whole = math.prod(shape(src)) * src.dtype.bytes
         l2 += traffic
-        dram += whole if whole <= target.l2_bytes else traffic
+        dram += whole if whole <= hardware.l2_bytes else traffic
     for i, store in enumerate(k.stores):
-        out = _elements(c.output_shape(i)) * (store.value.dtype or DType.F32).bytes
+        out = math.prod(c.output_shape(i)) * (store.value.dtype or DType.F32).bytes
         summed = math.prod(g for a, g in c.grid if a not in store.map.axes())
         dram += out * (summed if store.add else 1)
     p = plan(k)
@@ -105,59 +101,55 @@ def kernel_work(c: Concrete, target: Target) -> tuple[int, int, int, int]:
 def _node_flops(n: Node, shape, place) -> tuple[int, int]:
     kind = OPS[n.op].kind
     if kind is Kind.MATMUL:
-        work = 2 * _elements(shape(n)) * shape(n.args[0])[-1]
+        work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
         return (0, work) if uses_tensor_cores(n.args[0], n.args[1], place, shape) else (work, 0)
     if kind is Kind.ACCUMULATE:  # `flops` per element of its first operand, plus any product it folds
         acc, x = ACCUMULATORS[n.op], shape(n.args[0])
-        return acc.flops * _elements(x) + (2 * _elements(shape(n)) * x[-1] if acc.like == "matmul" else 0), 0
+        return acc.flops * math.prod(x) + (2 * math.prod(shape(n)) * x[-1] if acc.like == "matmul" else 0), 0
     if kind in (Kind.UNARY, Kind.BINARY, Kind.REDUCE, Kind.ROWWISE):
         operand = n.args[0] if kind in (Kind.REDUCE, Kind.ROWWISE) else n
-        return _elements(shape(operand)) * (3 if kind is Kind.ROWWISE else 1), 0
+        return math.prod(shape(operand)) * (3 if kind is Kind.ROWWISE else 1), 0
     return 0, 0
 
 
-def estimate(c: Concrete, target: Target, threads: int = 128) -> Estimate:
-    dram, l2, flops, tc = kernel_work(c, target)
+def estimate(c: Concrete, hardware: Hardware, threads: int = 128) -> Estimate:
+    dram, l2, flops, tc = kernel_work(c, hardware)
     blocks = c.blocks()
-    occ = max(1, min(target.smem_per_sm // max(c.smem_bytes, 1), target.max_threads_per_sm // threads,
-                     target.max_blocks_per_sm))
-    resident = min(blocks, target.sms * occ)
+    occ = max(1, min(hardware.smem_per_sm // max(c.smem_bytes, 1), hardware.max_threads_per_sm // threads,
+                     hardware.max_blocks_per_sm))
+    resident = min(blocks, hardware.sms * occ)
     waves = math.ceil(blocks / resident)
     quant = blocks / (waves * resident)
-    busy = min(blocks, target.sms)
-    share = busy / target.sms
+    busy = min(blocks, hardware.sms)
+    share = busy / hardware.sms
     hide = min(1.0, math.ceil(resident / busy) * threads / 512)
     reach = min(1.0, SM_REACH * share * hide)
     us = 1e6
-    t_mem = max(dram / (target.bandwidth_gbs * 1e9), l2 / (target.l2_bandwidth_gbs * 1e9)) * us / (reach * quant)
+    t_mem = max(dram / (hardware.bandwidth_gbs * 1e9), l2 / (hardware.l2_bandwidth_gbs * 1e9)) * us / (reach * quant)
     dtype = next((n.dtype.value for n in c.kernel.inputs if n.dtype in (DType.F16, DType.BF16)), "f16")
-    t_math = (tc / (target.peak_tflops[dtype] * 1e12) + flops / (target.peak_tflops["f32"] * 1e12)) * us / (share * quant)
-    t_loop = waves * c.loop * target.iteration_latency_us
+    t_math = (tc / (hardware.peak_tflops[dtype] * 1e12) + flops / (hardware.peak_tflops["f32"] * 1e12)) * us / (share * quant)
+    t_loop = waves * c.loop * hardware.iteration_latency_us
     terms = {"memory": t_mem, "math": t_math, "loop": t_loop}
     bound = max(terms, key=terms.get)
-    time = target.launch_overhead_us + terms[bound]
-    if terms[bound] < target.launch_overhead_us:
+    time = hardware.launch_overhead_us + terms[bound]
+    if terms[bound] < hardware.launch_overhead_us:
         bound = "launch"
     return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(time, 3), bound)
 
 
-def program_estimate(concrete: Mapping[str, Concrete], target: Target, threads: int = 128) -> list[Estimate]:
-    return [estimate(c, target, threads) for c in concrete.values()]
-
-
-def roofline(program: Program, binding: Mapping[sympy.Symbol, int], target: Target) -> dict:
-    """The program's floor on `target`: its inputs read once, its outputs written once, its math at peak."""
+def roofline(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> dict:
+    """The program's floor on `hardware`: its inputs read once, its outputs written once, its math at peak."""
     def size(n: Node) -> int:
-        return _elements(int(bind(s, binding)) for s in n.shape) * (n.dtype or DType.F32).bytes
+        return math.prod(int(bind(s, binding)) for s in n.shape) * (n.dtype or DType.F32).bytes
 
     moved = sum(size(n) for n in program.inputs) + sum(size(n) for _, n in program.outputs)
     flops = 0
     for n in program.nodes():
         if n.op == "matmul":
-            flops += 2 * _elements(int(bind(s, binding)) for s in n.shape) * int(bind(n.args[0].shape[-1], binding))
+            flops += 2 * math.prod(int(bind(s, binding)) for s in n.shape) * int(bind(n.args[0].shape[-1], binding))
     dtype = next((n.dtype.value for n in program.inputs if n.dtype), "f16")
-    t_mem = moved / (target.bandwidth_gbs * 1e9) * 1e6
-    t_math = flops / (target.peak_tflops[dtype] * 1e12) * 1e6
+    t_mem = moved / (hardware.bandwidth_gbs * 1e9) * 1e6
+    t_math = flops / (hardware.peak_tflops[dtype] * 1e12) * 1e6
     return {"bytes": moved, "flops": flops, "floor_us": round(max(t_mem, t_math), 3),
             "bound": "memory" if t_mem >= t_math else "math"}
 
@@ -165,7 +157,7 @@ def roofline(program: Program, binding: Mapping[sympy.Symbol, int], target: Targ
 # -- parameter choice by the model ------------------------------------------------------------------------
 
 
-def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mapping[str, int], target: Target,
+def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mapping[str, int], hardware: Hardware,
                threads: int = 128) -> tuple[dict[str, int], dict[str, Concrete], list[Estimate]]:
     """A lowered program at these dims: its kernel parameters by name (`given` kept, the rest chosen by
     the model), every kernel concrete, and their estimates. Raises PrismError listing the violated
@@ -173,15 +165,15 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
     symbols = {s.name: s for s in free_symbols(program)}
     fixed = {symbols[n]: v for n, v in given.items()}
     try:
-        chosen = tune(program, dims, fixed, target, threads)
+        chosen = tune(program, dims, fixed, hardware, threads)
     except ValueError:  # `choose` searches further, and reports every violated constraint in words
-        chosen = choose(program, dims, fixed, target)
+        chosen = choose(program, dims, fixed, hardware)
     params = {**given, **{s.name: v for s, v in chosen.items()}}
-    concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, target)
-    return params, concrete, program_estimate(concrete, target, threads)
+    concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, hardware)
+    return params, concrete, [estimate(k, hardware, threads) for k in concrete.values()]
 
 
-def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], target: Target,
+def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], hardware: Hardware,
          threads: int = 128) -> dict[sympy.Symbol, int]:
     """Values for the free kernel parameters that minimise the estimated time. Kernels that share a
     parameter are tuned together; the rest one at a time. Every combination of candidate values is tried
@@ -189,8 +181,6 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     (every parameter at its smallest, middle or largest candidate) that changes one or two parameters at
     a time while the estimate improves. Raises ValueError when a kernel has no valid choice (the caller
     reports the violations through `kernel.choose`)."""
-    from ..kernels.params import candidates
-
     binding = {**dims, **fixed}
     free = set(free_symbols(program)) - set(fixed)
     chosen: dict[sympy.Symbol, int] = {}
@@ -206,8 +196,8 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
                     trial = {**binding, **{syms[i]: values[i] for i in mine}}
-                    memo[key] = estimate(instantiate(k, trial, target), target, threads).time_us \
-                        if valid(k, trial, target) else math.inf
+                    memo[key] = estimate(instantiate(k, trial, hardware), hardware, threads).time_us \
+                        if valid(k, trial, hardware) else math.inf
                 total += memo[key]
             return total
 

@@ -69,7 +69,6 @@ def gpu_status() -> tuple[bool, str]:
         return False, "pycuda is not installed (pip install pycuda)"
     try:
         drv = _import_driver()
-        drv.init()
         if drv.Device.count() == 0:
             return False, "no CUDA device found"
         return True, drv.Device(0).name()
@@ -83,7 +82,6 @@ def device_identity() -> str:
     """What a measured time depends on besides the code: the GPU's name, compute capability and driver
     version (the tuning database's key). Only meaningful when `gpu_status` says a GPU is usable."""
     drv = _import_driver()
-    drv.init()
     dev = drv.Device(0)
     major, minor = dev.compute_capability()
     return f"{dev.name()}, sm_{major}{minor}, driver {drv.get_driver_version()}"
@@ -94,26 +92,18 @@ def _import_driver():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import pycuda.driver as drv
+    drv.init()  # every caller needs it; once done, cuInit again is cheap
     return drv
 
 
-def _driver(program: str):
-    ok, reason = gpu_status()
-    if not ok:
-        raise GpuUnavailable(f"cannot run '{program}' without a usable CUDA GPU: {reason}")
-    return _import_driver()
-
-
 # ---------------------------------------------------------------------------------------------------- plans
-
 def validate_plan(plan) -> None:
     """Raise one PlanError listing every problem of a malformed plan."""
-    problems: list[str] = []
     if not isinstance(plan, dict):
         raise PlanError(f"a plan is a dict, not {type(plan).__name__}")
-    for key, kind in (("program", str), ("inputs", list), ("outputs", list), ("tensors", dict), ("kernels", list)):
-        if not isinstance(plan.get(key), kind):
-            problems.append(f"plan needs '{key}' ({kind.__name__})")
+    kinds = {"program": str, "inputs": list, "outputs": list, "tensors": dict, "kernels": list}
+    problems = [f"plan needs '{key}' ({kind.__name__})" for key, kind in kinds.items()
+                if not isinstance(plan.get(key), kind)]
     if problems:
         raise PlanError("\n".join(problems))
     tensors = plan["tensors"]
@@ -127,8 +117,7 @@ def validate_plan(plan) -> None:
         if not all(isinstance(n, str) for n in plan[role]):
             raise PlanError(f"plan '{role}' must list tensor names (strings), not {plan[role]!r}")
         problems += [f"{role[:-1]} '{n}' is not in 'tensors'" for n in plan[role] if n not in tensors]
-        problems += [f"{role[:-1]} '{n}' is listed twice" for n in sorted(set(plan[role]))
-                     if plan[role].count(n) > 1]
+        problems += [f"{role[:-1]} '{n}' is listed twice" for n in sorted(set(plan[role])) if plan[role].count(n) > 1]
     problems += [f"'{n}' is both an input and an output" for n in plan["outputs"] if n in plan["inputs"]]
     names = [k.get("name") for k in plan["kernels"] if isinstance(k, dict)]
     problems += [f"kernel name '{n}' is used twice" for n in sorted(set(names), key=str) if names.count(n) > 1]
@@ -152,9 +141,8 @@ def _kernel_problems(i: int, kernel, tensors: dict, inputs: list) -> list[str]:
         value = kernel.get(key)
         if not (isinstance(value, list) and len(value) == 3 and all(_positive_int(n) for n in value)):
             problems.append(f"{where}: '{key}' must be 3 positive ints, not {value!r}")
-        elif key == "block" and value[0] * value[1] * value[2] > MAX_THREADS:
-            problems.append(f"{where}: a block of {value} has {value[0] * value[1] * value[2]} threads; "
-                            f"CUDA allows at most {MAX_THREADS}")
+        elif key == "block" and (threads := value[0] * value[1] * value[2]) > MAX_THREADS:
+            problems.append(f"{where}: a block of {value} has {threads} threads; CUDA allows at most {MAX_THREADS}")
     smem = kernel.get("smem", 0)
     if not (isinstance(smem, int) and not isinstance(smem, bool) and smem >= 0):
         problems.append(f"{where}: 'smem' must be a non-negative int (bytes), not {smem!r}")
@@ -166,8 +154,7 @@ def _kernel_problems(i: int, kernel, tensors: dict, inputs: list) -> list[str]:
         problems += [f"{where}: {key} names unknown tensor {n!r}" for n in names
                      if not isinstance(n, str) or n not in tensors]
         if key == "zero":
-            problems += [f"{where}: zeroes input '{n}', which the program must not write" for n in names
-                         if n in inputs]
+            problems += [f"{where}: zeroes input '{n}', which the program must not write" for n in names if n in inputs]
     return problems
 
 
@@ -192,7 +179,6 @@ def _nbytes(plan: dict, name: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- host data
-
 def to_bf16_bits(a) -> np.ndarray:
     """bfloat16 bit patterns (uint16) of `a`, rounded to nearest even through float32; NaN stays NaN."""
     f = np.ascontiguousarray(a, dtype=np.float32)
@@ -216,20 +202,17 @@ def _torch_to_numpy(t) -> np.ndarray:
     import torch
 
     t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return from_bf16_bits(t.contiguous().view(torch.int16).numpy().view(np.uint16))
-    return t.numpy()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # bf16 widens to float32 exactly
 
 
 def _check_names(plan: dict, given) -> None:
     expected = plan["inputs"]
+    folded = {n.lower(): n for n in expected}  # so that 'w' suggests 'W'
     problems = [f"missing input '{n}'" for n in expected if n not in given]
-    for name in given:
-        if name not in expected:
-            folded = {n.lower(): n for n in expected}  # so that 'w' suggests 'W'
-            close = [folded[c] for c in difflib.get_close_matches(name.lower(), list(folded), n=1)]
-            problems.append(f"unknown input '{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
-                            + f"; '{plan['program']}' takes {', '.join(expected)}")
+    for name in (n for n in given if n not in expected):
+        close = [folded[c] for c in difflib.get_close_matches(name.lower(), list(folded), n=1)]
+        problems.append(f"unknown input '{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+                        + f"; '{plan['program']}' takes {', '.join(expected)}")
     if problems:
         raise PlanError("\n".join(problems))
 
@@ -263,9 +246,7 @@ def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
         wanted = "float32 (rounded to bf16 on the way in)" if dtype == "bf16" else str(HOST[dtype])
         raise PlanError(f"input '{name}' is {value.dtype}; the program stores it as {dtype}: "
                         f"pass {wanted}, or any float array with cast=True")
-    if dtype == "bf16":
-        return to_bf16_bits(value.astype(np.float32))
-    return np.ascontiguousarray(value, dtype=STORAGE[dtype])
+    return to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
 
 
 def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
@@ -290,7 +271,6 @@ def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
 
 
 # ------------------------------------------------------------------------------------------------- launching
-
 class Launcher:
     """Compiles a plan's kernels once and runs the whole program on the GPU.
 
@@ -310,7 +290,10 @@ class Launcher:
     @contextlib.contextmanager
     def _active(self):
         """The device's primary context made current, so PyTorch or CuPy in the same process share it."""
-        drv = _driver(self.plan["program"])
+        ok, reason = gpu_status()
+        if not ok:
+            raise GpuUnavailable(f"cannot run '{self.plan['program']}' without a usable CUDA GPU: {reason}")
+        drv = _import_driver()
         if self._context is None:
             self._context = drv.Device(self.device).retain_primary_context()
         self._context.push()
@@ -323,10 +306,9 @@ class Launcher:
         """Compile every kernel with nvcc for the current device (done by the first call if not before)."""
         if self._functions is not None:
             return
-        _driver(self.plan["program"])
-        from pycuda.compiler import SourceModule
-
         with self._active() as drv:
+            from pycuda.compiler import SourceModule
+
             dev = drv.Device(self.device)
             arch = "sm_%d%d" % dev.compute_capability()
             optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
@@ -371,7 +353,11 @@ class Launcher:
         self.compile()
         with self._active() as drv:
             if torch_mode:
-                data = {**data, **self._torch_outputs()}
+                import torch
+
+                data |= {name: torch.empty(_shape(self.plan, name), device=f"cuda:{self.device}",
+                                           dtype=getattr(torch, TORCH_DTYPE[self.plan["tensors"][name]["dtype"]]))
+                         for name in self.plan["outputs"]}
             ptrs = self._pointers(drv, torch_mode, data, self._buffers)
             # 0xFF bytes are a NaN in every float format, so an element no kernel wrote can never pass `check`.
             for name in self.plan["tensors"]:
@@ -382,13 +368,6 @@ class Launcher:
                 drv.Context.synchronize()  # so torch work on any stream sees finished outputs
                 return {name: data[name] for name in self.plan["outputs"]}
             return {name: self._download(drv, name, ptrs[name]) for name in self.plan["outputs"]}
-
-    def _torch_outputs(self) -> dict:
-        import torch
-
-        specs = {name: self.plan["tensors"][name] for name in self.plan["outputs"]}
-        return {name: torch.empty(spec["shape"], dtype=getattr(torch, TORCH_DTYPE[spec["dtype"]]),
-                                  device=f"cuda:{self.device}") for name, spec in specs.items()}
 
     def _bind_inputs(self, inputs: dict):
         """(True, checked torch CUDA tensors) or (False, marshalled numpy arrays); mixing the two is refused."""
@@ -489,7 +468,6 @@ def _stats(times_ms: list[float]) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------- checking
-
 def check(got, ref, rtol: float = 1e-2) -> dict:
     """Compare an output with a float64 reference, element by element.
 
@@ -499,17 +477,14 @@ def check(got, ref, rtol: float = 1e-2) -> dict:
     """
     got = _torch_to_numpy(got) if _is_torch(got) else np.asarray(got)
     ref = np.asarray(ref, dtype=np.float64)
-    inf = float("inf")
-    result = {"passed": False, "max_rel_err": inf, "max_abs_err": inf, "nan": 0, "worst_index": (), "reason": ""}
-    if got.shape != ref.shape:
-        return {**result, "reason": f"shape {got.shape} differs from the reference's {ref.shape}"}
-    if got.dtype.kind not in "fiu":
-        return {**result, "reason": f"dtype {got.dtype} is not a real number type"}
-    if not np.isfinite(ref).all():
-        return {**result, "reason": "the reference itself holds NaN or inf"}
+    unfit = (f"shape {got.shape} differs from the reference's {ref.shape}" if got.shape != ref.shape
+             else f"dtype {got.dtype} is not a real number type" if got.dtype.kind not in "fiu"
+             else "the reference itself holds NaN or inf" if not np.isfinite(ref).all() else "")
+    if unfit:
+        return dict(passed=False, max_rel_err=np.inf, max_abs_err=np.inf, nan=0, worst_index=(), reason=unfit)
     g = got.astype(np.float64)
     if g.size == 0:
-        return {**result, "passed": True, "max_rel_err": 0.0, "max_abs_err": 0.0}
+        return dict(passed=True, max_rel_err=0.0, max_abs_err=0.0, nan=0, worst_index=(), reason="")
     bad = ~np.isfinite(g)
     err = np.where(bad, np.inf, np.abs(g - ref))
     scale = float(np.sqrt(np.mean(ref * ref)))

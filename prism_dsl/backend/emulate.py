@@ -11,6 +11,7 @@ vector copies, races between threads), which the GPU run (`gpu`) checks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -22,6 +23,7 @@ import numpy as np
 
 from ..base import files
 from .codegen import CTYPE, RenderedKernel
+from .cuda_runtime import STORAGE, from_bf16_bits, to_bf16_bits
 from .nvcc import write_sources
 from ..base.errors import PrismError
 from ..ir.nodes import DType
@@ -38,10 +40,7 @@ def _harness(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType]) -> 
     lines += [f'#include "{k.file}"' for k in kernels]
     for k in kernels:
         n_inputs = len(k.args) - k.stores
-        casts = []
-        for i, name in enumerate(k.args):
-            ctype = CTYPE[dtypes[name]]
-            casts.append(f"({'const ' if i < n_inputs else ''}{ctype}*)a[{i}]")
+        casts = [f"({'const ' if i < n_inputs else ''}{CTYPE[dtypes[name]]}*)a[{i}]" for i, name in enumerate(k.args)]
         lines += [f'extern "C" void emulate_{k.function}(void** a) {{',
                   f"    for (unsigned z = 0; z < {k.grid[2]}; ++z)",
                   f"        for (unsigned y = 0; y < {k.grid[1]}; ++y)",
@@ -73,9 +72,8 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
 
     Tensors a kernel writes start as NaN, so an element no block writes can never pass a check; those
     written with atomic adds start at zero."""
-    own = workdir is None
-    workdir = files.temp_dir("emulate") if own else workdir  # also removes those of killed runs
-    try:
+    # A scratch directory of our own is removed afterwards; making one removes those of killed runs.
+    with files.temp_scratch("emulate") if workdir is None else contextlib.nullcontext(workdir) as workdir:
         lib = build(kernels, dtypes, workdir)
         store = {name: to_storage(np.asarray(arr, dtype=np.float64), dtypes[name]) for name, arr in inputs.items()}
         for k in kernels:
@@ -88,22 +86,13 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
             ptrs = (ctypes.c_void_p * len(k.args))(*[store[a].ctypes.data for a in k.args])
             getattr(lib, f"emulate_{k.function}")(ptrs)
         return {n: from_storage(a, dtypes[n]) for n, a in store.items() if n not in inputs}
-    finally:
-        if own:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def to_storage(x: np.ndarray, dtype: DType) -> np.ndarray:
-    """The bytes the kernels read: f16 as float16, bf16 as its 16-bit pattern (rounded to nearest even)."""
-    if dtype is DType.BF16:
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        with np.errstate(over="ignore"):
-            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    storage = {DType.F16: np.float16, DType.F32: np.float32, DType.F64: np.float64}[dtype]
-    return np.ascontiguousarray(x, dtype=storage)
+    """The bytes the kernels read, as the GPU runtime stores them: f16 as float16, bf16 as its 16-bit pattern
+    (rounded to nearest even)."""
+    return to_bf16_bits(x) if dtype is DType.BF16 else np.ascontiguousarray(x, dtype=STORAGE[dtype.value])
 
 
 def from_storage(a: np.ndarray, dtype: DType) -> np.ndarray:
-    if dtype is DType.BF16:
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return a.astype(np.float64)
+    return (from_bf16_bits(a) if dtype is DType.BF16 else a).astype(np.float64)

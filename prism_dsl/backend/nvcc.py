@@ -40,11 +40,7 @@ def nvcc_path() -> str | None:
 
 
 def ptxas_figures(text: str) -> dict:
-    out = {}
-    for key, pattern in _PTXAS.items():
-        m = pattern.search(text)
-        out[key] = int(m.group(1)) if m else 0
-    return out
+    return {key: int(m.group(1)) if (m := pattern.search(text)) else 0 for key, pattern in _PTXAS.items()}
 
 
 def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[str, ...]) -> dict[str, dict[str, dict]]:

@@ -25,14 +25,15 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from .files import MAX_TEXT_BYTES, NotRegularFile, TooLarge, abandoned, describe, read_regular, scratch_pattern, scratch_prefix
+from .files import (MAX_TEXT_BYTES, NotRegularFile, TooLarge, describe, read_regular, rename_filled, scratch_pattern,
+                    scratch_prefix, sweep_files)
 
 MAX_RECORD_BYTES = MAX_TEXT_BYTES  # a search checkpoint of thousands of programs stays far below
 MAX_NESTING = 64  # records are a few levels deep; json's parser recurses once per level
 
 _warned: set[str] = set()
 _off: dict[str, set[str]] = {}  # per cache directory: "read", "write", what failed there, not tried again
-_swept: set[str] = set()  # directories whose abandoned temporary files were removed
+_swept: set[Path] = set()  # directories whose abandoned temporary files were removed
 _TMP = re.compile(scratch_pattern(r"\.tmp-").pattern + r"\.json")  # `.tmp-prismc-<pid>-XXXXXXXX.json`
 
 
@@ -153,32 +154,17 @@ def write(kind: str, key: str, value: Any) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _sweep(path.parent)
+        if path.parent not in _swept:  # once per process and directory
+            _swept.add(path.parent)
+            sweep_files(path.parent, _TMP)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=scratch_prefix(".tmp-"), suffix=".json")
     except OSError as e:
         unusable("write", describe(e))
         return
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        rename_filled(fd, tmp, path, lambda f: f.write(text.encode()))
     except OSError as e:
         warn(path, f"not writable ({describe(e)})")
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-
-
-def _sweep(directory: Path) -> None:
-    """Remove the temporary files that killed runs left in `directory`, once per process and directory."""
-    if str(directory) in _swept:
-        return
-    _swept.add(str(directory))
-    for path in abandoned(directory, _TMP, dirs=False):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def remove(kind: str, key: str) -> None:

@@ -24,7 +24,7 @@ import re
 import shutil
 import stat
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
@@ -145,19 +145,14 @@ def scratch_pattern(prefix: str) -> re.Pattern:
     return re.compile(rf"{prefix}{TAG}-(?P<pid>\d+)-(?P<old>old-)?{_RANDOM}")
 
 
-def temp_dir(kind: str) -> Path:
-    """A new private directory `prism-<kind>-prismc-<pid>-XXXXXXXX` under the system's temporary directory,
-    after removing those that runs killed earlier left there."""
-    base = Path(tempfile.gettempdir())
-    for path in abandoned(base, scratch_pattern(re.escape(f"prism-{kind}-"))):
-        shutil.rmtree(path, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=scratch_prefix(f"prism-{kind}-"), dir=base))
-
-
 @contextmanager
 def temp_scratch(kind: str) -> Iterator[Path]:
-    """A `temp_dir`, removed when the block ends."""
-    path = temp_dir(kind)
+    """A new private directory `prism-<kind>-prismc-<pid>-XXXXXXXX` under the system's temporary directory,
+    removed when the block ends; those that runs killed earlier left there are removed first."""
+    base = Path(tempfile.gettempdir())
+    for stale in abandoned(base, scratch_pattern(re.escape(f"prism-{kind}-"))):
+        shutil.rmtree(stale, ignore_errors=True)
+    path = Path(tempfile.mkdtemp(prefix=scratch_prefix(f"prism-{kind}-"), dir=base))
     try:
         yield path
     finally:
@@ -198,6 +193,14 @@ def abandoned(directory: Path, pattern: re.Pattern, *, dirs: bool = True) -> lis
         if kind and (not hasattr(os, "getuid") or st.st_uid == os.getuid()):
             found.append(Path(entry.path))
     return sorted(found)
+
+
+def sweep_files(directory: Path, pattern: re.Pattern) -> None:
+    """Remove the regular files in `directory` that killed runs left there (see `abandoned`); one that
+    cannot be removed stays, for a later run to try again."""
+    for path in abandoned(directory, pattern, dirs=False):
+        with suppress(OSError):
+            os.unlink(path)
 
 
 # -- writing ----------------------------------------------------------------------------------------------
@@ -249,18 +252,22 @@ def write_atomic(path: str, fill: Callable[[BinaryIO], object]) -> None:
             with open(path, "wb") as f:
                 f.write(data.getvalue())
             return
-        for stale in abandoned(target.parent, _PARTIAL, dirs=False):
-            stale.unlink(missing_ok=True)
+        sweep_files(target.parent, _PARTIAL)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=scratch_prefix(f".{target.name}."), suffix=".tmp")
+        rename_filled(fd, tmp, target, fill, 0o666 & ~umask())  # mkstemp makes the file private: the usual mode
     except OSError as e:
         raise PrismError(f"cannot write '{path}': {describe(e)}") from None
+
+
+def rename_filled(fd: int, tmp: str, target: Path, fill: Callable[[BinaryIO], object], mode: int | None = None) -> None:
+    """`fill` the new temporary file `tmp` (open as `fd`), give it `mode` (if any) and rename it to `target`
+    (so that no reader ever meets a half-written file); `tmp` is removed if a step fails. Raises OSError."""
     try:
         with os.fdopen(fd, "wb") as f:
             fill(f)
-        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes the file private; give it the usual mode
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except OSError as e:
-        raise PrismError(f"cannot write '{path}': {describe(e)}") from None
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)

@@ -20,7 +20,7 @@ from ..backend import cuda_runtime
 from ..pipeline.build import RTOL, BuildOptions, build, measure, reference_outputs
 from ..lang.check import load
 from ..base.errors import PrismError
-from ..kernels.hardware import load_target
+from ..kernels.hardware import load_hardware
 from ..kernels.kernel import kernels_of
 from ..semantics.reference import bind_dims, random_inputs
 
@@ -84,28 +84,28 @@ def bench(args) -> int:
         raise PrismError(f"prismc bench needs a usable CUDA GPU: {why}")
     import torch
 
-    target = load_target(args.hardware)
+    hardware = load_hardware(args.hardware)
     program = load(args.file).program(args.program)
     baseline = load(args.baseline).program() if args.baseline else program
     if kernels_of(baseline):
         raise PrismError(f"'{program.name}' has custom kernels; give --baseline with the program as written")
     options = BuildOptions(dims=args.dims, rank="measure", emulate=False, archs=())
-    built = build(program, target, options, baseline)  # checked against the program as written
+    built = build(program, hardware, options, baseline)  # checked against the program as written
     binding = bind_dims(baseline, dict(args.dims))
     inputs = [random_inputs(baseline, binding, seed) for seed in range(3)]
     ref = reference_outputs(built, inputs[0])
     gpu = measure(built, options.seed)
     rows = [{"impl": "prism-dsl", "us": round(gpu.timing_ms["median_ms"] * 1000, 3), "passed": gpu.passed,
              "max_rel_err": max(o["max_rel_err"] for o in gpu.outputs.values())}]
-    dev = [{k: torch.tensor(v, dtype=getattr(torch, cuda_runtime.TORCH_DTYPE[_dtype(baseline, k)]), device="cuda")
-            for k, v in s.items()} for s in inputs]
+    dtypes = {n.attr: getattr(torch, cuda_runtime.TORCH_DTYPE[n.dtype.value]) for n in baseline.inputs}
+    dev = [{k: torch.tensor(v, dtype=dtypes[k], device="cuda") for k, v in s.items()} for s in inputs]
     eager = torch_function(baseline)
     for name, fn in (("torch eager", eager), ("torch.compile", torch.compile(eager))):
         got = fn(**dev[0])
         checks = [cuda_runtime.check(g.float().cpu().numpy(), ref[o], RTOL) for g, (o, _) in zip(got, baseline.outputs)]
         rows.append({"impl": name, "us": round(_time_torch(fn, dev, args.repeat), 3),
                      "passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks)})
-    roof = cost.roofline(baseline, binding, target)
+    roof = cost.roofline(baseline, binding, hardware)
     table = {"program": program.name, "device": why, "dims": {d.name: int(binding[d.symbol]) for d in baseline.dims},
              "roofline_us": roof["floor_us"], "rows": rows}
     print(f"{program.name} on {why} (dims {', '.join(f'{k}={v}' for k, v in table['dims'].items())}); "
@@ -117,7 +117,3 @@ def bench(args) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(table, indent=2) + "\n")
     return 0 if all(r["passed"] for r in rows) else 1
-
-
-def _dtype(program, name: str) -> str:
-    return next(n.dtype.value for n in program.inputs if n.attr == name)

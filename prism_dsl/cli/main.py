@@ -349,13 +349,10 @@ def _summary(prog) -> str:
     ops = sum(1 for n in prog.nodes() if n.op not in ("input", "const", "kernel"))
     kernels = len(kernels_of(prog))
     dims = ", ".join(f"{d.name}={d.default}" for d in prog.dims)
-    return (
-        f"program {prog.name} ({_count(len(prog.inputs), 'input')}, {_count(len(prog.outputs), 'output')}, "
-        + (f"{_count(kernels, 'custom kernel')}, " if kernels else "")
-        + f"{_count(ops, 'op')}"
-        + (f", dims {dims}" if dims else "")
-        + ")"
-    )
+    parts = [_count(len(prog.inputs), "input"), _count(len(prog.outputs), "output"),
+             *([_count(kernels, "custom kernel")] if kernels else []), _count(ops, "op"),
+             *([f"dims {dims}"] if dims else [])]
+    return f"program {prog.name} ({', '.join(parts)})"
 
 
 def _count(n: int, word: str) -> str:
@@ -364,7 +361,7 @@ def _count(n: int, word: str) -> str:
 
 def cmd_run(args) -> int:
     from ..lang.check import load
-    from ..kernels.hardware import load_target
+    from ..kernels.hardware import load_hardware
     from ..kernels.kernel import free_symbols
     from ..kernels.params import complete, resolve_params
     from .npz import read_npz, write_npz
@@ -382,7 +379,7 @@ def cmd_run(args) -> int:
     binding = bind_dims(program, args.dims, given)
     check_sizes(program, binding)  # every tensor, before random inputs or any value is made
     inputs = given if given is not None else random_inputs(program, binding, args.seed)
-    params = complete(program, binding, resolve_params(program, args.grid, args.loop), load_target(args.hardware))
+    params = complete(program, binding, resolve_params(program, args.grid, args.loop), load_hardware(args.hardware))
     check_sizes(program, {**binding, **{s: params[s.name] for s in free_symbols(program)}})  # kernels' outputs
     outputs = evaluate(program, inputs, params, args.hardware)
     write_npz(args.out, outputs)
@@ -398,7 +395,7 @@ def cmd_run(args) -> int:
 
 def cmd_compile(args) -> int:
     from ..backend.codegen import CodegenConfig
-    from ..kernels.hardware import load_target
+    from ..kernels.hardware import load_hardware
     from ..lang.check import load
     from ..pipeline.build import BuildOptions
     from ..pipeline.compile import Request, Searching, compile_program
@@ -411,7 +408,7 @@ def cmd_compile(args) -> int:
     bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}a?", a)]
     if bad:
         raise PrismError(f"--arch: expected names like sm_90 or sm_80, got {', '.join(bad)}")
-    hardware = load_target(args.hardware)
+    hardware = load_hardware(args.hardware)
     program = load(args.file).program(args.program)
     searching = None
     if args.search == "full" and any(n.op == "kernel" for n in program.nodes()):

@@ -18,7 +18,7 @@ import sympy
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
 from ..kernels.constraints import constraints, shared_memory
-from ..kernels.hardware import load_target
+from ..kernels.hardware import load_hardware
 from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape
 from ..kernels.params import choose, resolve_params
 from ..kernels.sizes import bind
@@ -28,21 +28,19 @@ from ..semantics.reference import bind_dims
 from ..ir.shapes import fmt_shape
 
 
-def _binding(program: Program, dims: Mapping[str, int], grid, loop, target) -> tuple[dict, list[str]]:
+def _binding(program: Program, dims: Mapping[str, int], grid, loop, hardware) -> tuple[dict, list[str]]:
     """Dims, the given kernel parameters and valid choices for the rest (if there are any)."""
     binding = dict(bind_dims(program, dims))
-    given = resolve_params(program, grid, loop)
     symbols = {s.name: s for s in free_symbols(program)}
-    fixed = {symbols[n]: v for n, v in given.items()}
+    fixed = {symbols[n]: v for n, v in resolve_params(program, grid, loop).items()}
     binding.update(fixed)
     notes = []
     if all(s in binding for s in symbols.values()):
         return binding, notes
     try:
-        chosen = choose(program, binding, fixed, target)
+        chosen = choose(program, binding, fixed, hardware)  # not empty: some parameter is not given
         binding.update(chosen)
-        if chosen:
-            notes.append("chosen: " + ", ".join(f"{s} = {v}" for s, v in chosen.items()))
+        notes.append("chosen: " + ", ".join(f"{s} = {v}" for s, v in chosen.items()))
     except PrismError as e:
         notes.append(str(e).splitlines()[0])
     return binding, notes
@@ -63,10 +61,10 @@ def _shape(shape, binding) -> str:
     return sym if sym == conc else f"{sym} = {conc}"
 
 
-def kernel_text(program: Program, k: Kernel, binding, target) -> tuple[list[str], list[str]]:
+def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[str], list[str]]:
     """The lines describing kernel `k`, and the constraints it violates (in words)."""
-    grid = ", ".join(f"{a} = {g}" + ("" if bind(g, binding) == g else f" = {_value(g, binding)}") for a, g in k.grid)
-    loop = "" if k.loop is None else f" loop({k.loop}" + ("" if bind(k.loop, binding) == k.loop else f" = {_value(k.loop, binding)}") + ")"
+    grid = ", ".join(f"{a} = {g}{_bound(g, binding, ' = ')}" for a, g in k.grid)
+    loop = "" if k.loop is None else f" loop({k.loop}{_bound(k.loop, binding, ' = ')})"
     blocks = _value(sympy.Mul(*[g for _, g in k.grid]), binding)
     lines = [f"kernel {k.name} grid({grid}){loop}: {blocks} blocks, {_value(k.loop_range, binding)} iterations each"]
     names = {n: program.names[n] for n in k.body() if n in program.names and n.op != "tile"}
@@ -82,27 +80,24 @@ def kernel_text(program: Program, k: Kernel, binding, target) -> tuple[list[str]
                          f"{node_text(n, {m: v for m, v in names.items() if m is not n})}   tile {_shape(n.shape, binding)}")
     for s in k.stores:
         full = output_shape(s.value.shape, s.map, k)
-        op = "+=" if s.add else "="
-        lines.append(f"  store {s.name}{s.map} {op} {node_text(s.value, names)}   tile {_shape(s.value.shape, binding)}"
-                     f" -> {s.name} {_shape(full, binding)}")
+        lines.append(f"  store {s.name}{s.map} {'+=' if s.add else '='} {node_text(s.value, names)}   "
+                     f"tile {_shape(s.value.shape, binding)} -> {s.name} {_shape(full, binding)}")
     smem = shared_memory(k)
-    lines.append(f"  shared memory per block: {smem} = {_value(smem, binding)} bytes (limit {target.smem_per_block} on {target.name})")
-    problems = [v for c in constraints(k, target) if (v := c.violation(binding))]
+    lines.append(f"  shared memory per block: {smem} = {_value(smem, binding)} bytes (limit {hardware.smem_per_block} on {hardware.name})")
+    problems = [v for c in constraints(k, hardware) if (v := c.violation(binding))]
     return lines, problems
 
 
-def text_report(program: Program, dims, grid, loop, target_name: str) -> tuple[str, bool]:
-    target = load_target(target_name)
-    binding, notes = _binding(program, dims, grid, loop, target)
+def text_report(program: Program, binding, notes: list[str], hardware) -> tuple[str, bool]:
     sizes = ", ".join(f"{d.name}={binding[d.symbol]}" for d in program.dims)
-    lines = [f"program {program.name} (dims {sizes or 'none'}; hardware {target.name})"]
+    lines = [f"program {program.name} (dims {sizes or 'none'}; hardware {hardware.name})"]
     lines += [f"  {n}" for n in notes]
     kernels = kernels_of(program)
     if not kernels:
         lines.append("  no custom kernels: every op is a pre-defined kernel")
     ok = True
     for k in kernels:
-        body, problems = kernel_text(program, k, binding, target)
+        body, problems = kernel_text(program, k, binding, hardware)
         lines += body
         if problems:
             ok = False
@@ -136,25 +131,19 @@ def dot_graph(program: Program, binding) -> str:
     outputs = {id(n): name for name, n in program.outputs}
     done_kernels: set[int] = set()
     for n in program.nodes():
-        if n.op == "input":
-            out.append(f"  {nid(n)} [shape=box, style=filled, fillcolor=lightgrey, "
-                       f"label={_q(f'{n.attr}: {n.dtype}{fmt_shape(n.shape)}')}];")
-        elif n.op == "const":
-            continue
-        elif n.op == "kernel":
-            kernel, index = n.attr
-            name = program.names.get(n, kernel.stores[index].name)
+        if n.op in ("input", "kernel"):  # a tensor in device memory
+            name = n.attr if n.op == "input" else program.names.get(n, n.attr[0].stores[n.attr[1]].name)
             out.append(f"  {nid(n)} [shape=box, style=filled, fillcolor=lightgrey, "
                        f"label={_q(f'{name}: {n.dtype}{fmt_shape(n.shape)}')}];")
-            if id(kernel) not in done_kernels:
-                done_kernels.add(id(kernel))
-                out += _cluster(program, kernel, binding, nid)
+            if n.op == "kernel" and id(n.attr[0]) not in done_kernels:
+                done_kernels.add(id(n.attr[0]))
+                out += _cluster(program, n.attr[0], binding, nid)
+        elif n.op == "const":
+            continue
         else:
             label = f"{program.names.get(n, n.op)} = {n.op}" + (NL + fmt_shape(n.shape) if n.shape else "")
             out.append(f"  {nid(n)} [shape=ellipse, label={_q(label)}];")
-            for a in n.args:
-                if a.op != "const":
-                    out.append(f"  {nid(a)} -> {nid(n)};")
+            out += [f"  {nid(a)} -> {nid(n)};" for a in n.args if a.op != "const"]
         if id(n) in outputs:
             out.append(f"  out_{nid(n)} [shape=plaintext, label={_q('return ' + outputs[id(n)])}];")
             out.append(f"  {nid(n)} -> out_{nid(n)};")
@@ -163,7 +152,7 @@ def dot_graph(program: Program, binding) -> str:
 
 
 def _cluster(program: Program, k: Kernel, binding, nid) -> list[str]:
-    grid = ", ".join(f"{a}={g}" + _bound(g, binding) for a, g in k.grid)
+    grid = ", ".join(f"{a}={g}{_bound(g, binding)}" for a, g in k.grid)
     loop = "" if k.loop is None else f"  loop({k.loop}{_bound(k.loop, binding)})"
     c = f"cluster_{nid(k, 'k')}"
     lines = [f"  subgraph {c} {{", f"    label={_q(f'kernel {k.name}  grid({grid}){loop}')};",
@@ -182,9 +171,7 @@ def _cluster(program: Program, k: Kernel, binding, nid) -> list[str]:
         label = (f"{name} = " if name else "") + n.op + NL + fmt_shape(n.shape)
         style = "shape=box, style=\"rounded,filled\", fillcolor=lightyellow" if acc else "shape=ellipse"
         lines.append(f"    {nid(n, 'b')} [{style}, label={_q(label)}];")
-        for a in n.args:
-            if a.op != "const":
-                lines.append(f"    {nid(a, 'b')} -> {nid(n, 'b')};")
+        lines += [f"    {nid(a, 'b')} -> {nid(n, 'b')};" for a in n.args if a.op != "const"]
     lines.append("  }")
     for i, s in enumerate(k.stores):
         op = "+=" if s.add else "="
@@ -199,17 +186,18 @@ def _store_target(program: Program, k: Kernel, index: int, nid) -> str:
     return nid(k.stores[index])
 
 
-def _bound(expr, binding) -> str:
-    v = bind(expr, binding)
-    return "" if v == expr else f"={_value(expr, binding)}"
+def _bound(expr, binding, eq: str = "=") -> str:
+    """`expr`'s value after `eq`, when the binding gives it one (nothing when it stays as it is)."""
+    return "" if bind(expr, binding) == expr else f"{eq}{_value(expr, binding)}"
 
 
-def render(program: Program, dims, grid, loop, target_name: str, fmt: str) -> tuple[str | bytes, bool, str | None]:
+def render(program: Program, dims, grid, loop, hardware_name: str, fmt: str) -> tuple[str | bytes, bool, str | None]:
     """(text or image bytes, whether every kernel is valid, a note for the terminal)."""
-    text, ok = text_report(program, dims, grid, loop, target_name)
+    hardware = load_hardware(hardware_name)
+    binding, notes = _binding(program, dims, grid, loop, hardware)
+    text, ok = text_report(program, binding, notes, hardware)
     if fmt == "text":
         return text, ok, None
-    binding, _ = _binding(program, dims, grid, loop, load_target(target_name))
     dot = dot_graph(program, binding)
     if fmt == "dot":
         return dot, ok, None

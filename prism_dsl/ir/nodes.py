@@ -142,14 +142,8 @@ class Program:
 
     def nodes(self) -> list[Node]:
         """All nodes of the program in a topological order (operands first), each once."""
-        order: list[Node] = []
-        seen: set[int] = set()
-        for root in list(self.inputs) + [n for _, n in self.outputs]:
-            for node in root.walk():
-                if id(node) not in seen:
-                    seen.add(id(node))
-                    order.append(node)
-        return order
+        roots = list(self.inputs) + [n for _, n in self.outputs]
+        return list(dict.fromkeys(node for root in roots for node in root.walk()))
 
     def input_names(self) -> tuple[str, ...]:
         return tuple(n.attr for n in self.inputs)

@@ -100,7 +100,6 @@ DIMS = tuple(range(-1, -MAX_RANK - 1, -1))  # every dim the prover tracks, count
 CALLABLE = frozenset(name for name, spec in OPS.items() if spec.where == "any" and spec.kind not in (Kind.INPUT, Kind.CONST))
 BLOCK_CALLABLE = CALLABLE | {name for name, spec in OPS.items() if spec.where == "block"}
 RULE_CALLABLE = BLOCK_CALLABLE | {name for name, spec in OPS.items() if spec.where == "rules"}
-INFIX = {spec.infix: spec.name for spec in OPS.values() if spec.infix}
 
 
 def arity_words(spec: OpSpec) -> str:

@@ -167,3 +167,8 @@ def build(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> Node:
     elif OPS[op].kind in (Kind.SPLIT, Kind.CONCAT):
         attr = tuple(params)
     return Node(op, tuple(args), attr, dtype, shape)
+
+
+def rebuild(n: Node, args: Sequence[Node]) -> Node:
+    """`n`'s op (and a reduction's dim) over other operands."""
+    return build(n.op, args, [n.attr] if OPS[n.op].kind is Kind.REDUCE else [])

@@ -8,7 +8,7 @@ Takes `ir` programs (`Program`, `Node`) whose kernel-level nodes may be custom k
   shared-memory buffers a block allocates (`Plan`);
 - `lower`: every op outside custom kernels turned into a pre-defined kernel of the same IR;
 - `sizes`: exact, compiled evaluation of the SymPy size expressions;
-- `hardware`: the GPU targets (`Target`, read from `targets/*.toml`);
+- `hardware`: the GPUs (`Hardware`, read from `gpus/*.toml`);
 - `constraints`: the conditions on a kernel's symbols, and instantiation to a `Concrete` kernel;
 - `params`: kernel parameters from the command line, and valid choices for the rest.
 

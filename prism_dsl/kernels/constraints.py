@@ -1,8 +1,8 @@
-"""Constraints on a kernel's symbols, and instantiation: binding every symbol for a hardware target.
+"""Constraints on a kernel's symbols, and instantiation: binding every symbol for a GPU.
 
 Each kernel brings conditions, as data (`Constraint`): grid sizes and the loop range at least 1, grid
-axes within the target's limits, every split tile dim a whole number, and the shared memory that the
-fusion plan allocates within the target's per-block limit. `instantiate` checks them all and returns a
+axes within the hardware's limits, every split tile dim a whole number, and the shared memory that the
+fusion plan allocates within the hardware's per-block limit. `instantiate` checks them all and returns a
 `Concrete` kernel or every violation in words; `valid` answers the same question compiled, for tuning.
 """
 
@@ -16,7 +16,7 @@ import sympy
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
 from .fusion import plan
-from .hardware import Target
+from .hardware import Hardware
 from .kernel import AXES, WHOLE, Kernel, kernels_of, output_shape, tile_dim
 from .sizes import call, compile_sizes, int_value, value
 
@@ -55,11 +55,11 @@ class Constraint:
 
 
 @cache
-def constraints(kernel: Kernel, target: Target) -> list[Constraint]:
+def constraints(kernel: Kernel, hardware: Hardware) -> list[Constraint]:
     out: list[Constraint] = []
     for axis, g in kernel.grid:
         out.append(Constraint("positive", g, None, f"kernel '{kernel.name}': grid axis {axis} ({g})"))
-        limit = target.max_grid[AXES.index(axis)]
+        limit = hardware.max_grid[AXES.index(axis)]
         out.append(Constraint("grid", g, limit, f"kernel '{kernel.name}': grid axis {axis} ({g} blocks)"))
     if kernel.loop is not None:
         out.append(Constraint("positive", kernel.loop, None, f"kernel '{kernel.name}': the loop range ({kernel.loop})"))
@@ -72,7 +72,7 @@ def constraints(kernel: Kernel, target: Target) -> list[Constraint]:
                              + ([f"the loop ({kernel.loop_range})"] if dm.loop else []))
             out.append(Constraint("divides", tile_dim(size, dm, kernel), None,
                                   f"kernel '{kernel.name}': tile '{load.tile}' splits dim {i} of size {size} by {by}"))
-    out.append(Constraint("smem", shared_memory(kernel), target.smem_per_block,
+    out.append(Constraint("smem", shared_memory(kernel), hardware.smem_per_block,
                           f"kernel '{kernel.name}': shared memory per block (bytes)"))
     return out
 
@@ -98,36 +98,36 @@ class Concrete:
         return math.prod(g for _, g in self.grid)
 
 
-def valid(kernel: Kernel, binding: Mapping[sympy.Symbol, int], target: Target) -> bool:
+def valid(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> bool:
     """Whether `instantiate` would succeed: every constraint at once, compiled (`_checker`)."""
-    return call(_checker(kernel, target), binding, False)
+    return call(_checker(kernel, hardware), binding, False)
 
 
 @cache
-def _checker(kernel: Kernel, target: Target) -> tuple:
+def _checker(kernel: Kernel, hardware: Hardware) -> tuple:
     """(symbols, a function of their values) true when every constraint of `kernel` holds."""
-    checks = constraints(kernel, target)
+    checks = constraints(kernel, hardware)
     forms = {"divides": "({}).denominator == 1", "positive": "({}) >= 1"}  # "smem", "grid": at most the limit
     test = lambda sources: " and ".join(  # noqa: E731
         forms.get(c.kind, f"({{}}) <= {c.limit}").format(e) for c, e in zip(checks, sources)) or "True"
     return compile_sizes([sympy.sympify(c.expr) for c in checks], test)
 
 
-def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], target: Target) -> Concrete | list[str]:
+def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> Concrete | list[str]:
     """The kernel with all symbols bound, or every violated constraint in words."""
-    if not valid(kernel, binding, target):
-        return [v for c in constraints(kernel, target) if (v := c.violation(binding))]
+    if not valid(kernel, binding, hardware):
+        return [v for c in constraints(kernel, hardware) if (v := c.violation(binding))]
     grid = tuple((a, int_value(g, binding)) for a, g in kernel.grid)
     smem = int_value(shared_memory(kernel), binding)
     return Concrete(kernel, grid, int_value(kernel.loop_range, binding), dict(binding), smem)
 
 
-def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], target: Target) -> dict[str, Concrete]:
+def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> dict[str, Concrete]:
     """Every kernel instantiated; raises one PrismError listing every violated constraint."""
     out: dict[str, Concrete] = {}
     problems: list[str] = []
     for k in kernels_of(program):
-        c = instantiate(k, binding, target)
+        c = instantiate(k, binding, hardware)
         if isinstance(c, list):
             problems += c
         else:

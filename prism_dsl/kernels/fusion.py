@@ -28,7 +28,7 @@ import sympy
 
 from ..ir.accumulators import ACCUMULATORS, ONLINE_SOFTMAX
 from ..ir.nodes import DType, Node
-from .kernel import Kernel
+from .kernel import Kernel, fresh_name
 from ..ir.ops import OPS, Kind
 
 ALIGN = 128  # bytes: shared-memory buffers start at multiples of this (tensor-core loads need 32)
@@ -100,17 +100,10 @@ def plan(kernel: Kernel) -> Plan:
     buffers: list[Buffer] = []
     state: dict[Node, dict[str, Buffer]] = {}
     groups: dict[Node, dict[str, Buffer]] = {}
-    names: set[str] = set()
 
     def add(base: str, shape, dtype: DType, node: Node | None, role: str) -> Buffer:
-        name, i = base, 1
-        while name in names:
-            i += 1
-            name = f"{base}_{i}"
-        names.add(name)
-        b = Buffer(name, tuple(shape), dtype, node, role)
-        buffers.append(b)
-        return b
+        buffers.append(Buffer(fresh_name(base, {b.name for b in buffers}), tuple(shape), dtype, node, role))
+        return buffers[-1]
 
     softmax_scores = {n.args[0] for n in body if n.op in ONLINE_SOFTMAX}
     for i, n in enumerate(body):

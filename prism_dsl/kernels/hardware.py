@@ -1,6 +1,6 @@
-"""The GPUs a kernel is instantiated for: one TOML file per target in `targets/`.
+"""The GPUs a kernel is instantiated for: one TOML file per GPU in `gpus/`.
 
-A target gives the limits the constraints check (shared memory per block, grid size) and the figures the
+A hardware gives the limits the constraints check (shared memory per block, grid size) and the figures the
 cost model reads (SMs, bandwidths, peak rates, launch overhead). Adding a GPU is adding a file.
 """
 
@@ -14,7 +14,7 @@ from ..base.errors import PrismError
 
 
 @dataclass(frozen=True)
-class Target:
+class Hardware:
     name: str
     arch: str
     sms: int
@@ -35,21 +35,21 @@ class Target:
         return hash(self.name)
 
 
-TARGETS_DIR = Path(__file__).parent / "targets"
+HARDWARE_DIR = Path(__file__).parent / "gpus"
 
 
-def target_names() -> list[str]:
-    return sorted(p.stem for p in TARGETS_DIR.glob("*.toml"))
+def hardware_names() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.toml"))
 
 
 @cache
-def load_target(name: str = "h100") -> Target:
-    path = TARGETS_DIR / f"{name.lower()}.toml"
+def load_hardware(name: str = "h100") -> Hardware:
+    path = HARDWARE_DIR / f"{name.lower()}.toml"
     if not path.is_file():
-        raise PrismError(f"unknown target '{name}' (known: {', '.join(target_names())})")
+        raise PrismError(f"unknown hardware '{name}' (known: {', '.join(hardware_names())})")
     try:
         data = tomllib.loads(path.read_text())
         data["max_grid"] = tuple(data["max_grid"])
-        return Target(**data)
+        return Hardware(**data)
     except (tomllib.TOMLDecodeError, TypeError, KeyError) as e:
-        raise PrismError(f"target file {path} is malformed: {e}") from None
+        raise PrismError(f"hardware file {path} is malformed: {e}") from None

@@ -12,14 +12,14 @@ whose attr is (Kernel, output index), so kernel-level graphs mix custom and pre-
 
 Tile shape of input dim d (the formula the search uses, with Boolean map variables m):
     tile_d = D_d / prod_p(1 - m[p][d] + m[p][d] * g_p) / (1 - m[F][d] + m[F][d] * F)
-`constraints` checks that these shapes divide, fit and launch on a hardware target; `params` chooses
+`constraints` checks that these shapes divide, fit and launch on a GPU; `params` chooses
 the free symbols.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import sympy
 
@@ -180,6 +180,13 @@ def output_shape(tile: tuple[sympy.Expr, ...], tmap: TileMap, kernel: Kernel) ->
     return tuple(t * (kernel.size(d.axis) if d.axis else 1) for t, d in zip(padded, tmap.dims))
 
 
+def splits(kernel: Kernel) -> Iterator[tuple[sympy.Expr, list[sympy.Expr]]]:
+    """Each loaded dim's whole size, and the grid sizes and loop range that split it."""
+    for load in kernel.loads:
+        for size, dm in zip(kernel.inputs[load.source].shape, load.map.dims):
+            yield size, ([kernel.size(dm.axis)] if dm.axis else []) + ([kernel.loop_range] if dm.loop else [])
+
+
 def loop_varying(kernel: Kernel) -> set[Node]:
     """Body nodes whose value changes from one loop iteration to the next (before any accumulator)."""
     varying: set[Node] = set()
@@ -216,3 +223,12 @@ def free_symbols(program: Program) -> list[sympy.Symbol]:
     dims = {d.symbol for d in program.dims}
     sizes = [g for k in kernels_of(program) for g in [*(g for _, g in k.grid), k.loop_range]]
     return list(dict.fromkeys(s for g in sizes for s in sorted(g.free_symbols - dims, key=str)))
+
+
+def fresh_name(base: str, taken) -> str:
+    """`base`, or `base_2`, `base_3`... the first not in `taken`."""
+    name, i = base, 1
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    return name

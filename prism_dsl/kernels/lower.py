@@ -24,9 +24,9 @@ from dataclasses import replace
 import sympy
 
 from ..ir.nodes import Node, Program, dim_symbol
-from .kernel import AXES, DimMap, Kernel, Load, Store, TileMap, output_shape, tile_shape
+from .kernel import AXES, DimMap, Kernel, Load, Store, TileMap, fresh_name, output_shape, tile_shape
 from ..ir.ops import KERNEL_RANK, OPS, Kind
-from ..ir.shapes import build, same
+from ..ir.shapes import build, rebuild, same
 from ..base.errors import PrismError
 
 _ELEMENTWISE = (Kind.UNARY, Kind.BINARY)
@@ -75,21 +75,13 @@ def lower(program: Program) -> Program:
         i += 1
         store = outputs.get(id(n)) or program.names.get(n)
         if store is None or (store in taken and id(n) not in outputs and program.names.get(n) != store):
-            store = _fresh(f"t{i}", taken)
+            store = fresh_name(f"t{i}", taken)
         taken.add(store)
         node = _kernel_for(n, store, lowered)
         lowered[n] = node
         names[node] = store
     outs = tuple((name, lowered.get(node, node)) for name, node in program.outputs)
     return Program(program.name, program.dims, program.inputs, outs, {}, names, program.loc)
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, i = base, 1
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    return name
 
 
 class _Builder:
@@ -161,26 +153,19 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node]) -> Node:
         value = build("acc_sum", [build("matmul", [at, bt])])
         return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
     if kind is Kind.REDUCE:
-        x = n.args[0]
-        kept = [d for d in range(-1, -n.rank - 1, -1) if d != n.attr - n.rank]
-        split = dict(zip(kept, AXES))
-        grid = [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()]
-        bld = _Builder(kname, grid, None, lowered)
-        xt = bld.tile(x, _map(x.shape, split))
-        return bld.kernel(build(n.op, [xt], [n.attr]), store, TileMap(_out_map(n.rank, split)))
-    if kind is Kind.ROWWISE:
+        split = dict(zip([d for d in range(-1, -n.rank - 1, -1) if d != n.attr - n.rank], AXES))
+    elif kind is Kind.ROWWISE:
         split = dict(zip(range(-2, -n.rank - 1, -1), AXES))
-        grid = [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()]
-        bld = _Builder(kname, grid, None, lowered)
-        xt = bld.tile(n.args[0], _map(n.args[0].shape, split))
-        return bld.kernel(build(n.op, [xt]), store, TileMap(_out_map(n.rank, split)))
-    if kind in _ELEMENTWISE:
+    elif kind in _ELEMENTWISE:
         split = dict(zip(range(-1, -min(n.rank, 3) - 1, -1), AXES))
-        grid = [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()]
-        bld = _Builder(kname, grid, None, lowered)
+    else:
+        raise PrismError(f"no pre-defined kernel for '{n.op}'")
+    bld = _Builder(kname, [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()], None, lowered)
+    if kind in _ELEMENTWISE:
         value = _rebuild(n, bld, split, shape, lowered, top=True)
-        return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
-    raise PrismError(f"no pre-defined kernel for '{n.op}'")
+    else:  # a reduction or a row-wise op: its operand's tile holds what it works along whole
+        value = rebuild(n, [bld.tile(n.args[0], _map(n.args[0].shape, split))])
+    return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
 
 
 def _pad(operand: Node, out_shape) -> tuple:

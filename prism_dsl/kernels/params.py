@@ -14,13 +14,13 @@ import sympy
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from .constraints import constraints, instantiate_program, valid
-from .hardware import Target
-from .kernel import AXES, free_symbols, kernels_of, tile_dim
+from .hardware import Hardware
+from .kernel import AXES, free_symbols, kernels_of, splits, tile_dim
 from .sizes import int_value, value
 
 
 def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int],
-           target: Target, prefer: str = "fill") -> dict[sympy.Symbol, int]:
+           hardware: Hardware, prefer: str = "fill") -> dict[sympy.Symbol, int]:
     """Values for the kernel symbols not in `fixed`: a valid choice. With `prefer="fill"`, a grid that
     fills the SMs without many more blocks than that and loop tiles near 64 wide (a cost model comes
     later); with `prefer="split"`, every symbol above 1 where possible, and small: the choice that
@@ -32,31 +32,31 @@ def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sy
     free = [s for s in free_symbols(program) if s not in fixed]
     binding = {**dims, **fixed}
     if not free:
-        instantiate_program(program, binding, target)
+        instantiate_program(program, binding, hardware)
         return {}
     cands = {s: candidates(program, s, binding) for s in free}
     best, best_key, last_problem = None, None, None
     for values in itertools.islice(itertools.product(*(cands[s] for s in free)), 20000):
         trial = {**binding, **dict(zip(free, values))}
-        if not all(valid(k, trial, target) for k in kernels_of(program)):
+        if not all(valid(k, trial, hardware) for k in kernels_of(program)):
             last_problem = trial
             continue
         if prefer == "split":
             key = (-sum(v > 1 for v in values), sum(values))
         else:
-            key = _preference(program, trial, target)
+            key = _preference(program, trial, hardware)
         if best_key is None or key < best_key:
             best, best_key = dict(zip(free, values)), key
     if best is None:
         given = "".join(f", {s} = {v}" for s, v in fixed.items())
         raise PrismError("no choice of " + ", ".join(str(s) for s in free) + (f" (with{given[1:]} as given)" if given else "")
                          + " satisfies the constraints:\n  "
-                         + "\n  ".join([v for k in kernels_of(program) for c in constraints(k, target)
+                         + "\n  ".join([v for k in kernels_of(program) for c in constraints(k, hardware)
                                         if (v := c.violation(last_problem))] if last_problem else ["no candidates"]))
     return best
 
 
-def complete(program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], target: Target,
+def complete(program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], hardware: Hardware,
              prefer: str = "fill") -> dict[str, int]:
     """Every kernel parameter of the program by name: those in `params`, and valid choices (`choose`)
     for the rest. A name that is no kernel parameter is an error."""
@@ -66,7 +66,7 @@ def complete(program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping
         known = ", ".join(symbols) or "none"
         raise PrismError(f"program '{program.name}' has no kernel parameter {', '.join(unknown)} (its parameters: {known})")
     fixed = {symbols[n]: v for n, v in params.items()}
-    chosen = choose(program, dims, fixed, target, prefer)
+    chosen = choose(program, dims, fixed, hardware, prefer)
     return {**params, **{s.name: v for s, v in chosen.items()}}
 
 
@@ -74,13 +74,9 @@ def candidates(program: Program, sym: sympy.Symbol, binding) -> list[int]:
     """The values worth trying for `sym`: the divisors of the sizes it splits (1..8 when it splits none)."""
     sizes = set()
     for k in kernels_of(program):
-        for load in k.loads:
-            for size, dm in zip(k.inputs[load.source].shape, load.map.dims):
-                splitters = ([k.size(dm.axis)] if dm.axis else []) + ([k.loop_range] if dm.loop else [])
-                if any(sym in s.free_symbols for s in splitters):
-                    whole = value(size, binding)
-                    if whole is not None:
-                        sizes.add(int(whole))
+        for size, splitters in splits(k):
+            if any(sym in s.free_symbols for s in splitters) and (whole := value(size, binding)) is not None:
+                sizes.add(int(whole))
     if not sizes:
         return list(range(1, 9))
     return divisors(math.gcd(*sizes))
@@ -104,7 +100,7 @@ def divisors(n: int, limit: int = MAX_DIVISORS) -> list[int]:
     return kept + [int(n)]
 
 
-def _preference(program: Program, binding, target: Target) -> tuple:
+def _preference(program: Program, binding, hardware: Hardware) -> tuple:
     blocks, loop_tiles = 0, []
     for k in kernels_of(program):
         blocks = max(blocks, math.prod(int_value(g, binding) for _, g in k.grid))
@@ -112,7 +108,7 @@ def _preference(program: Program, binding, target: Target) -> tuple:
             d = load.map.loop_dim()
             if d is not None:
                 loop_tiles.append(int(value(tile_dim(k.inputs[load.source].shape[d], load.map.dims[d], k), binding)))
-    fill = abs(math.log(blocks / target.sms)) if blocks else 99.0
+    fill = abs(math.log(blocks / hardware.sms)) if blocks else 99.0
     width = sum(abs(math.log(t / 64)) for t in loop_tiles)  # tiles whose width is fixed add a constant
     return (round(fill, 1), round(width, 1))
 

@@ -147,22 +147,23 @@ def _check_def(f: ast.Def, scope: Scope, errors: Collector) -> bool:
             errors.error(e.loc, unknown_name(e.id, f.params, scope))
         elif isinstance(e, ast.Call):
             if e.fn in scope.defs or e.fn in BLOCK_CALLABLE:  # accumulators: for defs used in kernels
-                problem = _arity_problem(e, scope)
-                if problem:
-                    errors.error(e.loc, problem)
+                _bad_arity(e, scope, errors)
             else:
                 errors.error(e.loc, unknown_function(e.fn, scope))
             stack.extend(e.args)
     return len(errors.diagnostics) == before
 
 
-def _arity_problem(e: ast.Call, scope: Scope) -> str | None:
-    """What is wrong with the number of arguments of a call to a def or an operator, if anything."""
+def _bad_arity(e: ast.Call, scope: Scope, errors: Collector) -> bool:
+    """Whether a call to a def or an operator has the wrong number of arguments; if so, it is reported."""
     if e.fn in scope.defs:
         wanted = len(scope.defs[e.fn].params)
-        return None if len(e.args) == wanted else f"{e.fn} takes {wanted} argument(s), got {len(e.args)}"
-    spec = OPS[e.fn]
-    return None if len(e.args) == spec.arity else f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}"
+        takes = f"{wanted} argument(s)"
+    else:
+        wanted, takes = OPS[e.fn].arity, arity_words(OPS[e.fn])
+    if len(e.args) != wanted:
+        errors.error(e.loc, f"{e.fn} takes {takes}, got {len(e.args)}")
+    return len(e.args) != wanted
 
 
 class _TooDeep(Exception):
@@ -288,9 +289,7 @@ class Checker:
             for a in e.args:  # still report errors inside the arguments
                 self.expr(a, env, defs_stack)
             return POISON
-        problem = _arity_problem(e, self.scope)
-        if problem:
-            self.errors.error(e.loc, problem)
+        if _bad_arity(e, self.scope, self.errors):
             return POISON
         operands = [self.expr(a, env, defs_stack) for a in e.args[: spec.operands]]
         params = [self.int_param(a, spec.name, pname) for a, pname in zip(e.args[spec.operands :], spec.params)]
@@ -337,9 +336,7 @@ class Checker:
             chain = " -> ".join(defs_stack[defs_stack.index(e.fn) :] + (e.fn,))
             self.errors.error(e.loc, f"recursive call to '{e.fn}' ({chain}); defs are inlined and cannot recurse")
             return POISON
-        problem = _arity_problem(e, self.scope)
-        if problem:
-            self.errors.error(e.loc, problem)
+        if _bad_arity(e, self.scope, self.errors):
             return POISON
         args = [self.expr(a, env, defs_stack) for a in e.args]
         if any(a is POISON for a in args) or e.fn in self.scope.broken:  # a broken body is reported at its def

@@ -30,15 +30,13 @@ class _KernelCheck:
     def __init__(self, checker, decl: ast.KernelDecl, env: dict):
         self.c, self.decl, self.env = checker, decl, env
         self.errors = checker.errors
+        self.error = checker.errors.error
         self.before = len(self.errors.diagnostics)
         self.storing = False  # checking a store's map (the loop cannot appear there)
         self.named_axes: set[str] = set()  # axes the grid names, valid sizes or not (no knock-on errors)
         # Where each body node of this kernel is written. Nodes are interned, so the same expression in
         # two kernels is one node; the program-wide table would point errors at the first kernel.
         self.where: dict[Node, Loc] = {}
-
-    def error(self, loc: Loc, message: str, *notes: str) -> None:
-        self.errors.error(loc, message, *notes)
 
     def ok(self) -> bool:
         return len(self.errors.diagnostics) == self.before
@@ -74,7 +72,7 @@ class _KernelCheck:
 
     # -- maps ---------------------------------------------------------------------------------------
 
-    def dim_map(self, e: ast.MapEntry, axes: set[str], loop_ok: bool, seen: set[str]) -> DimMap | None:
+    def dim_map(self, e: ast.MapEntry, loop_ok: bool, seen: set[str]) -> DimMap | None:
         if not e.names:
             return DimMap()
         *first, last = e.names
@@ -106,9 +104,9 @@ class _KernelCheck:
             seen.add(name)
         return DimMap(axis, loop)
 
-    def tile_map(self, entries, axes: set[str], loop_ok: bool) -> TileMap | None:
+    def tile_map(self, entries, loop_ok: bool) -> TileMap | None:
         seen: set[str] = set()
-        dims = [self.dim_map(e, axes, loop_ok, seen) for e in entries]
+        dims = [self.dim_map(e, loop_ok, seen) for e in entries]
         return None if any(d is None for d in dims) else TileMap(tuple(dims))
 
     # -- the kernel ---------------------------------------------------------------------------------
@@ -121,7 +119,6 @@ class _KernelCheck:
         grid = self.grid()
         loop = self.size(decl.loop, "the loop range") if decl.loop is not None else None
         shell = Kernel(decl.name, tuple(grid), loop, (), (), ())  # for tile shapes while checking
-        axes = {a for a, _ in grid}
         sources: list[Node] = []
         loads: list[Load] = []
         local: dict = {}
@@ -131,7 +128,7 @@ class _KernelCheck:
         try:
             for stmt in decl.body:
                 if isinstance(stmt, ast.LoadStmt):
-                    self.load(stmt, shell, axes, loop is not None, sources, loads, local)
+                    self.load(stmt, shell, loop is not None, sources, loads, local)
                 elif isinstance(stmt, ast.Stmt):
                     value = self.c.expr(stmt.expr, local, defs_stack=())
                     if stmt.name in local:
@@ -144,7 +141,7 @@ class _KernelCheck:
                 else:
                     self.storing = True
                     value = self.c.expr(stmt.expr, local, defs_stack=())
-                    tmap = self.tile_map(stmt.entries, axes, loop_ok=False)
+                    tmap = self.tile_map(stmt.entries, loop_ok=False)
                     self.storing = False
                     if stmt.name in stored:
                         self.error(stmt.loc, f"'{stmt.name}' is stored twice; every name is assigned once")
@@ -180,14 +177,14 @@ class _KernelCheck:
             if isinstance(stmt, ast.StoreStmt) and stmt.name not in self.env:
                 self.env[stmt.name] = POISON
 
-    def load(self, stmt: ast.LoadStmt, shell: Kernel, axes, has_loop, sources, loads, local) -> None:
+    def load(self, stmt: ast.LoadStmt, shell: Kernel, has_loop, sources, loads, local) -> None:
         if stmt.tile in local:
             self.error(stmt.loc, f"'{stmt.tile}' is already defined in kernel '{self.decl.name}'")
             return
         source = self.env.get(stmt.source)
         if source is None:
             self.error(stmt.source_loc, unknown_name(stmt.source, self.env, self.c.scope))
-        tmap = self.tile_map(stmt.entries, axes, loop_ok=has_loop)
+        tmap = self.tile_map(stmt.entries, loop_ok=has_loop)
         local[stmt.tile] = POISON  # until the load is found sound
         if not isinstance(source, Node) or tmap is None:
             return
@@ -210,38 +207,32 @@ class _KernelCheck:
 
     def store(self, stmt: ast.StoreStmt, value: Node, tmap: TileMap, kernel: Kernel) -> Store | None:
         if stmt.name in self.env:
-            self.error(stmt.loc, f"'{stmt.name}' is already defined; every name is assigned once")
-            return None
+            return self.error(stmt.loc, f"'{stmt.name}' is already defined; every name is assigned once")
         if value.op == "const":
-            self.error(stmt.loc, "a kernel stores tiles, not constants")
-            return None
+            return self.error(stmt.loc, "a kernel stores tiles, not constants")
         rank = len(tmap.dims)
         if rank > KERNEL_RANK:
-            self.error(stmt.loc, f"the map of '{stmt.name}' has {rank} entries; kernels store tensors of rank "
-                       f"{KERNEL_RANK} at most")
-            return None
+            return self.error(stmt.loc, f"the map of '{stmt.name}' has {rank} entries; kernels store tensors of "
+                              f"rank {KERNEL_RANK} at most")
         extra = value.shape[: max(0, value.rank - rank)]
         if any(not same(s, ONE) for s in extra):
-            self.error(stmt.loc, f"the stored tile has shape {fmt_shape(value.shape)} but the map has {rank} entries; "
-                       f"only leading dims of size 1 can be left out")
-            return None
+            return self.error(stmt.loc, f"the stored tile has shape {fmt_shape(value.shape)} but the map has {rank} "
+                              f"entries; only leading dims of size 1 can be left out")
         unmapped = [a for a, g in kernel.grid if a not in tmap.axes()]
         summed = [a for a in unmapped if not same(kernel.size(a), ONE)]
         if summed and not stmt.add:
-            self.error(stmt.loc, f"grid axis {', '.join(summed)} writes no dim of '{stmt.name}', so its blocks' results "
-                       f"must be added: write 'store {stmt.name}[...] += ...', or map the axis to a dim")
-            return None
+            return self.error(stmt.loc, f"grid axis {', '.join(summed)} writes no dim of '{stmt.name}', so its blocks' "
+                              f"results must be added: write 'store {stmt.name}[...] += ...', or map the axis to a dim")
         split_by = {a for n in value.walk() if n.op == "tile" for a in kernel.load(n.attr).map.axes()}
-        alike = [a for a, g in kernel.grid if a not in split_by and not _one(g)]
+        alike = [a for a, g in kernel.grid if a not in split_by and not same(g, ONE)]
         if alike:
-            self.error(stmt.loc, f"every block along grid axis {', '.join(alike)} would compute the same '{stmt.name}': "
-                       f"no tile it is computed from is split by {'it' if len(alike) == 1 else 'them'}; split a tile "
-                       f"by the axis, or drop the axis from the grid")
-            return None
+            return self.error(stmt.loc, f"every block along grid axis {', '.join(alike)} would compute the same "
+                              f"'{stmt.name}': no tile it is computed from is split by "
+                              f"{'it' if len(alike) == 1 else 'them'}; split a tile by the axis, or drop the axis "
+                              f"from the grid")
         if stmt.add and not unmapped:
-            self.error(stmt.loc, f"'+=' adds the results of blocks along axes that write no dim, but every axis "
-                       f"writes a dim of '{stmt.name}'; write '='")
-            return None
+            return self.error(stmt.loc, f"'+=' adds the results of blocks along axes that write no dim, but every "
+                              f"axis writes a dim of '{stmt.name}'; write '='")
         return Store(stmt.name, value, tmap, stmt.add)
 
     def phases(self, kernel: Kernel) -> None:
@@ -265,10 +256,6 @@ class _KernelCheck:
                 self.error(self.where.get(s.value, self.decl.loc),
                            f"'{s.name}' stores a value that changes every loop iteration; accumulate it first "
                            f"(acc_sum, acc_max_last, ...)")
-
-
-def _one(size) -> bool:
-    return sympy.sympify(size) == 1
 
 
 def check_kernel(checker, decl: ast.KernelDecl, env: dict) -> None:

@@ -74,10 +74,7 @@ def print_program(program: Program, *, with_dims: bool = True) -> str:
 
 
 def _statement_names(program: Program) -> dict[Node, str]:
-    uses: Counter = Counter()
-    for node in program.nodes():
-        for a in set(node.args):
-            uses[a] += 1
+    uses = Counter(a for node in program.nodes() for a in set(node.args))
     taken = set(program.input_names()) | {n for n, _ in program.outputs}
     names: dict[Node, str] = {}
     for out_name, node in program.outputs:
@@ -118,17 +115,12 @@ def _kernel(kernel, program: Program, text_of: dict) -> list[str]:
     grid = ", ".join(f"{a} = {_size(g)}" for a, g in kernel.grid)
     loop = f" loop({_size(kernel.loop)})" if kernel.loop is not None else ""
     lines = [f"    kernel {kernel.name} grid({grid}){loop} {{"]
-    local: dict[Node, str] = {}
     for load in kernel.loads:
         src = kernel.inputs[load.source]
         lines.append(f"        {load.tile} = load {text_of[src]}{load.map}")
-    for n in kernel.body():
-        if n.op == "tile":
-            local[n] = n.attr
+    local: dict[Node, str] = {n: n.attr for n in kernel.body() if n.op == "tile"}
     taken = {l.tile for l in kernel.loads}
-    uses: Counter = Counter(a for n in kernel.body() for a in set(n.args))
-    for s in kernel.stores:
-        uses[s.value] += 1
+    uses = Counter([a for n in kernel.body() for a in set(n.args)] + [s.value for s in kernel.stores])
     for n in kernel.body():
         if n.op in ("tile", "const") or not (uses[n] > 1 or n in program.names):
             continue

@@ -265,9 +265,7 @@ def syntax_message(parser: Lark, u: UnexpectedInput, text: str, table: dict[str,
     label = None if isinstance(u, UnexpectedCharacters) else classify(parser, u, table, text)
     if isinstance(u, UnexpectedCharacters):
         found = f"unexpected character {text[u.pos_in_stream]!r}"
-    elif isinstance(u, UnexpectedToken) and u.token.type == "$END":
-        found = "unexpected end of file"
-    elif isinstance(u, UnexpectedToken):
+    elif isinstance(u, UnexpectedToken) and u.token.type != "$END":
         found = f"unexpected {clip(repr(u.token.value))}"
     else:
         found = "unexpected end of file"
@@ -289,8 +287,6 @@ def _expected(parser: Lark, u: UnexpectedInput) -> str:
         except KeyError:
             continue
         shown.append(repr(pattern.value) if pattern.type == "str" else name.lower().split("__")[-1])
-    if not shown:
-        return ""
     return " or ".join(sorted(set(shown)))
 
 
@@ -325,11 +321,11 @@ class LocatedBuilder(Transformer):
         self.path, self.text = path, text
 
     def loc(self, x) -> Loc:
-        if isinstance(x, Token):
-            return Loc(self.path, x.line, x.column, self.text)
+        """Where a token or a tree's meta starts."""
         return Loc(self.path, getattr(x, "line", 0), getattr(x, "column", 0), self.text)
 
-    def import_item(self, tok: Token) -> ast.Import:
+    @v_args(inline=True)
+    def import_decl(self, tok: Token) -> ast.Import:
         """`import "NAME"`: NAME names a file, and no file name holds a NUL (the OS would refuse it)."""
         name = str(tok)[1:-1]
         if "\0" in name:
@@ -389,10 +385,6 @@ class ModuleBuilder(LocatedBuilder):
 
     def start(self, items):
         return ast.Module(self.path, tuple(items))
-
-    @v_args(inline=True)
-    def import_decl(self, tok):
-        return self.import_item(tok)
 
     def dims_decl(self, children):
         return children

@@ -15,6 +15,7 @@ with the program the search chose, so that they do not depend on the proof (`rep
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -30,7 +31,7 @@ from ..base import files
 from ..base.errors import PrismError
 from ..ir.nodes import DTYPES, Program
 from ..kernels.constraints import Concrete
-from ..kernels.hardware import Target
+from ..kernels.hardware import Hardware
 from ..kernels.kernel import free_symbols, kernels_of
 from ..kernels.params import resolve_params
 from ..kernels.lower import lower
@@ -64,7 +65,7 @@ class Tuned:
     program: Program  # lowered: pre-defined kernels for every op outside custom kernels
     source: Program  # as given to `lower`
     reference: Program  # the input program the outputs are checked against (`source` itself, or proved equal)
-    hardware: Target
+    hardware: Hardware
     binding: Mapping  # dims and kernel parameters, by symbol
     params: Mapping[str, int]
     concrete: Mapping[str, Concrete]
@@ -78,7 +79,7 @@ class Build(Tuned):
     kernels: tuple[RenderedKernel, ...] = ()
 
 
-def tune(lowered: Program, source: Program, hardware: Target, options: BuildOptions,
+def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOptions,
          reference: Program | None = None) -> Tuned:
     """`lowered` (`source` lowered) at the options' dims: the given parameters kept, the rest chosen by the
     model. `reference` is the program the user gave, when `source` is one the search proved equal to it."""
@@ -99,7 +100,7 @@ def render(tuned: Tuned, config: CodegenConfig) -> Build:
     return Build(**vars(tuned), kernels=kernels)
 
 
-def build(source: Program, hardware: Target, options: BuildOptions, reference: Program | None = None) -> Build:
+def build(source: Program, hardware: Hardware, options: BuildOptions, reference: Program | None = None) -> Build:
     """lower, tune and render one program (what the search times, `prismc bench` runs, tests read)."""
     return render(tune(lower(source), source, hardware, options, reference), options.codegen)
 
@@ -196,15 +197,11 @@ def emulate(built: Build, options: BuildOptions) -> Check | Skipped | None:
 
 def check_gpu(built: Build, directory: Path, seed: int) -> GpuCheck:
     """Run on the GPU the kernels written in `directory`, check every output, time the whole program."""
-    launcher = cuda_runtime.Launcher(plan_of(built), directory, cast=True)
-    try:
-        inputs = _inputs(built, seed)
-        checked = _compared(built, launcher(**inputs), inputs, seed)
-        sets = [_inputs(built, seed + i) for i in range(3)]
+    with contextlib.closing(cuda_runtime.Launcher(plan_of(built), directory, cast=True)) as launcher:
+        sets = [_inputs(built, seed + i) for i in range(3)]  # the first is the one checked
+        checked = _compared(built, launcher(**sets[0]), sets[0], seed)
         return GpuCheck(**checked, device=cuda_runtime.gpu_status()[1], timing_ms=launcher.time(sets),
                         kernels_ms=launcher.time_kernels(sets))
-    finally:
-        launcher.close()
 
 
 def measure(built: Build, seed: int) -> GpuCheck:

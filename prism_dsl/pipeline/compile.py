@@ -3,7 +3,8 @@
     search         the input program's proved equivalents, each tuned by the cost model (or timed on the
                    GPU), ranked (`optimize`); not run when compiling the program as written
     choose         the program to build: the fastest found, or the input as written
-    lower, tune, render, compile-check, emulate, measure          (`build`)
+    lower          pre-defined kernels for every op outside custom kernels (`kernels.lower`)
+    tune, render, compile-check, emulate, measure                 (`build`)
     write          every file, report.json last, into the output directory, replaced whole (`output`)
 
 Nothing is written before the last pass, and the output is checked before the first, so that minutes of
@@ -20,7 +21,7 @@ from typing import Mapping
 from ..backend import cost, cuda_runtime
 from ..base.errors import PrismError
 from ..ir.nodes import Program
-from ..kernels.hardware import Target
+from ..kernels.hardware import Hardware
 from ..kernels.kernel import kernels_of
 from ..kernels.lower import lower
 from ..lang.printer import print_program
@@ -31,12 +32,12 @@ from ..semantics.reference import bind_dims
 from .build import Build, BuildOptions, compile_check, dims_of, emulate, measure, render, tune
 from .optimize import TOP, Outcome, gpu_timer, optimize
 from .output import check_output, contents, write
-from .report import Alternative, Checked, Hardware, KernelReport, NvccCheck, Report, Searched, Skipped
+from .report import Alternative, Checked, HardwareUsed, KernelReport, NvccCheck, Report, Searched, Skipped
 
 
 @dataclass(frozen=True)
 class Searching:
-    """How the search runs: its limits, and what it may spend."""
+    """How the search runs: its limits, and what it may spend (`optimize`'s arguments of those names)."""
 
     config: SearchConfig = SearchConfig()
     time_limit: float | None = 60.0  # seconds; then the best proved program so far
@@ -49,7 +50,7 @@ class Searching:
 class Request:
     program: Program  # the input program
     output: Path  # the directory the results replace
-    hardware: Target
+    hardware: Hardware
     options: BuildOptions = BuildOptions()
     search: Searching | None = Searching()  # None: compile the program as written
 
@@ -71,7 +72,8 @@ def compile_program(request: Request) -> Report:
     outcome = search(request)
     chosen = choose(request, outcome)
     started = time.perf_counter()
-    tuned = tune(lower(chosen.program), chosen.program, request.hardware, chosen.options, request.program)
+    lowered = lower(chosen.program)
+    tuned = tune(lowered, chosen.program, request.hardware, chosen.options, request.program)
     built = render(tuned, chosen.options.codegen)
     seconds = round(time.perf_counter() - started, 3)
     nvcc, figures = compile_check(built.kernels, chosen.options.archs)
@@ -92,8 +94,7 @@ def search(request: Request) -> Outcome | None:
     s, o = request.search, request.options
     measure = gpu_timer(request.hardware, o, request.program) if o.rank == "measure" else None
     return optimize(request.program, library, request.hardware, bind_dims(request.program, dict(o.dims)),
-                    config=s.config, time_limit=s.time_limit, jobs=s.jobs, threads=o.codegen.threads,
-                    use_cache=s.use_cache, progress=s.progress, measure=measure,
+                    **vars(s), threads=o.codegen.threads, measure=measure,
                     device=cuda_runtime.device_identity() if measure else "")
 
 
@@ -119,10 +120,9 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
         KernelReport(r.name, r.function, r.file, r.grid, r.block, r.smem, r.tensor_cores, e.as_dict(),
                      figures.get(r.name, {}), None if gpu is None else _us(gpu.kernels_ms[r.name]))
         for r, e in zip(built.kernels, built.estimates))
-    hardware = built.hardware
-    return Report(built.program.name, Hardware(hardware.name, hardware.arch), chosen.options.rank, dims_of(built),
-                  built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
-                  cost.roofline(built.source, bind_dims(built.source, dims_of(built)), hardware),
+    return Report(built.program.name, HardwareUsed(built.hardware.name, built.hardware.arch), chosen.options.rank,
+                  dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
+                  cost.roofline(built.source, bind_dims(built.source, dims_of(built)), built.hardware),
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched)
 

@@ -8,7 +8,7 @@
                  (`--rank measure`) the best few by the model, and the best of each other shape, are then
                  built, checked against the float64 reference of the input program and timed
                  (`gpu_timer`). Both go into the tuning database (user cache): the model's choice keyed by
-                 structure, dims, target and the model's code; a measured time also by the GPU, its driver
+                 structure, dims, hardware and the model's code; a measured time also by the GPU, its driver
                  and the generated code's sources. An entry is used only when it is valid here: parameters
                  that meet every kernel's constraints at these dims, a finite positive time
     choose       the fastest; the program as written (pre-defined kernels) competes too, so the answer is
@@ -34,14 +34,14 @@ from ..base import cache
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.constraints import valid
-from ..kernels.hardware import Target
+from ..kernels.hardware import Hardware
 from ..kernels.kernel import free_symbols, kernels_of
 from ..kernels.lower import lower
 from ..lang.syntax import clip
 from ..prove.rules import Library
 from ..search.checkpoint import (SEARCH_VERSION, checkpoint_key, discard, has_checkpoint, is_count, is_time,
                                  load_checkpoint, save_checkpoint, structure)
-from ..search.assembly import Prover
+from ..search.assembly import Prover, proof_error
 from ..search.config import SearchConfig, Stats
 from ..search.driver import default_jobs, search
 from . import build
@@ -84,47 +84,38 @@ class Outcome:
     from_checkpoint: bool
 
 
-MODEL_CODE = ("ir", "kernels", "backend/cost.py")  # what the cost model's estimates come from
-
-
-def _model_version() -> str:
-    """The cost model's code (and what it reads, the hardware files): its estimates depend on nothing else."""
-    return cache.code_digest(*MODEL_CODE)
-
-
-def _codegen_version() -> str:
-    """The generated code's sources and templates: a time measured on other code is stale."""
-    return cache.code_digest(*MODEL_CODE, "backend", "pipeline/build.py", extra=TEMPLATES)
+# What the cost model's estimates come from: its code, and what it reads (the hardware files), nothing else.
+MODEL_CODE = ("ir", "kernels", "backend/cost.py")
 
 
 def _dims(binding: dict) -> str:
     return json.dumps(sorted((str(k), int(v)) for k, v in binding.items()))
 
 
-def tuning_key(program: Program, binding: dict, target: Target) -> str:
-    """The model's parameters and estimate for a program at some dims on a target."""
-    return cache.digest("tuning", SEARCH_VERSION, _model_version(), structure(program), _dims(binding), target.name)
+def tuning_key(program: Program, binding: dict, hardware: Hardware) -> str:
+    """The model's parameters and estimate for a program at some dims on a hardware."""
+    return cache.digest("tuning", SEARCH_VERSION, cache.code_digest(*MODEL_CODE), structure(program), _dims(binding),
+                        hardware.name)
 
 
-def measured_key(program: Program, binding: dict, target: Target, device: str, params: dict[str, int]) -> str:
-    """A time measured on a GPU: the device string names the GPU, its compute capability and driver."""
-    return cache.digest("measured", SEARCH_VERSION, _codegen_version(), structure(program), _dims(binding),
-                        target.name, device, json.dumps(sorted(params.items())))
+def measured_key(program: Program, binding: dict, hardware: Hardware, device: str, params: dict[str, int]) -> str:
+    """A time measured on a GPU: the device string names the GPU, its compute capability and driver; the
+    generated code's sources and templates are in the key too, since a time measured on other code is stale."""
+    code = cache.code_digest(*MODEL_CODE, "backend", "pipeline/build.py", extra=TEMPLATES)
+    return cache.digest("measured", SEARCH_VERSION, code, structure(program), _dims(binding), hardware.name, device,
+                        json.dumps(sorted(params.items())))
 
 
-def rank(program: Program, binding: dict, target: Target, threads: int) -> Ranked | None:
+def rank(program: Program, binding: dict, hardware: Hardware, threads: int) -> Ranked | None:
     """Parameters and estimated time for one program at these dims, from the tuning database when it has
     a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again."""
     lowered = lower(program)
-    key = tuning_key(program, binding, target)
-    hit = cache.read("tuning", key)
+    key = tuning_key(program, binding, hardware)
+    hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware), "tuning entry", "tuning")
     if hit is not None:
-        problem = _tuning_problem(hit, lowered, binding, target)
-        if problem is None:
-            return Ranked(program, dict(hit["params"]), float(hit["us"]))
-        cache.warn(cache.path_for("tuning", key), f"not a valid tuning entry ({problem}); tuning again")
+        return Ranked(program, dict(hit["params"]), float(hit["us"]))
     try:
-        params, _, estimates = cost.parameters(lowered, binding, {}, target, threads)
+        params, _, estimates = cost.parameters(lowered, binding, {}, hardware, threads)
     except PrismError:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
     us = sum(e.time_us for e in estimates)
@@ -132,7 +123,17 @@ def rank(program: Program, binding: dict, target: Target, threads: int) -> Ranke
     return Ranked(program, params, us)
 
 
-def _tuning_problem(hit, lowered: Program, binding: dict, target: Target) -> str | None:
+def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry: str, redo: str):
+    """The database's `kind` entry under `key` when `problem` finds nothing wrong with it, else None; an
+    entry that is there but unusable is reported once ("not a valid <entry> (<problem>); <redo> again")."""
+    hit = cache.read(kind, key)
+    why = None if hit is None else problem(hit)
+    if why is not None:
+        cache.warn(cache.path_for(kind, key), f"not a valid {entry} ({why}); {redo} again")
+    return None if why is not None else hit
+
+
+def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware) -> str | None:
     """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
     parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
     kernel meets its constraints (`kernel.valid`); its time a finite positive number."""
@@ -148,7 +149,7 @@ def _tuning_problem(hit, lowered: Program, binding: dict, target: Target) -> str
     if bad:
         return f"{', '.join(bad)} not a whole number from 1"
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
-    broken = [k.name for k in kernels_of(lowered) if not valid(k, full, target)]
+    broken = [k.name for k in kernels_of(lowered) if not valid(k, full, hardware)]
     if broken:
         return f"the parameters break the constraints of kernel {', '.join(broken)} at these dims"
     return None
@@ -167,14 +168,12 @@ class Progress:
         if not self.enabled or now - self.last < 0.2:
             return
         self.last = now
-        sys.stderr.write(f"\r\x1b[2Ksearch: {phase}; {stats.candidates} candidates, {stats.proofs} proofs, "
-                         f"{stats.verified} proved; {now - self.started:.1f} s")
-        sys.stderr.flush()
+        print(f"\r\x1b[2Ksearch: {phase}; {stats.candidates} candidates, {stats.proofs} proofs, "
+              f"{stats.proved} proved; {now - self.started:.1f} s", end="", file=sys.stderr, flush=True)
 
     def done(self) -> None:
         if self.enabled:
-            sys.stderr.write("\r\x1b[2K")
-            sys.stderr.flush()
+            print("\r\x1b[2K", end="", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -182,14 +181,14 @@ class Choosing:
     """How the proved programs are ranked and timed: the dims, the hardware, the GPU's timer (if any)."""
 
     binding: dict
-    target: Target
+    hardware: Hardware
     threads: int = 128
     measure: Measure | None = None
     device: str = ""
     use_cache: bool = True
 
 
-def optimize(program: Program, library: Library, target: Target, binding: dict, *, config: SearchConfig = SearchConfig(),
+def optimize(program: Program, library: Library, hardware: Hardware, binding: dict, *, config: SearchConfig = SearchConfig(),
              time_limit: float | None = None, jobs: int | None = None, threads: int = 128, use_cache: bool = True,
              progress: bool = False, stop_event: threading.Event | None = None,
              measure: Measure | None = None, device: str = "") -> Outcome:
@@ -203,29 +202,25 @@ def optimize(program: Program, library: Library, target: Target, binding: dict, 
     started = time.perf_counter()
     key = checkpoint_key(program, library, config)
     jobs = jobs or default_jobs()
-    how = Choosing(binding, target, threads, measure, device, use_cache)
+    how = Choosing(binding, hardware, threads, measure, device, use_cache)
     chosen = _from_checkpoint(program, library, key, how, jobs) if use_cache else None
-    if chosen is not None:
-        return _outcome(*chosen, started, True)
-    show = Progress(progress, started)
-    deadline = started + time_limit if time_limit else None
-    try:
-        result = search(program, library, target, config, jobs=jobs, deadline=deadline, progress=show,
-                        stop_event=stop_event)
-    finally:
-        show.done()
-    if result.complete and use_cache:
-        save_checkpoint(key, result)
-    ranked, info = _choose(program, result.verified, how, None)
-    info = {"from_checkpoint": False, "complete": result.complete, "stopped": result.stopped, "jobs": jobs,
-            **result.stats.as_dict(), "seconds": round(result.seconds, 3), "input_egraph": result.input_egraph,
-            "reproved": 0, **info}
-    return _outcome(ranked, info, started, False)
-
-
-def _outcome(ranked: list[Ranked], info: dict, started: float, from_checkpoint: bool) -> Outcome:
+    if chosen is None:
+        show = Progress(progress, started)
+        deadline = started + time_limit if time_limit else None
+        try:
+            result = search(program, library, hardware, config, jobs=jobs, deadline=deadline, progress=show,
+                            stop_event=stop_event)
+        finally:
+            show.done()
+        if result.complete and not result.stats.errors and use_cache:  # a crashed proof would lose a program
+            save_checkpoint(key, result)
+        ranked, info = _choose(program, result.proved, how, None)
+        chosen = ranked, {"from_checkpoint": False, "complete": result.complete, "stopped": result.stopped,
+                          "jobs": jobs, **result.stats.as_dict(), "seconds": round(result.seconds, 3),
+                          "input_egraph": result.input_egraph, "reproved": 0, **info}
+    ranked, info = chosen
     info["search_seconds"] = round(time.perf_counter() - started, 3)
-    return Outcome(ranked[0], ranked, info, from_checkpoint)
+    return Outcome(ranked[0], ranked, info, info["from_checkpoint"])
 
 
 def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing,
@@ -249,30 +244,24 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
         prover.close()
     if saved is None:
         return None
-    if chosen is None:
-        discard(key, f"checkpoint entry for '{program.name}' failed its proof; searching again")
+    if isinstance(chosen, str):
+        discard(key, f"checkpoint entry for '{program.name}' {chosen}; searching again")
         return None
     ranked, info = chosen
-    reproved = sum(r.proved and not r.as_written for r in ranked)
     return ranked, {"from_checkpoint": True, "complete": True, "stopped": None, "jobs": jobs, **saved[1], **info,
-                    "reproved": reproved}
+                    "reproved": sum(r.proved and not r.as_written for r in ranked)}
 
 
 def _choose(program: Program, proved: list[Program], how: Choosing,
-            prover: Prover | None) -> tuple[list[Ranked], dict] | None:
+            prover: Prover | None) -> tuple[list[Ranked], dict] | str:
     """Every program that fits these dims ranked, the chosen one first, with what report.json says of it.
     `proved` are proved already when `prover` is None; else `prover` proves those to be timed and the
-    chosen one, and the answer is None when one of them is not proved."""
-    ranked: list[Ranked] = []
-    unfit = 0
-    for p in proved:
-        r = rank(p, how.binding, how.target, how.threads)
-        if r is None:
-            unfit += 1
-        else:
-            r.proved = prover is None
-            ranked.append(r)
-    written = rank(program, how.binding, how.target, how.threads)
+    chosen one, and the answer is why not when one of them is not proved."""
+    ranked = [r for r in (rank(p, how.binding, how.hardware, how.threads) for p in proved) if r is not None]
+    unfit = len(proved) - len(ranked)
+    for r in ranked:
+        r.proved = prover is None
+    written = rank(program, how.binding, how.hardware, how.threads)
     if written is not None:
         written.as_written = written.proved = True  # the input itself
         ranked.append(written)
@@ -282,29 +271,32 @@ def _choose(program: Program, proved: list[Program], how: Choosing,
     info: dict = {"as_written_fits": written is not None}  # False: its pre-defined kernels cannot run here
     ranked.sort(key=lambda r: (r.estimated_us, not r.as_written))  # stable: search order breaks ties
     if how.measure is not None:
-        if not _confirm(_to_measure(ranked), prover):
-            return None
-        info["measured"] = _measure_best(ranked, how.binding, how.target, how.device, how.measure, how.use_cache)
+        if problem := _confirm(_to_measure(ranked), prover):
+            return problem
+        info["measured"] = _measure_best(ranked, how)
         # The fastest that agreed with the reference; then the rest, by the model.
         ranked.sort(key=lambda r: (r.measured_us is None, r.measured_us or 0.0, r.measured is not None,
                                    r.estimated_us))
-    if not _confirm(ranked[:1], prover):
-        return None
+    if problem := _confirm(ranked[:1], prover):
+        return problem
     info["proved_programs"] = len(proved)
     info["no_parameters_at_these_dims"] = unfit
     return ranked, info
 
 
-def _confirm(ranked: list[Ranked], prover: Prover | None) -> bool:
-    """Prove (in parallel) those of `ranked` not proved in this run; whether every one is proved now. A
-    proof that could not run (a killed or failed egglog process) proves nothing."""
+def _confirm(ranked: list[Ranked], prover: Prover | None) -> str | None:
+    """Prove (in parallel) those of `ranked` not proved in this run; None when every one is proved now,
+    else why not. A proof that could not run (a killed or failed egglog process) proves nothing, and is
+    told apart from a proof that ran and failed."""
     todo = [(r, prover.submit(r.program)) for r in ranked if not r.proved] if prover is not None else []
+    errors = []
     for r, future in todo:
-        try:
-            r.proved = future.result() is True
-        except Exception:
-            r.proved = False
-    return all(r.proved for r in ranked)
+        errors.append(proof_error(future))
+        r.proved = errors[-1] is None and future.result() is True
+    if all(r.proved for r in ranked):
+        return None
+    crashed = [e for e in errors if e]
+    return f"could not be proved again ({crashed[0]})" if crashed else "failed its proof"
 
 
 def _to_measure(ranked: list[Ranked]) -> list[Ranked]:
@@ -314,39 +306,32 @@ def _to_measure(ranked: list[Ranked]) -> list[Ranked]:
     def shape(r: Ranked) -> tuple:
         return r.as_written, len(kernels_of(r.program))
 
-    chosen = ranked[:MEASURED]
-    seen = {shape(r) for r in chosen}
-    for r in ranked[MEASURED:]:
-        if shape(r) not in seen:
-            seen.add(shape(r))
-            chosen.append(r)
-    return chosen
+    first: dict[tuple, int] = {}  # each shape's best, by its place in `ranked`
+    for i, r in enumerate(ranked):
+        first.setdefault(shape(r), i)
+    return ranked[:MEASURED] + [ranked[i] for i in first.values() if i >= MEASURED]
 
 
-def _measure_best(ranked: list[Ranked], binding: dict, target: Target, device: str, measure: Measure,
-                  use_cache: bool) -> dict:
+def _measure_best(ranked: list[Ranked], how: Choosing) -> dict:
     """Time the programs `_to_measure` picks (the tuning database first); what report.json says of it."""
     timed = reused = 0
     failures: list[str] = []
     by_model = {id(r): i + 1 for i, r in enumerate(ranked)}
     for r in _to_measure(ranked):
-        key = measured_key(r.program, binding, target, device, r.params)
-        hit = cache.read("measured", key) if use_cache else None
-        problem = None if hit is None else _measured_problem(hit)
-        if problem is not None:
-            cache.warn(cache.path_for("measured", key), f"not a valid measurement ({problem}); timing again")
-        if hit is not None and problem is None:
+        key = measured_key(r.program, how.binding, how.hardware, how.device, r.params)
+        hit = _usable("measured", key, _measured_problem, "measurement", "timing") if how.use_cache else None
+        if hit is not None:
             r.measured = Measurement(None if hit["us"] is None else float(hit["us"]), hit["note"])
             reused += 1
         else:
-            r.measured = measure(r.program, r.params)
+            r.measured = how.measure(r.program, r.params)
             timed += 1
-            if r.measured.lasting and use_cache:
+            if r.measured.lasting and how.use_cache:
                 cache.write("measured", key, {"us": r.measured.us, "note": r.measured.note})
         if r.measured.us is None:
             what = "the program as written" if r.as_written else f"the model's number {by_model[id(r)]}"
             failures.append(f"{what}: {r.measured.note}")
-    return {"device": device, "timed": timed, "from_database": reused, "failed": failures}
+    return {"device": how.device, "timed": timed, "from_database": reused, "failed": failures}
 
 
 def _measured_problem(hit) -> str | None:
@@ -359,13 +344,13 @@ def _measured_problem(hit) -> str | None:
     return None
 
 
-def gpu_timer(target: Target, options: build.BuildOptions, reference: Program) -> Measure:
+def gpu_timer(hardware: Hardware, options: build.BuildOptions, reference: Program) -> Measure:
     """`measure` for `optimize` on a GPU: builds a program with the given parameters (`options` say how),
     runs it, checks every output against the float64 reference of `reference` (the input program) and
     times it (`build.measure`). A program that disagrees is never timed into a result."""
     def measure(program: Program, params: dict[str, int]) -> Measurement:
         try:
-            gpu = build.measure(build.build(program, target, replace(options, params=dict(params)), reference),
+            gpu = build.measure(build.build(program, hardware, replace(options, params=dict(params)), reference),
                                 options.seed)
         except (PrismError, cuda_runtime.PlanError, cuda_runtime.KernelCompileError) as e:
             return Measurement(None, f"could not be built or run: {str(e).splitlines()[0]}", lasting=False)

@@ -8,6 +8,7 @@ Scratch directories of killed compiles are swept by the next compile beside them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -51,13 +52,11 @@ def check_output(out: Path) -> None:
     if target == here or target in here.parents:
         raise PrismError(f"cannot write to '{shown}': it holds the current directory, and prismc replaces its "
                          "output directory whole; give a directory inside it, e.g. -o out")
-    if os.path.isdir(out):
-        foreign = _foreign(target)
-        if foreign:
-            listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-            raise PrismError(f"cannot write to '{shown}': it holds what prismc did not write ({listed}); prismc "
-                             "replaces its output directory whole, so give a new or empty directory, or one "
-                             "an earlier compile wrote")
+    if os.path.isdir(out) and (foreign := _foreign(target)):
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise PrismError(f"cannot write to '{shown}': it holds what prismc did not write ({listed}); prismc "
+                         "replaces its output directory whole, so give a new or empty directory, or one "
+                         "an earlier compile wrote")
 
 
 def _foreign(directory: Path) -> list[str]:
@@ -66,8 +65,6 @@ def _foreign(directory: Path) -> list[str]:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
     except OSError as e:
         raise PrismError(f"cannot write to '{directory}': {files.describe(e)}") from None
-    if not entries:
-        return []
     mine = _mine(directory)
     return [e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries
             if not (e.is_file(follow_symlinks=False) and mine(e.name))
@@ -106,11 +103,9 @@ def _sweep(parent: Path) -> None:
         m = _SCRATCH.fullmatch(path.name)
         home = parent / m.group("name")
         if m.group("old") and not os.path.lexists(home):
-            try:
+            with contextlib.suppress(OSError):
                 os.rename(path, home)
                 continue
-            except OSError:
-                pass
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -148,16 +143,14 @@ def write(out: Path, texts: Mapping[str, str]) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         _sweep(out.parent)
         scratch = Path(tempfile.mkdtemp(prefix=files.scratch_prefix(f".{out.name}."), dir=out.parent))
+        try:
+            for name, text in texts.items():
+                (scratch / name).write_text(text)
+            mode = out.stat().st_mode if os.path.isdir(out) else 0o777 & ~files.umask()
+            os.chmod(scratch, stat.S_IMODE(mode))  # mkdtemp's directory is private; keep the usual mode
+            check_output(Path(shown))  # the user may have put something there while the compile ran
+            _swap_in(scratch, out)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     except OSError as e:
         raise PrismError(f"cannot write to '{shown}': {files.describe(e)}") from None
-    try:
-        for name, text in texts.items():
-            (scratch / name).write_text(text)
-        mode = out.stat().st_mode if os.path.isdir(out) else 0o777 & ~files.umask()
-        os.chmod(scratch, stat.S_IMODE(mode))  # mkdtemp's directory is private; keep the usual mode
-        check_output(Path(shown))  # the user may have put something there while the compile ran
-        _swap_in(scratch, out)
-    except OSError as e:
-        raise PrismError(f"cannot write to '{shown}': {files.describe(e)}") from None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)

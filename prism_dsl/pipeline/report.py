@@ -90,7 +90,8 @@ class KernelReport:
 
 
 @dataclass(frozen=True)
-class Hardware:
+class HardwareUsed:
+    """The hardware a report is for (report.json's `hardware`)."""
     name: str
     arch: str
 
@@ -124,7 +125,7 @@ class Searched:
 @dataclass(frozen=True)
 class Report:
     program: str
-    hardware: Hardware
+    hardware: HardwareUsed
     rank: str  # how launch parameters were ranked: "model" or "measure"
     dims: Mapping[str, int]
     parameters: Mapping[str, int]
@@ -192,8 +193,7 @@ def _search_lines(s: Searched) -> list[str]:
                      + "; ".join(dict.fromkeys(sr["errors"])))
     if sr.get("as_written_fits") is False:
         lines.append("  the program as written cannot run at these dims (its pre-defined kernels do not fit)")
-    if "measured" in sr:
-        m = sr["measured"]
+    if m := sr.get("measured"):
         lines.append(f"  tuning on {m['device']}: {m['timed']} programs timed, {m['from_database']} from the "
                      "tuning database" + "".join(f"\n    not used: {f}" for f in m["failed"]))
     return lines

@@ -97,10 +97,10 @@ def _identifier(name: str) -> str:
 def declarations() -> str:
     ctors = ['(Input String)', '(Num f64)']
     for name, spec in OPS.items():
-        if spec.kind in (Kind.INPUT, Kind.CONST):
+        # Inputs and numbers have the constructors above; kernels are translated to layout terms (`layout`)
+        # before they reach the e-graph.
+        if spec.kind in (Kind.INPUT, Kind.CONST, Kind.TILE, Kind.KERNEL):
             continue
-        if spec.kind in (Kind.TILE, Kind.KERNEL):
-            continue  # kernels are translated to layout terms (`layout`) before they reach the e-graph
         params = "".join(" Dim" if p == "count" else " i64" for p in spec.params)
         ctors.append(f"({constructor(name)}{' T' * spec.operands}{params})")
     lines = [
@@ -128,6 +128,13 @@ def _broadcast(e: str, a: str, b: str, i: str) -> list[str]:
     ]
 
 
+def _matmul(e: str, folded: tuple[int, ...] = ()) -> list[str]:
+    """A matrix product's sizes: the rows of a, the columns of b, the other dims (but `folded`) broadcast."""
+    out = [_rule(f"(= {e}) (= s (size a -2))", "(set (size e -2) s)"),
+           _rule(f"(= {e}) (= s (size b -1))", "(set (size e -1) s)")]
+    return out + [r for i in DIMS[2:] if i not in folded for r in _broadcast(e, "a", "b", str(i))]
+
+
 def _except(dims: tuple[int, ...]) -> str:
     return " ".join(f"(!= i {d})" for d in dims)
 
@@ -139,9 +146,7 @@ def _accumulate_rules(name: str, c: str) -> list[str]:
     e = f"e ({c} a b)" if acc.operands == 2 else f"e ({c} a)"
     folded = (-1, L) if acc.row else (L,)
     if acc.like == "matmul":
-        out = [_rule(f"(= {e}) (= s (size a -2))", "(set (size e -2) s)"),
-               _rule(f"(= {e}) (= s (size b -1))", "(set (size e -1) s)")]
-        out += [r for i in DIMS[2:] if i not in folded for r in _broadcast(e, "a", "b", str(i))]
+        out = _matmul(e, folded)
     elif acc.like == "binary":
         out = [r for i in DIMS if i not in folded for r in _broadcast(e, "a", "b", str(i))]
     else:
@@ -180,10 +185,7 @@ def shape_rules() -> str:
             out.append(_rule(f"(= e ({c} a k)) (= s (size a i)) (!= i k)", "(set (size e i) s)"))
             out.append(_rule(f"(= e ({c} a k))", "(set (size e k) (DNum 1))"))
         elif spec.kind is Kind.MATMUL:
-            out.append(_rule(f"(= e ({c} a b)) (= s (size a -2))", "(set (size e -2) s)"))
-            out.append(_rule(f"(= e ({c} a b)) (= s (size b -1))", "(set (size e -1) s)"))
-            for i in DIMS[2:]:
-                out += _broadcast(f"e ({c} a b)", "a", "b", str(i))
+            out += _matmul(f"e ({c} a b)")
         elif spec.kind is Kind.ACCUMULATE:
             out += _accumulate_rules(name, c)
     return "\n".join(out) + "\n"

@@ -24,13 +24,14 @@ from __future__ import annotations
 import sympy
 
 from ..ir.nodes import Node, Program
-from ..kernels.kernel import AXES, Kernel
+from ..kernels.kernel import AXES, ONE, Kernel
 from ..ir.ops import BLOCK_DIMS, LOOP_DIM, OPS, Kind
-from ..ir.shapes import build
+from ..ir.shapes import build, same
 
 
-def _is_one(size) -> bool:
-    return sympy.sympify(size) == 1
+def _from_end(n: Node, args: list[Node]) -> Node:
+    """`n`'s op over `args`, a reduction's dim counted from the end: a family has more dims than `n`."""
+    return build(n.op, args, [n.attr - n.rank] if OPS[n.op].kind is Kind.REDUCE else [])
 
 
 def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
@@ -40,10 +41,10 @@ def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
         t = operands[load.source]
         for axis, g in kernel.grid:
             d = load.map.dim_of(axis)
-            if d is not None and not _is_one(g):
+            if d is not None and not same(g, ONE):
                 t = build("split", [t], [d, BLOCK_DIMS[axis], g])
         d = load.map.loop_dim()
-        if d is not None and not _is_one(kernel.loop_range):
+        if d is not None and not same(kernel.loop_range, ONE):
             t = build("split", [t], [d, LOOP_DIM, kernel.loop_range])
         tile = kernel.tile_node(load.tile)
         if tile is not None:  # a tile loaded but never used contributes nothing
@@ -54,21 +55,18 @@ def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
         if n.op == "const":
             fam[n] = n
             continue
-        args = [fam[a] for a in n.args]
-        params = [n.attr - n.args[0].rank] if OPS[n.op].kind is Kind.REDUCE else []
-        fam[n] = build(n.op, args, params)
+        fam[n] = _from_end(n, [fam[a] for a in n.args])
     outs = []
     for store in kernel.stores:
         v = fam[store.value]
         for axis in reversed(AXES):
             g = kernel.size(axis)
-            if axis not in dict(kernel.grid) or _is_one(g):
+            if axis not in dict(kernel.grid) or same(g, ONE):
                 continue
             d = store.map.dim_of(axis)
             v = build("concat", [v], [d, BLOCK_DIMS[axis]]) if d is not None else build("sum", [v], [BLOCK_DIMS[axis]])
         outs.append(v)
     return outs
-
 
 
 def to_terms(program: Program) -> Program:
@@ -86,9 +84,7 @@ def to_terms(program: Program) -> Program:
                 outputs[id(kernel)] = kernel_terms(kernel, [memo[a] for a in n.args])
             memo[n] = outputs[id(kernel)][index]
         else:
-            args = [memo[a] for a in n.args]
-            params = [n.attr - n.rank] if OPS[n.op].kind is Kind.REDUCE else []
-            memo[n] = build(n.op, args, params)
+            memo[n] = _from_end(n, [memo[a] for a in n.args])
     return Program(program.name, program.dims, program.inputs,
                    tuple((name, memo[node]) for name, node in program.outputs), {}, {}, program.loc)
 

@@ -173,10 +173,6 @@ class RulesBuilder(LocatedBuilder):
     def start(self, items):
         return items
 
-    @v_args(inline=True)
-    def import_decl(self, tok):
-        return self.import_item(tok)
-
     def ruleset(self, children):
         name, *rules = children
         return _RawRuleset(str(name), tuple(rules), self.loc(name))
@@ -432,34 +428,27 @@ def _check_condition(c: Condition, vars: _Vars, errors: Collector) -> None:
 
 
 def _operand_kind(o: Operand, vars: _Vars, loc: Loc, errors: Collector) -> str | None:
+    """A condition operand's kind ("size", "shape" or "dim"), or None once what is wrong with it is reported."""
     match o:
-        case SizeOf(var=v, dim=d):
-            if v not in vars.tensor:
-                errors.error(loc, f"size({v}, ...): '{v}' is not a tensor variable of the left side{suggest(v, vars.tensor)}")
-                return None
-            if isinstance(d, str) and d not in vars.dim:
-                errors.error(loc, f"size(..., {d}): '{d}' is not a dim variable of the left side")
-                return None
-            if isinstance(d, int) and d >= 0:
-                errors.error(loc, f"size(..., {d}): dims in rules count from the end; use a negative dim such as -1")
-                return None
-            if isinstance(d, int) and d < -MAX_RANK:
-                errors.error(loc, f"size(..., {d}): the prover tracks the last {MAX_RANK} dims; use -1 .. -{MAX_RANK}")
-                return None
+        case SizeOf(var=v) if v not in vars.tensor:
+            problem = f"size({v}, ...): '{v}' is not a tensor variable of the left side{suggest(v, vars.tensor)}"
+        case SizeOf(dim=str(d)) if d not in vars.dim:
+            problem = f"size(..., {d}): '{d}' is not a dim variable of the left side"
+        case SizeOf(dim=int(d)) if d >= 0:
+            problem = f"size(..., {d}): dims in rules count from the end; use a negative dim such as -1"
+        case SizeOf(dim=int(d)) if d < -MAX_RANK:
+            problem = f"size(..., {d}): the prover tracks the last {MAX_RANK} dims; use -1 .. -{MAX_RANK}"
+        case ShapeOf(var=v) if v not in vars.tensor:
+            problem = f"shape({v}): '{v}' is not a tensor variable of the left side{suggest(v, vars.tensor)}"
+        case DimVar(name=n) if n not in vars.count and n not in vars.dim:
+            problem = f"'{n}' is not a dim variable of the left side{suggest(n, vars.dim)}"
+        case SizeOf() | Lit():
             return "size"
-        case ShapeOf(var=v):
-            if v not in vars.tensor:
-                errors.error(loc, f"shape({v}): '{v}' is not a tensor variable of the left side{suggest(v, vars.tensor)}")
-                return None
+        case ShapeOf():
             return "shape"
-        case Lit():
-            return "size"
         case DimVar(name=n):
-            if n in vars.count:
-                return "size"
-            if n not in vars.dim:
-                errors.error(loc, f"'{n}' is not a dim variable of the left side{suggest(n, vars.dim)}")
-                return None
-            return "dim"
-    raise TypeError(o)
-
+            return "size" if n in vars.count else "dim"
+        case _:
+            raise TypeError(o)
+    errors.error(loc, problem)
+    return None

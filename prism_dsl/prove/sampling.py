@@ -12,6 +12,7 @@ is the same on every run.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -171,10 +172,9 @@ class _Env:
 
     def dim(self, d) -> np.ndarray:
         """A dim argument (literal or variable) per instance, as the position from the end (0 is the last)."""
-        n = len(self.dims)
         if isinstance(d, str):
             return -self.dims[:, self.dvars.index(d)] - 1
-        return np.full(n, -d - 1)
+        return np.full(len(self.dims), -d - 1)
 
     def count(self, g) -> np.ndarray:
         if isinstance(g, str):
@@ -258,18 +258,16 @@ def instances(rule: Rule, first: ast.Expr, seed: int, sizes: _Sizes = WIDE, want
     want = want or (SPLIT_INSTANCES if rule.count_vars else SHAPE_INSTANCES)
     depth = _depth(rule)
     found: dict[tuple, Instance] = {}
-    for _ in range(0, SHAPE_TRIES, 250):
-        for inst in _draw(rule, rng, 250, depth, sizes):
-            key = inst.key()
-            if key in found or not holds(rule, inst):
-                continue
-            try:
-                shape_of(first, inst)
-            except IllFormed:
-                continue
-            found[key] = inst
-            if len(found) >= want:
-                break
+    # Batches of 250 draws, each drawn only when the one before is used up.
+    for inst in itertools.chain.from_iterable(_draw(rule, rng, 250, depth, sizes) for _ in range(0, SHAPE_TRIES, 250)):
+        key = inst.key()
+        if key in found or not holds(rule, inst):
+            continue
+        try:
+            shape_of(first, inst)
+        except IllFormed:
+            continue
+        found[key] = inst
         if len(found) >= want:
             break
     return sorted(found.values(), key=lambda i: -sum(math.prod(s) for s in i.shapes.values()))

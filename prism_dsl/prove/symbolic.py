@@ -246,10 +246,8 @@ def _decide_at(rule: Rule, inst: Instance, domains, rng, deadline: float, scalar
 
 
 def _size_within(d, cap: int) -> bool:
-    for n, _ in enumerate(sympy.preorder_traversal(d)):
-        if n >= cap:
-            return False
-    return True
+    """Whether `d` has at most `cap` nodes (counting stops there)."""
+    return next(itertools.islice(sympy.preorder_traversal(d), cap, None), None) is None
 
 
 def _expanded_terms(e) -> int:

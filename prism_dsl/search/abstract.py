@@ -23,7 +23,6 @@ from ..prove import egglog_runner
 from ..prove.egglog_runner import Limits
 from ..prove.egraph import TermWriter, compile_library, constructor, ruleset_name, string
 from ..base.errors import PrismError
-from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program, const
 from ..ir.ops import OPS, Kind
 from ..prove.rules import Library
@@ -34,15 +33,6 @@ RULESETS = ("definitions", "algebra", "subexpression")
 # Enough for the sub-terms fused kernels compute (a few rewrites deep) without the associativity and
 # commutativity closure of a large program growing for long.
 SATURATION_LIMITS = Limits(iterations=12, nodes=60_000, seconds=20.0)
-
-
-def meaning(op: str, args: list[Node]) -> Node:
-    """The abstract expression of accumulator `op` applied to abstract operands: its value when the loop
-    runs once over whole tensors (its `closed` form; rules/layout.rules defines each one with the loop dim,
-    here of size 1)."""
-    if op not in ACCUMULATORS:
-        raise PrismError(f"no abstract meaning for accumulator '{op}'")
-    return ACCUMULATORS[op].closed(build, *args)
 
 
 @dataclass
@@ -61,12 +51,9 @@ class InputGraph:
     def lookup(self, node: Node, memo: dict[Node, str | None] | None = None) -> str | None:
         """The e-class of `node`'s term, or None when the e-graph does not hold it."""
         memo = {} if memo is None else memo
-        if node in memo:
-            return memo[node]
-        key = self._key(node, memo)
-        found = self.classes.get(key) if key is not None else None
-        memo[node] = found
-        return found
+        if node not in memo:
+            memo[node] = self.classes.get(self._key(node, memo))  # a None key (an operand not held) is no row
+        return memo[node]
 
     def _key(self, node: Node, memo) -> tuple | None:
         if node.op == "input":
@@ -120,9 +107,8 @@ class InputGraph:
         """The e-classes reachable from the goals through element-wise e-nodes (and the goals)."""
         if self._children is None:
             self._children = {}
-            by_ctor = _ops_by_constructor()
             for (ctor, kids), c in self.classes.items():
-                op = by_ctor.get(ctor)
+                op = OP_OF_CONSTRUCTOR.get(ctor)
                 if op is not None and OPS[op].kind in (Kind.UNARY, Kind.BINARY):
                     self._children.setdefault(c, []).extend(k for k in kids if k.startswith("T-"))
         seen, todo = set(goals), list(goals)
@@ -138,7 +124,6 @@ class InputGraph:
         if key not in self._extracted:
             self._extracted[key] = self._costs(leaves)
         cost, choice = self._extracted[key]
-        by_ctor = _ops_by_constructor()
         built: dict[str, Node] = {}
 
         def make(c: str) -> Node:
@@ -151,7 +136,7 @@ class InputGraph:
                 else:
                     args = [make(k) for k in kids if not k.startswith("i64:")]
                     params = [int(k.split(":")[1]) for k in kids if k.startswith("i64:")]
-                    built[c] = build(by_ctor[ctor], args, params)
+                    built[c] = build(OP_OF_CONSTRUCTOR[ctor], args, params)
             return built[c]
 
         return cost, make
@@ -162,7 +147,6 @@ class InputGraph:
             for (ctor, kids), c in self.classes.items():
                 for k in kids:
                     self._parents.setdefault(k, []).append((ctor, kids, c))
-        by_ctor = _ops_by_constructor()
         cost: dict[str, float] = {c: 0.0 for c in leaves}
         choice: dict[str, tuple] = {}
         todo = list(leaves) + [c for (ctor, _), c in self.classes.items() if ctor == "Num"]
@@ -173,7 +157,7 @@ class InputGraph:
             nxt = []
             for k in todo:
                 for ctor, kids, c in self._parents.get(k, ()):
-                    op = by_ctor.get(ctor)
+                    op = OP_OF_CONSTRUCTOR.get(ctor)
                     if op is None or OPS[op].kind in (Kind.ACCUMULATE, Kind.SPLIT, Kind.CONCAT, Kind.INPUT):
                         continue
                     total = EXTRACT_COST.get(OPS[op].kind, 1.0)
@@ -190,17 +174,13 @@ class InputGraph:
 # What an op costs when extracting post-loop work: element-wise ops are cheap; reductions and matrix
 # products after the loop are avoided where the e-graph offers another form.
 EXTRACT_COST = {Kind.MATMUL: 20.0, Kind.REDUCE: 5.0, Kind.ROWWISE: 5.0}
-
-
-def _ops_by_constructor() -> dict[str, str]:
-    return {constructor(name): name for name in OPS}
+OP_OF_CONSTRUCTOR = {constructor(name): name for name in OPS}  # the e-graph's constructor names back to ops
 
 
 def saturate(program: Program, library: Library, limits: Limits = SATURATION_LIMITS) -> InputGraph:
     """Saturate the input program's outputs with the library's abstract rulesets; raise if none is there."""
-    missing = [r for r in RULESETS if r not in library.rulesets]
     rulesets = [r for r in RULESETS if r in library.rulesets]
-    if "algebra" in missing or "definitions" in missing:
+    if "algebra" not in rulesets or "definitions" not in rulesets:
         raise PrismError("the search needs the 'definitions' and 'algebra' rulesets (rules/); "
                          f"the library has {', '.join(library.rulesets) or 'none'}")
     text, _ = compile_library(library)
@@ -209,9 +189,7 @@ def saturate(program: Program, library: Library, limits: Limits = SATURATION_LIM
         writer.term(node)
     setup = "\n".join(writer.lines + writer.shape_facts())
     outcome = _run(text, setup, rulesets, limits)
-    classes: dict[tuple, str] = {}
-    for op, kids, eclass in outcome.table or ():
-        classes[(op, tuple(kids))] = eclass
+    classes = {(op, tuple(kids)): eclass for op, kids, eclass in outcome.table}
     graph = InputGraph(classes, {}, outcome.reason, outcome.nodes, outcome.seconds)
     for name, node in program.outputs:
         c = graph.lookup(node)
@@ -223,13 +201,11 @@ def saturate(program: Program, library: Library, limits: Limits = SATURATION_LIM
 
 def _run(text: str, setup: str, rulesets, limits: Limits):
     names = [ruleset_name(r) for r in rulesets]
-    with egglog_runner.Session(text) as session:
-        out = session.run(setup, [], names, limits, dump=True)
-    if out.table is None:  # killed mid-round at the time limit: run again with fewer iterations
+    for _ in range(2):
         with egglog_runner.Session(text) as session:
-            out = session.run(setup, [], names,
-                              Limits(iterations=max(1, out.iterations), nodes=limits.nodes,
-                                     seconds=limits.seconds * 2), dump=True)
-    if out.table is None:
-        raise PrismError(f"could not saturate the input program's e-graph: {out.reason}")
-    return out
+            out = session.run(setup, [], names, limits, dump=True)
+        if out.table is not None:
+            return out
+        # Killed mid-round at the time limit: run again with fewer iterations.
+        limits = Limits(iterations=max(1, out.iterations), nodes=limits.nodes, seconds=limits.seconds * 2)
+    raise PrismError(f"could not saturate the input program's e-graph: {out.reason}")

@@ -21,10 +21,10 @@ import sympy
 
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program, dim_symbol
-from ..ir.shapes import ShapeError, same_shape
+from ..ir.shapes import ShapeError, rebuild, same_shape
 from ..kernels.constraints import shared_memory
-from ..kernels.hardware import Target
-from ..kernels.kernel import Kernel
+from ..kernels.hardware import Hardware
+from ..kernels.kernel import Kernel, splits
 from ..kernels.sizes import value
 from ..lang import check
 from ..lang.printer import print_program
@@ -37,7 +37,7 @@ from ..prove.rules import Library
 from ..semantics.blocks import evaluate
 from ..semantics.reference import evaluate_nodes, random_inputs
 from .config import Rejection, SearchConfig, Stats
-from .generate import Candidate, Predefined, Sketch, meaning_of, rebuild
+from .generate import Candidate, Predefined, Sketch, meaning_of
 from .maps import MapChoice, NoKernel, index_classes, map_choices
 from .split import Split, build_choice, split_states
 
@@ -50,9 +50,9 @@ MAX_COMBINATIONS = 64  # kernel-map combinations proved per generated candidate
 class Assembly:
     """Program assembly for generated candidates; proofs run in parallel egglog processes."""
 
-    def __init__(self, program: Program, library: Library, target: Target, config: SearchConfig, stats: Stats,
+    def __init__(self, program: Program, library: Library, hardware: Hardware, config: SearchConfig, stats: Stats,
                  jobs: int, limits: Limits = PROOF_LIMITS):
-        self.program, self.library, self.target, self.config, self.stats = program, library, target, config, stats
+        self.program, self.library, self.hardware, self.config, self.stats = program, library, hardware, config, stats
         self.small = small_binding(program)
         self.dims = program.default_binding()
         self.inputs = random_inputs(program, self.small, seed=1)
@@ -102,7 +102,7 @@ class Assembly:
     def _agrees(self, kernels: list[Kernel], nodes: list[Node], placeholders, operands, want) -> bool:
         """Whether kernels (the last computing `nodes`) fit shared memory at the smallest tiles and agree
         numerically with the abstract expression on small inputs, every split exercised."""
-        if not all(smallest_tiles_fit(k, self.dims, self.target) for k in kernels):
+        if not all(smallest_tiles_fit(k, self.dims, self.hardware) for k in kernels):
             self.stats.prune(Rejection.SHARED_MEMORY)
             return False
         mini = Program("k", self.program.dims, tuple(placeholders), tuple((f"o{i}", n) for i, n in enumerate(nodes)))
@@ -253,20 +253,19 @@ def small_binding(program: Program) -> dict[sympy.Symbol, int]:
     return out
 
 
-def smallest_tiles_fit(kernel: Kernel, dims: dict, target: Target) -> bool:
+def smallest_tiles_fit(kernel: Kernel, dims: dict, hardware: Hardware) -> bool:
     """Shared memory with every split as fine as it can be (grid sizes and F at the sizes they split):
     if even that does not fit, no instantiation does."""
     biggest: dict[sympy.Symbol, int] = {}
-    for size, splitters in _splits(kernel):
+    for size, splitters in splits(kernel):
         full = value(size, dims)
         if full is None:
             continue  # a size set by another kernel's parameter (a split's number of pieces)
         for sym in splitters:
             if isinstance(sym, sympy.Symbol) and sym not in dims:
                 biggest[sym] = min(biggest.get(sym, full), full)
-    rest = kernel.loop_range.free_symbols.union(*(g.free_symbols for _, g in kernel.grid))
-    smem = value(shared_memory(kernel), {**dict.fromkeys(rest, 1), **dims, **biggest})
-    return smem is None or smem <= target.smem_per_block
+    smem = value(shared_memory(kernel), {**dict.fromkeys(kernel.symbols(), 1), **dims, **biggest})
+    return smem is None or smem <= hardware.smem_per_block
 
 
 def _split_params(kernel: Kernel, dims: dict) -> dict[str, int]:
@@ -277,14 +276,7 @@ def _split_params(kernel: Kernel, dims: dict) -> dict[str, int]:
         return full is not None and full % 2 ** len(splitters) == 0
 
     syms = [s for s in [g for _, g in kernel.grid] + [kernel.loop] if isinstance(s, sympy.Symbol)]
-    return {s.name: 2 if all(halves(*d) for d in _splits(kernel) if s in d[1]) else 1 for s in syms}
-
-
-def _splits(kernel: Kernel) -> Iterator[tuple[sympy.Expr, list[sympy.Expr]]]:
-    """Each loaded dim's whole size, and the grid sizes and loop range that split it."""
-    for load in kernel.loads:
-        for size, dm in zip(kernel.inputs[load.source].shape, load.map.dims):
-            yield size, ([kernel.size(dm.axis)] if dm.axis else []) + ([kernel.loop_range] if dm.loop else [])
+    return {s.name: 2 if all(halves(*d) for d in splits(kernel) if s in d[1]) else 1 for s in syms}
 
 
 def _near(got: np.ndarray, want: np.ndarray) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import asdict
 
 from ..base import cache
 from ..base.errors import PrismError
@@ -28,8 +29,8 @@ from ..prove.rules import Library
 from .config import SearchConfig
 from .driver import Result
 
-SEARCH_VERSION = "2"  # bump when the search's meaning changes: old checkpoints (and tunings) are then ignored
-STAT_COUNTS = ("generated", "candidates", "maps", "proofs", "verified")  # `Stats.as_dict`'s counters
+SEARCH_VERSION = "3"  # bump when the search's meaning changes: old checkpoints (and tunings) are then ignored
+STAT_COUNTS = ("generated", "candidates", "maps", "proofs", "proved")  # `Stats.as_dict`'s counters
 
 
 def structure(program: Program) -> str:
@@ -38,7 +39,7 @@ def structure(program: Program) -> str:
 
 def checkpoint_key(program: Program, library: Library, config: SearchConfig) -> str:
     return cache.digest("search", SEARCH_VERSION, structure(program), *library.texts,
-                        json.dumps(config.key(), sort_keys=True))
+                        json.dumps(asdict(config), sort_keys=True))
 
 
 def has_checkpoint(key: str) -> bool:
@@ -59,7 +60,7 @@ def load_checkpoint(program: Program, key: str) -> tuple[list[Program], dict] | 
 
 
 def save_checkpoint(key: str, result: Result) -> None:
-    cache.write("search", key, {"programs": [structure(p) for p in result.verified],
+    cache.write("search", key, {"programs": [structure(p) for p in result.proved],
                                 "stats": {**result.stats.as_dict(), "seconds": round(result.seconds, 3)}})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,6 @@ class SearchConfig:
     expression_pruning: bool = True  # off: every op that passes the other checks (small limits only)
     split_reductions: bool = True  # loop kernels also split in two (`Split`); the second is not counted above
     ops: tuple[str, ...] | None = None  # the block ops to try; None: those in the input's saturated e-graph
-
-    def key(self) -> dict:
-        return asdict(self)
 
 
 class Rejection(enum.Enum):
@@ -55,7 +52,7 @@ class Stats:
     candidates: int = 0  # complete generated programs
     maps: int = 0  # map choices tried by program assembly
     proofs: int = 0  # candidates sent to the prover
-    verified: int = 0
+    proved: int = 0  # candidates proved equal to the input program
     pruned: Counter[Rejection] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)  # why each proof that could not run did not
 
@@ -64,7 +61,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         return {"generated": self.generated, "candidates": self.candidates, "maps": self.maps,
-                "proofs": self.proofs, "verified": self.verified,
+                "proofs": self.proofs, "proved": self.proved,
                 "pruned": dict(sorted((r.value, n) for r, n in self.pruned.items())), "errors": list(self.errors)}
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..ir.nodes import Program
-from ..kernels.hardware import Target
+from ..kernels.hardware import Hardware
 from ..prove.rules import Library
 from .abstract import saturate
 from .assembly import Assembly, proof_error
@@ -28,7 +28,7 @@ from .generate import Generator
 
 @dataclass
 class Result:
-    verified: list[Program]  # in the order found (deterministic for the same inputs when not cut short)
+    proved: list[Program]  # in the order found (deterministic for the same inputs when not cut short)
     stats: Stats
     seconds: float
     complete: bool  # False: stopped by the time limit or an interruption
@@ -44,7 +44,7 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def search(program: Program, library: Library, target: Target, config: SearchConfig = SearchConfig(), *,
+def search(program: Program, library: Library, hardware: Hardware, config: SearchConfig = SearchConfig(), *,
            jobs: int | None = None, deadline: float | None = None, progress: Callable[[str, Stats], None] | None = None,
            stop_event: threading.Event | None = None) -> Result:
     """Kernel generation and program assembly for `program`: every proved program found within the
@@ -67,9 +67,9 @@ def search(program: Program, library: Library, target: Target, config: SearchCon
 
     graph = saturate(program, library)
     generator = Generator(program, graph, config, stats, should_stop)
-    assembly = Assembly(program, library, target, config, stats, jobs)
+    assembly = Assembly(program, library, hardware, config, stats, jobs)
     pending: list[tuple[Program, Future]] = []
-    verified: list[Program] = []
+    proved: list[Program] = []
     complete = True
 
     def settle(prog: Program, proof: Future) -> None:
@@ -78,8 +78,8 @@ def search(program: Program, library: Library, target: Target, config: SearchCon
         if error is not None:
             stats.errors.append(error)
         elif proof.result():
-            stats.verified += 1
-            verified.append(prog)
+            stats.proved += 1
+            proved.append(prog)
         else:
             stats.prune(Rejection.UNPROVED)
 
@@ -114,5 +114,5 @@ def search(program: Program, library: Library, target: Target, config: SearchCon
         pending.clear()
     finally:
         assembly.close()
-    return Result(verified, stats, time.perf_counter() - started, complete, reason[0] if reason else None,
+    return Result(proved, stats, time.perf_counter() - started, complete, reason[0] if reason else None,
                   {"rows": graph.nodes, "stopped": graph.reason, "seconds": round(graph.seconds, 3)}, jobs)

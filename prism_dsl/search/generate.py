@@ -23,20 +23,13 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import sympy
-
-from ..base.errors import PrismError
+from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program
 from ..ir.ops import OPS, Kind
-from ..ir.shapes import ShapeError, build
-from .abstract import InputGraph, meaning
+from ..ir.shapes import ShapeError, build, rebuild
+from .abstract import InputGraph
 from .config import Rejection, SearchConfig, Stats, Stop
 
-ACCUMULATORS = ("acc_sum", "acc_sum_last", "acc_mean_last", "acc_rms_last", "acc_max_last",
-                "acc_softmax_sum", "acc_softmax_out", "acc_rescaled_sum")
-# Accumulators that combine per-block partial results: only the combining kernel of a split reduction
-# (`split.Split`, built by program assembly) uses them, so kernel generation does not generate them.
-COMBINING = ("acc_max_last", "acc_rescaled_sum")
 MAX_LOOP_OPS = 3  # ops in the loop value an accumulator folds (extracted from the e-graph)
 
 
@@ -204,15 +197,15 @@ class Generator:
         abstract_terms = self.graph.terms_from({c: v for c, (_, v) in leaves.items()}, MAX_LOOP_OPS)
         operands = [(c, t, abstract_terms[c]) for c, t in block_terms.items() if c in abstract_terms]
         atoms = []
-        for op in ACCUMULATORS:
-            if self.config.ops is not None and op not in self.config.ops or op in COMBINING:
+        for op, acc in ACCUMULATORS.items():  # those only a split's combining kernel uses are not generated
+            if self.config.ops is not None and op not in self.config.ops or acc.combining_only:
                 continue
             for args in self._operand_tuples(op, operands):
                 self.stats.generated += 1
                 try:
                     node = build(op, [t for _, t, _ in args])
-                    abstract = meaning(op, [a for _, _, a in args])
-                except (ShapeError, PrismError):
+                    abstract = acc.closed(build, *[a for _, _, a in args])
+                except ShapeError:
                     self.stats.prune(Rejection.SHAPE)
                     continue
                 eclass = self.eclass(abstract)
@@ -231,13 +224,11 @@ class Generator:
 
     def _operand_tuples(self, op: str, operands: list) -> Iterator[tuple]:
         """Operand tuples whose whole sizes fit the accumulator (pairs matched through an index)."""
-        if op == "acc_sum":
-            # A running sum keeps its operand's meaning only when each iteration's value is a partial
-            # sum (the loop splits a contracted or summed dim).
-            yield from ((o,) for o in operands if o[1].op in ("matmul", "sum"))
+        if ACCUMULATORS[op].operand_ops:  # e.g. a running sum of partial sums only (see the table)
+            yield from ((o,) for o in operands if o[1].op in ACCUMULATORS[op].operand_ops)
             return
         if OPS[op].operands == 1:
-            yield from ((o,) for o in operands if o[1].rank >= 1 and not is_one(o[1].shape[-1]))
+            yield from ((o,) for o in operands if o[1].rank >= 1 and o[1].shape[-1] != 1)
             return
         by_rows: dict = {}
         for o in operands:
@@ -319,12 +310,13 @@ def _unstable(node: Node) -> bool:
 def _fits(op: str, operands: list[Node]) -> bool:
     """Whether the operands' whole sizes agree for the accumulator (numpy broadcasting): the cheap test
     that spares most shape errors (building the node checks again)."""
-    if op == "acc_softmax_out":
+    acc = ACCUMULATORS[op]
+    if acc.like == "matmul":
         a, b = operands
         return a.rank >= 2 and b.rank >= 2 and a.shape[-1] == b.shape[-2] and _broadcasts(a.shape[:-2], b.shape[:-2])
-    if op == "acc_rescaled_sum":
+    if acc.like == "binary":
         return _broadcasts(operands[0].shape, operands[1].shape)
-    return operands[0].rank >= 1 and (op == "acc_sum" or not is_one(operands[0].shape[-1]))
+    return operands[0].rank >= 1 and (not acc.row or operands[0].shape[-1] != 1)
 
 
 def _broadcasts(a, b) -> bool:
@@ -336,15 +328,6 @@ def _all_used(steps, outputs: tuple[int, ...], n_inputs: int) -> bool:
     used = set(outputs).union(*(s.inputs if isinstance(s, Sketch) else s.args for s in steps))
     made = n_inputs + sum(len(s.outputs) if isinstance(s, Sketch) else 1 for s in steps)
     return all(i in used for i in range(n_inputs, made))
-
-
-def is_one(size) -> bool:
-    return sympy.sympify(size) == 1
-
-
-def rebuild(n: Node, args: list[Node]) -> Node:
-    """`n`'s op (and a reduction's dim) over other operands."""
-    return build(n.op, args, [n.attr] if OPS[n.op].kind is Kind.REDUCE else [])
 
 
 def body_nodes(sketch: Sketch) -> list[Node]:
@@ -360,7 +343,7 @@ def meaning_of(sketch: Sketch, out: Node, abstracts) -> Node:
             continue
         args = [memo[a] for a in n.args]
         if OPS[n.op].kind is Kind.ACCUMULATE:
-            memo[n] = meaning(n.op, args)
+            memo[n] = ACCUMULATORS[n.op].closed(build, *args)
         else:
             memo[n] = n if n.op == "const" else rebuild(n, args)
     return memo[out]

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import sympy
 
+from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, dim_symbol
 from ..ir.ops import OPS, Kind
-from ..ir.shapes import ShapeError
+from ..ir.shapes import ShapeError, rebuild
 from ..kernels.kernel import AXES, DimMap, Kernel, Load, Store, TileMap, output_shape, tile_shape
 from .config import SearchConfig
-from .generate import Sketch, body_nodes, is_one, rebuild
+from .generate import Sketch, body_nodes
 
 
 class IndexClasses:
@@ -45,7 +46,7 @@ def index_classes(sketch: Sketch) -> tuple[IndexClasses, list]:
     uf = IndexClasses()
 
     def dim(n: Node, i: int):
-        return (n, i) if -n.rank <= i and not is_one(n.shape[i]) else None
+        return (n, i) if -n.rank <= i and n.shape[i] != 1 else None
 
     def tie(a, b) -> None:
         if a is not None and b is not None:
@@ -53,16 +54,9 @@ def index_classes(sketch: Sketch) -> tuple[IndexClasses, list]:
 
     for n in body_nodes(sketch):
         kind = OPS[n.op].kind
-        for i in range(-1, -n.rank - 1, -1):
-            uf.find((n, i)) if dim(n, i) else None
-        if kind in (Kind.UNARY, Kind.ROWWISE) or n.op == "acc_sum":
-            for i in range(-1, -n.rank - 1, -1):
-                tie(dim(n, i), dim(n.args[0], i))
-        elif kind is Kind.BINARY or n.op == "acc_rescaled_sum":
-            for a in n.args:
-                for i in range(-1, -n.rank - 1, -1):
-                    tie(dim(n, i), dim(a, i))
-        elif kind is Kind.MATMUL or n.op == "acc_softmax_out":
+        if kind is Kind.ACCUMULATE and not ACCUMULATORS[n.op].row:  # its dims are those of its op kind
+            kind = Kind(ACCUMULATORS[n.op].like)
+        if kind is Kind.MATMUL:
             a, b = n.args
             tie(dim(n, -1), dim(b, -1))
             tie(dim(n, -2), dim(a, -2))
@@ -70,15 +64,12 @@ def index_classes(sketch: Sketch) -> tuple[IndexClasses, list]:
             for i in range(-3, -n.rank - 1, -1):
                 tie(dim(n, i), dim(a, i))
                 tie(dim(n, i), dim(b, i))
-        elif kind is Kind.REDUCE:
-            reduced = n.attr - n.rank
-            for i in range(-1, -n.rank - 1, -1):
-                if i != reduced:
-                    tie(dim(n, i), dim(n.args[0], i))
-        elif kind is Kind.ACCUMULATE:  # the *_last accumulators keep every dim but the last
+        else:  # each dim with the operands' (broadcast), but a reduction's dim and a row accumulator's last
+            folded = n.attr - n.rank if kind is Kind.REDUCE else -1 if kind is Kind.ACCUMULATE else None
             for a in n.args:
-                for i in range(-2, -n.rank - 1, -1):
-                    tie(dim(n, i), dim(a, i))
+                for i in range(-1, -n.rank - 1, -1):
+                    if i != folded:
+                        tie(dim(n, i), dim(a, i))
     order: list = []
     for n in list(sketch.outputs) + list(sketch.tiles):
         for i in range(-1, -n.rank - 1, -1):
@@ -105,14 +96,11 @@ def map_choices(sketch: Sketch, config: SearchConfig) -> tuple[list[MapChoice], 
     stores would fold different output elements together, so it is not offered."""
     uf, order = index_classes(sketch)
     stored = {uf.find((o, i)) for o in sketch.outputs for i in range(-1, -o.rank - 1, -1)
-              if not is_one(o.shape[i])}
+              if o.shape[i] != 1}
     loops = [c for c, root in enumerate(order) if root not in stored] if sketch.loop else [None]
-    out = []
-    for k in range(0, min(config.max_grid_axes, len(order)) + 1):
-        for grid in itertools.combinations(range(len(order)), k):
-            for loop in loops:
-                out.append(MapChoice(grid, loop))
-    return out, uf, order
+    grids = [g for k in range(min(config.max_grid_axes, len(order)) + 1)
+             for g in itertools.combinations(range(len(order)), k)]
+    return [MapChoice(grid, loop) for grid in grids for loop in loops], uf, order
 
 
 class NoKernel(enum.Enum):
@@ -132,7 +120,7 @@ def tensor_map(n: Node, uf: IndexClasses, by_class: dict, loop_root=None, spare:
     axis splits it); None when two of its dims are in one class."""
     out, seen = [], set()
     for i in range(-n.rank, 0):
-        if is_one(n.shape[i]):
+        if n.shape[i] == 1:
             out.append(DimMap())
             continue
         root = uf.find((n, i))

@@ -1,6 +1,6 @@
 """Split reductions (FlashDecoding): a loop kernel's map choice also offered as two kernels.
 
-A valid choice for a loop kernel whose accumulators all have a combining form (`COMBINE`) is also
+A valid choice for a loop kernel whose accumulators all have a combining form (`combine` in `ir.accumulators`) is also
 offered split in two (`Split`): the first kernel's loop dim is also split by one more grid axis and
 each block stores its piece's partial state; a combining kernel loops over the pieces. `build_choice`
 builds the kernels of either kind of choice.
@@ -12,18 +12,13 @@ from dataclasses import dataclass
 
 import sympy
 
+from ..ir.accumulators import ACCUMULATORS, ONLINE_SOFTMAX, RUNNING_MAX
 from ..ir.nodes import Node
 from ..ir.ops import OPS, Kind
-from ..ir.shapes import ShapeError, build
+from ..ir.shapes import ShapeError, build, rebuild
 from ..kernels.kernel import AXES, DimMap, Kernel, Load, TileMap, tile_shape
-from .generate import Sketch, body_nodes, rebuild
+from .generate import Sketch, body_nodes
 from .maps import IndexClasses, MapChoice, NoKernel, build_kernel, index_classes, kernel_outputs, stores_of
-
-# Per loop accumulator of a split reduction: the accumulator that combines its per-piece results in
-# the second kernel, and the name its partial tensor gets. A kernel with any other accumulator (a mean
-# or rms, whose pieces need their counts) is not split.
-COMBINE = {"acc_softmax_out": ("acc_rescaled_sum", "out"), "acc_softmax_sum": ("acc_rescaled_sum", "sum"),
-           "acc_max_last": ("acc_max_last", "max"), "acc_sum": ("acc_sum", "part")}
 
 
 @dataclass(frozen=True)
@@ -42,7 +37,7 @@ def split_states(sketch: Sketch) -> list[Node] | None:
     accumulator; None when the kernel cannot be split (an accumulator with no combining form, online
     softmax over different scores, or post-loop work that reads more than the accumulators)."""
     accs = [n for n in body_nodes(sketch) if OPS[n.op].kind is Kind.ACCUMULATE]
-    if not sketch.loop or not accs or any(a.op not in COMBINE for a in accs):
+    if not sketch.loop or not accs or any(ACCUMULATORS[a.op].combine is None for a in accs):
         return None
 
     def only_accumulators(n: Node) -> bool:
@@ -54,14 +49,12 @@ def split_states(sketch: Sketch) -> list[Node] | None:
 
     if not all(only_accumulators(o) for o in sketch.outputs):
         return None
-    scores = list(dict.fromkeys(a.args[0] for a in accs if a.op in ("acc_softmax_out", "acc_softmax_sum")))
+    scores = list(dict.fromkeys(a.args[0] for a in accs if a.op in ONLINE_SOFTMAX))
     if len(scores) > 1:
         return None
     states = list(accs)
     if scores:
-        m = next((a for a in accs if a.op == "acc_max_last" and a.args[0] is scores[0]), None)
-        if m is None:
-            m = build("acc_max_last", [scores[0]])
+        m = build(RUNNING_MAX, [scores[0]])  # the scores' running max (nodes are interned: accs' own, if there)
         states = [m] + [a for a in accs if a is not m]
     return states
 
@@ -89,7 +82,7 @@ def _build_split(sketch: Sketch, choice: MapChoice, uf: IndexClasses, order: lis
     by_class = choice.axes(order)
     # Classes over the original body and the states together (a new running max ties to its scores).
     uf_all, _ = index_classes(Sketch(sketch.inputs, sketch.tiles, tuple(sketch.outputs) + tuple(states), True))
-    kinds = [COMBINE[a.op][1] for a in states]
+    kinds = [ACCUMULATORS[a.op].combine[1] for a in states]
     part_names = [f"t{base}_{k}" + (str(kinds[:j].count(k)) if kinds.count(k) > 1 else "")
                   for j, k in enumerate(kinds)]
     built = build_kernel(Sketch(sketch.inputs, sketch.tiles, tuple(states), True), uf_all,
@@ -110,13 +103,12 @@ def _build_split(sketch: Sketch, choice: MapChoice, uf: IndexClasses, order: lis
         tile = f"{part_names[j].lower()}t"
         loads.append(Load(tile, j, tmap))
         tiles[state] = Node("tile", (), tile, part.dtype, tile_shape(part.shape, tmap, shell))
-    m = tiles[states[0]] if states[0].op == "acc_max_last" and any(
-        a.op in ("acc_softmax_out", "acc_softmax_sum") for a in states) else None
+    m = tiles[states[0]] if states[0].op == RUNNING_MAX and any(a.op in ONLINE_SOFTMAX for a in states) else None
     new: dict[Node, Node] = {}
     try:
         for a in states:
-            op = COMBINE[a.op][0]
-            new[a] = build(op, [m, tiles[a]] if op == "acc_rescaled_sum" else [tiles[a]])
+            op = ACCUMULATORS[a.op].combine[0]
+            new[a] = build(op, [m, tiles[a]] if ACCUMULATORS[op].operands == 2 else [tiles[a]])
         for n in body_nodes(sketch):
             if n not in new and OPS[n.op].kind is not Kind.ACCUMULATE and n.op != "tile" and any(
                     below in new for below in n.walk()):

@@ -20,7 +20,7 @@ import sympy
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program
 from ..kernels.constraints import Concrete, instantiate_program
-from ..kernels.hardware import load_target
+from ..kernels.hardware import load_hardware
 from ..kernels.kernel import TileMap, after_loop, free_symbols
 from ..kernels.params import complete
 from ..ir.ops import OPS, Kind
@@ -52,6 +52,15 @@ def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
     outs = [np.zeros(c.output_shape(i)) for i in range(len(k.stores))]
     grid = dict(c.grid)
     axes = [a for a, _ in c.grid]
+
+    def value(n: Node, values: dict[Node, np.ndarray], block: dict[str, int], i: int) -> np.ndarray:
+        """A body node's value at iteration `i` of `block` (a tile in `post`: one the loop does not split)."""
+        if n.op != "tile":
+            return apply(n, [values[a] for a in n.args])
+        load = tiles[n.attr]
+        src = operands[load.source]
+        return src[_slices(src.shape, c.shape(n), load.map, grid, block, i)]
+
     with np.errstate(all="ignore"):
         for idx in itertools.product(*(range(g) for _, g in c.grid)):
             block = dict(zip(axes, idx))
@@ -60,23 +69,13 @@ def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
             for i in range(c.loop):
                 values = {}
                 for n in in_loop:
-                    if n.op == "tile":
-                        load = tiles[n.attr]
-                        src = operands[load.source]
-                        values[n] = src[_slices(src.shape, c.shape(n), load.map, grid, block, i)]
-                    else:
-                        values[n] = apply(n, [values[a] for a in n.args])
+                    values[n] = value(n, values, block, i)
                 for n in accs:
                     states[n] = ACCUMULATORS[n.op].advance(states.get(n), *[values[a] for a in n.args])
             for n in accs:
                 values[n] = ACCUMULATORS[n.op].value(states[n])
             for n in post:
-                if n.op == "tile":  # a tile the loop does not split, read after the loop
-                    load = tiles[n.attr]
-                    src = operands[load.source]
-                    values[n] = src[_slices(src.shape, c.shape(n), load.map, grid, block, 0)]
-                else:
-                    values[n] = apply(n, [values[a] for a in n.args])
+                values[n] = value(n, values, block, 0)
             for out, store in zip(outs, k.stores):
                 _write(out, values[store.value], store, block)
     return outs
@@ -103,13 +102,13 @@ class KernelRunner:
     """Evaluates `kernel` nodes for `reference.evaluate_nodes`: instantiates each kernel once (with the
     given params by symbol name, valid defaults for the rest) and runs it once for all its outputs."""
 
-    def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], target: str,
+    def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], hardware: str,
                  prefer: str = "fill"):
-        self.target = load_target(target)
+        self.hardware = load_hardware(hardware)
         symbols = {s.name: s for s in free_symbols(program)}
-        values = complete(program, dims, params, self.target, prefer)
+        values = complete(program, dims, params, self.hardware, prefer)
         self.binding = {**dims, **{symbols[n]: v for n, v in values.items()}}
-        self.concrete = instantiate_program(program, self.binding, self.target)
+        self.concrete = instantiate_program(program, self.binding, self.hardware)
         self.results: dict[int, list[np.ndarray]] = {}
 
     def __call__(self, node: Node, operands: list[np.ndarray]) -> np.ndarray:
@@ -120,7 +119,7 @@ class KernelRunner:
 
 
 def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
-             target: str = "h100", prefer: str = "fill") -> dict[str, np.ndarray]:
+             hardware: str = "h100", prefer: str = "fill") -> dict[str, np.ndarray]:
     """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
 
     Kernel-level ops run in the reference semantics (`reference.apply`); custom kernels run in this
@@ -129,6 +128,6 @@ def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
     kernels = None
     if any(n.op == "kernel" for n in program.nodes()):
-        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, target, prefer)
+        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, hardware, prefer)
     values = evaluate_nodes([n for _, n in program.outputs], env, kernels)
     return {name: values[node] for name, node in program.outputs}

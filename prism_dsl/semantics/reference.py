@@ -211,10 +211,3 @@ def random_inputs(program: Program, binding: Binding, seed: int = 0) -> dict[str
         node.attr: quantize(rng.standard_normal(concrete_shape(node.shape, binding)), node.dtype)
         for node in program.inputs
     }
-
-
-def storage_array(x: np.ndarray, dtype: DType | None) -> np.ndarray:
-    """An array in the closest NumPy storage type (bf16 has none: float32 holding bf16 values)."""
-    return {DType.F16: x.astype(np.float16), DType.F32: x.astype(np.float32), DType.BF16: x.astype(np.float32)}.get(
-        dtype, x.astype(np.float64)
-    )
