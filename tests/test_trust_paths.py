@@ -157,6 +157,18 @@ def test_compile_of_an_older_prismc_output_is_replaced(capsys, tmp_path):
     assert not (out / "rmsnorm_matmul.cu").exists()
 
 
+@pytest.mark.parametrize("keys", [("program", "kernels", "verified"), ("program", "hardware", "kernels", "verified")])
+def test_a_folder_with_a_lookalike_report_is_not_replaced(capsys, tmp_path, keys):
+    """A user's report.json with a few of prismc's keys (and a files list naming their own files) does not
+    make their folder prismc's: every key a report of prismc has, today's or an older prismc's, is needed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "report.json").write_text(json.dumps({**dict.fromkeys(keys, 1), "files": ["notes.txt"]}))
+    code, _, err = prismc(capsys, "compile", RMSNORM, *FAST, "-o", out)
+    assert code == 1 and "it holds what prismc did not write" in err and (out / "notes.txt").read_text() == "mine"
+
+
 def test_failed_compile_leaves_the_earlier_output_untouched(capsys, tmp_path, monkeypatch):
     """The output is checked again just before the swap (a user may have put a file there meanwhile): a
     refusal then, with every file already written into the scratch directory, leaves the old output."""

@@ -180,7 +180,7 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     when there are at most MAX_CANDIDATES of them; beyond that, a descent from the best of a few starts
     (every parameter at its smallest, middle or largest candidate) that changes one or two parameters at
     a time while the estimate improves. Raises ValueError when a kernel has no valid choice (the caller
-    reports the violations through `kernel.choose`)."""
+    reports the violations through `kernels.params.choose`)."""
     binding = {**dims, **fixed}
     free = set(free_symbols(program)) - set(fixed)
     chosen: dict[sympy.Symbol, int] = {}

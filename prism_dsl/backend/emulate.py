@@ -6,7 +6,7 @@ block runs every element loop in turn, barriers vanish, f16/bf16 storage becomes
 tensor-core path gives way to the plain one beside it. A harness loops over the grid. So every index
 computation, load, fusion decision, accumulator and store of the generated code is executed and compared
 with the float64 reference; what it cannot see is what only a GPU has (warp shuffles, wmma, 16-byte
-vector copies, races between threads), which the GPU run (`gpu`) checks.
+vector copies, races between threads), which the GPU check (`pipeline.build.measure`, with `--rank measure`) covers.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...]) -> 
 def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The float64 oracle: the input program (custom kernels through the block interpreter, with the
     parameters the rendered code uses when it is the program built), its outputs under the built program's
-    names (paired by name, else by position: `prove.pair_outputs`)."""
+    names (paired by name, else by position: `prove.prover.pair_outputs`)."""
     hardware = built.hardware.name.lower()
     if built.reference is built.source:
         own = {s.name for s in free_symbols(built.source)}

@@ -3,7 +3,7 @@
     checkpoint   the proved programs of a complete search (`search.checkpoint`), reused for any binding
                  of the dims; trusted for nothing: each one that is chosen or timed is proved again
                  first, and one that fails discards the checkpoint (the search runs again and replaces it)
-    search       levels 1 and 2 (`search`), when there is no usable checkpoint
+    search       kernel generation and program assembly (`search.driver`), when there is no usable checkpoint
     tune         per proved program, kernel parameters for the dims chosen by the cost model; on a GPU
                  (`--rank measure`) the best few by the model, and the best of each other shape, are then
                  built, checked against the float64 reference of the input program and timed
@@ -136,7 +136,7 @@ def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry:
 def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware) -> str | None:
     """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
     parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
-    kernel meets its constraints (`kernel.valid`); its time a finite positive number."""
+    kernel meets its constraints (`kernels.constraints.valid`); its time a finite positive number."""
     if not isinstance(hit, dict) or not isinstance(hit.get("params"), dict):
         return "no parameters"
     params, us = hit["params"], hit.get("us")

@@ -71,6 +71,11 @@ def _foreign(directory: Path) -> list[str]:
             and not (e.name == "__pycache__" and _bytecode_only(e))]
 
 
+# The keys every report.json of prismc has: today's, and those of outputs written before `hardware`/`checked`.
+_REPORT_KEYS = ({"program", "hardware", "kernels", "checked", "verified"},
+                {"program", "target", "kernels", "checks", "verified"})
+
+
 def _mine(directory: Path) -> Callable[[str], bool]:
     """Whether a file name is one prismc wrote in `directory`: one its report.json lists (any name an older
     prismc gave its files, when it lists none); none, without a report.json of prismc's form."""
@@ -78,7 +83,7 @@ def _mine(directory: Path) -> Callable[[str], bool]:
         report = json.loads(files.read_regular(directory / "report.json", files.MAX_TEXT_BYTES))
     except (OSError, ValueError, RecursionError):
         report = None
-    if not (isinstance(report, dict) and {"program", "kernels", "verified"} <= report.keys()):
+    if not (isinstance(report, dict) and any(keys <= report.keys() for keys in _REPORT_KEYS)):
         return lambda name: False
     listed = report.get("files")
     if isinstance(listed, list) and all(isinstance(n, str) for n in listed):
