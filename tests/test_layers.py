@@ -1,7 +1,7 @@
 """The package's layering, read from the source: each stage imports only itself and the stages below it
 (the order `prism_dsl.STAGES` declares), no module imports itself back through others, and no private
 name (`_x`) is used outside the module that defines it. Imports inside functions count: hiding an import
-in a function does not hide the dependency."""
+in a function does not hide the dependency. And no module grows past what one reads whole."""
 
 from __future__ import annotations
 
@@ -116,3 +116,12 @@ def test_no_private_name_used_outside_its_module():
                     and not node.attr.startswith("__")):
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: uses {node.value.id}.{node.attr}")
     assert not wrong, "\n".join(wrong)
+
+
+MAX_MODULE_LINES = 500  # past this a module holds more than one concern: split it by concern
+
+
+def test_no_module_is_too_long_to_read_whole():
+    long = [f"{path.relative_to(PACKAGE.parent)}: {n} lines" for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, "\n".join(long)
