@@ -454,9 +454,10 @@ class _Emitter:
 
         buffers, at = [], 0
         for b in self.plan.buffers:
-            buffers.append({"cname": self.cname[b.name], "ctype": CTYPE[b.dtype], "offset": at,
+            size = math.prod(self.shape(b)) * b.dtype.bytes
+            buffers.append({"cname": self.cname[b.name], "ctype": CTYPE[b.dtype], "offset": at, "bytes": size,
                             "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}")})
-            at += -(-(math.prod(self.shape(b)) * b.dtype.bytes) // ALIGN) * ALIGN
+            at += -(-size // ALIGN) * ALIGN
         smem = max(at, 16)
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
         params = [f"const {CTYPE[n.dtype]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
@@ -465,6 +466,8 @@ class _Emitter:
         grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
         summary = [comment(f"load {l.tile} = {tensor_name(k.inputs[l.source])}{l.map}") for l in k.loads]
         summary += [comment(f"store {s.name}{s.map}") for s in k.stores]
+        for step in prologue + loop_steps + epilogue:
+            step["async"] = _async(step)
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "threads": self.config.threads, "smem": smem, "summary": summary, "params": params,
@@ -478,6 +481,11 @@ class _Emitter:
     def _merge(steps: list[dict]) -> list[dict]:
         """Several loads as one step (they are independent; one barrier after all of them)."""
         return steps if len(steps) < 2 else [{"kind": "group", "steps": steps}]
+
+
+def _async(step: dict) -> bool:
+    """Whether a step issues cp.async copies (16-byte loads), which the kernel waits for before its barrier."""
+    return (step["kind"] == "load" and step["vec"] > 1) or any(_async(s) for s in step.get("steps", ()))
 
 
 def render_kernel(c: Concrete, program: Program, config: CodegenConfig = CodegenConfig()) -> RenderedKernel:

@@ -178,7 +178,10 @@ def check_emulated(built: Build, seed: int) -> Check:
     inputs = _inputs(built, seed)
     dtypes = {n: DTYPES[t["dtype"]] for n, t in plan["tensors"].items()}
     shapes = {n: tuple(t["shape"]) for n, t in plan["tensors"].items()}
-    return Check(**_compared(built, emulator.run(built.kernels, dtypes, shapes, inputs), inputs, seed))
+    result = emulator.run(built.kernels, dtypes, shapes, inputs)
+    if result.finding:
+        raise PrismError(result.finding.text())
+    return Check(**_compared(built, result.outputs, inputs, seed))
 
 
 def emulate(built: Build, options: BuildOptions) -> Check | Skipped | None:

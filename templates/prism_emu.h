@@ -1,0 +1,687 @@
+// prism_emu.h: the runtime of the thread-faithful CPU emulation of generated CUDA (included by prism.cuh
+// when PRISM_CPU is defined; never by nvcc).
+//
+// Every CUDA thread of a block is a fiber (a ucontext with its own stack); the blocks of a wave are all
+// live at once and their fibers take turns, so races between threads and between blocks are real
+// interleavings, and ThreadSanitizer sees each fiber as a thread of its own (the __tsan_*_fiber API, with
+// no synchronisation implied by a switch). A fiber runs until it reaches a barrier or a warp collective
+// and then yields; nothing else orders two threads, as on a GPU.
+//
+//   __syncthreads()    a real barrier: a thread waits until every thread of its block has reached the same
+//                      barrier (same file and line); a thread that finished, or one waiting elsewhere, is a
+//                      divergent barrier and an error, not a hang. Under ThreadSanitizer every arrival
+//                      releases and every departure acquires the block's barrier, so memory written before
+//                      it is ordered before memory read after it, and nothing else is.
+//   warp collectives   (shuffles, tensor-core fragments, ldmatrix, mma) wait for all 32 lanes of the warp at
+//                      the same call with the full mask; the last lane to arrive performs the exchange for
+//                      all of them. Lanes missing (finished, at a barrier, at another collective) are an
+//                      error naming the lanes and lines.
+//   shared memory      per block: each buffer a separate allocation filled with 0xFF bytes (a NaN in every
+//                      float type), so AddressSanitizer finds a read past one buffer's end even where, on
+//                      the GPU, the next buffer follows it.
+//   cp.async           copies are queued per thread: the source is read when the copy is issued, the
+//                      destination is overwritten with the NaN pattern at once (its contents are undefined
+//                      until the wait) and with the data only at the cp.async.wait_group that completes
+//                      its group. Another thread sees it only after a barrier that follows that wait.
+//
+// Errors the emulation finds itself are printed as one line "prism-emulation: kernel K: ..." followed by
+// "prism-emulation-at: FILE:LINE" lines, and the process exits with status 3. Sanitizer reports are
+// printed by the sanitizer; a death callback adds the emulated thread that was running.
+#pragma once
+
+#include <ucontext.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdarg>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#if defined(__SANITIZE_THREAD__)
+#define PRISM_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PRISM_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define PRISM_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define PRISM_ASAN 1
+#endif
+#endif
+#if defined(PRISM_TSAN)
+#include <sanitizer/tsan_interface.h>
+extern "C" void __tsan_ignore_thread_begin(void);  // in the runtime, not in every compiler's header
+extern "C" void __tsan_ignore_thread_end(void);
+#endif
+#if defined(PRISM_ASAN)
+#include <sanitizer/asan_interface.h>
+#endif
+#if defined(PRISM_TSAN) || defined(PRISM_ASAN)
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+struct prism_dim3 {
+    unsigned x, y, z;
+};
+
+namespace prism {
+namespace emu {
+
+constexpr int kWarp = 32;
+constexpr int kExitFinding = 3;  // the exit status of an emulation finding (sanitizers use their own)
+
+struct Site {
+    const char* file = nullptr;
+    int line = 0;
+    const char* what = "";
+};
+
+enum class State { kReady, kBarrier, kWarp, kDone };
+
+struct Block;
+
+struct Copy {  // one queued cp.async
+    unsigned char* dst;
+    unsigned char data[16];
+    int size;
+    Site site;
+};
+
+struct Thread {
+    ucontext_t ctx;
+    char* stack = nullptr;
+    void* fiber = nullptr;  // ThreadSanitizer's fiber
+    void* fake_stack = nullptr;  // AddressSanitizer's, while switched away
+    Block* block = nullptr;
+    prism_dim3 idx{0, 0, 0};
+    int linear = 0;
+    State state = State::kDone;
+    Site site;  // where it waits
+    std::vector<Copy> copies;  // issued, not yet completed
+    std::vector<size_t> groups;  // copies.size() at each commit, oldest first
+};
+
+struct Warp {
+    char sync = 0;  // the address ThreadSanitizer synchronises the lanes of a collective on
+    int arrived = 0;
+    Site site;
+    unsigned mask = 0;
+    const void* in[kWarp];
+    void* out[kWarp];
+    const void* args = nullptr;
+    void (*op)(const void* const* in, void* const* out, const void* args) = nullptr;
+};
+
+struct Buffer {
+    size_t offset, bytes;
+    unsigned char* mem;
+};
+
+struct Block {
+    prism_dim3 idx{0, 0, 0};
+    std::vector<Thread*> threads;
+    std::vector<Warp> warps;
+    std::vector<Buffer> buffers;
+    int at_barrier = 0;
+    Site barrier;
+    char sync = 0;  // the address ThreadSanitizer synchronises a barrier on
+    char exit_sync = 0;
+};
+
+struct Launch {
+    const char* kernel;
+    void (*fn)(void* const* args);
+    void* const* args;
+    prism_dim3 grid, block;
+    size_t smem;
+};
+
+struct Runtime {
+    ucontext_t main;
+    Thread* current = nullptr;
+    const Launch* launch = nullptr;
+    std::vector<Thread*> pool;  // fibers and stacks, reused from wave to wave
+    size_t next_fiber = 0, slots = 0;  // fibers are taken in turn, `slots` of them
+    void* main_fiber = nullptr;
+    const void* main_stack = nullptr;
+    size_t main_stack_size = 0;
+    char launch_sync = 0, done_sync = 0;
+    Site op_site;  // the warp collective being performed, for the checks its exchange makes
+    size_t stack_bytes = size_t(256) << 10;
+};
+
+#if defined(PRISM_TSAN)
+#define PRISM_UNSEEN __attribute__((no_sanitize("thread"), noinline))
+#else
+#define PRISM_UNSEEN
+#endif
+
+inline Runtime& rt() {
+    static Runtime r;
+    return r;
+}
+// The running thread, and its indices: bookkeeping that kernel code reads, unseen by ThreadSanitizer.
+PRISM_UNSEEN inline Thread* self() { return rt().current; }
+PRISM_UNSEEN inline prism_dim3 block_idx() { return rt().current->block->idx; }
+PRISM_UNSEEN inline prism_dim3 thread_idx() { return rt().current->idx; }
+
+// -- ThreadSanitizer: runtime bookkeeping is invisible to it; only the kernel's own accesses count ----------
+struct Quiet {
+#if defined(PRISM_TSAN)
+    Quiet() { __tsan_ignore_thread_begin(); }
+    ~Quiet() { __tsan_ignore_thread_end(); }
+#endif
+};
+struct Visible {  // inside a Quiet region (a warp collective's exchange): the kernel's own memory accesses
+#if defined(PRISM_TSAN)
+    Visible() { __tsan_ignore_thread_end(); }
+    ~Visible() { __tsan_ignore_thread_begin(); }
+#endif
+};
+inline void release(void* addr) {
+#if defined(PRISM_TSAN)
+    __tsan_release(addr);
+#else
+    (void)addr;
+#endif
+}
+inline void acquire(void* addr) {
+#if defined(PRISM_TSAN)
+    __tsan_acquire(addr);
+#else
+    (void)addr;
+#endif
+}
+
+// -- reports ----------------------------------------------------------------------------------------------------
+inline std::string who(const Thread* t) {
+    char text[128];
+    std::snprintf(text, sizeof text, "block (%u,%u,%u) thread %d (warp %d, lane %d)", t->block->idx.x,
+                  t->block->idx.y, t->block->idx.z, t->linear, t->linear / kWarp, t->linear % kWarp);
+    return text;
+}
+
+inline std::string where(const Site& s) {
+    return std::string(s.file ? s.file : "?") + ":" + std::to_string(s.line);
+}
+
+// Threads given as ranges: "threads 0-31, 64-95".
+inline std::string ranges(const std::vector<int>& ids) {
+    std::string out;
+    for (size_t i = 0; i < ids.size();) {
+        size_t j = i;
+        while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+        out += (out.empty() ? "" : ", ") + std::to_string(ids[i]) + (j > i ? "-" + std::to_string(ids[j]) : "");
+        i = j + 1;
+    }
+    return out;
+}
+
+[[noreturn]] inline void fail(const std::vector<Site>& at, const char* fmt, ...) {
+    Quiet quiet;
+    char text[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    std::fprintf(stderr, "prism-emulation: kernel %s: %s\n", rt().launch ? rt().launch->kernel : "?", text);
+    for (const Site& s : at)
+        if (s.file) std::fprintf(stderr, "prism-emulation-at: %s\n", where(s).c_str());
+    std::fflush(stderr);
+    _exit(kExitFinding);
+}
+
+#if defined(PRISM_TSAN) || defined(PRISM_ASAN)
+inline void on_death() {  // a sanitizer stops the run: say which emulated thread was running
+    if (Thread* t = self())
+        std::fprintf(stderr, "prism-emulation-thread: kernel %s, %s\n", rt().launch->kernel, who(t).c_str());
+}
+#endif
+
+// -- fibers ---------------------------------------------------------------------------------------------------------
+PRISM_UNSEEN inline void switch_to(Thread* from, Thread* to) {  // from/to null: the scheduler (the main context)
+    Runtime& r = rt();
+    r.current = to;
+#if defined(PRISM_TSAN)
+    __tsan_switch_to_fiber(to ? to->fiber : r.main_fiber, __tsan_switch_to_fiber_no_sync);
+#endif
+#if defined(PRISM_ASAN)
+    void** save = from ? (from->state == State::kDone ? nullptr : &from->fake_stack) : nullptr;
+    void* main_save = nullptr;
+    __sanitizer_start_switch_fiber(from ? save : &main_save, to ? to->stack : r.main_stack,
+                                   to ? r.stack_bytes : r.main_stack_size);
+#endif
+    swapcontext(from ? &from->ctx : &r.main, to ? &to->ctx : &r.main);
+#if defined(PRISM_ASAN)
+    __sanitizer_finish_switch_fiber(from ? from->fake_stack : main_save, nullptr, nullptr);
+#endif
+}
+
+inline void yield() { switch_to(self(), nullptr); }
+
+inline void finish_checks(Thread* t) {
+    if (!t->copies.empty())
+        fail({t->copies.front().site}, "%s ends with %zu cp.async cop%s never waited for (issued at %s)",
+             who(t).c_str(), t->copies.size(), t->copies.size() == 1 ? "y" : "ies",
+             where(t->copies.front().site).c_str());
+}
+
+inline void entry() {
+    Runtime& r = rt();
+#if defined(PRISM_ASAN)
+    __sanitizer_finish_switch_fiber(nullptr, &r.main_stack, &r.main_stack_size);
+#endif
+    Thread* t = self();
+    acquire(&r.launch_sync);
+    r.launch->fn(r.launch->args);
+    {
+        Quiet quiet;
+        finish_checks(t);
+        t->state = State::kDone;
+    }
+    release(&t->block->exit_sync);
+    release(&r.done_sync);
+    switch_to(t, nullptr);
+    std::abort();  // a finished fiber is never resumed
+}
+
+inline Thread* fiber(size_t slot) {
+    Runtime& r = rt();
+    while (r.pool.size() <= slot) {
+        Thread* t = new Thread;
+        void* mem = mmap(nullptr, r.stack_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                         -1, 0);
+        if (mem == MAP_FAILED) {
+            std::fprintf(stderr, "prism-emulation: cannot map a stack for emulated thread %zu\n", slot);
+            _exit(kExitFinding);
+        }
+        t->stack = static_cast<char*>(mem);
+#if defined(PRISM_TSAN)
+        t->fiber = __tsan_create_fiber(0);
+#endif
+        r.pool.push_back(t);
+    }
+    return r.pool[slot];
+}
+
+// -- shared memory --------------------------------------------------------------------------------------------------
+inline void declare_shared(size_t bytes, const char* file, int line) {
+    Quiet quiet;
+    if (bytes > rt().launch->smem)
+        fail({{file, line}}, "declares %zu bytes of shared memory; the launch gives %zu", bytes, rt().launch->smem);
+}
+
+inline void* shared(size_t offset, size_t bytes, const char* file, int line) {
+    Quiet quiet;
+    Block* b = self()->block;
+    if (offset + bytes > rt().launch->smem)
+        fail({{file, line}}, "shared buffer at offset %zu (%zu bytes) ends past the launch's %zu bytes", offset, bytes,
+             rt().launch->smem);
+    for (const Buffer& have : b->buffers) {
+        if (have.offset == offset && have.bytes == bytes) return have.mem;
+        if (offset < have.offset + have.bytes && have.offset < offset + bytes)
+            fail({{file, line}}, "shared buffers overlap: [%zu, %zu) and [%zu, %zu)", offset, offset + bytes,
+                 have.offset, have.offset + have.bytes);
+    }
+    void* mem = std::aligned_alloc(128, (bytes + 127) / 128 * 128);
+    std::memset(mem, 0xFF, bytes);  // the NaN pattern of every float type
+#if defined(PRISM_ASAN)
+    __asan_poison_memory_region(static_cast<char*>(mem) + bytes, (bytes + 127) / 128 * 128 - bytes);
+#endif
+    b->buffers.push_back({offset, bytes, static_cast<unsigned char*>(mem)});
+    return mem;
+}
+
+inline bool in_shared(const Block* b, const void* p, size_t bytes) {
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    for (const Buffer& have : b->buffers)
+        if (c >= have.mem && c + bytes <= have.mem + have.bytes) return true;
+    return false;
+}
+
+// -- barriers and warp collectives ----------------------------------------------------------------------------------
+inline void barrier(const char* file, int line) {
+    Thread* t = self();
+    Block* b;
+    bool wait;
+    {
+        Quiet quiet;
+        b = t->block;
+    }
+    release(&b->sync);
+    {
+        Quiet quiet;
+        Site here{file, line, "__syncthreads()"};
+        if (b->at_barrier == 0) {
+            b->barrier = here;
+        } else if (b->barrier.line != line || std::strcmp(b->barrier.file, file) != 0) {
+            fail({b->barrier, here}, "divergent barrier in block (%u,%u,%u): threads wait at %s, thread %d reaches %s",
+                 b->idx.x, b->idx.y, b->idx.z, where(b->barrier).c_str(), t->linear, where(here).c_str());
+        }
+        t->state = State::kBarrier;
+        t->site = here;
+        if (++b->at_barrier == static_cast<int>(b->threads.size())) {
+            b->at_barrier = 0;
+            for (Thread* o : b->threads) o->state = State::kReady;
+        }
+        wait = t->state != State::kReady;
+    }
+    if (wait) yield();
+    acquire(&b->sync);
+}
+
+inline void collective(const char* what, unsigned mask, const char* file, int line, const void* in, void* out,
+                       void (*op)(const void* const*, void* const*, const void*), const void* args = nullptr) {
+    Thread* t = self();
+    Warp* w;
+    bool wait;
+    {
+        Quiet quiet;
+        Block* b = t->block;
+        Site here{file, line, what};
+        const int lane = t->linear % kWarp, first = t->linear - lane;
+        if (first + kWarp > static_cast<int>(b->threads.size()))
+            fail({here}, "%s needs a whole warp, but warp %d of the %zu-thread block has %zu lanes", what,
+                 t->linear / kWarp, b->threads.size(), b->threads.size() - first);
+        if (mask != 0xFFFFFFFFu)
+            fail({here}, "%s with lane mask 0x%08x in %s: the generated code uses full warps only", what, mask,
+                 who(t).c_str());
+        w = &b->warps[t->linear / kWarp];
+        if (w->arrived == 0) {
+            w->site = here;
+            w->op = op;
+            w->args = args;
+        } else if (w->site.line != line || std::strcmp(w->site.file, file) != 0 || w->op != op) {
+            std::vector<int> lanes;
+            for (int l = 0; l < kWarp; ++l)
+                if (b->threads[first + l]->state == State::kWarp) lanes.push_back(l);
+            fail({w->site, here}, "divergent warp collective in block (%u,%u,%u) warp %d: lanes %s wait at %s (%s), "
+                 "lane %d reaches %s (%s)", b->idx.x, b->idx.y, b->idx.z, t->linear / kWarp, ranges(lanes).c_str(),
+                 where(w->site).c_str(), w->site.what, lane, where(here).c_str(), what);
+        }
+        w->in[lane] = in;
+        w->out[lane] = out;
+        t->state = State::kWarp;
+        t->site = here;
+        wait = ++w->arrived < kWarp;
+    }
+    // The lane that arrives last performs the collective's memory accesses for the whole warp, so the lanes are
+    // ordered around it (as by __syncwarp): a race between lanes of one warp across a collective goes unseen.
+    release(&w->sync);
+    if (!wait) {
+        acquire(&w->sync);
+        {
+            Quiet quiet;  // lanes' registers pass between fibers unseen; the op shows its memory accesses (Visible)
+            rt().op_site = w->site;
+            w->op(w->in, w->out, w->args);
+            w->arrived = 0;
+            const int first = t->linear - t->linear % kWarp;
+            for (int l = 0; l < kWarp; ++l) t->block->threads[first + l]->state = State::kReady;
+        }
+        release(&w->sync);
+    } else {
+        yield();
+    }
+    acquire(&w->sync);
+}
+
+// -- cp.async: copies queued per thread, completed by the wait that covers their group -----------------------------
+inline void cp_async(void* dst, const void* src, int size, const char* file, int line) {
+    Thread* t = self();
+    Copy c;
+    {
+        Quiet quiet;
+        const Site here{file, line, "cp.async"};
+        if (reinterpret_cast<uintptr_t>(dst) % size || reinterpret_cast<uintptr_t>(src) % size)
+            fail({here}, "cp.async of %d bytes from %p to %p in %s: both addresses must be %d-byte aligned", size, src,
+                 dst, who(t).c_str(), size);
+        if (!in_shared(t->block, dst, size))
+            fail({here}, "cp.async in %s writes %p, outside the block's shared buffers", who(t).c_str(), dst);
+        if (in_shared(t->block, src, size))
+            fail({here}, "cp.async in %s reads shared memory at %p; its source is global memory", who(t).c_str(), src);
+        c.dst = static_cast<unsigned char*>(dst);
+        c.size = size;
+        c.site = here;
+    }
+    std::memcpy(c.data, src, size);  // the source is read when the copy is issued
+    std::memset(dst, 0xFF, size);  // and the destination is undefined until the wait
+    Quiet quiet;
+    t->copies.push_back(c);
+}
+
+inline void cp_async_commit() {
+    Quiet quiet;
+    Thread* t = self();
+    size_t grouped = 0;
+    for (size_t g : t->groups) grouped += g;
+    t->groups.push_back(t->copies.size() - grouped);
+}
+
+// cp.async.wait_group n: every committed group but the n most recent is complete, and its data written.
+inline void cp_async_wait(int n) {
+    Thread* t = self();
+    while (t->groups.size() > static_cast<size_t>(n)) {
+        size_t count;
+        {
+            Quiet quiet;
+            count = t->groups.front();
+        }
+        for (size_t i = 0; i < count; ++i) std::memcpy(t->copies[i].dst, t->copies[i].data, t->copies[i].size);
+        Quiet quiet;
+        t->copies.erase(t->copies.begin(), t->copies.begin() + count);
+        t->groups.erase(t->groups.begin());
+    }
+}
+
+// -- the scheduler ------------------------------------------------------------------------------------------------
+[[noreturn]] inline void deadlock(const std::vector<Block*>& wave) {
+    for (Block* b : wave) {
+        std::vector<int> done, at_barrier, at_warp;
+        Site barrier_site, warp_site;
+        for (Thread* t : b->threads) {
+            if (t->state == State::kDone) done.push_back(t->linear);
+            if (t->state == State::kBarrier) at_barrier.push_back(t->linear), barrier_site = t->site;
+            if (t->state == State::kWarp) at_warp.push_back(t->linear), warp_site = t->site;
+        }
+        if (at_barrier.empty() && at_warp.empty()) continue;
+        std::string text = "block (" + std::to_string(b->idx.x) + "," + std::to_string(b->idx.y) + "," +
+                           std::to_string(b->idx.z) + ") cannot go on:";
+        if (!at_barrier.empty())
+            text += " threads " + ranges(at_barrier) + " wait at the barrier at " + where(barrier_site) + ";";
+        if (!at_warp.empty())
+            text += " threads " + ranges(at_warp) + " wait for their warps at " + where(warp_site) + " (" +
+                    warp_site.what + ");";
+        if (!done.empty()) text += " threads " + ranges(done) + " have finished;";
+        text += " a barrier or warp collective not reached by every thread";
+        fail({at_barrier.empty() ? warp_site : barrier_site}, "%s", text.c_str());
+    }
+    fail({}, "no emulated thread can go on");
+}
+
+inline void run_wave(const std::vector<prism_dim3>& blocks) {
+    Runtime& r = rt();
+    const Launch& L = *r.launch;
+    const int n = static_cast<int>(L.block.x * L.block.y * L.block.z);
+    std::vector<Block*> wave;
+    {
+        Quiet quiet;
+        for (const prism_dim3& idx : blocks) {
+            Block* b = new Block;
+            b->idx = idx;
+            b->warps.resize((n + kWarp - 1) / kWarp);
+            for (int i = 0; i < n; ++i) {
+                Thread* t = fiber(r.next_fiber++ % r.slots);
+                t->block = b;
+                t->linear = i;
+                t->idx = {unsigned(i) % L.block.x, unsigned(i) / L.block.x % L.block.y, unsigned(i) / (L.block.x * L.block.y)};
+                t->state = State::kReady;
+                t->copies.clear();
+                t->groups.clear();
+#if defined(PRISM_ASAN)
+                __asan_unpoison_memory_region(t->stack, r.stack_bytes);
+#endif
+                getcontext(&t->ctx);
+                t->ctx.uc_stack.ss_sp = t->stack;
+                t->ctx.uc_stack.ss_size = r.stack_bytes;
+                t->ctx.uc_link = nullptr;
+                makecontext(&t->ctx, entry, 0);
+#if defined(PRISM_TSAN)
+                const std::string name = L.kernel + std::string(": ") + who(t);
+                __tsan_set_fiber_name(t->fiber, name.c_str());
+#endif
+                b->threads.push_back(t);
+            }
+            wave.push_back(b);
+        }
+    }
+    for (;;) {
+        bool ran = false, done = true;
+        for (Block* b : wave)
+            for (Thread* t : b->threads) {
+                if (t->state == State::kReady) {
+                    switch_to(nullptr, t);
+                    ran = true;
+                }
+                done = done && t->state == State::kDone;
+            }
+        if (done) break;
+        if (!ran) deadlock(wave);
+    }
+    for (Block* b : wave) {
+        acquire(&b->exit_sync);
+        Quiet quiet;
+        for (Buffer& buf : b->buffers) std::free(buf.mem);
+        delete b;
+    }
+}
+
+// Run `blocks` of a launch (all of its grid when empty), `per_wave` blocks live at a time.
+inline void launch(const Launch& L, std::vector<prism_dim3> blocks, size_t per_wave) {
+    Runtime& r = rt();
+#if defined(PRISM_TSAN) || defined(PRISM_ASAN)
+    static bool hooked = false;
+    if (!hooked) __sanitizer_set_death_callback(on_death), hooked = true;
+#endif
+#if defined(PRISM_TSAN)
+    if (!r.main_fiber) r.main_fiber = __tsan_get_current_fiber();
+#endif
+    if (blocks.empty())
+        for (unsigned z = 0; z < L.grid.z; ++z)
+            for (unsigned y = 0; y < L.grid.y; ++y)
+                for (unsigned x = 0; x < L.grid.x; ++x) blocks.push_back({x, y, z});
+    const size_t threads = L.block.x * L.block.y * L.block.z;
+    per_wave = per_wave ? per_wave : 1;
+    // One warp more fibers than a wave needs, so a thread of the next wave seldom runs on the fiber the same
+    // thread of an earlier block used: ThreadSanitizer orders what one fiber does, and would miss that race.
+    r.slots = std::max(r.slots, per_wave * threads + kWarp);
+    r.launch = &L;
+    release(&r.launch_sync);
+    for (size_t i = 0; i < blocks.size(); i += per_wave)
+        run_wave(std::vector<prism_dim3>(blocks.begin() + i, blocks.begin() + std::min(blocks.size(), i + per_wave)));
+    acquire(&r.done_sync);
+    r.launch = nullptr;
+}
+
+}  // namespace emu
+}  // namespace prism
+
+// -- the harness: tensors in host memory, kernels launched as a command file says ----------------------------------
+// Commands, one per line (tensors and kernels by their index in the tables the generated harness passes):
+//     load T PATH          read the tensor's bytes from PATH
+//     fill T nan|zero      every byte 0xFF (NaN in every float type) or 0
+//     launch K all         every block of kernel K's grid
+//     launch K N x y z ... N blocks of it
+//     save T PATH          write the tensor's bytes to PATH
+//     wave N               blocks live at once from now on
+namespace prism {
+namespace emu {
+
+struct TensorEntry {
+    const char* name;
+    size_t bytes;
+};
+
+struct KernelEntry {
+    const char* name;
+    void (*fn)(void* const* args);
+    std::vector<int> args;
+    prism_dim3 grid, block;
+    size_t smem;
+};
+
+[[noreturn]] inline void harness_error(const std::string& text) {
+    std::fprintf(stderr, "prism-emulation: harness: %s\n", text.c_str());
+    _exit(2);
+}
+
+inline int harness(int argc, char** argv, const std::vector<TensorEntry>& tensors, const std::vector<KernelEntry>& kernels) {
+    if (argc != 2) harness_error("usage: emulate COMMANDS");
+    FILE* in = std::fopen(argv[1], "r");
+    if (!in) harness_error(std::string("cannot read ") + argv[1]);
+    std::vector<unsigned char*> memory;
+    for (const TensorEntry& t : tensors) {
+        // exactly the tensor's bytes, so that AddressSanitizer sees a read or write past its end
+        memory.push_back(static_cast<unsigned char*>(std::malloc(t.bytes ? t.bytes : 1)));
+        std::memset(memory.back(), 0xFF, t.bytes);
+    }
+    size_t per_wave = 8;
+    char word[32], path[4096], how[16];
+    int index;
+    while (std::fscanf(in, "%31s", word) == 1) {
+        const std::string w = word;
+        if (w == "wave") {
+            if (std::fscanf(in, "%zu", &per_wave) != 1) harness_error("wave: a count");
+            continue;
+        }
+        if (std::fscanf(in, "%d", &index) != 1 || index < 0) harness_error(w + ": an index");
+        if (w == "launch") {
+            if (index >= static_cast<int>(kernels.size())) harness_error("launch: no such kernel");
+            const KernelEntry& k = kernels[index];
+            std::vector<prism_dim3> blocks;
+            if (std::fscanf(in, "%15s", how) != 1) harness_error("launch: all or a count");
+            if (std::string(how) != "all") {
+                const long n = std::atol(how);
+                for (long i = 0; i < n; ++i) {
+                    prism_dim3 b;
+                    if (std::fscanf(in, "%u %u %u", &b.x, &b.y, &b.z) != 3) harness_error("launch: a block index");
+                    if (b.x >= k.grid.x || b.y >= k.grid.y || b.z >= k.grid.z) harness_error("launch: a block outside the grid");
+                    blocks.push_back(b);
+                }
+            }
+            std::vector<void*> args;
+            for (int a : k.args) args.push_back(memory[a]);
+            const Launch L{k.name, k.fn, args.data(), k.grid, k.block, k.smem};
+            launch(L, blocks, per_wave);
+            continue;
+        }
+        if (index >= static_cast<int>(tensors.size())) harness_error(w + ": no such tensor");
+        const TensorEntry& t = tensors[index];
+        if (w == "fill") {
+            if (std::fscanf(in, "%15s", how) != 1) harness_error("fill: nan or zero");
+            std::memset(memory[index], std::string(how) == "zero" ? 0 : 0xFF, t.bytes);
+            continue;
+        }
+        if (w != "load" && w != "save") harness_error("unknown command " + w);
+        if (std::fscanf(in, " %4095[^\n]", path) != 1) harness_error(w + ": a path");
+        FILE* f = std::fopen(path, w == "load" ? "rb" : "wb");
+        if (!f) harness_error(std::string("cannot open ") + path);
+        const size_t moved = w == "load" ? std::fread(memory[index], 1, t.bytes, f) : std::fwrite(memory[index], 1, t.bytes, f);
+        std::fclose(f);
+        if (moved != t.bytes) harness_error(std::string("short ") + w + " of " + t.name);
+    }
+    std::fclose(in);
+    for (unsigned char* m : memory) std::free(m);
+    return 0;
+}
+
+}  // namespace emu
+}  // namespace prism
