@@ -17,7 +17,7 @@ from pathlib import Path
 from ..prove.egglog_runner import Limits
 from ..base.files import check_writable, write_bytes
 from ..base.errors import PrismError
-from .values import parse_dims, parse_loop, positive_int, seconds, whole
+from .values import emulate_blocks, parse_dims, parse_loop, positive_int, seconds, whole
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
 
@@ -113,11 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--arch", default="sm_90,sm_80", help="architectures nvcc checks, comma-separated "
                     "(default %(default)s); 'none' to skip")
     co.add_argument("--no-emulate", action="store_true", help="skip the CPU run of the generated code")
+    _emulation_options(co)
     co.add_argument("--threads", type=positive_int, default=128, help="threads per block (default 128)")
     co.add_argument("--no-tensor-cores", action="store_true", help="plain matrix products only")
     co.add_argument("--seed", type=whole, default=0, help="seed for the random inputs of the checks (default 0)")
     co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
     co.set_defaults(run=cmd_compile)
+
+    ve = sub.add_parser("verify", help="check a compiled output directory again, its .cu files as they are on disk",
+                        description="Build the kernels of a directory `prismc compile -o` wrote, as they are on disk, in "
+                                    "the thread-faithful CPU emulation; run them on random inputs and compare every "
+                                    "output element with the float64 reference of the program in the directory. "
+                                    "Exit 0 when all agree, 1 otherwise.")
+    ve.add_argument("directory", metavar="DIR")
+    ve.add_argument("--dims", type=parse_dims, default={},
+                    help="other sizes (the kernels are then generated again from the directory's program)")
+    ve.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes, with --dims")
+    ve.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges, with --dims")
+    _emulation_options(ve)
+    ve.add_argument("--seed", type=whole, default=0, help="seed for the random inputs and sampled blocks (default 0)")
+    ve.set_defaults(run=cmd_verify)
 
     be = sub.add_parser("bench", help="time a program's kernels against PyTorch eager and torch.compile (needs a GPU)")
     _program_options(be)
@@ -128,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", metavar="FILE", dest="json_out", help="also write the table as JSON here")
     be.set_defaults(run=cmd_bench)
     return p
+
+
+def _emulation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sanitize", choices=("thread", "address"), default=None,
+                   help="emulate under ThreadSanitizer (races) or AddressSanitizer with UBSan (bad accesses)")
+    p.add_argument("--emulate-blocks", dest="blocks", type=emulate_blocks, default="auto", metavar="all|auto|N",
+                   help="blocks to emulate: 'all', every block; N, the first and last along every grid axis and N "
+                        "more at random per kernel; 'auto' (default), all where that is quick, else a sample")
 
 
 def _program_options(p: argparse.ArgumentParser) -> None:
@@ -421,11 +444,19 @@ def cmd_compile(args) -> int:
         searching = Searching(SearchConfig(**limits, split_reductions=not args.no_split), args.time_limit, args.jobs,
                               use_cache=not args.no_cache, progress=not args.json)
     options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs,
-                           emulate=not args.no_emulate, seed=args.seed,
+                           emulate=not args.no_emulate, sanitize=args.sanitize, emulate_blocks=args.blocks, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores))
     report = compile_program(Request(program, Path(args.output), hardware, options, searching))
     sys.stdout.write(report.to_json() if args.json else summary(report, Path(args.output)) + "\n")
     return EXIT_INPUT if report.checked.failed else EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from .verify import verify
+
+    if (args.grid or args.loop) and not args.dims:
+        raise UsageError("--grid and --loop choose kernel parameters at other dims: give --dims too")
+    return verify(args)
 
 
 def cmd_bench(args) -> int:

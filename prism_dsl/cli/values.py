@@ -64,3 +64,12 @@ def seconds(text: str) -> float:
     if not 0 < value <= MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"expected a number of seconds above 0 and at most {MAX_SECONDS:g}, got {text!r}")
     return value
+
+
+def emulate_blocks(text: str) -> str | int:
+    """`all`, `auto`, or a count of blocks chosen at random per kernel."""
+    if text in ("all", "auto"):
+        return text
+    if not _is_int(text):
+        raise argparse.ArgumentTypeError(f"expected all, auto or a number of blocks, got {clip(text)!r}")
+    return int(text)

@@ -29,7 +29,7 @@ from ..backend.cost import Estimate
 from ..backend.nvcc import nvcc_check, nvcc_path, write_sources
 from ..base import files
 from ..base.errors import PrismError
-from ..ir.nodes import DTYPES, Program
+from ..ir.nodes import Program
 from ..kernels.constraints import Concrete
 from ..kernels.hardware import Hardware
 from ..kernels.kernel import free_symbols, kernels_of
@@ -38,7 +38,8 @@ from ..kernels.lower import lower
 from ..prove.prover import check_signatures, pair_outputs
 from ..semantics.blocks import evaluate
 from ..semantics.reference import bind_dims, check_sizes, concrete_shape, random_inputs
-from .report import Check, GpuCheck, NvccCheck, Skipped
+from . import emulation
+from .report import Check, EmulationCheck, GpuCheck, NvccCheck, Skipped
 
 ARCHS = ("sm_90", "sm_80")
 RTOL = 1e-2  # f16 storage: about three decimal digits
@@ -54,6 +55,8 @@ class BuildOptions:
     rank: str = "model"  # how launch parameters are ranked: "model" (the cost model) or "measure" (on the GPU)
     archs: tuple[str, ...] = ARCHS
     emulate: bool = True
+    sanitize: str | None = None  # the emulation under a sanitizer: "thread" or "address"
+    emulate_blocks: str | int = "auto"  # "all"; "auto": all when quick, else sampled; N: sampled, N at random per kernel
     seed: int = 0
     codegen: CodegenConfig = CodegenConfig()
 
@@ -173,18 +176,14 @@ def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int) -> dict:
             "checked_against": CHECKED_AGAINST, "outputs": outputs}
 
 
-def check_emulated(built: Build, seed: int) -> Check:
-    plan = plan_of(built)
+def check_emulated(built: Build, seed: int, sanitizer: str | None = None, extra: str | int = "auto") -> EmulationCheck:
+    """The generated code in the thread-faithful emulation, against the input program's reference."""
     inputs = _inputs(built, seed)
-    dtypes = {n: DTYPES[t["dtype"]] for n, t in plan["tensors"].items()}
-    shapes = {n: tuple(t["shape"]) for n, t in plan["tensors"].items()}
-    result = emulator.run(built.kernels, dtypes, shapes, inputs)
-    if result.finding:
-        raise PrismError(result.finding.text())
-    return Check(**_compared(built, result.outputs, inputs, seed))
+    return emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=seed, rtol=RTOL,
+                           checked_against=CHECKED_AGAINST, sanitizer=sanitizer, extra=extra)
 
 
-def emulate(built: Build, options: BuildOptions) -> Check | Skipped | None:
+def emulate(built: Build, options: BuildOptions) -> EmulationCheck | Skipped | None:
     """The CPU emulation's check, or why it was skipped; None when not asked for."""
     if not options.emulate:
         return None
@@ -195,7 +194,7 @@ def emulate(built: Build, options: BuildOptions) -> Check | Skipped | None:
             check_sizes(program, built.binding)
     except PrismError as e:
         return Skipped(e.diagnostics[0].message)
-    return check_emulated(built, options.seed)
+    return check_emulated(built, options.seed, options.sanitize, options.emulate_blocks)
 
 
 def check_gpu(built: Build, directory: Path, seed: int) -> GpuCheck:

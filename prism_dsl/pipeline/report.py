@@ -41,6 +41,29 @@ class Check:
 
 
 @dataclass(frozen=True)
+class EmulationCheck(Check):
+    """A check in the thread-faithful CPU emulation (`pipeline.emulation`), with what ran and what it found."""
+
+    emulation: Mapping  # threads_per_block, sanitizer, dims, blocks (emulated / grid per kernel), ...
+    finding: Mapping | None = None  # what the emulation or a sanitizer reported (`backend.emulate.Finding`)
+
+    def errors(self) -> str:
+        if self.finding:
+            f = self.finding
+            return (f"{f['kind']}" + (f" in kernel {f['kernel']}" if f["kernel"] else "") + f": {f['message']}"
+                    + "".join(f"; at {w}" for w in f["where"]) + "".join(f"; {t}" for t in f["threads"][:2]))
+        return super().errors()
+
+    def describe(self) -> str:
+        e = self.emulation
+        blocks = e["blocks"]
+        emulated, total = sum(b["emulated"] for b in blocks.values()), sum(b["grid"] for b in blocks.values())
+        how = "every block" if e["whole_grid"] else f"{emulated} of {total} blocks (sampled, seed {e['sample_seed']})"
+        return (f"{e['threads_per_block']} threads per block, {how}, "
+                + (f"{e['sanitizer']} sanitizer" if e["sanitizer"] else "no sanitizer") + f", {e['seconds']} s")
+
+
+@dataclass(frozen=True)
 class GpuCheck(Check):
     """A check on the GPU, with the program's times there (CUDA-event medians of rotated input sets)."""
 
@@ -173,6 +196,8 @@ def summary(report: Report, out: Path) -> str:
         else:
             lines.append(f"  {name}: {'passed' if c.passed else 'FAILED'} against the float64 reference of the "
                          f"{c.checked_against} ({c.errors()})")
+            if isinstance(c, EmulationCheck):
+                lines.append(f"    emulated: {c.describe()}")
     if report.searched is not None:
         lines += _search_lines(report.searched)
     lines.append("  verified: " + ("yes: proved and checked" if report.verified else "NO: " + (

@@ -16,13 +16,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(1152);
-    half* const s_mt = reinterpret_cast<half*>(prism_smem + 0);  // tile mt: [1, 1, 1, 1, 1] f16
-    half* const s_pt = reinterpret_cast<half*>(prism_smem + 128);  // tile pt: [1, 1, 1, 1, 64] f16
-    float* const s_a2_max = reinterpret_cast<float*>(prism_smem + 256);  // state a2_max: [1, 1, 1, 1, 64] f32
-    float* const s_a2 = reinterpret_cast<float*>(prism_smem + 512);  // state a2: [1, 1, 1, 1, 64] f32
-    half* const s_lt = reinterpret_cast<half*>(prism_smem + 768);  // tile lt: [1, 1, 1, 1, 1] f16
-    float* const s_a4_max = reinterpret_cast<float*>(prism_smem + 896);  // state a4_max: [1, 1, 1, 1, 1] f32
-    float* const s_a4 = reinterpret_cast<float*>(prism_smem + 1024);  // state a4: [1, 1, 1, 1, 1] f32
+    half* const s_mt = PRISM_SHARED(half, 0, 2);  // tile mt: [1, 1, 1, 1, 1] f16
+    half* const s_pt = PRISM_SHARED(half, 128, 128);  // tile pt: [1, 1, 1, 1, 64] f16
+    float* const s_a2_max = PRISM_SHARED(float, 256, 256);  // state a2_max: [1, 1, 1, 1, 64] f32
+    float* const s_a2 = PRISM_SHARED(float, 512, 256);  // state a2: [1, 1, 1, 1, 64] f32
+    half* const s_lt = PRISM_SHARED(half, 768, 2);  // tile lt: [1, 1, 1, 1, 1] f16
+    float* const s_a4_max = PRISM_SHARED(float, 896, 4);  // state a4_max: [1, 1, 1, 1, 1] f32
+    float* const s_a4 = PRISM_SHARED(float, 1024, 4);  // state a4: [1, 1, 1, 1, 1] f32
 
     // acc_rescaled_sum: m starts at -real(INFINITY)
     for (int e = PRISM_TID; e < 64; e += kThreads) {
@@ -51,12 +51,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
         for (int v = PRISM_TID; v < 8; v += kThreads) {
             const int e = v * 8;
             const int i4 = e;
-            prism::copy_vec<8>(s_pt + e, g_P + it * 1 * 128 + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i4);
+            prism::cp_async<8>(s_pt + e, g_P + it * 1 * 128 + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i4);
         }
         // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
         for (int e = PRISM_TID; e < 1; e += kThreads) {
             s_lt[e] = g_L[it * 1 * 2 + blockIdx.x * 1 * 2 + blockIdx.y * 1];
         }
+        prism::cp_async_wait_all();
         __syncthreads();
         // acc_rescaled_sum(mt, pt)  [1, 1, 1, 1, 64]
         for (int e = PRISM_TID; e < 64; e += kThreads) {

@@ -20,15 +20,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(5120);
-    half* const s_qt = reinterpret_cast<half*>(prism_smem + 0);  // tile qt: [1, 1, 1, 64] f16
-    half* const s_kt = reinterpret_cast<half*>(prism_smem + 128);  // tile kt: [1, 1, 64, 16] f16
-    float* const s_v2 = reinterpret_cast<float*>(prism_smem + 2176);  // value v2: [1, 1, 1, 16] f32
-    float* const s_a3_max = reinterpret_cast<float*>(prism_smem + 2304);  // scratch a3_max: [1, 1, 1, 1] f32
-    float* const s_a3_scale = reinterpret_cast<float*>(prism_smem + 2432);  // scratch a3_scale: [1, 1, 1, 1] f32
-    float* const s_a3_p = reinterpret_cast<float*>(prism_smem + 2560);  // scratch a3_p: [1, 1, 1, 16] f32
-    float* const s_a4 = reinterpret_cast<float*>(prism_smem + 2688);  // state a4: [1, 1, 1, 1] f32
-    half* const s_vt = reinterpret_cast<half*>(prism_smem + 2816);  // tile vt: [1, 1, 16, 64] f16
-    float* const s_a6 = reinterpret_cast<float*>(prism_smem + 4864);  // state a6: [1, 1, 1, 64] f32
+    half* const s_qt = PRISM_SHARED(half, 0, 128);  // tile qt: [1, 1, 1, 64] f16
+    half* const s_kt = PRISM_SHARED(half, 128, 2048);  // tile kt: [1, 1, 64, 16] f16
+    float* const s_v2 = PRISM_SHARED(float, 2176, 64);  // value v2: [1, 1, 1, 16] f32
+    float* const s_a3_max = PRISM_SHARED(float, 2304, 4);  // scratch a3_max: [1, 1, 1, 1] f32
+    float* const s_a3_scale = PRISM_SHARED(float, 2432, 4);  // scratch a3_scale: [1, 1, 1, 1] f32
+    float* const s_a3_p = PRISM_SHARED(float, 2560, 64);  // scratch a3_p: [1, 1, 1, 16] f32
+    float* const s_a4 = PRISM_SHARED(float, 2688, 4);  // state a4: [1, 1, 1, 1] f32
+    half* const s_vt = PRISM_SHARED(half, 2816, 2048);  // tile vt: [1, 1, 16, 64] f16
+    float* const s_a6 = PRISM_SHARED(float, 4864, 256);  // state a6: [1, 1, 1, 64] f32
 
     // acc_max_last: m starts at -real(INFINITY)
     for (int e = PRISM_TID; e < 1; e += kThreads) {
@@ -46,8 +46,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     for (int v = PRISM_TID; v < 8; v += kThreads) {
         const int e = v * 8;
         const int i3 = e;
-        prism::copy_vec<8>(s_qt + e, g_Q + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i3);
+        prism::cp_async<8>(s_qt + e, g_Q + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i3);
     }
+    prism::cp_async_wait_all();
     __syncthreads();
 
     for (int it = 0; it < 2; ++it) {
@@ -56,15 +57,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             const int e = v * 8;
             const int i2 = e / 16;
             const int i3 = e % 16;
-            prism::copy_vec<8>(s_kt + e, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + it * 16 + i3);
+            prism::cp_async<8>(s_kt + e, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + it * 16 + i3);
         }
         // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
         for (int v = PRISM_TID; v < 128; v += kThreads) {
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::copy_vec<8>(s_vt + e, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + it * 16 + i2) * 64 + i3);
+            prism::cp_async<8>(s_vt + e, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + it * 16 + i2) * 64 + i3);
         }
+        prism::cp_async_wait_all();
         __syncthreads();
         // s = (qt @ kt)  [1, 1, 1, 16]
         for (int e = PRISM_TID; e < 16; e += kThreads) {

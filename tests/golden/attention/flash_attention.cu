@@ -16,15 +16,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(17664);
-    half* const s_qt = reinterpret_cast<half*>(prism_smem + 0);  // tile qt: [1, 1, 1, 64] f16
-    half* const s_kt = reinterpret_cast<half*>(prism_smem + 128);  // tile kt: [1, 1, 64, 64] f16
-    float* const s_v2 = reinterpret_cast<float*>(prism_smem + 8320);  // value v2: [1, 1, 1, 64] f32
-    half* const s_vt = reinterpret_cast<half*>(prism_smem + 8576);  // tile vt: [1, 1, 64, 64] f16
-    float* const s_a4_max = reinterpret_cast<float*>(prism_smem + 16768);  // scratch a4_max: [1, 1, 1, 1] f32
-    float* const s_a4_scale = reinterpret_cast<float*>(prism_smem + 16896);  // scratch a4_scale: [1, 1, 1, 1] f32
-    float* const s_a4_p = reinterpret_cast<float*>(prism_smem + 17024);  // scratch a4_p: [1, 1, 1, 64] f32
-    float* const s_a4 = reinterpret_cast<float*>(prism_smem + 17280);  // state a4: [1, 1, 1, 64] f32
-    float* const s_a5 = reinterpret_cast<float*>(prism_smem + 17536);  // state a5: [1, 1, 1, 1] f32
+    half* const s_qt = PRISM_SHARED(half, 0, 128);  // tile qt: [1, 1, 1, 64] f16
+    half* const s_kt = PRISM_SHARED(half, 128, 8192);  // tile kt: [1, 1, 64, 64] f16
+    float* const s_v2 = PRISM_SHARED(float, 8320, 256);  // value v2: [1, 1, 1, 64] f32
+    half* const s_vt = PRISM_SHARED(half, 8576, 8192);  // tile vt: [1, 1, 64, 64] f16
+    float* const s_a4_max = PRISM_SHARED(float, 16768, 4);  // scratch a4_max: [1, 1, 1, 1] f32
+    float* const s_a4_scale = PRISM_SHARED(float, 16896, 4);  // scratch a4_scale: [1, 1, 1, 1] f32
+    float* const s_a4_p = PRISM_SHARED(float, 17024, 256);  // scratch a4_p: [1, 1, 1, 64] f32
+    float* const s_a4 = PRISM_SHARED(float, 17280, 256);  // state a4: [1, 1, 1, 64] f32
+    float* const s_a5 = PRISM_SHARED(float, 17536, 4);  // state a5: [1, 1, 1, 1] f32
 
     // o: m starts at -real(INFINITY)
     for (int e = PRISM_TID; e < 1; e += kThreads) {
@@ -42,8 +42,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
     for (int v = PRISM_TID; v < 8; v += kThreads) {
         const int e = v * 8;
         const int i3 = e;
-        prism::copy_vec<8>(s_qt + e, g_Q + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + blockIdx.z * 1 * 64 + i3);
+        prism::cp_async<8>(s_qt + e, g_Q + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + blockIdx.z * 1 * 64 + i3);
     }
+    prism::cp_async_wait_all();
     __syncthreads();
 
     for (int it = 0; it < 2; ++it) {
@@ -52,15 +53,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::copy_vec<8>(s_kt + e, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + it * 64 + i3);
+            prism::cp_async<8>(s_kt + e, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + it * 64 + i3);
         }
         // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
         for (int v = PRISM_TID; v < 512; v += kThreads) {
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::copy_vec<8>(s_vt + e, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (it * 64 + i2) * 64 + i3);
+            prism::cp_async<8>(s_vt + e, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (it * 64 + i2) * 64 + i3);
         }
+        prism::cp_async_wait_all();
         __syncthreads();
         // s = (qt @ kt)  [1, 1, 1, 64]
         for (int e = PRISM_TID; e < 64; e += kThreads) {

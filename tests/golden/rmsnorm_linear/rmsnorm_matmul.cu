@@ -14,10 +14,10 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(6272);
-    half* const s_xt = reinterpret_cast<half*>(prism_smem + 0);  // tile xt: [8, 64] f16
-    half* const s_wt = reinterpret_cast<half*>(prism_smem + 1024);  // tile wt: [64, 32] f16
-    float* const s_a3 = reinterpret_cast<float*>(prism_smem + 5120);  // state a3: [8, 32] f32
-    float* const s_a4 = reinterpret_cast<float*>(prism_smem + 6144);  // state a4: [8, 1] f32
+    half* const s_xt = PRISM_SHARED(half, 0, 1024);  // tile xt: [8, 64] f16
+    half* const s_wt = PRISM_SHARED(half, 1024, 4096);  // tile wt: [64, 32] f16
+    float* const s_a3 = PRISM_SHARED(float, 5120, 1024);  // state a3: [8, 32] f32
+    float* const s_a4 = PRISM_SHARED(float, 6144, 32);  // state a4: [8, 1] f32
 
     // acc: acc starts at 0.0f
     for (int e = PRISM_TID; e < 256; e += kThreads) {
@@ -35,15 +35,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::copy_vec<8>(s_xt + e, g_X + i0 * 256 + it * 64 + i1);
+            prism::cp_async<8>(s_xt + e, g_X + i0 * 256 + it * 64 + i1);
         }
         // wt = load W[loop, x]  tile [64, 32] of [256, 256]
         for (int v = PRISM_TID; v < 256; v += kThreads) {
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
-            prism::copy_vec<8>(s_wt + e, g_W + (it * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+            prism::cp_async<8>(s_wt + e, g_W + (it * 64 + i0) * 256 + blockIdx.x * 32 + i1);
         }
+        prism::cp_async_wait_all();
         __syncthreads();
         #if PRISM_TENSOR_CORES
         // acc = acc_sum((xt @ wt))  [8, 32]: 8x32x16 tensor-core tiles, one warp per output tile

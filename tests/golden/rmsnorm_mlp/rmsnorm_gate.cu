@@ -16,12 +16,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(11392);
-    half* const s_xt = reinterpret_cast<half*>(prism_smem + 0);  // tile xt: [8, 64] f16
-    half* const s_ut = reinterpret_cast<half*>(prism_smem + 1024);  // tile ut: [64, 32] f16
-    float* const s_a3 = reinterpret_cast<float*>(prism_smem + 5120);  // state a3: [8, 32] f32
-    float* const s_a4 = reinterpret_cast<float*>(prism_smem + 6144);  // state a4: [8, 1] f32
-    half* const s_gt = reinterpret_cast<half*>(prism_smem + 6272);  // tile gt: [64, 32] f16
-    float* const s_a8 = reinterpret_cast<float*>(prism_smem + 10368);  // state a8: [8, 32] f32
+    half* const s_xt = PRISM_SHARED(half, 0, 1024);  // tile xt: [8, 64] f16
+    half* const s_ut = PRISM_SHARED(half, 1024, 4096);  // tile ut: [64, 32] f16
+    float* const s_a3 = PRISM_SHARED(float, 5120, 1024);  // state a3: [8, 32] f32
+    float* const s_a4 = PRISM_SHARED(float, 6144, 32);  // state a4: [8, 1] f32
+    half* const s_gt = PRISM_SHARED(half, 6272, 4096);  // tile gt: [64, 32] f16
+    float* const s_a8 = PRISM_SHARED(float, 10368, 1024);  // state a8: [8, 32] f32
 
     // up: acc starts at 0.0f
     for (int e = PRISM_TID; e < 256; e += kThreads) {
@@ -43,22 +43,23 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::copy_vec<8>(s_xt + e, g_X + i0 * 256 + it * 64 + i1);
+            prism::cp_async<8>(s_xt + e, g_X + i0 * 256 + it * 64 + i1);
         }
         // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
         for (int v = PRISM_TID; v < 256; v += kThreads) {
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
-            prism::copy_vec<8>(s_ut + e, g_Wu + (it * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+            prism::cp_async<8>(s_ut + e, g_Wu + (it * 64 + i0) * 256 + blockIdx.x * 32 + i1);
         }
         // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
         for (int v = PRISM_TID; v < 256; v += kThreads) {
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
-            prism::copy_vec<8>(s_gt + e, g_Wg + (it * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+            prism::cp_async<8>(s_gt + e, g_Wg + (it * 64 + i0) * 256 + blockIdx.x * 32 + i1);
         }
+        prism::cp_async_wait_all();
         __syncthreads();
         #if PRISM_TENSOR_CORES
         // up = acc_sum((xt @ ut))  [8, 32]: 8x32x16 tensor-core tiles, one warp per output tile

@@ -1,0 +1,125 @@
+"""`prismc verify DIR`: a compiled output directory checked again as it is on disk.
+
+At the dims it was compiled for, the kernels are the `.cu` files in DIR and the header is DIR's prism.cuh,
+as a person may have edited them: they are built in the thread-faithful emulation (`backend.emulate`), run
+on random inputs, and every output element is compared with the float64 reference of the program in DIR
+(`PROGRAM.prism`, the program as compiled; its custom kernels run in the block interpreter). With `--dims`
+(or `--grid`/`--loop`), the `.cu` files cannot be used (every size is a constant in them): the kernels are
+generated again from the program in DIR at those sizes, and the summary says so. `--sanitize thread` or
+`--sanitize address` runs the sanitizer build. Exit 0 when everything agrees, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from ..backend import emulate as emulator
+from ..backend.codegen import HEADER, CodegenConfig
+from ..base import files
+from ..base.errors import PrismError
+from ..kernels.hardware import load_hardware
+from ..kernels.kernel import kernels_of
+from ..lang.check import load
+from ..pipeline import emulation
+from ..pipeline.build import RTOL, BuildOptions, build, plan_of, reference_outputs
+from ..pipeline.report import EmulationCheck
+from ..semantics.reference import bind_dims, random_inputs
+
+# What a report.json must hold for verify to rebuild its program.
+_NEEDED = {"program": str, "hardware": dict, "dims": dict, "parameters": dict, "kernels": list}
+
+
+def read_report(directory: Path) -> dict:
+    shown = str(directory)
+    if not directory.is_dir():
+        raise PrismError(f"'{shown}' is not a directory (verify takes the directory `prismc compile -o` wrote)")
+    path = directory / "report.json"
+    try:
+        report = json.loads(files.read_regular(path, files.MAX_TEXT_BYTES))
+    except FileNotFoundError:
+        raise PrismError(f"'{shown}' has no report.json: it is not an output directory of prismc compile") from None
+    except OSError as e:
+        raise PrismError(f"cannot read '{path}': {files.describe(e)}") from None
+    except (ValueError, RecursionError) as e:
+        raise PrismError(f"'{path}' is not valid JSON: {e}") from None
+    bad = [k for k, t in _NEEDED.items() if not isinstance(report, dict) or not isinstance(report.get(k), t)]
+    if bad:
+        raise PrismError(f"'{path}' is not a report of prismc compile (missing or malformed: {', '.join(bad)})")
+    return report
+
+
+def _text(path: Path) -> str:
+    try:
+        return files.read_regular(path, files.MAX_TEXT_BYTES).decode()
+    except FileNotFoundError:
+        raise PrismError(f"'{path}' is missing: the report lists it") from None
+    except OSError as e:
+        raise PrismError(f"cannot read '{path}': {files.describe(e)}") from None
+    except UnicodeDecodeError:
+        raise PrismError(f"'{path}' is not text") from None
+
+
+def verify(args) -> int:
+    directory = Path(args.directory)
+    report = read_report(directory)
+    name = report["program"]
+    source = directory / f"{name}.prism"
+    program = load(source).program(name)
+    hardware = load_hardware(str(report["hardware"].get("name", "h100")))
+    compiled_dims = {k: int(v) for k, v in report["dims"].items()}
+    on_disk = (not args.dims or {**compiled_dims, **args.dims} == compiled_dims) and not args.grid and not args.loop
+    threads = int(report["kernels"][0]["block"][0]) if report["kernels"] else 128
+    options = BuildOptions(dims={**compiled_dims, **args.dims}, grid=args.grid, loop=args.loop,
+                           params=report["parameters"] if on_disk else {}, archs=(),
+                           codegen=CodegenConfig(threads=threads))
+    built = build(program, hardware, options)
+    header = None
+    if on_disk:
+        built, header = _as_on_disk(built, directory, report)
+    inputs = random_inputs(program, bind_dims(program, options.dims), args.seed)
+    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed, rtol=RTOL,
+                            checked_against=f"program in {source}", sanitizer=args.sanitize,
+                            extra=args.blocks, header=header)
+    print(_summary(check, directory, built, on_disk))
+    return 0 if check.passed else 1
+
+
+def _as_on_disk(built, directory: Path, report: dict):
+    """The build with each kernel's source, and the header, as DIR holds them."""
+    listed = [k.get("file") for k in report["kernels"]]
+    mine = [k.file for k in built.kernels]
+    if listed != mine:
+        raise PrismError(f"the kernels of '{directory}/report.json' ({', '.join(map(str, listed))}) are not those of "
+                         f"its program ({', '.join(mine)}): the directory was changed after it was compiled")
+    header = _text(directory / HEADER)
+    if emulator.RUNTIME not in header:
+        raise PrismError(f"'{directory / HEADER}' predates the thread-faithful emulation: compile the program again")
+    kernels = tuple(replace(k, source=_text(directory / k.file)) for k in built.kernels)
+    return replace(built, kernels=kernels), header
+
+
+def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool) -> str:
+    dims = ", ".join(f"{k}={v}" for k, v in check.emulation["dims"].items())
+    how = ("the .cu files on disk" if on_disk else
+           "kernels generated again from the program in the directory (the .cu files on disk hold other sizes)")
+    lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}: {how}",
+             f"  emulated: {check.describe()}"]
+    if check.finding:
+        lines.append("  FAILED: " + emulator.Finding(**{**check.finding, "where": tuple(check.finding["where"]),
+                                                        "threads": tuple(check.finding["threads"])}).text()
+                     .replace("\n", "\n  "))
+        return "\n".join(lines)
+    writer = {s.name: k.name for k in kernels_of(built.program) for s in k.stores}
+    for tensor, o in check.outputs.items():
+        against = o.get("against", "reference")
+        state = "agrees" if o["passed"] else "DIFFERS"
+        line = f"  {tensor} ({o['elements']} elements, kernel {writer.get(tensor, '?')}): {state} with the {against}, " \
+               f"max rel err {o['max_rel_err']:.2e}"
+        if not o["passed"] and o.get("first_wrong"):
+            w = o["first_wrong"]
+            line += f"; first wrong element {tensor}{w['index']} = {w['got']:.6g}, expected {w['expected']:.6g}"
+        lines.append(line)
+    lines.append("  verified: " + ("yes" if check.passed else "NO"))
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""The emulate pass: the generated code of a build run in the thread-faithful CPU emulation
+(`backend.emulate`), every output element it wrote compared with the float64 reference.
+
+    whole grid   every block of every kernel, kernels in turn on each other's outputs, as on the GPU;
+                 every element of the program's outputs compared with the input program's reference
+    sample       at dims where emulating every block would take minutes: per kernel the first and last block
+                 along every grid axis and `extra` more at random (seeded; all blocks along axes whose
+                 results are summed), each kernel fed the block interpreter's values of the tensors it
+                 reads from other kernels, and exactly the elements the emulated blocks write compared:
+                 the program's outputs with the input program's reference, the tensors kernels pass on
+                 with the block interpreter (`semantics.blocks`), the executable definition of a kernel
+
+`prismc compile` and `prismc verify` both call `check`; what ran (threads per block, blocks emulated,
+sanitizer, dims, seed) is in the check's `emulation` field and report.json.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ..backend import cost, cuda_runtime
+from ..backend import emulate as emulator
+from ..ir.nodes import DTYPES
+from ..kernels.kernel import kernels_of
+from ..semantics.blocks import KernelRunner
+from ..semantics.reference import bind_dims, evaluate_nodes
+from .report import EmulationCheck
+
+# Emulated work (flops of the kernels plus the bytes their blocks load) above which the emulation samples
+# blocks: about 10 s of emulation on one core of a 2-core machine (benchmarks/emulation.py measures it).
+WHOLE_GRID_WORK = 2e9
+SAMPLED_EXTRA = 6  # blocks chosen at random per kernel, beyond the first and last along every axis
+
+
+def work(built) -> float:
+    """What emulating every block of every kernel costs, in the units of WHOLE_GRID_WORK."""
+    total = 0.0
+    for k in kernels_of(built.program):
+        _, l2, flops, tc = cost.kernel_work(built.concrete[k.name], built.hardware)
+        total += flops + tc + l2
+    return total
+
+
+def choose_blocks(built, extra: str | int, seed: int) -> dict[str, list[tuple[int, int, int]]]:
+    """Per kernel to sample, its blocks; empty for the whole grid. `extra`: "all", the whole grid; "auto", the
+    whole grid unless `work` is above WHOLE_GRID_WORK; a number, that many random blocks per kernel beyond the
+    first and last along every axis."""
+    if extra == "all" or (extra == "auto" and work(built) <= WHOLE_GRID_WORK):
+        return {}
+    rng = np.random.default_rng(seed)
+    chosen = {}
+    for k in kernels_of(built.program):
+        c = built.concrete[k.name]
+        blocks = emulator.sample_blocks(c, SAMPLED_EXTRA if extra == "auto" else extra, rng)
+        if len(blocks) < c.blocks():
+            chosen[k.name] = blocks
+    return chosen
+
+
+def stored_values(built, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every tensor a kernel of the built program stores, by name, in the block interpreter (float64)."""
+    program = built.program
+    runner = KernelRunner(program, bind_dims(program, inputs=inputs), dict(built.params), built.hardware.name.lower())
+    env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
+    evaluate_nodes([n for _, n in program.outputs], env, runner)
+    values = {}
+    for k in kernels_of(program):
+        for i, store in enumerate(k.stores):
+            if id(k) in runner.results:
+                values[store.name] = runner.results[id(k)][i]
+    return values
+
+
+def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *, seed: int,
+          rtol: float, checked_against: str, sanitizer: str | None = None, extra: str | int = "auto",
+          header: str | None = None) -> EmulationCheck:
+    """The built kernels (their runtime `plan`: `build.plan_of`) emulated on `inputs`; the program's outputs
+    compared with `reference`."""
+    dtypes = {n: DTYPES[t["dtype"]] for n, t in plan["tensors"].items()}
+    shapes = {n: tuple(t["shape"]) for n, t in plan["tensors"].items()}
+    blocks = choose_blocks(built, extra, seed)
+    outputs = {name for name, _ in built.program.outputs}
+    values = stored_values(built, inputs) if blocks else {}
+    feed = {n: v for n, v in values.items() if n not in outputs}
+    result = emulator.run(built.kernels, dtypes, shapes, inputs, sanitizer=sanitizer, blocks=blocks, feed=feed,
+                          header=header)
+    ran = {"threads_per_block": built.kernels[0].block[0] if built.kernels else 0, "sanitizer": sanitizer,
+           "dims": {d.name: int(built.binding[d.symbol]) for d in built.source.dims},
+           "blocks": {name: {"emulated": e, "grid": g} for name, (e, g) in result.blocks.items()},
+           "whole_grid": not blocks, "sample_seed": seed if blocks else None, "seconds": result.seconds}
+    if result.finding:
+        return EmulationCheck(False, rtol, seed, checked_against, {}, ran, result.finding.as_dict())
+    masks = _written(built, blocks)
+    compared = {}
+    for name in outputs:
+        compared[name] = _compare(result.outputs[name], reference[name], masks.get(name), rtol)
+    for name in feed:  # sampled: what kernels pass on, against the block interpreter
+        compared[name] = _compare(result.outputs[name], values[name], masks.get(name), rtol) | {
+            "against": "block interpreter"}
+    return EmulationCheck(all(o["passed"] for o in compared.values()), rtol, seed, checked_against, compared, ran)
+
+
+def _written(built, blocks: Mapping[str, list]) -> dict[str, np.ndarray]:
+    masks = {}
+    for k in kernels_of(built.program):
+        if k.name in blocks:
+            for store, mask in zip(k.stores, emulator.written(built.concrete[k.name], blocks[k.name])):
+                masks[store.name] = mask
+    return masks
+
+
+def _compare(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None, rtol: float) -> dict:
+    """`cuda_runtime.check` over the elements `mask` selects (all when None): the others take the reference's
+    values, so that they neither pass nor fail anything, and `elements` says how many were compared."""
+    ref = np.asarray(ref, dtype=np.float64)
+    got = np.asarray(got, dtype=np.float64) if mask is None else np.where(mask, got, ref)
+    result = cuda_runtime.check(got, ref, rtol) | {"elements": int(ref.size if mask is None else mask.sum())}
+    if not result["passed"] and got.shape == ref.shape and np.isfinite(ref).all():
+        scale = float(np.sqrt(np.mean(ref * ref)))
+        with np.errstate(invalid="ignore"):
+            wrong = ~(np.abs(got - ref) <= rtol * (np.abs(ref) + scale))
+        first = tuple(int(i) for i in np.argwhere(wrong)[0])
+        result["first_wrong"] = {"index": list(first), "got": float(got[first]), "expected": float(ref[first])}
+    return result
