@@ -111,7 +111,11 @@ struct Thread {
 };
 
 struct Warp {
-    char sync = 0;  // the address ThreadSanitizer synchronises the lanes of a collective on
+    // ThreadSanitizer synchronises the lanes of a collective on sync[generation % 2]: a lane that hurries on
+    // to the next collective releases the other address, so a slow lane's acquire never picks up what the
+    // fast one did after this collective.
+    char sync[2] = {0, 0};
+    unsigned generation = 0;
     int arrived = 0;
     Site site;
     unsigned mask = 0;
@@ -133,7 +137,8 @@ struct Block {
     std::vector<Buffer> buffers;
     int at_barrier = 0;
     Site barrier;
-    char sync = 0;  // the address ThreadSanitizer synchronises a barrier on
+    char sync[2] = {0, 0};  // where ThreadSanitizer synchronises barrier generation g: sync[g % 2] (as in Warp)
+    unsigned generation = 0;
     char exit_sync = 0;
 };
 
@@ -352,12 +357,14 @@ inline bool in_shared(const Block* b, const void* p, size_t bytes) {
 inline void barrier(const char* file, int line) {
     Thread* t = self();
     Block* b;
+    char* sync;
     bool wait;
     {
         Quiet quiet;
         b = t->block;
+        sync = &b->sync[b->generation % 2];
     }
-    release(&b->sync);
+    release(sync);
     {
         Quiet quiet;
         Site here{file, line, "__syncthreads()"};
@@ -371,18 +378,20 @@ inline void barrier(const char* file, int line) {
         t->site = here;
         if (++b->at_barrier == static_cast<int>(b->threads.size())) {
             b->at_barrier = 0;
+            ++b->generation;
             for (Thread* o : b->threads) o->state = State::kReady;
         }
         wait = t->state != State::kReady;
     }
     if (wait) yield();
-    acquire(&b->sync);
+    acquire(sync);
 }
 
 inline void collective(const char* what, unsigned mask, const char* file, int line, const void* in, void* out,
                        void (*op)(const void* const*, void* const*, const void*), const void* args = nullptr) {
     Thread* t = self();
     Warp* w;
+    char* sync;
     bool wait;
     {
         Quiet quiet;
@@ -412,26 +421,28 @@ inline void collective(const char* what, unsigned mask, const char* file, int li
         w->out[lane] = out;
         t->state = State::kWarp;
         t->site = here;
+        sync = &w->sync[w->generation % 2];
         wait = ++w->arrived < kWarp;
     }
     // The lane that arrives last performs the collective's memory accesses for the whole warp, so the lanes are
     // ordered around it (as by __syncwarp): a race between lanes of one warp across a collective goes unseen.
-    release(&w->sync);
+    release(sync);
     if (!wait) {
-        acquire(&w->sync);
+        acquire(sync);
         {
             Quiet quiet;  // lanes' registers pass between fibers unseen; the op shows its memory accesses (Visible)
             rt().op_site = w->site;
             w->op(w->in, w->out, w->args);
             w->arrived = 0;
+            ++w->generation;
             const int first = t->linear - t->linear % kWarp;
             for (int l = 0; l < kWarp; ++l) t->block->threads[first + l]->state = State::kReady;
         }
-        release(&w->sync);
+        release(sync);
     } else {
         yield();
     }
-    acquire(&w->sync);
+    acquire(sync);
 }
 
 // -- cp.async: copies queued per thread, completed by the wait that covers their group -----------------------------

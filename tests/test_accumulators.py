@@ -105,7 +105,9 @@ def test_generated_row_folds_agree_with_numpy_in_the_cpu_emulation(write, tmp_pa
     kernels = [render_kernel(concrete[k.name], program) for k in kernels_of(program)]
     inputs = random_inputs(program, binding, seed=1)
     dtypes = {n.attr: n.dtype for n in program.inputs} | {"A": DType.F32, "B": DType.F32, "C": DType.F32}
-    got = emulate.run(kernels, dtypes, {"A": (8, 1), "B": (8, 1), "C": (8, 256)}, inputs, tmp_path)
+    result = emulate.run(kernels, dtypes, {"A": (8, 1), "B": (8, 1), "C": (8, 256)}, inputs, tmp_path)
+    assert result.finding is None, result.finding
+    got = result.outputs
     x, y, w = inputs["X"], inputs["Y"], inputs["W"]
     mean, rms = x.mean(-1, keepdims=True), np.sqrt((x * x).mean(-1, keepdims=True))
     want = {"A": mean + (x * y).sum(-1, keepdims=True),

@@ -74,7 +74,7 @@ def test_generated_code_names_the_program_and_uses_tensor_cores_where_tiles_allo
     assert "// rmsnorm_linear: kernel rmsnorm_matmul" in src
     assert "// acc = acc_sum((xt @ wt))" in src and "store Y[:, x] = (acc / rms)" in src
     assert "wmma::mma_sync" in src and "#else" in src  # tensor cores, with the plain path beside them
-    assert "prism::copy_vec<8>" in src  # 16-byte loads
+    assert "prism::cp_async<8>" in src and "prism::cp_async_wait_all();" in src  # 16-byte async copies
     assert built.kernels[0].tensor_cores
 
 

@@ -271,7 +271,8 @@ def emulated_gpu(monkeypatch):
 
     def check_gpu(built, directory, seed):
         seen.append(sorted(p.name for p in Path(directory).iterdir()))
-        result = vars(build.check_emulated(built, seed))
+        checked = build.check_emulated(built, seed)
+        result = {f: getattr(checked, f) for f in build.Check.__dataclass_fields__}
         us = sum(e.time_us for e in built.estimates)
         return build.GpuCheck(**result, device="emulated", timing_ms={"median_ms": us / 1000},
                               kernels_ms={k.name: {"median_ms": e.time_us / 1000}

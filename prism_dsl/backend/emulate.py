@@ -177,6 +177,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
     Tensors a kernel writes start as NaN, so an element no block writes can never pass a check; those
     written with atomic adds start at zero."""
     blocks, feed = blocks or {}, feed or {}
+    shapes = {**{n: np.shape(a) for n, a in inputs.items()}, **shapes}  # inputs' shapes from their arrays
     started = time.perf_counter()
     with files.temp_scratch("emulate") if workdir is None else contextlib.nullcontext(workdir) as workdir:
         exe = build(kernels, dtypes, shapes, workdir, sanitizer, header)
@@ -282,8 +283,9 @@ def parse_finding(stderr: str, status: int, kernels: Sequence[RenderedKernel]) -
 def _race(stderr: str, kernels: Sequence[RenderedKernel]) -> Finding:
     names = dict(_THREAD_NAME.findall(stderr))
     accesses, threads, where = [], [], []
-    blocks = re.split(r"\n(?=\s*(?:Previous )?(?:[Aa]tomic )?(?:[Rr]ead|[Ww]rite) of size)", stderr)
-    for chunk in blocks[1:3]:
+    chunks = [c for c in re.split(r"\n(?=[ \t]*(?:Previous )?(?:[Aa]tomic )?(?:[Rr]ead|[Ww]rite) of size)", stderr)
+              if c.strip()]
+    for chunk in chunks[1:3]:
         m = _ACCESS.search(chunk)
         if not m:
             continue

@@ -164,7 +164,7 @@ def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[st
     return {mine: values[theirs] for mine, theirs in pair_outputs(built.source, built.reference)}
 
 
-def _inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
+def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
     return random_inputs(built.source, bind_dims(built.source, dims_of(built)), seed)
 
 
@@ -178,7 +178,7 @@ def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int) -> dict:
 
 def check_emulated(built: Build, seed: int, sanitizer: str | None = None, extra: str | int = "auto") -> EmulationCheck:
     """The generated code in the thread-faithful emulation, against the input program's reference."""
-    inputs = _inputs(built, seed)
+    inputs = check_inputs(built, seed)
     return emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=seed, rtol=RTOL,
                            checked_against=CHECKED_AGAINST, sanitizer=sanitizer, extra=extra)
 
@@ -200,7 +200,7 @@ def emulate(built: Build, options: BuildOptions) -> EmulationCheck | Skipped | N
 def check_gpu(built: Build, directory: Path, seed: int) -> GpuCheck:
     """Run on the GPU the kernels written in `directory`, check every output, time the whole program."""
     with contextlib.closing(cuda_runtime.Launcher(plan_of(built), directory, cast=True)) as launcher:
-        sets = [_inputs(built, seed + i) for i in range(3)]  # the first is the one checked
+        sets = [check_inputs(built, seed + i) for i in range(3)]  # the first is the one checked
         checked = _compared(built, launcher(**sets[0]), sets[0], seed)
         return GpuCheck(**checked, device=cuda_runtime.gpu_status()[1], timing_ms=launcher.time(sets),
                         kernels_ms=launcher.time_kernels(sets))

@@ -1,0 +1,224 @@
+"""The thread-faithful emulation: its primitives against the PTX ISA's layouts and a plain matmul, what it
+reports about hand-written faulty kernels (barriers, warp collectives, cp.async, atomics, races, bad
+accesses), and the sampled check at large dims."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prism_dsl.backend import emulate
+from prism_dsl.backend.codegen import RenderedKernel
+from prism_dsl.ir.nodes import DType
+
+needs_cxx = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
+pytestmark = needs_cxx
+
+
+def kernel(body: str, args: dict[str, str], stores: int, grid=(1, 1, 1), threads=32, smem=1024, zero=()) -> RenderedKernel:
+    """A hand-written kernel: `args` maps each tensor to its C parameter type (inputs first, then `stores` outputs)."""
+    params = ",\n    ".join(f"{ctype} g_{name}" for name, ctype in args.items())
+    source = (f'#include "prism.cuh"\nextern "C" __global__ void prism_t(\n    {params})\n{{\n'
+              f"    PRISM_SMEM({smem});\n{body}\n}}\n")
+    return RenderedKernel("t", "prism_t", "t.cu", source, grid, (threads, 1, 1), smem, tuple(args), stores,
+                          tuple(zero), False)
+
+
+def run(k: RenderedKernel, dtypes, shapes, inputs, tmp_path, **kw) -> emulate.Result:
+    return emulate.run([k], dtypes, shapes, inputs, tmp_path, **kw)
+
+
+# -- primitives, lane by lane -----------------------------------------------------------------------------------
+
+LDMATRIX = """
+    half* const s = PRISM_SHARED(half, 0, 512);
+    const int l = threadIdx.x;
+    prism::cp_async<8>(s + l * 8, g_M + l * 8);  // 32 lanes x 16 bytes: the 16x16 tile
+    prism::cp_async_wait_all();
+    __syncthreads();
+    uint32_t r[4];
+    prism::ldmatrix<4, TRANS>(r, s + (l % 16) * 16 + (l / 16) * 8);
+    for (int j = 0; j < 4; ++j) std::memcpy(&g_R[l * 4 + j], &r[j], 4);  // the register's bits
+"""
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_gives_each_lane_the_elements_the_ptx_isa_assigns(trans, tmp_path):
+    k = kernel(LDMATRIX.replace("TRANS", "true" if trans else "false"),
+               {"M": "const half* __restrict__", "R": "float* __restrict__"}, 1)
+    m = np.arange(256, dtype=np.float64).reshape(16, 16)  # exact in f16
+    got = run(k, {"M": DType.F16, "R": DType.F32}, {"M": (16, 16), "R": (32, 4)}, {"M": m}, tmp_path)
+    assert got.finding is None
+    bits = got.outputs["R"].astype(np.float32).view(np.uint32)  # each float holds the .b32 register's bits
+    halves = np.stack([bits & 0xFFFF, bits >> 16], -1).astype(np.uint16).view(np.float16).astype(np.float64)
+    for lane in range(32):
+        for j in range(4):  # matrix j: rows 8 (j % 2).., columns 8 (j // 2)..
+            sub = m[8 * (j % 2): 8 * (j % 2) + 8, 8 * (j // 2): 8 * (j // 2) + 8]
+            sub = sub.T if trans else sub
+            row, col = lane // 4, 2 * (lane % 4)
+            assert list(halves[lane, j]) == [sub[row, col], sub[row, col + 1]], (lane, j)
+
+
+MMA = """
+    const int l = threadIdx.x, g = l / 4, t = l % 4;
+    auto pair = [](const T* p) { uint32_t lo, hi; uint16_t a, b; std::memcpy(&a, p, 2); std::memcpy(&b, p + 1, 2);
+                                 lo = a; hi = b; return lo | hi << 16; };
+    auto col = [](const T* p, int stride) { uint16_t a, b; std::memcpy(&a, p, 2); std::memcpy(&b, p + stride, 2);
+                                            return uint32_t(a) | uint32_t(b) << 16; };
+    // fragments read straight from global memory by the documented layout (no ldmatrix)
+    const uint32_t a[4] = {pair(g_A + g * 16 + 2 * t), pair(g_A + (g + 8) * 16 + 2 * t),
+                           pair(g_A + g * 16 + 2 * t + 8), pair(g_A + (g + 8) * 16 + 2 * t + 8)};
+    const uint32_t b[2] = {col(g_B + (2 * t) * 8 + g, 8), col(g_B + (2 * t + 8) * 8 + g, 8)};
+    const float c[4] = {g_C[g * 8 + 2 * t], g_C[g * 8 + 2 * t + 1], g_C[(g + 8) * 8 + 2 * t], g_C[(g + 8) * 8 + 2 * t + 1]};
+    float d[4];
+    prism::mma_m16n8k16<T>(d, a, b, c);
+    g_D[g * 8 + 2 * t] = d[0]; g_D[g * 8 + 2 * t + 1] = d[1];
+    g_D[(g + 8) * 8 + 2 * t] = d[2]; g_D[(g + 8) * 8 + 2 * t + 1] = d[3];
+"""
+
+
+@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16], ids=["f16", "bf16"])
+def test_mma_m16n8k16_with_the_documented_fragments_is_a_matmul(dtype, tmp_path):
+    ctype = "half" if dtype is DType.F16 else "__nv_bfloat16"
+    k = kernel(f"    using T = {ctype};\n" + MMA, {"A": f"const {ctype}* __restrict__", "B": f"const {ctype}* __restrict__",
+                                                 "C": "const float* __restrict__", "D": "float* __restrict__"}, 1)
+    rng = np.random.default_rng(0)
+    a, b, c = rng.integers(-4, 5, (16, 16)) / 4, rng.integers(-4, 5, (16, 8)) / 4, rng.standard_normal((16, 8))
+    got = run(k, {"A": dtype, "B": dtype, "C": DType.F32, "D": DType.F32},
+              {"A": (16, 16), "B": (16, 8), "C": (16, 8), "D": (16, 8)}, {"A": a, "B": b, "C": c}, tmp_path)
+    assert got.finding is None
+    np.testing.assert_allclose(got.outputs["D"], a @ b + c.astype(np.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_ldmatrix_and_mma_together_compute_a_tile_product(tmp_path):
+    body = """
+    half* const sa = PRISM_SHARED(half, 0, 512);
+    half* const sb = PRISM_SHARED(half, 512, 256);
+    const int l = threadIdx.x, g = l / 4, t = l % 4;
+    prism::cp_async<8>(sa + l * 8, g_A + l * 8);
+    if (l < 16) prism::cp_async<8>(sb + l * 8, g_B + l * 8);
+    prism::cp_async_wait_all();
+    __syncthreads();
+    uint32_t a[4], b[2];
+    prism::ldmatrix<4>(a, sa + (l % 16) * 16 + (l / 16) * 8);
+    prism::ldmatrix<2, true>(b, sb + (l % 16) * 8);  // B is k x n, row-major: its transpose is the col operand
+    const float c[4] = {0, 0, 0, 0};
+    float d[4];
+    prism::mma_m16n8k16<half>(d, a, b, c);
+    for (int i = 0; i < 4; ++i) g_D[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = d[i];
+"""
+    k = kernel(body, {"A": "const half* __restrict__", "B": "const half* __restrict__", "D": "float* __restrict__"}, 1)
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((16, 16)), rng.standard_normal((16, 8))
+    got = run(k, {"A": DType.F16, "B": DType.F16, "D": DType.F32}, {"A": (16, 16), "B": (16, 8), "D": (16, 8)},
+              {"A": a, "B": b}, tmp_path)
+    assert got.finding is None
+    expected = a.astype(np.float16).astype(np.float64) @ b.astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(got.outputs["D"], expected, rtol=1e-5, atol=1e-5)
+
+
+# -- what the emulation reports -------------------------------------------------------------------------------------
+
+F32_IO = {"X": "const float* __restrict__", "Y": "float* __restrict__"}
+F32_TYPES = {"X": DType.F32, "Y": DType.F32}
+
+
+def finding_of(body: str, tmp_path, threads=64, grid=(1, 1, 1), n=64, **kw) -> emulate.Finding | None:
+    k = kernel(body, F32_IO, 1, grid=grid, threads=threads)
+    return run(k, F32_TYPES, {"X": (n,), "Y": (n,)}, {"X": np.ones(n)}, tmp_path, **kw).finding
+
+
+def test_a_barrier_some_threads_skip_is_reported_not_a_hang(tmp_path):
+    f = finding_of("    if (threadIdx.x < 32) __syncthreads();\n    g_Y[threadIdx.x] = 1;", tmp_path)
+    assert f.kind == "emulation" and "not reached by every thread" in f.message
+    assert "threads 0-31 wait at the barrier" in f.message and "32-63 have finished" in f.message
+    assert f.where == ("t.cu:7",)
+
+
+def test_threads_at_two_different_barriers_are_a_divergent_barrier(tmp_path):
+    f = finding_of("    if (threadIdx.x < 32)\n        __syncthreads();\n    else\n        __syncthreads();\n"
+                   "    g_Y[threadIdx.x] = 1;", tmp_path)
+    assert f.kind == "emulation" and "divergent barrier" in f.message
+
+
+def test_a_shuffle_only_some_lanes_reach_is_a_divergent_collective(tmp_path):
+    f = finding_of("    float v = g_X[threadIdx.x];\n    if (threadIdx.x % 32 < 16) v = prism::warp_sum(v);\n"
+                   "    g_Y[threadIdx.x] = v;", tmp_path)
+    assert f.kind == "emulation" and "__shfl_xor_sync" in f.message and "t.cu:8" in f.where
+
+
+def test_warp_sum_exchanges_between_lanes(tmp_path):
+    k = kernel("    g_Y[threadIdx.x] = prism::warp_sum(g_X[threadIdx.x]);", F32_IO, 1, threads=64)
+    x = np.arange(64.0)
+    got = run(k, F32_TYPES, {"X": (64,), "Y": (64,)}, {"X": x}, tmp_path)
+    assert list(got.outputs["Y"]) == [x[:32].sum()] * 32 + [x[32:].sum()] * 32
+
+
+def test_cp_async_data_appears_only_at_its_wait(tmp_path):
+    body = """
+    float* const s = PRISM_SHARED(float, 0, 1024);
+    const int i = threadIdx.x * 4;
+    prism::cp_async<4>(s + i, g_X + i);
+    g_Y[i] = s[i];  // before the wait: undefined (the emulation's NaN pattern)
+    prism::cp_async_wait_all();
+    g_Y[i + 1] = s[i];
+    g_Y[i + 2] = 0; g_Y[i + 3] = 0;
+"""
+    k = kernel(body, F32_IO, 1, threads=64)
+    got = run(k, F32_TYPES, {"X": (256,), "Y": (256,)}, {"X": np.full(256, 5.0)}, tmp_path)
+    assert np.isnan(got.outputs["Y"][0::4]).all() and (got.outputs["Y"][1::4] == 5).all()
+
+
+def test_cp_async_never_waited_for_is_reported(tmp_path):
+    body = "    float* const s = PRISM_SHARED(float, 0, 1024);\n    prism::cp_async<4>(s + threadIdx.x * 4, g_X + threadIdx.x * 4);"
+    f = finding_of(body, tmp_path, n=256)
+    assert f.kind == "emulation" and "never waited for" in f.message and f.where == ("t.cu:8",)
+
+
+def test_a_misaligned_cp_async_is_reported(tmp_path):
+    body = ("    float* const s = PRISM_SHARED(float, 0, 1024);\n"
+            "    prism::cp_async<4>(s + threadIdx.x * 4 + 1, g_X + threadIdx.x * 4);\n    prism::cp_async_wait_all();")
+    f = finding_of(body, tmp_path, n=260)
+    assert f.kind == "emulation" and "16-byte aligned" in f.message
+
+
+def test_f16_atomics_round_each_addition_as_the_gpu_does(tmp_path):
+    # Past 2048 the f16 spacing is 2, so 2048 + 1 rounds back to 2048: on a GPU, 2100 blocks each adding 1
+    # leave 2048, where adding in float and rounding once would give 2100.
+    k = kernel("    if (threadIdx.x == 0) prism::atomic_add(g_Y, 1.0f);",
+               {"X": "const half* __restrict__", "Y": "half* __restrict__"}, 1, grid=(2100, 1, 1), zero=("Y",))
+    got = run(k, {"X": DType.F16, "Y": DType.F16}, {"X": (1,), "Y": (1,)}, {"X": np.zeros(1)}, tmp_path)
+    assert got.finding is None and got.outputs["Y"][0] == 2048.0
+
+
+def test_the_thread_sanitizer_reports_a_missing_barrier_with_the_line_and_threads(tmp_path):
+    body = ("    float* const s = PRISM_SHARED(float, 0, 256);\n    s[threadIdx.x] = g_X[threadIdx.x];\n"
+            "    g_Y[threadIdx.x] = s[63 - threadIdx.x];")
+    f = finding_of(body, tmp_path, sanitizer="thread")
+    assert f.kind == "data race" and f.kernel == "t"
+    assert set(f.where) == {"t.cu:8", "t.cu:9"} and all("block (0,0,0) thread" in t for t in f.threads)
+
+
+def test_the_thread_sanitizer_reports_blocks_writing_the_same_elements(tmp_path):
+    f = finding_of("    g_Y[threadIdx.x] = g_X[threadIdx.x] + blockIdx.x;", tmp_path, grid=(4, 1, 1), sanitizer="thread")
+    assert f.kind == "data race" and "t.cu:7" in f.where
+
+
+def test_the_address_sanitizer_reports_a_read_past_a_shared_buffer(tmp_path):
+    body = ("    float* const s = PRISM_SHARED(float, 0, 256);\n    float* const u = PRISM_SHARED(float, 256, 256);\n"
+            "    s[threadIdx.x] = 1; u[threadIdx.x] = 2;\n    __syncthreads();\n    g_Y[threadIdx.x] = s[threadIdx.x + 1];")
+    f = finding_of(body, tmp_path, sanitizer="address")
+    assert f.kind == "memory error" and "heap-buffer-overflow" in f.message and "t.cu:11" in f.where
+    assert f.threads == ("block (0,0,0) thread 63 (warp 1, lane 31)",)
+
+
+def test_the_address_sanitizer_reports_a_write_past_an_output(tmp_path):
+    f = finding_of("    g_Y[threadIdx.x + 1] = g_X[threadIdx.x];", tmp_path, sanitizer="address")
+    assert f.kind == "memory error" and "t.cu:7" in f.where
+
+
+def test_unmutated_kernels_pass_both_sanitizers(tmp_path):
+    body = ("    float* const s = PRISM_SHARED(float, 0, 256);\n    s[threadIdx.x] = g_X[threadIdx.x];\n    __syncthreads();\n"
+            "    g_Y[threadIdx.x] = s[63 - threadIdx.x] + prism::warp_sum(s[threadIdx.x]);")
+    for sanitizer in emulate.SANITIZERS:
+        assert finding_of(body, tmp_path, sanitizer=sanitizer) is None, sanitizer

@@ -1,0 +1,147 @@
+"""The checker catches what it claims: generated kernels of every program in programs/ and programs/fused/,
+each with one planted bug, are reported by the emulation (a finding, or outputs that disagree), and the
+same kernels unmutated pass the plain emulation and both sanitizers.
+
+Each mutation is a text edit of a generated .cu, as a person editing one might make it; it applies to the
+first kernel of a program that has the code it edits (a program without such code skips it), and every
+mutation applies to some program.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from functools import cache
+
+import pytest
+
+from prism_dsl.backend import emulate
+from prism_dsl.pipeline import emulation
+from prism_dsl.pipeline.build import RTOL, check_inputs, plan_of, reference_outputs
+from test_codegen import FUSED, PROGRAMS, build_of
+
+pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
+ALL = FUSED + PROGRAMS
+
+
+def _active(lines: list[str]) -> list[bool]:
+    """Which lines the emulation compiles: not those of the plain path beside a tensor-core one (#else)."""
+    out, skipping = [], False
+    for line in lines:
+        s = line.strip()
+        skipping = True if s == "#else" else False if s == "#endif" else skipping
+        out.append(not skipping)
+    return out
+
+
+def remove_barrier(src: str) -> str | None:
+    """The barrier after the loop's first load step (or the first load's, with none in the loop): the one between
+    a tile's copy and its readers. (The prologue's can be redundant: a barrier in the loop may follow.)"""
+    lines = src.splitlines(keepends=True)
+    loop = next((i for i, l in enumerate(lines) if "for (int it = 0;" in l), 0)
+    loads = [i for i, l in enumerate(lines) if "= load " in l and l.strip().startswith("//")]
+    first_load = next((i for i in loads if i > loop), loads[0] if loads else None)
+    if first_load is None:
+        return None
+    at = next((i for i in range(first_load, len(lines)) if lines[i].strip() == "__syncthreads();"), None)
+    return None if at is None else "".join(lines[:at] + lines[at + 1:])
+
+
+def drop_block_index(src: str) -> str | None:
+    """A store's block offset: every block writes the first block's elements."""
+    store = src.find("// store ")
+    m = re.compile(r"(?: \+ )?blockIdx\.[xyz] \* \d+(?: \+ )?").search(src, store) if store >= 0 else None
+    if not m:
+        return None
+    joined = " + " if m.group(0).startswith(" + ") and m.group(0).endswith(" + ") else ""
+    return src[: m.start()] + joined + src[m.end():]
+
+
+def skip_warp_reduction(src: str) -> str | None:
+    new = re.sub(r"^\s*part = prism::warp_(sum|max)\(part\);\n", "", src, count=1, flags=re.M)
+    return None if new == src else new
+
+
+def shift_tensor_core_load(src: str) -> str | None:
+    new = re.sub(r"(wmma::load_matrix_sync\(a, )([^,]+)", r"\1\2 + 1", src, count=1)
+    return None if new == src else new
+
+
+def read_past_tile(src: str) -> str | None:
+    """One more element in the first loop over a tile after the loads: a read past the tile's end."""
+    lines = src.splitlines(keepends=True)
+    active = _active(lines)
+    start = next((i for i, l in enumerate(lines) if "cp_async_wait_all" in l or "= load " in l), 0)
+    start = next((i for i in range(start, len(lines)) if lines[i].strip() == "__syncthreads();"), start)
+    for i in range(start, len(lines)):
+        m = re.search(r"for \(int \w+ = [^;]+; \w+ < \d+;", lines[i])
+        if active[i] and m:
+            lines[i] = lines[i][: m.end() - 1].replace(" < ", " <= ") + lines[i][m.end() - 1:]
+            return "".join(lines)
+    return None
+
+
+def remove_cp_async_wait(src: str) -> str | None:
+    new = re.sub(r"^\s*prism::cp_async_wait_all\(\);\n", "", src, count=1, flags=re.M)
+    return None if new == src else new
+
+
+# name: (edit, the sanitizer the emulation runs under)
+MUTATIONS = {
+    "remove a barrier": (remove_barrier, "thread"),
+    "drop a block index from a store": (drop_block_index, None),
+    "skip a warp reduction": (skip_warp_reduction, None),
+    "shift a tensor-core load": (shift_tensor_core_load, None),
+    "read past a tile's end": (read_past_tile, "address"),
+    "leave a cp.async without its wait": (remove_cp_async_wait, None),
+}
+
+
+@cache
+def built(path):
+    b, _ = build_of(path, archs=())
+    return b
+
+
+def check(b, sanitizer):
+    inputs = check_inputs(b, 0)
+    return emulation.check(b, plan_of(b), inputs, reference_outputs(b, inputs), seed=0, rtol=RTOL,
+                           checked_against="input program", sanitizer=sanitizer, extra="all")
+
+
+def mutated(path, mutation: str):
+    """The program's build with its first kernel that the mutation applies to edited, or None."""
+    b = built(path)
+    edit, _ = MUTATIONS[mutation]
+    for i, k in enumerate(b.kernels):
+        if (src := edit(k.source)) is not None:
+            kernels = list(b.kernels)
+            kernels[i] = replace(k, source=src)
+            return replace(b, kernels=tuple(kernels))
+    return None
+
+
+@pytest.mark.parametrize("sanitizer", emulate.SANITIZERS)
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.parent.name + "/" + p.stem)
+def test_generated_kernels_pass_the_sanitizers(path, sanitizer):
+    result = check(built(path), sanitizer)
+    assert result.passed, result.errors()
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.parent.name + "/" + p.stem)
+def test_a_planted_bug_is_reported(path, mutation):
+    b = mutated(path, mutation)
+    if b is None:
+        pytest.skip(f"no kernel of {path.stem} has the code '{mutation}' edits")
+    result = check(b, MUTATIONS[mutation][1])
+    assert not result.passed, f"{mutation} in {path.stem} went unnoticed"
+    if mutation == "remove a barrier":
+        assert result.finding and result.finding["kind"] == "data race", result.errors()
+    if mutation == "shift a tensor-core load":
+        assert result.finding and "256-bit aligned" in result.finding["message"] and result.finding["where"]
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_every_mutation_applies_to_some_program(mutation):
+    assert any(MUTATIONS[mutation][0](k.source) for p in ALL for k in built(p).kernels)
