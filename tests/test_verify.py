@@ -1,0 +1,119 @@
+"""`prismc verify DIR` as a user runs it, and what `compile` reports of its emulation: a directory as
+compiled passes; an edited .cu that is wrong, races or no longer compiles is reported with the kernel, the
+element or the line; bad directories and dims are messages with exit 1, never a traceback; large dims are
+checked on a sample of blocks."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from prism_dsl.backend import emulate
+from test_cli import PROGRAMS, prismc
+
+pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
+FUSED_RMSNORM = PROGRAMS / "fused" / "rmsnorm_linear.prism"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """An output directory of `prismc compile` (fused rmsnorm_linear at small dims), copied per test."""
+    out = tmp_path_factory.mktemp("compiled") / "out"
+    from prism_dsl.cli.main import main
+
+    assert main(["compile", str(FUSED_RMSNORM), "--search", "none", "--arch", "none", "--dims", "n=8,d=256",
+                 "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def out(compiled, tmp_path):
+    copy = tmp_path / "out"
+    shutil.copytree(compiled, copy)
+    return copy
+
+
+def test_compile_reports_which_emulation_ran(out):
+    e = json.loads((out / "report.json").read_text())["checked"]["emulation"]
+    assert e["passed"] and e["finding"] is None
+    ran = e["emulation"]
+    assert ran["threads_per_block"] == 128 and ran["sanitizer"] is None and ran["dims"] == {"n": 8, "d": 256}
+    assert ran["whole_grid"] and all(b["emulated"] == b["grid"] for b in ran["blocks"].values())
+
+
+def test_verify_passes_a_directory_as_compiled(capsys, out):
+    code, text, _ = prismc(capsys, "verify", out)
+    assert code == 0 and "the .cu files on disk" in text and "verified: yes" in text
+
+
+def test_verify_under_both_sanitizers(capsys, out):
+    for sanitizer in ("thread", "address"):
+        code, text, _ = prismc(capsys, "verify", out, "--sanitize", sanitizer)
+        assert code == 0 and f"{sanitizer} sanitizer" in text, text
+
+
+def test_verify_finds_an_edited_kernel_wrong_with_the_first_wrong_element(capsys, out):
+    cu = out / "rmsnorm_matmul.cu"
+    cu.write_text(cu.read_text().replace("/ prism::sqrt_(", "/ real(2) / prism::sqrt_("))
+    code, text, _ = prismc(capsys, "verify", out)
+    assert code == 1 and "Y (" in text and "DIFFERS" in text and "kernel rmsnorm_matmul" in text
+    assert re.search(r"first wrong element Y\[\d+, \d+\] = \S+, expected \S+", text)
+
+
+def test_verify_maps_a_race_to_the_edited_line(capsys, out):
+    cu = out / "rmsnorm_matmul.cu"
+    lines = cu.read_text().splitlines(keepends=True)
+    at = next(i for i, l in enumerate(lines) if "cp_async_wait_all" in l and "for (int it" in "".join(lines[:i]))
+    del lines[at + 1]  # the barrier after the loop's loads
+    cu.write_text("".join(lines))
+    code, text, _ = prismc(capsys, "verify", out, "--sanitize", "thread")
+    assert code == 1 and "data race in kernel 'rmsnorm_matmul'" in text and "rmsnorm_matmul.cu:" in text
+    assert "block (" in text and "thread" in text
+
+
+def test_verify_at_other_dims_generates_the_kernels_again(capsys, out):
+    code, text, _ = prismc(capsys, "verify", out, "--dims", "n=16,d=512", "--grid", "x=8")
+    assert code == 0 and "generated again" in text and "n=16, d=512" in text
+
+
+def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
+    code, text, _ = prismc(capsys, "verify", out, "--emulate-blocks", "1")
+    assert code == 0 and "(sampled, seed 0)" in text
+    blocks, total = map(int, re.search(r"(\d+) of (\d+) blocks", text).groups())
+    elements = int(re.search(r"Y \((\d+) elements", text).group(1))
+    assert blocks < total and elements == 8 * 256 * blocks // total
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: (d / "report.json").unlink(), "has no report.json"),
+    (lambda d: (d / "report.json").write_text("{"), "is not valid JSON"),
+    (lambda d: (d / "report.json").write_text("{}"), "is not a report of prismc compile"),
+    (lambda d: (d / "rmsnorm_matmul.cu").unlink(), "is missing"),
+    (lambda d: (d / "rmsnorm_matmul.cu").write_text("this is not C++\n"), "do not compile for the CPU emulation"),
+    (lambda d: (d / "rmsnorm_linear.prism").write_text("program ("), "rmsnorm_linear.prism:1:"),
+])
+def test_verify_bad_directories_are_messages(capsys, out, setup, message):
+    setup(out)
+    code, _, err = prismc(capsys, "verify", out)
+    assert code == 1 and message in err, err
+
+
+def test_verify_a_missing_directory_and_dims_the_kernels_cannot_take(capsys, tmp_path, out):
+    code, _, err = prismc(capsys, "verify", tmp_path / "nowhere")
+    assert code == 1 and "is not a directory" in err
+    code, _, err = prismc(capsys, "verify", out, "--dims", "d=100", "--grid", "x=7")
+    assert code == 1 and err.strip() and "Traceback" not in err
+    code, _, err = prismc(capsys, "verify", out, "--grid", "x=8")
+    assert code == 2 and "give --dims too" in err
+
+
+def test_a_compiled_edit_that_breaks_compilation_names_the_cu_line(capsys, out):
+    cu = out / "rmsnorm_matmul.cu"
+    cu.write_text(cu.read_text().replace("real dot = ", "real dot = undefined_name + ", 1)
+                  if "real dot = " in cu.read_text() else cu.read_text().replace("__syncthreads();", "__syncthreads(;", 1))
+    code, _, err = prismc(capsys, "verify", out)
+    assert code == 1 and re.search(r"rmsnorm_matmul\.cu:\d+:\d+: error", err), err
