@@ -41,8 +41,9 @@ from ..base.errors import PrismError
 from ..base.resources import data_dir
 from ..ir.nodes import DType
 from ..kernels.constraints import Concrete
-from .codegen import CTYPE, HEADER, RenderedKernel, header_source
+from .codegen import CTYPE, HEADER, RenderedKernel
 from .cuda_runtime import STORAGE, from_bf16_bits, to_bf16_bits
+from .nvcc import write_sources
 
 RUNTIME = "prism_emu.h"  # the emulation's runtime, beside prism.cuh in templates/
 SANITIZERS = ("thread", "address")
@@ -129,11 +130,11 @@ def _harness(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], sha
 
 
 def write_build(kernels: Sequence[RenderedKernel], directory: Path, header: str | None = None) -> None:
-    """prism.cuh (`header`, or the package's), the runtime and each kernel's .cu into `directory`."""
-    (directory / HEADER).write_text(header_source() if header is None else header)
+    """The kernels' sources (`nvcc.write_sources`; prism.cuh replaced by `header` when given) and the runtime."""
+    write_sources(kernels, directory)
+    if header is not None:
+        (directory / HEADER).write_text(header)
     (directory / RUNTIME).write_text(runtime_source())
-    for k in kernels:
-        (directory / k.file).write_text(k.source)
 
 
 def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: Mapping[str, tuple[int, ...]],
@@ -187,7 +188,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
         missing = [a for a in names if a not in inputs and not any(a in k.args[len(k.args) - k.stores:] for k in kernels)]
         if missing:
             raise PrismError(f"the kernels read {', '.join(missing)}, which nothing gives or writes")
-        commands = [f"wave {max(1, THREADS_PER_WAVE // max(1, kernels[0].block[0] if kernels else 1))}"]
+        commands = []
         for name, arr in inputs.items():
             if name in names:
                 to_storage(np.asarray(arr, dtype=np.float64), dtypes[name]).tofile(data / f"in-{name}")
@@ -201,6 +202,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
                     commands.append(f"load {names.index(name)} {data / f'feed-{name}'}")
             for name in k.args[len(k.args) - k.stores:]:
                 commands.append(f"fill {names.index(name)} {'zero' if name in k.zero else 'nan'}")
+            commands.append(f"wave {max(1, THREADS_PER_WAVE // int(np.prod(k.block)))}")
             chosen = blocks.get(k.name)
             where = "all" if chosen is None else " ".join([str(len(chosen))] + [f"{x} {y} {z}" for x, y, z in chosen])
             commands.append(f"launch {kernels.index(k)} {where}")
