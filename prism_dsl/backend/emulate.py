@@ -92,6 +92,10 @@ class Finding:
         return {"kind": self.kind, "kernel": self.kernel, "message": self.message, "where": list(self.where),
                 "threads": list(self.threads)}
 
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Finding":
+        return cls(d["kind"], d["kernel"], d["message"], tuple(d["where"]), tuple(d["threads"]))
+
 
 @dataclass(frozen=True)
 class Result:
@@ -298,10 +302,13 @@ def _race(stderr: str, kernels: Sequence[RenderedKernel]) -> Finding:
         threads.append(name.split(": ", 1)[-1])
         where += lines[:1]
     kernel = next((n.split(": ", 1)[0] for n in names.values() if ": block" in n), None) or _kernel_of(stderr, kernels)
-    location = re.search(r"^\s*Location is (heap block|global|stack of [^ ]+).*$", stderr, re.M)
+    location = re.search(r"^\s*Location is heap block of size (\d+)", stderr, re.M)
     text = " races with ".join(accesses) or "two threads touch the same address, one writing, with no barrier between"
     if location:
-        text += f" ({location.group(0).strip()})"
+        after = stderr[location.end():]
+        owner = ("a shared-memory buffer" if "prism::emu::shared" in after.split("\n\n")[0]
+                 else "a tensor in global memory")
+        text += f" (in {owner} of {location.group(1)} bytes)"
     return Finding("data race", kernel, text, tuple(dict.fromkeys(where)), tuple(threads))
 
 

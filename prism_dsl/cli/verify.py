@@ -107,9 +107,7 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool) -> st
     lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}: {how}",
              f"  emulated: {check.describe()}"]
     if check.finding:
-        lines.append("  FAILED: " + emulator.Finding(**{**check.finding, "where": tuple(check.finding["where"]),
-                                                        "threads": tuple(check.finding["threads"])}).text()
-                     .replace("\n", "\n  "))
+        lines.append("  FAILED: " + emulator.Finding.from_dict(check.finding).text().replace("\n", "\n  "))
         return "\n".join(lines)
     writer = {s.name: k.name for k in kernels_of(built.program) for s in k.stores}
     for tensor, o in check.outputs.items():

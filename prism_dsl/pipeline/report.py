@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ..backend.emulate import Finding
+
 
 @dataclass(frozen=True)
 class Skipped:
@@ -49,9 +51,7 @@ class EmulationCheck(Check):
 
     def errors(self) -> str:
         if self.finding:
-            f = self.finding
-            return (f"{f['kind']}" + (f" in kernel {f['kernel']}" if f["kernel"] else "") + f": {f['message']}"
-                    + "".join(f"; at {w}" for w in f["where"]) + "".join(f"; {t}" for t in f["threads"][:2]))
+            return Finding.from_dict(self.finding).text().replace("\n  ", "; ")
         return super().errors()
 
     def describe(self) -> str:
