@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from prism_dsl.backend import emulate
-from prism_dsl.backend.codegen import RenderedKernel
+from prism_dsl.backend.codegen import RenderedKernel, header_source
 from prism_dsl.ir.nodes import DType
 
 needs_cxx = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
@@ -222,3 +222,33 @@ def test_unmutated_kernels_pass_both_sanitizers(tmp_path):
             "    g_Y[threadIdx.x] = s[63 - threadIdx.x] + prism::warp_sum(s[threadIdx.x]);")
     for sanitizer in emulate.SANITIZERS:
         assert finding_of(body, tmp_path, sanitizer=sanitizer) is None, sanitizer
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not on the PATH")
+def test_the_gpu_forms_of_the_primitives_compile_with_nvcc(tmp_path):
+    """Every primitive's GPU form instantiated once (the generated code does not use them all yet)."""
+    (tmp_path / "prism.cuh").write_text(header_source())
+    (tmp_path / "t.cu").write_text(NVCC_PRIMITIVES)
+    for arch in ("sm_90", "sm_80"):
+        done = __import__("subprocess").run(["nvcc", "-cubin", f"-arch={arch}", "-o", "t.cubin", "t.cu"],
+                                            cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+
+
+NVCC_PRIMITIVES = """#include "prism.cuh"
+extern "C" __global__ void t(const half* a, float* out) {
+    __shared__ __align__(128) half s[256];
+    prism::cp_async<8>(s + threadIdx.x * 8, a + threadIdx.x * 8);
+    prism::cp_async_wait_all();
+    __syncthreads();
+    uint32_t r4[4], r2[2], r1[1];
+    prism::ldmatrix<4>(r4, s + (threadIdx.x % 16) * 16);
+    prism::ldmatrix<2, true>(r2, s + (threadIdx.x % 16) * 8);
+    prism::ldmatrix<1>(r1, s);
+    float c[4] = {0, 0, 0, 0}, d[4], e[4];
+    prism::mma_m16n8k16<half>(d, r4, r2, c);
+    prism::mma_m16n8k16<__nv_bfloat16>(e, r4, r2, d);
+    for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0];
+}
+"""
