@@ -377,7 +377,7 @@ struct Access {  // what each lane passes to a load or store: the same for all o
     bool col;
 };
 
-template <class F, class T> void check(const void* const* in, size_t bytes, const char* what) {
+template <class F, class T> void check(const void* const* in, const char* what) {
     const Access& a = *static_cast<const Access*>(in[0]);
     for (int l = 1; l < kWarp; ++l) {
         const Access& b = *static_cast<const Access*>(in[l]);
@@ -389,11 +389,10 @@ template <class F, class T> void check(const void* const* in, size_t bytes, cons
         fail({rt().op_site}, "%s: pointer %p is not 256-bit aligned", what, a.ptr);
     if ((a.ldm * sizeof(T)) % 16)
         fail({rt().op_site}, "%s: stride %u elements is not a multiple of 16 bytes", what, a.ldm);
-    (void)bytes;
 }
 
 template <class F, class T> void load_op(const void* const* in, void* const* out, const void*) {
-    check<F, T>(in, sizeof(T), "wmma::load_matrix_sync");
+    check<F, T>(in, "wmma::load_matrix_sync");
     const Access a = *static_cast<const Access*>(in[0]);  // lane 0's arguments, which every lane shares
     const T* p = static_cast<const T*>(a.ptr);
     for (int e = 0; e < F::num_elements; ++e)
@@ -415,7 +414,7 @@ struct Store {
 };
 
 template <class F, class T> void store_op(const void* const* in, void* const*, const void*) {
-    check<F, T>(in, sizeof(T), "wmma::store_matrix_sync");
+    check<F, T>(in, "wmma::store_matrix_sync");
     const Access a = *static_cast<const Access*>(in[0]);
     T* p = const_cast<T*>(static_cast<const T*>(a.ptr));
     for (int e = 0; e < F::num_elements; ++e)
