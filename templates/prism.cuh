@@ -133,7 +133,7 @@ template <class R> __device__ __forceinline__ R rescale(R old_max, R new_max) {
 // -- warp shuffles and reductions (each row of a row reduction is one warp's work) ------------------------
 #if defined(PRISM_CPU)
 template <class R> struct ShflIn { R v; int lane_mask; };
-template <class R> void shfl_xor_op(const void* const* in, void* const* out, const void*) {
+template <class R> void shfl_xor_op(const void* const* in, void* const* out) {
     for (int l = 0; l < emu::kWarp; ++l) {
         const int src = l ^ static_cast<const ShflIn<R>*>(in[l])->lane_mask;
         *static_cast<R*>(out[l]) = static_cast<const ShflIn<R>*>(in[src < emu::kWarp ? src : l])->v;
@@ -212,7 +212,7 @@ inline float b16_to_f(uint16_t bits, bool bf16) {
     return static_cast<float>(h);
 }
 
-template <int N, bool Trans> void ldmatrix_op(const void* const* in, void* const* out, const void*) {
+template <int N, bool Trans> void ldmatrix_op(const void* const* in, void* const* out) {
     uint16_t m[N][8][8];
     for (int j = 0; j < N; ++j)
         for (int row = 0; row < 8; ++row) {
@@ -238,7 +238,7 @@ struct MmaIn {
     const uint32_t* b;
     const float* c;
 };
-template <bool Bf16> void mma_op(const void* const* in, void* const* out, const void*) {
+template <bool Bf16> void mma_op(const void* const* in, void* const* out) {
     float A[16][16], B[16][8], C[16][8];
     for (int l = 0; l < kWarp; ++l) {
         const MmaIn& f = *static_cast<const MmaIn*>(in[l]);
@@ -391,7 +391,7 @@ template <class F, class T> void check(const void* const* in, const char* what) 
         fail({rt().op_site}, "%s: stride %u elements is not a multiple of 16 bytes", what, a.ldm);
 }
 
-template <class F, class T> void load_op(const void* const* in, void* const* out, const void*) {
+template <class F, class T> void load_op(const void* const* in, void* const* out) {
     check<F, T>(in, "wmma::load_matrix_sync");
     const Access a = *static_cast<const Access*>(in[0]);  // lane 0's arguments, which every lane shares
     const T* p = static_cast<const T*>(a.ptr);
@@ -413,7 +413,7 @@ struct Store {
     const void* frag;
 };
 
-template <class F, class T> void store_op(const void* const* in, void* const*, const void*) {
+template <class F, class T> void store_op(const void* const* in, void* const*) {
     check<F, T>(in, "wmma::store_matrix_sync");
     const Access a = *static_cast<const Access*>(in[0]);
     T* p = const_cast<T*>(static_cast<const T*>(a.ptr));
@@ -427,7 +427,7 @@ template <class F, class T> void store_op(const void* const* in, void* const*, c
         }
 }
 
-template <class D, class A, class B, class C> void mma_op(const void* const* in, void* const* out, const void*) {
+template <class D, class A, class B, class C> void mma_op(const void* const* in, void* const* out) {
     constexpr int M = A::rows, K = A::cols, N = B::cols;
     float a[M][K], b[K][N], c[M][N];
     for (int e = 0; e < A::num_elements; ++e)

@@ -121,8 +121,7 @@ struct Warp {
     unsigned mask = 0;
     const void* in[kWarp];
     void* out[kWarp];
-    const void* args = nullptr;
-    void (*op)(const void* const* in, void* const* out, const void* args) = nullptr;
+    void (*op)(const void* const* in, void* const* out) = nullptr;
 };
 
 struct Buffer {
@@ -388,7 +387,7 @@ inline void barrier(const char* file, int line) {
 }
 
 inline void collective(const char* what, unsigned mask, const char* file, int line, const void* in, void* out,
-                       void (*op)(const void* const*, void* const*, const void*), const void* args = nullptr) {
+                       void (*op)(const void* const*, void* const*)) {
     Thread* t = self();
     Warp* w;
     char* sync;
@@ -408,7 +407,6 @@ inline void collective(const char* what, unsigned mask, const char* file, int li
         if (w->arrived == 0) {
             w->site = here;
             w->op = op;
-            w->args = args;
         } else if (w->site.line != line || std::strcmp(w->site.file, file) != 0 || w->op != op) {
             std::vector<int> lanes;
             for (int l = 0; l < kWarp; ++l)
@@ -432,7 +430,7 @@ inline void collective(const char* what, unsigned mask, const char* file, int li
         {
             Quiet quiet;  // lanes' registers pass between fibers unseen; the op shows its memory accesses (Visible)
             rt().op_site = w->site;
-            w->op(w->in, w->out, w->args);
+            w->op(w->in, w->out);
             w->arrived = 0;
             ++w->generation;
             const int first = t->linear - t->linear % kWarp;
