@@ -108,6 +108,10 @@ class Result:
 # -- building ------------------------------------------------------------------------------------------------------
 
 
+def _written_by(k: RenderedKernel) -> tuple[str, ...]:
+    return k.args[len(k.args) - k.stores:]
+
+
 def _tensors(kernels: Sequence[RenderedKernel]) -> list[str]:
     return list(dict.fromkeys(a for k in kernels for a in k.args))
 
@@ -189,7 +193,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
         names = _tensors(kernels)
         data = workdir / "data"
         data.mkdir(exist_ok=True)
-        missing = [a for a in names if a not in inputs and not any(a in k.args[len(k.args) - k.stores:] for k in kernels)]
+        missing = [a for a in names if a not in inputs and not any(a in _written_by(k) for k in kernels)]
         if missing:
             raise PrismError(f"the kernels read {', '.join(missing)}, which nothing gives or writes")
         commands = []
@@ -204,13 +208,13 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
                     fed.add(name)
                     to_storage(np.asarray(feed[name], dtype=np.float64), dtypes[name]).tofile(data / f"feed-{name}")
                     commands.append(f"load {names.index(name)} {data / f'feed-{name}'}")
-            for name in k.args[len(k.args) - k.stores:]:
+            for name in _written_by(k):
                 commands.append(f"fill {names.index(name)} {'zero' if name in k.zero else 'nan'}")
             commands.append(f"wave {max(1, THREADS_PER_WAVE // int(np.prod(k.block)))}")
             chosen = blocks.get(k.name)
             where = "all" if chosen is None else " ".join([str(len(chosen))] + [f"{x} {y} {z}" for x, y, z in chosen])
             commands.append(f"launch {kernels.index(k)} {where}")
-            for name in k.args[len(k.args) - k.stores:]:
+            for name in _written_by(k):
                 commands.append(f"save {names.index(name)} {data / f'out-{name}'}")
         (workdir / "commands.txt").write_text("\n".join(commands) + "\n")
         finding = _execute(exe, workdir, kernels, timeout)
@@ -219,7 +223,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
         outputs = {} if finding else {
             name: from_storage(np.fromfile(data / f"out-{name}", dtype=STORAGE[dtypes[name].value]).reshape(shapes[name]),
                                dtypes[name])
-            for k in kernels for name in k.args[len(k.args) - k.stores:]}
+            for k in kernels for name in _written_by(k)}
         return Result(outputs, finding, round(time.perf_counter() - started, 3), counts)
 
 
