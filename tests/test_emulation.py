@@ -252,3 +252,20 @@ extern "C" __global__ void t(const half* a, float* out) {
     for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0];
 }
 """
+
+
+def test_sampled_blocks_of_a_program_of_several_kernels():
+    """Each kernel reads the block interpreter's values of what others store; exactly the elements the
+    sampled blocks write are compared, intermediates with the block interpreter."""
+    from prism_dsl.pipeline import emulation
+    from prism_dsl.pipeline.build import RTOL, check_inputs, plan_of, reference_outputs
+    from test_codegen import ROOT, build_of
+
+    built, _ = build_of(ROOT / "programs" / "rmsnorm_mlp.prism", grid={"x": 4}, archs=())
+    inputs = check_inputs(built, 3)
+    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=3, rtol=RTOL,
+                            checked_against="input program", extra=0)
+    assert check.passed and not check.emulation["whole_grid"] and check.emulation["sample_seed"] == 3, check.errors()
+    assert any(b["emulated"] < b["grid"] for b in check.emulation["blocks"].values())
+    intermediates = [o for o in check.outputs.values() if o.get("against") == "block interpreter"]
+    assert intermediates and all(0 < o["elements"] for o in check.outputs.values())

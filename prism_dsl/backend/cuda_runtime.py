@@ -495,5 +495,9 @@ def check(got, ref, rtol: float = 1e-2) -> dict:
     passed = not bad.any() and bool(np.all(err <= rtol * denom))
     reason = "" if passed else (f"{int(bad.sum())} elements are NaN or inf" if bad.any() else
                                 f"relative error {float(rel[worst]):.3g} at {tuple(map(int, worst))} exceeds {rtol}")
-    return {"passed": passed, "max_rel_err": float(rel.max()), "max_abs_err": float(err.max()),
-            "nan": int(bad.sum()), "worst_index": tuple(int(i) for i in worst), "reason": reason}
+    result = {"passed": passed, "max_rel_err": float(rel.max()), "max_abs_err": float(err.max()),
+              "nan": int(bad.sum()), "worst_index": tuple(int(i) for i in worst), "reason": reason}
+    if not passed:  # the first element out of tolerance, in row-major order
+        first = tuple(int(i) for i in np.argwhere(~(err <= rtol * denom))[0])
+        result["first_wrong"] = {"index": list(first), "got": float(g[first]), "expected": float(ref[first])}
+    return result
