@@ -92,6 +92,9 @@ def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
     (lambda d: (d / "report.json").unlink(), "has no report.json"),
     (lambda d: (d / "report.json").write_text("{"), "is not valid JSON"),
     (lambda d: (d / "report.json").write_text("{}"), "is not a report of prismc compile"),
+    (lambda d: _edit_report(d, dims={"n": "eight"}), "(missing or malformed: dims)"),
+    (lambda d: _edit_report(d, kernels=[{"file": 3}]), "(missing or malformed: kernels)"),
+    (lambda d: _edit_report(d, hardware={"name": "b200"}), "unknown hardware 'b200'"),
     (lambda d: (d / "rmsnorm_matmul.cu").unlink(), "is missing"),
     (lambda d: (d / "rmsnorm_matmul.cu").write_text("this is not C++\n"), "do not compile for the CPU emulation"),
     (lambda d: (d / "rmsnorm_linear.prism").write_text("program ("), "rmsnorm_linear.prism:1:"),
@@ -102,6 +105,11 @@ def test_verify_bad_directories_are_messages(capsys, out, setup, message):
     assert code == 1 and message in err, err
 
 
+def _edit_report(directory: Path, **changes) -> None:
+    path = directory / "report.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
 def test_verify_a_missing_directory_and_dims_the_kernels_cannot_take(capsys, tmp_path, out):
     code, _, err = prismc(capsys, "verify", tmp_path / "nowhere")
     assert code == 1 and "is not a directory" in err
@@ -109,6 +117,10 @@ def test_verify_a_missing_directory_and_dims_the_kernels_cannot_take(capsys, tmp
     assert code == 1 and err.strip() and "Traceback" not in err
     code, _, err = prismc(capsys, "verify", out, "--grid", "x=8")
     assert code == 2 and "give --dims too" in err
+    code, _, err = prismc(capsys, "verify", out, "--dims", "n=65536,d=65536")
+    assert code == 1 and "shared memory per block" in err
+    code, _, err = prismc(capsys, "verify", out, "--dims", "d=1048576")  # fits a GPU, not the float64 reference
+    assert code == 1 and "rmsnorm_linear.prism:" in err and "elements" in err
 
 
 def test_a_compiled_edit_that_breaks_compilation_names_the_cu_line(capsys, out):

@@ -23,12 +23,27 @@ from ..kernels.hardware import load_hardware
 from ..kernels.kernel import kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
-from ..pipeline.build import RTOL, BuildOptions, build, plan_of, reference_outputs
+from ..pipeline.build import RTOL, BuildOptions, build, check_inputs, plan_of, reference_outputs
 from ..pipeline.report import EmulationCheck
-from ..semantics.reference import bind_dims, random_inputs
+from ..semantics.reference import check_sizes
 
-# What a report.json must hold for verify to rebuild its program.
-_NEEDED = {"program": str, "hardware": dict, "dims": dict, "parameters": dict, "kernels": list}
+def _well_formed(report) -> list[str]:
+    """What of a report.json verify needs is missing or malformed (names of keys)."""
+    if not isinstance(report, dict):
+        return ["the whole file"]
+    def ints(d):
+        return isinstance(d, dict) and all(isinstance(k, str) and type(v) is int for k, v in d.items())
+    kernels = report.get("kernels")
+    checks = {
+        "program": isinstance(report.get("program"), str),
+        "hardware": isinstance(report.get("hardware"), dict) and isinstance(report["hardware"].get("name"), str),
+        "dims": ints(report.get("dims")),
+        "parameters": ints(report.get("parameters")),
+        "kernels": isinstance(kernels, list) and all(
+            isinstance(k, dict) and isinstance(k.get("file"), str) and isinstance(k.get("block"), list)
+            and k["block"] and type(k["block"][0]) is int for k in kernels),
+    }
+    return [key for key, ok in checks.items() if not ok]
 
 
 def read_report(directory: Path) -> dict:
@@ -44,7 +59,7 @@ def read_report(directory: Path) -> dict:
         raise PrismError(f"cannot read '{path}': {files.describe(e)}") from None
     except (ValueError, RecursionError) as e:
         raise PrismError(f"'{path}' is not valid JSON: {e}") from None
-    bad = [k for k, t in _NEEDED.items() if not isinstance(report, dict) or not isinstance(report.get(k), t)]
+    bad = _well_formed(report)
     if bad:
         raise PrismError(f"'{path}' is not a report of prismc compile (missing or malformed: {', '.join(bad)})")
     return report
@@ -67,10 +82,10 @@ def verify(args) -> int:
     name = report["program"]
     source = directory / f"{name}.prism"
     program = load(source).program(name)
-    hardware = load_hardware(str(report["hardware"].get("name", "h100")))
-    compiled_dims = {k: int(v) for k, v in report["dims"].items()}
+    hardware = load_hardware(report["hardware"]["name"])
+    compiled_dims = report["dims"]
     on_disk = (not args.dims or {**compiled_dims, **args.dims} == compiled_dims) and not args.grid and not args.loop
-    threads = int(report["kernels"][0]["block"][0]) if report["kernels"] else 128
+    threads = report["kernels"][0]["block"][0] if report["kernels"] else 128
     options = BuildOptions(dims={**compiled_dims, **args.dims}, grid=args.grid, loop=args.loop,
                            params=report["parameters"] if on_disk else {}, archs=(),
                            codegen=CodegenConfig(threads=threads))
@@ -78,7 +93,8 @@ def verify(args) -> int:
     header = None
     if on_disk:
         built, header = _as_on_disk(built, directory, report)
-    inputs = random_inputs(program, bind_dims(program, options.dims), args.seed)
+    check_sizes(program, built.binding)  # the float64 reference must fit in memory
+    inputs = check_inputs(built, args.seed)
     check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed, rtol=RTOL,
                             checked_against=f"program in {source}", sanitizer=args.sanitize,
                             extra=args.blocks, header=header)
@@ -88,10 +104,10 @@ def verify(args) -> int:
 
 def _as_on_disk(built, directory: Path, report: dict):
     """The build with each kernel's source, and the header, as DIR holds them."""
-    listed = [k.get("file") for k in report["kernels"]]
+    listed = [k["file"] for k in report["kernels"]]
     mine = [k.file for k in built.kernels]
     if listed != mine:
-        raise PrismError(f"the kernels of '{directory}/report.json' ({', '.join(map(str, listed))}) are not those of "
+        raise PrismError(f"the kernels of '{directory}/report.json' ({', '.join(listed)}) are not those of "
                          f"its program ({', '.join(mine)}): the directory was changed after it was compiled")
     header = _text(directory / HEADER)
     if emulator.RUNTIME not in header:
