@@ -469,12 +469,10 @@ def _stats(times_ms: list[float]) -> dict:
 
 # -------------------------------------------------------------------------------------------------- checking
 def check(got, ref, rtol: float = 1e-2) -> dict:
-    """Compare an output with a float64 reference, element by element.
-
-    Passes when no element of `got` is NaN or infinite and every element satisfies
-    |got - ref| <= rtol * (|ref| + scale), scale being the root-mean-square of `ref`: a relative test that does
-    not fail on elements whose reference happens to be near zero while the tensor's values are not.
-    """
+    """Compare an output with a float64 reference, element by element. Passes when no element of `got` is NaN or
+    infinite and every element satisfies |got - ref| <= rtol * (|ref| + scale), scale being the root-mean-square
+    of `ref`: a relative test that does not fail on elements whose reference happens to be near zero while the
+    tensor's values are not. A failure names the first element out of tolerance (`first_wrong`)."""
     got = _torch_to_numpy(got) if _is_torch(got) else np.asarray(got)
     ref = np.asarray(ref, dtype=np.float64)
     unfit = (f"shape {got.shape} differs from the reference's {ref.shape}" if got.shape != ref.shape
@@ -492,12 +490,11 @@ def check(got, ref, rtol: float = 1e-2) -> dict:
     with np.errstate(divide="ignore", invalid="ignore"):  # an all-zero reference leaves denom 0
         rel = np.where(denom > 0, err / denom, np.where(err > 0, np.inf, 0.0))
     worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
-    passed = not bad.any() and bool(np.all(err <= rtol * denom))
+    wrong = np.argwhere(~(err <= rtol * denom))  # out of tolerance, in row-major order (NaN included)
+    passed = len(wrong) == 0
     reason = "" if passed else (f"{int(bad.sum())} elements are NaN or inf" if bad.any() else
                                 f"relative error {float(rel[worst]):.3g} at {tuple(map(int, worst))} exceeds {rtol}")
-    result = {"passed": passed, "max_rel_err": float(rel.max()), "max_abs_err": float(err.max()),
-              "nan": int(bad.sum()), "worst_index": tuple(int(i) for i in worst), "reason": reason}
-    if not passed:  # the first element out of tolerance, in row-major order
-        first = tuple(int(i) for i in np.argwhere(~(err <= rtol * denom))[0])
-        result["first_wrong"] = {"index": list(first), "got": float(g[first]), "expected": float(ref[first])}
-    return result
+    out = {"passed": passed, "max_rel_err": float(rel.max()), "max_abs_err": float(err.max()), "nan": int(bad.sum()),
+           "worst_index": tuple(int(i) for i in worst), "reason": reason}
+    first = None if passed else tuple(int(i) for i in wrong[0])
+    return out if passed else out | {"first_wrong": {"index": list(first), "got": float(g[first]), "expected": float(ref[first])}}
