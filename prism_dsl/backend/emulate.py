@@ -264,7 +264,7 @@ def _kernel_of(text: str, kernels: Sequence[RenderedKernel]) -> str | None:
 
 def parse_finding(stderr: str, status: int, kernels: Sequence[RenderedKernel]) -> Finding:
     """A child's report, as a `Finding`."""
-    if m := re.search(r"^prism-emulation: kernel (.*?): (.*)$", stderr, re.M):
+    if status == EXIT_FINDING and (m := re.search(r"^prism-emulation: kernel (.*?): (.*)$", stderr, re.M)):
         at = re.findall(r"^prism-emulation-at: (.*)$", stderr, re.M)
         kernel = next((k.name for k in kernels if k.name == m.group(1)), m.group(1))
         return Finding("emulation", kernel, m.group(2), tuple(dict.fromkeys(_short(a) for a in at)))
