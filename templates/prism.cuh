@@ -68,6 +68,11 @@ struct __nv_bfloat16 { uint16_t bits; };
 #define PRISM_TID ((int)threadIdx.x)
 #define PRISM_NT(n) (n)
 #define PRISM_WARP 32
+#if defined(PRISM_CPU)
+#define PRISM_UNROLL
+#else
+#define PRISM_UNROLL _Pragma("unroll")
+#endif
 
 #ifndef INFINITY
 #define INFINITY HUGE_VALF

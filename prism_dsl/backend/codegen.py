@@ -40,6 +40,7 @@ from ..kernels.kernel import after_loop, loop_varying
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 from ..lang.printer import format_number, node_text
+from .warp_mma import Tiling, tiling
 
 TEMPLATES = data_dir("templates", "templates")
 HEADER = "prism.cuh"
@@ -119,16 +120,49 @@ def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
     return next(((fm, fn) for fm, fn in ((16, 16), (8, 32)) if m % fm == 0 and n % fn == 0), None)
 
 
-def uses_tensor_cores(a: Node, b: Node, place, shape_of) -> bool:
-    """Whether the product a @ b of a kernel body runs on tensor cores (see `_Emitter._mma`)."""
+def tensor_core_operands(a: Node, b: Node, place, shape_of) -> bool:
+    """Whether a @ b has what tensor cores take: f16/bf16 tiles in shared memory, matrices (leading dims 1)."""
     if place.get(a) is not Place.SMEM or place.get(b) is not Place.SMEM:
         return False
     if a.dtype != b.dtype or a.dtype not in (DType.F16, DType.BF16) or a.op != "tile" or b.op != "tile":
         return False
     sa, sb = shape_of(a), shape_of(b)
-    if len(sa) < 2 or len(sb) < 2 or any(s != 1 for s in sa[:-2] + sb[:-2]):
+    return len(sa) >= 2 and len(sb) >= 2 and all(s == 1 for s in sa[:-2] + sb[:-2])
+
+
+def uses_tensor_cores(a: Node, b: Node, place, shape_of) -> bool:
+    """Whether the product a @ b of a kernel body runs on wmma tensor-core tiles (see `_Emitter._mma`)."""
+    if not tensor_core_operands(a, b, place, shape_of):
         return False
+    sa, sb = shape_of(a), shape_of(b)
     return mma_shape(sa[-2], sb[-1], sa[-1]) is not None
+
+
+def register_products(c: Concrete, config: "CodegenConfig") -> tuple[dict[Node, Tiling], int]:
+    """The loop's products that run register-tiled (`warp_mma`): each `acc_sum(a @ b)` whose product is
+    fused into it, with f16/bf16 tiles in shared memory that `warp_mma.tiling` can lay out; and the threads
+    per block the kernel then needs (at least `config.threads`)."""
+    if not config.tensor_cores or compute_dtype(c.kernel) is not DType.F32:
+        return {}, config.threads
+    p = plan(c.kernel)
+
+    def shape(n):
+        return tuple(int(bind(s, c.binding)) for s in n.shape)
+
+    def layouts(min_warps: int) -> dict[Node, Tiling]:
+        out = {}
+        for acc in c.kernel.body():
+            x = acc.args[0] if acc.op == "acc_sum" else None
+            if x is None or p.place.get(x) is not Place.FUSED or not tensor_core_operands(*x.args, p.place, shape):
+                continue
+            sa, sb = shape(x.args[0]), shape(x.args[1])
+            if (t := tiling(sa[-2], sb[-1], sa[-1], min_warps)) is not None:
+                out[acc] = t
+        return out
+
+    first = layouts(config.threads // 32)
+    warps = max([config.threads // 32] + [t.warps for t in first.values()])
+    return (layouts(warps) if warps * 32 != config.threads else first), warps * 32
 
 
 # -- index arithmetic ---------------------------------------------------------------------------------
@@ -168,13 +202,13 @@ def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
     return " + ".join(terms) or "0"
 
 
-def offset(idx: list[str], shape: tuple[int, ...]) -> str:
+def offset(idx: list[str], shape: tuple[int, ...], pad: int = 0) -> str:
     """Row-major offset of index expressions `idx` (aligned to the right of `shape`; size-1 dims
-    broadcast and read index 0)."""
+    broadcast and read index 0), in a buffer whose rows have `pad` elements more (`Buffer.pad`)."""
     rank = len(shape)
     idx = list(idx[len(idx) - rank:]) if len(idx) >= rank else ["0"] * (rank - len(idx)) + list(idx)
     terms = []
-    for i, size, stride in zip(idx, shape, _strides(shape)):
+    for i, size, stride in zip(idx, shape, _strides(shape[:-1] + (shape[-1] + pad,) if shape else shape)):
         if size == 1 or i == "0":
             continue
         terms.append(i if stride == 1 else f"{i} * {stride}")
@@ -192,6 +226,7 @@ class _Emitter:
         self.suffix = "f" if self.real == "float" else ""
         self.names = program.names
         self.tensor_core_steps = 0
+        self.registers, self.threads = register_products(c, config)
         self.cname = {b.name: f"s_{ident(b.name)}" for b in self.plan.buffers}
 
     # shapes and buffers
@@ -205,7 +240,7 @@ class _Emitter:
         return f"real({text})" if self.real != "float" else text + "f"
 
     def at(self, b: Buffer, idx: list[str]) -> str:
-        ref = f"{self.cname[b.name]}[{offset(idx, self.shape(b))}]"
+        ref = f"{self.cname[b.name]}[{offset(idx, self.shape(b), b.pad)}]"
         return ref if b.dtype in (DType.F32, DType.F64) else f"prism::to_f({ref})"
 
     # reading a value at an index of the reader's index space (numpy broadcasting, right-aligned)
@@ -259,7 +294,7 @@ class _Emitter:
                  for size, t, dm, i in zip(full, tile, load.map.dims, idx)]
         text = comment(f"{node.attr} = load {tensor_name(src)}{load.map}  tile {list(tile)} of {list(full)}")
         return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec,
-                "dst": self.cname[b.name], "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
+                "dst": self.cname[b.name], "at": offset(idx, tile, b.pad), "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
 
     def compute_step(self, node: Node) -> dict:
         shape, dst, kind = self.shape(node), self.cname[self.plan.buffer(node).name], OPS[node.op].kind
@@ -301,7 +336,18 @@ class _Emitter:
         self.tensor_core_steps += 1
         return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
                 "a": self.cname[ba.name], "b": self.cname[bb.name], "c": dst, "ab": CTYPE[ba.dtype],
-                "accumulate": accumulate}
+                "lda": k + ba.pad, "ldb": n + bb.pad, "accumulate": accumulate}
+
+    def warp_mma(self, acc: Node, plain: dict) -> dict:
+        """acc += a @ b into registers, each warp its own tiles (see `warp_mma`); `plain` for other GPUs."""
+        a, b = acc.args[0].args
+        ba, bb = self.plan.buffer(a), self.plan.buffer(b)
+        self.tensor_core_steps += 1
+        return {"kind": "warp_mma", "comment": plain.get("comment", ""), "t": self.registers[acc],
+                "acc": "r_" + self.cname[self.held(acc).name][2:], "c": self.cname[self.held(acc).name],
+                "a": self.cname[ba.name], "b": self.cname[bb.name], "ab": CTYPE[ba.dtype],
+                "lda": self.shape(a)[-1] + ba.pad, "ldb": self.shape(b)[-1] + bb.pad,
+                "plain": plain.get("plain", plain)}
 
     def reduce(self, node: Node, dst: str) -> dict:
         x, dim = node.args[0], node.attr
@@ -366,7 +412,8 @@ class _Emitter:
         if ACCUMULATORS[acc.op].online and x in self.plan.groups:
             return self.softmax_steps(x, done)
         if self.plan.place[x] is Place.FUSED:  # a product added straight into the running sum
-            return [self.matmul(x.args[0], x.args[1], acc, self.cname[self.held(acc).name], True, self.describe(acc))]
+            step = self.matmul(x.args[0], x.args[1], acc, self.cname[self.held(acc).name], True, self.describe(acc))
+            return [self.warp_mma(acc, step)] if acc in self.registers else [step]
         return [self.fold(acc, [lambda idx, a=a: self.read(a, idx) for a in acc.args])]
 
     def fold(self, acc: Node, reads: list, **names: str) -> dict:
@@ -448,13 +495,15 @@ class _Emitter:
             elif n.op != "tile" and self.plan.place[n] is Place.SMEM:
                 loop_steps.append(self.compute_step(n))
         post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
-        epilogue = self._merge([self.load_step(n) for n in post if n.op == "tile"])
+        registers = [st for st in _walk(loop_steps) if st["kind"] == "warp_mma"]
+        epilogue = [st | {"kind": "warp_mma_store", "op": "+=" if st["t"].wk > 1 else "="} for st in registers]
+        epilogue += self._merge([self.load_step(n) for n in post if n.op == "tile"])
         epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
         epilogue += [self.store_step(i) for i in range(len(k.stores))]
 
         buffers, at = [], 0
         for b in self.plan.buffers:
-            size = math.prod(self.shape(b)) * b.dtype.bytes
+            size = int(bind(b.bytes, c.binding))
             buffers.append({"cname": self.cname[b.name], "ctype": CTYPE[b.dtype], "offset": at, "bytes": size,
                             "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}")})
             at += -(-size // ALIGN) * ALIGN
@@ -470,17 +519,23 @@ class _Emitter:
             step["async"] = _async(step)
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
-               "loop": c.loop, "threads": self.config.threads, "smem": smem, "summary": summary, "params": params,
-               "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
+               "loop": c.loop, "threads": self.threads, "smem": smem, "summary": summary, "params": params,
+               "registers": registers, "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
         source = template_env().get_template("kernel.cu.j2").render(k=ctx)
         zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
-        return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.config.threads, 1, 1), smem,
+        return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.threads, 1, 1), smem,
                               tuple(args), len(k.stores), zero, self.tensor_core_steps > 0)
 
     @staticmethod
     def _merge(steps: list[dict]) -> list[dict]:
         """Several loads as one step (they are independent; one barrier after all of them)."""
         return steps if len(steps) < 2 else [{"kind": "group", "steps": steps}]
+
+
+def _walk(steps: list[dict]):
+    for st in steps:
+        yield st
+        yield from _walk(st.get("steps", []))
 
 
 def _async(step: dict) -> bool:

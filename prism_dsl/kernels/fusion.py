@@ -14,7 +14,8 @@ body node, one placement:
 
 `plan(kernel)` also lists the buffers a block needs, with symbolic shapes: this is what the generated
 CUDA allocates, and what the shared-memory constraint of `constraints.constraints` bounds (buffers are
-128-byte aligned in the kernel, so each counts 128 bytes of padding). The online-softmax accumulators on
+128-byte aligned in the kernel, so each counts 128 bytes of padding; rows of loaded 16-bit tiles are padded
+by `ROW_PAD` bytes). The online-softmax accumulators on
 the same scores share one running row max, one rescaling factor per row and one tile of exp(s - max).
 """
 
@@ -32,6 +33,10 @@ from .kernel import Kernel, fresh_name
 from ..ir.ops import OPS, Kind
 
 ALIGN = 128  # bytes: shared-memory buffers start at multiples of this (tensor-core loads need 32)
+# bytes added to every row of a loaded 16-bit tile of two or more dims: rows whose length is a multiple of 128
+# bytes would put the 8 rows of an ldmatrix (or wmma) load in the same banks; 16 bytes more per row puts
+# them in 8 different ones, and keeps every row 16-byte aligned for cp.async.
+ROW_PAD = 16
 
 
 class Place(Enum):
@@ -50,6 +55,7 @@ class Buffer:
     dtype: DType  # how its elements are stored
     node: Node | None  # the value it holds (None for softmax scratch)
     role: str  # "tile", "value", "state", "scratch"
+    pad: int = 0  # elements after each row (the last dim) in shared memory: `ROW_PAD`
 
     @property
     def elements(self) -> sympy.Expr:
@@ -57,7 +63,9 @@ class Buffer:
 
     @property
     def bytes(self) -> sympy.Expr:
-        return self.elements * self.dtype.bytes
+        """What it occupies in shared memory, row padding included."""
+        rows = sympy.Mul(*self.shape[:-1]) if self.shape else sympy.Integer(1)
+        return (self.elements + rows * self.pad) * self.dtype.bytes
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,8 @@ def plan(kernel: Kernel) -> Plan:
     groups: dict[Node, dict[str, Buffer]] = {}
 
     def add(base: str, shape, dtype: DType, node: Node | None, role: str) -> Buffer:
-        buffers.append(Buffer(fresh_name(base, {b.name for b in buffers}), tuple(shape), dtype, node, role))
+        pad = ROW_PAD // dtype.bytes if role == "tile" and dtype.bytes == 2 and len(shape) >= 2 and shape[-1] != 1 else 0
+        buffers.append(Buffer(fresh_name(base, {b.name for b in buffers}), tuple(shape), dtype, node, role, pad))
         return buffers[-1]
 
     softmax_scores = {n.args[0] for n in body if n.op in ONLINE_SOFTMAX}

@@ -1,0 +1,103 @@
+"""Register-tiled tensor-core products: how a loop's `acc_sum(a @ b)` is spread over the warps of a block.
+
+Where it sits: `codegen` asks `tiling` whether a product it folds into an `acc_sum` can run this way and
+renders the step from the answer; `cost` prices the same answer. The product's accumulator then lives in
+registers for the whole loop (each warp owns a fixed block of the output), operands come from shared memory
+by `ldmatrix` (rows padded by 16 bytes, `fusion.ROW_PAD`, so the 8 rows of each 8x8 matrix fall in different
+banks), and every k step of 16 issues `mma.sync.m16n8k16` (f16/bf16 in, f32 accumulate) for every pair of
+the warp's A and B fragments. After the loop the registers are written to the accumulator's state once.
+
+Two orientations:
+- "mn": C = A B with m16n8 tiles: A fragments by `ldmatrix.x4` from A's rows, B fragments by
+  `ldmatrix.x4.trans` (two n8 tiles each; `.x2.trans`, one, where a warp has an odd number) from B's
+  rows. Needs m and k multiples of 16, n of 8.
+- "nm": for few rows (m a multiple of 8, not of 16: decode), C^T = B^T A^T, so B's columns fill the
+  16-row side of the instruction and A's 8 rows its 8-column side: B^T fragments by `ldmatrix.x4.trans`,
+  A^T fragments by `ldmatrix.x2` from A's rows. Needs m multiple of 8, n and k multiples of 16.
+
+Warps split the output (wm x wn) and, when the output has too few tiles for them, the contraction too (wk):
+each such warp folds its share of every tile's k steps, and the partial sums are added in turn after the
+loop. The accumulators of a warp (tm x tn tiles of 4 floats per thread) are capped at MAX_ACCUMULATORS
+registers, and a layout uses 4 warps, or 8 where 4 cannot hold the output in registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_ACCUMULATORS = 128  # f32 accumulator registers per thread
+WARPS = (4, 8)  # warps per block a register-tiled kernel may use (the first that holds the output)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    orient: str  # "mn" or "nm" (see the module docstring)
+    m: int
+    n: int
+    k: int
+    wm: int  # warps along C's rows (m)
+    wn: int  # warps along C's columns (n)
+    wk: int  # warps sharing the contraction
+    tm: int  # instruction tiles per warp along the instruction's M side (16 rows; "nm": 16 of C's columns)
+    tn: int  # along its N side (8 columns; "nm": 8 of C's rows)
+    warps: int  # warps in the block (some may idle when the output is small)
+
+    @property
+    def accumulators(self) -> int:
+        return self.tm * self.tn * 4
+
+    @property
+    def mma_per_k(self) -> int:
+        """mma.sync per warp and k step of 16."""
+        return self.tm * self.tn
+
+    @property
+    def ldmatrix_per_k(self) -> int:
+        """ldmatrix per warp and k step: x4 loads of the 16-row side; x4.trans pairs or x2 of the other."""
+        return self.tm + (self.tn // 2 if self.orient == "mn" and self.tn % 2 == 0 else self.tn)
+
+    @property
+    def k_steps(self) -> int:
+        """k steps of 16 each warp takes per loop iteration."""
+        return self.k // 16 // self.wk
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def tiling(m: int, n: int, k: int, min_warps: int = 4) -> Tiling | None:
+    """The layout of an m x k @ k x n product over a block's warps, or None when tensor cores cannot take it.
+
+    Among the layouts that fit (accumulators at most MAX_ACCUMULATORS; the fewest block warps, at least
+    `min_warps`, that allow one), the one using most warps, then with fewest warps sharing the
+    contraction (each such warp holds a whole copy of its tiles), then with the most mma.sync per ldmatrix."""
+    if k % 16 or n % 8:
+        return None
+    if m % 16 == 0:  # tiles: 16-row blocks of C; 16-column pairs of n8 tiles where n allows, else n8 tiles
+        orient, big, small = ("mn", (m // 16, n // 16), (1, 2)) if n % 16 == 0 else ("mn", (m // 16, n // 8), (1, 1))
+    elif m % 8 == 0 and n % 16 == 0:
+        orient, big, small = "nm", (n // 16, m // 8), (1, 1)
+    else:
+        return None
+    for warps in sorted({max(w, min_warps) for w in WARPS}):
+        best, key = None, None
+        for w1 in _divisors(big[0]):
+            for w2 in _divisors(big[1]):
+                for wk in _divisors(k // 16):
+                    if w1 * w2 * wk > warps:
+                        continue
+                    t1, t2 = big[0] // w1 * small[0], big[1] // w2 * small[1]
+                    wm, wn = (w1, w2) if orient == "mn" else (w2, w1)
+                    t = Tiling(orient, m, n, k, wm, wn, wk, t1, t2, warps)
+                    if t.accumulators > MAX_ACCUMULATORS:
+                        continue
+                    score = (w1 * w2 * wk, -wk, t.mma_per_k / t.ldmatrix_per_k)
+                    if key is None or score > key:
+                        best, key = t, score
+        if best is not None:
+            return best
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
