@@ -73,9 +73,18 @@ def test_generated_code_names_the_program_and_uses_tensor_cores_where_tiles_allo
     src = built.kernels[0].source
     assert "// rmsnorm_linear: kernel rmsnorm_matmul" in src
     assert "// acc = acc_sum((xt @ wt))" in src and "store Y[:, x] = (acc / rms)" in src
-    assert "wmma::mma_sync" in src and "#else" in src  # tensor cores, with the plain path beside them
-    assert "prism::cp_async<8>" in src and "prism::cp_async_wait_all();" in src  # 16-byte async copies
+    # the product folded into acc_sum: register-tiled mma.sync, with the plain path beside it
+    assert "prism::mma_m16n8k16<half>(r_a3[i][j]" in src and "prism::ldmatrix<" in src and "#else" in src
+    assert "float r_a3[" in src and "the accumulators, from registers into s_a3" in src
+    assert "prism::cp_async<8>" in src and "prism::cp_async_wait" in src  # 16-byte async copies
     assert built.kernels[0].tensor_cores
+
+
+def test_a_product_computed_on_its_own_stays_on_wmma():
+    program = load(ROOT / "programs/fused/attention.prism").program()
+    options = BuildOptions(dims={"b": 1, "h": 1, "q": 16, "kv": 64, "dh": 32}, grid={"gq": 1}, loop={"F": 2})
+    kernel = build(program, H100, options).kernels[0]
+    assert "wmma::mma_sync" in kernel.source and kernel.tensor_cores  # s = qt @ kt, read by online softmax
 
 
 # -- nvcc -----------------------------------------------------------------------------------------------
