@@ -33,14 +33,14 @@ import jinja2
 
 from ..base.resources import data_dir
 from ..ir.accumulators import ACCUMULATORS
-from ..kernels.fusion import ALIGN, Buffer, Place, compute_dtype, plan
+from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete
 from ..kernels.kernel import after_loop, loop_varying
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 from ..lang.printer import format_number, node_text
-from .warp_mma import Tiling, tiling
+from .launch import CodegenConfig, layout, mma_shape, stage_elements, uses_tensor_cores, vector_width
 
 TEMPLATES = data_dir("templates", "templates")
 HEADER = "prism.cuh"
@@ -54,13 +54,6 @@ C_OPS = {
     "square": "({0} * {0})", "sigmoid": "prism::sigmoid_({0})", "silu": "prism::silu_({0})",
     "gelu": "prism::gelu_({0})", "relu": "prism::relu_({0})",
 }
-
-
-@dataclass(frozen=True)
-class CodegenConfig:
-    threads: int = 128  # threads per block
-    tensor_cores: bool = True  # emit the wmma path where tile shapes allow
-    vector_loads: bool = True  # 16-byte copies from global memory where alignment allows
 
 
 @dataclass(frozen=True)
@@ -108,61 +101,6 @@ def template_env() -> jinja2.Environment:
 
 def header_source() -> str:
     return (TEMPLATES / HEADER).read_text()
-
-
-def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
-    """The wmma fragment (rows, cols; depth 16) for an m x k @ k x n product, or None.
-
-    Fragment pointers must be 32-byte aligned: with f16/bf16 operands and f32 results that holds when
-    fragment columns are multiples of 16, so the 32 x 8 shape is not used."""
-    if k % 16:
-        return None
-    return next(((fm, fn) for fm, fn in ((16, 16), (8, 32)) if m % fm == 0 and n % fn == 0), None)
-
-
-def tensor_core_operands(a: Node, b: Node, place, shape_of) -> bool:
-    """Whether a @ b has what tensor cores take: f16/bf16 tiles in shared memory, matrices (leading dims 1)."""
-    if place.get(a) is not Place.SMEM or place.get(b) is not Place.SMEM:
-        return False
-    if a.dtype != b.dtype or a.dtype not in (DType.F16, DType.BF16) or a.op != "tile" or b.op != "tile":
-        return False
-    sa, sb = shape_of(a), shape_of(b)
-    return len(sa) >= 2 and len(sb) >= 2 and all(s == 1 for s in sa[:-2] + sb[:-2])
-
-
-def uses_tensor_cores(a: Node, b: Node, place, shape_of) -> bool:
-    """Whether the product a @ b of a kernel body runs on wmma tensor-core tiles (see `_Emitter._mma`)."""
-    if not tensor_core_operands(a, b, place, shape_of):
-        return False
-    sa, sb = shape_of(a), shape_of(b)
-    return mma_shape(sa[-2], sb[-1], sa[-1]) is not None
-
-
-def register_products(c: Concrete, config: "CodegenConfig") -> tuple[dict[Node, Tiling], int]:
-    """The loop's products that run register-tiled (`warp_mma`): each `acc_sum(a @ b)` whose product is
-    fused into it, with f16/bf16 tiles in shared memory that `warp_mma.tiling` can lay out; and the threads
-    per block the kernel then needs (at least `config.threads`)."""
-    if not config.tensor_cores or compute_dtype(c.kernel) is not DType.F32:
-        return {}, config.threads
-    p = plan(c.kernel)
-
-    def shape(n):
-        return tuple(int(bind(s, c.binding)) for s in n.shape)
-
-    def layouts(min_warps: int) -> dict[Node, Tiling]:
-        out = {}
-        for acc in c.kernel.body():
-            x = acc.args[0] if acc.op == "acc_sum" else None
-            if x is None or p.place.get(x) is not Place.FUSED or not tensor_core_operands(*x.args, p.place, shape):
-                continue
-            sa, sb = shape(x.args[0]), shape(x.args[1])
-            if (t := tiling(sa[-2], sb[-1], sa[-1], min_warps)) is not None:
-                out[acc] = t
-        return out
-
-    first = layouts(config.threads // 32)
-    warps = max([config.threads // 32] + [t.warps for t in first.values()])
-    return (layouts(warps) if warps * 32 != config.threads else first), warps * 32
 
 
 # -- index arithmetic ---------------------------------------------------------------------------------
@@ -226,7 +164,8 @@ class _Emitter:
         self.suffix = "f" if self.real == "float" else ""
         self.names = program.names
         self.tensor_core_steps = 0
-        self.registers, self.threads = register_products(c, config)
+        self.layout = layout(c, config)
+        self.registers, self.threads, self.pad = self.layout.registers, self.layout.threads, self.layout.pads
         self.cname = {b.name: f"s_{ident(b.name)}" for b in self.plan.buffers}
 
     # shapes and buffers
@@ -240,7 +179,7 @@ class _Emitter:
         return f"real({text})" if self.real != "float" else text + "f"
 
     def at(self, b: Buffer, idx: list[str]) -> str:
-        ref = f"{self.cname[b.name]}[{offset(idx, self.shape(b), b.pad)}]"
+        ref = f"{self.cname[b.name]}[{offset(idx, self.shape(b), self.pad[b.name])}]"
         return ref if b.dtype in (DType.F32, DType.F64) else f"prism::to_f({ref})"
 
     # reading a value at an index of the reader's index space (numpy broadcasting, right-aligned)
@@ -281,20 +220,19 @@ class _Emitter:
         lines, idx = decompose("e", shape, "i")
         return {"kind": "elements", "comment": text, "n": math.prod(shape), "idx": lines, "body": body_of(idx)}
 
-    def load_step(self, node: Node) -> dict:
+    def load_step(self, node: Node, it: str = "it", dst: str = "") -> dict:
+        """The tile `node` copied in: at loop iteration `it` (a C expression), into `dst` (its buffer)."""
         load = self.k.load(node.attr)
         src = self.k.inputs[load.source]
         full, tile, b = self.shape(src), self.shape(node), self.plan.buffer(node)
-        vec = 16 // b.dtype.bytes if self.config.vector_loads else 1
-        if vec > 1 and not (tile[-1] % vec == 0 and full[-1] % vec == 0):
-            vec = 1
+        vec = vector_width(self.c, node, self.config)
         lines, idx = decompose("e", tile, "i")
         parts = [([f"blockIdx.{dm.axis} * {size // dict(self.c.grid)[dm.axis]}"] if dm.axis else [])
-                 + ([f"it * {t}"] if dm.loop else []) + ([i] if i != "0" else [])
+                 + ([f"{it} * {t}"] if dm.loop else []) + ([i] if i != "0" else [])
                  for size, t, dm, i in zip(full, tile, load.map.dims, idx)]
         text = comment(f"{node.attr} = load {tensor_name(src)}{load.map}  tile {list(tile)} of {list(full)}")
         return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec,
-                "dst": self.cname[b.name], "at": offset(idx, tile, b.pad), "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
+                "dst": dst or self.cname[b.name], "at": offset(idx, tile, self.pad[b.name]), "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
 
     def compute_step(self, node: Node) -> dict:
         shape, dst, kind = self.shape(node), self.cname[self.plan.buffer(node).name], OPS[node.op].kind
@@ -336,7 +274,7 @@ class _Emitter:
         self.tensor_core_steps += 1
         return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
                 "a": self.cname[ba.name], "b": self.cname[bb.name], "c": dst, "ab": CTYPE[ba.dtype],
-                "lda": k + ba.pad, "ldb": n + bb.pad, "accumulate": accumulate}
+                "lda": k + self.pad[ba.name], "ldb": n + self.pad[bb.name], "accumulate": accumulate}
 
     def warp_mma(self, acc: Node, plain: dict) -> dict:
         """acc += a @ b into registers, each warp its own tiles (see `warp_mma`); `plain` for other GPUs."""
@@ -346,7 +284,7 @@ class _Emitter:
         return {"kind": "warp_mma", "comment": plain.get("comment", ""), "t": self.registers[acc],
                 "acc": "r_" + self.cname[self.held(acc).name][2:], "c": self.cname[self.held(acc).name],
                 "a": self.cname[ba.name], "b": self.cname[bb.name], "ab": CTYPE[ba.dtype],
-                "lda": self.shape(a)[-1] + ba.pad, "ldb": self.shape(b)[-1] + bb.pad,
+                "lda": self.shape(a)[-1] + self.pad[ba.name], "ldb": self.shape(b)[-1] + self.pad[bb.name],
                 "plain": plain.get("plain", plain)}
 
     def reduce(self, node: Node, dst: str) -> dict:
@@ -485,8 +423,14 @@ class _Emitter:
         in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
         prologue = self.init_steps()
         prologue += [self.load_step(n) for n in in_loop if n.op == "tile" and n not in varying]
-        # the loop's loads run together; one barrier after them
-        loop_steps = self._merge([self.load_step(n) for n in in_loop if n.op == "tile" and n in varying])
+        # the loop's loads run together; one barrier after them (or, pipelined, issued stages - 1 iterations ahead)
+        loop_tiles = [n for n in in_loop if n.op == "tile" and n in varying]
+        stages = self.layout.stages
+        staged = [{"cname": self.cname[self.plan.buffer(n).name], "ctype": CTYPE[self.plan.buffer(n).dtype],
+                   "stride": stage_elements(c, self.plan.buffer(n))} for n in loop_tiles] if stages > 1 else []
+        ahead = self._merge([self.load_step(n, "ahead", f"{st['cname']}_stages + ahead % {stages} * {st['stride']}")
+                             for n, st in zip(loop_tiles, staged)])
+        loop_steps = [] if staged else self._merge([self.load_step(n) for n in loop_tiles])
         done: set = set()
         for n in in_loop:
             kind = OPS[n.op].kind
@@ -501,13 +445,13 @@ class _Emitter:
         epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
         epilogue += [self.store_step(i) for i in range(len(k.stores))]
 
-        buffers, at = [], 0
-        for b in self.plan.buffers:
-            size = int(bind(b.bytes, c.binding))
-            buffers.append({"cname": self.cname[b.name], "ctype": CTYPE[b.dtype], "offset": at, "bytes": size,
-                            "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}")})
-            at += -(-size // ALIGN) * ALIGN
-        smem = max(at, 16)
+        pipelined = {st["cname"] for st in staged}
+        buffers = [{"cname": self.cname[b.name] + ("_stages" if self.cname[b.name] in pipelined else ""),
+                    "ctype": CTYPE[b.dtype], "offset": self.layout.offsets[b.name], "bytes": self.layout.sizes[b.name],
+                    "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}"
+                                       + (f", {stages} stages" if self.cname[b.name] in pipelined else ""))}
+                   for b in self.plan.buffers]
+        smem = self.layout.smem
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
         params = [f"const {CTYPE[n.dtype]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
         params += [f"{CTYPE[s.value.dtype or DType.F32]}* __restrict__ g_{ident(s.name)}" for s in k.stores]
@@ -515,12 +459,12 @@ class _Emitter:
         grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
         summary = [comment(f"load {l.tile} = {tensor_name(k.inputs[l.source])}{l.map}") for l in k.loads]
         summary += [comment(f"store {s.name}{s.map}") for s in k.stores]
-        for step in prologue + loop_steps + epilogue:
+        for step in prologue + loop_steps + epilogue + ahead:
             step["async"] = _async(step)
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "threads": self.threads, "smem": smem, "summary": summary, "params": params,
-               "registers": registers, "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
+               "registers": registers, "stages": stages, "staged": staged, "ahead": ahead, "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
         source = template_env().get_template("kernel.cu.j2").render(k=ctx)
         zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
         return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.threads, 1, 1), smem,

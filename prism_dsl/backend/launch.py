@@ -1,0 +1,164 @@
+"""The shape of a generated kernel, decided once for the code generator and the cost model to share.
+
+Where it sits: between parameter instantiation and `codegen`; `cost` reads the same decisions, so the model
+prices the code that is written. For one concrete kernel and a `CodegenConfig`, `layout` says:
+
+- which products run on tensor cores and how: register-tiled `mma.sync` for a loop's `acc_sum(a @ b)`
+  (`warp_mma.tiling`), wmma fragments for other products of suitable shape (`mma_shape`);
+- the threads per block: the configured count, or more where a register-tiled product needs more warps;
+- the stages of the loop's copy pipeline: with every loop tile copied by 16-byte `cp.async`, the loads of
+  iteration `it + stages - 1` are issued while iteration `it` computes, each loop tile then having `stages`
+  buffers; as many stages as the config allows (`CodegenConfig.stages`) and shared memory holds
+  (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block);
+- the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..ir.nodes import DType, Node
+from ..kernels.constraints import Concrete
+from ..kernels.fusion import ALIGN, Buffer, Place, compute_dtype, plan
+from ..kernels.kernel import loop_varying
+from ..kernels.sizes import bind
+from .warp_mma import Tiling, tiling
+
+DEFAULT_STAGES = 3  # cp.async pipeline depth, at most: 2 overlaps one load with compute, 3 covers latency jitter
+
+
+@dataclass(frozen=True)
+class CodegenConfig:
+    threads: int = 128  # threads per block (at least; register-tiled products may take more)
+    tensor_cores: bool = True  # emit tensor-core paths (mma.sync, wmma) where tile shapes allow
+    vector_loads: bool = True  # 16-byte copies from global memory where alignment allows
+    stages: int = DEFAULT_STAGES  # loop-tile pipeline depth, at most (1: no pipeline)
+    smem_limit: int = 232448  # bytes of shared memory a block may use (the hardware's; H100: 227 KiB)
+
+
+@dataclass(frozen=True)
+class Layout:
+    threads: int
+    registers: dict[Node, Tiling]  # register-tiled products, by the acc_sum that folds them
+    stages: int  # 1: the loop's tiles load, wait, then compute
+    pads: dict[str, int]  # buffer name -> elements after each row (`padding`)
+    offsets: dict[str, int]  # buffer name -> byte offset in the block's shared memory
+    sizes: dict[str, int]  # buffer name -> bytes (every stage, for loop tiles)
+    smem: int  # bytes per block
+
+
+def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
+    """The wmma fragment (rows, cols; depth 16) for an m x k @ k x n product, or None.
+
+    Fragment pointers must be 32-byte aligned: with f16/bf16 operands and f32 results that holds when
+    fragment columns are multiples of 16, so the 32 x 8 shape is not used."""
+    if k % 16:
+        return None
+    return next(((fm, fn) for fm, fn in ((16, 16), (8, 32)) if m % fm == 0 and n % fn == 0), None)
+
+
+def tensor_core_operands(a: Node, b: Node, place, shape_of) -> bool:
+    """Whether a @ b has what tensor cores take: f16/bf16 tiles in shared memory, matrices (leading dims 1)."""
+    if place.get(a) is not Place.SMEM or place.get(b) is not Place.SMEM:
+        return False
+    if a.dtype != b.dtype or a.dtype not in (DType.F16, DType.BF16) or a.op != "tile" or b.op != "tile":
+        return False
+    sa, sb = shape_of(a), shape_of(b)
+    return len(sa) >= 2 and len(sb) >= 2 and all(s == 1 for s in sa[:-2] + sb[:-2])
+
+
+def uses_tensor_cores(a: Node, b: Node, place, shape_of) -> bool:
+    """Whether the product a @ b of a kernel body runs on wmma tensor-core tiles (`codegen`'s "mma" step)."""
+    if not tensor_core_operands(a, b, place, shape_of):
+        return False
+    sa, sb = shape_of(a), shape_of(b)
+    return mma_shape(sa[-2], sb[-1], sa[-1]) is not None
+
+
+def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Tiling], int]:
+    """The loop's products that run register-tiled (`warp_mma`): each `acc_sum(a @ b)` whose product is
+    fused into it, with f16/bf16 tiles in shared memory that `warp_mma.tiling` can lay out; and the threads
+    per block the kernel then needs (at least `config.threads`)."""
+    if not config.tensor_cores or compute_dtype(c.kernel) is not DType.F32:
+        return {}, config.threads
+    p = plan(c.kernel)
+
+    def shape(n):
+        return tuple(int(bind(s, c.binding)) for s in n.shape)
+
+    def layouts(min_warps: int) -> dict[Node, Tiling]:
+        out = {}
+        for acc in c.kernel.body():
+            x = acc.args[0] if acc.op == "acc_sum" else None
+            if x is None or p.place.get(x) is not Place.FUSED or not tensor_core_operands(*x.args, p.place, shape):
+                continue
+            sa, sb = shape(x.args[0]), shape(x.args[1])
+            if (t := tiling(sa[-2], sb[-1], sa[-1], min_warps)) is not None:
+                out[acc] = t
+        return out
+
+    first = layouts(config.threads // 32)
+    warps = max([config.threads // 32] + [t.warps for t in first.values()])
+    return (layouts(warps) if warps * 32 != config.threads else first), warps * 32
+
+
+def vector_width(c: Concrete, tile: Node, config: CodegenConfig) -> int:
+    """Elements per copy of a loaded tile: 16 bytes where the tile's rows and the tensor's allow, else 1."""
+    load = c.kernel.load(tile.attr)
+    full = [int(bind(s, c.binding)) for s in c.kernel.inputs[load.source].shape]
+    part = [int(bind(s, c.binding)) for s in tile.shape]
+    vec = 16 // (tile.dtype or DType.F32).bytes if config.vector_loads else 1
+    return vec if vec > 1 and part[-1] % vec == 0 and full[-1] % vec == 0 else 1
+
+
+def padding(c: Concrete, b: Buffer) -> int:
+    """Elements after each row of a buffer: its `Buffer.pad` (the most the shared-memory constraint allows
+    for) where rows are 64 bytes or more and a multiple of 32, whose 8 rows of an ldmatrix would otherwise
+    share banks 4 to 8 ways; none for other rows, where padding would cost more than it saves."""
+    row = int(bind(b.shape[-1], c.binding)) * b.dtype.bytes if b.shape else 0
+    return b.pad if b.pad and row >= 64 and row % 32 == 0 else 0
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(c: Concrete, config: CodegenConfig) -> Layout:
+    """The kernel's threads, register-tiled products, pipeline stages and shared-memory buffers."""
+    registers, threads = register_products(c, config)
+    k, p = c.kernel, plan(c.kernel)
+    varying = loop_varying(k)
+    pads = {b.name: padding(c, b) for b in p.buffers}
+    size = {b.name: _bytes(c, b, pads[b.name]) for b in p.buffers}
+    staged = [b for b in p.buffers if b.role == "tile" and b.node in varying]
+    stages = 1
+    if c.loop > 1 and staged and all(vector_width(c, b.node, config) > 1 for b in staged):
+        base = sum(_aligned(s) for s in size.values())
+        extra = sum(_aligned(size[b.name]) for b in staged)
+        stages = max(1, min(config.stages, 1 + (config.smem_limit - base) // max(extra, 1), c.loop))
+    offsets, sizes, at = {}, {}, 0
+    for b in p.buffers:
+        sizes[b.name] = _aligned(size[b.name]) * stages if b in staged and stages > 1 else size[b.name]
+        offsets[b.name] = at
+        at += _aligned(sizes[b.name])
+    return Layout(threads, registers, stages, pads, offsets, sizes, max(at, 16))
+
+
+def _bytes(c: Concrete, b: Buffer, pad: int) -> int:
+    shape = [int(bind(s, c.binding)) for s in b.shape]
+    rows = math.prod(shape[:-1]) if shape else 1
+    return (math.prod(shape) + rows * pad) * b.dtype.bytes
+
+
+def stage_elements(c: Concrete, b: Buffer) -> int:
+    """Elements from one stage of a pipelined loop tile to the next (each stage 128-byte aligned)."""
+    return _aligned(_bytes(c, b, padding(c, b))) // b.dtype.bytes
+
+
+def blocks_per_sm(smem: int, threads: int, registers: int, hardware) -> int:
+    """How many blocks an SM holds: by shared memory, threads, registers (64K per SM) and the block limit."""
+    by_regs = 65536 // max(1, registers * threads) if registers else hardware.max_blocks_per_sm
+    return max(0, min(hardware.smem_per_sm // max(smem, 1), hardware.max_threads_per_sm // threads, by_regs,
+                      hardware.max_blocks_per_sm))
+
