@@ -1,28 +1,53 @@
 """The cost model: an estimated time per concrete kernel, for ranking where there is no GPU to time on.
 
-Where it sits: parameter instantiation (`tune`) and reports. It counts what the generated code does
-(`fusion.plan` and `codegen` decide that), from the instantiated tiles:
+Where it sits: parameter instantiation (`tune`) and reports. It prices the code the generator writes for the
+kernel: `launch.layout` (threads, register-tiled products, pipeline stages, shared memory) is the same
+decision `codegen` renders, and the work is counted from the instantiated tiles:
 
     dram   = bytes each load brings from device memory: the tensor once when it fits in L2 (re-reads by
              other blocks hit L2), every tile read otherwise; plus every byte stored
     l2     = bytes of every tile read by every block on every iteration (the traffic L2 serves)
-    flops  = per block and iteration: 2*m*n*k per matrix product (on tensor cores where `codegen` puts
-             it there), one per element for element-wise ops, accumulators and reductions
-    occ    = blocks resident per SM: min(smem per SM / smem per block, threads per SM / threads per
-             block, the block limit)
-    waves  = ceil(blocks / (SMs * occ));  quant = blocks / (waves * min(blocks, SMs * occ))
-    share  = min(blocks, SMs) / SMs                       (SMs with any work at all)
-    hide   = min(1, threads resident per busy SM / 512)   (too few threads cannot hide memory latency)
-    reach  = min(1, SM_REACH * share * hide)              (a lone SM can pull several times its 1/SMs share)
-    t_mem  = max(dram / bandwidth, l2 / L2 bandwidth) / (reach * quant)
-    t_math = (tensor-core flops / matrix peak + other flops / f32 peak) / (share * quant)
-    t_loop = waves * F * iteration latency                (the loop does not pipeline its loads)
-    time   = launch overhead + max(t_mem, t_math, t_loop)
+    math   = per block and iteration, each product by the path that runs it (below), every other op one
+             f32 operation per element (row-wise ops three)
+    occ    = blocks resident per SM: by shared memory (`layout.smem`), threads, registers (an estimate:
+             REGISTERS_BASE plus a register-tiled product's accumulators) and the block limit
+    resident = min(blocks, SMs * occ);  waves = ceil(blocks / resident);  busy = min(blocks, SMs)
 
-It is meant to rank, not to predict to the microsecond: it puts a fused kernel ahead of the unfused
-sequence (launches and the intermediates' round trips), and a grid that fills the SMs ahead of one that
-leaves most idle. `roofline` is the floor a program cannot beat on some hardware: max(bytes/bandwidth,
-flops/peak) with bytes = its inputs read once and outputs written once.
+    Memory, by Little's law: the bandwidth a kernel reaches is the bytes it keeps in flight over the
+    latency, at most the achievable share of the peak:
+        flight = per SM, the loop tiles of every resident block (stages - 1 iterations of them when the
+                 loop is pipelined, one otherwise); the once-loaded tiles and stores count as one tile
+        bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency)
+        t_mem  = max(dram / bw, l2 / l2 bandwidth)
+
+    Math, per path (each a rate for the whole GPU, scaled by busy / SMs):
+        register-tiled mma.sync   min(peak * MMA_SYNC_REACH, smem bandwidth * flops per ldmatrix byte)
+        wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
+        plain f32 dot products and element-wise work   f32 peak * SCALAR_REACH
+
+    Phases: a pipelined loop overlaps its copies with its math (time = max of the two), and so do two or
+    more resident blocks; a lone unpipelined block per SM waits for every tile before computing
+    (time = sum). Each loop iteration of an unpipelined block also pays the hardware's iteration latency.
+
+        time = launch overhead + phases (+ waves * loop * iteration latency, unpipelined)
+
+The constants, and what anchors them (H100 SXM; read every figure as +-30%):
+- BANDWIDTH_REACH = 0.9: streaming kernels (cuBLAS GEMV, FlashDecoding) reach 75-90% of the 3.35 TB/s
+  HBM3 peak; the hardware file's `bandwidth_gbs` is the measured copy bandwidth.
+- dram_latency_ns (hardware file, H100 600): loaded DRAM latency on Hopper in microbenchmark studies is
+  roughly 500-700 ns; 3.35 TB/s over 600 ns needs about 2 MB in flight, 15 KB per SM.
+- MMA_SYNC_REACH = 0.5: `mma.sync` cannot issue fast enough to reach the sm_90 dense peak (989 TFLOP/s
+  f16); FlashAttention-2, built on it, runs at 350-400 TFLOP/s on H100, FlashAttention-3 with `wgmma`
+  at 600-750.
+- smem bandwidth: 128 bytes per clock per SM at 1.75 GHz (about 30 TB/s for the GPU); a warp tile of
+  tm x tn instruction tiles moves (256 tm + 128 tn) * 2 bytes by ldmatrix per k step for 4096 tm tn flops.
+- WMMA_REACH = 0.04: the wmma path reloads and stores its accumulator in shared memory every k step and
+  its 256-512-byte row strides conflict 8 ways: about 30-40 TFLOP/s as generated.
+- SCALAR_REACH = 0.2: a plain dot product issues 2 shared loads and 2 conversions per FFMA: about 12 of
+  the 60 TFLOP/s f32 peak.
+It is meant to rank, not to predict to the microsecond. `roofline` is the floor no program beats:
+max(bytes / peak bandwidth, flops / peak) with bytes = the inputs read once and the outputs written once
+and flops = every product's, those inside custom kernels included.
 """
 
 from __future__ import annotations
@@ -34,7 +59,7 @@ from typing import Mapping
 
 import sympy
 
-from .codegen import uses_tensor_cores
+from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import plan
 from ..ir.nodes import DType, Node, Program
@@ -46,7 +71,13 @@ from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
-SM_REACH = 4.0  # how many times its even share of the bandwidth one SM can draw when few SMs are busy
+BANDWIDTH_REACH = 0.9
+MMA_SYNC_REACH = 0.5
+WMMA_REACH = 0.04
+SCALAR_REACH = 0.2
+SMEM_BYTES_PER_CLOCK = 128  # per SM
+CLOCK_GHZ = 1.75
+REGISTERS_BASE = 64  # registers per thread besides a register-tiled product's accumulators and fragments
 
 
 @dataclass(frozen=True)
@@ -66,9 +97,10 @@ class Estimate:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def kernel_work(c: Concrete, hardware: Hardware) -> tuple[int, int, int, int]:
+def kernel_work(c: Concrete, hardware: Hardware, config: CodegenConfig | None = None) -> tuple[int, int, int, int]:
     """(dram bytes, l2 bytes, f32 flops, tensor-core flops) of one launch of `c`."""
     k = c.kernel
+    registered = {acc.args[0] for acc in layout(c, config or CodegenConfig()).registers}
     shape = c.shape
     blocks, loop = c.blocks(), c.loop
     varying = loop_varying(k)
@@ -92,17 +124,17 @@ def kernel_work(c: Concrete, hardware: Hardware) -> tuple[int, int, int, int]:
     flops = tc = 0
     for n in k.body():
         times = blocks * (1 if n in after and OPS[n.op].kind is not Kind.ACCUMULATE else loop)
-        f, t = _node_flops(n, shape, p.place)
+        f, t = _node_flops(n, shape, p.place, registered)
         flops += f * times
         tc += t * times
     return dram, l2, flops, tc
 
 
-def _node_flops(n: Node, shape, place) -> tuple[int, int]:
+def _node_flops(n: Node, shape, place, registered=frozenset()) -> tuple[int, int]:
     kind = OPS[n.op].kind
     if kind is Kind.MATMUL:
         work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
-        return (0, work) if uses_tensor_cores(n.args[0], n.args[1], place, shape) else (work, 0)
+        return (0, work) if n in registered or uses_tensor_cores(n.args[0], n.args[1], place, shape) else (work, 0)
     if kind is Kind.ACCUMULATE:  # `flops` per element of its first operand, plus any product it folds
         acc, x = ACCUMULATORS[n.op], shape(n.args[0])
         return acc.flops * math.prod(x) + (2 * math.prod(shape(n)) * x[-1] if acc.like == "matmul" else 0), 0
@@ -112,29 +144,59 @@ def _node_flops(n: Node, shape, place) -> tuple[int, int]:
     return 0, 0
 
 
-def estimate(c: Concrete, hardware: Hardware, threads: int = 128) -> Estimate:
-    dram, l2, flops, tc = kernel_work(c, hardware)
+def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None) -> Estimate:
+    config = config or CodegenConfig(threads=threads, smem_limit=hardware.smem_per_block)
+    shape = layout(c, config)
+    dram, l2, flops, tc = kernel_work(c, hardware, config)
     blocks = c.blocks()
-    occ = max(1, min(hardware.smem_per_sm // max(c.smem_bytes, 1), hardware.max_threads_per_sm // threads,
-                     hardware.max_blocks_per_sm))
+    regs = min(255, REGISTERS_BASE + max((t.accumulators + 6 * t.tm + 2 * t.tn for t in shape.registers.values()),
+                                         default=0))
+    occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
     resident = min(blocks, hardware.sms * occ)
     waves = math.ceil(blocks / resident)
-    quant = blocks / (waves * resident)
     busy = min(blocks, hardware.sms)
     share = busy / hardware.sms
-    hide = min(1.0, math.ceil(resident / busy) * threads / 512)
-    reach = min(1.0, SM_REACH * share * hide)
     us = 1e6
-    t_mem = max(dram / (hardware.bandwidth_gbs * 1e9), l2 / (hardware.l2_bandwidth_gbs * 1e9)) * us / (reach * quant)
-    dtype = next((n.dtype.value for n in c.kernel.inputs if n.dtype in (DType.F16, DType.BF16)), "f16")
-    t_math = (tc / (hardware.peak_tflops[dtype] * 1e12) + flops / (hardware.peak_tflops["f32"] * 1e12)) * us / (share * quant)
-    t_loop = waves * c.loop * hardware.iteration_latency_us
+    flight = math.ceil(resident / busy) * _bytes_in_flight(c, shape)
+    bandwidth = min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9))
+    t_mem = max(dram / bandwidth, l2 / (hardware.l2_bandwidth_gbs * 1e9)) * us
+    t_math = _math_seconds(c, shape, hardware, flops, tc) * us / share
+    overlaps = shape.stages > 1 or math.ceil(resident / busy) > 1
+    t_loop = 0.0 if shape.stages > 1 else waves * c.loop * hardware.iteration_latency_us
     terms = {"memory": t_mem, "math": t_math, "loop": t_loop}
     bound = max(terms, key=terms.get)
-    time = hardware.launch_overhead_us + terms[bound]
-    if terms[bound] < hardware.launch_overhead_us:
+    body = (max(t_mem, t_math) if overlaps else t_mem + t_math) + t_loop
+    if body < hardware.launch_overhead_us:
         bound = "launch"
-    return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(time, 3), bound)
+    return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(hardware.launch_overhead_us + body, 3),
+                    bound)
+
+
+def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
+    """Bytes one block has in flight from device memory: its loop tiles for stages - 1 iterations (one when
+    unpipelined), or its largest other tile when it has no loop tiles."""
+    k, varying = c.kernel, loop_varying(c.kernel)
+    tiles = [(k.tile_node(l.tile), k.inputs[l.source]) for l in k.loads]
+    sizes = [(n in varying, math.prod(c.shape(n)) * src.dtype.bytes) for n, src in tiles if n is not None]
+    looped = sum(b for v, b in sizes if v)
+    return max(1, looped * max(1, shape.stages - 1) if looped else max((b for _, b in sizes), default=16))
+
+
+def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int) -> float:
+    """Seconds of math on the whole GPU: each product by its path, the rest as f32 work."""
+    k = c.kernel
+    dtype = next((n.dtype.value for n in k.inputs if n.dtype in (DType.F16, DType.BF16)), "f16")
+    peak = hardware.peak_tflops[dtype] * 1e12
+    smem = SMEM_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9 * hardware.sms
+    times = c.blocks() * c.loop
+    seconds, registered = 0.0, 0
+    for acc, t in shape.registers.items():
+        work = 2 * math.prod(c.shape(acc)) * c.shape(acc.args[0].args[0])[-1] * times
+        per_byte = 4096 * t.tm * t.tn / ((256 * t.tm + 128 * t.tn) * 2)
+        seconds += work / min(peak * MMA_SYNC_REACH, smem * per_byte)
+        registered += work
+    seconds += (tc - registered) / (peak * WMMA_REACH)
+    return seconds + flops / (hardware.peak_tflops["f32"] * 1e12 * SCALAR_REACH)
 
 
 def roofline(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> dict:
@@ -147,6 +209,14 @@ def roofline(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Ha
     for n in program.nodes():
         if n.op == "matmul":
             flops += 2 * math.prod(int(bind(s, binding)) for s in n.shape) * int(bind(n.args[0].shape[-1], binding))
+    for k in kernels_of(program):  # products inside custom kernels: per block and iteration, times both
+        runs = sympy.Mul(*[g for _, g in k.grid]) * k.loop_range
+        for n in k.body():
+            if n.op == "matmul" or (n.op in ACCUMULATORS and ACCUMULATORS[n.op].like == "matmul"):
+                depth = n.args[0].shape[-1]  # the contraction: a's columns (s's for exp(s) @ v)
+                total = sympy.simplify(2 * sympy.Mul(*n.shape) * depth * runs)
+                if not (value := bind(total, binding)).free_symbols:
+                    flops += int(value)
     dtype = next((n.dtype.value for n in program.inputs if n.dtype), "f16")
     t_mem = moved / (hardware.bandwidth_gbs * 1e9) * 1e6
     t_math = flops / (hardware.peak_tflops[dtype] * 1e12) * 1e6

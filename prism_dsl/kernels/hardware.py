@@ -28,6 +28,7 @@ class Hardware:
     peak_tflops: Mapping[str, float]
     l2_bandwidth_gbs: float
     iteration_latency_us: float
+    dram_latency_ns: float
     max_threads_per_sm: int
     max_blocks_per_sm: int
 

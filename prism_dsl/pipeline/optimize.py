@@ -85,7 +85,7 @@ class Outcome:
 
 
 # What the cost model's estimates come from: its code, and what it reads (the hardware files), nothing else.
-MODEL_CODE = ("ir", "kernels", "backend/cost.py")
+MODEL_CODE = ("ir", "kernels", "backend/cost.py", "backend/launch.py", "backend/warp_mma.py")
 
 
 def _dims(binding: dict) -> str:
