@@ -14,9 +14,9 @@ body node, one placement:
 
 `plan(kernel)` also lists the buffers a block needs, with symbolic shapes: this is what the generated
 CUDA allocates, and what the shared-memory constraint of `constraints.constraints` bounds (buffers are
-128-byte aligned in the kernel, so each counts 128 bytes of padding; rows of loaded 16-bit tiles are padded
-by `ROW_PAD` bytes). The online-softmax accumulators on
-the same scores share one running row max, one rescaling factor per row and one tile of exp(s - max).
+128-byte aligned in the kernel, so each counts 128 bytes of padding; rows of loaded 16-bit tiles count
+`ROW_PAD` bytes more, the most the generated code pads them). The online-softmax accumulators on the same
+scores share one running row max, one rescaling factor per row and one tile of exp(s - max).
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""The static performance report: for each workload at decode and prefill shapes, the program `prismc compile`
+chooses, and for each of its kernels what the compiled code does, read from its SASS (sm_90): the hot loop's
+instruction mix (HMMA, LDSM, LDGSTS, FFMA, LDS, BAR), registers, spills, shared memory, blocks per SM, the
+cost model's estimate and the roofline floor. No GPU is needed; nvcc and cuobjdump are (cuobjdump from the
+`sass` extra: pip install -e ".[sass]").
+
+    python benchmarks/static_report.py [--only NAME] [--time-limit SECONDS]
+
+Prints a markdown table (the one in benchmarks/NOTES.md) and the machine it ran on.
+"""
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from prism_dsl.backend import sass  # noqa: E402
+from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS  # noqa: E402
+from prism_dsl.backend.nvcc import nvcc_path  # noqa: E402
+
+ATTENTION = "b=2,h=8,q=1,dh=128"
+WORKLOADS = [  # (name, program, dims)
+    ("rmsnorm_linear decode", "rmsnorm_linear", "n=8,d=4096"),
+    ("rmsnorm_mlp decode", "rmsnorm_mlp", "n=8,d=4096"),
+    ("swiglu decode", "swiglu", "n=8,d=4096"),
+    ("attention decode kv=4096", "attention", ATTENTION + ",kv=4096"),
+    ("attention decode kv=32768", "attention", ATTENTION + ",kv=32768"),
+    ("rmsnorm_linear prefill", "rmsnorm_linear", "n=4096,d=4096"),
+    ("rmsnorm_mlp prefill", "rmsnorm_mlp", "n=4096,d=4096"),
+    ("swiglu prefill", "swiglu", "n=4096,d=4096"),
+    ("attention prefill", "attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
+]
+MIX = ("HMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "BAR")
+
+
+def kernel_rows(out: Path, report: dict) -> list[str]:
+    rows = []
+    for k in report["kernels"]:
+        cubin = out / (k["file"][:-3] + ".cubin")
+        done = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90", *NVCC_OPTIONS, "-o", str(cubin), k["file"]],
+                              cwd=out, capture_output=True, text=True)
+        loop = sass.hot_loop(sass.disassemble(cubin)) if done.returncode == 0 else None
+        mix = " / ".join(str(loop.counts[c]) for c in MIX) if loop else "no loop"
+        per = f"{loop.counts['HMMA'] / loop.counts['LDSM']:.1f}" if loop and loop.counts["LDSM"] else "-"
+        nv = k["nvcc"].get("sm_90", {})
+        est = k["estimate"]
+        rows.append(f"{k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {per} | "
+                    f"{nv.get('registers', '?')} | {nv.get('spill_stores', '?')} | {k['smem_bytes'] // 1024} KiB | "
+                    f"{est['occupancy']} | {est['time_us']:.1f} ({est['bound']})")
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="workloads whose name contains this")
+    parser.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
+    args = parser.parse_args()
+    if nvcc_path() is None or not sass.available():
+        print("needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')", file=sys.stderr)
+        return 2
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, Python {platform.python_version()}; "
+          f"SASS for sm_90 by {Path(sass.tool()).name}; model: H100 (no GPU ran)")
+    print("| workload | program | kernel | grid x threads | hot loop HMMA / LDSM / LDGSTS / FFMA / LDS / BAR | "
+          "HMMA per LDSM | registers | spills | shared | blocks/SM | model us | program model us | floor us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, program, dims in WORKLOADS:
+        if args.only and args.only not in name:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "o"
+            done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
+                                   "--dims", dims, "-o", str(out), "--json", "--no-emulate", "--arch", "sm_90",
+                                   "--time-limit", str(args.time_limit)], capture_output=True, text=True)
+            if not done.stdout.strip().startswith("{"):
+                print(f"| {name} | error: {(done.stderr.strip().splitlines() or ['?'])[-1]} |")
+                continue
+            report = json.loads(done.stdout)
+            head = f"| {name} ({dims}) | {len(report['kernels'])} kernel(s) | "
+            for i, row in enumerate(kernel_rows(out, report)):
+                tail = f" | {report['estimated_us']:.1f} | {report['roofline']['floor_us']:.1f} |" if i == 0 else " | | |"
+                print((head if i == 0 else "| | | ") + row + tail)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
