@@ -251,6 +251,8 @@ class _Emitter:
         shape = self.shape(out_node)
         plain = self.product(lambda ix: self.read(a, ix), lambda ix: self.read(b, ix), self.shape(a)[-1], shape, dst,
                              lambda idx: f"{dst}[e]" if accumulate else "real(0)", text)
+        if out_node in self.registers:  # an acc_sum whose product runs register-tiled
+            return self.warp_mma(out_node, dst, text) | {"plain": plain}
         mma = self._mma(a, b, shape, dst, accumulate, text)
         return mma | {"plain": plain} if mma else plain
 
@@ -276,16 +278,14 @@ class _Emitter:
                 "a": self.cname[ba.name], "b": self.cname[bb.name], "c": dst, "ab": CTYPE[ba.dtype],
                 "lda": k + self.pad[ba.name], "ldb": n + self.pad[bb.name], "accumulate": accumulate}
 
-    def warp_mma(self, acc: Node, plain: dict) -> dict:
-        """acc += a @ b into registers, each warp its own tiles (see `warp_mma`); `plain` for other GPUs."""
+    def warp_mma(self, acc: Node, dst: str, text: str) -> dict:
+        """acc += a @ b into registers, each warp its own tiles (see `warp_mma`); `dst` its state after the loop."""
         a, b = acc.args[0].args
         ba, bb = self.plan.buffer(a), self.plan.buffer(b)
         self.tensor_core_steps += 1
-        return {"kind": "warp_mma", "comment": plain.get("comment", ""), "t": self.registers[acc],
-                "acc": "r_" + self.cname[self.held(acc).name][2:], "c": self.cname[self.held(acc).name],
+        return {"kind": "warp_mma", "comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst,
                 "a": self.cname[ba.name], "b": self.cname[bb.name], "ab": CTYPE[ba.dtype],
-                "lda": self.shape(a)[-1] + self.pad[ba.name], "ldb": self.shape(b)[-1] + self.pad[bb.name],
-                "plain": plain.get("plain", plain)}
+                "lda": self.shape(a)[-1] + self.pad[ba.name], "ldb": self.shape(b)[-1] + self.pad[bb.name]}
 
     def reduce(self, node: Node, dst: str) -> dict:
         x, dim = node.args[0], node.attr
@@ -350,8 +350,7 @@ class _Emitter:
         if ACCUMULATORS[acc.op].online and x in self.plan.groups:
             return self.softmax_steps(x, done)
         if self.plan.place[x] is Place.FUSED:  # a product added straight into the running sum
-            step = self.matmul(x.args[0], x.args[1], acc, self.cname[self.held(acc).name], True, self.describe(acc))
-            return [self.warp_mma(acc, step)] if acc in self.registers else [step]
+            return [self.matmul(x.args[0], x.args[1], acc, self.cname[self.held(acc).name], True, self.describe(acc))]
         return [self.fold(acc, [lambda idx, a=a: self.read(a, idx) for a in acc.args])]
 
     def fold(self, acc: Node, reads: list, **names: str) -> dict:

@@ -97,10 +97,11 @@ class Estimate:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def kernel_work(c: Concrete, hardware: Hardware, config: CodegenConfig | None = None) -> tuple[int, int, int, int]:
-    """(dram bytes, l2 bytes, f32 flops, tensor-core flops) of one launch of `c`."""
+def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> tuple[int, int, int, int]:
+    """(dram bytes, l2 bytes, f32 flops, tensor-core flops) of one launch of `c`, laid out as `laid` (by
+    default as the default `CodegenConfig` lays it out)."""
     k = c.kernel
-    registered = {acc.args[0] for acc in layout(c, config or CodegenConfig()).registers}
+    registered = {acc.args[0] for acc in (laid or layout(c, CodegenConfig())).registers}
     shape = c.shape
     blocks, loop = c.blocks(), c.loop
     varying = loop_varying(k)
@@ -147,7 +148,7 @@ def _node_flops(n: Node, shape, place, registered=frozenset()) -> tuple[int, int
 def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None) -> Estimate:
     config = config or CodegenConfig(threads=threads, smem_limit=hardware.smem_per_block)
     shape = layout(c, config)
-    dram, l2, flops, tc = kernel_work(c, hardware, config)
+    dram, l2, flops, tc = kernel_work(c, hardware, shape)
     blocks = c.blocks()
     regs = min(255, REGISTERS_BASE + max((t.accumulators + 6 * t.tm + 2 * t.tn for t in shape.registers.values()),
                                          default=0))
