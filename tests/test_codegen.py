@@ -115,6 +115,21 @@ def test_generated_code_agrees_with_the_reference_in_the_cpu_emulation(path, tmp
 
 
 @needs_cxx
+def test_bf16_flash_decoding_keeps_its_partial_states_in_f32_and_meets_the_tolerance(tmp_path):
+    """Rounded to bf16, the per-piece states of this shape miss the 1e-2 tolerance (5e-2 measured); in f32
+    only the final rounding is left."""
+    path = tmp_path / "decoding.prism"
+    path.write_text((ROOT / "programs/fused/attention.decoding.prism").read_text().replace("f16", "bf16"))
+    program = load(path).program()
+    options = BuildOptions(dims={"b": 1, "kv": 2048}, archs=())
+    built = build(program, H100, options)
+    partial = next(k for k in built.kernels if k.name == "partial")
+    assert partial.source.count("float* __restrict__ g_") == 3  # M, L, P
+    check = emulate(built, options)
+    assert check.passed and check.outputs["O"]["max_rel_err"] < 5e-3, check
+
+
+@needs_cxx
 def test_emulation_catches_a_wrong_kernel(tmp_path, monkeypatch):
     import prism_dsl.backend.codegen as codegen
 

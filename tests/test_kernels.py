@@ -14,7 +14,8 @@ from prism_dsl.cli.main import main
 from prism_dsl.prove.egglog_runner import Limits
 from prism_dsl.kernels.constraints import instantiate
 from prism_dsl.kernels.hardware import load_hardware
-from prism_dsl.kernels.kernel import SymbolicMap, free_symbols, kernels_of, tile_shape
+from prism_dsl.ir.nodes import DType
+from prism_dsl.kernels.kernel import SymbolicMap, free_symbols, kernels_of, storage, stored_dtype, tile_shape
 from prism_dsl.kernels.params import choose
 from prism_dsl.prove.layout import bind_counts, to_terms
 from prism_dsl.lang.printer import print_program
@@ -367,6 +368,40 @@ program p(X: f32[n, d], W: f32[d, d]) {
             np.testing.assert_allclose(got[name], want[name], rtol=1e-10)
     proof = prove(load(plain).program(), program, DEFAULT)
     assert proof.proved, proof.reason
+
+
+def test_partial_results_are_stored_in_f32_and_the_combined_output_in_the_programs_dtype(tmp_path, capsys):
+    """FlashDecoding's per-piece max, sum and unnormalised output, and a `+=` sum across blocks, are kept in
+    f32 in device memory; the combining kernel reads f32 tiles and stores the output in the inputs' dtype."""
+    path = tmp_path / "decoding.prism"
+    path.write_text((REPO / "programs" / "fused" / "attention.decoding.prism").read_text().replace("f16", "bf16"))
+    program = load(path).program()
+    partial, combine = kernels_of(program)
+    assert [stored_dtype(partial, i) for i in range(3)] == [DType.F32] * 3
+    assert stored_dtype(combine, 0) is DType.BF16 and program.outputs[0][1].dtype is DType.BF16
+    assert all(storage(n) is DType.F32 for n in combine.inputs)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "-> P [S, b, h, q, dh] = [16, 2, 8, 1, 128] f32" in out and "load  pt = P[loop, x, y, :, :]" in out
+    assert "tile [1, b/gb, h/gh, q, dh] = [1, 2, 1, 1, 128] f32" in out
+    summed = tmp_path / "summed.prism"
+    summed.write_text("""dims n = 8, d = 64
+program p(X: f16[n, d], W: f16[d, d]) {
+    kernel mm grid(x = gx) loop(F) {
+        xt = load X[:, loop]
+        wt = load W[loop, x]
+        store A[:, x] = acc_sum(xt @ wt)
+    }
+    kernel split_k grid(x = gk) {
+        at = load A[:, x]
+        wt = load W[x, :]
+        store B[:, :] += at @ wt
+    }
+    return B
+}
+""")
+    mm, split_k = kernels_of(load(summed).program())
+    assert stored_dtype(mm, 0) is DType.F16 and stored_dtype(split_k, 0) is DType.F32
 
 
 # -- show --------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete
-from ..kernels.kernel import after_loop, loop_varying
+from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 from ..lang.printer import format_number, node_text
@@ -267,7 +267,7 @@ class _Emitter:
     def _mma(self, a: Node, b: Node, shape, dst: str, accumulate: bool, text: str) -> dict | None:
         if not self.config.tensor_cores or self.real != "float":
             return None
-        if not uses_tensor_cores(a, b, self.plan.place, self.shape):
+        if not uses_tensor_cores(a, b, self.plan, self.shape):
             return None
         ba, bb = self.plan.buffer(a), self.plan.buffer(b)
         sa, sb = self.shape(a), self.shape(b)
@@ -398,7 +398,7 @@ class _Emitter:
         grid = dict(self.c.grid)
         tile = tuple(s // grid[dm.axis] if dm.axis else s for s, dm in zip(out, store.map.dims))
         name = f"g_{ident(store.name)}"
-        ctype = CTYPE[store.value.dtype or DType.F32]
+        ctype = CTYPE[stored_dtype(self.k, index)]
         atomic = store.add and any(g > 1 and a not in store.map.axes() for a, g in grid.items())
 
         def body(idx):
@@ -452,8 +452,8 @@ class _Emitter:
                    for b in self.plan.buffers]
         smem = self.layout.smem
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
-        params = [f"const {CTYPE[n.dtype]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
-        params += [f"{CTYPE[s.value.dtype or DType.F32]}* __restrict__ g_{ident(s.name)}" for s in k.stores]
+        params = [f"const {CTYPE[storage(n)]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
+        params += [f"{CTYPE[stored_dtype(k, i)]}* __restrict__ g_{ident(s.name)}" for i, s in enumerate(k.stores)]
         function = f"prism_{ident(k.name)}"
         grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
         summary = [comment(f"load {l.tile} = {tensor_name(k.inputs[l.source])}{l.map}") for l in k.loads]

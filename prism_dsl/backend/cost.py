@@ -61,11 +61,11 @@ import sympy
 
 from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
-from ..kernels.fusion import plan
+from ..kernels.fusion import Plan, plan
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
 from ..kernels.hardware import Hardware
-from ..kernels.kernel import after_loop, free_symbols, kernels_of, loop_varying
+from ..kernels.kernel import after_loop, free_symbols, kernels_of, loop_varying, storage, stored_dtype
 from ..kernels.params import candidates, choose
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
@@ -111,13 +111,13 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
         if node is None:
             continue
         src = k.inputs[load.source]
-        tile_bytes = math.prod(shape(node)) * src.dtype.bytes
+        tile_bytes = math.prod(shape(node)) * storage(src).bytes
         traffic = tile_bytes * blocks * (loop if node in varying else 1)
-        whole = math.prod(shape(src)) * src.dtype.bytes
+        whole = math.prod(shape(src)) * storage(src).bytes
         l2 += traffic
         dram += whole if whole <= hardware.l2_bytes else traffic
     for i, store in enumerate(k.stores):
-        out = math.prod(c.output_shape(i)) * (store.value.dtype or DType.F32).bytes
+        out = math.prod(c.output_shape(i)) * stored_dtype(k, i).bytes
         summed = math.prod(g for a, g in c.grid if a not in store.map.axes())
         dram += out * (summed if store.add else 1)
     p = plan(k)
@@ -125,17 +125,17 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
     flops = tc = 0
     for n in k.body():
         times = blocks * (1 if n in after and OPS[n.op].kind is not Kind.ACCUMULATE else loop)
-        f, t = _node_flops(n, shape, p.place, registered)
+        f, t = _node_flops(n, shape, p, registered)
         flops += f * times
         tc += t * times
     return dram, l2, flops, tc
 
 
-def _node_flops(n: Node, shape, place, registered=frozenset()) -> tuple[int, int]:
+def _node_flops(n: Node, shape, p: Plan, registered=frozenset()) -> tuple[int, int]:
     kind = OPS[n.op].kind
     if kind is Kind.MATMUL:
         work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
-        return (0, work) if n in registered or uses_tensor_cores(n.args[0], n.args[1], place, shape) else (work, 0)
+        return (0, work) if n in registered or uses_tensor_cores(n.args[0], n.args[1], p, shape) else (work, 0)
     if kind is Kind.ACCUMULATE:  # `flops` per element of its first operand, plus any product it folds
         acc, x = ACCUMULATORS[n.op], shape(n.args[0])
         return acc.flops * math.prod(x) + (2 * math.prod(shape(n)) * x[-1] if acc.like == "matmul" else 0), 0
@@ -178,7 +178,7 @@ def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
     unpipelined), or its largest other tile when it has no loop tiles."""
     k, varying = c.kernel, loop_varying(c.kernel)
     tiles = [(k.tile_node(l.tile), k.inputs[l.source]) for l in k.loads]
-    sizes = [(n in varying, math.prod(c.shape(n)) * src.dtype.bytes) for n, src in tiles if n is not None]
+    sizes = [(n in varying, math.prod(c.shape(n)) * storage(src).bytes) for n, src in tiles if n is not None]
     looped = sum(b for v, b in sizes if v)
     return max(1, looped * max(1, shape.stages - 1) if looped else max((b for _, b in sizes), default=16))
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
-from ..kernels.fusion import ALIGN, Buffer, Place, compute_dtype, plan
+from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, plan
 from ..kernels.kernel import loop_varying
 from ..kernels.sizes import bind
 from .warp_mma import Tiling, tiling
@@ -58,19 +58,21 @@ def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
     return next(((fm, fn) for fm, fn in ((16, 16), (8, 32)) if m % fm == 0 and n % fn == 0), None)
 
 
-def tensor_core_operands(a: Node, b: Node, place, shape_of) -> bool:
-    """Whether a @ b has what tensor cores take: f16/bf16 tiles in shared memory, matrices (leading dims 1)."""
-    if place.get(a) is not Place.SMEM or place.get(b) is not Place.SMEM:
+def tensor_core_operands(a: Node, b: Node, p: Plan, shape_of) -> bool:
+    """Whether a @ b has what tensor cores take: f16/bf16 tiles in shared memory (as stored: a tile of an
+    f32 partial result is f32), matrices (leading dims 1)."""
+    if p.place.get(a) is not Place.SMEM or p.place.get(b) is not Place.SMEM or a.op != "tile" or b.op != "tile":
         return False
-    if a.dtype != b.dtype or a.dtype not in (DType.F16, DType.BF16) or a.op != "tile" or b.op != "tile":
+    da, db = p.buffer(a).dtype, p.buffer(b).dtype
+    if da != db or da not in (DType.F16, DType.BF16):
         return False
     sa, sb = shape_of(a), shape_of(b)
     return len(sa) >= 2 and len(sb) >= 2 and all(s == 1 for s in sa[:-2] + sb[:-2])
 
 
-def uses_tensor_cores(a: Node, b: Node, place, shape_of) -> bool:
+def uses_tensor_cores(a: Node, b: Node, p: Plan, shape_of) -> bool:
     """Whether the product a @ b of a kernel body runs on wmma tensor-core tiles (`codegen`'s "mma" step)."""
-    if not tensor_core_operands(a, b, place, shape_of):
+    if not tensor_core_operands(a, b, p, shape_of):
         return False
     sa, sb = shape_of(a), shape_of(b)
     return mma_shape(sa[-2], sb[-1], sa[-1]) is not None
@@ -91,7 +93,7 @@ def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Ti
         out = {}
         for acc in c.kernel.body():
             x = acc.args[0] if acc.op == "acc_sum" else None
-            if x is None or p.place.get(x) is not Place.FUSED or not tensor_core_operands(*x.args, p.place, shape):
+            if x is None or p.place.get(x) is not Place.FUSED or not tensor_core_operands(*x.args, p, shape):
                 continue
             sa, sb = shape(x.args[0]), shape(x.args[1])
             if (t := tiling(sa[-2], sb[-1], sa[-1], min_warps)) is not None:
@@ -108,7 +110,7 @@ def vector_width(c: Concrete, tile: Node, config: CodegenConfig) -> int:
     load = c.kernel.load(tile.attr)
     full = [int(bind(s, c.binding)) for s in c.kernel.inputs[load.source].shape]
     part = [int(bind(s, c.binding)) for s in tile.shape]
-    vec = 16 // (tile.dtype or DType.F32).bytes if config.vector_loads else 1
+    vec = 16 // plan(c.kernel).buffer(tile).dtype.bytes if config.vector_loads else 1
     return vec if vec > 1 and part[-1] % vec == 0 and full[-1] % vec == 0 else 1
 
 

@@ -19,7 +19,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
 from ..kernels.constraints import constraints, shared_memory
 from ..kernels.hardware import load_hardware
-from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape
+from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape, storage, stored_dtype
 from ..kernels.params import choose, resolve_params
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
@@ -73,15 +73,15 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
         tile = k.tile_node(load.tile)
         src_name = program.names.get(src, src.attr if src.op == "input" else "?")
         shape = _shape(tile.shape, binding) if tile is not None else "(unused)"
-        lines.append(f"  load  {load.tile} = {src_name}{load.map}   tile {shape} {src.dtype}")
+        lines.append(f"  load  {load.tile} = {src_name}{load.map}   tile {shape} {storage(src)}")
     for n in k.body():
         if n in names:
             lines.append(f"  {'acc ' if OPS[n.op].kind is Kind.ACCUMULATE else 'op  '}  {names[n]} = "
                          f"{node_text(n, {m: v for m, v in names.items() if m is not n})}   tile {_shape(n.shape, binding)}")
-    for s in k.stores:
+    for i, s in enumerate(k.stores):
         full = output_shape(s.value.shape, s.map, k)
         lines.append(f"  store {s.name}{s.map} {'+=' if s.add else '='} {node_text(s.value, names)}   "
-                     f"tile {_shape(s.value.shape, binding)} -> {s.name} {_shape(full, binding)}")
+                     f"tile {_shape(s.value.shape, binding)} -> {s.name} {_shape(full, binding)} {stored_dtype(k, i)}")
     smem = shared_memory(k)
     lines.append(f"  shared memory per block: {smem} = {_value(smem, binding)} bytes (limit {hardware.smem_per_block} on {hardware.name})")
     problems = [v for c in constraints(k, hardware) if (v := c.violation(binding))]

@@ -29,7 +29,7 @@ import sympy
 
 from ..ir.accumulators import ACCUMULATORS, ONLINE_SOFTMAX
 from ..ir.nodes import DType, Node
-from .kernel import Kernel, fresh_name
+from .kernel import Kernel, fresh_name, storage
 from ..ir.ops import OPS, Kind
 
 ALIGN = 128  # bytes: shared-memory buffers start at multiples of this (tensor-core loads need 32)
@@ -119,7 +119,7 @@ def plan(kernel: Kernel) -> Plan:
         kind = OPS[n.op].kind
         if kind is Kind.TILE:
             place[n] = Place.SMEM
-            add(n.attr, n.shape, n.dtype or real, n, "tile")
+            add(n.attr, n.shape, storage(kernel.inputs[kernel.load(n.attr).source]), n, "tile")  # as stored
         elif kind is Kind.CONST:
             place[n] = Place.INLINE
         elif kind in (Kind.UNARY, Kind.BINARY):

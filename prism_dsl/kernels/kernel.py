@@ -24,7 +24,7 @@ from typing import Iterator, Mapping
 import sympy
 
 from ..base.errors import PrismError
-from ..ir.nodes import Node, Program
+from ..ir.nodes import DType, Node, Program
 from ..ir.ops import OPS, Kind
 
 AXES = ("x", "y", "z")
@@ -211,6 +211,32 @@ def after_loop(body: list[Node]) -> set[Node]:
         if n.op == "tile" and n not in users_in_loop and any(n in m.args for m in after):
             after.add(n)
     return after
+
+
+def splits_loop(kernel: Kernel) -> bool:
+    """Whether a grid axis also splits the loop's dim (`z*loop`): each block folds one piece of the
+    reduction, and what its accumulators hold at the end is a partial result."""
+    return any(dm.axis and dm.loop for load in kernel.loads for dm in load.map.dims)
+
+
+def stored_dtype(kernel: Kernel, index: int) -> DType:
+    """How a store's tensor is kept in device memory. Partial results are kept in f32 even when the values
+    are f16/bf16: a sum across blocks (`+=`, added by f32 atomics) and what a split reduction's blocks
+    store from their accumulators (FlashDecoding's running max, sum and unnormalised output; split-K's
+    partial products), which another kernel combines. Rounding those to 16 bits loses more than the
+    final rounding does (and an unnormalised f16 output can overflow). Everything else is stored in its
+    value's dtype; the value's dtype stays the program's (a combining kernel's result is f16 again)."""
+    store = kernel.stores[index]
+    dtype = store.value.dtype or DType.F32
+    if dtype not in (DType.F16, DType.BF16):
+        return dtype
+    partial = store.add or (splits_loop(kernel) and any(OPS[n.op].kind is Kind.ACCUMULATE for n in store.value.walk()))
+    return DType.F32 if partial else dtype
+
+
+def storage(tensor: Node) -> DType:
+    """The dtype a kernel-level tensor (a program input or a kernel's output) has in device memory."""
+    return stored_dtype(*tensor.attr) if tensor.op == "kernel" else (tensor.dtype or DType.F32)
 
 
 def kernels_of(program: Program) -> list[Kernel]:

@@ -32,7 +32,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.constraints import Concrete
 from ..kernels.hardware import Hardware
-from ..kernels.kernel import free_symbols, kernels_of
+from ..kernels.kernel import free_symbols, kernels_of, stored_dtype
 from ..kernels.params import resolve_params
 from ..kernels.lower import lower
 from ..prove.prover import check_signatures, pair_outputs
@@ -120,7 +120,7 @@ def plan_of(built: Build) -> dict:
     for k in kernels_of(built.program):
         c = built.concrete[k.name]
         for i, s in enumerate(k.stores):
-            tensors[s.name] = {"shape": list(c.output_shape(i)), "dtype": (s.value.dtype.value if s.value.dtype else "f32")}
+            tensors[s.name] = {"shape": list(c.output_shape(i)), "dtype": stored_dtype(k, i).value}
     return {
         "program": built.program.name,
         "inputs": [n.attr for n in built.program.inputs],

@@ -8,19 +8,19 @@
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_combine(
-    const half* __restrict__ g_M,
-    const half* __restrict__ g_L,
-    const half* __restrict__ g_P,
+    const float* __restrict__ g_M,
+    const float* __restrict__ g_L,
+    const float* __restrict__ g_P,
     half* __restrict__ g_O)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(1280);
-    half* const s_mt = PRISM_SHARED(half, 0, 2);  // tile mt: [1, 1, 1, 1, 1] f16
-    half* const s_pt = PRISM_SHARED(half, 128, 144);  // tile pt: [1, 1, 1, 1, 64] f16
+    float* const s_mt = PRISM_SHARED(float, 0, 4);  // tile mt: [1, 1, 1, 1, 1] f32
+    float* const s_pt = PRISM_SHARED(float, 128, 256);  // tile pt: [1, 1, 1, 1, 64] f32
     float* const s_a2_max = PRISM_SHARED(float, 384, 256);  // state a2_max: [1, 1, 1, 1, 64] f32
     float* const s_a2 = PRISM_SHARED(float, 640, 256);  // state a2: [1, 1, 1, 1, 64] f32
-    half* const s_lt = PRISM_SHARED(half, 896, 2);  // tile lt: [1, 1, 1, 1, 1] f16
+    float* const s_lt = PRISM_SHARED(float, 896, 4);  // tile lt: [1, 1, 1, 1, 1] f32
     float* const s_a4_max = PRISM_SHARED(float, 1024, 4);  // state a4_max: [1, 1, 1, 1, 1] f32
     float* const s_a4 = PRISM_SHARED(float, 1152, 4);  // state a4: [1, 1, 1, 1, 1] f32
 
@@ -48,10 +48,10 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
             s_mt[0] = g_M[it * 1 * 2 + blockIdx.x * 1 * 2 + blockIdx.y * 1];
         }
         // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
-        for (int v = PRISM_TID; v < 8; v += kThreads) {
-            const int e = v * 8;
+        for (int v = PRISM_TID; v < 16; v += kThreads) {
+            const int e = v * 4;
             const int i4 = e;
-            prism::cp_async<8>(s_pt + i4, g_P + it * 1 * 128 + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i4);
+            prism::cp_async<4>(s_pt + i4, g_P + it * 1 * 128 + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i4);
         }
         // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
         for (int e = PRISM_TID; e < 1; e += kThreads) {
@@ -62,15 +62,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
         // acc_rescaled_sum(mt, pt)  [1, 1, 1, 1, 64]
         for (int e = PRISM_TID; e < 64; e += kThreads) {
             const int i4 = e;
-            const real mv = prism::to_f(s_mt[0]), mo = s_a2_max[e], mn = prism::max_(mo, mv);
-            s_a2[e] = s_a2[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * prism::to_f(s_pt[i4]);
+            const real mv = s_mt[0], mo = s_a2_max[e], mn = prism::max_(mo, mv);
+            s_a2[e] = s_a2[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_pt[i4];
             s_a2_max[e] = mn;
         }
         __syncthreads();
         // acc_rescaled_sum(mt, lt)  [1, 1, 1, 1, 1]
         for (int e = PRISM_TID; e < 1; e += kThreads) {
-            const real mv = prism::to_f(s_mt[0]), mo = s_a4_max[e], mn = prism::max_(mo, mv);
-            s_a4[e] = s_a4[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * prism::to_f(s_lt[0]);
+            const real mv = s_mt[0], mo = s_a4_max[e], mn = prism::max_(mo, mv);
+            s_a4[e] = s_a4[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_lt[0];
             s_a4_max[e] = mn;
         }
         __syncthreads();
