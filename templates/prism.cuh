@@ -168,18 +168,26 @@ template <class R> __device__ __forceinline__ R warp_max(R v PRISM_AT) {
 }
 
 // -- asynchronous copies from global to shared memory (cp.async; sm_80 and later) ----------------------------
-// cp_async<N>(dst, src) starts a 16-byte copy; cp_async_commit() closes this thread's copies so far into a
-// group; cp_async_wait<N>() waits until at most the N most recent groups are pending. The data is visible to
-// the issuing thread after the wait and to the block's other threads after a __syncthreads() that follows it.
+// cp_async<N>(dst, src) starts a copy of N elements, 16, 8 or 4 bytes, both addresses aligned to that size
+// (16 bytes bypass L1: .cg; the narrower copies can only go through it: .ca); cp_async_commit() closes this
+// thread's copies so far into a group; cp_async_wait<N>() waits until at most the N most recent groups are
+// pending. The data is visible to the issuing thread after the wait and to the block's other threads after
+// a __syncthreads() that follows it.
 template <int N, class T> __device__ __forceinline__ void cp_async(T* dst, const T* src PRISM_AT) {
-    static_assert(N * sizeof(T) == 16, "cp_async moves 16 bytes");
+    constexpr int kBytes = N * static_cast<int>(sizeof(T));
+    static_assert(kBytes == 16 || kBytes == 8 || kBytes == 4, "cp.async moves 16, 8 or 4 bytes");
 #if defined(PRISM_CPU)
-    emu::cp_async(dst, src, 16, at_file, at_line);
+    emu::cp_async(dst, src, kBytes, at_file, at_line);
 #elif PRISM_ASYNC_COPY
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+    if constexpr (kBytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(kBytes) : "memory");
 #else
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    using Narrow = typename std::conditional<kBytes == 8, uint2, unsigned>::type;
+    using Word = typename std::conditional<kBytes == 16, uint4, Narrow>::type;
+    *reinterpret_cast<Word*>(dst) = *reinterpret_cast<const Word*>(src);
 #endif
 }
 

@@ -114,6 +114,16 @@ def test_generated_code_agrees_with_the_reference_in_the_cpu_emulation(path, tmp
     assert check.passed, check
 
 
+def test_tiles_too_narrow_for_16_bytes_are_copied_by_narrower_cp_async_and_pipelined():
+    """FlashDecoding's combining loop reads one f32 max and sum per piece: 4-byte copies, so the loop is
+    pipelined like the others (a load waited for every iteration would cost a memory latency each)."""
+    grid, loop = GOLDEN_PARAMS["attention.decoding"]
+    built, _ = build_of(ROOT / "programs/fused/attention.decoding.prism", grid, loop, archs=())
+    combine = next(k for k in built.kernels if k.name == "combine")
+    assert "prism::cp_async<1>(s_mt_stages" in combine.source and "prism::cp_async<4>(s_pt_stages" in combine.source
+    assert "prism::cp_async_wait<" in combine.source and "s_mt[0] = g_M" not in combine.source
+
+
 @needs_cxx
 def test_bf16_flash_decoding_keeps_its_partial_states_in_f32_and_meets_the_tolerance(tmp_path):
     """Rounded to bf16, the per-piece states of this shape miss the 1e-2 tolerance (5e-2 measured); in f32

@@ -169,6 +169,21 @@ def test_cp_async_data_appears_only_at_its_wait(tmp_path):
     assert np.isnan(got.outputs["Y"][0::4]).all() and (got.outputs["Y"][1::4] == 5).all()
 
 
+@pytest.mark.parametrize("width", [1, 2], ids=["4-byte", "8-byte"])
+def test_narrow_cp_async_copies_their_bytes_at_the_wait(width, tmp_path):
+    body = f"""
+    float* const s = PRISM_SHARED(float, 0, 1024);
+    const int i = threadIdx.x * {width};
+    prism::cp_async<{width}>(s + i, g_X + i);
+    prism::cp_async_wait_all();
+    for (int j = 0; j < {width}; ++j) g_Y[i + j] = s[i + j] + 1;
+"""
+    k = kernel(body, F32_IO, 1, threads=64)
+    x = np.arange(64.0 * width)
+    got = run(k, F32_TYPES, {"X": (64 * width,), "Y": (64 * width,)}, {"X": x}, tmp_path)
+    assert list(got.outputs["Y"]) == list(x + 1)
+
+
 def test_cp_async_never_waited_for_is_reported(tmp_path):
     body = "    float* const s = PRISM_SHARED(float, 0, 1024);\n    prism::cp_async<4>(s + threadIdx.x * 4, g_X + threadIdx.x * 4);"
     f = finding_of(body, tmp_path, n=256)
@@ -240,6 +255,8 @@ NVCC_PRIMITIVES = """#include "prism.cuh"
 extern "C" __global__ void t(const half* a, float* out) {
     __shared__ __align__(128) half s[256];
     prism::cp_async<8>(s + threadIdx.x * 8, a + threadIdx.x * 8);
+    prism::cp_async<4>(s + threadIdx.x * 4, a + threadIdx.x * 4);
+    prism::cp_async<2>(s + threadIdx.x * 2, a + threadIdx.x * 2);
     prism::cp_async_wait_all();
     __syncthreads();
     uint32_t r4[4], r2[2], r1[1];

@@ -363,15 +363,18 @@ def test_split_only_where_pieces_combine(library):
     src = program("rmsnorm_linear")
     found = search(src, library, H100, jobs=2).proved
     splits = [p for p in found if custom_kernels(p) == 2]
-    # RMSNorm's mean of squares has no combining form: only a kernel that accumulates the product alone
-    # (after a pre-defined rms_norm) is split, as split-K with a combining kernel instead of += stores.
-    assert any("acc_mean_last" in print_program(p) for p in found)
-    assert splits and all("acc_mean_last" not in print_program(p) for p in splits)
+    # The fused kernel splits too: each piece's mean of squares (or root mean square) is combined by the
+    # same accumulator over the pieces (equal pieces: the mean of means is the mean); the kernel that
+    # accumulates the product alone (after a pre-defined rms_norm) splits as split-K with a combining
+    # kernel instead of += stores.
+    texts = [print_program(p) for p in splits]
+    assert any("acc_mean_last(t2_meant)" in t for t in texts) and any("acc_rms_last(t2_rmst)" in t for t in texts)
+    assert any("rms_norm(X)" in t for t in texts)
     dims = BINDINGS["rmsnorm_linear"][0]
     inputs = random_inputs(src, bind_dims(src, dims), seed=2)
     want = evaluate(src, inputs)["Y"]
     for p in splits:
-        assert "acc_sum(t" in print_program(p)  # the combining loop sums the partial products
+        assert "= acc_sum(t" in print_program(p)  # the combining loop sums the partial products
         pieces = kernels_of(p)[0].grid[-1][1].name
         got = evaluate(p, inputs, params=complete(p, bind_dims(p, dims), {pieces: 4}, H100, prefer="split"))["Y"]
         assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())

@@ -40,7 +40,7 @@ from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 from ..lang.printer import format_number, node_text
-from .launch import CodegenConfig, layout, mma_shape, stage_elements, uses_tensor_cores, vector_width
+from .launch import CodegenConfig, copy_bytes, layout, mma_shape, stage_elements, uses_tensor_cores, vector_width
 
 TEMPLATES = data_dir("templates", "templates")
 HEADER = "prism.cuh"
@@ -225,13 +225,13 @@ class _Emitter:
         load = self.k.load(node.attr)
         src = self.k.inputs[load.source]
         full, tile, b = self.shape(src), self.shape(node), self.plan.buffer(node)
-        vec = vector_width(self.c, node, self.config)
+        vec, cp = vector_width(self.c, node, self.config), copy_bytes(self.c, node, self.config) > 0
         lines, idx = decompose("e", tile, "i")
         parts = [([f"blockIdx.{dm.axis} * {size // dict(self.c.grid)[dm.axis]}"] if dm.axis else [])
                  + ([f"{it} * {t}"] if dm.loop else []) + ([i] if i != "0" else [])
                  for size, t, dm, i in zip(full, tile, load.map.dims, idx)]
         text = comment(f"{node.attr} = load {tensor_name(src)}{load.map}  tile {list(tile)} of {list(full)}")
-        return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec,
+        return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec, "cp": cp,
                 "dst": dst or self.cname[b.name], "at": offset(idx, tile, self.pad[b.name]), "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
 
     def compute_step(self, node: Node) -> dict:
@@ -483,7 +483,7 @@ def _walk(steps: list[dict]):
 
 def _async(step: dict) -> bool:
     """Whether a step issues cp.async copies (16-byte loads), which the kernel waits for before its barrier."""
-    return (step["kind"] == "load" and step["vec"] > 1) or any(_async(s) for s in step.get("steps", ()))
+    return (step["kind"] == "load" and step["cp"]) or any(_async(s) for s in step.get("steps", ()))
 
 
 def render_kernel(c: Concrete, program: Program, config: CodegenConfig = CodegenConfig()) -> RenderedKernel:

@@ -105,13 +105,23 @@ def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Ti
     return (layouts(warps) if warps * 32 != config.threads else first), warps * 32
 
 
-def vector_width(c: Concrete, tile: Node, config: CodegenConfig) -> int:
-    """Elements per copy of a loaded tile: 16 bytes where the tile's rows and the tensor's allow, else 1."""
+def copy_bytes(c: Concrete, tile: Node, config: CodegenConfig) -> int:
+    """Bytes per `cp.async` of a loaded tile: 16, 8 or 4, the widest whose elements divide both the tile's
+    rows and the tensor's (so every copy is aligned at both ends); 0 where none does (2-byte elements in
+    rows of odd length) or vector loads are off: those tiles are copied an element at a time."""
+    if not config.vector_loads:
+        return 0
     load = c.kernel.load(tile.attr)
-    full = [int(bind(s, c.binding)) for s in c.kernel.inputs[load.source].shape]
-    part = [int(bind(s, c.binding)) for s in tile.shape]
-    vec = 16 // plan(c.kernel).buffer(tile).dtype.bytes if config.vector_loads else 1
-    return vec if vec > 1 and part[-1] % vec == 0 and full[-1] % vec == 0 else 1
+    full = int(bind(c.kernel.inputs[load.source].shape[-1], c.binding))
+    part = int(bind(tile.shape[-1], c.binding))
+    size = plan(c.kernel).buffer(tile).dtype.bytes
+    return next((n for n in (16, 8, 4) if n % size == 0 and part % (n // size) == 0 and full % (n // size) == 0), 0)
+
+
+def vector_width(c: Concrete, tile: Node, config: CodegenConfig) -> int:
+    """Elements per copy of a loaded tile (`copy_bytes`; 1 for the element-at-a-time copy)."""
+    n = copy_bytes(c, tile, config)
+    return n // plan(c.kernel).buffer(tile).dtype.bytes if n else 1
 
 
 def padding(c: Concrete, b: Buffer) -> int:
@@ -135,7 +145,7 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     size = {b.name: _bytes(c, b, pads[b.name]) for b in p.buffers}
     staged = [b for b in p.buffers if b.role == "tile" and b.node in varying]
     stages = 1
-    if c.loop > 1 and staged and all(vector_width(c, b.node, config) > 1 for b in staged):
+    if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in staged):
         base = sum(_aligned(s) for s in size.values())
         extra = sum(_aligned(size[b.name]) for b in staged)
         stages = max(1, min(config.stages, 1 + (config.smem_limit - base) // max(extra, 1), c.loop))

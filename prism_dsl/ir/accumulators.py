@@ -89,7 +89,8 @@ class Accumulator:
     # closed(build, *operands), where build(op, operands, params) makes a node (`shapes.build`).
     closed: Callable
     # Split reductions (FlashDecoding): the accumulator that combines the per-piece results and the name
-    # of the partial tensor; None when pieces cannot be combined (a mean needs its counts).
+    # of the partial tensor; None when pieces cannot be combined. The pieces are equal in size, so a mean
+    # of the pieces' means is the whole mean.
     combine: tuple[str, str] | None = None
     combining_only: bool = False  # only a split's combining kernel uses it (generation skips it)
     operand_ops: tuple[str, ...] = ()  # generation folds only values of these ops (empty: any value)
@@ -136,12 +137,12 @@ ACCUMULATORS: dict[str, Accumulator] = {
                     lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM),
         Accumulator("acc_mean_last", "mean of every row element seen", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t), st[1] + t.shape[-1]),
-                    lambda st: st[0] / st[1], lambda b, a: b("mean", [a], [-1]),
+                    lambda st: st[0] / st[1], lambda b, a: b("mean", [a], [-1]), combine=("acc_mean_last", "mean"),
                     cuda_reduce="sum", cuda_fold=_ROW_SUM, cuda_finish="({0} / real({count}))"),
         Accumulator("acc_rms_last", "root mean square of every row element seen", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t * t), st[1] + t.shape[-1]),
                     lambda st: np.sqrt(st[0] / st[1]), lambda b, a: b("sqrt", [b("mean", [b("square", [a])], [-1])]),
-                    cuda_reduce="sum", cuda_term="{0} * {0}", cuda_fold=_ROW_SUM,
+                    combine=("acc_rms_last", "rms"), cuda_reduce="sum", cuda_term="{0} * {0}", cuda_fold=_ROW_SUM,
                     cuda_finish="prism::sqrt_({0} / real({count}))"),
         Accumulator("acc_max_last", "running row max", 1, "unary", True,
                     lambda s: (np.full(_last(s), -np.inf),), lambda st, t: (np.maximum(st[0], _rowmax(t)),),
