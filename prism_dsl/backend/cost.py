@@ -246,8 +246,10 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
 
 def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], hardware: Hardware,
          threads: int = 128) -> dict[sympy.Symbol, int]:
-    """Values for the free kernel parameters that minimise the estimated time. Kernels that share a
-    parameter are tuned together; the rest one at a time. Every combination of candidate values is tried
+    """Values for the free kernel parameters that minimise the estimated time; between equal estimates,
+    the one that keeps more SMs busy (the model's bandwidth is a ceiling it reaches with few SMs as with
+    many, which the hardware does not promise). Kernels that share a parameter are tuned together; the
+    rest one at a time. Every combination of candidate values is tried
     when there are at most MAX_CANDIDATES of them; beyond that, a descent from the best of a few starts
     (every parameter at its smallest, middle or largest candidate) that changes one or two parameters at
     a time while the estimate improves. Raises ValueError when a kernel has no valid choice (the caller
@@ -261,27 +263,32 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
         own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()]) for k in group]
         memo: dict = {}
 
-        def time_of(values: tuple[int, ...]) -> float:
-            total = 0.0
+        def time_of(values: tuple[int, ...]) -> tuple[float, int]:
+            """(estimated time, minus the SMs its kernels keep busy): the order parameters are ranked by."""
+            total, busy = 0.0, 0
             for k, mine in own:  # a kernel's estimate depends on its own parameters only
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
                     trial = {**binding, **{syms[i]: values[i] for i in mine}}
-                    memo[key] = estimate(instantiate(k, trial, hardware), hardware, threads).time_us \
-                        if valid(k, trial, hardware) else math.inf
-                total += memo[key]
-            return total
+                    if valid(k, trial, hardware):
+                        e = estimate(instantiate(k, trial, hardware), hardware, threads)
+                        memo[key] = (e.time_us, min(e.blocks, hardware.sms))
+                    else:
+                        memo[key] = (math.inf, 0)
+                total += memo[key][0]
+                busy += memo[key][1]
+            return round(total, 3), -busy
 
         if math.prod(len(c) for c in cands) <= MAX_CANDIDATES:
-            best = min(itertools.product(*cands), key=time_of)  # the first of equal times: deterministic
+            best = min(itertools.product(*cands), key=time_of)  # the first of equal ranks: deterministic
         else:
             starts = [tuple(c[0] for c in cands), tuple(c[len(c) // 2] for c in cands), tuple(c[-1] for c in cands)]
             start = min(starts, key=time_of)
-            if time_of(start) == math.inf:  # none valid: the first valid combination, if any
+            if time_of(start)[0] == math.inf:  # none valid: the first valid combination, if any
                 start = next((v for v in itertools.islice(itertools.product(*cands), 20 * MAX_CANDIDATES)
-                              if time_of(v) < math.inf), start)
+                              if time_of(v)[0] < math.inf), start)
             best = _descend(start, cands, time_of)
-        if time_of(best) == math.inf:
+        if time_of(best)[0] == math.inf:
             raise ValueError("no valid parameters for kernel " + ", ".join(k.name for k in group))
         chosen.update(zip(syms, best))
     return chosen
