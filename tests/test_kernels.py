@@ -414,6 +414,8 @@ def test_show_prints_tiles_shared_memory_and_checks(capsys):
     assert "kernel rmsnorm_matmul grid(x = gx = 64) loop(F = 64): 64 blocks, 64 iterations each" in out
     assert "load  wt = W[loop, x]   tile [d/F, d/gx] = [64, 64] f16" in out
     assert "= 16192 bytes (limit 232448 on H100)" in out
+    # what the generated code allocates: the loop's tiles once per pipeline stage
+    assert "as generated: 128 threads, a 3-stage cp.async pipeline, 38784 bytes of shared memory" in out
     assert "checks: every division exact" in out
 
 

@@ -17,7 +17,8 @@ import sympy
 
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
-from ..kernels.constraints import constraints, shared_memory
+from ..backend.launch import CodegenConfig, layout
+from ..kernels.constraints import constraints, instantiate, shared_memory
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape, storage, stored_dtype
 from ..kernels.params import choose, resolve_params
@@ -85,6 +86,12 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
     smem = shared_memory(k)
     lines.append(f"  shared memory per block: {smem} = {_value(smem, binding)} bytes (limit {hardware.smem_per_block} on {hardware.name})")
     problems = [v for c in constraints(k, hardware) if (v := c.violation(binding))]
+    if not problems and all(not bind(g, binding).free_symbols for _, g in k.grid) \
+            and not bind(k.loop_range, binding).free_symbols:
+        laid = layout(instantiate(k, binding, hardware), CodegenConfig(smem_limit=hardware.smem_per_block))
+        pipeline = f"a {laid.stages}-stage cp.async pipeline" if laid.stages > 1 else "no pipeline"
+        lines.append(f"  as generated: {laid.threads} threads, {pipeline}, {laid.smem} bytes of shared memory "
+                     "(row padding and pipeline stages included)")
     return lines, problems
 
 
