@@ -45,9 +45,14 @@ def kernel_rows(out: Path, report: dict) -> list[str]:
         cubin = out / (k["file"][:-3] + ".cubin")
         done = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90", *NVCC_OPTIONS, "-o", str(cubin), k["file"]],
                               cwd=out, capture_output=True, text=True)
-        loop = sass.hot_loop(sass.disassemble(cubin)) if done.returncode == 0 else None
-        mix = " / ".join(str(loop.counts[c]) for c in MIX) if loop else "no loop"
-        per = f"{loop.counts['HMMA'] / loop.counts['LDSM']:.1f}" if loop and loop.counts["LDSM"] else "-"
+        listing = sass.disassemble(cubin) if done.returncode == 0 else ""
+        loop = sass.hot_loop(listing) if listing else None
+        counts, mark = (loop.counts if loop else None), ""
+        whole = sass.count(sass.instructions(listing)[0]) if listing else None
+        if whole and whole["HMMA"] and not (loop and loop.counts["HMMA"]):
+            counts, mark = whole, " (whole kernel: nvcc unrolled its loops)"  # no backward branch holds the HMMA
+        mix = " / ".join(str(counts[c]) for c in MIX) + mark if counts else "no loop"
+        per = f"{counts['HMMA'] / counts['LDSM']:.1f}" if counts and counts["LDSM"] else "-"
         nv = k["nvcc"].get("sm_90", {})
         est = k["estimate"]
         rows.append(f"{k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {per} | "

@@ -31,6 +31,15 @@ def test_loops_are_found_from_backward_branches_and_counted_by_class():
     assert sass.hot_loop("no code") is None
 
 
+def test_an_epilogue_loop_of_many_ffma_does_not_outrank_the_loop_that_streams_the_tiles():
+    epilogue = "".join(f"        /*{0x90 + 16 * i:04x}*/                   FFMA R1, R2, R3, R1 ;\n" for i in range(8))
+    listing = LISTING.replace("        /*0080*/                   EXIT ;\n",
+                              epilogue + "        /*0110*/               @P2 BRA 0x90 ;\n        /*0120*/   EXIT ;\n")
+    assert max(l.counts["FFMA"] for l in sass.loops(listing)) == 8
+    hot = sass.hot_loop(listing)
+    assert (hot.start, hot.counts["HMMA"], hot.counts["FFMA"]) == (1, 2, 0)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
                     reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
 def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(tmp_path):

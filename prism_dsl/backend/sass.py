@@ -96,7 +96,8 @@ def loops(sass: str) -> list[Loop]:
 
 
 def hot_loop(sass: str) -> Loop | None:
-    """The loop with the most HMMA, LDGSTS and FFMA (ties: the longest), or None without loops."""
+    """The main loop: the one with the most HMMA, then the most LDGSTS and FFMA together (ties: the
+    longest); None without loops. (An epilogue's FFMA loop must not outrank the tensor-core loop.)"""
     found = loops(sass)
-    key = lambda l: (l.counts["HMMA"] + l.counts["LDGSTS"] + l.counts["FFMA"], l.instructions)  # noqa: E731
+    key = lambda l: (l.counts["HMMA"], l.counts["LDGSTS"] + l.counts["FFMA"], l.instructions)  # noqa: E731
     return max(found, key=key, default=None)
