@@ -325,6 +325,26 @@ template <class T> __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], c
 #endif
 }
 
+// Two floats as one .b32 of 16-bit values, rounded to nearest (the first in the lower half, as an mma.sync
+// fragment holds a row's adjacent columns).
+template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+#if defined(PRISM_CPU)
+    const T a = from_f<T>(lo), b = from_f<T>(hi);
+    uint16_t x, y;
+    std::memcpy(&x, &a, 2);
+    std::memcpy(&y, &b, 2);
+    return emu::pack(x, y);
+#else
+    if constexpr (std::is_same<T, half>::value) {
+        const __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    }
+#endif
+}
+
 // -- stores whose blocks add their results (grid axes that write no dim) -----------------------------
 // atomicAdd(T*, T): the value is rounded to the storage type first, then added, the sum rounded again, in
 // whatever order the blocks come.

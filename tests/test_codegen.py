@@ -15,7 +15,7 @@ import pytest
 from prism_dsl.pipeline.build import BuildOptions, build, emulate, nvcc_check
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
-from prism_dsl.backend.codegen import comment, ident
+from prism_dsl.backend.codegen import CodegenConfig, comment, ident
 from prism_dsl.backend.cost import estimate, tune
 from prism_dsl.backend.emulate import compiler
 from prism_dsl.kernels.constraints import instantiate_program
@@ -80,11 +80,70 @@ def test_generated_code_names_the_program_and_uses_tensor_cores_where_tiles_allo
     assert built.kernels[0].tensor_cores
 
 
-def test_a_product_computed_on_its_own_stays_on_wmma():
-    program = load(ROOT / "programs/fused/attention.prism").program()
-    options = BuildOptions(dims={"b": 1, "h": 1, "q": 16, "kv": 64, "dh": 32}, grid={"gq": 1}, loop={"F": 2})
-    kernel = build(program, H100, options).kernels[0]
-    assert "wmma::mma_sync" in kernel.source and kernel.tensor_cores  # s = qt @ kt, read by online softmax
+def test_a_product_computed_on_its_own_stays_on_wmma(tmp_path):
+    path = tmp_path / "product.prism"
+    path.write_text("""dims n = 64, k = 32, m = 64
+program product(A: f16[n, k], B: f16[k, m]) {
+    kernel mm grid(x = gx) {
+        at = load A[x, :]
+        bt = load B[:, :]
+        store C[x, :] = at @ bt
+    }
+    return C
+}
+""")
+    kernel = build(load(path).program(), H100, BuildOptions(grid={"gx": 2}, archs=())).kernels[0]
+    assert "wmma::mma_sync" in kernel.source and kernel.tensor_cores
+
+
+# q tile 64 x 64, key tiles of 64 (dh 64), of 48 (dh 32), of 32 with 8 warps of 16 query rows (q tile 128)
+FLASH_SHAPES = [({"q": 64, "kv": 128, "dh": 64}, 1, 2), ({"q": 128, "kv": 96, "dh": 32}, 2, 2),
+                ({"q": 128, "kv": 64, "dh": 64}, 1, 2)]
+
+
+def flash_build(dims: dict, gq: int, loop: int, dtype: str = "f16", tmp_path=None, **kw):
+    path = ROOT / "programs/fused/attention.prism"
+    if dtype != "f16":
+        path, text = tmp_path / "attention.prism", path.read_text().replace("f16", dtype)
+        path.write_text(text)
+    program = load(path).program()
+    options = BuildOptions(dims={"b": 1, "h": 2, **dims}, grid={"gb": 1, "gh": 2, "gq": gq}, loop={"F": loop},
+                           archs=(), **kw)
+    return build(program, H100, options), options
+
+
+def test_online_softmax_keeps_scores_and_probabilities_in_registers():
+    """FlashAttention-2's dataflow: s = q @ kt on mma.sync into registers, exp(s - max) packed to f16 in
+    registers and fed to p @ v; no shared buffer for s, p or the rescaling factors."""
+    built, _ = flash_build(*FLASH_SHAPES[0])
+    src = built.kernels[0].source
+    assert "s and p in registers" in src and "prism::pack2<half>(lo[0], lo[1])" in src
+    assert src.count("prism::mma_m16n8k16<half>") == 4 and "wmma" not in src
+    assert "s_v2" not in src and "s_a4_p" not in src and "s_a4_scale" not in src
+    assert "float f_v2_o0[1][8][4] = {};" in src and "prism::shfl_xor(mx, 2)" in src
+    assert "#error" in src  # no plain form without the buffers: older GPUs take --no-tensor-cores
+    plain, _ = flash_build(*FLASH_SHAPES[0], codegen=CodegenConfig(tensor_cores=False))
+    assert "s_a4_p" in plain.kernels[0].source and "mma_m16n8k16" not in plain.kernels[0].source
+    eight, _ = flash_build(*FLASH_SHAPES[2])
+    assert eight.kernels[0].block == (256, 1, 1) and "8 warps of 16 rows" in eight.kernels[0].source
+
+
+@needs_cxx
+@pytest.mark.parametrize("shape", FLASH_SHAPES[:2], ids=["64x64", "128x48"])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_online_softmax_in_registers_agrees_with_the_reference(shape, dtype, tmp_path):
+    built, options = flash_build(*shape, dtype=dtype, tmp_path=tmp_path)
+    assert "prism::pack2<" in built.kernels[0].source
+    check = emulate(built, options)
+    assert check.passed and check.outputs["O"]["max_rel_err"] < 5e-3, check
+
+
+@needs_cxx
+@pytest.mark.parametrize("sanitizer", ["thread", "address"])
+def test_online_softmax_in_registers_passes_the_sanitizers(sanitizer):
+    built, options = flash_build(*FLASH_SHAPES[1], sanitize=sanitizer, emulate_blocks=2)
+    check = emulate(built, options)
+    assert check.passed, check
 
 
 # -- nvcc -----------------------------------------------------------------------------------------------

@@ -419,6 +419,13 @@ def test_show_prints_tiles_shared_memory_and_checks(capsys):
     assert "checks: every division exact" in out
 
 
+def test_show_says_where_online_softmax_runs_in_registers(capsys):
+    path = REPO / "programs" / "fused" / "attention.prism"
+    args = ["--dims", "b=1,h=16,q=4096,kv=4096,dh=128", "--grid", "gb=1,gh=16,gq=32", "--loop", "F=64"]
+    assert main(["show", str(path), *args]) == 0
+    assert "online softmax over s in registers (8 warps of 16 rows)" in capsys.readouterr().out
+
+
 def test_show_lists_violations_and_exits_1(capsys):
     path = REPO / "programs" / "fused" / "rmsnorm_linear.prism"
     assert main(["show", str(path), "--dims", "n=16", "--grid", "x=96", "--loop", "64"]) == 1

@@ -40,6 +40,13 @@ def test_an_epilogue_loop_of_many_ffma_does_not_outrank_the_loop_that_streams_th
     assert (hot.start, hot.counts["HMMA"], hot.counts["FFMA"]) == (1, 2, 0)
 
 
+def test_instructions_predicated_never_to_run_are_not_counted():
+    filler = "        /*0025*/                  @!PT LDS RZ, [RZ] ;\n"
+    listing = LISTING.replace("        /*0030*/", filler + "        /*0030*/")
+    inner = sass.loops(listing)[0].counts
+    assert (inner["LDS"], inner["HMMA"], inner["total"]) == (0, 2, 4)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
                     reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
 def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(tmp_path):

@@ -13,19 +13,18 @@ every size a compile-time constant:
 `fusion.plan` decides where each value lives (shared memory, registers, accumulator state). Element-wise
 values fused into registers are evaluated where they are read, so a chain like `silu(gate) * up` costs
 no buffer and no barrier. Matrix products whose operands are f16/bf16 tiles of suitable shape run on
-tensor cores (wmma, f32 accumulation), with the plain path kept beside them for other GPUs. How each
+tensor cores (`tensor_steps`: wmma tiles, register-tiled mma.sync, online softmax in registers), with the
+plain path kept beside them for other GPUs where it needs no buffer the tensor-core path saves. How each
 accumulator folds and finishes is format strings in its row of `ir.accumulators`; the kinds of fold
 (per state element, per row, a matrix product, online softmax) are the code here.
 
-Names in the generated code are derived from the program's, with a prefix (`g_` for tensors in device
-memory, `s_` for shared buffers) and every character outside [A-Za-z0-9_] replaced, so no user text
-reaches the code unsanitized. Comments quote the program, sanitized the same way.
+Names in the generated code are derived from the program's (`ctext`), with a prefix (`g_` for tensors in
+device memory, `s_` for shared buffers, `r_` and `f_` for registers).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from functools import cache
 
@@ -33,19 +32,21 @@ import jinja2
 
 from ..base.resources import data_dir
 from ..ir.accumulators import ACCUMULATORS
-from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..ir.nodes import DType, Node, Program
+from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
+from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
 from ..kernels.sizes import bind
-from ..ir.ops import OPS, Kind
 from ..lang.printer import format_number, node_text
-from .launch import CodegenConfig, copy_bytes, layout, mma_shape, stage_elements, uses_tensor_cores, vector_width
+from .ctext import CTYPE, address, comment, decompose, ident, offset, tensor_name
+from .launch import CodegenConfig, copy_bytes, layout, stage_elements, vector_width
+from .tensor_steps import TensorCoreSteps
+
+__all__ = ["CTYPE", "CodegenConfig", "RenderedKernel", "comment", "ident", "render_kernel"]
 
 TEMPLATES = data_dir("templates", "templates")
 HEADER = "prism.cuh"
-
-CTYPE = {DType.F16: "half", DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.F64: "double"}
 
 # How each element-wise op reads in C, over the arithmetic type `real` (helpers live in prism.cuh).
 C_OPS = {
@@ -71,27 +72,6 @@ class RenderedKernel:
     tensor_cores: bool  # a wmma path is in the code
 
 
-def ident(text: str) -> str:
-    """A C identifier fragment from user text: [A-Za-z0-9_] only, never starting with a digit."""
-    out = re.sub(r"[^A-Za-z0-9_]", "_", text)
-    return out if out and not out[0].isdigit() else "_" + out
-
-
-def comment(text: str) -> str:
-    """User text made safe inside a // comment: one line, ASCII, no backslash continuation."""
-    return re.sub(r"[^ -~]", "?", text.replace("\\", "/"))[:200]
-
-
-def tensor_name(node: Node) -> str:
-    """The program-level name of a tensor a kernel reads: an input's name or a kernel output's store."""
-    if node.op == "input":
-        return node.attr
-    if node.op == "kernel":
-        kernel, index = node.attr
-        return kernel.stores[index].name
-    raise ValueError(f"a kernel operand must be an input or a kernel output, not {node.op}")
-
-
 @cache
 def template_env() -> jinja2.Environment:
     """The Jinja environment of `templates/`: kernels here, the launcher in `pipeline`."""
@@ -103,60 +83,10 @@ def header_source() -> str:
     return (TEMPLATES / HEADER).read_text()
 
 
-# -- index arithmetic ---------------------------------------------------------------------------------
-
-
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return out[::-1]
-
-
-def decompose(var: str, shape: tuple[int, ...], prefix: str) -> tuple[list[str], list[str]]:
-    """C lines that split flat index `var` (row-major over `shape`) into one index per dim, and those
-    index expressions ("0" for dims of size 1)."""
-    lines, idx = [], []
-    for d, (size, stride) in enumerate(zip(shape, _strides(shape))):
-        if size == 1:
-            idx.append("0")
-            continue
-        expr = var if stride == 1 else f"{var} / {stride}"
-        if d > 0 and any(s > 1 for s in shape[:d]):
-            expr = f"({expr}) % {size}" if stride != 1 else f"{var} % {size}"
-        lines.append(f"const int {prefix}{d} = {expr};")
-        idx.append(f"{prefix}{d}")
-    return lines, idx
-
-
-def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
-    """Row-major offset in a tensor of `shape` whose index in each dim is the sum of that dim's `parts`."""
-    terms = []
-    for p, stride in zip(parts, _strides(shape)):
-        if p and stride:
-            term = " + ".join(p)
-            terms.append(term if stride == 1 else f"({term}) * {stride}" if len(p) > 1 else f"{term} * {stride}")
-    return " + ".join(terms) or "0"
-
-
-def offset(idx: list[str], shape: tuple[int, ...], pad: int = 0) -> str:
-    """Row-major offset of index expressions `idx` (aligned to the right of `shape`; size-1 dims
-    broadcast and read index 0), in a buffer whose rows have `pad` elements more (`Buffer.pad`)."""
-    rank = len(shape)
-    idx = list(idx[len(idx) - rank:]) if len(idx) >= rank else ["0"] * (rank - len(idx)) + list(idx)
-    terms = []
-    for i, size, stride in zip(idx, shape, _strides(shape[:-1] + (shape[-1] + pad,) if shape else shape)):
-        if size == 1 or i == "0":
-            continue
-        terms.append(i if stride == 1 else f"{i} * {stride}")
-    return " + ".join(terms) or "0"
-
-
 # -- one kernel -----------------------------------------------------------------------------------------
 
 
-class _Emitter:
+class _Emitter(TensorCoreSteps):
     def __init__(self, c: Concrete, program: Program, config: CodegenConfig):
         self.c, self.k, self.program, self.config = c, c.kernel, program, config
         self.plan = plan(self.k)
@@ -264,29 +194,6 @@ class _Emitter:
             return [f"real dot = {start(idx)};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};", f"{dst}[e] = dot;"]
         return self.elements(shape, body, text)
 
-    def _mma(self, a: Node, b: Node, shape, dst: str, accumulate: bool, text: str) -> dict | None:
-        if not self.config.tensor_cores or self.real != "float":
-            return None
-        if not uses_tensor_cores(a, b, self.plan, self.shape):
-            return None
-        ba, bb = self.plan.buffer(a), self.plan.buffer(b)
-        sa, sb = self.shape(a), self.shape(b)
-        m, k, n = sa[-2], sa[-1], sb[-1]
-        frag = mma_shape(m, n, k)
-        self.tensor_core_steps += 1
-        return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
-                "a": self.cname[ba.name], "b": self.cname[bb.name], "c": dst, "ab": CTYPE[ba.dtype],
-                "lda": k + self.pad[ba.name], "ldb": n + self.pad[bb.name], "accumulate": accumulate}
-
-    def warp_mma(self, acc: Node, dst: str, text: str) -> dict:
-        """acc += a @ b into registers, each warp its own tiles (see `warp_mma`); `dst` its state after the loop."""
-        a, b = acc.args[0].args
-        ba, bb = self.plan.buffer(a), self.plan.buffer(b)
-        self.tensor_core_steps += 1
-        return {"kind": "warp_mma", "comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst,
-                "a": self.cname[ba.name], "b": self.cname[bb.name], "ab": CTYPE[ba.dtype],
-                "lda": self.shape(a)[-1] + self.pad[ba.name], "ldb": self.shape(b)[-1] + self.pad[bb.name]}
-
     def reduce(self, node: Node, dst: str) -> dict:
         x, dim = node.args[0], node.attr
         length = self.shape(x)[dim]
@@ -374,6 +281,9 @@ class _Emitter:
         """Online softmax over scores `s`, for every accumulator that folds them (they share the running
         max): the new row max and the factor exp(old max - new max); p = exp(s - new max); then each
         softmax accumulator folds p (for s), rescaling what it holds by the factor."""
+        if s in self.layout.flash:
+            done.update(self.plan.users[s])
+            return [self.flash(s)]
         g = self.plan.groups[s]
         m, scale, p = (self.cname[g[r].name] for r in ("m", "scale", "p"))
         shape = self.shape(s)
@@ -435,11 +345,13 @@ class _Emitter:
             kind = OPS[n.op].kind
             if kind is Kind.ACCUMULATE:
                 loop_steps += self.acc_steps(n, done)
-            elif n.op != "tile" and self.plan.place[n] is Place.SMEM:
+            elif n.op != "tile" and self.plan.place[n] is Place.SMEM and n not in self.layout.flash:
                 loop_steps.append(self.compute_step(n))
         post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
         registers = [st for st in _walk(loop_steps) if st["kind"] == "warp_mma"]
+        flash = [st for st in _walk(loop_steps) if st["kind"] == "flash"]
         epilogue = [st | {"kind": "warp_mma_store", "op": "+=" if st["t"].wk > 1 else "="} for st in registers]
+        epilogue += [st | {"kind": "flash_store"} for st in flash]
         epilogue += self._merge([self.load_step(n) for n in post if n.op == "tile"])
         epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
         epilogue += [self.store_step(i) for i in range(len(k.stores))]
@@ -449,7 +361,7 @@ class _Emitter:
                     "ctype": CTYPE[b.dtype], "offset": self.layout.offsets[b.name], "bytes": self.layout.sizes[b.name],
                     "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}"
                                        + (f", {stages} stages" if self.cname[b.name] in pipelined else ""))}
-                   for b in self.plan.buffers]
+                   for b in self.plan.buffers if b.name in self.layout.offsets]
         smem = self.layout.smem
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
         params = [f"const {CTYPE[storage(n)]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
@@ -463,7 +375,7 @@ class _Emitter:
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "threads": self.threads, "smem": smem, "summary": summary, "params": params,
-               "registers": registers, "stages": stages, "staged": staged, "ahead": ahead, "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
+               "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead, "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
         source = template_env().get_template("kernel.cu.j2").render(k=ctx)
         zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
         return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.threads, 1, 1), smem,

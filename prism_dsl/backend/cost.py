@@ -21,7 +21,10 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         t_mem  = max(dram / bw, l2 / l2 bandwidth)
 
     Math, per path (each a rate for the whole GPU, scaled by busy / SMs):
-        register-tiled mma.sync   min(peak * MMA_SYNC_REACH, smem bandwidth * flops per ldmatrix byte)
+        register-tiled mma.sync   min(peak * MMA_SYNC_REACH * min(1, warps * occ / SUBPARTITIONS),
+                                      smem bandwidth * flops per ldmatrix byte)
+            (online softmax in registers: s = q @ kt priced so, p @ v with only v's bytes by ldmatrix;
+            its exp and rescaling are f32 work)
         wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
         plain f32 dot products and element-wise work   f32 peak * SCALAR_REACH
 
@@ -41,6 +44,8 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   at 600-750.
 - smem bandwidth: 128 bytes per clock per SM at 1.75 GHz (about 30 TB/s for the GPU); a warp tile of
   tm x tn instruction tiles moves (256 tm + 128 tn) * 2 bytes by ldmatrix per k step for 4096 tm tn flops.
+- SUBPARTITIONS = 4: an SM issues from 4 warp schedulers, each with its own tensor-core unit; a warp
+  runs on one, so fewer than 4 computing warps per SM leave the rest of the peak idle.
 - WMMA_REACH = 0.04: the wmma path reloads and stores its accumulator in shared memory every k step and
   its 256-512-byte row strides conflict 8 ways: about 30-40 TFLOP/s as generated.
 - SCALAR_REACH = 0.2: a plain dot product issues 2 shared loads and 2 conversions per FFMA: about 12 of
@@ -78,6 +83,7 @@ SCALAR_REACH = 0.2
 SMEM_BYTES_PER_CLOCK = 128  # per SM
 CLOCK_GHZ = 1.75
 REGISTERS_BASE = 64  # registers per thread besides a register-tiled product's accumulators and fragments
+SUBPARTITIONS = 4  # warp schedulers (and tensor-core units) per SM: one warp keeps at most one busy
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,8 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
     """(dram bytes, l2 bytes, f32 flops, tensor-core flops) of one launch of `c`, laid out as `laid` (by
     default as the default `CodegenConfig` lays it out)."""
     k = c.kernel
-    registered = {acc.args[0] for acc in (laid or layout(c, CodegenConfig())).registers}
+    laid = laid or layout(c, CodegenConfig())
+    registered = {acc.args[0] for acc in laid.registers} | set(laid.flash)  # products on mma.sync
     shape = c.shape
     blocks, loop = c.blocks(), c.loop
     varying = loop_varying(k)
@@ -125,20 +132,23 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
     flops = tc = 0
     for n in k.body():
         times = blocks * (1 if n in after and OPS[n.op].kind is not Kind.ACCUMULATE else loop)
-        f, t = _node_flops(n, shape, p, registered)
+        f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
         flops += f * times
         tc += t * times
     return dram, l2, flops, tc
 
 
-def _node_flops(n: Node, shape, p: Plan, registered=frozenset()) -> tuple[int, int]:
+def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = False) -> tuple[int, int]:
+    """(f32 flops, tensor-core flops) of one evaluation of `n`; `flash`: an accumulator of online softmax
+    in registers, whose product runs on tensor cores."""
     kind = OPS[n.op].kind
     if kind is Kind.MATMUL:
         work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
         return (0, work) if n in registered or uses_tensor_cores(n.args[0], n.args[1], p, shape) else (work, 0)
     if kind is Kind.ACCUMULATE:  # `flops` per element of its first operand, plus any product it folds
         acc, x = ACCUMULATORS[n.op], shape(n.args[0])
-        return acc.flops * math.prod(x) + (2 * math.prod(shape(n)) * x[-1] if acc.like == "matmul" else 0), 0
+        product = 2 * math.prod(shape(n)) * x[-1] if acc.like == "matmul" else 0
+        return acc.flops * math.prod(x) + (0 if flash else product), product if flash else 0
     if kind in (Kind.UNARY, Kind.BINARY, Kind.REDUCE, Kind.ROWWISE):
         operand = n.args[0] if kind in (Kind.REDUCE, Kind.ROWWISE) else n
         return math.prod(shape(operand)) * (3 if kind is Kind.ROWWISE else 1), 0
@@ -150,8 +160,8 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     shape = layout(c, config)
     dram, l2, flops, tc = kernel_work(c, hardware, shape)
     blocks = c.blocks()
-    regs = min(255, REGISTERS_BASE + max((t.accumulators + 6 * t.tm + 2 * t.tn for t in shape.registers.values()),
-                                         default=0))
+    regs = min(255, REGISTERS_BASE + max([t.accumulators + 6 * t.tm + 2 * t.tn for t in shape.registers.values()]
+                                         + [f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0))
     occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
     resident = min(blocks, hardware.sms * occ)
     waves = math.ceil(blocks / resident)
@@ -161,7 +171,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     flight = math.ceil(resident / busy) * _bytes_in_flight(c, shape)
     bandwidth = min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9))
     t_mem = max(dram / bandwidth, l2 / (hardware.l2_bandwidth_gbs * 1e9)) * us
-    t_math = _math_seconds(c, shape, hardware, flops, tc) * us / share
+    t_math = _math_seconds(c, shape, hardware, flops, tc, occ) * us / share
     overlaps = shape.stages > 1 or math.ceil(resident / busy) > 1
     t_loop = 0.0 if shape.stages > 1 else waves * c.loop * hardware.iteration_latency_us
     terms = {"memory": t_mem, "math": t_math, "loop": t_loop}
@@ -183,7 +193,7 @@ def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
     return max(1, looped * max(1, shape.stages - 1) if looped else max((b for _, b in sizes), default=16))
 
 
-def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int) -> float:
+def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1) -> float:
     """Seconds of math on the whole GPU: each product by its path, the rest as f32 work."""
     k = c.kernel
     dtype = next((n.dtype.value for n in k.inputs if n.dtype in (DType.F16, DType.BF16)), "f16")
@@ -191,11 +201,23 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
     smem = SMEM_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9 * hardware.sms
     times = c.blocks() * c.loop
     seconds, registered = 0.0, 0
+
+    def mma_sync(work: int, warps: int, flops_per_byte: float) -> float:
+        """Seconds of `work` on mma.sync by `warps` computing warps per block, each k step moving
+        1 / flops_per_byte bytes per flop by ldmatrix; fewer than SUBPARTITIONS warps per SM leave
+        tensor cores idle."""
+        busy = min(1.0, warps * occ / SUBPARTITIONS)
+        return work / min(peak * MMA_SYNC_REACH * busy, smem * flops_per_byte)
+
     for acc, t in shape.registers.items():
         work = 2 * math.prod(c.shape(acc)) * c.shape(acc.args[0].args[0])[-1] * times
-        per_byte = 4096 * t.tm * t.tn / ((256 * t.tm + 128 * t.tn) * 2)
-        seconds += work / min(peak * MMA_SYNC_REACH, smem * per_byte)
+        seconds += mma_sync(work, t.wm * t.wn * t.wk, 4096 * t.tm * t.tn / ((256 * t.tm + 128 * t.tn) * 2))
         registered += work
+    for f in shape.flash.values():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
+        qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
+        seconds += mma_sync(qk, f.warps, 4096 * f.tm * f.n / 8 / ((256 * f.tm + 16 * f.n) * 2))
+        seconds += mma_sync(pv, f.warps, 16.0 * f.tm)
+        registered += qk + pv
     seconds += (tc - registered) / (peak * WMMA_REACH)
     return seconds + flops / (hardware.peak_tflops["f32"] * 1e12 * SCALAR_REACH)
 

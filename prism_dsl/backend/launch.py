@@ -4,26 +4,30 @@ Where it sits: between parameter instantiation and `codegen`; `cost` reads the s
 prices the code that is written. For one concrete kernel and a `CodegenConfig`, `layout` says:
 
 - which products run on tensor cores and how: register-tiled `mma.sync` for a loop's `acc_sum(a @ b)`
-  (`warp_mma.tiling`), wmma fragments for other products of suitable shape (`mma_shape`);
+  (`warp_mma.tiling`), online softmax over `q @ kt` with `p @ v` entirely in registers (`warp_mma.flash`),
+  wmma fragments for other products of suitable shape (`mma_shape`);
 - the threads per block: the configured count, or more where a register-tiled product needs more warps;
 - the stages of the loop's copy pipeline: with every loop tile copied by 16-byte `cp.async`, the loads of
   iteration `it + stages - 1` are issued while iteration `it` computes, each loop tile then having `stages`
   buffers; as many stages as the config allows (`CodegenConfig.stages`) and shared memory holds
   (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block);
-- the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block.
+- the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block. Online softmax in
+  registers has no buffer for its scores, their exp or its rescaling factors: those kernels need tensor
+  cores (sm_80 or later; `--no-tensor-cores` writes the plain form, which keeps them in shared memory).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, plan
 from ..kernels.kernel import loop_varying
 from ..kernels.sizes import bind
-from .warp_mma import Tiling, tiling
+from .warp_mma import Flash, Tiling, flash, tiling
 
 DEFAULT_STAGES = 3  # cp.async pipeline depth, at most: 2 overlaps one load with compute, 3 covers latency jitter
 
@@ -41,6 +45,7 @@ class CodegenConfig:
 class Layout:
     threads: int
     registers: dict[Node, Tiling]  # register-tiled products, by the acc_sum that folds them
+    flash: dict[Node, Flash]  # online softmax in registers, by its scores
     stages: int  # 1: the loop's tiles load, wait, then compute
     pads: dict[str, int]  # buffer name -> elements after each row (`padding`)
     offsets: dict[str, int]  # buffer name -> byte offset in the block's shared memory
@@ -76,6 +81,41 @@ def uses_tensor_cores(a: Node, b: Node, p: Plan, shape_of) -> bool:
         return False
     sa, sb = shape_of(a), shape_of(b)
     return mma_shape(sa[-2], sb[-1], sa[-1]) is not None
+
+
+def flash_products(c: Concrete, config: CodegenConfig) -> dict[Node, Flash]:
+    """The loop's online-softmax groups that run in registers (`warp_mma.flash`): scores s = q @ kt of
+    f16/bf16 tiles in shared memory, read only by online-softmax accumulators (no store, no other op),
+    each `acc_softmax_out` folding a tile v of the same dtype with the same columns."""
+    if not config.tensor_cores or compute_dtype(c.kernel) is not DType.F32:
+        return {}
+    p = plan(c.kernel)
+    stored = {st.value for st in c.kernel.stores}
+
+    def shape(n):
+        return tuple(int(bind(s, c.binding)) for s in n.shape)
+
+    out = {}
+    for s in p.groups:
+        users = p.users[s]
+        if s.op != "matmul" or s in stored or not tensor_core_operands(*s.args, p, shape):
+            continue
+        if not all(u.op in ACCUMULATORS and ACCUMULATORS[u.op].online for u in users):
+            continue
+        vs = [u.args[1] for u in users if len(u.args) > 1]
+        dtype = p.buffer(s.args[0]).dtype
+        if not all(p.place.get(v) is Place.SMEM and v.op == "tile" and p.buffer(v).dtype is dtype
+                   and all(x == 1 for x in shape(v)[:-2]) for v in vs) or len({shape(v)[-1] for v in vs}) > 1:
+            continue
+        sq, sk = shape(s.args[0]), shape(s.args[1])
+        if (f := flash(sq[-2], sq[-1], sk[-1], shape(vs[0])[-1] if vs else 16, len(vs))) is not None:
+            out[s] = f
+    return out
+
+
+def unbuffered(p: Plan, flash_of: dict[Node, Flash]) -> set[str]:
+    """Buffers the plan lists that online softmax in registers leaves out: the scores, their exp, the factors."""
+    return {b.name for s in flash_of for b in (p.buffer(s), p.groups[s]["scale"], p.groups[s]["p"])}
 
 
 def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Tiling], int]:
@@ -138,23 +178,27 @@ def _aligned(n: int) -> int:
 
 def layout(c: Concrete, config: CodegenConfig) -> Layout:
     """The kernel's threads, register-tiled products, pipeline stages and shared-memory buffers."""
-    registers, threads = register_products(c, config)
+    flash_of = flash_products(c, config)
+    need = max([config.threads] + [32 * f.warps for f in flash_of.values()])
+    registers, threads = register_products(c, replace(config, threads=need))
     k, p = c.kernel, plan(c.kernel)
     varying = loop_varying(k)
-    pads = {b.name: padding(c, b) for b in p.buffers}
-    size = {b.name: _bytes(c, b, pads[b.name]) for b in p.buffers}
-    staged = [b for b in p.buffers if b.role == "tile" and b.node in varying]
+    gone = unbuffered(p, flash_of)
+    buffers = [b for b in p.buffers if b.name not in gone]
+    pads = {b.name: padding(c, b) for b in buffers}
+    size = {b.name: _bytes(c, b, pads[b.name]) for b in buffers}
+    staged = [b for b in buffers if b.role == "tile" and b.node in varying]
     stages = 1
     if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in staged):
         base = sum(_aligned(s) for s in size.values())
         extra = sum(_aligned(size[b.name]) for b in staged)
         stages = max(1, min(config.stages, 1 + (config.smem_limit - base) // max(extra, 1), c.loop))
     offsets, sizes, at = {}, {}, 0
-    for b in p.buffers:
+    for b in buffers:
         sizes[b.name] = _aligned(size[b.name]) * stages if b in staged and stages > 1 else size[b.name]
         offsets[b.name] = at
         at += _aligned(sizes[b.name])
-    return Layout(threads, registers, stages, pads, offsets, sizes, max(at, 16))
+    return Layout(threads, registers, flash_of, stages, pads, offsets, sizes, max(at, 16))
 
 
 def _bytes(c: Concrete, b: Buffer, pad: int) -> int:

@@ -22,7 +22,8 @@ from pathlib import Path
 # instruction classes counted in a loop: the opcode's first dotted part
 CLASSES = ("HMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "STS", "BAR", "LDG", "SHFL")
 
-_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+NEVER = "NEVER"  # the opcode recorded for an instruction predicated on !PT (alignment filler: never runs)
 _TARGET = re.compile(r"^\s*(0x[0-9a-f]+)")
 
 
@@ -64,8 +65,8 @@ def instructions(sass: str) -> tuple[list[str], list[int], list[tuple[int, int]]
     ops, where, branches = [], [], []
     for line in sass.splitlines():
         if m := _LINE.search(line):
-            op = m.group(2)
-            if op.startswith("BRA") and (t := _TARGET.match(m.group(3))):
+            op = m.group(3) if m.group(2) != "@!PT" else NEVER
+            if op.startswith("BRA") and (t := _TARGET.match(m.group(4))):
                 branches.append((len(ops), int(t.group(1), 16)))
             ops.append(op)
             where.append(int(m.group(1), 16))
@@ -78,7 +79,7 @@ def count(ops: list[str]) -> dict[str, int]:
         head = op.split(".")[0]
         if head in out:
             out[head] += 1
-    out["total"] = len(ops)
+    out["total"] = sum(op != NEVER for op in ops)
     return out
 
 

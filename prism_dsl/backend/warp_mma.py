@@ -19,6 +19,17 @@ Warps split the output (wm x wn) and, when the output has too few tiles for them
 each such warp folds its share of every tile's k steps, and the partial sums are added in turn after the
 loop. The accumulators of a warp (tm x tn tiles of 4 floats per thread) are capped at MAX_ACCUMULATORS
 registers, and a layout uses 4 warps, or 8 where 4 cannot hold the output in registers.
+
+Online softmax on tensor cores (`Flash`, FlashAttention-2's dataflow): for scores s = q @ kt folded by
+`acc_softmax_out(s, v)` and `acc_softmax_sum(s)`, each warp owns 16 rows of q (tm blocks of them) and
+computes its rows of s with mma.sync into registers ("mn" as above: q by `ldmatrix.x4`, kt by
+`ldmatrix.x4.trans`). A thread then holds, per 16-row block, two rows (lane / 4 and lane / 4 + 8) and two
+adjacent columns of each n8 tile: the row max takes two shuffles over the 4 lanes of a row. The running
+max, the rescaled sums and the output stay in registers for the whole loop. exp(s - max) is packed to
+f16/bf16 pairs in registers, and the accumulator layout of two adjacent n8 tiles of s is exactly the A
+fragment of a k16 step, so p @ v needs only v's fragments from shared memory (`ldmatrix.x4.trans`).
+Neither s nor p is ever stored. After the loop the warp's row sums are added over the row's 4 lanes and
+the running max, sums and outputs are written to their states once.
 """
 
 from __future__ import annotations
@@ -63,6 +74,38 @@ class Tiling:
 
     def as_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Flash:
+    m: int  # rows of q and s
+    d: int  # q's columns, the contraction of s = q @ kt
+    n: int  # s's columns (kt's), the contraction of p @ v
+    dv: int  # v's columns
+    outs: int  # acc_softmax_out accumulators folding these scores (each its own output registers)
+    tm: int  # 16-row blocks per warp
+    warps: int  # warps that compute (m / 16 / tm)
+
+    @property
+    def accumulators(self) -> int:
+        """f32 registers per thread held across the loop, or live in it: outputs, scores, max and sum."""
+        return self.tm * (self.outs * self.dv + self.n) // 2 + 4 * self.tm
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def flash(m: int, d: int, n: int, dv: int, outs: int) -> Flash | None:
+    """The warp layout of online softmax over s = q @ kt (m x d @ d x n) folding p @ v (n x dv) `outs`
+    times, or None when tensor cores cannot take it: the fewest 16-row blocks per warp that keep the
+    warps at most max(WARPS) and the registers at most MAX_ACCUMULATORS (plus the running max and sum)."""
+    if m % 16 or d % 16 or n % 16 or dv % 16:
+        return None
+    for tm in _divisors(m // 16):
+        f = Flash(m, d, n, dv, outs, tm, m // 16 // tm)
+        if f.warps <= max(WARPS) and f.accumulators <= MAX_ACCUMULATORS + 4 * tm:
+            return f
+    return None
 
 
 def tiling(m: int, n: int, k: int, min_warps: int = 4) -> Tiling | None:

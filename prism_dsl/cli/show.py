@@ -90,7 +90,9 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
             and not bind(k.loop_range, binding).free_symbols:
         laid = layout(instantiate(k, binding, hardware), CodegenConfig(smem_limit=hardware.smem_per_block))
         pipeline = f"a {laid.stages}-stage cp.async pipeline" if laid.stages > 1 else "no pipeline"
-        lines.append(f"  as generated: {laid.threads} threads, {pipeline}, {laid.smem} bytes of shared memory "
+        flash = "".join(f", online softmax over {names.get(s, 's')} in registers ({f.warps} warps of {16 * f.tm} rows)"
+                        for s, f in laid.flash.items())
+        lines.append(f"  as generated: {laid.threads} threads, {pipeline}{flash}, {laid.smem} bytes of shared memory "
                      "(row padding and pipeline stages included)")
     return lines, problems
 

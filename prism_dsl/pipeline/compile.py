@@ -122,7 +122,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
         for r, e in zip(built.kernels, built.estimates))
     return Report(built.program.name, HardwareUsed(built.hardware.name, built.hardware.arch), chosen.options.rank,
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
-                  cost.roofline(built.source, bind_dims(built.source, dims_of(built)), built.hardware),
+                  cost.roofline(built.reference, bind_dims(built.reference, dims_of(built)), built.hardware),
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched)
 

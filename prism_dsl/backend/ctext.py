@@ -1,0 +1,85 @@
+"""C text for the code generator: C types, identifiers and comments made from user text, index arithmetic.
+
+Where it sits: shared by `codegen` and `tensor_steps` (and the emulation's harness, for `CTYPE`). Names in
+the generated code are derived from the program's, with every character outside [A-Za-z0-9_] replaced, and
+comments quote the program sanitized the same way, so no user text reaches the code unsanitized.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..ir.nodes import DType, Node
+
+CTYPE = {DType.F16: "half", DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.F64: "double"}
+
+
+def ident(text: str) -> str:
+    """A C identifier fragment from user text: [A-Za-z0-9_] only, never starting with a digit."""
+    out = re.sub(r"[^A-Za-z0-9_]", "_", text)
+    return out if out and not out[0].isdigit() else "_" + out
+
+
+def comment(text: str) -> str:
+    """User text made safe inside a // comment: one line, ASCII, no backslash continuation."""
+    return re.sub(r"[^ -~]", "?", text.replace("\\", "/"))[:200]
+
+
+def tensor_name(node: Node) -> str:
+    """The program-level name of a tensor a kernel reads: an input's name or a kernel output's store."""
+    if node.op == "input":
+        return node.attr
+    if node.op == "kernel":
+        kernel, index = node.attr
+        return kernel.stores[index].name
+    raise ValueError(f"a kernel operand must be an input or a kernel output, not {node.op}")
+
+
+# -- index arithmetic ---------------------------------------------------------------------------------
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+def decompose(var: str, shape: tuple[int, ...], prefix: str) -> tuple[list[str], list[str]]:
+    """C lines that split flat index `var` (row-major over `shape`) into one index per dim, and those
+    index expressions ("0" for dims of size 1)."""
+    lines, idx = [], []
+    for d, (size, stride) in enumerate(zip(shape, _strides(shape))):
+        if size == 1:
+            idx.append("0")
+            continue
+        expr = var if stride == 1 else f"{var} / {stride}"
+        if d > 0 and any(s > 1 for s in shape[:d]):
+            expr = f"({expr}) % {size}" if stride != 1 else f"{var} % {size}"
+        lines.append(f"const int {prefix}{d} = {expr};")
+        idx.append(f"{prefix}{d}")
+    return lines, idx
+
+
+def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
+    """Row-major offset in a tensor of `shape` whose index in each dim is the sum of that dim's `parts`."""
+    terms = []
+    for p, stride in zip(parts, _strides(shape)):
+        if p and stride:
+            term = " + ".join(p)
+            terms.append(term if stride == 1 else f"({term}) * {stride}" if len(p) > 1 else f"{term} * {stride}")
+    return " + ".join(terms) or "0"
+
+
+def offset(idx: list[str], shape: tuple[int, ...], pad: int = 0) -> str:
+    """Row-major offset of index expressions `idx` (aligned to the right of `shape`; size-1 dims
+    broadcast and read index 0), in a buffer whose rows have `pad` elements more (`Buffer.pad`)."""
+    rank = len(shape)
+    idx = list(idx[len(idx) - rank:]) if len(idx) >= rank else ["0"] * (rank - len(idx)) + list(idx)
+    terms = []
+    for i, size, stride in zip(idx, shape, _strides(shape[:-1] + (shape[-1] + pad,) if shape else shape)):
+        if size == 1 or i == "0":
+            continue
+        terms.append(i if stride == 1 else f"{i} * {stride}")
+    return " + ".join(terms) or "0"

@@ -1,0 +1,68 @@
+"""The code generator's tensor-core steps: products on wmma tiles, register-tiled products, online softmax.
+
+Where it sits: a part of `codegen._Emitter` (it inherits these), kept apart because each step here has
+its own shape in templates/steps.j2 and its own layout decision in `launch`:
+
+- "mma": a product into a shared buffer on wmma tiles, one warp per output tile (`launch.mma_shape`);
+- "warp_mma": a loop's `acc_sum(a @ b)` with the accumulators in registers for the whole loop
+  (`warp_mma.Tiling`), written to its state after the loop ("warp_mma_store");
+- "flash": online softmax over scores s = q @ kt, the scores, their exp and every state in registers
+  and `p @ v` fed to the next mma from registers (`warp_mma.Flash`, FlashAttention-2's dataflow), the
+  states written after the loop ("flash_store").
+
+Every step keeps the plain form of its work beside it (`plain`), the path for GPUs without tensor
+cores, except "flash", whose scores and exp have no shared buffer (`launch.unbuffered`).
+"""
+
+from __future__ import annotations
+
+from ..ir.accumulators import ACCUMULATORS, RUNNING_MAX
+from ..ir.nodes import Node
+from .ctext import CTYPE, comment, ident
+from .launch import mma_shape, uses_tensor_cores
+
+
+class TensorCoreSteps:
+    """Methods of `codegen._Emitter` (which provides plan, layout, shape, cname, pad, names, describe)."""
+
+    def _mma(self, a: Node, b: Node, shape, dst: str, accumulate: bool, text: str) -> dict | None:
+        if not self.config.tensor_cores or self.real != "float":
+            return None
+        if not uses_tensor_cores(a, b, self.plan, self.shape):
+            return None
+        ba, bb = self.plan.buffer(a), self.plan.buffer(b)
+        sa, sb = self.shape(a), self.shape(b)
+        m, k, n = sa[-2], sa[-1], sb[-1]
+        frag = mma_shape(m, n, k)
+        self.tensor_core_steps += 1
+        return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
+                "a": self.cname[ba.name], "b": self.cname[bb.name], "c": dst, "ab": CTYPE[ba.dtype],
+                "lda": k + self.pad[ba.name], "ldb": n + self.pad[bb.name], "accumulate": accumulate}
+
+    def warp_mma(self, acc: Node, dst: str, text: str) -> dict:
+        """acc += a @ b into registers, each warp its own tiles (see `warp_mma`); `dst` its state after the loop."""
+        a, b = acc.args[0].args
+        ba, bb = self.plan.buffer(a), self.plan.buffer(b)
+        self.tensor_core_steps += 1
+        return {"kind": "warp_mma", "comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst,
+                "a": self.cname[ba.name], "b": self.cname[bb.name], "ab": CTYPE[ba.dtype],
+                "lda": self.shape(a)[-1] + self.pad[ba.name], "ldb": self.shape(b)[-1] + self.pad[bb.name]}
+
+    def flash(self, s: Node) -> dict:
+        """Online softmax over s = q @ kt with s, p and the states in registers (`warp_mma.Flash`), for every
+        accumulator that folds s; the same step as "flash_store" writes the states after the loop."""
+        f, (q, kt), users = self.layout.flash[s], s.args, self.plan.users[s]
+        reg = "f_" + ident(self.plan.buffer(s).name)
+
+        def tile(n: Node) -> tuple[str, int]:
+            b = self.plan.buffer(n)
+            return self.cname[b.name], self.shape(n)[-1] + self.pad[b.name]
+        outs = [{"r": f"{reg}_o{j}", "v": tile(u.args[1]), "c": self.cname[self.held(u).name]}
+                for j, u in enumerate(u for u in users if ACCUMULATORS[u.op].like == "matmul")]
+        sums = [self.cname[self.held(u).name] for u in users if ACCUMULATORS[u.op].row and u.op != RUNNING_MAX]
+        self.tensor_core_steps += 1
+        text = comment(f"online softmax over {self.describe(s)}, folded by "
+                       + ", ".join(self.names.get(u, u.op) for u in users))
+        return {"kind": "flash", "comment": text, "f": f, "r": reg, "q": tile(q), "k": tile(kt),
+                "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
+                "m": self.cname[self.plan.groups[s]["m"].name]}
