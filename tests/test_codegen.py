@@ -38,6 +38,10 @@ GOLDEN_PARAMS = {
     "attention.decoding": ({"gb": 1, "gh": 2, "S": 4}, {"F": 2}),
 }
 
+# Dims besides SMALL for the hand-written kernels: 32 query rows, so attention's online softmax runs in
+# registers on tensor cores (2 warps of 16 rows) in the golden file, the emulation and the sanitizer runs.
+FUSED_DIMS = {"attention": {"q": 32}}
+
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
 needs_cxx = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++ or clang++) for the CPU emulation")
 
@@ -48,7 +52,8 @@ def small_dims(program) -> dict[str, int]:
 
 def build_of(path: Path, grid=None, loop=None, **kw):
     program = load(path).program()
-    options = BuildOptions(dims=small_dims(program), grid=grid or {}, loop=loop or {}, **kw)
+    dims = small_dims(program) | (FUSED_DIMS.get(path.stem, {}) if path.parent.name == "fused" else {})
+    options = BuildOptions(dims=dims, grid=grid or {}, loop=loop or {}, **kw)
     return build(program, H100, options), options
 
 
@@ -129,21 +134,15 @@ def test_online_softmax_keeps_scores_and_probabilities_in_registers():
 
 
 @needs_cxx
-@pytest.mark.parametrize("shape", FLASH_SHAPES[:2], ids=["64x64", "128x48"])
-@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("shape, dtype", [(FLASH_SHAPES[0], "f16"), (FLASH_SHAPES[1], "bf16")],
+                         ids=["64x64-f16", "128x48-bf16"])
 def test_online_softmax_in_registers_agrees_with_the_reference(shape, dtype, tmp_path):
+    """Beside the fused attention program at the suite's dims (32 x 64 tiles, golden file, sanitizers)."""
     built, options = flash_build(*shape, dtype=dtype, tmp_path=tmp_path)
     assert "prism::pack2<" in built.kernels[0].source
     check = emulate(built, options)
     assert check.passed and check.outputs["O"]["max_rel_err"] < 5e-3, check
 
-
-@needs_cxx
-@pytest.mark.parametrize("sanitizer", ["thread", "address"])
-def test_online_softmax_in_registers_passes_the_sanitizers(sanitizer):
-    built, options = flash_build(*FLASH_SHAPES[1], sanitize=sanitizer, emulate_blocks=2)
-    check = emulate(built, options)
-    assert check.passed, check
 
 
 # -- nvcc -----------------------------------------------------------------------------------------------

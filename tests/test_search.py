@@ -82,6 +82,34 @@ def test_each_program_gets_one_fused_proved_kernel(name, library):
         assert "acc_sum" in text  # the projections accumulate over the loop
 
 
+def test_a_constant_with_an_exponent_reaches_the_fused_kernel(library, write):
+    """RMSNorm with its epsilon written out: egglog prints the constant 1e-05 as 1e-5, and the search must
+    still find the input program's terms in the saturated e-graph (it once stopped with an internal error)."""
+    src = load(write("""dims n = 8, d = 256
+program rmsnorm_eps(X: f16[n, d], W: f16[d, d]) {
+    Y = (X * rsqrt(mean(X * X, -1) + 0.00001)) @ W
+    return Y
+}
+""")).program()
+    out = optimize(src, library, H100, src.default_binding())
+    assert custom_kernels(out.best.program) == 1 and not out.best.as_written
+    assert "acc_mean_last(xt * xt) + 1e-05" in print_program(out.best.program)
+
+
+def test_a_search_that_cannot_start_compiles_the_program_as_written_and_says_why(tmp_path, capsys, monkeypatch):
+    from prism_dsl.search import abstract
+
+    def lost(*_):
+        raise abstract.SaturationFailed("the saturated e-graph lost output 'Y' (egglog: iteration limit)")
+    monkeypatch.setattr(abstract, "_run", lost)
+    path = ROOT / "programs" / "swiglu.prism"
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--dims", "n=4,d=64", "--arch", "none",
+                 "--no-emulate", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "cut short (the search could not start: the saturated e-graph lost output 'Y'" in out
+    assert "(the program as written: nothing faster was found)" in out
+
+
 def test_pruning_loses_nothing(library):
     """With expression-guided pruning off (small limits), every proved program is also found with it on."""
     src = program("rmsnorm_linear")

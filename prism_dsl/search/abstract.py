@@ -177,6 +177,11 @@ EXTRACT_COST = {Kind.MATMUL: 20.0, Kind.REDUCE: 5.0, Kind.ROWWISE: 5.0}
 OP_OF_CONSTRUCTOR = {constructor(name): name for name in OPS}  # the e-graph's constructor names back to ops
 
 
+class SaturationFailed(PrismError):
+    """The input program's e-graph could not be built: there is nothing to search from (the caller
+    compiles the program as written and says why)."""
+
+
 def saturate(program: Program, library: Library, limits: Limits = SATURATION_LIMITS) -> InputGraph:
     """Saturate the input program's outputs with the library's abstract rulesets; raise if none is there."""
     rulesets = [r for r in RULESETS if r in library.rulesets]
@@ -189,14 +194,19 @@ def saturate(program: Program, library: Library, limits: Limits = SATURATION_LIM
         writer.term(node)
     setup = "\n".join(writer.lines + writer.shape_facts())
     outcome = _run(text, setup, rulesets, limits)
-    classes = {(op, tuple(kids)): eclass for op, kids, eclass in outcome.table}
+    classes = {(op, _number(kids) if op == "Num" else tuple(kids)): eclass for op, kids, eclass in outcome.table}
     graph = InputGraph(classes, {}, outcome.reason, outcome.nodes, outcome.seconds)
     for name, node in program.outputs:
         c = graph.lookup(node)
         if c is None:
-            raise PrismError(f"the saturated e-graph lost output '{name}' (egglog: {outcome.reason})")
+            raise SaturationFailed(f"the saturated e-graph lost output '{name}' (egglog: {outcome.reason})")
         graph.outputs[name] = c
     return graph
+
+
+def _number(kids) -> tuple[str]:
+    """A number's row key as `InputGraph.lookup` writes it: egglog prints 1e-05 as 1e-5."""
+    return (f"f64:{float(kids[0].split(':', 1)[1])!r}",)
 
 
 def _run(text: str, setup: str, rulesets, limits: Limits):
@@ -208,4 +218,4 @@ def _run(text: str, setup: str, rulesets, limits: Limits):
             return out
         # Killed mid-round at the time limit: run again with fewer iterations.
         limits = Limits(iterations=max(1, out.iterations), nodes=limits.nodes, seconds=limits.seconds * 2)
-    raise PrismError(f"could not saturate the input program's e-graph: {out.reason}")
+    raise SaturationFailed(f"could not saturate the input program's e-graph: {out.reason}")

@@ -20,7 +20,7 @@ from typing import Callable
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware
 from ..prove.rules import Library
-from .abstract import saturate
+from .abstract import SaturationFailed, saturate
 from .assembly import Assembly, proof_error
 from .config import Rejection, SearchConfig, Stats, Stop
 from .generate import Generator
@@ -65,7 +65,10 @@ def search(program: Program, library: Library, hardware: Hardware, config: Searc
             return True
         return False
 
-    graph = saturate(program, library)
+    try:
+        graph = saturate(program, library)
+    except SaturationFailed as e:  # nothing to search from: the program as written stands
+        return Result([], stats, time.perf_counter() - started, False, f"the search could not start: {e}", {}, jobs)
     generator = Generator(program, graph, config, stats, should_stop)
     assembly = Assembly(program, library, hardware, config, stats, jobs)
     pending: list[tuple[Program, Future]] = []
