@@ -110,6 +110,20 @@ def test_a_search_that_cannot_start_compiles_the_program_as_written_and_says_why
     assert "(the program as written: nothing faster was found)" in out
 
 
+def test_lora_reaches_one_kernel_with_the_adapter_product_after_the_loop(library):
+    """X @ W + (X @ A) @ B: the base product and the adapter's first product accumulated in the same loop,
+    the adapter's second product after it (B loaded for it), equal to the reference in the interpreter."""
+    src = program("lora")
+    dims = dict(n=4, d=64, m=128, r=16)
+    out = optimize(src, library, H100, bind_dims(src, dims))
+    text = print_program(out.best.program)
+    assert custom_kernels(out.best.program) == 1 and len(kernels_of(out.best.program)) == 1, text
+    assert "acc_sum(xt @ wt) + acc_sum(xt @ at) @ bt" in text, text
+    inputs = random_inputs(src, bind_dims(src, dims), seed=3)
+    got, want = evaluate(out.best.program, inputs, params=out.best.params)["Y"], evaluate(src, inputs)["Y"]
+    assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+
+
 def test_pruning_loses_nothing(library):
     """With expression-guided pruning off (small limits), every proved program is also found with it on."""
     src = program("rmsnorm_linear")

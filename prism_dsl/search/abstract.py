@@ -46,6 +46,7 @@ class InputGraph:
     seconds: float
     _parents: dict[str, list[tuple]] | None = field(default=None, repr=False)
     _children: dict[str, list[str]] | None = field(default=None, repr=False)
+    _products: dict[str, list[tuple[str, ...]]] = field(default_factory=dict, repr=False)
     _extracted: dict = field(default_factory=dict, repr=False)
 
     def lookup(self, node: Node, memo: dict[Node, str | None] | None = None) -> str | None:
@@ -103,21 +104,25 @@ class InputGraph:
                 out[c] = term
         return out
 
-    def below(self, goals: list[str]) -> set[str]:
-        """The e-classes reachable from the goals through element-wise e-nodes (and the goals)."""
+    def below(self, goals: list[str], partners: frozenset = frozenset()) -> set[str]:
+        """The e-classes reachable from the goals through element-wise e-nodes (and the goals), and the left
+        operands of products in them whose right operand is one of `partners` (e-classes of tiles a
+        kernel may load for a product after its loop: LoRA's (X @ A) @ B)."""
         if self._children is None:
-            self._children = {}
+            self._children, self._products = {}, {}
             for (ctor, kids), c in self.classes.items():
                 op = OP_OF_CONSTRUCTOR.get(ctor)
                 if op is not None and OPS[op].kind in (Kind.UNARY, Kind.BINARY):
                     self._children.setdefault(c, []).extend(k for k in kids if k.startswith("T-"))
+                elif op is not None and OPS[op].kind is Kind.MATMUL:
+                    self._products.setdefault(c, []).append(tuple(kids))
         seen, todo = set(goals), list(goals)
         while todo:
             for k in self._children.get(todo.pop(), ()):
                 if k not in seen:
                     seen.add(k)
                     todo.append(k)
-        return seen
+        return seen | {a for c in seen for a, b in self._products.get(c, ()) if b in partners}
 
     def _builder(self, leaves: dict[str, Node]):
         key = tuple(sorted(leaves))  # the costs depend on the leaf classes only, not on their terms

@@ -169,8 +169,8 @@ class Generator:
         atoms = self._atoms(leaves)
         if len(steps) + 1 == depth:
             # The last kernel's accumulators are leaves of its outputs' post-loop terms: only those
-            # under the missing outputs through element-wise ops can be.
-            under = self.graph.below(self._missing(classes))
+            # under the missing outputs through element-wise ops (or a product by one of its tiles) can be.
+            under = self.graph.below(self._missing(classes), frozenset(leaves))
             useful = [a for a in atoms if a.eclass in under]
             self.stats.prune(Rejection.UNUSED_ACCUMULATOR, len(atoms) - len(useful))
             atoms = useful
@@ -257,25 +257,26 @@ class Generator:
         accumulators themselves."""
         accumulated = [(a.node, a.eclass) for a in combo]
         used_tiles = {m for a in combo for m in a.node.walk() if m.op == "tile"}
-        if len(used_tiles) < len(tiles):
-            return  # a tile nothing reads: the same kernel with fewer inputs covers it
+        after = [(t, classes[i]) for i, t in zip(chosen, tiles) if t not in used_tiles]  # read after the loop
         if len(steps) + 1 == depth:
             if not all(isinstance(k, str) for _, k in accumulated):
                 self.stats.prune(Rejection.NO_POST_LOOP_FORM)
                 return
-            found = self._post_loop(classes, {k: n for n, k in accumulated})
+            found = self._post_loop(classes, {k: n for n, k in after + accumulated})
             if isinstance(found, Rejection):
                 self.stats.prune(found)
                 return
             new_classes, outs = found
             reached = {m for o in outs for m in o.walk()}
-            if any(n not in reached for n, _ in accumulated):
+            if any(n not in reached for n, _ in after + accumulated):
                 self.stats.prune(Rejection.UNUSED_ACCUMULATOR)
                 return
             if len(outs) > self.config.max_outputs:
                 self.stats.prune(Rejection.LIMITS)
                 return
         else:
+            if after:
+                return  # a tile nothing reads: the same kernel with fewer inputs covers it
             outs = [n for n, _ in accumulated]
             new_classes = [k for _, k in accumulated]
             if len(outs) > self.config.max_outputs or any(c in classes for c in new_classes) \
