@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cache
+
+import sympy
 
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, plan
 from ..kernels.kernel import loop_varying
-from ..kernels.sizes import bind
+from ..kernels.sizes import call, compile_sizes, int_value
 from .warp_mma import Flash, Tiling, flash, tiling
 
 DEFAULT_STAGES = 3  # cp.async pipeline depth, at most: 2 overlaps one load with compute, 3 covers latency jitter
@@ -91,24 +94,20 @@ def flash_products(c: Concrete, config: CodegenConfig) -> dict[Node, Flash]:
         return {}
     p = plan(c.kernel)
     stored = {st.value for st in c.kernel.stores}
-
-    def shape(n):
-        return tuple(int(bind(s, c.binding)) for s in n.shape)
-
     out = {}
     for s in p.groups:
         users = p.users[s]
-        if s.op != "matmul" or s in stored or not tensor_core_operands(*s.args, p, shape):
+        if s.op != "matmul" or s in stored or not tensor_core_operands(*s.args, p, c.shape):
             continue
         if not all(u.op in ACCUMULATORS and ACCUMULATORS[u.op].online for u in users):
             continue
         vs = [u.args[1] for u in users if len(u.args) > 1]
         dtype = p.buffer(s.args[0]).dtype
         if not all(p.place.get(v) is Place.SMEM and v.op == "tile" and p.buffer(v).dtype is dtype
-                   and all(x == 1 for x in shape(v)[:-2]) for v in vs) or len({shape(v)[-1] for v in vs}) > 1:
+                   and all(x == 1 for x in c.shape(v)[:-2]) for v in vs) or len({c.shape(v)[-1] for v in vs}) > 1:
             continue
-        sq, sk = shape(s.args[0]), shape(s.args[1])
-        if (f := flash(sq[-2], sq[-1], sk[-1], shape(vs[0])[-1] if vs else 16, len(vs))) is not None:
+        sq, sk = c.shape(s.args[0]), c.shape(s.args[1])
+        if (f := flash(sq[-2], sq[-1], sk[-1], c.shape(vs[0])[-1] if vs else 16, len(vs))) is not None:
             out[s] = f
     return out
 
@@ -126,16 +125,13 @@ def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Ti
         return {}, config.threads
     p = plan(c.kernel)
 
-    def shape(n):
-        return tuple(int(bind(s, c.binding)) for s in n.shape)
-
     def layouts(min_warps: int) -> dict[Node, Tiling]:
         out = {}
         for acc in c.kernel.body():
             x = acc.args[0] if acc.op == "acc_sum" else None
-            if x is None or p.place.get(x) is not Place.FUSED or not tensor_core_operands(*x.args, p, shape):
+            if x is None or p.place.get(x) is not Place.FUSED or not tensor_core_operands(*x.args, p, c.shape):
                 continue
-            sa, sb = shape(x.args[0]), shape(x.args[1])
+            sa, sb = c.shape(x.args[0]), c.shape(x.args[1])
             if (t := tiling(sa[-2], sb[-1], sa[-1], min_warps)) is not None:
                 out[acc] = t
         return out
@@ -152,8 +148,8 @@ def copy_bytes(c: Concrete, tile: Node, config: CodegenConfig) -> int:
     if not config.vector_loads:
         return 0
     load = c.kernel.load(tile.attr)
-    full = int(bind(c.kernel.inputs[load.source].shape[-1], c.binding))
-    part = int(bind(tile.shape[-1], c.binding))
+    full = int_value(c.kernel.inputs[load.source].shape[-1], c.binding)
+    part = int_value(tile.shape[-1], c.binding)
     size = plan(c.kernel).buffer(tile).dtype.bytes
     return next((n for n in (16, 8, 4) if n % size == 0 and part % (n // size) == 0 and full % (n // size) == 0), 0)
 
@@ -168,8 +164,28 @@ def padding(c: Concrete, b: Buffer) -> int:
     """Elements after each row of a buffer: its `Buffer.pad` (the most the shared-memory constraint allows
     for) where rows are 64 bytes or more and a multiple of 32, whose 8 rows of an ldmatrix would otherwise
     share banks 4 to 8 ways; none for other rows, where padding would cost more than it saves."""
-    row = int(bind(b.shape[-1], c.binding)) * b.dtype.bytes if b.shape else 0
+    return _pad(b, c.shape(b))
+
+
+def _pad(b: Buffer, shape: tuple[int, ...]) -> int:
+    row = shape[-1] * b.dtype.bytes if shape else 0
     return b.pad if b.pad and row >= 64 and row % 32 == 0 else 0
+
+
+@cache
+def _buffer_dims(kernel) -> tuple:
+    """Every plan buffer's dims in order, one compiled function of the binding (`sizes.compile_sizes`)."""
+    exprs = [sympy.sympify(s) for b in plan(kernel).buffers for s in b.shape]
+    return compile_sizes(exprs, lambda sources: "(" + "".join(f"{x}, " for x in sources) + ")")
+
+
+def buffer_shapes(c: Concrete) -> dict[str, tuple[int, ...]]:
+    """The plan's buffers' shapes at this binding, by name (the cost model lays out thousands of choices)."""
+    flat, out, i = call(_buffer_dims(c.kernel), c.binding, None), {}, 0
+    for b in plan(c.kernel).buffers:
+        out[b.name] = tuple(int(v) for v in flat[i:i + len(b.shape)])
+        i += len(b.shape)
+    return out
 
 
 def _aligned(n: int) -> int:
@@ -185,8 +201,9 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     varying = loop_varying(k)
     gone = unbuffered(p, flash_of)
     buffers = [b for b in p.buffers if b.name not in gone]
-    pads = {b.name: padding(c, b) for b in buffers}
-    size = {b.name: _bytes(c, b, pads[b.name]) for b in buffers}
+    dims = buffer_shapes(c)
+    pads = {b.name: _pad(b, dims[b.name]) for b in buffers}
+    size = {b.name: _size(b, dims[b.name], pads[b.name]) for b in buffers}
     staged = [b for b in buffers if b.role == "tile" and b.node in varying]
     stages = 1
     if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in staged):
@@ -202,7 +219,10 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
 
 
 def _bytes(c: Concrete, b: Buffer, pad: int) -> int:
-    shape = [int(bind(s, c.binding)) for s in b.shape]
+    return _size(b, c.shape(b), pad)
+
+
+def _size(b: Buffer, shape: tuple[int, ...], pad: int) -> int:
     rows = math.prod(shape[:-1]) if shape else 1
     return (math.prod(shape) + rows * pad) * b.dtype.bytes
 

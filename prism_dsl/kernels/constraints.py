@@ -7,7 +7,7 @@ fusion plan allocates within the hardware's per-block limit. `instantiate` check
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Mapping
 
@@ -86,9 +86,15 @@ class Concrete:
     loop: int
     binding: Mapping[sympy.Symbol, int]
     smem_bytes: int
+    _shapes: dict = field(default_factory=dict, compare=False, repr=False)  # id(node) -> (node, its shape)
 
     def shape(self, node: Node) -> tuple[int, ...]:
-        return tuple(int_value(s, self.binding) for s in node.shape)
+        """The node's shape at this binding, remembered (the cost model asks for the same nodes many times;
+        the entry holds the node, so its id is not reused while it is there)."""
+        got = self._shapes.get(id(node))
+        if got is None or got[0] is not node:
+            got = self._shapes[id(node)] = (node, tuple(int_value(s, self.binding) for s in node.shape))
+        return got[1]
 
     def output_shape(self, index: int) -> tuple[int, ...]:
         store = self.kernel.stores[index]
