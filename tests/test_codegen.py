@@ -101,6 +101,28 @@ program product(A: f16[n, k], B: f16[k, m]) {
     assert "wmma::mma_sync" in kernel.source and kernel.tensor_cores
 
 
+@needs_cxx
+def test_tanh_and_its_gelu_run_in_a_fused_kernel(tmp_path):
+    """GPT-2's MLP activation (`gelu_tanh`) and `tanh`, fused into registers, against the reference."""
+    path = tmp_path / "mlp.prism"
+    path.write_text("""dims n = 16, d = 64, f = 128
+program mlp(X: f16[n, d], W1: f16[d, f], W2: f16[f, d]) {
+    kernel fused grid(x = gx) loop(F) {
+        xt = load X[x, :]
+        w1t = load W1[:, loop]
+        w2t = load W2[loop, :]
+        store Y[x, :] = acc_sum(gelu_tanh(xt @ w1t) @ w2t) + tanh(xt)
+    }
+    return Y
+}
+""")
+    options = BuildOptions(grid={"gx": 1}, loop={"F": 2}, archs=())
+    built = build(load(path).program(), H100, options)
+    assert "prism::gelu_tanh_(" in built.kernels[0].source and "prism::tanh_(" in built.kernels[0].source
+    check = emulate(built, options)
+    assert check.passed, check
+
+
 # q tile 64 x 64, key tiles of 64 (dh 64), of 48 (dh 32), of 32 with 8 warps of 16 query rows (q tile 128)
 FLASH_SHAPES = [({"q": 64, "kv": 128, "dh": 64}, 1, 2), ({"q": 128, "kv": 96, "dh": 32}, 2, 2),
                 ({"q": 128, "kv": 64, "dh": 64}, 1, 2)]

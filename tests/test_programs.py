@@ -184,6 +184,8 @@ OP_CASES = [
     ("silu(X)", lambda X, **_: X / (1.0 + np.exp(-X))),
     ("gelu(X)", lambda X, **_: 0.5 * X * (1.0 + erf(X / math.sqrt(2.0)))),
     ("relu(X)", lambda X, **_: np.where(X > 0, X, 0.0)),
+    ("tanh(X)", lambda X, **_: (np.exp(2 * X) - 1) / (np.exp(2 * X) + 1)),
+    ("gelu_tanh(X)", lambda X, **_: 0.5 * X * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (X + 0.044715 * X**3)))),
     ("neg(X)", lambda X, **_: -X),
     ("-X", lambda X, **_: -X),
     ("X + Y", lambda X, Y, **_: X + Y),

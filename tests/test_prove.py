@@ -38,6 +38,8 @@ EQUAL = [
     ("matmul_assoc", "(X @ W) @ U", "X @ (W @ U)"),
     ("matmul_distrib", "X @ W + X @ V", "X @ (W + V)"),
     ("silu", "silu(X)", "X * sigmoid(X)"),
+    ("gelu_tanh", "gelu_tanh(X @ W)",
+     "0.5 * (X @ W) * (1 + tanh(0.7978845608028654 * ((X @ W) + 0.044715 * (X @ W) * (X @ W) * (X @ W))))"),
     ("softmax_unstable", "softmax(X)", "exp(X) / sum(exp(X), -1)"),
     ("softmax_stable_written_out", "softmax(X)", "exp(X - max(X, -1)) / sum(exp(X - max(X, -1)), -1)"),
     ("gated_rmsnorm", "(rms_norm(X) @ W) * (rms_norm(X) @ V)",

@@ -53,7 +53,8 @@ C_OPS = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "neg": "(-{0})", "exp": "prism::exp_({0})", "sqrt": "prism::sqrt_({0})", "rsqrt": "prism::rsqrt_({0})",
     "square": "({0} * {0})", "sigmoid": "prism::sigmoid_({0})", "silu": "prism::silu_({0})",
-    "gelu": "prism::gelu_({0})", "relu": "prism::relu_({0})",
+    "gelu": "prism::gelu_({0})", "relu": "prism::relu_({0})", "tanh": "prism::tanh_({0})",
+    "gelu_tanh": "prism::gelu_tanh_({0})",
 }
 
 

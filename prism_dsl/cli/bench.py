@@ -31,6 +31,7 @@ TORCH = {
     "exp": lambda t, x, a: t.exp(x[0]), "sqrt": lambda t, x, a: t.sqrt(x[0]), "rsqrt": lambda t, x, a: t.rsqrt(x[0]),
     "square": lambda t, x, a: x[0] * x[0], "sigmoid": lambda t, x, a: t.sigmoid(x[0]),
     "silu": lambda t, x, a: t.nn.functional.silu(x[0]), "gelu": lambda t, x, a: t.nn.functional.gelu(x[0]),
+    "tanh": lambda t, x, a: t.tanh(x[0]), "gelu_tanh": lambda t, x, a: t.nn.functional.gelu(x[0], approximate="tanh"),
     "relu": lambda t, x, a: t.relu(x[0]), "sum": lambda t, x, a: x[0].sum(a, keepdim=True),
     "max": lambda t, x, a: x[0].amax(a, keepdim=True), "mean": lambda t, x, a: x[0].mean(a, keepdim=True),
     "rms_norm": lambda t, x, a: x[0] / t.sqrt((x[0] * x[0]).mean(-1, keepdim=True)),

@@ -30,6 +30,9 @@ class Kind(Enum):
     KERNEL = "kernel"  # an output of a custom kernel; attr = (Kernel, output index)
 
 
+GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi) in double precision: gelu_tanh's constant everywhere
+
+
 @dataclass(frozen=True)
 class OpSpec:
     name: str
@@ -72,6 +75,9 @@ OPS: dict[str, OpSpec] = _table(
     OpSpec("silu", Kind.UNARY, 1, doc="x * sigmoid(x)"),
     OpSpec("gelu", Kind.UNARY, 1, doc="x / 2 * (1 + erf(x / sqrt(2))), the exact form"),
     OpSpec("relu", Kind.UNARY, 1, doc="max(x, 0)"),
+    OpSpec("tanh", Kind.UNARY, 1, doc="the hyperbolic tangent"),
+    OpSpec("gelu_tanh", Kind.UNARY, 1, doc="x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), GPT-2's form "
+           "(sqrt(2 / pi) as the double GELU_TANH_SCALE)"),
     OpSpec("sum", Kind.REDUCE, 1, params=("dim",)),
     OpSpec("max", Kind.REDUCE, 1, params=("dim",)),
     OpSpec("mean", Kind.REDUCE, 1, params=("dim",)),
