@@ -126,8 +126,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16, doubl
     __device__ __forceinline__ R gelu_(R x) { return R(0.5) * x * (R(1) + erf##SUFFIX(x * R(0.70710678118654752440))); } \
     __device__ __forceinline__ R relu_(R x) { return x > R(0) ? x : R(0); }                               \
     __device__ __forceinline__ R tanh_(R x) { return tanh##SUFFIX(x); }                                   \
-    __device__ __forceinline__ R gelu_tanh_(R x) {  /* 0.79788...: sqrt(2 / pi) */                        \
-        return R(0.5) * x * (R(1) + tanh##SUFFIX(R(0.79788456080286535588) * (x + R(0.044715) * x * x * x))); } \
+    __device__ __forceinline__ R gelu_tanh_(R x) {  /* ir/ops.py: GELU_TANH_SCALE, GELU_TANH_CUBIC */     \
+        return R(0.5) * x * (R(1) + tanh##SUFFIX(R(0.7978845608028654) * (x + R(0.044715) * x * x * x))); } \
     __device__ __forceinline__ R max_(R a, R b) { return a > b ? a : b; }
 PRISM_MATH(float, f)
 PRISM_MATH(double, )

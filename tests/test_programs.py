@@ -217,6 +217,16 @@ OP_CASES = [
 ]
 
 
+def test_gelu_tanh_constants_are_spelled_alike_in_the_axiom_and_the_cuda():
+    from prism_dsl.ir.ops import GELU_TANH_CUBIC, GELU_TANH_SCALE
+
+    root = Path(__file__).resolve().parent.parent
+    axiom = (root / "rules" / "definitions.rules").read_text()
+    cuda = (root / "templates" / "prism.cuh").read_text()
+    assert f"tanh({GELU_TANH_SCALE!r} * (x + {GELU_TANH_CUBIC!r} * x * x * x))" in axiom
+    assert f"tanh##SUFFIX(R({GELU_TANH_SCALE!r}) * (x + R({GELU_TANH_CUBIC!r}) * x * x * x))" in cuda
+
+
 @pytest.mark.parametrize("expr, formula", OP_CASES, ids=[e for e, _ in OP_CASES])
 def test_operator_against_numpy(write, expr, formula):
     program = one_expression(write, expr)

@@ -91,9 +91,6 @@ class Flash:
         """f32 registers per thread held across the loop, or live in it: outputs, scores, max and sum."""
         return self.tm * (self.outs * self.dv + self.n) // 2 + 4 * self.tm
 
-    def as_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
-
 
 def flash(m: int, d: int, n: int, dv: int, outs: int) -> Flash | None:
     """The warp layout of online softmax over s = q @ kt (m x d @ d x n) folding p @ v (n x dv) `outs`

@@ -30,7 +30,10 @@ class Kind(Enum):
     KERNEL = "kernel"  # an output of a custom kernel; attr = (Kernel, output index)
 
 
-GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi) in double precision: gelu_tanh's constant everywhere
+# gelu_tanh's constants, as the reference, the symbolic formulas, rules/definitions.rules (gelu_tanh_def) and
+# templates/prism.cuh (gelu_tanh_) spell them; tests/test_programs.py checks that the last two agree
+GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi) in double precision
+GELU_TANH_CUBIC = 0.044715
 
 
 @dataclass(frozen=True)

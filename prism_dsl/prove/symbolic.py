@@ -34,7 +34,7 @@ import numpy as np
 import sympy
 from sympy.polys.polyerrors import BasePolynomialError
 
-from ..ir.ops import DIMS, GELU_TANH_SCALE, OPS, Kind
+from ..ir.ops import DIMS, GELU_TANH_CUBIC, GELU_TANH_SCALE, OPS, Kind
 from ..lang import syntax_tree as ast
 from .patterns import IllFormed, Semantics, distinct_digits, sides
 from .rules import DimVar, Lit, Rule
@@ -103,7 +103,7 @@ FORMULAS = {
     "tanh": _elementwise(sympy.tanh),
     # sqrt(2 / pi) as the reference and the GPU hold it (a double), so the axiom that writes it out is exact
     "gelu_tanh": _elementwise(lambda x: x / 2 * (1 + sympy.tanh(sympy.Rational(repr(GELU_TANH_SCALE))
-                                                                  * (x + sympy.Rational("0.044715") * x**3)))),
+                                                                  * (x + sympy.Rational(repr(GELU_TANH_CUBIC)) * x**3)))),
     "sum": _sum,
     "mean": _mean,
     "max": lambda x, axis: np.asarray(_max_ufunc.reduce(x, axis=axis, keepdims=True), dtype=object),

@@ -18,7 +18,7 @@ import sympy
 from ..ir.accumulators import ACCUMULATORS, fold_along
 from ..base.errors import PrismError
 from ..ir.nodes import DType, Node, Program
-from ..ir.ops import GELU_TANH_SCALE, LOOP_DIM, OPS, Kind
+from ..ir.ops import GELU_TANH_CUBIC, GELU_TANH_SCALE, LOOP_DIM, OPS, Kind
 from ..ir.shapes import fmt_shape
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -75,7 +75,7 @@ NUMPY = {
     "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
     "relu": lambda x: np.maximum(x, 0.0),
     "tanh": np.tanh,
-    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(GELU_TANH_SCALE * (x + 0.044715 * x**3))),
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(GELU_TANH_SCALE * (x + GELU_TANH_CUBIC * x**3))),
     "sum": lambda x, axis: np.sum(x, axis=axis, keepdims=True),
     "max": lambda x, axis: np.max(x, axis=axis, keepdims=True),
     "mean": lambda x, axis: np.mean(x, axis=axis, keepdims=True),
