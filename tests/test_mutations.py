@@ -1,4 +1,4 @@
-"""The checker catches what it claims: generated kernels of every program in programs/ and programs/fused/,
+"""The checker catches what it claims: generated kernels of the programs in programs/ and programs/fused/,
 each with one planted bug, are reported by the emulation (a finding, or outputs that disagree), and the
 same kernels unmutated pass the plain emulation and both sanitizers.
 
@@ -22,6 +22,10 @@ from test_codegen import FUSED, GOLDEN_PARAMS, PROGRAMS, build_of
 
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
 ALL = FUSED + PROGRAMS
+# The planted bugs go into the hand-written kernels and into the programs as written whose pre-defined kernels
+# are of a kind no other program has (the others repeat matmul, rms_norm, softmax and element-wise kernels).
+REPEATS = {"rmsnorm_mlp", "swiglu", "qk_norm_attention", "gqa", "lora", "ntrans"}
+PLANTED = FUSED + [p for p in PROGRAMS if p.stem not in REPEATS]
 
 
 def _active(lines: list[str]) -> list[bool]:
@@ -157,7 +161,7 @@ def test_generated_kernels_pass_the_sanitizers(path, sanitizer):
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS)
-@pytest.mark.parametrize("path", ALL, ids=lambda p: p.parent.name + "/" + p.stem)
+@pytest.mark.parametrize("path", PLANTED, ids=lambda p: p.parent.name + "/" + p.stem)
 def test_a_planted_bug_is_reported(path, mutation):
     b = mutated(path, mutation)
     if b is None:
@@ -173,4 +177,4 @@ def test_a_planted_bug_is_reported(path, mutation):
 
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_every_mutation_applies_to_some_program(mutation):
-    assert any(MUTATIONS[mutation][0](k.source, k.grid) for p in ALL for k in built(p).kernels)
+    assert any(MUTATIONS[mutation][0](k.source, k.grid) for p in PLANTED for k in built(p).kernels)

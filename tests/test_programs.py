@@ -45,6 +45,28 @@ def silu(x):
 
 erf = np.vectorize(math.erf, otypes=[np.float64])
 
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def layer_norm(x, eps):
+    mu = x.mean(axis=-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(axis=-1, keepdims=True) + eps)
+
+
+def rope(x, c, s):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * c + np.concatenate([-x2, x1], axis=-1) * s
+
+
+def causal_mask(s):
+    """-inf where the key position is past the query's; the queries are the last rows of the keys' positions."""
+    q, k = s.shape[-2:]
+    keep = np.tril(np.ones((q, k), dtype=bool), k - q)
+    return np.where(keep, s, -np.inf)
+
 # file stem -> the formula, with parameters named like the program's inputs.
 FORMULAS = {
     "rmsnorm_linear": lambda X, W: rms_norm(X) @ W,
@@ -55,6 +77,11 @@ FORMULAS = {
     "gqa": lambda Q, K, V: softmax(Q @ K) @ V,
     "lora": lambda X, W, A, B: X @ W + (X @ A) @ B,
     "ntrans": lambda H, X, alpha: rms_norm(rms_norm(H) + X) * alpha + X,
+    "llama_qkv": lambda X, G, W: (X / np.sqrt(np.mean(X * X, axis=-1, keepdims=True) + 1e-5) * G) @ W,
+    "gpt2_mlp": lambda X, W1, W2: gelu_tanh(layer_norm(X, 1e-5) @ W1) @ W2,
+    "causal_attention": lambda Q, K, V, CQ, SQ, CK, SK: softmax(
+        causal_mask(rope(Q, CQ, SQ) @ np.swapaxes(rope(K, CK, SK), -1, -2) / np.sqrt(128.0))) @ V,
+    "gqa_decode": lambda Q, K, V: softmax(Q @ np.swapaxes(K, -1, -2) / np.sqrt(128.0)) @ V,
 }
 
 # file stem -> (inputs in order as (name, dims), outputs, default dims) of each benchmark program.
@@ -75,6 +102,16 @@ SIGNATURES = {
         [("X", "n d"), ("W", "d m"), ("A", "d r"), ("B", "r m")], ["Y"], {"n": 16, "d": 256, "m": 4096, "r": 16},
     ),
     "ntrans": ([("H", "n d"), ("X", "n d"), ("alpha", "n d")], ["Y"], {"n": 8, "d": 4096}),
+    "llama_qkv": ([("X", "n d"), ("G", "d"), ("W", "d e")], ["QKV"], {"n": 8, "d": 4096, "e": 6144}),
+    "gpt2_mlp": ([("X", "n d"), ("W1", "d f"), ("W2", "f d")], ["Y"], {"n": 8, "d": 768, "f": 3072}),
+    "causal_attention": (
+        [("Q", "b h q dh"), ("K", "b h kv dh"), ("V", "b h kv dh"), ("CQ", "q dh"), ("SQ", "q dh"), ("CK", "kv dh"),
+         ("SK", "kv dh")], ["O"], {"b": 1, "h": 8, "q": 1024, "kv": 1024, "dh": 128},
+    ),
+    "gqa_decode": (
+        [("Q", "b hk g dh"), ("K", "b hk kv dh"), ("V", "b hk kv dh")], ["O"],
+        {"b": 1, "hk": 8, "g": 4, "kv": 4096, "dh": 128},
+    ),
 }
 
 
@@ -83,9 +120,13 @@ def small_binding(program: Program) -> dict:
 
 
 def close(actual, expected, rtol=1e-10):
-    """Equal up to float64 rounding, measured against the size of the values."""
+    """Equal up to float64 rounding, measured against the size of the values; infinities (masked scores) where
+    the expected values have the same ones."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape
+    masked = np.isinf(expected)
+    assert np.array_equal(actual[masked], expected[masked])
+    actual, expected = np.where(masked, 0.0, actual), np.where(masked, 0.0, expected)
     assert np.all(np.isfinite(actual))
     scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
@@ -214,6 +255,18 @@ OP_CASES = [
     ("matmul(X, W)", lambda X, W, **_: np.einsum("nd,dm->nm", X, W)),
     ("A @ B", lambda A, B, **_: np.einsum("xynd,ydm->xynm", np.broadcast_to(A, (2, 3, 3, 4)), B)),
     ("X @ W * 2", lambda X, W, **_: (X @ W) * 2.0),
+    ("rms_norm(X, 1e-2)", lambda X, **_: X / np.sqrt((X**2).mean(axis=-1, keepdims=True) + 0.01)),
+    ("rms_norm(X, 0)", lambda X, **_: X / np.sqrt((X**2).mean(axis=-1, keepdims=True))),
+    ("layer_norm(X, 1e-5)", lambda X, **_: layer_norm(X, 1e-5)),
+    ("layer_norm(T, 0.5)", lambda T, **_: layer_norm(T, 0.5)),
+    ("transpose(T, 0, 2)", lambda T, **_: np.einsum("abc->cba", T)),
+    ("transpose(T, -1, -2)", lambda T, **_: np.einsum("abc->acb", T)),
+    ("transpose(W, 0, 1) @ transpose(X, 1, 0)", lambda X, W, **_: W.T @ X.T),
+    ("causal(X @ W)", lambda X, W, **_: causal_mask(X @ W)),
+    ("causal(T)", lambda T, **_: causal_mask(T)),
+    ("causal(transpose(T, -1, -2))", lambda T, **_: causal_mask(np.swapaxes(T, -1, -2))),
+    ("rope(X, Y, P)", lambda X, Y, P, **_: rope(X, Y, P)),
+    ("rope(T, sum(T, 0), 0.5)", lambda T, **_: rope(T, T.sum(axis=0, keepdims=True), 0.5)),
 ]
 
 

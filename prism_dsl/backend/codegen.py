@@ -30,6 +30,7 @@ from functools import cache
 
 import jinja2
 
+from ..base.errors import PrismError
 from ..base.resources import data_dir
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node, Program
@@ -37,6 +38,7 @@ from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
+from ..kernels.position import origin
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, comment, decompose, ident, offset, tensor_name
@@ -127,8 +129,31 @@ class _Emitter(TensorCoreSteps):
         raise AssertionError(f"{node.op} is fused into its accumulator and has no value of its own")
 
     def value(self, node: Node, idx: list[str]) -> str:
-        """The element-wise op `node` applied to its operands read at `idx`."""
+        """The element-wise op `node` applied to its operands read at `idx` (a transpose: its operand read
+        with two indices swapped; causal: -inf above the diagonal, placed by `position`)."""
+        if node.op == "transpose":
+            (i, j), idx = (d - node.rank for d in node.attr), list(idx)
+            idx[i], idx[j] = idx[j], idx[i]
+            return self.read(node.args[0], idx)
+        if node.op == "causal":
+            (row, rows), (col, cols) = self.place(node, -2), self.place(node, -1)
+            above = f"({idx[-1]}{col} > {idx[-2]}{row} + {cols - rows})"
+            return f"({above} ? -real(INFINITY) : {self.read(node.args[0], idx)})"
         return C_OPS[node.op].format(*[self.read(a, idx) for a in node.args])
+
+    def place(self, node: Node, dim: int) -> tuple[str, int]:
+        """(" + where the block's dim starts" in C, or "", the whole dim's size) for dim `dim` of `node`."""
+        o = origin(self.k, node, dim)
+        if o is None:
+            return "", self.shape(node)[dim]
+        src = self.shape(self.k.inputs[o.load.source])
+        full = src[o.dim] if -o.dim <= len(src) else 1
+        dm = o.map(len(src))
+        piece = full // dict(self.c.grid)[dm.axis] if dm.axis else full
+        if dm.loop and node in after_loop(self.k.body()):
+            raise PrismError(f"kernel '{self.k.name}': causal after the loop over a dim the loop splits has no place")
+        parts = ([f"blockIdx.{dm.axis} * {piece}"] if dm.axis else []) + ([f"it * {piece // self.c.loop}"] if dm.loop else [])
+        return "".join(f" + {p}" for p in parts), full
 
     def finish(self, acc: Node, idx: list[str]) -> str:
         """An accumulator's value after the loop: its `cuda_finish` over the state that holds it."""
@@ -216,10 +241,22 @@ class _Emitter(TensorCoreSteps):
         lines, idx = decompose("row", shape[:-1], "i")
         xj = self.read(x, idx + ["j"])
         out = f"{dst}[row * {length} + j]"
-        if node.op == "rms_norm":
+        eps = f" + {self.read(node.args[1], idx)}" if node.op in ("rms_norm_eps", "layer_norm") else ""
+        if node.op in ("rms_norm", "rms_norm_eps"):
             body = [f"real ss = {self.lit(0.0)};", f"for (int j = 0; j < {length}; ++j) {{ const real v = {xj}; ss += v * v; }}",
-                    f"const real inv = real(1) / prism::sqrt_(ss / real({length}));",
+                    f"const real inv = real(1) / prism::sqrt_(ss / real({length}){eps});",
                     f"for (int j = 0; j < {length}; ++j) {out} = {xj} * inv;"]
+        elif node.op == "layer_norm":  # the mean first, then the variance around it (no cancellation)
+            body = [f"real mu = {self.lit(0.0)}, ss = {self.lit(0.0)};",
+                    f"for (int j = 0; j < {length}; ++j) mu += {xj};", f"mu /= real({length});",
+                    f"for (int j = 0; j < {length}; ++j) {{ const real v = {xj} - mu; ss += v * v; }}",
+                    f"const real inv = real(1) / prism::sqrt_(ss / real({length}){eps});",
+                    f"for (int j = 0; j < {length}; ++j) {out} = ({xj} - mu) * inv;"]
+        elif node.op == "rope":  # x * c + rotate_half(x) * s
+            half = self.shape(x)[-1] // 2
+            low, high = self.read(x, idx + [f"(j + {half})"]), self.read(x, idx + [f"(j - {half})"])
+            c, s = (self.read(t, idx + ["j"]) for t in node.args[1:])
+            body = [f"for (int j = 0; j < {length}; ++j) {out} = {xj} * {c} + (j < {half} ? -{low} : {high}) * {s};"]
         else:  # softmax, the stable form
             body = [f"real mx = -real(INFINITY), sum = {self.lit(0.0)};",
                     f"for (int j = 0; j < {length}; ++j) mx = prism::max_(mx, {xj});",

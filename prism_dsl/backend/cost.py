@@ -149,7 +149,7 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
         acc, x = ACCUMULATORS[n.op], shape(n.args[0])
         product = 2 * math.prod(shape(n)) * x[-1] if acc.like == "matmul" else 0
         return acc.flops * math.prod(x) + (0 if flash else product), product if flash else 0
-    if kind in (Kind.UNARY, Kind.BINARY, Kind.REDUCE, Kind.ROWWISE):
+    if kind in (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.REDUCE, Kind.ROWWISE):
         operand = n.args[0] if kind in (Kind.REDUCE, Kind.ROWWISE) else n
         return math.prod(shape(operand)) * (3 if kind is Kind.ROWWISE else 1), 0
     return 0, 0

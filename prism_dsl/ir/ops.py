@@ -22,7 +22,10 @@ class Kind(Enum):
     BINARY = "binary"  # element-wise with numpy broadcasting
     MATMUL = "matmul"  # numpy matmul: last two dims contract, leading dims broadcast
     REDUCE = "reduce"  # reduce one dim, keeping it with size 1; attr = the dim (non-negative)
-    ROWWISE = "rowwise"  # a function of the whole last dim, shape preserving (rms_norm, softmax)
+    ROWWISE = "rowwise"  # a function of the whole last dim (rms_norm, softmax, rope); operands after the
+    # first broadcast against it (an epsilon, rope's tables)
+    TRANSPOSE = "transpose"  # layout: two dims swapped; attr = (dim, dim), non-negative
+    MASK = "mask"  # shape preserving, the value at an element depends on its position (causal)
     ACCUMULATE = "accumulate"  # a loop accumulator of a custom kernel (see `accumulators`)
     SPLIT = "split"  # layout: a dim's equal pieces laid along a block dim; attr = (dim, block dim, count)
     CONCAT = "concat"  # layout: the pieces along a block dim put back side by side; attr = (dim, block dim)
@@ -51,6 +54,8 @@ class OpSpec:
     # rules: the loop accumulators), "rules" (rules only: the layout operators proofs are made of), or
     # "internal" (built by the compiler only).
     where: str = "any"
+    written: str = ""  # the name a call is written with, where it is not `name` (see `resolve`)
+    constants: int = 0  # how many of the last operands must be constants (an epsilon)
 
     @property
     def arity(self) -> int:
@@ -85,7 +90,16 @@ OPS: dict[str, OpSpec] = _table(
     OpSpec("max", Kind.REDUCE, 1, params=("dim",)),
     OpSpec("mean", Kind.REDUCE, 1, params=("dim",)),
     OpSpec("rms_norm", Kind.ROWWISE, 1, doc="x / sqrt(mean(square(x), -1)), no epsilon"),
+    OpSpec("rms_norm_eps", Kind.ROWWISE, 2, written="rms_norm", constants=1,
+           doc="rms_norm(x, eps) = x / sqrt(mean(square(x), -1) + eps), eps a constant"),
+    OpSpec("layer_norm", Kind.ROWWISE, 2, constants=1,
+           doc="(x - mean(x, -1)) / sqrt(mean(square(x - mean(x, -1)), -1) + eps), eps a constant"),
     OpSpec("softmax", Kind.ROWWISE, 1, doc="exp(x - max(x, -1)) / sum(exp(x - max(x, -1)), -1)"),
+    OpSpec("rope", Kind.ROWWISE, 3, doc="rope(x, c, s) = x * c + rotate_half(x) * s, rotate_half(x) the last dim's "
+           "second half negated, then its first half (an even last dim); c and s broadcast against x"),
+    OpSpec("transpose", Kind.TRANSPOSE, 1, params=("dim", "other dim"), doc="transpose(x, i, j) swaps dims i and j"),
+    OpSpec("causal", Kind.MASK, 1, doc="causal(s): s with -inf where column j > row i + (columns - rows) over "
+           "the last two dims (the query rows aligned to the end of the keys)"),
     # Loop accumulators of custom kernels, from their table (see `accumulators`; rules/layout.rules
     # says what each one means).
     *(OpSpec(a.name, Kind.ACCUMULATE, a.operands, where="block", doc=a.doc) for a in ACCUMULATORS.values()),
@@ -111,8 +125,29 @@ BLOCK_CALLABLE = CALLABLE | {name for name, spec in OPS.items() if spec.where ==
 RULE_CALLABLE = BLOCK_CALLABLE | {name for name, spec in OPS.items() if spec.where == "rules"}
 
 
+# Operators written with the same name and a different number of arguments: (written name, arguments) -> op.
+OVERLOADS = {(s.written, s.arity): name for name, s in OPS.items() if s.written}
+
+
+def resolve(written: str, arguments: int) -> str:
+    """The operator a call `written(...)` with that many arguments means (`rms_norm(x, eps)` is rms_norm_eps)."""
+    return OVERLOADS.get((written, arguments), written)
+
+
+def written(op: str) -> str:
+    """How a call to `op` is written (a name that is no operator, a def's, as it is)."""
+    return OPS[op].written or op if op in OPS else op
+
+
 def arity_words(spec: OpSpec) -> str:
-    """What an operator takes, in words: "1 tensor operand and an integer dim"."""
-    parts = [f"{spec.operands} tensor operand" + ("s" if spec.operands != 1 else "")]
-    parts += [f"a {p}" if p == "count" else f"an integer {p}" for p in spec.params]
-    return " and ".join(parts)
+    """What an operator takes, in words: "1 tensor operand and an integer dim"; for a name written with
+    several arities, each ("1 tensor operand, or 1 tensor operand and a constant eps")."""
+    def words(s: OpSpec) -> str:
+        tensors = s.operands - s.constants
+        parts = [f"{tensors} tensor operand" + ("s" if tensors != 1 else "")]
+        parts += ["a constant eps"] * s.constants
+        parts += [f"a {p}" if p == "count" else f"an integer {p}" for p in s.params]
+        return " and ".join(parts)
+    same = [OPS[op] for (w, _), op in OVERLOADS.items() if w == written(spec.name)]
+    same = sorted({s.name: s for s in [OPS[written(spec.name)], *same]}.values(), key=lambda s: s.arity)
+    return ", or ".join(words(s) for s in same)

@@ -101,8 +101,28 @@ def _reduce(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
 
 
 def _rowwise(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
-    if args[0].rank < 1:
+    """The shape of the first operand (what it works along), the others (an epsilon, rope's tables)
+    broadcast against it."""
+    x = args[0]
+    if x.rank < 1:
         raise ShapeError("needs a tensor of rank 1 or more (it works along the last dim)")
+    shape, dtype = x.shape, x.dtype
+    for a in args[1:]:
+        shape, dtype = broadcast(shape, a.shape), promote(dtype, a.dtype)
+    return dtype, shape
+
+
+def _transpose(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    (x,), (i, j) = args, params
+    i, j = normalize_dim(i, x.rank), normalize_dim(j, x.rank)
+    shape = list(x.shape)
+    shape[i], shape[j] = shape[j], shape[i]
+    return x.dtype, tuple(shape)
+
+
+def _mask(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    if args[0].rank < 2:
+        raise ShapeError(f"needs a tensor of rank 2 or more (rows and columns), got {fmt_shape(args[0].shape)}")
     return args[0].dtype, args[0].shape
 
 
@@ -149,13 +169,27 @@ RULES: dict[Kind, Callable] = {
     Kind.MATMUL: _matmul,
     Kind.REDUCE: _reduce,
     Kind.ROWWISE: _rowwise,
+    Kind.TRANSPOSE: _transpose,
+    Kind.MASK: _mask,
 }
 
 
 def infer(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> tuple[DType | None, Shape]:
     if OPS[op].kind is Kind.ACCUMULATE:
         params = (op,)
-    return RULES[OPS[op].kind](args, params)
+    dtype, shape = RULES[OPS[op].kind](args, params)
+    if op == "rope":
+        _rope(args[0].shape, shape)
+    return dtype, shape
+
+
+def _rope(x: Shape, shape: Shape) -> None:
+    """rope rotates the halves of x's last dim, and its tables only scale x's elements."""
+    half = x[-1] / 2
+    if half.is_integer is False:
+        raise ShapeError(f"needs an even last dim (it rotates its two halves), got {fmt_shape(x)}")
+    if len(shape) != len(x) or not all(same(a, b) for a, b in zip(shape, x)):
+        raise ShapeError(f"its tables must broadcast to the shape of x, {fmt_shape(x)}; together they make {fmt_shape(shape)}")
 
 
 def build(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> Node:
@@ -164,11 +198,24 @@ def build(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> Node:
     attr = None
     if OPS[op].kind is Kind.REDUCE:
         attr = normalize_dim(params[0], args[0].rank)
+    elif OPS[op].kind is Kind.TRANSPOSE:
+        attr = tuple(normalize_dim(p, args[0].rank) for p in params)
     elif OPS[op].kind in (Kind.SPLIT, Kind.CONCAT):
         attr = tuple(params)
     return Node(op, tuple(args), attr, dtype, shape)
 
 
+def dim_params(n: Node) -> list[int]:
+    """The dims `n`'s op takes as parameters (a reduction's, a transpose's), counted from the end."""
+    kind = OPS[n.op].kind
+    if kind is Kind.REDUCE:
+        return [n.attr - n.rank]
+    if kind is Kind.TRANSPOSE:
+        return [d - n.rank for d in n.attr]
+    return []
+
+
 def rebuild(n: Node, args: Sequence[Node]) -> Node:
     """`n`'s op (and a reduction's dim) over other operands."""
-    return build(n.op, args, [n.attr] if OPS[n.op].kind is Kind.REDUCE else [])
+    kind = OPS[n.op].kind
+    return build(n.op, args, [n.attr] if kind is Kind.REDUCE else list(n.attr) if kind is Kind.TRANSPOSE else [])

@@ -6,7 +6,8 @@ body node, one placement:
 - `SMEM`: the value is computed by all the block's threads into a shared-memory buffer (loaded tiles,
   matrix products, reductions, row-wise ops, and element-wise values that a non-element-wise op reads);
 - `INLINE`: an element-wise value whose every user is element-wise too; it is never stored, each user
-  evaluates it in registers at the element it needs (chains of unary and binary ops fuse this way);
+  evaluates it in registers at the element it needs (chains of unary and binary ops fuse this way); a
+  transpose is always inline, a view whose readers swap two indices;
 - `STATE`: an accumulator: its running state lives in shared memory across the loop, and its value after
   the loop is read from the state;
 - `FUSED`: a matrix product whose only user is `acc_sum`: the product is added straight into the
@@ -85,7 +86,7 @@ class Plan:
 
 # Users that read an element-wise value one element at a time, at most once per element they make
 # (and the accumulators that fold that way: `Accumulator.per_element`).
-_ELEMENTWISE_USERS = {Kind.UNARY, Kind.BINARY}
+_ELEMENTWISE_USERS = {Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE}
 
 
 def compute_dtype(kernel: Kernel) -> DType:
@@ -120,9 +121,9 @@ def plan(kernel: Kernel) -> Plan:
         if kind is Kind.TILE:
             place[n] = Place.SMEM
             add(n.attr, n.shape, storage(kernel.inputs[kernel.load(n.attr).source]), n, "tile")  # as stored
-        elif kind is Kind.CONST:
+        elif kind in (Kind.CONST, Kind.TRANSPOSE):  # a transpose is a view: its readers swap the two indices
             place[n] = Place.INLINE
-        elif kind in (Kind.UNARY, Kind.BINARY):
+        elif kind in (Kind.UNARY, Kind.BINARY, Kind.MASK):
             inline = all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "per_element") for u in users[n])
             place[n] = Place.INLINE if inline else Place.SMEM
             if not inline:

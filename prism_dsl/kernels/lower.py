@@ -29,7 +29,7 @@ from ..ir.ops import KERNEL_RANK, OPS, Kind
 from ..ir.shapes import build, rebuild, same
 from ..base.errors import PrismError
 
-_ELEMENTWISE = (Kind.UNARY, Kind.BINARY)
+_ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed inside their user's kernel
 
 
 def lower(program: Program) -> Program:
@@ -48,6 +48,8 @@ def lower(program: Program) -> Program:
     def materialized(n: Node) -> bool:
         if n.op in ("input", "const", "kernel"):
             return False
+        if _swaps_matrix(n) and id(n) not in outputs and all(OPS[u.op].kind is Kind.MATMUL for u in users[n]):
+            return False  # the product loads the tile transposed
         if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
             return True
         return not (len(users[n]) == 1 and OPS[users[n][0].op].kind in _ELEMENTWISE)
@@ -148,8 +150,8 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node]) -> Node:
         grid = [("x", sym("gx")), ("y", sym("gy"))] + ([("z", shape[-3])] if n.rank >= 3 else [])
         split = {-1: "x", -2: "y", -3: "z"}
         bld = _Builder(kname, grid, sym("F"), lowered)
-        at = bld.tile(a, _map(a.shape, {-2: "y", -3: "z"}, loop_dim=-1, out_shape=_pad(a, shape)))
-        bt = bld.tile(b, _map(b.shape, {-1: "x", -3: "z"}, loop_dim=-2, out_shape=_pad(b, shape)))
+        at = _operand(bld, a, {-2: "y", -3: "z"}, -1, shape, lowered)
+        bt = _operand(bld, b, {-1: "x", -3: "z"}, -2, shape, lowered)
         value = build("acc_sum", [build("matmul", [at, bt])])
         return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
     if kind is Kind.REDUCE:
@@ -163,9 +165,28 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node]) -> Node:
     bld = _Builder(kname, [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()], None, lowered)
     if kind in _ELEMENTWISE:
         value = _rebuild(n, bld, split, shape, lowered, top=True)
-    else:  # a reduction or a row-wise op: its operand's tile holds what it works along whole
-        value = rebuild(n, [bld.tile(n.args[0], _map(n.args[0].shape, split))])
+    else:  # a reduction or a row-wise op: its operand's tile holds what it works along whole; a row-wise
+        # op's other operands (rope's tables; an epsilon is a constant) are read alike where not broadcast
+        x, *rest = n.args
+        rest = [a if a.op == "const" else bld.tile(a, _map(a.shape, split, out_shape=shape)) for a in rest]
+        value = rebuild(n, [bld.tile(x, _map(x.shape, split)), *rest])
     return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
+
+
+def _swaps_matrix(n: Node) -> bool:
+    """Whether `n` transposes the last two dims of its operand."""
+    return n.op == "transpose" and sorted(d - n.rank for d in n.attr) == [-2, -1]
+
+
+def _operand(bld: _Builder, a: Node, split: dict[int, str], loop_dim: int, out_shape, lowered) -> Node:
+    """A product operand's tile; a transposed matrix is loaded as it is stored and transposed in the body."""
+    if _swaps_matrix(a) and a not in lowered:
+        x = a.args[0]
+        swap = {-1: -2, -2: -1}
+        tile = bld.tile(x, _map(x.shape, {swap.get(d, d): axis for d, axis in split.items()}, loop_dim=swap[loop_dim],
+                                out_shape=_pad(x, out_shape)))
+        return rebuild(a, [tile])
+    return bld.tile(a, _map(a.shape, split, loop_dim=loop_dim, out_shape=_pad(a, out_shape)))
 
 
 def _pad(operand: Node, out_shape) -> tuple:
@@ -183,5 +204,16 @@ def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = Fals
         return n
     if not top and (n.op in ("input", "kernel") or n in lowered):
         return bld.tile(n, _map(n.shape, split, out_shape=out_shape))
-    return build(n.op, [_rebuild(a, bld, split, out_shape, lowered) for a in n.args])
+    if n.op == "transpose":  # its operand's dims i and j are the value's j and i
+        i, j = (d - n.rank for d in n.attr)
+        swap = {i: j, j: i}
+        split = {swap.get(d, d): axis for d, axis in split.items()}
+        out_shape = list(_pad_shape(out_shape, -i, -j))
+        out_shape[i], out_shape[j] = out_shape[j], out_shape[i]
+        return rebuild(n, [_rebuild(n.args[0], bld, split, tuple(out_shape), lowered)])
+    return rebuild(n, [_rebuild(a, bld, split, out_shape, lowered) for a in n.args])
+
+
+def _pad_shape(shape, *ranks: int) -> tuple:
+    return (1,) * (max(ranks) - len(shape)) + tuple(shape)
 

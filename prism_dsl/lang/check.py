@@ -18,7 +18,7 @@ import sympy
 from . import syntax_tree as ast
 from ..base.errors import Collector, Loc, PrismError
 from ..ir.nodes import DTYPES, Dim, Node, Program, const, dim_symbol
-from ..ir.ops import BLOCK_CALLABLE, CALLABLE, OPS, Kind, arity_words
+from ..ir.ops import BLOCK_CALLABLE, CALLABLE, OPS, Kind, arity_words, written
 from ..ir.shapes import ShapeError, build, fmt_shape
 from ..semantics.reference import NUMPY
 from .check_kernel import check_kernel
@@ -162,7 +162,7 @@ def _bad_arity(e: ast.Call, scope: Scope, errors: Collector) -> bool:
     else:
         wanted, takes = OPS[e.fn].arity, arity_words(OPS[e.fn])
     if len(e.args) != wanted:
-        errors.error(e.loc, f"{e.fn} takes {takes}, got {len(e.args)}")
+        errors.error(e.loc, f"{written(e.fn)} takes {takes}, got {len(e.args)}")
     return len(e.args) != wanted
 
 
@@ -292,15 +292,20 @@ class Checker:
         if _bad_arity(e, self.scope, self.errors):
             return POISON
         operands = [self.expr(a, env, defs_stack) for a in e.args[: spec.operands]]
-        params = [self.int_param(a, spec.name, pname) for a, pname in zip(e.args[spec.operands :], spec.params)]
+        params = [self.int_param(a, written(spec.name), pname) for a, pname in zip(e.args[spec.operands :], spec.params)]
         if any(x is POISON for x in operands + params):
             return POISON
+        for a, o in zip(e.args[spec.operands - spec.constants : spec.operands], operands[spec.operands - spec.constants :]):
+            if o.op != "const" or o.attr < 0:
+                what = "a constant such as 1e-5" if o.op != "const" else f"at least 0, got {o.attr:g}"
+                self.errors.error(a.loc, f"the eps of {written(spec.name)} must be {what}")
+                return POISON
         if all(o.op == "const" for o in operands) and spec.kind in (Kind.UNARY, Kind.BINARY):
             return self.fold(e, operands)
         try:
             node = build(e.fn, operands, params)
         except ShapeError as err:
-            self.errors.error(e.loc, f"{e.fn}: {err}", *self.operand_notes(e, operands))
+            self.errors.error(e.loc, f"{written(e.fn)}: {err}", *self.operand_notes(e, operands))
             return POISON
         self.locs.setdefault(node, e.loc)
         return node

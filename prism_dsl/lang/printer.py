@@ -11,7 +11,8 @@ from collections import Counter
 from typing import Mapping
 
 from ..ir.nodes import Node, Program
-from ..ir.ops import OPS, Kind
+from ..ir.ops import OPS, Kind, written
+from ..ir.shapes import dim_params
 
 # Binding strength, as in the grammar: sums < products < unary minus < atoms.
 _PREC = {"add": 1, "sub": 1, "mul": 2, "div": 2, "matmul": 2, "neg": 3}
@@ -39,9 +40,8 @@ def node_text(node: Node, names: Mapping[Node, str]) -> str:
     spec = OPS[node.op]
     if spec.infix:
         return f"({args[0]} {spec.infix} {args[1]})"
-    if spec.kind is Kind.REDUCE:
-        args.append(str(node.attr - node.rank))
-    return f"{node.op}({', '.join(args)})"
+    args += [str(d) for d in dim_params(node)]
+    return f"{written(node.op)}({', '.join(args)})"
 
 
 def print_program(program: Program, *, with_dims: bool = True) -> str:
@@ -152,7 +152,9 @@ def _expr(node: Node, text_of: dict, top: bool = False) -> str:
     args = [_expr(a, text_of) for a in node.args]
     if spec.kind is Kind.REDUCE:
         args.append(str(node.attr))
-    return f"{node.op}({', '.join(args)})"
+    elif spec.kind is Kind.TRANSPOSE:
+        args += [str(d) for d in node.attr]
+    return f"{written(node.op)}({', '.join(args)})"
 
 
 def _wrap(node: Node, text_of: dict, min_prec: int) -> str:

@@ -22,6 +22,7 @@ from lark.visitors import merge_transformers
 from . import syntax_tree as ast
 from ..base.errors import Loc, PrismError
 from ..base.files import MAX_TEXT_BYTES, describe, read_regular
+from ..ir.ops import resolve
 
 GRAMMAR_DIR = Path(__file__).parent / "grammar"
 
@@ -374,7 +375,8 @@ class ExprBuilder(LocatedBuilder):
 
     @v_args(inline=True)
     def call(self, name, args):
-        return ast.Call(str(name), tuple(args or ()), self.loc(name))
+        args = tuple(args or ())
+        return ast.Call(resolve(str(name), len(args)), args, self.loc(name))
 
     def args(self, children):
         return children

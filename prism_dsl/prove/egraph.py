@@ -29,6 +29,7 @@ from ..base.errors import PrismError
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program
 from ..ir.ops import DIMS, LOOP_DIM, MAX_RANK, OPS, Kind
+from ..ir.shapes import dim_params
 from .rules import MAX_SHAPE_INEQUALITIES, DimVar, Library, Lit, Rule, ShapeOf, SizeOf, literal_dim
 
 SHAPES = "shapes"
@@ -128,6 +129,17 @@ def _broadcast(e: str, a: str, b: str, i: str) -> list[str]:
     ]
 
 
+def _broadcast_all(e: str, operands: str, i: str) -> list[str]:
+    """size(e, i) under broadcasting of any number of operands: for each set of operands that have the
+    size, the others having 1."""
+    out = []
+    for mask in range(1, 2 ** len(operands)):
+        facts = " ".join(f"(= s (size {x} {i}))" if mask >> k & 1 else f"(= (DNum 1) (size {x} {i}))"
+                         for k, x in enumerate(operands))
+        out.append(_rule(f"(= {e}) {facts}", f"(set (size e {i}) s)"))
+    return out
+
+
 def _matmul(e: str, folded: tuple[int, ...] = ()) -> list[str]:
     """A matrix product's sizes: the rows of a, the columns of b, the other dims (but `folded`) broadcast."""
     out = [_rule(f"(= {e}) (= s (size a -2))", "(set (size e -2) s)"),
@@ -177,8 +189,15 @@ def shape_rules() -> str:
     out += _layout_rules()
     for name, spec in OPS.items():
         c = constructor(name)
-        if spec.kind in (Kind.UNARY, Kind.ROWWISE):
+        if spec.kind in (Kind.UNARY, Kind.MASK) or (spec.kind is Kind.ROWWISE and spec.operands == 1):
             out.append(_rule(f"(= e ({c} a)) (= s (size a i))", "(set (size e i) s)"))
+        elif spec.kind is Kind.ROWWISE:  # the operands after the first broadcast against it
+            names = "abcdefgh"[: spec.operands]
+            out += _broadcast_all(f"e ({c} {' '.join(names)})", names, "i")
+        elif spec.kind is Kind.TRANSPOSE:
+            out.append(_rule(f"(= e ({c} a j k)) (= s (size a i)) (!= i j) (!= i k)", "(set (size e i) s)"))
+            out.append(_rule(f"(= e ({c} a j k)) (= s (size a j))", "(set (size e k) s)"))
+            out.append(_rule(f"(= e ({c} a j k)) (= s (size a k))", "(set (size e j) s)"))
         elif spec.kind is Kind.BINARY:
             out += _broadcast(f"e ({c} a b)", "a", "b", "i")
         elif spec.kind is Kind.REDUCE:
@@ -384,9 +403,8 @@ class TermWriter:
             expr = f"(Num {_float(node.attr)})"
         else:
             args = [self.names[a] for a in node.args]
-            if spec.kind is Kind.REDUCE:
-                args.append(str(node.attr - node.rank))  # dims count from the end in the e-graph
-            elif spec.kind is Kind.SPLIT:
+            args += [str(d) for d in dim_params(node)]  # dims count from the end in the e-graph
+            if spec.kind is Kind.SPLIT:
                 dim, block, count = node.attr
                 args += [str(dim), str(block), dim_term(count)]
             elif spec.kind is Kind.CONCAT:

@@ -25,13 +25,13 @@ import sympy
 
 from ..ir.nodes import Node, Program
 from ..kernels.kernel import AXES, ONE, Kernel
-from ..ir.ops import BLOCK_DIMS, LOOP_DIM, OPS, Kind
-from ..ir.shapes import build, same
+from ..ir.ops import BLOCK_DIMS, LOOP_DIM
+from ..ir.shapes import build, dim_params, same
 
 
 def _from_end(n: Node, args: list[Node]) -> Node:
     """`n`'s op over `args`, a reduction's dim counted from the end: a family has more dims than `n`."""
-    return build(n.op, args, [n.attr - n.rank] if OPS[n.op].kind is Kind.REDUCE else [])
+    return build(n.op, args, dim_params(n))
 
 
 def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:

@@ -83,7 +83,11 @@ def _apply(fn: Callable, kind: Kind, args: list[np.ndarray], params: list[int]) 
         (x,), (dim,) = args, params
         return fn(_pad(x, -dim), dim)
     if kind is Kind.ROWWISE:
-        args = [_pad(args[0], 1)]
+        np.broadcast_shapes(*(a.shape for a in args))
+        args = [_pad(args[0], 1), *args[1:]]
+    if kind is Kind.TRANSPOSE:
+        (x,), (i, j) = args, params
+        return fn(_pad(x, max(-i, -j)), i, j)
     return fn(*args)
 
 

@@ -20,7 +20,7 @@ from lark import Lark, v_args
 from ..lang import syntax_tree as ast
 from ..base.errors import Collector, Loc, PrismError
 from ..base.resources import data_dir
-from ..ir.ops import MAX_RANK, OPS, RULE_CALLABLE, arity_words
+from ..ir.ops import MAX_RANK, OPS, RULE_CALLABLE, arity_words, written
 from ..lang.syntax import GRAMMAR_DIR, LocatedBuilder, parse_with, read_source, suggest
 
 
@@ -341,7 +341,7 @@ def _check_pattern(e: ast.Expr, vars: _Vars, errors: Collector) -> None:
                 if spec is None or e.fn not in RULE_CALLABLE:
                     errors.error(e.loc, f"unknown operator '{e.fn}'{suggest(e.fn, RULE_CALLABLE)}")
                 else:
-                    errors.error(e.loc, f"{e.fn} takes {arity_words(spec)}, got {len(e.args)}")
+                    errors.error(e.loc, f"{written(e.fn)} takes {arity_words(spec)}, got {len(e.args)}")
                 for a in e.args:  # still learn its variables, so no second error follows from this one
                     if isinstance(a, ast.Name):
                         vars.tensor.setdefault(a.id, a.loc)

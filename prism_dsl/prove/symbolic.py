@@ -79,7 +79,12 @@ def _mean(x, axis):
 
 
 def _rowwise(f):
-    return lambda x: np.asarray(f(x), dtype=object)
+    return lambda *xs: np.asarray(f(*xs), dtype=object)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
 _sqrt = _elementwise(sympy.sqrt)
@@ -108,7 +113,11 @@ FORMULAS = {
     "mean": _mean,
     "max": lambda x, axis: np.asarray(_max_ufunc.reduce(x, axis=axis, keepdims=True), dtype=object),
     "rms_norm": _rowwise(lambda x: x / _sqrt(_mean(x * x, -1))),
+    "rms_norm_eps": _rowwise(lambda x, e: x / _sqrt(_mean(x * x, -1) + e)),
+    "layer_norm": _rowwise(lambda x, e: (x - _mean(x, -1)) / _sqrt(_mean((x - _mean(x, -1)) ** 2, -1) + e)),
     "softmax": _rowwise(lambda x: _exp(x) / _sum(_exp(x), -1)),
+    "rope": _rowwise(lambda x, c, s: x * c + _rotate_half(x) * s),
+    "transpose": lambda x, i, j: np.swapaxes(x, i, j),
 }
 SYMPY = Semantics(FORMULAS, lambda n: sympy.Rational(n.text) if _exact(n.text) else sympy.Float(n.value),
                   lambda x: np.asarray(x, dtype=object))

@@ -26,7 +26,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import Node, Program, const
 from ..ir.ops import OPS, Kind
 from ..prove.rules import Library
-from ..ir.shapes import ShapeError, build
+from ..ir.shapes import ShapeError, build, dim_params
 
 # The rulesets the input program is saturated with: everything but the layout axioms (no tiles here).
 RULESETS = ("definitions", "algebra", "subexpression")
@@ -67,8 +67,7 @@ class InputGraph:
             if c is None:
                 return None
             kids.append(c)
-        if OPS[node.op].kind is Kind.REDUCE:
-            kids.append(f"i64:{node.attr - node.rank}")
+        kids += [f"i64:{d}" for d in dim_params(node)]
         return (constructor(node.op), tuple(kids))
 
 

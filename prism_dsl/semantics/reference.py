@@ -59,6 +59,31 @@ def _concat(x, dim: int, block: int):
     return np.concatenate(np.split(x, x.shape[j], axis=j), axis=i)
 
 
+def _rotate_half(x):
+    if x.shape[-1] % 2:
+        raise ValueError(f"rope needs an even last dim, got {x.shape[-1]}")
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def _causal(x):
+    """-inf above the diagonal that ends at the last row's last column (rows aligned to the end of the columns)."""
+    x, _ = _padded(np.asarray(x), -2)
+    rows, cols = x.shape[-2:]
+    above = np.arange(cols)[None, :] > np.arange(rows)[:, None] + (cols - rows)
+    return np.where(above, -np.inf, x)
+
+
+def _layer_norm(x, eps):
+    centred = x - np.mean(x, axis=-1, keepdims=True)
+    return centred / np.sqrt(np.mean(np.square(centred), axis=-1, keepdims=True) + eps)
+
+
+def _swap(x, i: int, j: int):
+    x, (i, j) = _padded(np.asarray(x), i, j)
+    return np.swapaxes(x, i, j)
+
+
 NUMPY = {
     "add": np.add,
     "sub": np.subtract,
@@ -80,7 +105,12 @@ NUMPY = {
     "max": lambda x, axis: np.max(x, axis=axis, keepdims=True),
     "mean": lambda x, axis: np.mean(x, axis=axis, keepdims=True),
     "rms_norm": lambda x: x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)),
+    "rms_norm_eps": lambda x, eps: x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps),
+    "layer_norm": _layer_norm,
     "softmax": _softmax,
+    "rope": lambda x, c, s: x * c + _rotate_half(x) * s,
+    "transpose": _swap,
+    "causal": _causal,
     "split": _split,
     "concat": _concat,
 }
@@ -97,7 +127,7 @@ def apply(node: Node, args: list[np.ndarray]) -> np.ndarray:
     """One node's value from its operands' values, in float64."""
     if node.op == "const":
         return np.float64(node.attr)
-    extra = node.attr if OPS[node.op].kind in (Kind.SPLIT, Kind.CONCAT) else ((node.attr,) if node.attr is not None else ())
+    extra = node.attr if OPS[node.op].kind in (Kind.SPLIT, Kind.CONCAT, Kind.TRANSPOSE) else ((node.attr,) if node.attr is not None else ())
     return np.asarray(NUMPY[node.op](*args, *extra), dtype=np.float64)
 
 
@@ -147,6 +177,10 @@ def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
     for node in program.inputs:
         if node.attr in arrays:
             check_input(node, arrays[node.attr], binding)
+    for node in program.nodes():
+        if node.op == "rope" and concrete_shape(node.shape[-1:], binding)[0] % 2:
+            raise PrismError(f"rope needs an even last dim (it rotates its two halves); under this binding "
+                             f"{fmt_shape(node.shape)} is {list(concrete_shape(node.shape, binding))}", program.locs.get(node))
     return binding
 
 
@@ -169,6 +203,7 @@ def check_sizes(program: Program, binding: Binding, nodes: list[Node] | None = N
         sizes = [s.xreplace(binding) if isinstance(s, sympy.Basic) else s for s in node.shape]
         if any(isinstance(s, sympy.Basic) and not s.is_Integer for s in sizes):
             continue
+
         count = math.prod(int(s) for s in sizes)
         if count > MAX_ELEMENTS:
             named = sorted({x for s in node.shape if isinstance(s, sympy.Basic) for x in s.free_symbols}, key=str)
