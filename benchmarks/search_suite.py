@@ -1,4 +1,4 @@
-"""The search on the suite's five workloads and LoRA, CPU only: time to search and prove, proved programs found,
+"""The search on the suite's five workloads, LoRA and the decoder layers, CPU only: time to search and prove, proved programs found,
 the chosen program, and the time to re-instantiate from the checkpoint at other dims.
 
     python benchmarks/search_suite.py            # prints a Markdown table (paste it into NOTES.md)
@@ -22,6 +22,10 @@ PROGRAMS = {
     "attention": dict(b=4, h=8, q=1, kv=1024, dh=128),
     "qk_norm_attention": dict(b=2, h=8, q=128, kv=1024, dh=128),
     "lora": dict(n=8, d=4096, m=4096, r=32),
+    "llama_qkv": dict(n=16, d=4096, e=6144),
+    "gpt2_mlp": dict(n=16, d=768, f=3072),
+    "causal_attention": dict(b=1, h=8, q=512, kv=512, dh=128),
+    "gqa_decode": dict(b=1, hk=8, g=4, kv=8192, dh=128),
 }
 DECODING = [dict(b=1, h=8, q=1, kv=8192, dh=128), dict(b=1, h=8, q=1, kv=32768, dh=128),
             dict(b=1, h=4, q=1, kv=65536, dh=128)]

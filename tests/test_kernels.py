@@ -531,3 +531,42 @@ def test_numeric_guard_falls_back_to_the_declared_sizes(tmp_path, capsys):
     assert main(["prove", str(plain), str(path), "--timeout", "3"]) == 3
     out = capsys.readouterr().out
     assert "on random inputs they differ" in out and "no numeric cross-check" not in out
+
+
+CAUSAL_KERNEL = """dims q = 8, kv = 16, d = 4
+
+program p(Q: f64[q, d], K: f64[kv, d]) {
+    kernel masked grid(x = 4, y = 2) loop(2) {
+        qt = load Q[y, loop]
+        kt = load K[x, loop]
+        store S[y, x] = causal(acc_sum(qt @ transpose(kt, -1, -2)))
+    }
+    return S
+}
+"""
+
+
+def test_causal_in_a_kernel_masks_each_block_at_its_place_in_the_whole_scores(write):
+    """Blocks of 4 x 4 scores: those on the diagonal band are masked in part, those past it entirely, as the
+    whole q x kv scores would be (the queries are the last 8 of 16 positions)."""
+    program = load(write(CAUSAL_KERNEL)).program()
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((8, 4)), rng.standard_normal((16, 4))
+    (s,) = evaluate(program, {"Q": q, "K": k}).values()
+    expected = np.where(np.tril(np.ones((8, 16), dtype=bool), 8), q @ k.T, -np.inf)
+    assert np.array_equal(np.isinf(s), np.isinf(expected))
+    np.testing.assert_allclose(np.where(np.isinf(s), 0, s), np.where(np.isinf(expected), 0, expected), rtol=1e-12)
+    assert np.isinf(s[0, 9:]).all() and np.isfinite(s[0, :9]).all()
+
+
+def test_causal_in_a_kernel_compiles_to_code_that_masks_the_same_elements(write, tmp_path):
+    """The generated CUDA, run in the CPU emulation, places each block's mask as the block interpreter does."""
+    import json
+
+    from prism_dsl.backend.emulate import compiler
+    if compiler() is None:
+        pytest.skip("no C++ compiler (g++ or clang++) for the emulation")
+    out = tmp_path / "out"
+    assert main(["compile", str(write(CAUSAL_KERNEL)), "--search", "none", "-o", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["checked"]["emulation"]["passed"], report["checked"]
