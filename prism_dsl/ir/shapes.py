@@ -141,21 +141,22 @@ def _accumulate(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
     return dtype, shape
 
 
-def _padded(shape: Shape, *dims: int) -> Shape:
+def padded(shape: Shape, *dims: int) -> Shape:
+    """`shape` with leading 1s so that every (negative) dim in `dims` exists."""
     rank = max(len(shape), *(-d for d in dims))
     return (sympy.Integer(1),) * (rank - len(shape)) + tuple(shape)
 
 
 def _split(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
     dim, block, count = params
-    shape = list(_padded(args[0].shape, dim, block))
+    shape = list(padded(args[0].shape, dim, block))
     shape[dim], shape[block] = shape[dim] / count, sympy.sympify(count)
     return args[0].dtype, tuple(shape)
 
 
 def _concat(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
     dim, block = params
-    shape = list(_padded(args[0].shape, dim, block))
+    shape = list(padded(args[0].shape, dim, block))
     shape[dim], shape[block] = shape[dim] * shape[block], sympy.Integer(1)
     return args[0].dtype, tuple(shape)
 

@@ -26,7 +26,7 @@ import sympy
 from ..ir.nodes import Node, Program, dim_symbol
 from .kernel import AXES, DimMap, Kernel, Load, Store, TileMap, fresh_name, output_shape, tile_shape
 from ..ir.ops import KERNEL_RANK, OPS, Kind
-from ..ir.shapes import build, rebuild, same
+from ..ir.shapes import build, padded, rebuild, same
 from ..base.errors import PrismError
 
 _ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed inside their user's kernel
@@ -208,12 +208,9 @@ def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = Fals
         i, j = (d - n.rank for d in n.attr)
         swap = {i: j, j: i}
         split = {swap.get(d, d): axis for d, axis in split.items()}
-        out_shape = list(_pad_shape(out_shape, -i, -j))
+        out_shape = list(padded(out_shape, i, j))
         out_shape[i], out_shape[j] = out_shape[j], out_shape[i]
         return rebuild(n, [_rebuild(n.args[0], bld, split, tuple(out_shape), lowered)])
     return rebuild(n, [_rebuild(a, bld, split, out_shape, lowered) for a in n.args])
 
-
-def _pad_shape(shape, *ranks: int) -> tuple:
-    return (1,) * (max(ranks) - len(shape)) + tuple(shape)
 

@@ -120,18 +120,9 @@ def _rule(query: str, action: str) -> str:
     return f"(rule ({query}) ({action}) :ruleset {SHAPES})"
 
 
-def _broadcast(e: str, a: str, b: str, i: str) -> list[str]:
-    """size(e, i) from size(a, i) and size(b, i) under broadcasting (equal, or one of them is 1)."""
-    return [
-        _rule(f"(= {e}) (= s (size {a} {i})) (= s (size {b} {i}))", f"(set (size e {i}) s)"),
-        _rule(f"(= {e}) (= (DNum 1) (size {a} {i})) (= s (size {b} {i}))", f"(set (size e {i}) s)"),
-        _rule(f"(= {e}) (= s (size {a} {i})) (= (DNum 1) (size {b} {i}))", f"(set (size e {i}) s)"),
-    ]
-
-
-def _broadcast_all(e: str, operands: str, i: str) -> list[str]:
-    """size(e, i) under broadcasting of any number of operands: for each set of operands that have the
-    size, the others having 1."""
+def _broadcast(e: str, operands: str, i: str) -> list[str]:
+    """size(e, i) under broadcasting of the operands (one letter each): for each set of operands that have
+    the size, the others having 1."""
     out = []
     for mask in range(1, 2 ** len(operands)):
         facts = " ".join(f"(= s (size {x} {i}))" if mask >> k & 1 else f"(= (DNum 1) (size {x} {i}))"
@@ -144,7 +135,7 @@ def _matmul(e: str, folded: tuple[int, ...] = ()) -> list[str]:
     """A matrix product's sizes: the rows of a, the columns of b, the other dims (but `folded`) broadcast."""
     out = [_rule(f"(= {e}) (= s (size a -2))", "(set (size e -2) s)"),
            _rule(f"(= {e}) (= s (size b -1))", "(set (size e -1) s)")]
-    return out + [r for i in DIMS[2:] if i not in folded for r in _broadcast(e, "a", "b", str(i))]
+    return out + [r for i in DIMS[2:] if i not in folded for r in _broadcast(e, "ab", str(i))]
 
 
 def _except(dims: tuple[int, ...]) -> str:
@@ -160,7 +151,7 @@ def _accumulate_rules(name: str, c: str) -> list[str]:
     if acc.like == "matmul":
         out = _matmul(e, folded)
     elif acc.like == "binary":
-        out = [r for i in DIMS if i not in folded for r in _broadcast(e, "a", "b", str(i))]
+        out = [r for i in DIMS if i not in folded for r in _broadcast(e, "ab", str(i))]
     else:
         out = [_rule(f"(= {e}) (= s (size a i)) {_except(folded)}", "(set (size e i) s)")]
     return out + [_rule(f"(= {e})", f"(set (size e {d}) (DNum 1))") for d in folded]
@@ -193,13 +184,13 @@ def shape_rules() -> str:
             out.append(_rule(f"(= e ({c} a)) (= s (size a i))", "(set (size e i) s)"))
         elif spec.kind is Kind.ROWWISE:  # the operands after the first broadcast against it
             names = "abcdefgh"[: spec.operands]
-            out += _broadcast_all(f"e ({c} {' '.join(names)})", names, "i")
+            out += _broadcast(f"e ({c} {' '.join(names)})", names, "i")
         elif spec.kind is Kind.TRANSPOSE:
             out.append(_rule(f"(= e ({c} a j k)) (= s (size a i)) (!= i j) (!= i k)", "(set (size e i) s)"))
             out.append(_rule(f"(= e ({c} a j k)) (= s (size a j))", "(set (size e k) s)"))
             out.append(_rule(f"(= e ({c} a j k)) (= s (size a k))", "(set (size e j) s)"))
         elif spec.kind is Kind.BINARY:
-            out += _broadcast(f"e ({c} a b)", "a", "b", "i")
+            out += _broadcast(f"e ({c} a b)", "ab", "i")
         elif spec.kind is Kind.REDUCE:
             out.append(_rule(f"(= e ({c} a k)) (= s (size a i)) (!= i k)", "(set (size e i) s)"))
             out.append(_rule(f"(= e ({c} a k))", "(set (size e k) (DNum 1))"))

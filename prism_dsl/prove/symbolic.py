@@ -35,6 +35,7 @@ import sympy
 from sympy.polys.polyerrors import BasePolynomialError
 
 from ..ir.ops import DIMS, GELU_TANH_CUBIC, GELU_TANH_SCALE, OPS, Kind
+from ..semantics.reference import rotate_half
 from ..lang import syntax_tree as ast
 from .patterns import IllFormed, Semantics, distinct_digits, sides
 from .rules import DimVar, Lit, Rule
@@ -82,10 +83,6 @@ def _rowwise(f):
     return lambda *xs: np.asarray(f(*xs), dtype=object)
 
 
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
 
 _sqrt = _elementwise(sympy.sqrt)
 _exp = _elementwise(sympy.exp)
@@ -116,7 +113,7 @@ FORMULAS = {
     "rms_norm_eps": _rowwise(lambda x, e: x / _sqrt(_mean(x * x, -1) + e)),
     "layer_norm": _rowwise(lambda x, e: (x - _mean(x, -1)) / _sqrt(_mean((x - _mean(x, -1)) ** 2, -1) + e)),
     "softmax": _rowwise(lambda x: _exp(x) / _sum(_exp(x), -1)),
-    "rope": _rowwise(lambda x, c, s: x * c + _rotate_half(x) * s),
+    "rope": _rowwise(lambda x, c, s: x * c + rotate_half(x) * s),
     "transpose": lambda x, i, j: np.swapaxes(x, i, j),
 }
 SYMPY = Semantics(FORMULAS, lambda n: sympy.Rational(n.text) if _exact(n.text) else sympy.Float(n.value),

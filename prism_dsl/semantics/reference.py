@@ -59,7 +59,8 @@ def _concat(x, dim: int, block: int):
     return np.concatenate(np.split(x, x.shape[j], axis=j), axis=i)
 
 
-def _rotate_half(x):
+def rotate_half(x):
+    """The last dim's second half negated, then its first half (NumPy arrays of numbers or of formulas)."""
     if x.shape[-1] % 2:
         raise ValueError(f"rope needs an even last dim, got {x.shape[-1]}")
     half = x.shape[-1] // 2
@@ -108,7 +109,7 @@ NUMPY = {
     "rms_norm_eps": lambda x, eps: x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps),
     "layer_norm": _layer_norm,
     "softmax": _softmax,
-    "rope": lambda x, c, s: x * c + _rotate_half(x) * s,
+    "rope": lambda x, c, s: x * c + rotate_half(x) * s,
     "transpose": _swap,
     "causal": _causal,
     "split": _split,
