@@ -30,12 +30,13 @@ FUSED = sorted((ROOT / "programs" / "fused").glob("*.prism"))
 PROGRAMS = sorted((ROOT / "programs").glob("*.prism"))
 
 # Small sizes keep every test quick; each program's dims by name.
-SMALL = {"n": 8, "d": 256, "b": 1, "h": 2, "q": 1, "kv": 128, "dh": 64, "g": 1, "s": 16, "m": 256, "r": 16}
+SMALL = {"n": 8, "d": 256, "b": 1, "h": 2, "q": 1, "kv": 128, "dh": 64, "g": 1, "s": 16, "m": 256, "r": 16, "f": 512}
 # Fixed kernel parameters for the golden files, so that a change to the cost model does not move them.
 GOLDEN_PARAMS = {
     "rmsnorm_linear": ({"gx": 8}, {"F": 4}), "rmsnorm_mlp": ({"gx": 8}, {"F": 4}), "swiglu": ({"gx": 8}, {"F": 4}),
     "attention": ({"gb": 1, "gh": 2, "gq": 1}, {"F": 2}),
     "attention.decoding": ({"gb": 1, "gh": 2, "S": 4}, {"F": 2}),
+    "gpt2_mlp": ({"gx": 8, "gx_Y": 4, "gy_Y": 1}, {"F": 4, "F_Y": 4}),  # the second product is pre-defined
 }
 
 # Dims besides SMALL for the hand-written kernels: 32 query rows, so attention's online softmax runs in

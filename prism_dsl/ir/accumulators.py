@@ -13,7 +13,7 @@ attention, as FlashAttention computes it).
 
 Who reads which field of `Accumulator`: `ops` (name, operands, doc: the `acc_*` OpSpecs), `shapes` and
 the prover's size rules in `prove.egraph` (like, row), `semantics` (init, step, finish), the search
-(closed, combine, combining_only, operand_ops, like, row, online), `kernels.fusion` (state, online,
+(closed, combine, combining_only, operand_ops, like, row, online, linear), `kernels.fusion` (state, online,
 per_element, adds_products), `backend.codegen` (cuda_*), `backend.cost` (flops, like). A new
 accumulator is one row here plus its definition in rules/layout.rules, as long as its CUDA fold is one of
 the kinds `codegen` renders from these strings: per state element (`cuda_fold` lines), per row (a
@@ -108,6 +108,7 @@ class Accumulator:
     cuda_fold: tuple[str, ...] = ()
     cuda_finish: str = "{0}"
     adds_products: bool = False  # a matrix product that only it reads is added straight into its state
+    linear: bool = False  # its value is linear in its operand (the search drops pairs over proportional ones)
     flops: int = 1  # per element of the first operand (a product adds 2 per multiply-add)
 
     @property
@@ -131,14 +132,14 @@ ACCUMULATORS: dict[str, Accumulator] = {
         Accumulator("acc_sum", "running sum of the tile", 1, "unary", False,
                     lambda s: (np.zeros(s),), lambda st, t: (st[0] + t,), lambda st: st[0],
                     lambda b, a: a, combine=("acc_sum", "part"), operand_ops=("matmul", "sum"),
-                    cuda_fold=("{acc}[e] += {0};",), adds_products=True),
+                    cuda_fold=("{acc}[e] += {0};",), adds_products=True, linear=True),
         Accumulator("acc_sum_last", "running sum of the tile's row sums", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)),), lambda st, t: (st[0] + _rowsum(t),), lambda st: st[0],
-                    lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM),
+                    lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM, linear=True),
         Accumulator("acc_mean_last", "mean of every row element seen", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t), st[1] + t.shape[-1]),
                     lambda st: st[0] / st[1], lambda b, a: b("mean", [a], [-1]), combine=("acc_mean_last", "mean"),
-                    cuda_reduce="sum", cuda_fold=_ROW_SUM, cuda_finish="({0} / real({count}))"),
+                    cuda_reduce="sum", cuda_fold=_ROW_SUM, cuda_finish="({0} / real({count}))", linear=True),
         Accumulator("acc_rms_last", "root mean square of every row element seen", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t * t), st[1] + t.shape[-1]),
                     lambda st: np.sqrt(st[0] / st[1]), lambda b, a: b("sqrt", [b("mean", [b("square", [a])], [-1])]),

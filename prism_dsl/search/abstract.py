@@ -45,6 +45,7 @@ class InputGraph:
     nodes: int
     seconds: float
     _parents: dict[str, list[tuple]] | None = field(default=None, repr=False)
+    _numbers: list[tuple] = field(default_factory=list, repr=False)  # the literals' rows
     _children: dict[str, list[str]] | None = field(default=None, repr=False)
     _products: dict[str, list[tuple[str, ...]]] = field(default_factory=dict, repr=False)
     _extracted: dict = field(default_factory=dict, repr=False)
@@ -86,6 +87,24 @@ class InputGraph:
         except (PrismError, ShapeError):
             return None
 
+    def extract_elementwise(self, goal: str, leaves: dict[str, Node]) -> Node | None:
+        """The cheapest term for the goal e-class built from the leaf e-classes (and literals) by
+        element-wise ops alone, or None: an epilogue that needs no whole rows. Only the e-classes below
+        the goal through element-wise e-nodes are searched, so a call is cheap."""
+        within = self.below([goal])
+        if not within.issuperset(leaves):
+            return None
+        key = (tuple(sorted(leaves)), goal)
+        if key not in self._extracted:
+            self._extracted[key] = self._costs(leaves, frozenset(within))
+        cost, make = self._builder(leaves, key)
+        if goal not in cost:
+            return None
+        try:
+            return make(goal)
+        except (PrismError, ShapeError):
+            return None
+
     def terms_from(self, leaves: dict[str, Node], max_ops: int) -> dict[str, Node]:
         """Every e-class buildable from the leaves whose cheapest term reads a leaf and has at most
         `max_ops` ops: the loop values a kernel over these tiles can compute."""
@@ -123,8 +142,8 @@ class InputGraph:
                     todo.append(k)
         return seen | {a for c in seen for a, b in self._products.get(c, ()) if b in partners}
 
-    def _builder(self, leaves: dict[str, Node]):
-        key = tuple(sorted(leaves))  # the costs depend on the leaf classes only, not on their terms
+    def _builder(self, leaves: dict[str, Node], key=None):
+        key = key or tuple(sorted(leaves))  # the costs depend on the leaf classes only, not on their terms
         if key not in self._extracted:
             self._extracted[key] = self._costs(leaves)
         cost, choice = self._extracted[key]
@@ -145,24 +164,31 @@ class InputGraph:
 
         return cost, make
 
-    def _costs(self, leaves) -> tuple[dict, dict]:
+    def _costs(self, leaves, within: frozenset | None = None) -> tuple[dict, dict]:
+        """The cheapest term of each e-class buildable from the leaves: its cost and its e-node. With
+        `within`, only those e-classes, through element-wise e-nodes."""
         if self._parents is None:
-            self._parents = {}
+            self._parents, self._numbers = {}, []
             for (ctor, kids), c in self.classes.items():
                 for k in kids:
                     self._parents.setdefault(k, []).append((ctor, kids, c))
+                if ctor == "Num":
+                    self._numbers.append((kids, c))
         cost: dict[str, float] = {c: 0.0 for c in leaves}
         choice: dict[str, tuple] = {}
-        todo = list(leaves) + [c for (ctor, _), c in self.classes.items() if ctor == "Num"]
-        for (ctor, kids), c in self.classes.items():
-            if ctor == "Num" and c not in cost:
-                cost[c], choice[c] = 1.0, (ctor, kids)
+        numbers = [(kids, c) for kids, c in self._numbers if within is None or c in within]
+        todo = list(leaves) + [c for _, c in numbers]
+        for kids, c in numbers:
+            if c not in cost:
+                cost[c], choice[c] = 1.0, ("Num", kids)
         while todo:  # relax upward from what is buildable until nothing gets cheaper
             nxt = []
             for k in todo:
                 for ctor, kids, c in self._parents.get(k, ()):
                     op = OP_OF_CONSTRUCTOR.get(ctor)
                     if op is None or OPS[op].kind in (Kind.ACCUMULATE, Kind.SPLIT, Kind.CONCAT, Kind.INPUT):
+                        continue
+                    if within is not None and (c not in within or OPS[op].kind not in (Kind.UNARY, Kind.BINARY)):
                         continue
                     total = EXTRACT_COST.get(OPS[op].kind, 1.0)
                     for kid in kids:

@@ -37,12 +37,11 @@ from ..prove.rules import Library
 from ..semantics.blocks import evaluate
 from ..semantics.reference import evaluate_nodes, random_inputs
 from .config import Rejection, SearchConfig, Stats
-from .generate import Candidate, Predefined, Sketch, meaning_of
+from .generate import Candidate, Predefined, Sketch, meaning_of, small_binding
 from .maps import MapChoice, NoKernel, index_classes, map_choices
 from .split import Split, build_choice, split_states
 
 PROOF_LIMITS = Limits(iterations=30, nodes=150_000, seconds=20.0)
-NUMERIC_CAP = 16  # dims are capped at this size for the numeric filter
 NUMERIC_RTOL = 1e-6  # float64 on both sides: anything above this is a real difference
 MAX_COMBINATIONS = 64  # kernel-map combinations proved per generated candidate
 
@@ -242,15 +241,6 @@ def proof_error(future: Future) -> str | None:
     """Why a finished proof could not run (the exception it raised, in words), or None when it ran."""
     error = future.exception()
     return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def small_binding(program: Program) -> dict[sympy.Symbol, int]:
-    """Dims for the numeric filter: the defaults, capped (even sizes keep splits possible)."""
-    out = {}
-    for d in program.dims:
-        v = min(d.default, NUMERIC_CAP)
-        out[d.symbol] = v if v < 4 or d.default <= NUMERIC_CAP else v - v % 4
-    return out
 
 
 def smallest_tiles_fit(kernel: Kernel, dims: dict, hardware: Hardware) -> bool:

@@ -23,14 +23,19 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import numpy as np
+import sympy
+
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program
 from ..ir.ops import OPS, Kind
 from ..ir.shapes import ShapeError, build, rebuild
+from ..semantics.reference import evaluate_nodes, random_inputs
 from .abstract import InputGraph
 from .config import Rejection, SearchConfig, Stats, Stop
 
 MAX_LOOP_OPS = 3  # ops in the loop value an accumulator folds (extracted from the e-graph)
+NUMERIC_CAP = 16  # dims are capped at this size for the numeric checks of the search
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,15 @@ class Generator:
         for n in program.nodes():
             if n.op not in ("input", "const"):
                 self.input_ops.setdefault(graph.lookup(n, self.memo), n)
+        # the e-classes of the input program's values that another of its ops reads (not its inputs)
+        read = {graph.lookup(a, self.memo) for n in self.input_ops.values() for a in n.args}
+        self.intermediate = [c for c in self.input_ops if c in read and c is not None]
+        # The values of linear accumulators on small random inputs, to drop pairs that are one scaled
+        inputs = random_inputs(program, small_binding(program), seed=1)
+        self.env = {n: inputs[n.attr] for n in program.inputs}
+        self.samples: dict = {}
+        self.dependent: dict = {}
+        self.stored: dict = {}  # (prefix, tiles, intermediate e-class) -> the accumulator sets storing it
 
     def eclass(self, abstract: Node) -> str | None:
         return self.graph.lookup(abstract, self.memo)
@@ -173,18 +187,52 @@ class Generator:
             under = self.graph.below(self._missing(classes), frozenset(leaves))
             useful = [a for a in atoms if a.eclass in under]
             self.stats.prune(Rejection.UNUSED_ACCUMULATOR, len(atoms) - len(useful))
-            atoms = useful
+            atoms = wide = useful
+        else:
+            # More accumulators than a kernel stores: only an intermediate value built from them all can
+            # be stored, so each must be under one through element-wise ops.
+            under = self.graph.below([c for c in self.intermediate if c not in classes], frozenset(leaves))
+            wide = [a for a in atoms if a.eclass in under]
         for k in range(1, min(self.config.max_accumulators, self.config.max_block_ops) + 1):
-            for combo in itertools.combinations(atoms, k):
-                if self.should_stop():
-                    raise Stop
-                self.stats.generated += 1
-                if len({a.eclass for a in combo}) < k:
-                    self.stats.prune(Rejection.DUPLICATE)
-                elif sum(a.ops for a in combo) > self.config.max_block_ops:
-                    self.stats.prune(Rejection.LIMITS)
-                else:
-                    yield from self._close(steps, values, classes, depth, chosen, tiles, combo)
+            for combo in self._combinations(atoms if k <= self.config.max_outputs else wide, k, (), 0):
+                yield from self._close(steps, values, classes, depth, chosen, tiles, combo)
+
+    def _combinations(self, pool: list[Atom], k: int, chosen: tuple, start: int) -> Iterator[tuple]:
+        """The k-combinations of `pool` in the order of `itertools.combinations`, less those with two
+        accumulators of one e-class or one linear kind over proportional values, or over the block op
+        limit: each is cut where its first such pair (or the op that breaks the limit) is added, so the
+        combinations that contain it are never built."""
+        if len(chosen) == k:
+            yield chosen
+            return
+        ops = sum(a.ops for a in chosen)
+        for i in range(start, len(pool) - (k - len(chosen)) + 1):
+            if self.should_stop():
+                raise Stop
+            self.stats.generated += 1
+            atom = pool[i]
+            if any(a.eclass == atom.eclass or self._dependent(a, atom) for a in chosen):
+                self.stats.prune(Rejection.DUPLICATE)
+            elif ops + atom.ops > self.config.max_block_ops:
+                self.stats.prune(Rejection.LIMITS)
+            else:
+                yield from self._combinations(pool, k, chosen + (atom,), i + 1)
+
+    def _covered(self, done: tuple[Atom, ...], combo: tuple[Atom, ...]) -> bool:
+        """Whether each accumulator of `done` is in `combo`, or one there is a scaled form of it."""
+        return all(any(a.eclass == b.eclass or self._dependent(a, b) for b in combo) for a in done)
+
+    def _dependent(self, a: Atom, b: Atom) -> bool:
+        """Two accumulators of one linear kind whose values are proportional (a product and its
+        negation, or twice it): one of them, scaled after the loop, is the other, so the pair only
+        makes another proof of a kernel found with fewer accumulators."""
+        if a.op != b.op or not ACCUMULATORS[a.op].linear:
+            return False
+        key = (a.eclass, b.eclass)
+        if key not in self.dependent:
+            self.dependent[key] = _redundant(self.samples[a.eclass], self.samples[b.eclass]) \
+                or _redundant(self.samples[b.eclass], self.samples[a.eclass])
+        return self.dependent[key]
 
     def _atoms(self, leaves: dict) -> list[Atom]:
         """The accumulators a loop kernel over these tiles may hold: each accumulator applied to loop
@@ -218,6 +266,8 @@ class Generator:
                     self.stats.prune(Rejection.UNSTABLE_EXP)
                     continue
                 ops = len({m for m in node.walk() if m.op not in ("tile", "const")})
+                if acc.linear and eclass not in self.samples:
+                    self.samples[eclass] = evaluate_nodes([abstract], self.env)[abstract]
                 atoms.append(Atom(op, tuple(c for c, _, _ in args), node, eclass, ops))
         self.atom_cache[key] = atoms
         return atoms
@@ -275,6 +325,7 @@ class Generator:
                 self.stats.prune(Rejection.LIMITS)
                 return
         else:
+            yield from self._intermediates(steps, values, classes, depth, chosen, tiles, after, combo)
             if after:
                 return  # a tile nothing reads: the same kernel with fewer inputs covers it
             outs = [n for n, _ in accumulated]
@@ -285,6 +336,37 @@ class Generator:
                 return
         sketch = Sketch(tuple(chosen), tuple(tiles), tuple(outs), True)
         yield from self._step(steps, values, classes, depth, sketch, new_classes)
+
+    def _intermediates(self, steps, values, classes, depth, chosen, tiles, after, combo):
+        """A loop kernel before the last step that stores one of the input program's intermediate values
+        (what another of its ops reads), built after the loop from every accumulator by element-wise
+        ops: LayerNorm's normalisation and GELU applied to the projection's block before the next
+        projection reads it. (Row-wise work after the loop, a softmax, is left to the kernel that
+        reads the value: as an intermediate it needs whole rows in a block, and a pre-defined kernel
+        does the same.)"""
+        accumulated = [(a.node, a.eclass) for a in combo]
+        if not all(isinstance(k, str) for _, k in accumulated):
+            return
+        leaves = {k: n for n, k in after + accumulated}
+        for goal in self.intermediate:
+            if goal in classes or goal in leaves:
+                continue
+            # Not when accumulators that these hold, or scaled forms of them, store it already (a
+            # product and its negation added up, or a product of the negated tiles): the same value, a
+            # new proof each for nothing.
+            key = (tuple(steps), chosen, goal)
+            if any(self._covered(done, combo) for done in self.stored.get(key, ())):
+                continue
+            out = self.graph.extract_elementwise(goal, leaves)
+            if out is None:
+                continue
+            reached = set(out.walk())
+            if any(n not in reached for n in leaves.values()):
+                self.stats.prune(Rejection.UNUSED_ACCUMULATOR)
+                continue
+            self.stored.setdefault(key, []).append(combo)
+            sketch = Sketch(tuple(chosen), tuple(tiles), (out,), True)
+            yield from self._step(steps, values, classes, depth, sketch, [goal])
 
     def _no_loop(self, steps, values, classes, depth, chosen, tiles):
         """A kernel without a loop (the last step only): the missing outputs built from whole tiles."""
@@ -301,6 +383,27 @@ class Generator:
             return  # the kernel with fewer inputs covers it
         sketch = Sketch(tuple(chosen), tuple(tiles), tuple(outs), False)
         yield from self._step(steps, values, classes, depth, sketch, goals)
+
+
+def small_binding(program: Program) -> dict[sympy.Symbol, int]:
+    """Dims for the search's numeric checks: the defaults, capped (even sizes keep splits possible)."""
+    out = {}
+    for d in program.dims:
+        v = min(d.default, NUMERIC_CAP)
+        out[d.symbol] = v if v < 4 or d.default <= NUMERIC_CAP else v - v % 4
+    return out
+
+
+def _redundant(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether b is a constant times a (or a is zero): one accumulator of the pair gives the other."""
+    if a.shape != b.shape or not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return False
+    a, b = a.ravel(), b.ravel()
+    norm = float(a @ a)
+    if norm == 0.0:
+        return True
+    rest = b - (float(a @ b) / norm) * a
+    return float(np.abs(rest).max()) <= 1e-9 * max(float(np.abs(b).max()), 1e-30)
 
 
 def _unstable(node: Node) -> bool:
