@@ -3,6 +3,7 @@ translation, constraints and instantiation, kernel errors, and `prismc show`."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -570,3 +571,62 @@ def test_causal_in_a_kernel_compiles_to_code_that_masks_the_same_elements(write,
     assert main(["compile", str(write(CAUSAL_KERNEL)), "--search", "none", "-o", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["checked"]["emulation"]["passed"], report["checked"]
+
+
+TRANSPOSED_OPERANDS = """# A product's right operand read transposed from its tile, one kernel per tensor-core path.
+program kt(A: f16[64, 64], B: f16[64, 64], C: f16[8, 64], D: f16[48, 64], Q: f16[2, 32, 64], K: f16[2, 128, 64],
+           V: f16[2, 128, 64]) {
+    kernel mn grid(x = g1) loop(F1) {
+        at = load A[:, loop]
+        bt = load B[x, loop]
+        store S1[:, x] = acc_sum(at @ transpose(bt, 0, 1))
+    }
+    kernel nm grid(x = g2) loop(F2) {
+        ct = load C[:, loop]
+        bt = load B[x, loop]
+        store S2[:, x] = acc_sum(ct @ transpose(bt, 0, 1))
+    }
+    kernel odd grid(x = g3) loop(F3) {
+        at = load A[:, loop]
+        dt = load D[x, loop]
+        store S3[:, x] = acc_sum(at @ transpose(dt, 0, 1))
+    }
+    kernel whole grid(x = g4) {
+        at = load A[:, :]
+        bt = load B[x, :]
+        store S4[:, x] = exp((at @ transpose(bt, 0, 1)) * 0.125)
+    }
+    kernel flash grid(x = g5) loop(F5) {
+        qt = load Q[x, :, :]
+        kt = load K[x, loop, :]
+        vt = load V[x, loop, :]
+        s = qt @ transpose(kt, -1, -2)
+        store O[x, :, :] = acc_softmax_out(s, vt) / acc_softmax_sum(s)
+    }
+    return S1, S2, S3, S4, O
+}
+"""
+
+
+def test_a_transposed_right_operand_stays_on_tensor_cores(write, tmp_path):
+    """K as stored for Q @ K^T: the register-tiled product in both orientations (and with an odd number of
+    n8 tiles per warp), the wmma product and online softmax read the transposed tile without `.trans`
+    (a column-major fragment for wmma), and the emulated CUDA, under AddressSanitizer, matches the
+    float64 reference."""
+    import json
+
+    from prism_dsl.backend.emulate import compiler
+    if compiler() is None:
+        pytest.skip("no C++ compiler (g++ or clang++) for the emulation")
+    out = tmp_path / "out"
+    assert main(["compile", str(write(TRANSPOSED_OPERANDS)), "--search", "none", "-o", str(out), "--sanitize",
+                 "address", "--grid", "g1=2,g2=2,g3=2,g4=2,g5=2", "--loop", "F1=2,F2=2,F3=2,F5=2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["checked"]["emulation"]["passed"], report["checked"]
+    source = {name: (out / f"{name}.cu").read_text() for name in ("mn", "nm", "odd", "whole", "flash")}
+    assert "ldmatrix<4>(r, s_bt + (wc + j * 8 + lane / 16 * 8 + lane % 8)" in source["mn"]
+    assert "ldmatrix<4>(fa[i], s_bt + (wc + i * 16 + lane % 16)" in source["nm"]
+    assert "ldmatrix<2>(fb[j], s_dt + (wc + j * 8 + lane % 8)" in source["odd"]
+    assert "wmma::col_major> b" in source["whole"]
+    assert "ldmatrix<4>(r, s_kt + (j * 8 + lane / 16 * 8 + lane % 8)" in source["flash"]
+    assert not any(re.search(r"ldmatrix<\d, true>\([^,]+, s_[bdk]t ", s) for s in source.values())

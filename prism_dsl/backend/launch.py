@@ -66,15 +66,26 @@ def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
     return next(((fm, fn) for fm, fn in ((16, 16), (8, 32)) if m % fm == 0 and n % fn == 0), None)
 
 
+def stored_operand(n: Node) -> tuple[Node, bool]:
+    """What a product's right operand reads in shared memory: the node itself, or for a transpose of the
+    last two dims the tile it views, read transposed (K as stored for Q @ K^T: `ldmatrix` without
+    `.trans`, a column-major wmma fragment)."""
+    if n.op == "transpose" and len(n.shape) >= 2 and set(n.attr) == {len(n.shape) - 2, len(n.shape) - 1}:
+        return n.args[0], True
+    return n, False
+
+
 def tensor_core_operands(a: Node, b: Node, p: Plan, shape_of) -> bool:
     """Whether a @ b has what tensor cores take: f16/bf16 tiles in shared memory (as stored: a tile of an
-    f32 partial result is f32), matrices (leading dims 1)."""
+    f32 partial result is f32; b may be a tile's transpose), matrices (leading dims 1)."""
+    sb = shape_of(b)
+    b = stored_operand(b)[0]
     if p.place.get(a) is not Place.SMEM or p.place.get(b) is not Place.SMEM or a.op != "tile" or b.op != "tile":
         return False
     da, db = p.buffer(a).dtype, p.buffer(b).dtype
     if da != db or da not in (DType.F16, DType.BF16):
         return False
-    sa, sb = shape_of(a), shape_of(b)
+    sa = shape_of(a)
     return len(sa) >= 2 and len(sb) >= 2 and all(s == 1 for s in sa[:-2] + sb[:-2])
 
 

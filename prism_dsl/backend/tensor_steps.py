@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..ir.accumulators import ACCUMULATORS, RUNNING_MAX
 from ..ir.nodes import Node
 from .ctext import CTYPE, comment, ident
-from .launch import mma_shape, uses_tensor_cores
+from .launch import mma_shape, stored_operand, uses_tensor_cores
 
 
 class TensorCoreSteps:
@@ -30,23 +30,30 @@ class TensorCoreSteps:
             return None
         if not uses_tensor_cores(a, b, self.plan, self.shape):
             return None
-        ba, bb = self.plan.buffer(a), self.plan.buffer(b)
+        ba = self.plan.buffer(a)
         sa, sb = self.shape(a), self.shape(b)
         m, k, n = sa[-2], sa[-1], sb[-1]
         frag = mma_shape(m, n, k)
         self.tensor_core_steps += 1
         return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
-                "a": self.cname[ba.name], "b": self.cname[bb.name], "c": dst, "ab": CTYPE[ba.dtype],
-                "lda": k + self.pad[ba.name], "ldb": n + self.pad[bb.name], "accumulate": accumulate}
+                "a": self.cname[ba.name], "c": dst, "ab": CTYPE[ba.dtype], "lda": k + self.pad[ba.name],
+                **self._right(b), "accumulate": accumulate}
+
+    def _right(self, b: Node) -> dict:
+        """A product's right operand: its shared buffer, that buffer's row stride, and whether it holds
+        the operand transposed ("bt": rows are the product's columns)."""
+        tile, transposed = stored_operand(b)
+        buf = self.plan.buffer(tile)
+        return {"b": self.cname[buf.name], "ldb": self.shape(tile)[-1] + self.pad[buf.name], "bt": transposed}
 
     def warp_mma(self, acc: Node, dst: str, text: str) -> dict:
         """acc += a @ b into registers, each warp its own tiles (see `warp_mma`); `dst` its state after the loop."""
         a, b = acc.args[0].args
-        ba, bb = self.plan.buffer(a), self.plan.buffer(b)
+        ba = self.plan.buffer(a)
         self.tensor_core_steps += 1
         return {"kind": "warp_mma", "comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst,
-                "a": self.cname[ba.name], "b": self.cname[bb.name], "ab": CTYPE[ba.dtype],
-                "lda": self.shape(a)[-1] + self.pad[ba.name], "ldb": self.shape(b)[-1] + self.pad[bb.name]}
+                "a": self.cname[ba.name], "ab": CTYPE[ba.dtype], "lda": self.shape(a)[-1] + self.pad[ba.name],
+                **self._right(b)}
 
     def flash(self, s: Node) -> dict:
         """Online softmax over s = q @ kt with s, p and the states in registers (`warp_mma.Flash`), for every
@@ -63,6 +70,8 @@ class TensorCoreSteps:
         self.tensor_core_steps += 1
         text = comment(f"online softmax over {self.describe(s)}, folded by "
                        + ", ".join(self.names.get(u, u.op) for u in users))
-        return {"kind": "flash", "comment": text, "f": f, "r": reg, "q": tile(q), "k": tile(kt),
+        right = self._right(kt)
+        return {"kind": "flash", "comment": text, "f": f, "r": reg, "q": tile(q), "k": (right["b"], right["ldb"]),
+                "kt": right["bt"],
                 "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
                 "m": self.cname[self.plan.groups[s]["m"].name]}
