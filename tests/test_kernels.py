@@ -35,6 +35,7 @@ CASES = {
     "rmsnorm_linear": ([dict(n=4, d=64), dict(n=3, d=96)], [{}, dict(gx=4, F=2), dict(gx=1, F=8), dict(gx=8, F=1)]),
     "rmsnorm_mlp": ([dict(n=4, d=64), dict(n=2, d=48)], [{}, dict(gx=2, F=4), dict(gx=16, F=2)]),
     "swiglu": ([dict(n=4, d=64), dict(n=5, d=32)], [{}, dict(gx=4, F=4), dict(gx=2, F=1)]),
+    "gpt2_mlp": ([dict(n=4, d=64, f=128), dict(n=3, d=32, f=64)], [{}, dict(gx=4, F=2), dict(gx=1, F=8)]),
     "attention": ([dict(kv=64, dh=8), dict(b=2, h=3, q=4, kv=48, dh=4)],
                   [{}, dict(gb=1, gh=1, F=4), dict(gb=2, gh=1, F=2)]),
 }
@@ -630,3 +631,42 @@ def test_a_transposed_right_operand_stays_on_tensor_cores(write, tmp_path):
     assert "wmma::col_major> b" in source["whole"]
     assert "ldmatrix<4>(r, s_kt + (j * 8 + lane / 16 * 8 + lane % 8)" in source["flash"]
     assert not any(re.search(r"ldmatrix<\d, true>\([^,]+, s_[bdk]t ", s) for s in source.values())
+
+
+GAIN_BEFORE_PRODUCT = """# RMSNorm's gain applied to x inside the loop, before the projection (Llama's QKV, fused).
+dims n = 64, d = 256, e = 256
+program gain(X: f16[n, d], G: f16[d], W: f16[d, e]) {
+    kernel k grid(x = gx) loop(F) {
+        xt = load X[:, loop]
+        gt = load G[loop]
+        wt = load W[loop, x]
+        store Y[:, x] = acc_sum(gt * xt @ wt) / sqrt(acc_mean_last(xt * xt) + 1e-05)
+    }
+    return Y
+}
+"""
+
+
+def test_an_element_wise_product_operand_is_kept_in_16_bits_for_tensor_cores(write, tmp_path):
+    """gt * xt, read only by the product, is written once per iteration to a padded f16 buffer, which the
+    register-tiled product reads by ldmatrix; the emulated CUDA, under AddressSanitizer, matches the
+    float64 reference."""
+    import json
+
+    from prism_dsl.backend.emulate import compiler
+    from prism_dsl.kernels.fusion import plan
+    program = load(write(GAIN_BEFORE_PRODUCT)).program()
+    (kernel,) = kernels_of(program)
+    staged = [b for b in plan(kernel).buffers if b.role == "value" and b.node.op == "mul" and b.dtype is not DType.F32]
+    assert len(staged) == 1 and staged[0].dtype is DType.F16 and staged[0].pad == 8  # x * x stays f32
+    if compiler() is None:
+        pytest.skip("no C++ compiler (g++ or clang++) for the emulation")
+    out = tmp_path / "out"
+    assert main(["compile", str(write(GAIN_BEFORE_PRODUCT)), "--search", "none", "-o", str(out), "--sanitize",
+                 "address", "--grid", "gx=2", "--loop", "F=2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["checked"]["emulation"]["passed"], report["checked"]
+    source = (out / "k.cu").read_text()
+    name = f"s_{staged[0].name}"
+    assert f"{name}[i0 * 136 + i1] = prism::from_f<half>(" in source
+    assert f"prism::ldmatrix<4>(fa[i], {name} + " in source

@@ -145,6 +145,19 @@ def test_layer_norm_before_a_projection_reaches_one_kernel_with_four_accumulator
     assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
 
 
+def test_rms_norm_with_a_gain_reaches_one_kernel_on_tensor_cores(library):
+    """Llama's `(rms_norm(X, eps) * G) @ W`: the gain is applied to x's tile inside the loop, the product
+    read from a 16-bit buffer on tensor cores, and the model ranks that kernel above the program as written."""
+    src = program("llama_qkv")
+    dims = dict(n=8, d=256, e=384)
+    out = optimize(src, library, H100, bind_dims(src, dims))
+    text = print_program(out.best.program)
+    assert custom_kernels(out.best.program) == 1 and len(kernels_of(out.best.program)) == 1, text
+    assert "acc_sum(gt * xt @ wt) / sqrt(acc_mean_last(xt * xt) + 1e-05)" in text, text
+    written = next(r for r in out.ranked if r.as_written)
+    assert out.best.estimated_us < written.estimated_us
+
+
 def test_accumulators_over_proportional_values_are_not_combined(library):
     """A product and its negation (or twice it) accumulated side by side is one accumulator scaled after
     the loop: the generator drops such pairs, so no candidate of QK-norm attention holds two sums."""

@@ -193,7 +193,13 @@ class _Emitter(TensorCoreSteps):
     def compute_step(self, node: Node) -> dict:
         shape, dst, kind = self.shape(node), self.cname[self.plan.buffer(node).name], OPS[node.op].kind
         if kind in (Kind.UNARY, Kind.BINARY):
-            return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
+            b = self.plan.buffer(node)
+            if b.dtype in (DType.F32, DType.F64):
+                return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
+            # kept in 16 bits, rows padded, for the tensor-core products that read it (`fusion.plan`)
+            return self.elements(shape, lambda idx: [f"{dst}[{offset(idx, shape, self.pad[b.name])}] = "
+                                                     f"prism::from_f<{CTYPE[b.dtype]}>({self.value(node, idx)});"],
+                                 self.describe(node))
         if kind is Kind.MATMUL:
             return self.matmul(node.args[0], node.args[1], node, dst, accumulate=False, text=self.describe(node))
         if kind is Kind.REDUCE:

@@ -80,7 +80,8 @@ def tensor_core_operands(a: Node, b: Node, p: Plan, shape_of) -> bool:
     f32 partial result is f32; b may be a tile's transpose), matrices (leading dims 1)."""
     sb = shape_of(b)
     b = stored_operand(b)[0]
-    if p.place.get(a) is not Place.SMEM or p.place.get(b) is not Place.SMEM or a.op != "tile" or b.op != "tile":
+    # a: a tile, or a value kept in 16 bits for the products that read it (`fusion.plan`)
+    if p.place.get(a) is not Place.SMEM or p.place.get(b) is not Place.SMEM or b.op != "tile":
         return False
     da, db = p.buffer(a).dtype, p.buffer(b).dtype
     if da != db or da not in (DType.F16, DType.BF16):

@@ -111,7 +111,8 @@ def plan(kernel: Kernel) -> Plan:
     groups: dict[Node, dict[str, Buffer]] = {}
 
     def add(base: str, shape, dtype: DType, node: Node | None, role: str) -> Buffer:
-        pad = ROW_PAD // dtype.bytes if role == "tile" and dtype.bytes == 2 and len(shape) >= 2 and shape[-1] != 1 else 0
+        pad = ROW_PAD // dtype.bytes if role in ("tile", "value") and dtype.bytes == 2 and len(shape) >= 2 \
+            and shape[-1] != 1 else 0
         buffers.append(Buffer(fresh_name(base, {b.name for b in buffers}), tuple(shape), dtype, node, role, pad))
         return buffers[-1]
 
@@ -127,7 +128,7 @@ def plan(kernel: Kernel) -> Plan:
             inline = all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "per_element") for u in users[n])
             place[n] = Place.INLINE if inline else Place.SMEM
             if not inline:
-                add(f"v{i}", n.shape, real, n, "value")
+                add(f"v{i}", n.shape, _operand_dtype(kernel, n, users[n], stored) or real, n, "value")
         elif kind is Kind.MATMUL and len(users[n]) == 1 and _accumulator(users[n][0], "adds_products") and n not in stored:
             place[n] = Place.FUSED
         elif kind is Kind.ACCUMULATE:
@@ -137,6 +138,24 @@ def plan(kernel: Kernel) -> Plan:
             place[n] = Place.SMEM
             add(f"v{i}", n.shape, real, n, "value")
     return Plan(place, tuple(buffers), state, groups, users)
+
+
+def _operand_dtype(kernel: Kernel, n: Node, users: list[Node], stored: set[Node]) -> DType | None:
+    """The 16-bit type an element-wise value is kept in when only matrix products read it and both it and
+    their other operands come from tiles stored in that type (RMSNorm's gain times x, before the
+    projection): the products then run on tensor cores, with one rounding of the value, as a framework
+    computing in f16 rounds it. None: the value is kept in the arithmetic type."""
+    def tile_dtype(t: Node) -> DType | None:
+        t = t.args[0] if t.op == "transpose" else t
+        return storage(kernel.inputs[kernel.load(t.attr).source]) if t.op == "tile" else None
+    if n in stored or len(n.shape) < 2 or not users or any(OPS[u.op].kind is not Kind.MATMUL for u in users):
+        return None
+    under = [m for m in n.walk() if m.op != "const"]
+    if any(m.op != "tile" and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) for m in under):
+        return None
+    kinds = {tile_dtype(m) for m in under if m.op == "tile"}
+    kinds |= {tile_dtype(u.args[1] if u.args[0] is n else u.args[0]) for u in users}
+    return kinds.pop() if len(kinds) == 1 and kinds <= {DType.F16, DType.BF16} else None
 
 
 def _accumulator(n: Node, flag: str) -> bool:
