@@ -31,6 +31,8 @@ WORKLOADS = [  # (name, program, dims)
     ("swiglu decode", "swiglu", "n=8,d=4096"),
     ("attention decode kv=4096", "attention", ATTENTION + ",kv=4096"),
     ("attention decode kv=32768", "attention", ATTENTION + ",kv=32768"),
+    ("llama_qkv decode", "llama_qkv", "n=8,d=4096,e=6144"),
+    ("gpt2_mlp decode", "gpt2_mlp", "n=8,d=768,f=3072"),
     ("rmsnorm_linear prefill", "rmsnorm_linear", "n=4096,d=4096"),
     ("rmsnorm_mlp prefill", "rmsnorm_mlp", "n=4096,d=4096"),
     ("swiglu prefill", "swiglu", "n=4096,d=4096"),
