@@ -145,6 +145,16 @@ def test_layer_norm_before_a_projection_reaches_one_kernel_with_four_accumulator
     assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
 
 
+def test_a_single_row_still_gets_the_layer_norm_kernel(library, write):
+    """With one row, a row's mean and its mean square are single numbers, always proportional: the
+    pruning of proportional accumulators must not take them for one another."""
+    src = load(write((ROOT / "programs" / "gpt2_mlp.prism").read_text()
+                     .replace("dims n = 8, d = 768, f = 3072", "dims n = 1, d = 64, f = 128"))).program()
+    out = optimize(src, library, H100, src.default_binding())
+    texts = [print_program(r.program) for r in out.ranked]
+    assert any("acc_mean_last(xt * xt)" in t and "acc_sum(sum(w1t, 0))" in t for t in texts), texts
+
+
 def test_rms_norm_with_a_gain_reaches_one_kernel_on_tensor_cores(library):
     """Llama's `(rms_norm(X, eps) * G) @ W`: the gain is applied to x's tile inside the loop, the product
     read from a 16-bit buffer on tensor cores, and the model ranks that kernel above the program as written."""

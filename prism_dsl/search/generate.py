@@ -395,8 +395,9 @@ def small_binding(program: Program) -> dict[sympy.Symbol, int]:
 
 
 def _redundant(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether b is a constant times a (or a is zero): one accumulator of the pair gives the other."""
-    if a.shape != b.shape or not (np.isfinite(a).all() and np.isfinite(b).all()):
+    """Whether b is a constant times a (or a is zero): one accumulator of the pair gives the other. Values
+    of one element are always proportional, so they never count (a single row's mean and mean square)."""
+    if a.shape != b.shape or a.size < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()):
         return False
     a, b = a.ravel(), b.ravel()
     norm = float(a @ a)
