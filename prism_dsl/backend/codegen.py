@@ -191,9 +191,9 @@ class _Emitter(TensorCoreSteps):
                 "dst": dst or self.cname[b.name], "at": offset(idx, tile, self.pad[b.name]), "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
 
     def compute_step(self, node: Node) -> dict:
-        shape, dst, kind = self.shape(node), self.cname[self.plan.buffer(node).name], OPS[node.op].kind
+        b = self.plan.buffer(node)
+        shape, dst, kind = self.shape(node), self.cname[b.name], OPS[node.op].kind
         if kind in (Kind.UNARY, Kind.BINARY):
-            b = self.plan.buffer(node)
             if b.dtype in (DType.F32, DType.F64):
                 return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
             # kept in 16 bits, rows padded, for the tensor-core products that read it (`fusion.plan`)

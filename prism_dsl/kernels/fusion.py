@@ -141,20 +141,21 @@ def plan(kernel: Kernel) -> Plan:
 
 
 def _operand_dtype(kernel: Kernel, n: Node, users: list[Node], stored: set[Node]) -> DType | None:
-    """The 16-bit type an element-wise value is kept in when only matrix products read it and both it and
-    their other operands come from tiles stored in that type (RMSNorm's gain times x, before the
-    projection): the products then run on tensor cores, with one rounding of the value, as a framework
-    computing in f16 rounds it. None: the value is kept in the arithmetic type."""
+    """The 16-bit type an element-wise value is kept in when only matrix products read it, as their left
+    operand (the one tensor cores take from any 16-bit buffer), and both it and their right operands
+    come from tiles stored in that type (RMSNorm's gain times x, before the projection): the products
+    then run on tensor cores, with one rounding of the value, as a framework computing in f16 rounds
+    it. None: the value is kept in the arithmetic type."""
     def tile_dtype(t: Node) -> DType | None:
         t = t.args[0] if t.op == "transpose" else t
         return storage(kernel.inputs[kernel.load(t.attr).source]) if t.op == "tile" else None
-    if n in stored or len(n.shape) < 2 or not users or any(OPS[u.op].kind is not Kind.MATMUL for u in users):
+    if n in stored or len(n.shape) < 2 or not users or any(u.op != "matmul" or u.args[0] is not n for u in users):
         return None
     under = [m for m in n.walk() if m.op != "const"]
     if any(m.op != "tile" and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) for m in under):
         return None
     kinds = {tile_dtype(m) for m in under if m.op == "tile"}
-    kinds |= {tile_dtype(u.args[1] if u.args[0] is n else u.args[0]) for u in users}
+    kinds |= {tile_dtype(u.args[1]) for u in users}
     return kinds.pop() if len(kinds) == 1 and kinds <= {DType.F16, DType.BF16} else None
 
 
