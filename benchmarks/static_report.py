@@ -37,6 +37,8 @@ WORKLOADS = [  # (name, program, dims)
     ("rmsnorm_mlp prefill", "rmsnorm_mlp", "n=4096,d=4096"),
     ("swiglu prefill", "swiglu", "n=4096,d=4096"),
     ("attention prefill", "attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
+    ("causal_attention prefill", "causal_attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
+    ("gqa_decode", "gqa_decode", "b=1,hk=8,g=4,kv=4096,dh=128"),
 ]
 MIX = ("HMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "BAR")
 

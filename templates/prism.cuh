@@ -133,6 +133,12 @@ PRISM_MATH(float, f)
 PRISM_MATH(double, )
 #undef PRISM_MATH
 
+// A causal loop's bound: the iterations up to the one holding column `last` (`step` columns each), at
+// least one, at most `loop`.
+__device__ __forceinline__ int causal_end(int last, int step, int loop) {
+    return last < 0 ? 1 : (last / step + 1 < loop ? last / step + 1 : loop);
+}
+
 // exp(old - new) for a running max that grew from `old` to `new`; 0 when nothing was seen yet.
 template <class R> __device__ __forceinline__ R rescale(R old_max, R new_max) {
     return old_max == -R(INFINITY) ? R(0) : exp_(old_max - new_max);

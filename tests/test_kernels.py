@@ -18,6 +18,7 @@ from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.ir.nodes import DType
 from prism_dsl.kernels.kernel import SymbolicMap, free_symbols, kernels_of, storage, stored_dtype, tile_shape
 from prism_dsl.kernels.params import choose
+from prism_dsl.kernels.position import causal_loop, loop_end, mean_iterations
 from prism_dsl.prove.layout import bind_counts, to_terms
 from prism_dsl.lang.printer import print_program
 from prism_dsl.prove.prover import prove
@@ -36,6 +37,9 @@ CASES = {
     "rmsnorm_mlp": ([dict(n=4, d=64), dict(n=2, d=48)], [{}, dict(gx=2, F=4), dict(gx=16, F=2)]),
     "swiglu": ([dict(n=4, d=64), dict(n=5, d=32)], [{}, dict(gx=4, F=4), dict(gx=2, F=1)]),
     "gpt2_mlp": ([dict(n=4, d=64, f=128), dict(n=3, d=32, f=64)], [{}, dict(gx=4, F=2), dict(gx=1, F=8)]),
+    # keys past the queries (kv > q: the mask's diagonal is offset), tiles crossing it and stopping early
+    "causal_attention": ([dict(b=1, h=2, q=8, kv=24, dh=8), dict(b=2, h=1, q=16, kv=16, dh=4)],
+                         [{}, dict(gq=2, F=4), dict(gq=4, F=2), dict(gq=1, gh=1, F=8)]),
     "attention": ([dict(kv=64, dh=8), dict(b=2, h=3, q=4, kv=48, dh=4)],
                   [{}, dict(gb=1, gh=1, F=4), dict(gb=2, gh=1, F=2)]),
 }
@@ -99,6 +103,37 @@ def test_layout_terms_mean_what_the_kernel_computes(path):
     values = evaluate_nodes([n for _, n in terms.outputs], env)
     for name, node in terms.outputs:
         np.testing.assert_allclose(values[node].reshape(got[name].shape), got[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("params", [dict(gq=1, gh=1, F=1), dict(gq=2, gh=2, F=4), dict(gq=4, gh=1, F=2)])
+def test_a_causal_kernels_terms_place_its_mask_as_the_kernel_does(params):
+    """The prover's causal_at over the tiles' places (rows split by the grid, columns by the loop, keys
+    past the queries) means what the block interpreter computes."""
+    fused = load(REPO / "programs" / "fused" / "causal_attention.prism").program()
+    binding = bind_dims(fused, dict(b=1, h=2, q=8, kv=24, dh=4))
+    inputs = random_inputs(fused, binding, seed=5)
+    got = evaluate(fused, inputs, params)["O"]
+    chosen = {sym(k): v for k, v in params.items()}
+    terms = bind_counts(to_terms(fused), {**binding, **chosen})
+    assert "causal_at" in {n.op for n in terms.nodes()}
+    values = evaluate_nodes([n for _, n in terms.outputs], {n: inputs[n.attr] for n in terms.inputs})
+    np.testing.assert_allclose(values[terms.outputs[0][1]].reshape(got.shape), got, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("q, kv, ends", [(64, 64, [1, 2, 3, 4]), (64, 96, [2, 3, 4, 4]), (64, 16, [1, 1, 1, 4])])
+def test_a_causal_loop_stops_after_each_blocks_last_kept_key_tile(q, kv, ends):
+    """Four blocks of 16 query rows, four iterations over the keys: block b keeps keys up to its last row
+    plus kv - q, so it stops after the iteration holding that key (at least one: a block whose rows are
+    masked whole, q > kv, still runs the first)."""
+    k = kernels_of(load(REPO / "programs" / "fused" / "causal_attention.prism").program())[0]
+    c = instantiate(k, binding(b=1, h=2, q=q, kv=kv, dh=16, gq=4, gh=2, F=4), H100)
+    assert not isinstance(c, list), c
+    cl = causal_loop(k)
+    assert cl is not None
+    assert [loop_end(c.shape, k, dict(c.grid), c.loop, cl, {"x": b}) for b in range(4)] == ends
+    assert mean_iterations(c.shape, k, dict(c.grid), c.loop) == sum(ends) / 4
+    plain = kernels_of(load(REPO / "programs" / "fused" / "attention.prism").program())[0]
+    assert causal_loop(plain) is None  # no mask: every iteration
 
 
 @pytest.mark.parametrize("path", FUSED, ids=[p.name for p in FUSED])

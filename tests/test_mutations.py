@@ -23,8 +23,9 @@ from test_codegen import FUSED, GOLDEN_PARAMS, PROGRAMS, build_of
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
 ALL = FUSED + PROGRAMS
 # The planted bugs go into the hand-written kernels and into the programs as written whose pre-defined kernels
-# are of a kind no other program has (the others repeat matmul, rms_norm, softmax and element-wise kernels).
-REPEATS = {"rmsnorm_mlp", "swiglu", "qk_norm_attention", "gqa", "lora", "ntrans"}
+# are of a kind no other program has (the others repeat matmul, rms_norm, softmax, transposed-operand and
+# element-wise kernels).
+REPEATS = {"rmsnorm_mlp", "swiglu", "qk_norm_attention", "gqa", "lora", "ntrans", "llama_qkv", "gqa_decode"}
 PLANTED = FUSED + [p for p in PROGRAMS if p.stem not in REPEATS]
 
 

@@ -4,7 +4,8 @@ Where it sits: after parameter instantiation (`kernels.constraints.instantiate`)
 (`nvcc`, the GPU). The generated kernel does what docs/ARCHITECTURE.md says a custom kernel does, with
 every size a compile-time constant:
 
-    prologue:  accumulator state initialised; tiles the loop does not split loaded once
+    prologue:  accumulator state initialised; tiles the loop does not split loaded once, and the values
+               made from them alone computed once
     loop:      tiles the loop splits loaded (16-byte copies where rows allow); the body's materialized
                values computed; each accumulator folds its operand(s); a barrier after each step
     epilogue:  tiles read only after the loop loaded; post-loop values; stores at the block's place
@@ -38,11 +39,11 @@ from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
-from ..kernels.position import origin
+from ..kernels.position import causal_loop, loop_bounds, origin
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, comment, decompose, ident, offset, tensor_name
-from .launch import CodegenConfig, copy_bytes, layout, stage_elements, vector_width
+from .launch import CodegenConfig, copy_bytes, flash_values, layout, stage_elements, vector_width
 from .tensor_steps import TensorCoreSteps
 
 __all__ = ["CTYPE", "CodegenConfig", "RenderedKernel", "comment", "ident", "render_kernel"]
@@ -135,6 +136,11 @@ class _Emitter(TensorCoreSteps):
             (i, j), idx = (d - node.rank for d in node.attr), list(idx)
             idx[i], idx[j] = idx[j], idx[i]
             return self.read(node.args[0], idx)
+        if node.op == "rope":  # x * c + rotate_half(x) * s, one element: its partner half a row away
+            (x, c, s), j = node.args, idx[-1]
+            half = self.shape(x)[-1] // 2
+            low, high = self.read(x, idx[:-1] + [f"({j} + {half})"]), self.read(x, idx[:-1] + [f"({j} - {half})"])
+            return f"({self.read(x, idx)} * {self.read(c, idx)} + ({j} < {half} ? -{low} : {high}) * {self.read(s, idx)})"
         if node.op == "causal":
             (row, rows), (col, cols) = self.place(node, -2), self.place(node, -1)
             above = f"({idx[-1]}{col} > {idx[-2]}{row} + {cols - rows})"
@@ -152,8 +158,18 @@ class _Emitter(TensorCoreSteps):
         piece = full // dict(self.c.grid)[dm.axis] if dm.axis else full
         if dm.loop and node in after_loop(self.k.body()):
             raise PrismError(f"kernel '{self.k.name}': causal after the loop over a dim the loop splits has no place")
-        parts = ([f"blockIdx.{dm.axis} * {piece}"] if dm.axis else []) + ([f"it * {piece // self.c.loop}"] if dm.loop else [])
+        parts = ([f"(int)blockIdx.{dm.axis} * {piece}"] if dm.axis else []) + ([f"it * {piece // self.c.loop}"] if dm.loop else [])
         return "".join(f" + {p}" for p in parts), full
+
+    def loop_end(self) -> str:
+        """The loop's bound: its range, or, for a causal loop (`kernels.position`), the block's last
+        iteration that holds a column its rows keep, as a C expression."""
+        cl = causal_loop(self.k)
+        if cl is None:
+            return str(self.c.loop)
+        last, step, piece = loop_bounds(self.shape, self.k, dict(self.c.grid), self.c.loop, cl)
+        row0 = f"(int)blockIdx.{cl.rows.dm.axis} * {piece} + " if piece else ""
+        return f"prism::causal_end({row0}{last}, {step}, {self.c.loop})"
 
     def finish(self, acc: Node, idx: list[str]) -> str:
         """An accumulator's value after the loop: its `cuda_finish` over the state that holds it."""
@@ -193,7 +209,7 @@ class _Emitter(TensorCoreSteps):
     def compute_step(self, node: Node) -> dict:
         b = self.plan.buffer(node)
         shape, dst, kind = self.shape(node), self.cname[b.name], OPS[node.op].kind
-        if kind in (Kind.UNARY, Kind.BINARY):
+        if kind in (Kind.UNARY, Kind.BINARY, Kind.MASK) or node.op == "rope":
             if b.dtype in (DType.F32, DType.F64):
                 return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
             # kept in 16 bits, rows padded, for the tensor-core products that read it (`fusion.plan`)
@@ -258,11 +274,6 @@ class _Emitter(TensorCoreSteps):
                     f"for (int j = 0; j < {length}; ++j) {{ const real v = {xj} - mu; ss += v * v; }}",
                     f"const real inv = real(1) / prism::sqrt_(ss / real({length}){eps});",
                     f"for (int j = 0; j < {length}; ++j) {out} = ({xj} - mu) * inv;"]
-        elif node.op == "rope":  # x * c + rotate_half(x) * s
-            half = self.shape(x)[-1] // 2
-            low, high = self.read(x, idx + [f"(j + {half})"]), self.read(x, idx + [f"(j - {half})"])
-            c, s = (self.read(t, idx + ["j"]) for t in node.args[1:])
-            body = [f"for (int j = 0; j < {length}; ++j) {out} = {xj} * {c} + (j < {half} ? -{low} : {high}) * {s};"]
         else:  # softmax, the stable form
             body = [f"real mx = -real(INFINITY), sum = {self.lit(0.0)};",
                     f"for (int j = 0; j < {length}; ++j) mx = prism::max_(mx, {xj});",
@@ -385,12 +396,14 @@ class _Emitter(TensorCoreSteps):
                              for n, st in zip(loop_tiles, staged)])
         loop_steps = [] if staged else self._merge([self.load_step(n) for n in loop_tiles])
         done: set = set()
+        flashed = flash_values(self.plan, self.layout.flash)
+        invariant = []  # values the loop reads but does not change: computed once, before it
         for n in in_loop:
             kind = OPS[n.op].kind
             if kind is Kind.ACCUMULATE:
                 loop_steps += self.acc_steps(n, done)
-            elif n.op != "tile" and self.plan.place[n] is Place.SMEM and n not in self.layout.flash:
-                loop_steps.append(self.compute_step(n))
+            elif n.op != "tile" and self.plan.place[n] is Place.SMEM and n not in flashed:
+                (loop_steps if n in varying else invariant).append(self.compute_step(n))
         post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
         registers = [st for st in _walk(loop_steps) if st["kind"] == "warp_mma"]
         flash = [st for st in _walk(loop_steps) if st["kind"] == "flash"]
@@ -414,12 +427,12 @@ class _Emitter(TensorCoreSteps):
         grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
         summary = [comment(f"load {l.tile} = {tensor_name(k.inputs[l.source])}{l.map}") for l in k.loads]
         summary += [comment(f"store {s.name}{s.map}") for s in k.stores]
-        for step in prologue + loop_steps + epilogue + ahead:
+        for step in prologue + invariant + loop_steps + epilogue + ahead:
             step["async"] = _async(step)
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
-               "loop": c.loop, "threads": self.threads, "smem": smem, "summary": summary, "params": params,
-               "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead, "real": self.real, "buffers": buffers, "prologue": prologue, "body": loop_steps, "epilogue": epilogue}
+               "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary, "params": params,
+               "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
         source = template_env().get_template("kernel.cu.j2").render(k=ctx)
         zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
         return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.threads, 1, 1), smem,

@@ -66,10 +66,11 @@ import sympy
 
 from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
-from ..kernels.fusion import Plan, plan
+from ..kernels.fusion import Place, Plan, plan
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
 from ..kernels.hardware import Hardware
+from ..kernels.position import mean_iterations
 from ..kernels.kernel import after_loop, free_symbols, kernels_of, loop_varying, storage, stored_dtype
 from ..kernels.params import candidates, choose
 from ..kernels.sizes import bind
@@ -110,7 +111,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
     laid = laid or layout(c, CodegenConfig())
     registered = {acc.args[0] for acc in laid.registers} | set(laid.flash)  # products on mma.sync
     shape = c.shape
-    blocks, loop = c.blocks(), c.loop
+    blocks, loop = c.blocks(), iterations(c)
     varying = loop_varying(k)
     dram = l2 = 0
     for load in k.loads:
@@ -119,7 +120,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
             continue
         src = k.inputs[load.source]
         tile_bytes = math.prod(shape(node)) * storage(src).bytes
-        traffic = tile_bytes * blocks * (loop if node in varying else 1)
+        traffic = round(tile_bytes * blocks * (loop if node in varying else 1))
         whole = math.prod(shape(src)) * storage(src).bytes
         l2 += traffic
         dram += whole if whole <= hardware.l2_bytes else traffic
@@ -130,12 +131,18 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
     p = plan(k)
     after = after_loop(k.body())
     flops = tc = 0
-    for n in k.body():
-        times = blocks * (1 if n in after and OPS[n.op].kind is not Kind.ACCUMULATE else loop)
+    for n in k.body():  # values made once: after the loop, or before it from tiles it does not split
+        once = (n in after or (n not in varying and p.place[n] is Place.SMEM)) and OPS[n.op].kind is not Kind.ACCUMULATE
+        times = blocks * (1 if once else loop)
         f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
         flops += f * times
         tc += t * times
-    return dram, l2, flops, tc
+    return dram, l2, round(flops), round(tc)
+
+
+def iterations(c: Concrete) -> float:
+    """Loop iterations per block, on average (a causal loop stops early: `kernels.position`)."""
+    return mean_iterations(c.shape, c.kernel, dict(c.grid), c.loop)
 
 
 def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = False) -> tuple[int, int]:
@@ -173,7 +180,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     t_mem = max(dram / bandwidth, l2 / (hardware.l2_bandwidth_gbs * 1e9)) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ) * us / share
     overlaps = shape.stages > 1 or math.ceil(resident / busy) > 1
-    t_loop = 0.0 if shape.stages > 1 else waves * c.loop * hardware.iteration_latency_us
+    t_loop = 0.0 if shape.stages > 1 else waves * iterations(c) * hardware.iteration_latency_us
     terms = {"memory": t_mem, "math": t_math, "loop": t_loop}
     bound = max(terms, key=terms.get)
     body = (max(t_mem, t_math) if overlaps else t_mem + t_math) + t_loop
@@ -199,7 +206,7 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
     dtype = next((n.dtype.value for n in k.inputs if n.dtype in (DType.F16, DType.BF16)), "f16")
     peak = hardware.peak_tflops[dtype] * 1e12
     smem = SMEM_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9 * hardware.sms
-    times = c.blocks() * c.loop
+    times = c.blocks() * iterations(c)
     seconds, registered = 0.0, 0
 
     def mma_sync(work: int, warps: int, flops_per_byte: float) -> float:

@@ -76,12 +76,12 @@ def stored_operand(n: Node) -> tuple[Node, bool]:
 
 
 def tensor_core_operands(a: Node, b: Node, p: Plan, shape_of) -> bool:
-    """Whether a @ b has what tensor cores take: f16/bf16 tiles in shared memory (as stored: a tile of an
-    f32 partial result is f32; b may be a tile's transpose), matrices (leading dims 1)."""
+    """Whether a @ b has what tensor cores take: f16/bf16 tiles or values in shared memory (as stored: a
+    tile of an f32 partial result is f32; b may be a transpose), matrices (leading dims 1)."""
     sb = shape_of(b)
     b = stored_operand(b)[0]
-    # a: a tile, or a value kept in 16 bits for the products that read it (`fusion.plan`)
-    if p.place.get(a) is not Place.SMEM or p.place.get(b) is not Place.SMEM or b.op != "tile":
+    # a tile, or a value kept in 16 bits for the products that read it (`fusion.plan`)
+    if p.place.get(a) is not Place.SMEM or p.place.get(b) is not Place.SMEM:
         return False
     da, db = p.buffer(a).dtype, p.buffer(b).dtype
     if da != db or da not in (DType.F16, DType.BF16):
@@ -108,25 +108,39 @@ def flash_products(c: Concrete, config: CodegenConfig) -> dict[Node, Flash]:
     stored = {st.value for st in c.kernel.stores}
     out = {}
     for s in p.groups:
-        users = p.users[s]
-        if s.op != "matmul" or s in stored or not tensor_core_operands(*s.args, p, c.shape):
+        users, m = p.users[s], scores_product(s, p)
+        if m is None or s in stored or m in stored or not tensor_core_operands(*m.args, p, c.shape):
             continue
         if not all(u.op in ACCUMULATORS and ACCUMULATORS[u.op].online for u in users):
             continue
         vs = [u.args[1] for u in users if len(u.args) > 1]
-        dtype = p.buffer(s.args[0]).dtype
+        dtype = p.buffer(m.args[0]).dtype
         if not all(p.place.get(v) is Place.SMEM and v.op == "tile" and p.buffer(v).dtype is dtype
                    and all(x == 1 for x in c.shape(v)[:-2]) for v in vs) or len({c.shape(v)[-1] for v in vs}) > 1:
             continue
-        sq, sk = c.shape(s.args[0]), c.shape(s.args[1])
+        sq, sk = c.shape(m.args[0]), c.shape(m.args[1])
         if (f := flash(sq[-2], sq[-1], sk[-1], c.shape(vs[0])[-1] if vs else 16, len(vs))) is not None:
             out[s] = f
     return out
 
 
+def scores_product(s: Node, p: Plan) -> Node | None:
+    """The product q @ kt that online softmax's scores `s` are: s itself, or the product that `causal(..)`
+    masks and nothing else reads (masked in registers); None for other scores."""
+    m = s.args[0] if s.op == "causal" and p.users[s.args[0]] == [s] else s
+    return m if m.op == "matmul" else None
+
+
 def unbuffered(p: Plan, flash_of: dict[Node, Flash]) -> set[str]:
-    """Buffers the plan lists that online softmax in registers leaves out: the scores, their exp, the factors."""
-    return {b.name for s in flash_of for b in (p.buffer(s), p.groups[s]["scale"], p.groups[s]["p"])}
+    """Buffers the plan lists that online softmax in registers leaves out: the scores (and the product a
+    mask reads), their exp, the factors."""
+    return {b.name for s in flash_of for b in [p.buffer(n) for n in flash_values(p, flash_of) if p.place[n] is Place.SMEM]
+            + [p.groups[s]["scale"], p.groups[s]["p"]]}
+
+
+def flash_values(p: Plan, flash_of: dict[Node, Flash]) -> set[Node]:
+    """The body values that online softmax in registers computes there: its scores, and a masked product."""
+    return set(flash_of) | {scores_product(s, p) for s in flash_of}
 
 
 def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Tiling], int]:

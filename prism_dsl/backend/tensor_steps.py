@@ -6,7 +6,8 @@ its own shape in templates/steps.j2 and its own layout decision in `launch`:
 - "mma": a product into a shared buffer on wmma tiles, one warp per output tile (`launch.mma_shape`);
 - "warp_mma": a loop's `acc_sum(a @ b)` with the accumulators in registers for the whole loop
   (`warp_mma.Tiling`), written to its state after the loop ("warp_mma_store");
-- "flash": online softmax over scores s = q @ kt, the scores, their exp and every state in registers
+- "flash": online softmax over scores s = q @ kt (or causal(q @ kt), masked there), the scores, their
+  exp and every state in registers
   and `p @ v` fed to the next mma from registers (`warp_mma.Flash`, FlashAttention-2's dataflow), the
   states written after the loop ("flash_store").
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 from ..ir.accumulators import ACCUMULATORS, RUNNING_MAX
 from ..ir.nodes import Node
 from .ctext import CTYPE, comment, ident
-from .launch import mma_shape, stored_operand, uses_tensor_cores
+from .launch import mma_shape, scores_product, stored_operand, uses_tensor_cores
 
 
 class TensorCoreSteps:
@@ -38,6 +39,12 @@ class TensorCoreSteps:
         return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
                 "a": self.cname[ba.name], "c": dst, "ab": CTYPE[ba.dtype], "lda": k + self.pad[ba.name],
                 **self._right(b), "accumulate": accumulate}
+
+    def causal_fragment(self, s: Node) -> dict:
+        """Where the scores' rows and columns sit in the whole tensors (C terms added to a fragment
+        element's row and column in the tile) and the diagonal's offset, for masking in registers."""
+        (row, rows), (col, cols) = self.place(s, -2), self.place(s, -1)
+        return {"row": row, "col": col, "offset": cols - rows, "n": self.shape(s)[-1]}
 
     def _right(self, b: Node) -> dict:
         """A product's right operand: its shared buffer, that buffer's row stride, and whether it holds
@@ -58,7 +65,8 @@ class TensorCoreSteps:
     def flash(self, s: Node) -> dict:
         """Online softmax over s = q @ kt with s, p and the states in registers (`warp_mma.Flash`), for every
         accumulator that folds s; the same step as "flash_store" writes the states after the loop."""
-        f, (q, kt), users = self.layout.flash[s], s.args, self.plan.users[s]
+        m = scores_product(s, self.plan)
+        f, (q, kt), users = self.layout.flash[s], m.args, self.plan.users[s]
         reg = "f_" + ident(self.plan.buffer(s).name)
 
         def tile(n: Node) -> tuple[str, int]:
@@ -72,6 +80,6 @@ class TensorCoreSteps:
                        + ", ".join(self.names.get(u, u.op) for u in users))
         right = self._right(kt)
         return {"kind": "flash", "comment": text, "f": f, "r": reg, "q": tile(q), "k": (right["b"], right["ldb"]),
-                "kt": right["bt"],
+                "kt": right["bt"], "causal": self.causal_fragment(s) if s is not m else None,
                 "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
                 "m": self.cname[self.plan.groups[s]["m"].name]}

@@ -25,7 +25,9 @@ class Kind(Enum):
     ROWWISE = "rowwise"  # a function of the whole last dim (rms_norm, softmax, rope); operands after the
     # first broadcast against it (an epsilon, rope's tables)
     TRANSPOSE = "transpose"  # layout: two dims swapped; attr = (dim, dim), non-negative
-    MASK = "mask"  # shape preserving, the value at an element depends on its position (causal)
+    MASK = "mask"  # the value at an element depends on its position (causal); operands after the first
+    # (causal_at's positions) broadcast against it
+    POSITION = "position"  # where each element sits along one dim, counted from its end; attr = the dim (< 0)
     ACCUMULATE = "accumulate"  # a loop accumulator of a custom kernel (see `accumulators`)
     SPLIT = "split"  # layout: a dim's equal pieces laid along a block dim; attr = (dim, block dim, count)
     CONCAT = "concat"  # layout: the pieces along a block dim put back side by side; attr = (dim, block dim)
@@ -104,6 +106,12 @@ OPS: dict[str, OpSpec] = _table(
     # says what each one means).
     *(OpSpec(a.name, Kind.ACCUMULATE, a.operands, where="block", doc=a.doc) for a in ACCUMULATORS.values()),
     # Layout operators: how the tiles of a custom kernel relate to whole tensors (see `layout`).
+    OpSpec("from_end", Kind.POSITION, 1, params=("dim",), where="rules",
+           doc="from_end(x, d): each index along dim d of x counted from the end of that dim (size - 1 - i), "
+               "in a tensor of rank -d whose other dims have size 1"),
+    OpSpec("causal_at", Kind.MASK, 3, where="rules",
+           doc="causal_at(s, r, c): s with -inf where c < r; r and c hold the rows' and columns' places counted "
+               "from the end of the whole tensors (a kernel's mask of tiles placed in whole tensors)"),
     OpSpec("split", Kind.SPLIT, 1, params=("dim", "block dim", "count"), where="rules"),
     OpSpec("concat", Kind.CONCAT, 1, params=("dim", "block dim"), where="rules"),
     OpSpec("tile", Kind.TILE, 0, where="internal"),

@@ -123,7 +123,17 @@ def _transpose(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
 def _mask(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
     if args[0].rank < 2:
         raise ShapeError(f"needs a tensor of rank 2 or more (rows and columns), got {fmt_shape(args[0].shape)}")
-    return args[0].dtype, args[0].shape
+    shape = args[0].shape
+    for a in args[1:]:  # causal_at's places
+        shape = broadcast(shape, a.shape)
+    return args[0].dtype, shape
+
+
+def _position(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
+    (x,), (dim,) = args, params
+    if not -x.rank <= dim < 0:
+        raise ShapeError(f"dim {dim} is not a dim of a rank-{x.rank} tensor counted from the end")
+    return None, (x.shape[dim],) + (sympy.Integer(1),) * (-dim - 1)
 
 
 def _accumulate(args: Sequence[Node], params) -> tuple[DType | None, Shape]:
@@ -172,6 +182,7 @@ RULES: dict[Kind, Callable] = {
     Kind.ROWWISE: _rowwise,
     Kind.TRANSPOSE: _transpose,
     Kind.MASK: _mask,
+    Kind.POSITION: _position,
 }
 
 
@@ -203,6 +214,8 @@ def build(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> Node:
         attr = tuple(normalize_dim(p, args[0].rank) for p in params)
     elif OPS[op].kind in (Kind.SPLIT, Kind.CONCAT):
         attr = tuple(params)
+    elif OPS[op].kind is Kind.POSITION:
+        attr = params[0]
     return Node(op, tuple(args), attr, dtype, shape)
 
 
@@ -213,10 +226,12 @@ def dim_params(n: Node) -> list[int]:
         return [n.attr - n.rank]
     if kind is Kind.TRANSPOSE:
         return [d - n.rank for d in n.attr]
+    if kind is Kind.POSITION:
+        return [n.attr]
     return []
 
 
 def rebuild(n: Node, args: Sequence[Node]) -> Node:
     """`n`'s op (and a reduction's dim) over other operands."""
     kind = OPS[n.op].kind
-    return build(n.op, args, [n.attr] if kind is Kind.REDUCE else list(n.attr) if kind is Kind.TRANSPOSE else [])
+    return build(n.op, args, [n.attr] if kind in (Kind.REDUCE, Kind.POSITION) else list(n.attr) if kind is Kind.TRANSPOSE else [])

@@ -128,7 +128,7 @@ def plan(kernel: Kernel) -> Plan:
             inline = all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "per_element") for u in users[n])
             place[n] = Place.INLINE if inline else Place.SMEM
             if not inline:
-                add(f"v{i}", n.shape, _operand_dtype(kernel, n, users[n], stored) or real, n, "value")
+                add(f"v{i}", n.shape, _operand_dtype(kernel, n, users[n], stored, users) or real, n, "value")
         elif kind is Kind.MATMUL and len(users[n]) == 1 and _accumulator(users[n][0], "adds_products") and n not in stored:
             place[n] = Place.FUSED
         elif kind is Kind.ACCUMULATE:
@@ -136,27 +136,51 @@ def plan(kernel: Kernel) -> Plan:
             state[n] = _state_buffers(n, i, add, real, groups, softmax_scores)
         else:  # matmul, reductions, row-wise ops
             place[n] = Place.SMEM
-            add(f"v{i}", n.shape, real, n, "value")
+            dtype = _operand_dtype(kernel, n, users[n], stored, users) if n.op == "rope" else None
+            add(f"v{i}", n.shape, dtype or real, n, "value")
     return Plan(place, tuple(buffers), state, groups, users)
 
 
-def _operand_dtype(kernel: Kernel, n: Node, users: list[Node], stored: set[Node]) -> DType | None:
-    """The 16-bit type an element-wise value is kept in when only matrix products read it, as their left
-    operand (the one tensor cores take from any 16-bit buffer), and both it and their right operands
-    come from tiles stored in that type (RMSNorm's gain times x, before the projection): the products
-    then run on tensor cores, with one rounding of the value, as a framework computing in f16 rounds
-    it. None: the value is kept in the arithmetic type."""
+def _operand_dtype(kernel: Kernel, n: Node, users: list[Node], stored: set[Node], readers) -> DType | None:
+    """The 16-bit type an element-wise value (or RoPE's) is kept in when only matrix products read it: as
+    their left operand, or transposed (its last two dims) as their right one; and it and the products'
+    other operands come from tiles stored in that type (RMSNorm's gain times x before the projection;
+    RoPE applied to Q and K before Q @ K^T): the products then run on tensor cores, with one rounding of
+    the value, as a framework computing in f16 rounds it. `readers`: every body node's users. None: the
+    value is kept in the arithmetic type."""
     def tile_dtype(t: Node) -> DType | None:
         t = t.args[0] if t.op == "transpose" else t
         return storage(kernel.inputs[kernel.load(t.attr).source]) if t.op == "tile" else None
-    if n in stored or len(n.shape) < 2 or not users or any(u.op != "matmul" or u.args[0] is not n for u in users):
+
+    def swapped(u: Node) -> bool:  # a transpose of the last two dims
+        return u.op == "transpose" and set(u.attr) == {len(u.shape) - 2, len(u.shape) - 1}
+    if n in stored or len(n.shape) < 2 or not users:
         return None
+    products = []  # (product, the other operand)
+    for u in users:
+        if u.op == "matmul" and u.args[0] is n:
+            products.append((u, u.args[1]))
+        elif swapped(u) and u not in stored and readers[u] and all(p.op == "matmul" and p.args[1] is u and p.args[0] is not u
+                                                                   for p in readers[u]):
+            products += [(p, p.args[0]) for p in readers[u]]
+        else:
+            return None
     under = [m for m in n.walk() if m.op != "const"]
-    if any(m.op != "tile" and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) for m in under):
+    if any(m.op != "tile" and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) and m.op != "rope" for m in under):
         return None
     kinds = {tile_dtype(m) for m in under if m.op == "tile"}
-    kinds |= {tile_dtype(u.args[1]) for u in users}
+    kinds |= {tile_dtype(other) or _made_from(kernel, other, tile_dtype) for _, other in products}
     return kinds.pop() if len(kinds) == 1 and kinds <= {DType.F16, DType.BF16} else None
+
+
+def _made_from(kernel: Kernel, n: Node, tile_dtype) -> DType | None:
+    """The storage type of the tiles a product's other operand is made from by element-wise ops, RoPE and
+    transposes (what it is kept in when it is kept in 16 bits too); None if they differ or other ops do."""
+    under = [m for m in n.walk() if m.op != "const"]
+    if any(m.op not in ("tile", "rope", "transpose") and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) for m in under):
+        return None
+    kinds = {tile_dtype(m) for m in under if m.op == "tile"}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _accumulator(n: Node, flag: str) -> bool:

@@ -8,6 +8,11 @@ dims) to a tile's dim, whose place is its load's map: the block's slice along a 
 iteration's step where the loop splits it. The block interpreter (`semantics.blocks`) and the code
 generator compute the same offsets from what `origin` returns. A dim that comes from no tile (a reduced
 one, or a value built from constants) sits at 0, with its own size as the whole.
+
+A loop folding only online softmax over `causal(s)`, whose columns the loop walks, ends early in each
+block (`CausalLoop`): the key tiles past the block's last row are masked whole, and adding nothing to the
+running max and sums, they are never loaded. The code generator, the block interpreter and the cost model
+stop at the same iteration.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ class Origin:
 
     def map(self, rank: int) -> DimMap:
         return self.load.map.dims[rank + self.dim]
+
+    @property
+    def dm(self) -> DimMap:
+        return self.load.map.dims[self.dim]
 
 
 def origin(kernel: Kernel, node: Node, dim: int) -> Origin | None:
@@ -72,3 +81,68 @@ def start(dm: DimMap, full: int, grid: Mapping[str, int], loop: int, block: Mapp
     """Where a tile dim of map `dm` over a dim of size `full` starts, in block `block` at iteration `i`."""
     piece = full // grid[dm.axis] if dm.axis else full
     return (block[dm.axis] * piece if dm.axis else 0) + (i * (piece // loop) if dm.loop else 0)
+
+
+@dataclass(frozen=True)
+class CausalLoop:
+    """A loop that stops at the last key tile a causal mask leaves something of: every accumulator is online
+    softmax (or its running max) over `mask`, whose columns come from a tile the loop walks (split by no
+    grid axis), and whose rows the loop does not walk. Iteration `it` covers columns from `it * step`;
+    block b's rows end at `row0(b) + rows - 1`, and a column is kept up to its row + `offset`."""
+
+    mask: Node
+    rows: Origin | None  # where the rows come from (None: a value's own rows, from 0)
+    cols: Origin
+
+
+def causal_loop(kernel: Kernel) -> CausalLoop | None:
+    accs = [n for n in kernel.body() if OPS[n.op].kind is Kind.ACCUMULATE]
+    masks = {a.args[0] for a in accs}
+    if len(masks) != 1 or not all(ACCUMULATORS[a.op].online for a in accs):
+        return None
+    (mask,) = masks
+    if mask.op != "causal":
+        return None
+    rows, cols = origin(kernel, mask, -2), origin(kernel, mask, -1)
+    if cols is None or not cols.dm.loop or cols.dm.axis or (rows is not None and rows.dm.loop):
+        return None
+    return CausalLoop(mask, rows, cols)
+
+
+def whole(shape_of, kernel: Kernel, o: Origin) -> int:
+    """The size of the whole tensor's dim that origin `o` places (`shape_of`: a node's concrete shape)."""
+    src = shape_of(kernel.inputs[o.load.source])
+    return src[o.dim] if -o.dim <= len(src) else 1
+
+
+def loop_bounds(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int, cl: CausalLoop) -> tuple[int, int, int]:
+    """(last, step, piece) of a causal loop: block b may stop after the iteration that holds column
+    `row0(b) + last` (row0(b) = b * piece along the rows' grid axis, 0 without one); each iteration
+    covers `step` columns."""
+    rows = shape_of(cl.mask)[-2]
+    full_c = whole(shape_of, kernel, cl.cols)
+    full_r = whole(shape_of, kernel, cl.rows) if cl.rows else rows
+    piece = full_r // grid[cl.rows.dm.axis] if cl.rows and cl.rows.dm.axis else 0
+    return rows - 1 + full_c - full_r, full_c // loop, piece
+
+
+def loop_end(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int, cl: CausalLoop | None,
+             block: Mapping[str, int]) -> int:
+    """How many iterations block `block` runs: all of them without a causal loop, else up to the one
+    holding the block's last kept column (at least the first: a block whose every row is masked whole
+    still gives its rows' states their values)."""
+    if cl is None:
+        return loop
+    last, step, piece = loop_bounds(shape_of, kernel, grid, loop, cl)
+    last += block[cl.rows.dm.axis] * piece if piece else 0
+    return 1 if last < 0 else min(loop, last // step + 1)
+
+
+def mean_iterations(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int) -> float:
+    """The iterations a block runs, on average over the grid (the loop range without a causal loop)."""
+    cl = causal_loop(kernel)
+    if cl is None:
+        return float(loop)
+    axis = cl.rows.dm.axis if cl.rows else None
+    ends = [loop_end(shape_of, kernel, grid, loop, cl, {axis: b} if axis else {}) for b in range(grid[axis] if axis else 1)]
+    return sum(ends) / len(ends)

@@ -180,9 +180,9 @@ def shape_rules() -> str:
     out += _layout_rules()
     for name, spec in OPS.items():
         c = constructor(name)
-        if spec.kind in (Kind.UNARY, Kind.MASK) or (spec.kind is Kind.ROWWISE and spec.operands == 1):
+        if spec.kind is Kind.UNARY or (spec.kind in (Kind.ROWWISE, Kind.MASK) and spec.operands == 1):
             out.append(_rule(f"(= e ({c} a)) (= s (size a i))", "(set (size e i) s)"))
-        elif spec.kind is Kind.ROWWISE:  # the operands after the first broadcast against it
+        elif spec.kind in (Kind.ROWWISE, Kind.MASK):  # the operands after the first broadcast against it
             names = "abcdefgh"[: spec.operands]
             out += _broadcast(f"e ({c} {' '.join(names)})", names, "i")
         elif spec.kind is Kind.TRANSPOSE:
@@ -191,6 +191,9 @@ def shape_rules() -> str:
             out.append(_rule(f"(= e ({c} a j k)) (= s (size a k))", "(set (size e j) s)"))
         elif spec.kind is Kind.BINARY:
             out += _broadcast(f"e ({c} a b)", "ab", "i")
+        elif spec.kind is Kind.POSITION:  # the dim's size; 1 in every other dim
+            out.append(_rule(f"(= e ({c} a k)) (= s (size a k))", "(set (size e k) s)"))
+            out.append(_rule(f"(= e ({c} a k)) (= s (size a i)) (!= i k)", "(set (size e i) (DNum 1))"))
         elif spec.kind is Kind.REDUCE:
             out.append(_rule(f"(= e ({c} a k)) (= s (size a i)) (!= i k)", "(set (size e i) s)"))
             out.append(_rule(f"(= e ({c} a k))", "(set (size e k) (DNum 1))"))

@@ -9,6 +9,9 @@ every block there (replicated: broadcasting does the rest). Then:
   lays them along x; the grid axis splits first, the loop (`split(.., d, -9, F)`) within that;
 - body ops are the same ops on families (element-wise ops and matmul broadcast over the block dims;
   reductions keep their dim counted from the end);
+- a mask places its tiles: `causal(s)` in a body is `causal_at(s, r, c)`, where r and c are the places
+  of s's rows and columns counted from the end of the whole tensors (`from_end`), loaded (split) like the
+  tile each dim comes from (`kernels.position`), as the block interpreter and the code generator place them;
 - an accumulator is its `acc_*` operator, which folds the loop dim -9 (its meaning is an axiom);
 - a store is `concat` along each mapped axis (the pieces side by side again) and a `sum` over the block
   dim of each axis that writes no dim (the blocks' results added), innermost axis first.
@@ -25,6 +28,7 @@ import sympy
 
 from ..ir.nodes import Node, Program
 from ..kernels.kernel import AXES, ONE, Kernel
+from ..kernels.position import origin
 from ..ir.ops import BLOCK_DIMS, LOOP_DIM
 from ..ir.shapes import build, dim_params, same
 
@@ -55,6 +59,10 @@ def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
         if n.op == "const":
             fam[n] = n
             continue
+        if n.op == "causal":
+            s = fam[n.args[0]]
+            fam[n] = build("causal_at", [s, _places(kernel, operands, n, -2, s), _places(kernel, operands, n, -1, s)])
+            continue
         fam[n] = _from_end(n, [fam[a] for a in n.args])
     outs = []
     for store in kernel.stores:
@@ -67,6 +75,26 @@ def kernel_terms(kernel: Kernel, operands: list[Node]) -> list[Node]:
             v = build("concat", [v], [d, BLOCK_DIMS[axis]]) if d is not None else build("sum", [v], [BLOCK_DIMS[axis]])
         outs.append(v)
     return outs
+
+
+def _places(kernel: Kernel, operands: list[Node], n: Node, dim: int, family: Node) -> Node:
+    """The places of body value `n`'s elements along `dim` in the whole tensor, counted from its end, as a
+    family: the tile dim it comes from, split by the grid axis and the loop as its load splits it (a dim
+    that comes from no tile is whole: its own size)."""
+    o = origin(kernel, n, dim)
+    if o is None:
+        return build("from_end", [family], [dim])
+    whole = operands[o.load.source]
+    if o.dim != dim:  # the tile's dim lies along another dim of n (a transposed operand)
+        whole = build("transpose", [whole], [o.dim, dim])
+    t = build("from_end", [whole], [dim])
+    dm = o.map(whole.rank)
+    g = dict(kernel.grid).get(dm.axis) if dm.axis else None
+    if g is not None and not same(g, ONE):
+        t = build("split", [t], [dim, BLOCK_DIMS[dm.axis], g])
+    if dm.loop and not same(kernel.loop_range, ONE):
+        t = build("split", [t], [dim, LOOP_DIM, kernel.loop_range])
+    return t
 
 
 def to_terms(program: Program) -> Program:

@@ -79,9 +79,12 @@ def _apply(fn: Callable, kind: Kind, args: list[np.ndarray], params: list[int]) 
         return np.matmul(a, b)
     if kind is Kind.BINARY:
         np.broadcast_shapes(args[0].shape, args[1].shape)
-    if kind is Kind.REDUCE:
+    if kind in (Kind.REDUCE, Kind.POSITION):
         (x,), (dim,) = args, params
         return fn(_pad(x, -dim), dim)
+    if kind is Kind.MASK:
+        np.broadcast_shapes(*(a.shape for a in args))
+        args = [_pad(args[0], 2), *args[1:]]
     if kind is Kind.ROWWISE:
         np.broadcast_shapes(*(a.shape for a in args))
         args = [_pad(args[0], 1), *args[1:]]

@@ -117,7 +117,8 @@ class InputGraph:
                 term = make(c)
             except (PrismError, ShapeError):
                 continue
-            nodes = {m for m in term.walk() if m.op != "const"}
+            nodes = {m for m in term.walk() if m.op != "const"}  # a computed leaf's own ops count too: loop values
+            # over a pre-defined kernel's result stay small
             if nodes & set(leaves.values()) and len(nodes - set(leaves.values())) <= max_ops:
                 out[c] = term
         return out

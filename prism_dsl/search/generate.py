@@ -6,7 +6,7 @@ is a custom kernel or a pre-defined kernel for one of the input program's own op
 complete when every output of the input program is computed and every step's result is read. A custom
 kernel loads some of the tensors computed so far (tiles at their whole sizes) and is one of:
 - a loop kernel: a set of loop accumulators, each over loop values of its tiles. The loop values (at
-  most MAX_LOOP_OPS ops) and the work after the loop are not enumerated op by op: they are extracted
+  most `loop_ops` ops) and the work after the loop are not enumerated op by op: they are extracted
   from the input program's saturated e-graph (`InputGraph.extract`), the cheapest terms over the tiles
   and over the accumulators. What is enumerated is the accumulators (op and operand e-classes), in one
   canonical order (combinations, so no permutation is generated twice);
@@ -34,7 +34,9 @@ from ..semantics.reference import evaluate_nodes, random_inputs
 from .abstract import InputGraph
 from .config import Rejection, SearchConfig, Stats, Stop
 
-MAX_LOOP_OPS = 3  # ops in the loop value an accumulator folds (extracted from the e-graph)
+# Ops in the loop value an accumulator folds (extracted from the e-graph): at least this many, more where
+# the input program writes a longer one (`loop_ops`: attention's scores with RoPE on both operands).
+MAX_LOOP_OPS = 3
 NUMERIC_CAP = 16  # dims are capped at this size for the numeric checks of the search
 
 
@@ -73,7 +75,7 @@ class Atom:
     operands: tuple[str, ...]
     node: Node
     eclass: object
-    ops: int  # block ops it takes (the accumulator and its loop values)
+    nodes: frozenset  # the block ops it takes (the accumulator and its loop values, which others may share)
 
 
 class Generator:
@@ -103,6 +105,7 @@ class Generator:
         self.samples: dict = {}
         self.dependent: dict = {}
         self.stored: dict = {}  # (prefix, tiles, intermediate e-class) -> the accumulator sets storing it
+        self.loop_ops = loop_ops(program)
 
     def eclass(self, abstract: Node) -> str | None:
         return self.graph.lookup(abstract, self.memo)
@@ -205,7 +208,7 @@ class Generator:
         if len(chosen) == k:
             yield chosen
             return
-        ops = sum(a.ops for a in chosen)
+        taken = frozenset().union(*(a.nodes for a in chosen))
         for i in range(start, len(pool) - (k - len(chosen)) + 1):
             if self.should_stop():
                 raise Stop
@@ -213,7 +216,7 @@ class Generator:
             atom = pool[i]
             if any(a.eclass == atom.eclass or self._dependent(a, atom) for a in chosen):
                 self.stats.prune(Rejection.DUPLICATE)
-            elif ops + atom.ops > self.config.max_block_ops:
+            elif len(taken | atom.nodes) > self.config.max_block_ops:
                 self.stats.prune(Rejection.LIMITS)
             else:
                 yield from self._combinations(pool, k, chosen + (atom,), i + 1)
@@ -241,8 +244,8 @@ class Generator:
         key = tuple(sorted((c, t) for c, (t, _) in leaves.items()))
         if key in self.atom_cache:
             return self.atom_cache[key]
-        block_terms = self.graph.terms_from({c: t for c, (t, _) in leaves.items()}, MAX_LOOP_OPS)
-        abstract_terms = self.graph.terms_from({c: v for c, (_, v) in leaves.items()}, MAX_LOOP_OPS)
+        block_terms = self.graph.terms_from({c: t for c, (t, _) in leaves.items()}, self.loop_ops)
+        abstract_terms = self.graph.terms_from({c: v for c, (_, v) in leaves.items()}, self.loop_ops)
         operands = [(c, t, abstract_terms[c]) for c, t in block_terms.items() if c in abstract_terms]
         atoms = []
         for op, acc in ACCUMULATORS.items():  # those only a split's combining kernel uses are not generated
@@ -265,10 +268,10 @@ class Generator:
                 if self.stable and _unstable(node):
                     self.stats.prune(Rejection.UNSTABLE_EXP)
                     continue
-                ops = len({m for m in node.walk() if m.op not in ("tile", "const")})
+                nodes = frozenset(m for m in node.walk() if m.op not in ("tile", "const"))
                 if acc.linear and eclass not in self.samples:
                     self.samples[eclass] = evaluate_nodes([abstract], self.env)[abstract]
-                atoms.append(Atom(op, tuple(c for c, _, _ in args), node, eclass, ops))
+                atoms.append(Atom(op, tuple(c for c, _, _ in args), node, eclass, nodes))
         self.atom_cache[key] = atoms
         return atoms
 
@@ -383,6 +386,25 @@ class Generator:
             return  # the kernel with fewer inputs covers it
         sketch = Sketch(tuple(chosen), tuple(tiles), tuple(outs), False)
         yield from self._step(steps, values, classes, depth, sketch, goals)
+
+
+# What a loop value may be made of: ops on the elements of its tiles (RoPE's partner half is in the row).
+_LOOP_KINDS = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE, Kind.MATMUL)
+
+
+def loop_ops(program: Program) -> int:
+    """The ops a loop value may have: MAX_LOOP_OPS, or the most that one of the input program's values
+    made from its inputs by loop-value ops alone has (so the search can fuse what the user wrote)."""
+    size: dict[Node, int | None] = {}
+    for n in program.nodes():
+        if n.op in ("input", "const"):
+            size[n] = 0
+        elif OPS[n.op].kind in _LOOP_KINDS or n.op == "rope":
+            parts = [size[a] for a in n.args]
+            size[n] = None if None in parts else 1 + sum(parts)
+        else:
+            size[n] = None
+    return max([MAX_LOOP_OPS] + [v for v in size.values() if v is not None])
 
 
 def small_binding(program: Program) -> dict[sympy.Symbol, int]:

@@ -64,6 +64,10 @@ def index_classes(sketch: Sketch) -> tuple[IndexClasses, list]:
             for i in range(-3, -n.rank - 1, -1):
                 tie(dim(n, i), dim(a, i))
                 tie(dim(n, i), dim(b, i))
+        elif kind is Kind.TRANSPOSE:  # each dim with the operand's dim it came from
+            i, j = (d - n.rank for d in n.attr)
+            for d in range(-1, -n.rank - 1, -1):
+                tie(dim(n, d), dim(n.args[0], j if d == i else i if d == j else d))
         else:  # each dim with the operands' (broadcast), but a reduction's dim and a row accumulator's last
             folded = n.attr - n.rank if kind is Kind.REDUCE else -1 if kind is Kind.ACCUMULATE else None
             for a in n.args:

@@ -75,6 +75,19 @@ def _causal(x):
     return np.where(above, -np.inf, x)
 
 
+def _from_end(x, dim: int):
+    """Each index along `dim` counted from the end, in a tensor of rank -dim whose other dims have size 1."""
+    x, (i,) = _padded(np.asarray(x), dim)
+    n = x.shape[i]
+    return np.arange(n - 1, -1, -1, dtype=np.float64).reshape((n,) + (1,) * (-dim - 1))
+
+
+def _causal_at(x, rows, cols):
+    """-inf where a column's place from the end is below its row's: `_causal` for tiles placed in whole tensors."""
+    x = np.asarray(x)
+    return np.where(np.asarray(cols) < np.asarray(rows), -np.inf, x)
+
+
 def _layer_norm(x, eps):
     centred = x - np.mean(x, axis=-1, keepdims=True)
     return centred / np.sqrt(np.mean(np.square(centred), axis=-1, keepdims=True) + eps)
@@ -112,6 +125,8 @@ NUMPY = {
     "rope": lambda x, c, s: x * c + rotate_half(x) * s,
     "transpose": _swap,
     "causal": _causal,
+    "causal_at": _causal_at,
+    "from_end": _from_end,
     "split": _split,
     "concat": _concat,
 }
