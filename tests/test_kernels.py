@@ -705,3 +705,23 @@ def test_an_element_wise_product_operand_is_kept_in_16_bits_for_tensor_cores(wri
     name = f"s_{staged[0].name}"
     assert f"{name}[i0 * 136 + i1] = prism::from_f<half>(" in source
     assert f"prism::ldmatrix<4>(fa[i], {name} + " in source
+
+
+def test_causal_attention_runs_rope_the_mask_and_online_softmax_on_tensor_cores():
+    """The fused causal kernel: RoPE'd Q (scaled) and K kept in padded f16 buffers computed from the tiles
+    (Q's once, before the loop), the mask applied to the scores in registers where a tile crosses the
+    diagonal, and the loop bounded per block."""
+    from prism_dsl.backend.codegen import render_kernel
+    from prism_dsl.kernels.fusion import plan
+
+    k = kernels_of(load(REPO / "programs" / "fused" / "causal_attention.prism").program())[0]
+    p = plan(k)
+    ropes = [n for n in k.body() if n.op == "rope"]
+    scaled = next(n for n in k.body() if n.op == "div")
+    assert p.buffer(scaled).dtype is DType.F16 and p.buffer(ropes[1]).dtype is DType.F16  # the products' operands
+    c = instantiate(k, binding(b=1, h=2, q=128, kv=128, dh=64, gq=2, gh=2, F=4), H100)
+    src = render_kernel(c, load(REPO / "programs" / "fused" / "causal_attention.prism").program()).source
+    loop = src.index("for (int it = 0; it < loop_end; ++it)")
+    assert "const int loop_end = prism::causal_end((int)blockIdx.x * 64 + 63, 32, 4);" in src
+    assert src.index("// (rope(qt, cqt, sqt) / 11.313708498984761)") < loop < src.index("// rope(kt, ckt, skt)")
+    assert "s and p in registers" in src and "sc[i][j][e] = -INFINITY;" in src
