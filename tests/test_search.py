@@ -25,6 +25,7 @@ from prism_dsl.semantics.reference import bind_dims, random_inputs
 from prism_dsl.prove.rules import load_library
 from prism_dsl.search.config import Rejection, SearchConfig
 from prism_dsl.search.driver import search
+from prism_dsl.search.generate import loop_ops
 from prism_dsl.pipeline.optimize import MEASURED, Measurement, _to_measure, optimize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,6 +166,13 @@ def test_causal_attention_reaches_one_kernel_with_rope_and_the_mask_inside(libra
     written = next(r for r in out.ranked if r.as_written)
     assert out.best.estimated_us < written.estimated_us / 2
     assert causal_loop(kernels_of(out.best.program)[0]) is not None  # it stops early
+
+
+def test_loop_values_may_be_as_long_as_the_program_writes_them():
+    """Causal attention's scores (RoPE on both operands, a transpose, the scale, the product, the mask) are
+    one loop value of 6 ops; programs with shorter values keep the floor of 3."""
+    assert loop_ops(program("causal_attention")) == 6
+    assert loop_ops(program("attention")) == loop_ops(program("rmsnorm_linear")) == 3
 
 
 def test_a_single_row_still_gets_the_layer_norm_kernel(library, write):
