@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from prism_dsl.lang.printer import print_program
 from prism_dsl.semantics.blocks import evaluate
 from prism_dsl.semantics.reference import bind_dims, random_inputs
 from prism_dsl.prove.rules import load_library
+from prism_dsl.prove.soundness import check_library
 from prism_dsl.search.config import Rejection, SearchConfig
 from prism_dsl.search.driver import search
 from prism_dsl.search.generate import loop_ops
@@ -41,8 +44,19 @@ BINDINGS = {
 }
 
 
+@pytest.fixture(scope="module")
+def verdicts():
+    """The default library's soundness verdicts, checked once in the session's cache (tests/conftest.py)."""
+    check_library(load_library([], defaults=True))
+    return Path(os.environ["PRISM_CACHE_DIR"]) / "sound"
+
+
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
+def cache_dir(tmp_path, monkeypatch, verdicts):
+    """A fresh cache per test (no checkpoint or tuning record carries over), holding only the default
+    rules' soundness verdicts, as a second run of prismc would (their checking is tested in
+    test_trust_soundness.py; here it would cost every command seconds)."""
+    shutil.copytree(verdicts, tmp_path / "cache" / "sound")
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
 

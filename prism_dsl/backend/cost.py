@@ -131,9 +131,18 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
     p = plan(k)
     after = after_loop(k.body())
     flops = tc = 0
-    for n in k.body():  # values made once: after the loop, or before it from tiles it does not split
-        once = (n in after or (n not in varying and p.place[n] is Place.SMEM)) and OPS[n.op].kind is not Kind.ACCUMULATE
-        times = blocks * (1 if once else loop)
+    # Values made once: after the loop, or before it from tiles it does not split (and the values evaluated
+    # in place where only those read them); the rest every iteration.
+    once: set[Node] = set()
+    for n in reversed(k.body()):
+        if OPS[n.op].kind is Kind.ACCUMULATE:
+            continue
+        readers = p.users[n]
+        if n in after or (n not in varying and (p.place[n] is Place.SMEM
+                                                  or (readers and all(u in once for u in readers)))):
+            once.add(n)
+    for n in k.body():
+        times = blocks * (1 if n in once else loop)
         f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
         flops += f * times
         tc += t * times

@@ -124,11 +124,15 @@ def plan(kernel: Kernel) -> Plan:
             add(n.attr, n.shape, storage(kernel.inputs[kernel.load(n.attr).source]), n, "tile")  # as stored
         elif kind in (Kind.CONST, Kind.TRANSPOSE):  # a transpose is a view: its readers swap the two indices
             place[n] = Place.INLINE
-        elif kind in (Kind.UNARY, Kind.BINARY, Kind.MASK):
-            inline = all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "per_element") for u in users[n])
+        elif kind in (Kind.UNARY, Kind.BINARY, Kind.MASK) or n.op == "rope":  # RoPE: an element and its partner
+            # A product operand made from 16-bit tiles is kept in a 16-bit buffer for tensor cores (even when
+            # a transpose reads it); other values that only element-wise users read are evaluated in place.
+            staged = _operand_dtype(kernel, n, users[n], stored, users)
+            inline = staged is None and all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "per_element")
+                                            for u in users[n])
             place[n] = Place.INLINE if inline else Place.SMEM
             if not inline:
-                add(f"v{i}", n.shape, _operand_dtype(kernel, n, users[n], stored, users) or real, n, "value")
+                add(f"v{i}", n.shape, staged or real, n, "value")
         elif kind is Kind.MATMUL and len(users[n]) == 1 and _accumulator(users[n][0], "adds_products") and n not in stored:
             place[n] = Place.FUSED
         elif kind is Kind.ACCUMULATE:
@@ -136,8 +140,7 @@ def plan(kernel: Kernel) -> Plan:
             state[n] = _state_buffers(n, i, add, real, groups, softmax_scores)
         else:  # matmul, reductions, row-wise ops
             place[n] = Place.SMEM
-            dtype = _operand_dtype(kernel, n, users[n], stored, users) if n.op == "rope" else None
-            add(f"v{i}", n.shape, dtype or real, n, "value")
+            add(f"v{i}", n.shape, real, n, "value")
     return Plan(place, tuple(buffers), state, groups, users)
 
 
