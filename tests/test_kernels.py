@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import sympy
 
+from prism_dsl.base.errors import PrismError
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.prove.egglog_runner import Limits
@@ -725,3 +726,31 @@ def test_causal_attention_runs_rope_the_mask_and_online_softmax_on_tensor_cores(
     assert "const int loop_end = prism::causal_end((int)blockIdx.x * 64 + 63, 32, 4);" in src
     assert src.index("// (rope(qt, cqt, sqt) / 11.313708498984761)") < loop < src.index("// rope(kt, ckt, skt)")
     assert "s and p in registers" in src and "sc[i][j][e] = -INFINITY;" in src
+
+
+POST_LOOP_CAUSAL = """dims n = 8, m = 16
+program p(X: f32[n, m]) {
+    kernel k grid(x = gx) loop(F) {
+        xt = load X[x, loop]
+        store Y[x, :] = causal(acc_sum(xt))
+    }
+    return Y
+}
+"""
+
+
+def test_a_mask_after_the_loop_over_a_dim_the_loop_splits_is_refused_alike(write, tmp_path, capsys):
+    """After the loop, a dim the loop walks holds every iteration's piece folded together: the block
+    interpreter and the code generator both refuse to place a mask there (with one loop iteration the dim
+    is whole, and both place it)."""
+    program = load(write(POST_LOOP_CAUSAL)).program()
+    inputs = random_inputs(program, bind_dims(program, {}), seed=1)
+    with pytest.raises(PrismError, match="causal after the loop over a dim the loop splits has no place"):
+        evaluate(program, inputs, {"gx": 2, "F": 2})
+    plain = "dims n = 8, m = 16\nprogram p(X: f32[n, m]) {\n    Y = causal(X)\n    return Y\n}\n"
+    want = evaluate(load(write(plain, "plain.prism")).program(), inputs)["Y"]
+    np.testing.assert_allclose(evaluate(program, inputs, {"gx": 2, "F": 1})["Y"], want)
+    path = write(POST_LOOP_CAUSAL)
+    assert main(["compile", str(path), "-o", str(tmp_path / "o"), "--search", "none", "--loop", "F=2"]) == 1
+    err = capsys.readouterr()
+    assert "has no place" in err.out + err.err and "Traceback" not in err.out + err.err

@@ -31,7 +31,6 @@ from functools import cache
 
 import jinja2
 
-from ..base.errors import PrismError
 from ..base.resources import data_dir
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node, Program
@@ -39,7 +38,7 @@ from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
-from ..kernels.position import causal_loop, loop_bounds, origin
+from ..kernels.position import causal_loop, loop_bounds, placed
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, comment, decompose, ident, offset, tensor_name
@@ -149,15 +148,13 @@ class _Emitter(TensorCoreSteps):
 
     def place(self, node: Node, dim: int) -> tuple[str, int]:
         """(" + where the block's dim starts" in C, or "", the whole dim's size) for dim `dim` of `node`."""
-        o = origin(self.k, node, dim)
+        o = placed(self.k, node, dim, node in after_loop(self.k.body()) and self.c.loop > 1)
         if o is None:
             return "", self.shape(node)[dim]
         src = self.shape(self.k.inputs[o.load.source])
         full = src[o.dim] if -o.dim <= len(src) else 1
         dm = o.map(len(src))
         piece = full // dict(self.c.grid)[dm.axis] if dm.axis else full
-        if dm.loop and node in after_loop(self.k.body()):
-            raise PrismError(f"kernel '{self.k.name}': causal after the loop over a dim the loop splits has no place")
         parts = ([f"(int)blockIdx.{dm.axis} * {piece}"] if dm.axis else []) + ([f"it * {piece // self.c.loop}"] if dm.loop else [])
         return "".join(f" + {p}" for p in parts), full
 

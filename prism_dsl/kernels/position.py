@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..base.errors import PrismError
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node
 from ..ir.ops import OPS, Kind
@@ -67,6 +68,16 @@ def origin(kernel: Kernel, node: Node, dim: int) -> Origin | None:
         if operand is None:
             return None
         node = operand
+
+
+def placed(kernel: Kernel, node: Node, dim: int, after: bool) -> Origin | None:
+    """`origin`, for a value computed after the loop when `after`: there a dim the loop walks holds the
+    fold of every iteration's piece, which has no one place in the whole tensor, so it is refused."""
+    o = origin(kernel, node, dim)
+    if o is not None and after and o.dm.loop:
+        raise PrismError(f"kernel '{kernel.name}': {node.op} after the loop over a dim the loop splits has no place "
+                         "(its elements hold every iteration's piece folded together)")
+    return o
 
 
 def _unbroadcast(node: Node, dim: int) -> Node | None:
