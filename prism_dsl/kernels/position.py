@@ -98,8 +98,7 @@ def start(dm: DimMap, full: int, grid: Mapping[str, int], loop: int, block: Mapp
 class CausalLoop:
     """A loop that stops at the last key tile a causal mask leaves something of: every accumulator is online
     softmax (or its running max) over `mask`, whose columns come from a tile the loop walks (split by no
-    grid axis), and whose rows the loop does not walk. Iteration `it` covers columns from `it * step`;
-    block b's rows end at `row0(b) + rows - 1`, and a column is kept up to its row + `offset`."""
+    grid axis), and whose rows the loop does not walk. Where each block stops: `loop_bounds`."""
 
     mask: Node
     rows: Origin | None  # where the rows come from (None: a value's own rows, from 0)
@@ -107,6 +106,8 @@ class CausalLoop:
 
 
 def causal_loop(kernel: Kernel) -> CausalLoop | None:
+    """The kernel's loop as a causal loop, or None where it must run every iteration (another accumulator,
+    another mask, or a mask whose columns the loop does not walk)."""
     accs = [n for n in kernel.body() if OPS[n.op].kind is Kind.ACCUMULATE]
     masks = {a.args[0] for a in accs}
     if len(masks) != 1 or not all(ACCUMULATORS[a.op].online for a in accs):
