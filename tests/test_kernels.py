@@ -754,3 +754,22 @@ def test_a_mask_after_the_loop_over_a_dim_the_loop_splits_is_refused_alike(write
     assert main(["compile", str(path), "-o", str(tmp_path / "o"), "--search", "none", "--loop", "F=2"]) == 1
     err = capsys.readouterr()
     assert "has no place" in err.out + err.err and "Traceback" not in err.out + err.err
+
+
+def test_the_floor_counts_only_what_a_causal_mask_keeps():
+    """Both products of causal attention count at the kept share of the scores (row i keeps columns up to
+    i + kv - q), in the program as written and in its fused kernel alike; attention without a mask counts
+    them whole."""
+    from prism_dsl.backend.cost import kept_share, masked_share, roofline
+
+    assert kept_share(4, 4) == 10 / 16 and kept_share(2, 4) == 7 / 8 and kept_share(4, 2) == 3 / 8
+    plain = load(REPO / "programs" / "causal_attention.prism").program()
+    fused = load(REPO / "programs" / "fused" / "causal_attention.prism").program()
+    dims = dict(b=1, h=2, q=64, kv=96, dh=16)
+    share = masked_share(plain, bind_dims(plain, dims))
+    assert sorted(share.values()) == [kept_share(64, 96)] * 2
+    floor = roofline(plain, bind_dims(plain, dims), H100)
+    assert floor["flops"] == round(2 * 2 * 2 * 64 * 96 * 16 * kept_share(64, 96))
+    assert roofline(fused, bind_dims(fused, dims), H100)["flops"] == floor["flops"]
+    unmasked = load(REPO / "programs" / "attention.prism").program()
+    assert masked_share(unmasked, bind_dims(unmasked, {})) == {}

@@ -70,7 +70,7 @@ from ..kernels.fusion import Place, Plan, plan
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
 from ..kernels.hardware import Hardware
-from ..kernels.position import mean_iterations
+from ..kernels.position import causal_loop, mean_iterations, whole
 from ..kernels.kernel import after_loop, free_symbols, kernels_of, loop_varying, storage, stored_dtype
 from ..kernels.params import candidates, choose
 from ..kernels.sizes import bind
@@ -239,17 +239,27 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
 
 
 def roofline(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> dict:
-    """The program's floor on `hardware`: its inputs read once, its outputs written once, its math at peak."""
+    """The program's floor on `hardware`: its inputs read once, its outputs written once, its math at peak
+    (the products a causal mask makes of its kept elements only: `masked_share`)."""
     def size(n: Node) -> int:
         return math.prod(int(bind(s, binding)) for s in n.shape) * (n.dtype or DType.F32).bytes
 
     moved = sum(size(n) for n in program.inputs) + sum(size(n) for _, n in program.outputs)
     flops = 0
+    share = masked_share(program, binding)
     for n in program.nodes():
         if n.op == "matmul":
-            flops += 2 * math.prod(int(bind(s, binding)) for s in n.shape) * int(bind(n.args[0].shape[-1], binding))
+            work = 2 * math.prod(int(bind(s, binding)) for s in n.shape) * int(bind(n.args[0].shape[-1], binding))
+            flops += round(work * share.get(n, 1.0))
     for k in kernels_of(program):  # products inside custom kernels: per block and iteration, times both
         runs = sympy.Mul(*[g for _, g in k.grid]) * k.loop_range
+        cl = causal_loop(k)
+        if cl is not None:  # of a causal loop's products, only the kept elements' share is needed
+            def bound(n: Node) -> tuple[int, ...]:
+                return tuple(int(bind(d, binding)) for d in n.shape)
+            cols = whole(bound, k, cl.cols)
+            rows = whole(bound, k, cl.rows) if cl.rows else bound(cl.mask)[-2]
+            runs = runs * sympy.Rational(round(kept_share(rows, cols) * 2**20), 2**20)
         for n in k.body():
             if n.op == "matmul" or (n.op in ACCUMULATORS and ACCUMULATORS[n.op].like == "matmul"):
                 depth = n.args[0].shape[-1]  # the contraction: a's columns (s's for exp(s) @ v)
@@ -261,6 +271,40 @@ def roofline(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Ha
     t_math = flops / (hardware.peak_tflops[dtype] * 1e12) * 1e6
     return {"bytes": moved, "flops": flops, "floor_us": round(max(t_mem, t_math), 3),
             "bound": "memory" if t_mem >= t_math else "math"}
+
+
+def masked_share(program: Program, binding: Mapping[sympy.Symbol, int]) -> dict[Node, float]:
+    """The share of each product's work a causal mask keeps: the scores under the mask (through
+    element-wise ops), and the products whose left operand is made from the masked scores (softmax's
+    probabilities times V). The masked elements are -inf scores and zero probabilities, which a kernel
+    that skips the key tiles past the diagonal never computes."""
+    share: dict[Node, float] = {}
+    masks = {n: _kept(n, binding) for n in program.nodes() if n.op == "causal"}
+    for c, kept in masks.items():
+        todo = [c.args[0]]
+        while todo:  # the scores' products, under element-wise ops of the same rows and columns
+            n = todo.pop()
+            if n.op == "matmul":
+                share[n] = kept
+            elif OPS[n.op].kind in (Kind.UNARY, Kind.BINARY):
+                todo += [a for a in n.args if a.rank >= 2 and a.shape[-2:] == n.shape[-2:]]
+    for m in program.nodes():
+        if m.op == "matmul" and m not in share:
+            n = m.args[0]  # the probabilities: element-wise and row-wise ops down to a mask
+            while n not in masks and OPS[n.op].kind in (Kind.UNARY, Kind.BINARY, Kind.ROWWISE) and n.args:
+                n = n.args[0]
+            if n in masks:
+                share[m] = masks[n]
+    return share
+
+
+def _kept(c: Node, binding) -> float:
+    return kept_share(*(int(bind(d, binding)) for d in c.shape[-2:]))
+
+
+def kept_share(rows: int, cols: int) -> float:
+    """The share of a causal mask's elements it keeps: row i keeps the columns up to i + cols - rows."""
+    return sum(min(cols, max(0, i + cols - rows + 1)) for i in range(rows)) / (rows * cols)
 
 
 # -- parameter choice by the model ------------------------------------------------------------------------
