@@ -38,7 +38,7 @@ from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
-from ..kernels.position import causal_loop, loop_bounds, placed
+from ..kernels.position import causal_loop, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, comment, decompose, ident, offset, tensor_name
@@ -151,19 +151,17 @@ class _Emitter(TensorCoreSteps):
         o = placed(self.k, node, dim, node in after_loop(self.k.body()) and self.c.loop > 1)
         if o is None:
             return "", self.shape(node)[dim]
-        src = self.shape(self.k.inputs[o.load.source])
-        full = src[o.dim] if -o.dim <= len(src) else 1
-        dm = o.map(len(src))
+        full, dm = whole(self.shape, self.k, o), o.dm
         piece = full // dict(self.c.grid)[dm.axis] if dm.axis else full
         parts = ([f"(int)blockIdx.{dm.axis} * {piece}"] if dm.axis else []) + ([f"it * {piece // self.c.loop}"] if dm.loop else [])
         return "".join(f" + {p}" for p in parts), full
 
-    def loop_end(self) -> str:
-        """The loop's bound: its range, or, for a causal loop (`kernels.position`), the block's last
-        iteration that holds a column its rows keep, as a C expression."""
+    def loop_end(self) -> str | None:
+        """For a causal loop (`kernels.position`), the block's last iteration that holds a column its rows
+        keep, as a C expression; None where the loop runs its whole range."""
         cl = causal_loop(self.k)
         if cl is None:
-            return str(self.c.loop)
+            return None
         last, step, piece = loop_bounds(self.shape, self.k, dict(self.c.grid), self.c.loop, cl)
         row0 = f"(int)blockIdx.{cl.rows.dm.axis} * {piece} + " if piece else ""
         return f"prism::causal_end({row0}{last}, {step}, {self.c.loop})"

@@ -27,7 +27,7 @@ import sympy
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
-from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, plan
+from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_transpose, plan
 from ..kernels.kernel import loop_varying
 from ..kernels.sizes import call, compile_sizes, int_value
 from .warp_mma import Flash, Tiling, flash, tiling
@@ -70,7 +70,7 @@ def stored_operand(n: Node) -> tuple[Node, bool]:
     """What a product's right operand reads in shared memory: the node itself, or for a transpose of the
     last two dims the tile it views, read transposed (K as stored for Q @ K^T: `ldmatrix` without
     `.trans`, a column-major wmma fragment)."""
-    if n.op == "transpose" and len(n.shape) >= 2 and set(n.attr) == {len(n.shape) - 2, len(n.shape) - 1}:
+    if matrix_transpose(n):
         return n.args[0], True
     return n, False
 

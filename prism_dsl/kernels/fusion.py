@@ -151,38 +151,34 @@ def _operand_dtype(kernel: Kernel, n: Node, users: list[Node], stored: set[Node]
     RoPE applied to Q and K before Q @ K^T): the products then run on tensor cores, with one rounding of
     the value, as a framework computing in f16 rounds it. `readers`: every body node's users. None: the
     value is kept in the arithmetic type."""
-    def tile_dtype(t: Node) -> DType | None:
-        t = t.args[0] if t.op == "transpose" else t
-        return storage(kernel.inputs[kernel.load(t.attr).source]) if t.op == "tile" else None
-
-    def swapped(u: Node) -> bool:  # a transpose of the last two dims
-        return u.op == "transpose" and set(u.attr) == {len(u.shape) - 2, len(u.shape) - 1}
     if n in stored or len(n.shape) < 2 or not users:
         return None
     products = []  # (product, the other operand)
     for u in users:
         if u.op == "matmul" and u.args[0] is n:
             products.append((u, u.args[1]))
-        elif swapped(u) and u not in stored and readers[u] and all(p.op == "matmul" and p.args[1] is u and p.args[0] is not u
+        elif matrix_transpose(u) and u not in stored and readers[u] and all(p.op == "matmul" and p.args[1] is u and p.args[0] is not u
                                                                    for p in readers[u]):
             products += [(p, p.args[0]) for p in readers[u]]
         else:
             return None
-    under = [m for m in n.walk() if m.op != "const"]
-    if any(m.op != "tile" and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) and m.op != "rope" for m in under):
-        return None
-    kinds = {tile_dtype(m) for m in under if m.op == "tile"}
-    kinds |= {tile_dtype(other) or _made_from(kernel, other, tile_dtype) for _, other in products}
+    kinds = {_made_from(kernel, n, ("rope",))}
+    kinds |= {_made_from(kernel, other, ("rope", "transpose")) for _, other in products}
     return kinds.pop() if len(kinds) == 1 and kinds <= {DType.F16, DType.BF16} else None
 
 
-def _made_from(kernel: Kernel, n: Node, tile_dtype) -> DType | None:
-    """The storage type of the tiles a product's other operand is made from by element-wise ops, RoPE and
-    transposes (what it is kept in when it is kept in 16 bits too); None if they differ or other ops do."""
+def matrix_transpose(n: Node) -> bool:
+    """Whether `n` is a transpose of the last two dims: a product's operand read as stored, transposed."""
+    return n.op == "transpose" and len(n.shape) >= 2 and set(n.attr) == {len(n.shape) - 2, len(n.shape) - 1}
+
+
+def _made_from(kernel: Kernel, n: Node, through: tuple[str, ...]) -> DType | None:
+    """The storage type of the tiles `n` is made from by element-wise ops and the ops `through` (what it
+    is kept in when it is kept in 16 bits); None if they differ or other ops make it."""
     under = [m for m in n.walk() if m.op != "const"]
-    if any(m.op not in ("tile", "rope", "transpose") and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) for m in under):
+    if any(m.op != "tile" and m.op not in through and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) for m in under):
         return None
-    kinds = {tile_dtype(m) for m in under if m.op == "tile"}
+    kinds = {storage(kernel.inputs[kernel.load(m.attr).source]) for m in under if m.op == "tile"}
     return kinds.pop() if len(kinds) == 1 else None
 
 

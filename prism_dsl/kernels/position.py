@@ -18,6 +18,7 @@ stop at the same iteration.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Mapping
 
 from ..base.errors import PrismError
@@ -35,11 +36,9 @@ class Origin:
     load: Load
     dim: int
 
-    def map(self, rank: int) -> DimMap:
-        return self.load.map.dims[rank + self.dim]
-
     @property
     def dm(self) -> DimMap:
+        """The load map's entry for that dim."""
         return self.load.map.dims[self.dim]
 
 
@@ -105,6 +104,7 @@ class CausalLoop:
     cols: Origin
 
 
+@cache
 def causal_loop(kernel: Kernel) -> CausalLoop | None:
     """The kernel's loop as a causal loop, or None where it must run every iteration (another accumulator,
     another mask, or a mask whose columns the loop does not walk)."""

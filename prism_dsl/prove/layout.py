@@ -88,7 +88,7 @@ def _places(kernel: Kernel, operands: list[Node], n: Node, dim: int, family: Nod
     if o.dim != dim:  # the tile's dim lies along another dim of n (a transposed operand)
         whole = build("transpose", [whole], [o.dim, dim])
     t = build("from_end", [whole], [dim])
-    dm = o.map(whole.rank)
+    dm = o.dm
     g = dict(kernel.grid).get(dm.axis) if dm.axis else None
     if g is not None and not same(g, ONE):
         t = build("split", [t], [dim, BLOCK_DIMS[dm.axis], g])

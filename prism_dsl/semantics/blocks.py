@@ -23,7 +23,7 @@ from ..kernels.constraints import Concrete, instantiate_program
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import TileMap, after_loop, free_symbols
 from ..kernels.params import complete
-from ..kernels.position import causal_loop, loop_end, placed, start
+from ..kernels.position import causal_loop, loop_end, placed, start, whole
 from ..ir.ops import OPS, Kind
 from .reference import apply, bind_dims, evaluate_nodes
 
@@ -58,7 +58,7 @@ def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
     def value(n: Node, values: dict[Node, np.ndarray], block: dict[str, int], i: int) -> np.ndarray:
         """A body node's value at iteration `i` of `block` (a tile in `post`: one the loop does not split)."""
         if n.op == "causal":
-            return _causal(c, n, values[n.args[0]], operands, block, i, n in after)
+            return _causal(c, n, values[n.args[0]], block, i, n in after)
         if n.op != "tile":
             return apply(n, [values[a] for a in n.args])
         load = tiles[n.attr]
@@ -85,26 +85,24 @@ def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
     return outs
 
 
-def _causal(c: Concrete, n: Node, x: np.ndarray, operands: list[np.ndarray], block: Mapping[str, int], i: int,
-            after: bool):
+def _causal(c: Concrete, n: Node, x: np.ndarray, block: Mapping[str, int], i: int, after: bool):
     """causal(x) for a block's value: rows and columns are placed in the whole tensors they come from
     (`kernels.position`); after the loop, a dim the loop splits has no place (an error, as in the CUDA)."""
     x = np.asarray(x)
     x = x.reshape((1,) * (2 - x.ndim) + x.shape)
-    at, whole = [], []
+    at, sizes = [], []
     for dim in (-2, -1):
         o = placed(c.kernel, n, dim, after and c.loop > 1)
         if o is None:
             at.append(0)
-            whole.append(x.shape[dim])
+            sizes.append(x.shape[dim])
             continue
-        src = operands[o.load.source]
-        full = src.shape[o.dim] if -o.dim <= src.ndim else 1
-        at.append(start(o.map(src.ndim), full, dict(c.grid), c.loop, block, i))
-        whole.append(full)
+        full = whole(c.shape, c.kernel, o)
+        at.append(start(o.dm, full, dict(c.grid), c.loop, block, i))
+        sizes.append(full)
     rows = np.arange(x.shape[-2])[:, None] + at[0]
     cols = np.arange(x.shape[-1])[None, :] + at[1]
-    return np.where(cols > rows + (whole[1] - whole[0]), -np.inf, x)
+    return np.where(cols > rows + (sizes[1] - sizes[0]), -np.inf, x)
 
 
 def _write(out: np.ndarray, tile: np.ndarray, store, block: Mapping[str, int]) -> None:
