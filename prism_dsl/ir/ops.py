@@ -58,6 +58,9 @@ class OpSpec:
     where: str = "any"
     written: str = ""  # the name a call is written with, where it is not `name` (see `resolve`)
     constants: int = 0  # how many of the last operands must be constants (an epsilon)
+    # A row-wise op whose value at an element reads only a fixed few elements of its row (RoPE: the element
+    # and its partner half a row away): kernels compute it one element at a time, like an element-wise op.
+    per_element: bool = False
 
     @property
     def arity(self) -> int:
@@ -97,7 +100,7 @@ OPS: dict[str, OpSpec] = _table(
     OpSpec("layer_norm", Kind.ROWWISE, 2, constants=1,
            doc="(x - mean(x, -1)) / sqrt(mean(square(x - mean(x, -1)), -1) + eps), eps a constant"),
     OpSpec("softmax", Kind.ROWWISE, 1, doc="exp(x - max(x, -1)) / sum(exp(x - max(x, -1)), -1)"),
-    OpSpec("rope", Kind.ROWWISE, 3, doc="rope(x, c, s) = x * c + rotate_half(x) * s, rotate_half(x) the last dim's "
+    OpSpec("rope", Kind.ROWWISE, 3, per_element=True, doc="rope(x, c, s) = x * c + rotate_half(x) * s, rotate_half(x) the last dim's "
            "second half negated, then its first half (an even last dim); c and s broadcast against x"),
     OpSpec("transpose", Kind.TRANSPOSE, 1, params=("dim", "other dim"), doc="transpose(x, i, j) swaps dims i and j"),
     OpSpec("causal", Kind.MASK, 1, doc="causal(s): s with -inf where column j > row i + (columns - rows) over "

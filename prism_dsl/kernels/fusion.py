@@ -124,7 +124,7 @@ def plan(kernel: Kernel) -> Plan:
             add(n.attr, n.shape, storage(kernel.inputs[kernel.load(n.attr).source]), n, "tile")  # as stored
         elif kind in (Kind.CONST, Kind.TRANSPOSE):  # a transpose is a view: its readers swap the two indices
             place[n] = Place.INLINE
-        elif kind in (Kind.UNARY, Kind.BINARY, Kind.MASK) or n.op == "rope":  # RoPE: an element and its partner
+        elif kind in (Kind.UNARY, Kind.BINARY, Kind.MASK) or OPS[n.op].per_element:
             # A product operand made from 16-bit tiles is kept in a 16-bit buffer for tensor cores (even when
             # a transpose reads it); other values that only element-wise users read are evaluated in place.
             staged = _operand_dtype(kernel, n, users[n], stored, users)
@@ -162,8 +162,8 @@ def _operand_dtype(kernel: Kernel, n: Node, users: list[Node], stored: set[Node]
             products += [(p, p.args[0]) for p in readers[u]]
         else:
             return None
-    kinds = {_made_from(kernel, n, ("rope",))}
-    kinds |= {_made_from(kernel, other, ("rope", "transpose")) for _, other in products}
+    kinds = {_made_from(kernel, n, views=False)}
+    kinds |= {_made_from(kernel, other, views=True) for _, other in products}
     return kinds.pop() if len(kinds) == 1 and kinds <= {DType.F16, DType.BF16} else None
 
 
@@ -172,11 +172,15 @@ def matrix_transpose(n: Node) -> bool:
     return n.op == "transpose" and len(n.shape) >= 2 and set(n.attr) == {len(n.shape) - 2, len(n.shape) - 1}
 
 
-def _made_from(kernel: Kernel, n: Node, through: tuple[str, ...]) -> DType | None:
-    """The storage type of the tiles `n` is made from by element-wise ops and the ops `through` (what it
-    is kept in when it is kept in 16 bits); None if they differ or other ops make it."""
+def _made_from(kernel: Kernel, n: Node, views: bool) -> DType | None:
+    """The storage type of the tiles `n` is made from by element-wise (or per-element) ops, and transposes
+    where `views` (what it is kept in when it is kept in 16 bits); None if they differ or other ops make it."""
+    def through(m: Node) -> bool:
+        spec = OPS[m.op]
+        return (m.op == "tile" or spec.kind in (Kind.UNARY, Kind.BINARY) or spec.per_element
+                or (views and spec.kind is Kind.TRANSPOSE))
     under = [m for m in n.walk() if m.op != "const"]
-    if any(m.op != "tile" and m.op not in through and OPS[m.op].kind not in (Kind.UNARY, Kind.BINARY) for m in under):
+    if not all(through(m) for m in under):
         return None
     kinds = {storage(kernel.inputs[kernel.load(m.attr).source]) for m in under if m.op == "tile"}
     return kinds.pop() if len(kinds) == 1 else None

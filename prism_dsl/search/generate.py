@@ -388,7 +388,7 @@ class Generator:
         yield from self._step(steps, values, classes, depth, sketch, goals)
 
 
-# What a loop value may be made of: ops on the elements of its tiles (RoPE's partner half is in the row).
+# What a loop value may be made of: ops on the elements of its tiles (and per-element ops: RoPE), products.
 _LOOP_KINDS = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE, Kind.MATMUL)
 
 
@@ -399,7 +399,7 @@ def loop_ops(program: Program) -> int:
     for n in program.nodes():
         if n.op in ("input", "const"):
             size[n] = 0
-        elif OPS[n.op].kind in _LOOP_KINDS or n.op == "rope":
+        elif OPS[n.op].kind in _LOOP_KINDS or OPS[n.op].per_element:
             parts = [size[a] for a in n.args]
             size[n] = None if None in parts else 1 + sum(parts)
         else:
