@@ -37,7 +37,9 @@
 #define threadIdx (prism::emu::thread_idx())
 #define __syncthreads() prism::emu::barrier(__FILE__, __LINE__)
 #define PRISM_SMEM(bytes) prism::emu::declare_shared(bytes, __FILE__, __LINE__)
-#define PRISM_SHARED(T, offset, bytes) static_cast<T*>(prism::emu::shared(offset, bytes, __FILE__, __LINE__))
+#define PRISM_SHARED_IN(T, offset, bytes, first, last) \
+    static_cast<T*>(prism::emu::shared(offset, bytes, first, last, __FILE__, __LINE__))
+#define PRISM_PHASE(p) prism::emu::phase(p, __FILE__, __LINE__)
 #define PRISM_TENSOR_CORES 1
 #define PRISM_ASYNC_COPY 1
 // Where a primitive was called from, so that a finding names the generated .cu line.
@@ -52,7 +54,8 @@ struct __nv_bfloat16 { uint16_t bits; };
 #include <cstdint>
 #include <type_traits>
 #define PRISM_SMEM(bytes) extern __shared__ __align__(128) unsigned char prism_smem[]
-#define PRISM_SHARED(T, offset, bytes) reinterpret_cast<T*>(prism_smem + (offset))
+#define PRISM_SHARED_IN(T, offset, bytes, first, last) reinterpret_cast<T*>(prism_smem + (offset))
+#define PRISM_PHASE(p)
 #define PRISM_AT
 #define PRISM_HERE
 // wmma with f16 and bf16 operands, mma.sync m16n8k16, ldmatrix and cp.async need sm_80; the host pass and
@@ -65,6 +68,10 @@ struct __nv_bfloat16 { uint16_t bits; };
 #define PRISM_ASYNC_COPY 0
 #endif
 #endif
+// A shared buffer at a byte offset of the block's shared memory, in use in phases first..last of the kernel (0
+// before its loop, 1 in it, 2 after it; PRISM_PHASE(p) where phase p begins, after a barrier): buffers never
+// in use at once may share bytes. PRISM_SHARED: one in use throughout.
+#define PRISM_SHARED(T, offset, bytes) PRISM_SHARED_IN(T, offset, bytes, 0, 2)
 #define PRISM_TID ((int)threadIdx.x)
 #define PRISM_NT(n) (n)
 #define PRISM_WARP 32

@@ -18,7 +18,11 @@
 //                      error naming the lanes and lines.
 //   shared memory      per block: each buffer a separate allocation filled with 0xFF bytes (a NaN in every
 //                      float type), so AddressSanitizer finds a read past one buffer's end even where, on
-//                      the GPU, the next buffer follows it.
+//                      the GPU, the next buffer follows it. Buffers in use in different phases of the
+//                      kernel (before, in and after its loop) may share bytes on the GPU: the emulation
+//                      checks that those sharing are never in use at once, refills each with the NaN
+//                      pattern where its use begins and ends, and under AddressSanitizer poisons it
+//                      outside them, so a read of what another buffer left there is found.
 //   cp.async           copies are queued per thread: the source is read when the copy is issued, the
 //                      destination is overwritten with the NaN pattern at once (its contents are undefined
 //                      until the wait) and with the data only at the cp.async.wait_group that completes
@@ -127,6 +131,7 @@ struct Warp {
 struct Buffer {
     size_t offset, bytes;
     unsigned char* mem;
+    int first, last;  // the phases it is in use (`shared`)
 };
 
 struct Block {
@@ -134,6 +139,7 @@ struct Block {
     std::vector<Thread*> threads;
     std::vector<Warp> warps;
     std::vector<Buffer> buffers;
+    int phase = 0;  // of the kernel: 0 before its loop, 1 in it, 2 after it
     int at_barrier = 0;
     Site barrier;
     char sync[2] = {0, 0};  // where ThreadSanitizer synchronises barrier generation g: sync[g % 2] (as in Warp)
@@ -324,25 +330,56 @@ inline void declare_shared(size_t bytes, const char* file, int line) {
         fail({{file, line}}, "declares %zu bytes of shared memory; the launch gives %zu", bytes, rt().launch->smem);
 }
 
-inline void* shared(size_t offset, size_t bytes, const char* file, int line) {
+// A buffer in use in phases first..last of the kernel (0 before its loop, 1 in it, 2 after it): buffers whose
+// phases meet must not share bytes; those that do not may (the GPU then holds one where the other was).
+inline void* shared(size_t offset, size_t bytes, int first, int last, const char* file, int line) {
     Quiet quiet;
     Block* b = self()->block;
     if (offset + bytes > rt().launch->smem)
         fail({{file, line}}, "shared buffer at offset %zu (%zu bytes) ends past the launch's %zu bytes", offset, bytes,
              rt().launch->smem);
+    if (first < 0 || first > last || last > 2)
+        fail({{file, line}}, "shared buffer at offset %zu: phases %d..%d are not within 0..2", offset, first, last);
     for (const Buffer& have : b->buffers) {
-        if (have.offset == offset && have.bytes == bytes) return have.mem;
-        if (offset < have.offset + have.bytes && have.offset < offset + bytes)
-            fail({{file, line}}, "shared buffers overlap: [%zu, %zu) and [%zu, %zu)", offset, offset + bytes,
-                 have.offset, have.offset + have.bytes);
+        if (have.offset == offset && have.bytes == bytes && have.first == first && have.last == last) return have.mem;
+        if (offset < have.offset + have.bytes && have.offset < offset + bytes && first <= have.last && have.first <= last)
+            fail({{file, line}}, "shared buffers overlap while both are in use: [%zu, %zu) in phases %d..%d and [%zu, %zu) "
+                 "in %d..%d", offset, offset + bytes, first, last, have.offset, have.offset + have.bytes, have.first,
+                 have.last);
     }
     void* mem = std::aligned_alloc(128, (bytes + 127) / 128 * 128);
     std::memset(mem, 0xFF, bytes);  // the NaN pattern of every float type
 #if defined(PRISM_ASAN)
-    __asan_poison_memory_region(static_cast<char*>(mem) + bytes, (bytes + 127) / 128 * 128 - bytes);
+    __asan_poison_memory_region(static_cast<char*>(mem) + (first > b->phase ? 0 : bytes),
+                                (bytes + 127) / 128 * 128 - (first > b->phase ? 0 : bytes));
 #endif
-    b->buffers.push_back({offset, bytes, static_cast<unsigned char*>(mem)});
+    b->buffers.push_back({offset, bytes, static_cast<unsigned char*>(mem), first, last});
     return mem;
+}
+
+// The block enters phase p (1 before its loop's first copies, 2 after it): the first thread to arrive fills
+// the buffers whose use ends or begins here with the NaN pattern, as the bytes they share on the GPU hold
+// another buffer's data, and under AddressSanitizer poisons those not in use now. Later threads find the
+// block there already. A barrier comes first wherever the phase before did any work (the code generator's
+// prologue, loop-invariant steps and loop steps each end with one), so no thread still uses what is refilled.
+inline void phase(int p, const char* file, int line) {
+    Quiet quiet;
+    Block* b = self()->block;
+    if (p <= b->phase) return;
+    if (p > 2) fail({{file, line}}, "phase %d: a kernel has phases 0..2", p);
+    const int was = b->phase;
+    b->phase = p;
+    for (Buffer& have : b->buffers) {
+        const bool before = have.first <= was && was <= have.last, now = have.first <= p && p <= have.last;
+        if (before && now) continue;
+#if defined(PRISM_ASAN)
+        __asan_unpoison_memory_region(have.mem, have.bytes);
+#endif
+        std::memset(have.mem, 0xFF, have.bytes);
+#if defined(PRISM_ASAN)
+        if (!now) __asan_poison_memory_region(have.mem, have.bytes);
+#endif
+    }
 }
 
 inline bool in_shared(const Block* b, const void* p, size_t bytes) {

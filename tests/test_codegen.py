@@ -81,9 +81,12 @@ def test_generated_code_names_the_program_and_uses_tensor_cores_where_tiles_allo
     src = built.kernels[0].source
     assert "// rmsnorm_linear: kernel rmsnorm_matmul" in src
     assert "// acc = acc_sum((xt @ wt))" in src and "store Y[:, x] = (acc / rms)" in src
-    # the product folded into acc_sum: register-tiled mma.sync, with the plain path beside it
-    assert "prism::mma_m16n8k16<half>(r_a3[i][j]" in src and "prism::ldmatrix<" in src and "#else" in src
+    # the product folded into acc_sum: register-tiled mma.sync (sm_80 or later: older targets are told so)
+    assert "prism::mma_m16n8k16<half>(r_a3[i][j]" in src and "prism::ldmatrix<" in src
+    assert "#error \"this kernel keeps a product's accumulators in tensor-core registers (sm_80 or later)" in src
     assert "float r_a3[" in src and "the accumulators, from registers into s_a3" in src
+    # written only after the loop: no start value, and its bytes shared with the loop's tiles
+    assert "// state a3: [8, 32] f32, after the loop" in src and "// acc: acc starts at" not in src
     assert "prism::cp_async<8>" in src and "prism::cp_async_wait" in src  # 16-byte async copies
     assert built.kernels[0].tensor_cores
 

@@ -227,6 +227,47 @@ def test_the_address_sanitizer_reports_a_read_past_a_shared_buffer(tmp_path):
     assert f.threads == ("block (0,0,0) thread 63 (warp 1, lane 31)",)
 
 
+# Two buffers at the same bytes, one in use before the loop (phase 0), the other in and after it (1..2).
+SHARED_BYTES = """
+    float* const s = PRISM_SHARED_IN(float, 0, 256, 0, 0);
+    float* const u = PRISM_SHARED_IN(float, 0, 256, FIRST, 2);
+    s[threadIdx.x] = g_X[threadIdx.x];
+    __syncthreads();
+    const float t = s[63 - threadIdx.x];
+    __syncthreads();
+    PRISM_PHASE(1);
+    u[threadIdx.x] = t * 2;
+    __syncthreads();
+    PRISM_PHASE(2);
+    g_Y[threadIdx.x] = READ;
+"""
+
+
+def test_buffers_never_in_use_at_once_may_share_bytes(tmp_path):
+    body = SHARED_BYTES.replace("FIRST", "1").replace("READ", "u[63 - threadIdx.x]")
+    x = np.arange(64.0)
+    for sanitizer in (None,) + emulate.SANITIZERS:
+        got = run(kernel(body, F32_IO, 1, threads=64), F32_TYPES, {"X": (64,), "Y": (64,)}, {"X": x}, tmp_path,
+                  sanitizer=sanitizer)
+        assert got.finding is None and list(got.outputs["Y"]) == list(2 * x), sanitizer
+
+
+def test_buffers_sharing_bytes_while_both_in_use_are_reported(tmp_path):
+    f = finding_of(SHARED_BYTES.replace("FIRST", "0").replace("READ", "u[threadIdx.x]"), tmp_path)
+    assert f.kind == "emulation" and "shared buffers overlap while both are in use" in f.message
+    assert "phases 0..2" in f.message and "in 0..0" in f.message
+
+
+def test_a_buffer_read_after_its_use_ends_is_found(tmp_path):
+    """On the GPU its bytes hold another buffer's data by then: the emulation gives NaN there, and the
+    address sanitizer names the read."""
+    body = SHARED_BYTES.replace("FIRST", "1").replace("READ", "s[threadIdx.x]")
+    got = run(kernel(body, F32_IO, 1, threads=64), F32_TYPES, {"X": (64,), "Y": (64,)}, {"X": np.ones(64)}, tmp_path)
+    assert got.finding is None and np.isnan(got.outputs["Y"]).all()
+    f = finding_of(body, tmp_path, sanitizer="address")
+    assert f.kind == "memory error" and "use-after-poison" in f.message and "t.cu:18" in f.where
+
+
 def test_the_address_sanitizer_reports_a_write_past_an_output(tmp_path):
     f = finding_of("    g_Y[threadIdx.x + 1] = g_X[threadIdx.x];", tmp_path, sanitizer="address")
     assert f.kind == "memory error" and "t.cu:7" in f.where

@@ -453,7 +453,7 @@ def test_show_prints_tiles_shared_memory_and_checks(capsys):
     assert "load  wt = W[loop, x]   tile [d/F, d/gx] = [64, 64] f16" in out
     assert "= 16192 bytes (limit 232448 on H100)" in out
     # what the generated code allocates: the loop's tiles once per pipeline stage
-    assert "as generated: 128 threads, a 3-stage cp.async pipeline, 38784 bytes of shared memory" in out
+    assert "as generated: 128 threads, a 3-stage cp.async pipeline, 34688 bytes of shared memory" in out
     assert "checks: every division exact" in out
 
 

@@ -4,8 +4,8 @@ Where it sits: after parameter instantiation (`kernels.constraints.instantiate`)
 (`nvcc`, the GPU). The generated kernel does what docs/ARCHITECTURE.md says a custom kernel does, with
 every size a compile-time constant:
 
-    prologue:  accumulator state initialised; tiles the loop does not split loaded once, and the values
-               made from them alone computed once
+    prologue:  accumulator state initialised (not a state held in registers through the loop); tiles the
+               loop does not split loaded once, and the values made from them alone computed once
     loop:      tiles the loop splits loaded (16-byte copies where rows allow); the body's materialized
                values computed; each accumulator folds its operand(s); a barrier after each step
     epilogue:  tiles read only after the loop loaded; post-loop values; stores at the block's place
@@ -15,7 +15,8 @@ every size a compile-time constant:
 values fused into registers are evaluated where they are read, so a chain like `silu(gate) * up` costs
 no buffer and no barrier. Matrix products whose operands are f16/bf16 tiles of suitable shape run on
 tensor cores (`tensor_steps`: wmma tiles, register-tiled mma.sync, online softmax in registers), with the
-plain path kept beside them for other GPUs where it needs no buffer the tensor-core path saves. How each
+plain path kept beside wmma tiles for other GPUs; register-tiled and online-softmax kernels need sm_80
+(their state is written only after the loop, in bytes the loop's buffers use: `kernels.lifetimes`). How each
 accumulator folds and finishes is format strings in its row of `ir.accumulators`; the kinds of fold
 (per state element, per row, a matrix product, online softmax) are the code here.
 
@@ -38,6 +39,7 @@ from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
+from ..kernels.lifetimes import AFTER, in_use
 from ..kernels.position import causal_loop, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
@@ -222,10 +224,10 @@ class _Emitter(TensorCoreSteps):
     def matmul(self, a: Node, b: Node, out_node: Node, dst: str, accumulate: bool, text: str) -> dict:
         """out = a @ b (or out += a @ b) over the output's elements; on tensor cores where shapes allow."""
         shape = self.shape(out_node)
+        if out_node in self.registers:  # an acc_sum whose product runs register-tiled (sm_80 or later)
+            return self.warp_mma(out_node, dst, text)
         plain = self.product(lambda ix: self.read(a, ix), lambda ix: self.read(b, ix), self.shape(a)[-1], shape, dst,
                              lambda idx: f"{dst}[e]" if accumulate else "real(0)", text)
-        if out_node in self.registers:  # an acc_sum whose product runs register-tiled
-            return self.warp_mma(out_node, dst, text) | {"plain": plain}
         mma = self._mma(a, b, shape, dst, accumulate, text)
         return mma | {"plain": plain} if mma else plain
 
@@ -291,7 +293,7 @@ class _Emitter(TensorCoreSteps):
         steps, done = [], set()
         for acc, st in self.plan.state.items():
             for role, b in st.items():
-                if b.name in done:
+                if b.name in done or self.layout.live[b.name][0] == AFTER:  # written whole after the loop
                     continue
                 done.add(b.name)
                 start = "-real(INFINITY)" if role == "m" else self.lit(0.0)  # "m": a running max
@@ -402,7 +404,7 @@ class _Emitter(TensorCoreSteps):
         post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
         registers = [st for st in _walk(loop_steps) if st["kind"] == "warp_mma"]
         flash = [st for st in _walk(loop_steps) if st["kind"] == "flash"]
-        epilogue = [st | {"kind": "warp_mma_store", "op": "+=" if st["t"].wk > 1 else "="} for st in registers]
+        epilogue = [st | {"kind": "warp_mma_store"} for st in registers]
         epilogue += [st | {"kind": "flash_store"} for st in flash]
         epilogue += self._merge([self.load_step(n) for n in post if n.op == "tile"])
         epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
@@ -411,8 +413,10 @@ class _Emitter(TensorCoreSteps):
         pipelined = {st["cname"] for st in staged}
         buffers = [{"cname": self.cname[b.name] + ("_stages" if self.cname[b.name] in pipelined else ""),
                     "ctype": CTYPE[b.dtype], "offset": self.layout.offsets[b.name], "bytes": self.layout.sizes[b.name],
+                    "first": self.layout.live[b.name][0], "last": self.layout.live[b.name][1],
                     "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}"
-                                       + (f", {stages} stages" if self.cname[b.name] in pipelined else ""))}
+                                       + (f", {stages} stages" if self.cname[b.name] in pipelined else "")
+                                       + f", {in_use(self.layout.live[b.name])}")}
                    for b in self.plan.buffers if b.name in self.layout.offsets]
         smem = self.layout.smem
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]

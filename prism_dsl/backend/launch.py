@@ -11,9 +11,11 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   iteration `it + stages - 1` are issued while iteration `it` computes, each loop tile then having `stages`
   buffers; as many stages as the config allows (`CodegenConfig.stages`) and shared memory holds
   (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block);
-- the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block. Online softmax in
-  registers has no buffer for its scores, their exp or its rescaling factors: those kernels need tensor
-  cores (sm_80 or later; `--no-tensor-cores` writes the plain form, which keeps them in shared memory).
+- the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
+  at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
+  scores, their exp or its rescaling factors, and it and register-tiled products write their state only
+  after the loop: those kernels need tensor cores (sm_80 or later; `--no-tensor-cores` writes the plain
+  form, which keeps them in shared memory).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_transpose, plan
 from ..kernels.kernel import loop_varying
+from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
 from ..kernels.sizes import call, compile_sizes, int_value
 from .warp_mma import Flash, Tiling, flash, tiling
 
@@ -54,6 +57,7 @@ class Layout:
     offsets: dict[str, int]  # buffer name -> byte offset in the block's shared memory
     sizes: dict[str, int]  # buffer name -> bytes (every stage, for loop tiles)
     smem: int  # bytes per block
+    live: dict[str, Lifetime]  # buffer name -> the phases it is in use (`kernels.lifetimes`)
 
 
 def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
@@ -227,21 +231,29 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     varying = loop_varying(k)
     gone = unbuffered(p, flash_of)
     buffers = [b for b in p.buffers if b.name not in gone]
+    live = lifetimes(k) | dict.fromkeys(written_after(p, registers, flash_of), (AFTER, AFTER))
     dims = buffer_shapes(c)
     pads = {b.name: _pad(b, dims[b.name]) for b in buffers}
     size = {b.name: _size(b, dims[b.name], pads[b.name]) for b in buffers}
-    staged = [b for b in buffers if b.role == "tile" and b.node in varying]
-    stages = 1
-    if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in staged):
-        base = sum(_aligned(s) for s in size.values())
-        extra = sum(_aligned(size[b.name]) for b in staged)
-        stages = max(1, min(config.stages, 1 + (config.smem_limit - base) // max(extra, 1), c.loop))
-    offsets, sizes, at = {}, {}, 0
-    for b in buffers:
-        sizes[b.name] = _aligned(size[b.name]) * stages if b in staged and stages > 1 else size[b.name]
-        offsets[b.name] = at
-        at += _aligned(sizes[b.name])
-    return Layout(threads, registers, flash_of, stages, pads, offsets, sizes, max(at, 16))
+    staged = {b.name for b in buffers if b.role == "tile" and b.node in varying}
+    names = [b.name for b in buffers]
+    most = 1
+    if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in buffers if b.name in staged):
+        most = max(1, min(config.stages, c.loop))
+    for stages in range(most, 0, -1):  # as many as fit
+        taken = {n: _aligned(size[n]) * (stages if n in staged else 1) for n in names}
+        offsets, smem = arrange(names, taken, live)
+        if smem <= config.smem_limit:
+            break
+    sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
+    return Layout(threads, registers, flash_of, stages, pads, offsets, sizes, max(smem, 16), {n: live[n] for n in names})
+
+
+def written_after(p: Plan, registers: dict[Node, Tiling], flash_of: dict[Node, Flash]) -> set[str]:
+    """State buffers the code first writes after the loop (they need no start value, and share bytes with
+    buffers used before and in it): those of register-tiled products, and online softmax's in registers."""
+    accs = list(registers) + [u for s in flash_of for u in p.users[s] if u in p.state]
+    return {b.name for acc in accs for b in p.state[acc].values()}
 
 
 def _bytes(c: Concrete, b: Buffer, pad: int) -> int:

@@ -11,8 +11,10 @@ its own shape in templates/steps.j2 and its own layout decision in `launch`:
   and `p @ v` fed to the next mma from registers (`warp_mma.Flash`, FlashAttention-2's dataflow), the
   states written after the loop ("flash_store").
 
-Every step keeps the plain form of its work beside it (`plain`), the path for GPUs without tensor
-cores, except "flash", whose scores and exp have no shared buffer (`launch.unbuffered`).
+An "mma" step keeps the plain form of its work beside it (`plain`), the path for GPUs without tensor
+cores. "warp_mma" and "flash" have none: their states are written only after the loop, in bytes the
+loop's buffers also use (`kernels.lifetimes`), and online softmax's scores and exp have no shared buffer
+(`launch.unbuffered`); their kernels need sm_80, and `--no-tensor-cores` writes the plain form.
 """
 
 from __future__ import annotations

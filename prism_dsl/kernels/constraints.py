@@ -15,21 +15,28 @@ import sympy
 
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
-from .fusion import plan
+from .fusion import ALIGN, plan
 from .hardware import Hardware
 from .kernel import AXES, WHOLE, Kernel, kernels_of, output_shape, tile_dim
+from .lifetimes import class_sums, lifetimes, total
 from .sizes import call, compile_sizes, int_value, value
 
 
 @cache
 def shared_memory(kernel: Kernel) -> sympy.Expr:
-    """Bytes of shared memory one block needs: every buffer the generated kernel allocates.
+    """Bytes of shared memory one block needs, at most: every buffer the generated kernel allocates, those
+    never in use at once sharing bytes (`lifetimes.arrange`).
 
-    `fusion.plan` decides them (loaded tiles in their tensor's dtype, values that must be materialized,
-    accumulator state in f32; element-wise chains fused into registers take none), so this bound and the
-    generated CUDA agree exactly. Buffers are not reused across the body: simple, and exact.
+    `fusion.plan` decides the buffers (loaded tiles in their tensor's dtype, values that must be
+    materialized, accumulator state in f32; element-wise chains fused into registers take none) and
+    `lifetimes` when each is in use. The bound counts every buffer with its full row padding and 128 bytes
+    of alignment; the generated code lays out the same classes, some without padding or dropped (online
+    softmax in registers) or later-lived (state held in registers through the loop), so it never needs
+    more.
     """
-    return plan(kernel).smem_bytes()
+    p = plan(kernel)
+    names = [b.name for b in p.buffers]
+    return total(class_sums(names, {b.name: b.bytes + ALIGN for b in p.buffers}, lifetimes(kernel)), sympy.Max)
 
 
 @dataclass(frozen=True)

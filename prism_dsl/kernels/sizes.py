@@ -47,8 +47,8 @@ def _compiled(expr: sympy.Expr) -> tuple:
 
 def compile_sizes(exprs: Sequence[sympy.Expr], body: Callable[[list[str]], str]) -> tuple:
     """(the symbols of `exprs` in order, a function of their values) computing `body` of the expressions'
-    Python sources. Sizes are built from integers, symbols, sums, products and integer powers, nothing
-    else; integers stay Python ints, and a quotient becomes a Fraction only when it does not divide."""
+    Python sources. Sizes are built from integers, symbols, sums, products, integer powers and maxima,
+    nothing else; integers stay Python ints, and a quotient becomes a Fraction only when it does not divide."""
     symbols = tuple(sorted(set().union(*(e.free_symbols for e in exprs)), key=str))
     index = {s: i for i, s in enumerate(symbols)}
     params = ", ".join(f"v{i}" for i in range(len(symbols)))
@@ -72,6 +72,8 @@ def _source(e: sympy.Expr, index: Mapping[sympy.Symbol, int]) -> str:
         return f"Q({num}, (" + " * ".join(_source(a, index) for a in down) + "))" if down else num
     if e.is_Pow and e.exp.is_Integer:
         return f"({_source(e.base, index)} ** {int(e.exp)})" if e.exp > 0 else f"Q(1, {_source(e.base ** -e.exp, index)})"
+    if isinstance(e, sympy.Max):
+        return "max(" + ", ".join(_source(a, index) for a in e.args) + ")"
     raise ValueError(f"size expression {e} is not arithmetic on integers")
 
 

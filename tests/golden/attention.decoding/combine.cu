@@ -16,13 +16,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(2304);
-    float* const s_mt_stages = PRISM_SHARED(float, 0, 384);  // tile mt: [1, 1, 1, 1, 1] f32, 3 stages
-    float* const s_pt_stages = PRISM_SHARED(float, 384, 768);  // tile pt: [1, 1, 1, 1, 64] f32, 3 stages
-    float* const s_a2_max = PRISM_SHARED(float, 1152, 256);  // state a2_max: [1, 1, 1, 1, 64] f32
-    float* const s_a2 = PRISM_SHARED(float, 1408, 256);  // state a2: [1, 1, 1, 1, 64] f32
-    float* const s_lt_stages = PRISM_SHARED(float, 1664, 384);  // tile lt: [1, 1, 1, 1, 1] f32, 3 stages
-    float* const s_a4_max = PRISM_SHARED(float, 2048, 4);  // state a4_max: [1, 1, 1, 1, 1] f32
-    float* const s_a4 = PRISM_SHARED(float, 2176, 4);  // state a4: [1, 1, 1, 1, 1] f32
+    float* const s_mt_stages = PRISM_SHARED_IN(float, 768, 384, 1, 1);  // tile mt: [1, 1, 1, 1, 1] f32, 3 stages, in the loop
+    float* const s_pt_stages = PRISM_SHARED_IN(float, 1152, 768, 1, 1);  // tile pt: [1, 1, 1, 1, 64] f32, 3 stages, in the loop
+    float* const s_a2_max = PRISM_SHARED_IN(float, 0, 256, 0, 2);  // state a2_max: [1, 1, 1, 1, 64] f32, in use throughout
+    float* const s_a2 = PRISM_SHARED_IN(float, 256, 256, 0, 2);  // state a2: [1, 1, 1, 1, 64] f32, in use throughout
+    float* const s_lt_stages = PRISM_SHARED_IN(float, 1920, 384, 1, 1);  // tile lt: [1, 1, 1, 1, 1] f32, 3 stages, in the loop
+    float* const s_a4_max = PRISM_SHARED_IN(float, 512, 4, 0, 2);  // state a4_max: [1, 1, 1, 1, 1] f32, in use throughout
+    float* const s_a4 = PRISM_SHARED_IN(float, 640, 4, 0, 2);  // state a4: [1, 1, 1, 1, 1] f32, in use throughout
 
     // acc_rescaled_sum: m starts at -real(INFINITY)
     for (int e = PRISM_TID; e < 64; e += kThreads) {
@@ -42,6 +42,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
     }
     __syncthreads();
 
+    PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
     for (int ahead = 0; ahead < 2; ++ahead) {
         // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
@@ -100,6 +101,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
         }
         __syncthreads();
     }
+    PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     // store O[x, y, :, :] = (acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt))  [1, 1, 1, 1, 64]
     for (int e = PRISM_TID; e < 64; e += kThreads) {

@@ -20,15 +20,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(9856);
-    half* const s_qt = PRISM_SHARED(half, 0, 144);  // tile qt: [1, 1, 1, 64] f16
-    half* const s_kt_stages = PRISM_SHARED(half, 256, 4096);  // tile kt: [1, 1, 64, 16] f16, 2 stages
-    float* const s_v2 = PRISM_SHARED(float, 4352, 64);  // value v2: [1, 1, 1, 16] f32
-    float* const s_a3_max = PRISM_SHARED(float, 4480, 4);  // scratch a3_max: [1, 1, 1, 1] f32
-    float* const s_a3_scale = PRISM_SHARED(float, 4608, 4);  // scratch a3_scale: [1, 1, 1, 1] f32
-    float* const s_a3_p = PRISM_SHARED(float, 4736, 64);  // scratch a3_p: [1, 1, 1, 16] f32
-    float* const s_a4 = PRISM_SHARED(float, 4864, 4);  // state a4: [1, 1, 1, 1] f32
-    half* const s_vt_stages = PRISM_SHARED(half, 4992, 4608);  // tile vt: [1, 1, 16, 64] f16, 2 stages
-    float* const s_a6 = PRISM_SHARED(float, 9600, 256);  // state a6: [1, 1, 1, 64] f32
+    half* const s_qt = PRISM_SHARED_IN(half, 0, 144, 0, 1);  // tile qt: [1, 1, 1, 64] f16, before and in the loop
+    half* const s_kt_stages = PRISM_SHARED_IN(half, 768, 4096, 1, 1);  // tile kt: [1, 1, 64, 16] f16, 2 stages, in the loop
+    float* const s_v2 = PRISM_SHARED_IN(float, 4864, 64, 1, 1);  // value v2: [1, 1, 1, 16] f32, in the loop
+    float* const s_a3_max = PRISM_SHARED_IN(float, 256, 4, 0, 2);  // scratch a3_max: [1, 1, 1, 1] f32, in use throughout
+    float* const s_a3_scale = PRISM_SHARED_IN(float, 4992, 4, 1, 1);  // scratch a3_scale: [1, 1, 1, 1] f32, in the loop
+    float* const s_a3_p = PRISM_SHARED_IN(float, 5120, 64, 1, 1);  // scratch a3_p: [1, 1, 1, 16] f32, in the loop
+    float* const s_a4 = PRISM_SHARED_IN(float, 384, 4, 0, 2);  // state a4: [1, 1, 1, 1] f32, in use throughout
+    half* const s_vt_stages = PRISM_SHARED_IN(half, 5248, 4608, 1, 1);  // tile vt: [1, 1, 16, 64] f16, 2 stages, in the loop
+    float* const s_a6 = PRISM_SHARED_IN(float, 512, 256, 0, 2);  // state a6: [1, 1, 1, 64] f32, in use throughout
 
     // acc_max_last: m starts at -real(INFINITY)
     for (int e = PRISM_TID; e < 1; e += kThreads) {
@@ -51,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     prism::cp_async_wait_all();
     __syncthreads();
 
+    PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 2-stage cp.async pipeline, iteration it + 1 in flight while it computes
     for (int ahead = 0; ahead < 1; ++ahead) {
         // kt = load K[x, y, :, z*loop]  tile [1, 1, 64, 16] of [1, 2, 64, 128]
@@ -147,6 +148,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         }
         __syncthreads();
     }
+    PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     // store M[z, x, y, :, :] = acc_max_last(s)  [1, 1, 1, 1]
     for (int e = PRISM_TID; e < 1; e += kThreads) {
