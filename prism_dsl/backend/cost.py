@@ -10,7 +10,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     math   = per block and iteration, each product by the path that runs it (below), every other op one
              f32 operation per element (row-wise ops three)
     occ    = blocks resident per SM: by shared memory (`layout.smem`), threads, registers (an estimate:
-             REGISTERS_BASE plus a register-tiled product's accumulators) and the block limit
+             REGISTERS_BASE plus every register-tiled product's accumulators and one's fragments) and the
+             block limit
     resident = min(blocks, SMs * occ);  waves = ceil(blocks / resident);  busy = min(blocks, SMs)
 
     Memory, by Little's law: the bandwidth a kernel reaches is the bytes it keeps in flight over the
@@ -162,6 +163,8 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
         work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
         return (0, work) if n in registered or uses_tensor_cores(n.args[0], n.args[1], p, shape) else (work, 0)
     if kind is Kind.ACCUMULATE:  # `flops` per element of its first operand, plus any product it folds
+        if not flash and n.args[0] in registered:  # a register-tiled product: mma.sync adds into the registers
+            return 0, 0
         acc, x = ACCUMULATORS[n.op], shape(n.args[0])
         product = 2 * math.prod(shape(n)) * x[-1] if acc.like == "matmul" else 0
         return acc.flops * math.prod(x) + (0 if flash else product), product if flash else 0
@@ -176,8 +179,9 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     shape = layout(c, config)
     dram, l2, flops, tc = kernel_work(c, hardware, shape)
     blocks = c.blocks()
-    regs = min(255, REGISTERS_BASE + max([t.accumulators + 6 * t.tm + 2 * t.tn for t in shape.registers.values()]
-                                         + [f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0))
+    regs = min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
+               + max([6 * t.tm + 2 * t.tn for t in shape.registers.values()] + [0])  # one product's fragments
+               + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0))
     occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
     resident = min(blocks, hardware.sms * occ)
     waves = math.ceil(blocks / resident)
@@ -330,7 +334,9 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
          threads: int = 128) -> dict[sympy.Symbol, int]:
     """Values for the free kernel parameters that minimise the estimated time; between equal estimates,
     the one that keeps more SMs busy (the model's bandwidth is a ceiling it reaches with few SMs as with
-    many, which the hardware does not promise). Kernels that share a parameter are tuned together; the
+    many, which the hardware does not promise), then the one that reads fewer bytes through L2 (larger
+    tiles: each operand fragment feeds more products, which a model bound by the tensor-core rate alone
+    does not see). Kernels that share a parameter are tuned together; the
     rest one at a time. Every combination of candidate values is tried
     when there are at most MAX_CANDIDATES of them; beyond that, a descent from the best of a few starts
     (every parameter at its smallest, middle or largest candidate) that changes one or two parameters at
@@ -345,21 +351,23 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
         own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()]) for k in group]
         memo: dict = {}
 
-        def time_of(values: tuple[int, ...]) -> tuple[float, int]:
-            """(estimated time, minus the SMs its kernels keep busy): the order parameters are ranked by."""
-            total, busy = 0.0, 0
+        def time_of(values: tuple[int, ...]) -> tuple[float, int, int]:
+            """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2): the
+            order parameters are ranked by."""
+            total, busy, l2 = 0.0, 0, 0
             for k, mine in own:  # a kernel's estimate depends on its own parameters only
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
                     trial = {**binding, **{syms[i]: values[i] for i in mine}}
                     if valid(k, trial, hardware):
                         e = estimate(instantiate(k, trial, hardware), hardware, threads)
-                        memo[key] = (e.time_us, min(e.blocks, hardware.sms))
+                        memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
                     else:
-                        memo[key] = (math.inf, 0)
+                        memo[key] = (math.inf, 0, 0)
                 total += memo[key][0]
                 busy += memo[key][1]
-            return round(total, 3), -busy
+                l2 += memo[key][2]
+            return round(total, 3), -busy, l2
 
         if math.prod(len(c) for c in cands) <= MAX_CANDIDATES:
             best = min(itertools.product(*cands), key=time_of)  # the first of equal ranks: deterministic

@@ -33,7 +33,7 @@ from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_t
 from ..kernels.kernel import loop_varying
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
 from ..kernels.sizes import call, compile_sizes, int_value
-from .warp_mma import Flash, Tiling, flash, tiling
+from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling
 
 DEFAULT_STAGES = 3  # cp.async pipeline depth, at most: 2 overlaps one load with compute, 3 covers latency jitter
 
@@ -155,14 +155,15 @@ def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Ti
         return {}, config.threads
     p = plan(c.kernel)
 
+    products = [acc for acc in c.kernel.body() if acc.op == "acc_sum" and p.place.get(acc.args[0]) is Place.FUSED
+                and tensor_core_operands(*acc.args[0].args, p, c.shape)]
+    share = MAX_ACCUMULATORS // max(1, len(products))  # their accumulators are all live through the loop
+
     def layouts(min_warps: int) -> dict[Node, Tiling]:
         out = {}
-        for acc in c.kernel.body():
-            x = acc.args[0] if acc.op == "acc_sum" else None
-            if x is None or p.place.get(x) is not Place.FUSED or not tensor_core_operands(*x.args, p, c.shape):
-                continue
-            sa, sb = c.shape(x.args[0]), c.shape(x.args[1])
-            if (t := tiling(sa[-2], sb[-1], sa[-1], min_warps)) is not None:
+        for acc in products:
+            sa, sb = c.shape(acc.args[0].args[0]), c.shape(acc.args[0].args[1])
+            if (t := tiling(sa[-2], sb[-1], sa[-1], min_warps, share)) is not None:
                 out[acc] = t
         return out
 

@@ -18,7 +18,8 @@ Two orientations:
 Warps split the output (wm x wn) and, when the output has too few tiles for them, the contraction too (wk):
 each such warp folds its share of every tile's k steps, and the partial sums are added in turn after the
 loop. The accumulators of a warp (tm x tn tiles of 4 floats per thread) are capped at MAX_ACCUMULATORS
-registers, and a layout uses 4 warps, or 8 where 4 cannot hold the output in registers.
+registers, shared equally by the products a kernel holds in registers at once (the two of a gated MLP),
+and a layout uses 4 warps, or 8 where 4 cannot hold the outputs in registers.
 
 Online softmax on tensor cores (`Flash`, FlashAttention-2's dataflow): for scores s = q @ kt folded by
 `acc_softmax_out(s, v)` and `acc_softmax_sum(s)`, each warp owns 16 rows of q (tm blocks of them) and
@@ -105,11 +106,11 @@ def flash(m: int, d: int, n: int, dv: int, outs: int) -> Flash | None:
     return None
 
 
-def tiling(m: int, n: int, k: int, min_warps: int = 4) -> Tiling | None:
+def tiling(m: int, n: int, k: int, min_warps: int = 4, most: int = MAX_ACCUMULATORS) -> Tiling | None:
     """The layout of an m x k @ k x n product over a block's warps, or None when tensor cores cannot take it.
 
-    Among the layouts that fit (accumulators at most MAX_ACCUMULATORS; the fewest block warps, at least
-    `min_warps`, that allow one), the one using most warps, then with fewest warps sharing the
+    Among the layouts that fit (accumulators at most `most`, the product's share of MAX_ACCUMULATORS
+    where a kernel holds several; the fewest block warps, at least `min_warps`, that allow one), the one using most warps, then with fewest warps sharing the
     contraction (each such warp holds a whole copy of its tiles), then with the most mma.sync per ldmatrix."""
     if k % 16 or n % 8:
         return None
@@ -129,7 +130,7 @@ def tiling(m: int, n: int, k: int, min_warps: int = 4) -> Tiling | None:
                     t1, t2 = big[0] // w1 * small[0], big[1] // w2 * small[1]
                     wm, wn = (w1, w2) if orient == "mn" else (w2, w1)
                     t = Tiling(orient, m, n, k, wm, wn, wk, t1, t2, warps)
-                    if t.accumulators > MAX_ACCUMULATORS:
+                    if t.accumulators > most:
                         continue
                     score = (w1 * w2 * wk, -wk, t.mma_per_k / t.ldmatrix_per_k)
                     if key is None or score > key:
