@@ -185,3 +185,18 @@ def test_a_planted_bug_is_reported(path, mutation):
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_every_mutation_applies_to_some_program(mutation):
     assert any(MUTATIONS[mutation][0](k.source, k.grid) for p in PLANTED for k in built(p).kernels)
+
+
+def test_a_buffer_whose_use_is_cut_short_is_reported():
+    """A shared buffer declared as used before the loop only, though the loop reads it (the query tile of
+    attention): on the GPU the loop's tiles may overwrite its bytes by then. The emulation refills it
+    where its declared use ends, so the outputs disagree, and the address sanitizer names the read."""
+    b = built(next(p for p in FUSED if p.stem == "attention"))
+    k = b.kernels[0]
+    src, n = re.subn(r"(PRISM_SHARED_IN\(half, \d+, \d+), 0, 1\);", r"\1, 0, 0);", k.source, count=1)
+    assert n == 1
+    cut = replace(b, kernels=(replace(k, source=src),) + b.kernels[1:])
+    plain = check(cut, None)
+    assert not plain.passed and plain.finding is None  # no finding: NaN outputs
+    found = check(cut, "address").finding
+    assert found and "use-after-poison" in found["message"] and found["where"]
