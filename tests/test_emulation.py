@@ -246,7 +246,7 @@ SHARED_BYTES = """
 def test_buffers_never_in_use_at_once_may_share_bytes(tmp_path):
     body = SHARED_BYTES.replace("FIRST", "1").replace("READ", "u[63 - threadIdx.x]")
     x = np.arange(64.0)
-    for sanitizer in (None,) + emulate.SANITIZERS:
+    for sanitizer in (None, "address"):  # the address sanitizer poisons each buffer outside its phases
         got = run(kernel(body, F32_IO, 1, threads=64), F32_TYPES, {"X": (64,), "Y": (64,)}, {"X": x}, tmp_path,
                   sanitizer=sanitizer)
         assert got.finding is None and list(got.outputs["Y"]) == list(2 * x), sanitizer
