@@ -80,9 +80,6 @@ class Plan:
     def buffer(self, node: Node) -> Buffer:
         return next(b for b in self.buffers if b.node is node and b.role in ("tile", "value"))
 
-    def smem_bytes(self) -> sympy.Expr:
-        return sympy.Add(*[b.bytes + ALIGN for b in self.buffers])
-
 
 # Users that read an element-wise value one element at a time, at most once per element they make
 # (and the accumulators that fold that way: `Accumulator.per_element`).

@@ -67,7 +67,7 @@ def lifetimes(kernel: Kernel) -> dict[str, Lifetime]:
         return read[n]
 
     out: dict[str, Lifetime] = {}
-    for acc, roles in p.state.items():
+    for roles in p.state.values():
         for b in roles.values():
             out[b.name] = (BEFORE, AFTER)
     for roles in p.groups.values():
