@@ -318,6 +318,23 @@ template <int N, bool Trans = false> __device__ __forceinline__ void ldmatrix(ui
 #endif
 }
 
+// Eight adjacent 16-bit elements of shared memory as floats, one 16-byte load (LDS.128): `p` must be 16-byte
+// aligned, as the GPU requires of a vector load (the emulation says where it is not).
+template <class T> __device__ __forceinline__ void load8(float (&out)[8], const T* p PRISM_AT) {
+    static_assert(sizeof(T) == 2, "load8 reads 16-bit elements");
+#if defined(PRISM_CPU)
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+        emu::fail({{at_file, at_line, "load8"}}, "a 16-byte shared-memory load from %p in %s: the address must be "
+                  "16-byte aligned", static_cast<const void*>(p), emu::who(emu::self()).c_str());
+    for (int i = 0; i < 8; ++i) out[i] = to_f(p[i]);
+#else
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const T* const e = reinterpret_cast<const T*>(&v);
+    PRISM_UNROLL
+    for (int i = 0; i < 8; ++i) out[i] = to_f(e[i]);
+#endif
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32: d = a b + c over the warp (T = half or __nv_bfloat16).
 template <class T> __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                                                                 const float (&c)[4] PRISM_AT) {

@@ -91,6 +91,56 @@ def test_generated_code_names_the_program_and_uses_tensor_cores_where_tiles_allo
     assert built.kernels[0].tensor_cores
 
 
+@needs_cxx
+def test_the_gated_products_load_x_once_per_k_step():
+    """A gated MLP's gate and up projections read the same tile of x: one step loads x's fragments once per k
+    step for both mma.sync (at decode, x^T's 8 rows; at 128 x 128 tiles on 8 warps, x's 16-row blocks), with
+    the products after the loop's other steps, and the emulated code still matches the reference."""
+    decode, _ = build_of(ROOT / "programs/fused/rmsnorm_mlp.prism", {"gx": 8}, {"F": 4})
+    src = decode.kernels[0].source
+    assert src.count("prism::ldmatrix<2>(fb[j], s_xt") == 1 and src.count("ldmatrix<4, true>(fa[i]") == 2
+    assert "the 2 products share s_xt's fragments" in src
+    assert src.index("// rms = acc_rms_last(xt)") < src.index("// up = acc_sum((xt @ ut))  [8, 32]: mma.sync")
+    path = ROOT / "programs/fused/swiglu.prism"
+    options = BuildOptions(dims={"n": 128, "d": 512}, grid={"gx": 4}, loop={"F": 8}, archs=())
+    prefill = build(load(path).program(), H100, options)
+    src = prefill.kernels[0].source
+    assert prefill.kernels[0].block == (256, 1, 1) and src.count("ldmatrix<4>(fa[i], s_xt") == 1
+    assert src.count("prism::mma_m16n8k16<half>") == 2
+    check = emulate(prefill, options)
+    assert check.passed, check
+
+
+GEMV = """dims n = 2, k = 256, m = 512
+program gemv(A: f16[n, k], B: f16[k, m]) {
+    kernel mv grid(x = gx) loop(F) {
+        at = load A[:, loop]
+        bt = load B[loop, x]
+        store C[:, x] = acc_sum(at @ bt)
+    }
+    return C
+}
+"""
+
+
+@needs_cxx
+@pytest.mark.parametrize("gx, lanes, sanitizer", [(1, 1, "thread"), (2, 2, "address"), (16, 16, "thread")],
+                         ids=["1-lane", "2-lanes", "16-lanes"])
+def test_a_product_with_too_few_rows_for_tensor_cores_reads_8_columns_per_load(gx, lanes, sanitizer, tmp_path):
+    """Two rows: no mma shape takes them, so each group of lanes computes 8 adjacent outputs from 16-byte
+    loads of the weight tile, the contraction split over the lanes where the outputs are fewer than the
+    threads; the emulated code matches the reference under each sanitizer."""
+    path = tmp_path / "gemv.prism"
+    path.write_text(GEMV)
+    options = BuildOptions(grid={"gx": gx}, loop={"F": 2}, archs=(), sanitize=sanitizer)
+    built = build(load(path).program(), H100, options)
+    src = built.kernels[0].source
+    assert f"8 outputs per {lanes} lane" in src and "prism::load8(w, s_bt + k * " in src and "mma" not in src
+    assert ("prism::shfl_xor(part[c], o)" in src) == (lanes > 1)
+    check = emulate(built, options)
+    assert check.passed, check
+
+
 def test_a_product_computed_on_its_own_stays_on_wmma(tmp_path):
     path = tmp_path / "product.prism"
     path.write_text("""dims n = 64, k = 32, m = 64

@@ -197,6 +197,13 @@ def test_a_misaligned_cp_async_is_reported(tmp_path):
     assert f.kind == "emulation" and "16-byte aligned" in f.message
 
 
+def test_a_misaligned_16_byte_shared_load_is_reported(tmp_path):
+    body = ("    half* const s = PRISM_SHARED(half, 0, 1024);\n    float w[8];\n"
+            "    prism::load8(w, s + threadIdx.x * 8 + 4);\n    g_Y[threadIdx.x] = w[0];")
+    f = finding_of(body, tmp_path)
+    assert f.kind == "emulation" and "16-byte shared-memory load" in f.message and f.where == ("t.cu:9",)
+
+
 def test_f16_atomics_round_each_addition_as_the_gpu_does(tmp_path):
     # Past 2048 the f16 spacing is 2, so 2048 + 1 rounds back to 2048: on a GPU, 2100 blocks each adding 1
     # leave 2048, where adding in float and rounding once would give 2100.
@@ -307,7 +314,10 @@ extern "C" __global__ void t(const half* a, float* out) {
     float c[4] = {0, 0, 0, 0}, d[4], e[4];
     prism::mma_m16n8k16<half>(d, r4, r2, c);
     prism::mma_m16n8k16<__nv_bfloat16>(e, r4, r2, d);
-    for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0];
+    float w[8];
+    prism::load8(w, s + threadIdx.x % 16 * 8);
+    prism::load8(w, reinterpret_cast<const __nv_bfloat16*>(s) + threadIdx.x % 16 * 8);
+    for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0] + w[i] + w[i + 4];
 }
 """
 

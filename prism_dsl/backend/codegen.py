@@ -27,6 +27,7 @@ device memory, `s_` for shared buffers, `r_` and `f_` for registers).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import cache
 
@@ -44,8 +45,8 @@ from ..kernels.position import causal_loop, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, comment, decompose, ident, offset, tensor_name
-from .launch import CodegenConfig, copy_bytes, flash_values, layout, stage_elements, vector_width
-from .tensor_steps import TensorCoreSteps
+from .launch import CodegenConfig, copy_bytes, dot_lanes, flash_values, layout, stage_elements, vector_width
+from .tensor_steps import TensorCoreSteps, shared_operand
 
 __all__ = ["CTYPE", "CodegenConfig", "RenderedKernel", "comment", "ident", "render_kernel"]
 
@@ -227,12 +228,21 @@ class _Emitter(TensorCoreSteps):
         if out_node in self.registers:  # an acc_sum whose product runs register-tiled (sm_80 or later)
             return self.warp_mma(out_node, dst, text)
         plain = self.product(lambda ix: self.read(a, ix), lambda ix: self.read(b, ix), self.shape(a)[-1], shape, dst,
-                             lambda idx: f"{dst}[e]" if accumulate else "real(0)", text)
+                             lambda idx: f"{dst}[e]" if accumulate else "real(0)", text, b)
         mma = self._mma(a, b, shape, dst, accumulate, text)
         return mma | {"plain": plain} if mma else plain
 
-    def product(self, read_a, read_b, length: int, shape, dst: str, start, text: str) -> dict:
-        """dst = start + a @ b over dst's elements, where read_a(idx), read_b(idx), start(idx) are C expressions."""
+    def product(self, read_a, read_b, length: int, shape, dst: str, start, text: str, b: Node | None = None) -> dict:
+        """dst = start + a @ b over dst's elements, where read_a(idx), read_b(idx), start(idx) are C expressions;
+        8 outputs at a time from 16-byte loads of `b` where `launch.dot_lanes` allows ("dot8")."""
+        lanes = dot_lanes(self.c, b, tuple(shape), length, self.threads, self.config) if b is not None else 0
+        lines, idx = decompose("e", shape, "i")
+        if lanes and not re.search(rf"\b{idx[-1]}\b", start(idx)):  # a start read per element of the row
+            buf = self.plan.buffer(b)
+            return {"kind": "dot8", "comment": text, "units": math.prod(shape) // 8, "lanes": lanes, "length": length,
+                    "idx": lines, "a": read_a(idx[:-2] + [idx[-2], "k"]), "start": start(idx), "dst": dst,
+                    "b": f"{self.cname[buf.name]} + {offset(idx[:-2] + ['k', idx[-1]], self.shape(b), self.pad[buf.name])}"}
+
         def body(idx):
             lead, i, j = idx[:-2], idx[-2], idx[-1]
             ra, rb = read_a(lead + [i, "k"]), read_b(lead + ["k", j])
@@ -323,7 +333,7 @@ class _Emitter(TensorCoreSteps):
         if a.like == "matmul":  # its fold is the dot product's start; {row}: the element's row in per-row state
             def start(idx) -> str:
                 return a.cuda_fold[0].format(row=offset(idx[:-1] + ["0"], x[:-1] + (1,)), **names)
-            return self.product(reads[0], reads[1], x[-1], self.shape(acc), names[a.state[-1]], start, text)
+            return self.product(reads[0], reads[1], x[-1], self.shape(acc), names[a.state[-1]], start, text, acc.args[1])
 
         def lines(idx) -> list[str]:
             return [line.format(*[r(idx) for r in reads], **names) for line in a.cuda_fold]
@@ -402,7 +412,8 @@ class _Emitter(TensorCoreSteps):
             elif n.op != "tile" and self.plan.place[n] is Place.SMEM and n not in flashed:
                 (loop_steps if n in varying else invariant).append(self.compute_step(n))
         post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
-        registers = [st for st in _walk(loop_steps) if st["kind"] == "warp_mma"]
+        loop_steps = shared_operand(loop_steps)
+        registers = [p for st in _walk(loop_steps) if st["kind"] == "warp_mma" for p in st["products"]]
         flash = [st for st in _walk(loop_steps) if st["kind"] == "flash"]
         epilogue = [st | {"kind": "warp_mma_store"} for st in registers]
         epilogue += [st | {"kind": "flash_store"} for st in flash]

@@ -18,8 +18,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     latency, at most the achievable share of the peak:
         flight = per SM, the loop tiles of every resident block (stages - 1 iterations of them when the
                  loop is pipelined, one otherwise); the once-loaded tiles and stores count as one tile
-        bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency)
-        t_mem  = max(dram / bw, l2 / l2 bandwidth)
+        fill   = busy * SM_FILL_BYTES_PER_CLOCK * clock: what the busy SMs can take in at all
+        bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency, fill)
+        t_mem  = max(dram / bw, l2 / min(l2 bandwidth, fill))
 
     Math, per path (each a rate for the whole GPU, scaled by busy / SMs):
         register-tiled mma.sync   min(peak * MMA_SYNC_REACH * min(1, warps * occ / SUBPARTITIONS),
@@ -28,6 +29,7 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
             its exp and rescaling are f32 work)
         wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
         plain f32 dot products and element-wise work   f32 peak * SCALAR_REACH
+        plain dot products reading 8 columns per 16-byte load ("dot8")   f32 peak * VECTOR_REACH
 
     Phases: a pipelined loop overlaps its copies with its math (time = max of the two), and so do two or
     more resident blocks; a lone unpipelined block per SM waits for every tile before computing
@@ -40,17 +42,26 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   HBM3 peak; the hardware file's `bandwidth_gbs` is the measured copy bandwidth.
 - dram_latency_ns (hardware file, H100 600): loaded DRAM latency on Hopper in microbenchmark studies is
   roughly 500-700 ns; 3.35 TB/s over 600 ns needs about 2 MB in flight, 15 KB per SM.
+- SM_FILL_BYTES_PER_CLOCK = 64: the bytes per clock one SM's L1 takes in from L2. A100's whitepaper gives
+  its L2 read bandwidth as 5120 bytes per clock for 108 SMs (47 each), so an SM's own path is at least that
+  and is taken here as 64: about 112 GB/s per SM at 1.75 GHz. It binds where few SMs are busy: 16 blocks
+  stream at most 1.8 TB/s, however many bytes each keeps in flight, while 132 SMs (14.8 TB/s) are bound by
+  the HBM and L2 figures instead.
 - MMA_SYNC_REACH = 0.5: `mma.sync` cannot issue fast enough to reach the sm_90 dense peak (989 TFLOP/s
   f16); FlashAttention-2, built on it, runs at 350-400 TFLOP/s on H100, FlashAttention-3 with `wgmma`
   at 600-750.
 - smem bandwidth: 128 bytes per clock per SM at 1.75 GHz (about 30 TB/s for the GPU); a warp tile of
-  tm x tn instruction tiles moves (256 tm + 128 tn) * 2 bytes by ldmatrix per k step for 4096 tm tn flops.
+  tm x tn instruction tiles moves (256 tm + 128 tn) * 2 bytes by ldmatrix per k step for 4096 tm tn flops,
+  the left operand's share divided among the products that load its fragments once (a gated MLP's two).
 - SUBPARTITIONS = 4: an SM issues from 4 warp schedulers, each with its own tensor-core unit; a warp
   runs on one, so fewer than 4 computing warps per SM leave the rest of the peak idle.
 - WMMA_REACH = 0.04: the wmma path reloads and stores its accumulator in shared memory every k step and
   its 256-512-byte row strides conflict 8 ways: about 30-40 TFLOP/s as generated.
 - SCALAR_REACH = 0.2: a plain dot product issues 2 shared loads and 2 conversions per FFMA: about 12 of
   the 60 TFLOP/s f32 peak.
+- VECTOR_REACH = 0.4: read from the SASS of "dot8" (nvcc 13, sm_90): its unrolled inner loop issues 32
+  FFMA among 79-83 instructions (one HADD2.F32 conversion per 16-bit element, 8 LDS of which 4 are
+  16-byte), so FFMA takes 0.4 of the issue slots; the shuffles that add the lanes' parts come after it.
 It is meant to rank, not to predict to the microsecond. `roofline` is the floor no program beats:
 max(bytes / peak bandwidth, flops / peak) with bytes = the inputs read once and the outputs written once
 and flops = every product's, those inside custom kernels included.
@@ -58,6 +69,7 @@ and flops = every product's, those inside custom kernels included.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from dataclasses import dataclass
@@ -65,7 +77,7 @@ from typing import Mapping
 
 import sympy
 
-from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
+from .launch import CodegenConfig, Layout, blocks_per_sm, dot_lanes, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
 from ..ir.nodes import DType, Node, Program
@@ -82,7 +94,9 @@ BANDWIDTH_REACH = 0.9
 MMA_SYNC_REACH = 0.5
 WMMA_REACH = 0.04
 SCALAR_REACH = 0.2
+VECTOR_REACH = 0.4
 SMEM_BYTES_PER_CLOCK = 128  # per SM
+SM_FILL_BYTES_PER_CLOCK = 64  # per SM, from L2 into its L1
 CLOCK_GHZ = 1.75
 REGISTERS_BASE = 64  # registers per thread besides a register-tiled product's accumulators and fragments
 SUBPARTITIONS = 4  # warp schedulers (and tensor-core units) per SM: one warp keeps at most one busy
@@ -105,11 +119,13 @@ class Estimate:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> tuple[int, int, int, int]:
-    """(dram bytes, l2 bytes, f32 flops, tensor-core flops) of one launch of `c`, laid out as `laid` (by
-    default as the default `CodegenConfig` lays it out)."""
+def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
+                config: CodegenConfig = CodegenConfig()) -> tuple[int, int, int, int, int]:
+    """(dram bytes, l2 bytes, f32 flops, tensor-core flops, the part of the f32 flops in products that read
+    their right operand 8 columns at a time) of one launch of `c`, laid out as `laid` (by default as
+    `config` lays it out)."""
     k = c.kernel
-    laid = laid or layout(c, CodegenConfig())
+    laid = laid or layout(c, config)
     registered = {acc.args[0] for acc in laid.registers} | set(laid.flash)  # products on mma.sync
     shape = c.shape
     blocks, loop = c.blocks(), iterations(c)
@@ -131,7 +147,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
         dram += out * (summed if store.add else 1)
     p = plan(k)
     after = after_loop(k.body())
-    flops = tc = 0
+    flops = tc = vec = 0
     # Values made once: after the loop, or before it from tiles it does not split (and the values evaluated
     # in place where only those read them); the rest every iteration.
     once: set[Node] = set()
@@ -147,7 +163,19 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None) -> 
         f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
         flops += f * times
         tc += t * times
-    return dram, l2, round(flops), round(tc)
+        vec += _vector_flops(c, n, f, laid.threads, config) * times
+    return dram, l2, round(flops), round(tc), round(vec)
+
+
+def _vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenConfig) -> int:
+    """Of a node's f32 flops, those of a plain product that `codegen` writes as "dot8" (`launch.dot_lanes`)."""
+    kind, shape = OPS[n.op].kind, c.shape
+    if not f32 or not n.args or len(n.args) < 2:
+        return 0
+    if kind is Kind.MATMUL or (kind is Kind.ACCUMULATE and ACCUMULATORS[n.op].like == "matmul"):
+        work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
+        return work if work <= f32 and dot_lanes(c, n.args[1], shape(n), shape(n.args[0])[-1], threads, config) else 0
+    return 0
 
 
 def iterations(c: Concrete) -> float:
@@ -177,7 +205,7 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
 def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None) -> Estimate:
     config = config or CodegenConfig(threads=threads, smem_limit=hardware.smem_per_block)
     shape = layout(c, config)
-    dram, l2, flops, tc = kernel_work(c, hardware, shape)
+    dram, l2, flops, tc, vec = kernel_work(c, hardware, shape, config)
     blocks = c.blocks()
     regs = min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
                + max([6 * t.tm + 2 * t.tn for t in shape.registers.values()] + [0])  # one product's fragments
@@ -189,9 +217,10 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     share = busy / hardware.sms
     us = 1e6
     flight = math.ceil(resident / busy) * _bytes_in_flight(c, shape)
-    bandwidth = min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9))
-    t_mem = max(dram / bandwidth, l2 / (hardware.l2_bandwidth_gbs * 1e9)) * us
-    t_math = _math_seconds(c, shape, hardware, flops, tc, occ) * us / share
+    fill = busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9
+    bandwidth = min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9), fill)
+    t_mem = max(dram / bandwidth, l2 / min(hardware.l2_bandwidth_gbs * 1e9, fill)) * us
+    t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec) * us / share
     overlaps = shape.stages > 1 or math.ceil(resident / busy) > 1
     t_loop = 0.0 if shape.stages > 1 else waves * iterations(c) * hardware.iteration_latency_us
     terms = {"memory": t_mem, "math": t_math, "loop": t_loop}
@@ -213,8 +242,10 @@ def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
     return max(1, looped * max(1, shape.stages - 1) if looped else max((b for _, b in sizes), default=16))
 
 
-def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1) -> float:
-    """Seconds of math on the whole GPU: each product by its path, the rest as f32 work."""
+def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,
+                  vec: int = 0) -> float:
+    """Seconds of math on the whole GPU: each product by its path, the rest as f32 work (`vec` of it in
+    products that read 8 columns per 16-byte load)."""
     k = c.kernel
     dtype = next((n.dtype.value for n in k.inputs if n.dtype in (DType.F16, DType.BF16)), "f16")
     peak = hardware.peak_tflops[dtype] * 1e12
@@ -229,9 +260,12 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         busy = min(1.0, warps * occ / SUBPARTITIONS)
         return work / min(peak * MMA_SYNC_REACH * busy, smem * flops_per_byte)
 
+    sharing = collections.Counter((acc.args[0].args[0], t) for acc, t in shape.registers.items())
     for acc, t in shape.registers.items():
         work = 2 * math.prod(c.shape(acc)) * c.shape(acc.args[0].args[0])[-1] * times
-        seconds += mma_sync(work, t.wm * t.wn * t.wk, 4096 * t.tm * t.tn / ((256 * t.tm + 128 * t.tn) * 2))
+        p = sharing[acc.args[0].args[0], t]  # products on the same fragments of a (`tensor_steps.shared_operand`)
+        x4, pairs = (512 * t.tm / p, 256 * t.tn) if t.orient == "mn" else (512 * t.tm, 256 * t.tn / p)
+        seconds += mma_sync(work, t.wm * t.wn * t.wk, 4096 * t.tm * t.tn / (x4 + pairs))
         registered += work
     for f in shape.flash.values():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
@@ -239,7 +273,8 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         seconds += mma_sync(pv, f.warps, 16.0 * f.tm)
         registered += qk + pv
     seconds += (tc - registered) / (peak * WMMA_REACH)
-    return seconds + flops / (hardware.peak_tflops["f32"] * 1e12 * SCALAR_REACH)
+    f32 = hardware.peak_tflops["f32"] * 1e12
+    return seconds + (flops - vec) / (f32 * SCALAR_REACH) + vec / (f32 * VECTOR_REACH)
 
 
 def roofline(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> dict:

@@ -97,8 +97,10 @@ def loops(sass: str) -> list[Loop]:
 
 
 def hot_loop(sass: str) -> Loop | None:
-    """The main loop: the one with the most HMMA, then the most LDGSTS and FFMA together (ties: the
-    longest); None without loops. (An epilogue's FFMA loop must not outrank the tensor-core loop.)"""
+    """The main loop: the one with the most HMMA, then the most LDGSTS, then FFMA (ties: the longest); None
+    without loops. (An epilogue's FFMA loop must not outrank the tensor-core loop, nor a branch back into
+    the middle of the loop body from the code after it, which ptxas may lay out beside the pipelined loop
+    and which holds its HMMA but not its copies.)"""
     found = loops(sass)
-    key = lambda l: (l.counts["HMMA"], l.counts["LDGSTS"] + l.counts["FFMA"], l.instructions)  # noqa: E731
+    key = lambda l: (l.counts["HMMA"], l.counts["LDGSTS"], l.counts["FFMA"], l.instructions)  # noqa: E731
     return max(found, key=key, default=None)

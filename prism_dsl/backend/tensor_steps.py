@@ -5,7 +5,9 @@ its own shape in templates/steps.j2 and its own layout decision in `launch`:
 
 - "mma": a product into a shared buffer on wmma tiles, one warp per output tile (`launch.mma_shape`);
 - "warp_mma": a loop's `acc_sum(a @ b)` with the accumulators in registers for the whole loop
-  (`warp_mma.Tiling`), written to its state after the loop ("warp_mma_store");
+  (`warp_mma.Tiling`), written to its state after the loop ("warp_mma_store"); those with the
+  same left operand and layout become one step at the end of the loop body (`shared_operand`), which
+  loads that operand's fragments once for all of them;
 - "flash": online softmax over scores s = q @ kt (or causal(q @ kt), masked there), the scores, their
   exp and every state in registers
   and `p @ v` fed to the next mma from registers (`warp_mma.Flash`, FlashAttention-2's dataflow), the
@@ -60,9 +62,10 @@ class TensorCoreSteps:
         a, b = acc.args[0].args
         ba = self.plan.buffer(a)
         self.tensor_core_steps += 1
-        return {"kind": "warp_mma", "comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst,
-                "a": self.cname[ba.name], "ab": CTYPE[ba.dtype], "lda": self.shape(a)[-1] + self.pad[ba.name],
-                **self._right(b)}
+        product = {"comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst,
+                   "a": self.cname[ba.name], "ab": CTYPE[ba.dtype], "lda": self.shape(a)[-1] + self.pad[ba.name],
+                   **self._right(b)}
+        return {"kind": "warp_mma", **product, "products": [product]}
 
     def flash(self, s: Node) -> dict:
         """Online softmax over s = q @ kt with s, p and the states in registers (`warp_mma.Flash`), for every
@@ -85,3 +88,18 @@ class TensorCoreSteps:
                 "kt": right["bt"], "causal": self.causal_fragment(s) if s is not m else None,
                 "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
                 "m": self.cname[self.plan.groups[s]["m"].name]}
+
+
+def shared_operand(steps: list[dict]) -> list[dict]:
+    """A loop body with its register-tiled products last, and those that read the same left operand with the
+    same layout (a gated MLP's gate and up projections of one tile of x) as one step whose "products" run on
+    the same fragments of `a`. The order is free: such a product writes only its registers, which no step
+    of the loop reads, and every buffer it reads was written by an earlier step or load."""
+    out = [st for st in steps if st["kind"] != "warp_mma"]
+    for st in (st for st in steps if st["kind"] == "warp_mma"):
+        prev = out[-1] if out else None
+        if prev is not None and prev["kind"] == "warp_mma" and all(prev[f] == st[f] for f in ("a", "lda", "ab", "t")):
+            out[-1] = prev | {"products": prev["products"] + st["products"]}
+        else:
+            out.append(st)
+    return out

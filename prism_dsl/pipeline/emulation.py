@@ -38,7 +38,7 @@ def work(built) -> float:
     """What emulating every block of every kernel costs, in the units of WHOLE_GRID_WORK."""
     total = 0.0
     for k in kernels_of(built.program):
-        _, l2, flops, tc = cost.kernel_work(built.concrete[k.name], built.hardware)
+        _, l2, flops, tc, _ = cost.kernel_work(built.concrete[k.name], built.hardware)
         total += flops + tc + l2
     return total
 

@@ -93,12 +93,32 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         __syncthreads();
         half* const s_kt = s_kt_stages + it % 2 * 1024;
         half* const s_vt = s_vt_stages + it % 2 * 1152;
-        // s = (qt @ kt)  [1, 1, 1, 16]
-        for (int e = PRISM_TID; e < 16; e += kThreads) {
+        // s = (qt @ kt)  [1, 1, 1, 16]: 8 outputs per 16 lanes, 16-byte loads
+        for (int u0 = 0; u0 < 2; u0 += kThreads / 16) {
+            const int u = u0 + PRISM_TID / 16, e = (u < 2 ? u : 0) * 8;
             const int i3 = e;
-            real dot = real(0);
-            for (int k = 0; k < 64; ++k) dot += prism::to_f(s_qt[k]) * prism::to_f(s_kt[k * 16 + i3]);
-            s_v2[e] = dot;
+            real part[8] = {};
+            if (u < 2) {
+                for (int k = PRISM_TID % 16; k < 64; k += 16) {
+                    float w[8];
+                    prism::load8(w, s_kt + k * 16 + i3);
+                    const real x = prism::to_f(s_qt[k]);
+                    PRISM_UNROLL
+                    for (int c = 0; c < 8; ++c) part[c] += x * w[c];
+                }
+            }
+            PRISM_UNROLL
+            for (int c = 0; c < 8; ++c)
+                PRISM_UNROLL
+                for (int o = 8; o > 0; o >>= 1) part[c] += prism::shfl_xor(part[c], o);
+            if (u < 2 && PRISM_TID % 16 == 0) {
+                const int e8 = e;
+                PRISM_UNROLL
+                for (int c = 0; c < 8; ++c) {
+                    const int e = e8 + c;
+                    s_v2[e] = real(0) + part[c];
+                }
+            }
         }
         __syncthreads();
         // online softmax over s: running row max, rescaling factor
@@ -139,12 +159,32 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             }
         }
         __syncthreads();
-        // acc_softmax_out(s, vt)  [1, 1, 1, 64]
-        for (int e = PRISM_TID; e < 64; e += kThreads) {
+        // acc_softmax_out(s, vt)  [1, 1, 1, 64]: 8 outputs per 4 lanes, 16-byte loads
+        for (int u0 = 0; u0 < 8; u0 += kThreads / 4) {
+            const int u = u0 + PRISM_TID / 4, e = (u < 8 ? u : 0) * 8;
             const int i3 = e;
-            real dot = s_a6[e] * s_a3_scale[0];
-            for (int k = 0; k < 16; ++k) dot += s_a3_p[k] * prism::to_f(s_vt[k * 72 + i3]);
-            s_a6[e] = dot;
+            real part[8] = {};
+            if (u < 8) {
+                for (int k = PRISM_TID % 4; k < 16; k += 4) {
+                    float w[8];
+                    prism::load8(w, s_vt + k * 72 + i3);
+                    const real x = s_a3_p[k];
+                    PRISM_UNROLL
+                    for (int c = 0; c < 8; ++c) part[c] += x * w[c];
+                }
+            }
+            PRISM_UNROLL
+            for (int c = 0; c < 8; ++c)
+                PRISM_UNROLL
+                for (int o = 2; o > 0; o >>= 1) part[c] += prism::shfl_xor(part[c], o);
+            if (u < 8 && PRISM_TID % 4 == 0) {
+                const int e8 = e;
+                PRISM_UNROLL
+                for (int c = 0; c < 8; ++c) {
+                    const int e = e8 + c;
+                    s_a6[e] = s_a6[e] * s_a3_scale[0] + part[c];
+                }
+            }
         }
         __syncthreads();
     }

@@ -82,33 +82,6 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         __syncthreads();
         half* const s_xt = s_xt_stages + it % 3 * 576;
         half* const s_wt = s_wt_stages + it % 3 * 4608;
-        #if PRISM_TENSOR_CORES
-        // acc = acc_sum((xt @ wt))  [8, 64]: mma.sync m16n8k16 (C^T), 1x4 warps, accumulators in registers
-        if (PRISM_TID / PRISM_WARP < 4) {
-            const int lane = PRISM_TID % PRISM_WARP, warp = PRISM_TID / PRISM_WARP;
-            const int wr = warp / 4 * 8;
-            const int wc = warp / 1 % 4 * 16;
-            const int kq = warp % 1;
-            PRISM_UNROLL
-            for (int s = 0; s < 4; ++s) {
-                const int kk = (kq * 4 + s) * 16;
-                uint32_t fa[1][4], fb[1][2];
-                PRISM_UNROLL
-                for (int i = 0; i < 1; ++i)  // B^T: B rows kk ..., columns wc + 16 i ...
-                    prism::ldmatrix<4, true>(fa[i], s_wt + (kk + lane / 16 * 8 + lane % 8) * 72 + wc + i * 16 + lane / 8 % 2 * 8);
-                PRISM_UNROLL
-                for (int j = 0; j < 1; ++j)  // A^T: A rows wr + 8 j ..., columns kk ...
-                    prism::ldmatrix<2>(fb[j], s_xt + (wr + j * 8 + lane % 8) * 72 + kk + lane / 8 % 2 * 8);
-                PRISM_UNROLL
-                for (int i = 0; i < 1; ++i)
-                    PRISM_UNROLL
-                    for (int j = 0; j < 1; ++j) prism::mma_m16n8k16<half>(r_a3[i][j], fa[i], fb[j], r_a3[i][j]);
-            }
-        }
-        #elif defined(__CUDA_ARCH__)
-        #error "this kernel keeps a product's accumulators in tensor-core registers (sm_80 or later); prismc --no-tensor-cores writes a form for older GPUs"
-        #endif
-        __syncthreads();
         // m = acc_mean_last(xt)  [8, 1]
         {
             const int lane = PRISM_TID % PRISM_WARP;
@@ -161,6 +134,36 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
                 }
             }
         }
+        __syncthreads();
+        #if PRISM_TENSOR_CORES
+        // acc = acc_sum((xt @ wt))  [8, 64]: mma.sync m16n8k16 (C^T), 1x4 warps, accumulators in registers
+        if (PRISM_TID / PRISM_WARP < 4) {
+            const int lane = PRISM_TID % PRISM_WARP, warp = PRISM_TID / PRISM_WARP;
+            const int wr = warp / 4 * 8;
+            const int wc = warp / 1 % 4 * 16;
+            const int kq = warp % 1;
+            PRISM_UNROLL
+            for (int s = 0; s < 4; ++s) {
+                const int kk = (kq * 4 + s) * 16;
+                uint32_t fb[1][2];
+                PRISM_UNROLL
+                for (int j = 0; j < 1; ++j)  // A^T: A rows wr + 8 j ..., columns kk ...
+                    prism::ldmatrix<2>(fb[j], s_xt + (wr + j * 8 + lane % 8) * 72 + kk + lane / 8 % 2 * 8);
+                {
+                    uint32_t fa[1][4];
+                    PRISM_UNROLL
+                    for (int i = 0; i < 1; ++i)  // B^T: B rows kk ..., columns wc + 16 i ...
+                        prism::ldmatrix<4, true>(fa[i], s_wt + (kk + lane / 16 * 8 + lane % 8) * 72 + wc + i * 16 + lane / 8 % 2 * 8);
+                    PRISM_UNROLL
+                    for (int i = 0; i < 1; ++i)
+                        PRISM_UNROLL
+                        for (int j = 0; j < 1; ++j) prism::mma_m16n8k16<half>(r_a3[i][j], fa[i], fb[j], r_a3[i][j]);
+                }
+            }
+        }
+        #elif defined(__CUDA_ARCH__)
+        #error "this kernel keeps a product's accumulators in tensor-core registers (sm_80 or later); prismc --no-tensor-cores writes a form for older GPUs"
+        #endif
         __syncthreads();
     }
     PRISM_PHASE(2);  // after the loop: its buffers are free from here

@@ -73,17 +73,20 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
             PRISM_UNROLL
             for (int s = 0; s < 8; ++s) {
                 const int kk = (kq * 8 + s) * 16;
-                uint32_t fa[1][4], fb[1][2];
-                PRISM_UNROLL
-                for (int i = 0; i < 1; ++i)  // B^T: B rows kk ..., columns wc + 16 i ...
-                    prism::ldmatrix<4, true>(fa[i], s_w2_1 + (kk + lane / 16 * 8 + lane % 8) * 72 + wc + i * 16 + lane / 8 % 2 * 8);
+                uint32_t fb[1][2];
                 PRISM_UNROLL
                 for (int j = 0; j < 1; ++j)  // A^T: A rows wr + 8 j ..., columns kk ...
                     prism::ldmatrix<2>(fb[j], s_h_0 + (wr + j * 8 + lane % 8) * 136 + kk + lane / 8 % 2 * 8);
-                PRISM_UNROLL
-                for (int i = 0; i < 1; ++i)
+                {
+                    uint32_t fa[1][4];
                     PRISM_UNROLL
-                    for (int j = 0; j < 1; ++j) prism::mma_m16n8k16<half>(r_a3[i][j], fa[i], fb[j], r_a3[i][j]);
+                    for (int i = 0; i < 1; ++i)  // B^T: B rows kk ..., columns wc + 16 i ...
+                        prism::ldmatrix<4, true>(fa[i], s_w2_1 + (kk + lane / 16 * 8 + lane % 8) * 72 + wc + i * 16 + lane / 8 % 2 * 8);
+                    PRISM_UNROLL
+                    for (int i = 0; i < 1; ++i)
+                        PRISM_UNROLL
+                        for (int j = 0; j < 1; ++j) prism::mma_m16n8k16<half>(r_a3[i][j], fa[i], fb[j], r_a3[i][j]);
+                }
             }
         }
         #elif defined(__CUDA_ARCH__)

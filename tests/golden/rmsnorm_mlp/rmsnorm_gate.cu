@@ -92,33 +92,6 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
         half* const s_xt = s_xt_stages + it % 3 * 576;
         half* const s_ut = s_ut_stages + it % 3 * 2560;
         half* const s_gt = s_gt_stages + it % 3 * 2560;
-        #if PRISM_TENSOR_CORES
-        // up = acc_sum((xt @ ut))  [8, 32]: mma.sync m16n8k16 (C^T), 1x2x2 warps, accumulators in registers
-        if (PRISM_TID / PRISM_WARP < 4) {
-            const int lane = PRISM_TID % PRISM_WARP, warp = PRISM_TID / PRISM_WARP;
-            const int wr = warp / 4 * 8;
-            const int wc = warp / 2 % 2 * 16;
-            const int kq = warp % 2;
-            PRISM_UNROLL
-            for (int s = 0; s < 2; ++s) {
-                const int kk = (kq * 2 + s) * 16;
-                uint32_t fa[1][4], fb[1][2];
-                PRISM_UNROLL
-                for (int i = 0; i < 1; ++i)  // B^T: B rows kk ..., columns wc + 16 i ...
-                    prism::ldmatrix<4, true>(fa[i], s_ut + (kk + lane / 16 * 8 + lane % 8) * 40 + wc + i * 16 + lane / 8 % 2 * 8);
-                PRISM_UNROLL
-                for (int j = 0; j < 1; ++j)  // A^T: A rows wr + 8 j ..., columns kk ...
-                    prism::ldmatrix<2>(fb[j], s_xt + (wr + j * 8 + lane % 8) * 72 + kk + lane / 8 % 2 * 8);
-                PRISM_UNROLL
-                for (int i = 0; i < 1; ++i)
-                    PRISM_UNROLL
-                    for (int j = 0; j < 1; ++j) prism::mma_m16n8k16<half>(r_a3[i][j], fa[i], fb[j], r_a3[i][j]);
-            }
-        }
-        #elif defined(__CUDA_ARCH__)
-        #error "this kernel keeps a product's accumulators in tensor-core registers (sm_80 or later); prismc --no-tensor-cores writes a form for older GPUs"
-        #endif
-        __syncthreads();
         // rms = acc_rms_last(xt)  [8, 1]
         {
             const int lane = PRISM_TID % PRISM_WARP;
@@ -136,7 +109,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
         }
         __syncthreads();
         #if PRISM_TENSOR_CORES
+        // up = acc_sum((xt @ ut))  [8, 32]: mma.sync m16n8k16 (C^T), 1x2x2 warps, accumulators in registers
         // gate = acc_sum((xt @ gt))  [8, 32]: mma.sync m16n8k16 (C^T), 1x2x2 warps, accumulators in registers
+        // the 2 products share s_xt's fragments: loaded once per k step
         if (PRISM_TID / PRISM_WARP < 4) {
             const int lane = PRISM_TID % PRISM_WARP, warp = PRISM_TID / PRISM_WARP;
             const int wr = warp / 4 * 8;
@@ -145,17 +120,30 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
             PRISM_UNROLL
             for (int s = 0; s < 2; ++s) {
                 const int kk = (kq * 2 + s) * 16;
-                uint32_t fa[1][4], fb[1][2];
-                PRISM_UNROLL
-                for (int i = 0; i < 1; ++i)  // B^T: B rows kk ..., columns wc + 16 i ...
-                    prism::ldmatrix<4, true>(fa[i], s_gt + (kk + lane / 16 * 8 + lane % 8) * 40 + wc + i * 16 + lane / 8 % 2 * 8);
+                uint32_t fb[1][2];
                 PRISM_UNROLL
                 for (int j = 0; j < 1; ++j)  // A^T: A rows wr + 8 j ..., columns kk ...
                     prism::ldmatrix<2>(fb[j], s_xt + (wr + j * 8 + lane % 8) * 72 + kk + lane / 8 % 2 * 8);
-                PRISM_UNROLL
-                for (int i = 0; i < 1; ++i)
+                {
+                    uint32_t fa[1][4];
                     PRISM_UNROLL
-                    for (int j = 0; j < 1; ++j) prism::mma_m16n8k16<half>(r_a8[i][j], fa[i], fb[j], r_a8[i][j]);
+                    for (int i = 0; i < 1; ++i)  // B^T: B rows kk ..., columns wc + 16 i ...
+                        prism::ldmatrix<4, true>(fa[i], s_ut + (kk + lane / 16 * 8 + lane % 8) * 40 + wc + i * 16 + lane / 8 % 2 * 8);
+                    PRISM_UNROLL
+                    for (int i = 0; i < 1; ++i)
+                        PRISM_UNROLL
+                        for (int j = 0; j < 1; ++j) prism::mma_m16n8k16<half>(r_a3[i][j], fa[i], fb[j], r_a3[i][j]);
+                }
+                {
+                    uint32_t fa[1][4];
+                    PRISM_UNROLL
+                    for (int i = 0; i < 1; ++i)  // B^T: B rows kk ..., columns wc + 16 i ...
+                        prism::ldmatrix<4, true>(fa[i], s_gt + (kk + lane / 16 * 8 + lane % 8) * 40 + wc + i * 16 + lane / 8 % 2 * 8);
+                    PRISM_UNROLL
+                    for (int i = 0; i < 1; ++i)
+                        PRISM_UNROLL
+                        for (int j = 0; j < 1; ++j) prism::mma_m16n8k16<half>(r_a8[i][j], fa[i], fb[j], r_a8[i][j]);
+                }
             }
         }
         #elif defined(__CUDA_ARCH__)
