@@ -28,7 +28,9 @@ ALL = FUSED + PROGRAMS
 REPEATS = {"rmsnorm_mlp", "swiglu", "qk_norm_attention", "gqa", "lora", "ntrans", "llama_qkv", "gqa_decode"}
 # The hand-written causal kernel is attention's online softmax in registers with a mask and RoPE steps: the
 # mutations (generic edits of barriers, copies, indices) have fused/attention's kernel to catch them in.
-PLANTED = [p for p in FUSED if p.stem != "causal_attention"] + [p for p in PROGRAMS if p.stem not in REPEATS]
+# fused/swiglu's kernel is fused/rmsnorm_mlp's (the gated products on shared fragments) without the row sums.
+PLANTED = ([p for p in FUSED if p.stem not in ("causal_attention", "swiglu")]
+           + [p for p in PROGRAMS if p.stem not in REPEATS])
 # Both sanitizers on every hand-written kernel and every program whose kernels are of a kind no other has;
 # AddressSanitizer alone on the repeats (ThreadSanitizer finds races in barrier placement, which is the
 # same code for every kernel of a kind).

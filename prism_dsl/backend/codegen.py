@@ -237,7 +237,8 @@ class _Emitter(TensorCoreSteps):
         8 outputs at a time from 16-byte loads of `b` where `launch.dot_lanes` allows ("dot8")."""
         lanes = dot_lanes(self.c, b, tuple(shape), length, self.threads, self.config) if b is not None else 0
         lines, idx = decompose("e", shape, "i")
-        if lanes and not re.search(rf"\b{idx[-1]}\b", start(idx)):  # a start read per element of the row
+        # dot8 computes the index of the first of its 8 outputs only: a start that reads the column keeps the scalar form
+        if lanes and not re.search(rf"\b{idx[-1]}\b", start(idx)):
             buf = self.plan.buffer(b)
             return {"kind": "dot8", "comment": text, "units": math.prod(shape) // 8, "lanes": lanes, "length": length,
                     "idx": lines, "a": read_a(idx[:-2] + [idx[-2], "k"]), "start": start(idx), "dst": dst,
