@@ -189,8 +189,8 @@ def dot_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, thr
     """Lanes per 8 adjacent outputs of a product on the plain path that reads its right operand `b` 8 columns
     at a time (one 16-byte shared-memory load for 8 FMAs, `prism::load8`), or 0 where it cannot: b must be a
     loaded 16-bit tile of the product's own columns and contraction, with rows (padded) a multiple of 16
-    bytes. Where the outputs are fewer than the threads, up to 32 lanes (a power of two, at most the
-    contraction's length) share each group's contraction and add their parts by shuffles, as many as keep each lane's shuffles below its FMAs."""
+    bytes. Where the outputs are fewer than the threads, up to 32 lanes (a power of two) share each group's
+    contraction and add their parts by shuffles, no more than keep each lane's shuffles below its FMAs."""
     if not config.vector_loads or b.op != "tile":
         return 0
     buf, sb = plan(c.kernel).buffer(b), c.shape(b)
