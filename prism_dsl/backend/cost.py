@@ -174,6 +174,7 @@ def _vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenC
         return 0
     if kind is Kind.MATMUL or (kind is Kind.ACCUMULATE and ACCUMULATORS[n.op].like == "matmul"):
         work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
+        # work > f32: online softmax's product, counted on tensor cores, not among the f32 flops
         return work if work <= f32 and dot_lanes(c, n.args[1], shape(n), shape(n.args[0])[-1], threads, config) else 0
     return 0
 
