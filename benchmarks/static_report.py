@@ -1,6 +1,6 @@
 """The static performance report: for each workload at decode and prefill shapes, the program `prismc compile`
 chooses, and for each of its kernels what the compiled code does, read from its SASS (sm_90): the hot loop's
-instruction mix (HMMA, LDSM, LDGSTS, FFMA, LDS, BAR), registers, spills, shared memory, blocks per SM, the
+instruction mix (HMMA, HGMMA, LDSM, LDGSTS, FFMA, LDS, BAR), registers, spills, shared memory, blocks per SM, the
 cost model's estimate and the roofline floor. No GPU is needed; nvcc and cuobjdump are (cuobjdump from the
 `sass` extra: pip install -e ".[sass]").
 
@@ -40,20 +40,20 @@ WORKLOADS = [  # (name, program, dims)
     ("causal_attention prefill", "causal_attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
     ("gqa_decode", "gqa_decode", "b=1,hk=8,g=4,kv=4096,dh=128"),
 ]
-MIX = ("HMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "BAR")
+MIX = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "BAR")
 
 
 def kernel_rows(out: Path, report: dict) -> list[str]:
     rows = []
     for k in report["kernels"]:
         cubin = out / (k["file"][:-3] + ".cubin")
-        done = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90", *NVCC_OPTIONS, "-o", str(cubin), k["file"]],
+        done = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90a", *NVCC_OPTIONS, "-o", str(cubin), k["file"]],
                               cwd=out, capture_output=True, text=True)
         listing = sass.disassemble(cubin) if done.returncode == 0 else ""
         loop = sass.hot_loop(listing) if listing else None
         counts, mark = (loop.counts if loop else None), ""
         whole = sass.count(sass.instructions(listing)[0]) if listing else None
-        if whole and whole["HMMA"] and not (loop and loop.counts["HMMA"]):
+        if whole and whole["HMMA"] + whole["HGMMA"] and not (loop and loop.counts["HMMA"] + loop.counts["HGMMA"]):
             counts, mark = whole, " (whole kernel: nvcc unrolled its loops)"  # no backward branch holds the HMMA
         mix = " / ".join(str(counts[c]) for c in MIX) + mark if counts else "no loop"
         per = f"{counts['HMMA'] / counts['LDSM']:.1f}" if counts and counts["LDSM"] else "-"
@@ -75,7 +75,7 @@ def main() -> int:
         return 2
     print(f"machine: {platform.machine()} {platform.processor() or ''}, Python {platform.python_version()}; "
           f"SASS for sm_90 by {Path(sass.tool()).name}; model: H100 (no GPU ran)")
-    print("| workload | program | kernel | grid x threads | hot loop HMMA / LDSM / LDGSTS / FFMA / LDS / BAR | "
+    print("| workload | program | kernel | grid x threads | hot loop HMMA / HGMMA / LDSM / LDGSTS / FFMA / LDS / BAR | "
           "HMMA per LDSM | registers | spills | shared | blocks/SM | model us | program model us | floor us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, program, dims in WORKLOADS:

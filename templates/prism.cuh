@@ -378,6 +378,214 @@ template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi)
 #endif
 }
 
+// -- wgmma: warpgroup products from shared memory (sm_90a) --------------------------------------------------
+// A warpgroup (4 warps, threads 128 g ... 128 g + 127) computes D[64 x N] += A[64 x 16] B[16 x N], A and B in
+// shared memory described by descriptors, D in registers: warp w of the group holds rows 16 w ... 16 w + 15,
+// laid out as mma.sync's C for each n8 tile j: d[4 j + i] at row lane / 4 (+ 8 for i >= 2), column 8 j +
+// 2 (lane % 4) + (i & 1). Both operands use the 128-byte swizzle (the PTX ISA's canonical layouts): rows of
+// 128 bytes, 8 of them an atom of 1024 bytes whose 16-byte chunk c of row r sits at chunk c ^ r, the XOR
+// taken on the shared-memory address itself (so atoms start on 1024-byte boundaries).
+//   K-major (A; B when stored as its transpose): element (row, k) at start + row / 8 * sbo + row % 8 * 128 +
+//       2 k; lbo unused. The start moves 32 bytes per k16 step within the atom's 128-byte rows.
+//   N-major (B as stored, rows of k): element (k, col) at start + col / 64 * lbo + k / 8 * sbo + k % 8 * 128 +
+//       2 (col % 64).
+// Descriptor bits (PTX ISA, "matrix descriptor"): 0-13 start address >> 4, 16-29 lbo >> 4, 32-45 sbo >> 4,
+// 62-63 the swizzle (1: 128 bytes). The emulation keeps the pointer and strides instead and reads through
+// the same address arithmetic; its shared buffers sit at the GPU's offsets modulo 1024, so the swizzle
+// falls on the same bytes. wgmma runs asynchronously: wgmma_fence() before the first of a batch (after
+// the accumulators were last touched), wgmma_commit() closes the batch, wgmma_wait<0>() waits for it;
+// shared memory written by the threads (st.shared, cp.async) is made visible to it by
+// fence_async_shared() before the barrier that publishes it. The emulation performs each warp's 16 rows
+// as a warp collective when the warp issues the wgmma.
+#if defined(PRISM_CPU)
+#define PRISM_WGMMA 1
+namespace emu {
+struct WgmmaDesc {
+    const unsigned char* p;
+    uint32_t lbo, sbo;
+    bool operator!=(const WgmmaDesc& o) const { return p != o.p || lbo != o.lbo || sbo != o.sbo; }
+};
+// The 128-byte swizzle of a shared-memory address: bits 4-6 (the 16-byte chunk) XOR bits 7-9 (the row).
+inline const unsigned char* swizzle128(const unsigned char* p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    return reinterpret_cast<const unsigned char*>(a ^ (((a >> 7) & 7) << 4));
+}
+inline float wgmma_read(const unsigned char* p, bool bf16) {
+    p = swizzle128(p);
+    if (!in_shared(self()->block, p, 2))
+        fail({rt().op_site}, "wgmma reads %p, outside the block's shared buffers", static_cast<const void*>(p));
+    uint16_t bits;
+    {
+        Visible visible;  // the shared-memory read is the kernel's
+        std::memcpy(&bits, p, 2);
+    }
+    return b16_to_f(bits, bf16);
+}
+struct WgmmaIn {
+    WgmmaDesc a, b;
+    const float* c;
+    int warp;  // this warp's place in its warpgroup
+};
+template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, void* const* out) {
+    const WgmmaIn& f = *static_cast<const WgmmaIn*>(in[0]);
+    for (int l = 1; l < kWarp; ++l) {
+        const WgmmaIn& o = *static_cast<const WgmmaIn*>(in[l]);
+        if (o.a != f.a || o.b != f.b || o.warp != f.warp)
+            fail({rt().op_site}, "wgmma: lane %d passes other descriptors than lane 0 (they must agree)", l);
+    }
+    for (const WgmmaDesc* d : {&f.a, &f.b})
+        if (reinterpret_cast<uintptr_t>(d->p) % 16 || d->lbo % 16 || d->sbo % 16)
+            fail({rt().op_site}, "wgmma: descriptor start %p, lbo %u, sbo %u: each must be a multiple of 16 bytes",
+                 static_cast<const void*>(d->p), d->lbo, d->sbo);
+    float A[16][16], B[16][N];
+    for (int r = 0; r < 16; ++r) {
+        const int row = 16 * f.warp + r;
+        for (int k = 0; k < 16; ++k) A[r][k] = wgmma_read(f.a.p + row / 8 * f.a.sbo + row % 8 * 128 + 2 * k, Bf16);
+    }
+    for (int k = 0; k < 16; ++k)
+        for (int n = 0; n < N; ++n)
+            B[k][n] = wgmma_read(NMajorB ? f.b.p + n / 64 * f.b.lbo + k / 8 * f.b.sbo + k % 8 * 128 + 2 * (n % 64)
+                                         : f.b.p + n / 8 * f.b.sbo + n % 8 * 128 + 2 * k, Bf16);
+    for (int l = 0; l < kWarp; ++l) {
+        const float* c = static_cast<const WgmmaIn*>(in[l])->c;
+        float* d = static_cast<float*>(out[l]);
+        for (int i = 0; i < N / 2; ++i) {
+            const int row = l / 4 + 8 * ((i >> 1) & 1), col = 8 * (i / 4) + 2 * (l % 4) + (i & 1);
+            float acc = c[i];
+            for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+            d[i] = acc;
+        }
+    }
+}
+}  // namespace emu
+using WgmmaDesc = emu::WgmmaDesc;
+#else
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PRISM_WGMMA 1
+#else
+#define PRISM_WGMMA 0
+#endif
+using WgmmaDesc = uint64_t;
+#define PRISM_WG_D8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+    "+f"(d[i + 6]), "+f"(d[i + 7])
+#define PRISM_WG_D32(d) PRISM_WG_D8(d, 0), PRISM_WG_D8(d, 8), PRISM_WG_D8(d, 16), PRISM_WG_D8(d, 24)
+#define PRISM_WG_D64(d) PRISM_WG_D8(d, 0), PRISM_WG_D8(d, 8), PRISM_WG_D8(d, 16), PRISM_WG_D8(d, 24), \
+    PRISM_WG_D8(d, 32), PRISM_WG_D8(d, 40), PRISM_WG_D8(d, 48), PRISM_WG_D8(d, 56)
+#define PRISM_WG_D128(d) PRISM_WG_D64(d), PRISM_WG_D8(d, 64), PRISM_WG_D8(d, 72), PRISM_WG_D8(d, 80), PRISM_WG_D8(d, 88), \
+    PRISM_WG_D8(d, 96), PRISM_WG_D8(d, 104), PRISM_WG_D8(d, 112), PRISM_WG_D8(d, 120)
+#endif
+
+// The descriptor of an operand at `p` (128-byte swizzle; strides in bytes).
+__device__ __forceinline__ WgmmaDesc wgmma_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+#if defined(PRISM_CPU)
+    return {static_cast<const unsigned char*>(p), lbo, sbo};
+#else
+    const uint64_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    return ((a & 0x3FFFF) >> 4) | uint64_t((lbo & 0x3FFFF) >> 4) << 16 | uint64_t((sbo & 0x3FFFF) >> 4) << 32
+           | uint64_t(1) << 62;
+#endif
+}
+
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T: d += a b over the warpgroup, B N-major (as stored, rows of k)
+// or K-major (stored as its transpose). N is 64, 128 or 256.
+template <int N, class T, bool NMajorB> __device__ __forceinline__ void wgmma(float (&d)[N / 2], WgmmaDesc a, WgmmaDesc b PRISM_AT) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma is written for N = 64, 128, 256");
+#if defined(PRISM_CPU)
+    const emu::WgmmaIn in{a, b, d, PRISM_TID / 32 % 4};
+    float got[N / 2];
+    emu::collective("wgmma.mma_async", 0xFFFFFFFFu, at_file, at_line, &in, got,
+                    emu::wgmma_op<N, !std::is_same<T, half>::value, NMajorB>);
+    for (int i = 0; i < N / 2; ++i) d[i] = got[i];
+#elif PRISM_WGMMA
+    if constexpr (N == 64 && std::is_same<T, half>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, 0, %35;\n}\n"
+                     : PRISM_WG_D32(d) : "l"(a), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 64 && std::is_same<T, __nv_bfloat16>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, 0, %35;\n}\n"
+                     : PRISM_WG_D32(d) : "l"(a), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 128 && std::is_same<T, half>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "%64, %65, p, 1, 1, 0, %67;\n}\n"
+                     : PRISM_WG_D64(d) : "l"(a), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 128 && std::is_same<T, __nv_bfloat16>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "%64, %65, p, 1, 1, 0, %67;\n}\n"
+                     : PRISM_WG_D64(d) : "l"(a), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 256 && std::is_same<T, half>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                     "%128, %129, p, 1, 1, 0, %131;\n}\n"
+                     : PRISM_WG_D128(d) : "l"(a), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 256 && std::is_same<T, __nv_bfloat16>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                     "%128, %129, p, 1, 1, 0, %131;\n}\n"
+                     : PRISM_WG_D128(d) : "l"(a), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if PRISM_WGMMA && !defined(PRISM_CPU)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if PRISM_WGMMA && !defined(PRISM_CPU)
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Waits until at most N batches are pending; the accumulators `d` are then final (the empty asm tells the
+// compiler so: no read of them moves above the wait).
+template <int N, int M> __device__ __forceinline__ void wgmma_wait(float (&d)[M]) {
+#if PRISM_WGMMA && !defined(PRISM_CPU)
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+    PRISM_UNROLL
+    for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#else
+    (void)d;
+#endif
+}
+__device__ __forceinline__ void fence_async_shared() {
+#if PRISM_WGMMA && !defined(PRISM_CPU)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // -- stores whose blocks add their results (grid axes that write no dim) -----------------------------
 // atomicAdd(T*, T): the value is rounded to the storage type first, then added, the sum rounded again, in
 // whatever order the blocks come.

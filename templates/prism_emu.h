@@ -130,7 +130,8 @@ struct Warp {
 
 struct Buffer {
     size_t offset, bytes;
-    unsigned char* mem;
+    unsigned char* mem;  // at base + offset % 1024: the GPU's place within a 1024-byte swizzle atom (wgmma)
+    unsigned char* base;
     int first, last;  // the phases it is in use (`shared`)
 };
 
@@ -347,13 +348,19 @@ inline void* shared(size_t offset, size_t bytes, int first, int last, const char
                  "in %d..%d", offset, offset + bytes, first, last, have.offset, have.offset + have.bytes, have.first,
                  have.last);
     }
-    void* mem = std::aligned_alloc(128, (bytes + 127) / 128 * 128);
+    // The GPU's dynamic shared memory starts on a 1024-byte boundary: the buffer sits at the same place modulo
+    // 1024, so address bits that select a swizzle (wgmma's operands) select the same one here.
+    const size_t lead = offset % 1024, total = lead + (bytes + 127) / 128 * 128;
+    void* got = nullptr;
+    if (posix_memalign(&got, 1024, total) != 0) fail({{file, line}}, "out of memory for a %zu-byte shared buffer", bytes);
+    unsigned char* base = static_cast<unsigned char*>(got);
+    unsigned char* mem = base + lead;
     std::memset(mem, 0xFF, bytes);  // the NaN pattern of every float type
 #if defined(PRISM_ASAN)
-    __asan_poison_memory_region(static_cast<char*>(mem) + (first > b->phase ? 0 : bytes),
-                                (bytes + 127) / 128 * 128 - (first > b->phase ? 0 : bytes));
+    __asan_poison_memory_region(base, lead);
+    __asan_poison_memory_region(mem + (first > b->phase ? 0 : bytes), total - lead - (first > b->phase ? 0 : bytes));
 #endif
-    b->buffers.push_back({offset, bytes, static_cast<unsigned char*>(mem), first, last});
+    b->buffers.push_back({offset, bytes, mem, base, first, last});
     return mem;
 }
 
@@ -605,7 +612,7 @@ inline void run_wave(const std::vector<prism_dim3>& blocks) {
     for (Block* b : wave) {
         acquire(&b->exit_sync);
         Quiet quiet;
-        for (Buffer& buf : b->buffers) std::free(buf.mem);
+        for (Buffer& buf : b->buffers) std::free(buf.base);
         delete b;
     }
 }

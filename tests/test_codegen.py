@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,13 +103,67 @@ def test_the_gated_products_load_x_once_per_k_step():
     assert "the 2 products share s_xt's fragments" in src
     assert src.index("// rms = acc_rms_last(xt)") < src.index("// up = acc_sum((xt @ ut))  [8, 32]: mma.sync")
     path = ROOT / "programs/fused/swiglu.prism"
-    options = BuildOptions(dims={"n": 128, "d": 512}, grid={"gx": 4}, loop={"F": 8}, archs=())
+    options = BuildOptions(dims={"n": 128, "d": 512}, grid={"gx": 4}, loop={"F": 8}, archs=(),
+                           codegen=CodegenConfig(wgmma=False))  # sm_80's form (on sm_90a: wgmma, below)
     prefill = build(load(path).program(), H100, options)
     src = prefill.kernels[0].source
     assert prefill.kernels[0].block == (256, 1, 1) and src.count("ldmatrix<4>(fa[i], s_xt") == 1
     assert src.count("prism::mma_m16n8k16<half>") == 2
     check = emulate(prefill, options)
     assert check.passed, check
+
+
+WGMMA_PRODUCTS = """# Register-tiled products on wgmma: an operand computed in the loop (gain * x, stored in the swizzle), a
+# gated pair sharing x, and K-major B (the right operand stored transposed).
+dims n = 128, d = 128, e = 128
+program wg(X: f16[n, d], G: f16[d], W: f16[d, e], U: f16[d, e], V: f16[e, d]) {
+    kernel gain grid(x = g1) loop(F1) {
+        xt = load X[:, loop]
+        gt = load G[loop]
+        wt = load W[loop, x]
+        store Y1[:, x] = acc_sum(gt * xt @ wt)
+    }
+    kernel gated grid(x = g2) loop(F2) {
+        xt = load X[:, loop]
+        wt = load W[loop, x]
+        ut = load U[loop, x]
+        a = acc_sum(xt @ wt)
+        b = acc_sum(xt @ ut)
+        store Y2[:, x] = silu(a) * b
+    }
+    kernel kmajor grid(x = g3) loop(F3) {
+        xt = load X[:, loop]
+        vt = load V[x, loop]
+        store Y3[:, x] = acc_sum(xt @ transpose(vt, 0, 1))
+    }
+    return Y1, Y2, Y3
+}
+"""
+
+
+@needs_cxx
+@pytest.mark.parametrize("sanitizer", ["thread", "address"])
+def test_products_on_wgmma_read_their_swizzled_tiles(sanitizer, write, tmp_path):
+    """At H100 and tiles in multiples of 64, register-tiled products run on wgmma (2 warpgroups): every write of
+    an operand tile (the copies, gain * x) lands in the 128-byte swizzle its descriptors describe, the gated
+    pair shares A's descriptor, B is read N-major as stored or K-major where stored transposed, no ldmatrix;
+    the emulated code matches the float64 reference under both sanitizers."""
+    out = tmp_path / "out"
+    assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(out), "--arch", "none",
+                 "--sanitize", sanitizer, "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=2,F2=2,F3=2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["checked"]["emulation"]["passed"], report["checked"]
+    src = {name: (out / f"{name}.cu").read_text() for name in ("gain", "gated", "kmajor")}
+    assert all("ldmatrix" not in s and "nvcc --ptx -arch=sm_90a" in s for s in src.values())
+    assert re.search(r"s_\w+\[i0 \* 64 \+ \(i1 / 8 % 8 \^ i0 % 8\) \* 8 \+ i1 % 8\] = prism::from_f<half>", src["gain"])
+    assert src["gain"].count("prism::wgmma<64, half, true>") == 1
+    assert src["gated"].count("prism::wgmma<128, half, true>") == 2 and src["gated"].count("WgmmaDesc da") == 1
+    assert src["kmajor"].count("prism::wgmma<64, half, false>") == 1
+    assert all(k["block"][0] == 256 for k in report["kernels"])
+    sm80 = tmp_path / "sm80"  # --no-wgmma: the same products on mma.sync, for sm_80 and later
+    assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(sm80), "--arch", "none",
+                 "--no-emulate", "--no-wgmma", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=2,F2=2,F3=2"]) == 0
+    assert all("wgmma" not in (sm80 / f"{n}.cu").read_text() for n in src)
 
 
 GEMV = """dims n = 2, k = 256, m = 512

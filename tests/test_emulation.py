@@ -117,6 +117,62 @@ def test_ldmatrix_and_mma_together_compute_a_tile_product(tmp_path):
     np.testing.assert_allclose(got.outputs["D"], expected, rtol=1e-5, atol=1e-5)
 
 
+
+WGMMA = """
+    T* const sa = PRISM_SHARED(T, 0, 8192);
+    T* const sb = PRISM_SHARED(T, 8192, 16384);
+    const int tid = threadIdx.x, w = tid / 32, l = tid % 32;
+    // A 64 x 64, K-major with the 128-byte swizzle: row r's 16-byte chunk c at chunk c ^ r % 8
+    for (int v = tid; v < 64 * 8; v += 128)
+        prism::cp_async<8>(sa + v / 8 * 64 + (v % 8 ^ v / 8 % 8) * 8, g_A + v * 8);
+    // B 64 x 128 stored as given: N-major, two blocks of 64 columns (k rows of 128 bytes each); K-major: 128 x 64
+    for (int v = tid; v < 64 * 16; v += 128) {
+        const int r = NMAJOR ? v / 16 : v / 8, c = NMAJOR ? v % 16 : v % 8;
+        prism::cp_async<8>(sb + c / 8 * 4096 * NMAJOR + r * 64 + (c % 8 ^ r % 8) * 8, g_B + v * 8);
+    }
+    prism::cp_async_wait_all();
+    prism::fence_async_shared();
+    __syncthreads();
+    float d[64] = {};
+    prism::wgmma_fence();
+    for (int s = 0; s < 4; ++s)  // k steps of 16: A's start 32 bytes on; B's 16 rows (N-major) or 32 bytes on
+        prism::wgmma<128, T, NMAJOR>(d, prism::wgmma_desc(sa + s * 16, 16, 1024),
+                                     prism::wgmma_desc(sb + s * 16 * (NMAJOR ? 64 : 1), 8192, 1024));
+    prism::wgmma_commit();
+    prism::wgmma_wait<0>(d);
+    for (int i = 0; i < 64; ++i)
+        g_D[(16 * w + l / 4 + 8 * (i >> 1 & 1)) * 128 + 8 * (i / 4) + 2 * (l % 4) + (i & 1)] = d[i];
+"""
+
+
+@pytest.mark.parametrize("dtype, n_major", [(DType.F16, True), (DType.BF16, False)], ids=["f16-b-n-major", "bf16-b-k-major"])
+def test_wgmma_reads_the_swizzled_operands_its_descriptors_describe(dtype, n_major, tmp_path):
+    """A warpgroup's 64 x 64 @ 64 x 128 by four k16 steps of wgmma, both operands in the 128-byte swizzle and
+    the accumulators in the documented layout: the product, whichever way B is stored."""
+    ctype = "half" if dtype is DType.F16 else "__nv_bfloat16"
+    body = f"    using T = {ctype};\n" + WGMMA.replace("NMAJOR", "true" if n_major else "false")
+    k = kernel(body, {"A": f"const {ctype}* __restrict__", "B": f"const {ctype}* __restrict__",
+                      "D": "float* __restrict__"}, 1, threads=128, smem=24576)
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(-4, 5, (64, 64)) / 4, rng.integers(-4, 5, (64, 128)) / 4  # exact in both types
+    stored = b if n_major else np.ascontiguousarray(b.T)
+    got = run(k, {"A": dtype, "B": dtype, "D": DType.F32}, {"A": (64, 64), "B": stored.shape, "D": (64, 128)},
+              {"A": a, "B": stored}, tmp_path)
+    assert got.finding is None, got.finding
+    np.testing.assert_allclose(got.outputs["D"], a @ b, rtol=0, atol=1e-6)
+
+
+def test_a_wgmma_operand_outside_shared_memory_is_reported(tmp_path):
+    body = """
+    half* const s = PRISM_SHARED(half, 0, 1024);
+    float d[32] = {};
+    prism::wgmma<64, half, true>(d, prism::wgmma_desc(s, 16, 1024), prism::wgmma_desc(s, 8192, 1024));
+    g_D[threadIdx.x] = d[0];
+"""
+    k = kernel(body, {"D": "float* __restrict__"}, 1, threads=128)
+    got = run(k, {"D": DType.F32}, {"D": (128,)}, {}, tmp_path)
+    assert got.finding is not None and "wgmma reads" in got.finding.message
+
 # -- what the emulation reports -------------------------------------------------------------------------------------
 
 F32_IO = {"X": "const float* __restrict__", "Y": "float* __restrict__"}
@@ -293,7 +349,7 @@ def test_the_gpu_forms_of_the_primitives_compile_with_nvcc(tmp_path):
     """Every primitive's GPU form instantiated once (the generated code does not use them all yet)."""
     (tmp_path / "prism.cuh").write_text(header_source())
     (tmp_path / "t.cu").write_text(NVCC_PRIMITIVES)
-    for arch in ("sm_90", "sm_80"):
+    for arch in ("sm_90a", "sm_90", "sm_80"):  # wgmma: sm_90a only
         done = __import__("subprocess").run(["nvcc", "-cubin", f"-arch={arch}", "-o", "t.cubin", "t.cu"],
                                             cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
@@ -316,8 +372,17 @@ extern "C" __global__ void t(const half* a, float* out) {
     prism::mma_m16n8k16<__nv_bfloat16>(e, r4, r2, d);
     float w[8];
     prism::load8(w, s + threadIdx.x % 16 * 8);
+    float g[32] = {};
+#if PRISM_WGMMA
+    prism::fence_async_shared();
+    prism::wgmma_fence();
+    prism::wgmma<64, half, true>(g, prism::wgmma_desc(s, 128, 1024), prism::wgmma_desc(s, 128, 1024));
+    prism::wgmma<64, __nv_bfloat16, false>(g, prism::wgmma_desc(s, 128, 1024), prism::wgmma_desc(s, 128, 1024));
+    prism::wgmma_commit();
+    prism::wgmma_wait<0>(g);
+#endif
     prism::load8(w, reinterpret_cast<const __nv_bfloat16*>(s) + threadIdx.x % 16 * 8);
-    for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0] + w[i] + w[i + 4];
+    for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0] + w[i] + w[i + 4] + g[i];
 }
 """
 

@@ -1,5 +1,6 @@
 """The SASS reader (prism_dsl/backend/sass.py) on a hand-written listing, and on the compiled code of a
-generated prefill kernel: its hot loop runs on tensor cores fed by ldmatrix, with async copies, no spills."""
+generated prefill kernel: its hot loop runs on tensor cores (wgmma, or mma.sync fed by ldmatrix), with async
+copies, no spills."""
 
 import shutil
 
@@ -49,19 +50,28 @@ def test_instructions_predicated_never_to_run_are_not_counted():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
                     reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
-def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(tmp_path):
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma.sync"])
+def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(wgmma, tmp_path):
+    """On wgmma (sm_90a) the hot loop issues HGMMA with no ldmatrix and no HMMA; on mma.sync, 4 HMMA or more
+    per LDSM."""
     import subprocess
 
     from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
-    from prism_dsl.backend.nvcc import nvcc_path, write_sources
+    from prism_dsl.backend.launch import CodegenConfig
+    from prism_dsl.backend.nvcc import kernel_arch, nvcc_path, write_sources
 
     program = load(ROOT / "programs/fused/rmsnorm_linear.prism").program()
-    options = BuildOptions(dims={"n": 128, "d": 1024}, grid={"gx": 8}, loop={"F": 16}, archs=())
-    kernel = build(program, H100, options).kernels[0]  # a 128 x 128 output tile per block
+    options = BuildOptions(dims={"n": 128, "d": 1024}, grid={"gx": 8}, loop={"F": 16}, archs=(),
+                           codegen=CodegenConfig(wgmma=wgmma))
+    kernel = build(program, H100, options).kernels[0]  # a 128 x 128 output tile per block, k steps of 64
+    assert kernel.wgmma == wgmma
     write_sources([kernel], tmp_path)
-    done = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90", *NVCC_OPTIONS, "-Xptxas", "-v", "-o", "k.cubin",
-                           kernel.file], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run([nvcc_path(), "-cubin", f"-arch={kernel_arch(kernel, 'sm_90')}", *NVCC_OPTIONS, "-Xptxas",
+                           "-v", "-o", "k.cubin", kernel.file], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "0 bytes spill stores" in done.stderr
     hot = sass.hot_loop(sass.disassemble(tmp_path / "k.cubin")).counts
-    assert hot["HMMA"] >= 4 * hot["LDSM"] > 0 and hot["LDGSTS"] > 0, hot
+    if wgmma:
+        assert hot["HGMMA"] > 0 and hot["HMMA"] == hot["LDSM"] == 0 and hot["LDGSTS"] > 0, hot
+    else:
+        assert hot["HMMA"] >= 4 * hot["LDSM"] > 0 and hot["LDGSTS"] > 0, hot

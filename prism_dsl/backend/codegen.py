@@ -76,6 +76,7 @@ class RenderedKernel:
     stores: int  # how many of `args` (the last ones) the kernel writes
     zero: tuple[str, ...]  # outputs that blocks add into: zeroed before the launch
     tensor_cores: bool  # a wmma path is in the code
+    wgmma: bool = False  # its products run on wgmma: it compiles for sm_90a only
 
 
 @cache
@@ -114,8 +115,12 @@ class _Emitter(TensorCoreSteps):
             text += ".0"
         return f"real({text})" if self.real != "float" else text + "f"
 
+    def offset(self, b: Buffer, idx: list[str], shape=None) -> str:
+        """Where element `idx` of buffer b sits: row-major with its padding, or in wgmma's swizzle."""
+        return offset(idx, shape or self.shape(b), self.pad[b.name], b.name in self.layout.swizzled)
+
     def at(self, b: Buffer, idx: list[str]) -> str:
-        ref = f"{self.cname[b.name]}[{offset(idx, self.shape(b), self.pad[b.name])}]"
+        ref = f"{self.cname[b.name]}[{self.offset(b, idx)}]"
         return ref if b.dtype in (DType.F32, DType.F64) else f"prism::to_f({ref})"
 
     # reading a value at an index of the reader's index space (numpy broadcasting, right-aligned)
@@ -202,7 +207,7 @@ class _Emitter(TensorCoreSteps):
                  for size, t, dm, i in zip(full, tile, load.map.dims, idx)]
         text = comment(f"{node.attr} = load {tensor_name(src)}{load.map}  tile {list(tile)} of {list(full)}")
         return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec, "cp": cp,
-                "dst": dst or self.cname[b.name], "at": offset(idx, tile, self.pad[b.name]), "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
+                "dst": dst or self.cname[b.name], "at": self.offset(b, idx, tile), "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
 
     def compute_step(self, node: Node) -> dict:
         b = self.plan.buffer(node)
@@ -211,7 +216,7 @@ class _Emitter(TensorCoreSteps):
             if b.dtype in (DType.F32, DType.F64):
                 return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
             # kept in 16 bits, rows padded, for the tensor-core products that read it (`fusion.plan`)
-            return self.elements(shape, lambda idx: [f"{dst}[{offset(idx, shape, self.pad[b.name])}] = "
+            return self.elements(shape, lambda idx: [f"{dst}[{self.offset(b, idx, shape)}] = "
                                                      f"prism::from_f<{CTYPE[b.dtype]}>({self.value(node, idx)});"],
                                  self.describe(node))
         if kind is Kind.MATMUL:
@@ -242,7 +247,7 @@ class _Emitter(TensorCoreSteps):
             buf = self.plan.buffer(b)
             return {"kind": "dot8", "comment": text, "units": math.prod(shape) // 8, "lanes": lanes, "length": length,
                     "idx": lines, "a": read_a(idx[:-2] + [idx[-2], "k"]), "start": start(idx), "dst": dst,
-                    "b": f"{self.cname[buf.name]} + {offset(idx[:-2] + ['k', idx[-1]], self.shape(b), self.pad[buf.name])}"}
+                    "b": f"{self.cname[buf.name]} + {self.offset(buf, idx[:-2] + ['k', idx[-1]], self.shape(b))}"}
 
         def body(idx):
             lead, i, j = idx[:-2], idx[-2], idx[-1]
@@ -399,7 +404,7 @@ class _Emitter(TensorCoreSteps):
         loop_tiles = [n for n in in_loop if n.op == "tile" and n in varying]
         stages = self.layout.stages
         staged = [{"cname": self.cname[self.plan.buffer(n).name], "ctype": CTYPE[self.plan.buffer(n).dtype],
-                   "stride": stage_elements(c, self.plan.buffer(n))} for n in loop_tiles] if stages > 1 else []
+                   "stride": stage_elements(self.layout, self.plan.buffer(n))} for n in loop_tiles] if stages > 1 else []
         ahead = self._merge([self.load_step(n, "ahead", f"{st['cname']}_stages + ahead % {stages} * {st['stride']}")
                              for n, st in zip(loop_tiles, staged)])
         loop_steps = [] if staged else self._merge([self.load_step(n) for n in loop_tiles])
@@ -440,14 +445,15 @@ class _Emitter(TensorCoreSteps):
         summary += [comment(f"store {s.name}{s.map}") for s in k.stores]
         for step in prologue + invariant + loop_steps + epilogue + ahead:
             step["async"] = _async(step)
-        ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function,
+        wgmma = any(t.orient == "wg" for t in self.layout.registers.values())
+        ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function, "wgmma": wgmma,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary, "params": params,
                "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
         source = template_env().get_template("kernel.cu.j2").render(k=ctx)
         zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
         return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.threads, 1, 1), smem,
-                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0)
+                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0, wgmma)
 
     @staticmethod
     def _merge(steps: list[dict]) -> list[dict]:

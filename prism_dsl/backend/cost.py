@@ -27,6 +27,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
                                       smem bandwidth * flops per ldmatrix byte)
             (online softmax in registers: s = q @ kt priced so, p @ v with only v's bytes by ldmatrix;
             its exp and rescaling are f32 work)
+        register-tiled wgmma (sm_90a)   min(peak * WGMMA_REACH * (1 with 2 or more warpgroups per SM, else
+                                            WGMMA_LONE), smem bandwidth * flops per operand byte read)
         wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
         plain f32 dot products and element-wise work   f32 peak * SCALAR_REACH
         plain dot products reading 8 columns per 16-byte load ("dot8")   f32 peak * VECTOR_REACH
@@ -50,6 +52,13 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - MMA_SYNC_REACH = 0.5: `mma.sync` cannot issue fast enough to reach the sm_90 dense peak (989 TFLOP/s
   f16); FlashAttention-2, built on it, runs at 350-400 TFLOP/s on H100, FlashAttention-3 with `wgmma`
   at 600-750.
+- WGMMA_REACH = 0.65 (520 TFLOP/s of the hardware file's 800): wgmma issues a 64 x N x 16 product per
+  instruction from shared memory, so issue slots and ldmatrix no longer bind. FlashAttention-3's ablation on
+  H100 (head dim 128) reports about 570-580 TFLOP/s for wgmma without warp specialization and 661 with it;
+  the code here also waits for each iteration's batch and synchronises the block around it (cp.async, no
+  TMA), so it is taken a little lower. WGMMA_LONE = 0.75: with one warpgroup per SM nothing runs on the
+  tensor cores while it waits for its batch, the barrier and the next tiles' wait (an estimate: about a
+  quarter of an iteration of 64-deep k at N = 128); a second warpgroup fills that time.
 - smem bandwidth: 128 bytes per clock per SM at 1.75 GHz (about 30 TB/s for the GPU); a warp tile of
   tm x tn instruction tiles moves (256 tm + 128 tn) * 2 bytes by ldmatrix per k step for 4096 tm tn flops,
   the left operand's share divided among the products that load its fragments once (a gated MLP's two).
@@ -92,6 +101,8 @@ from ..ir.ops import OPS, Kind
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
 BANDWIDTH_REACH = 0.9
 MMA_SYNC_REACH = 0.5
+WGMMA_REACH = 0.65
+WGMMA_LONE = 0.75  # the share of WGMMA_REACH one warpgroup per SM keeps busy
 WMMA_REACH = 0.04
 SCALAR_REACH = 0.2
 VECTOR_REACH = 0.4
@@ -204,12 +215,13 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
 
 
 def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None) -> Estimate:
-    config = config or CodegenConfig(threads=threads, smem_limit=hardware.smem_per_block)
+    config = config or CodegenConfig(threads=threads, smem_limit=hardware.smem_per_block, arch=hardware.arch)
     shape = layout(c, config)
     dram, l2, flops, tc, vec = kernel_work(c, hardware, shape, config)
     blocks = c.blocks()
     regs = min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
-               + max([6 * t.tm + 2 * t.tn for t in shape.registers.values()] + [0])  # one product's fragments
+               + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
+                      for t in shape.registers.values()] + [0])
                + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0))
     occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
     resident = min(blocks, hardware.sms * occ)
@@ -265,8 +277,13 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
     for acc, t in shape.registers.items():
         work = 2 * math.prod(c.shape(acc)) * c.shape(acc.args[0].args[0])[-1] * times
         p = sharing[acc.args[0].args[0], t]  # products on the same fragments of a (`tensor_steps.shared_operand`)
-        x4, pairs = (512 * t.tm / p, 256 * t.tn) if t.orient == "mn" else (512 * t.tm, 256 * t.tn / p)
-        seconds += mma_sync(work, t.wm * t.wn * t.wk, 4096 * t.tm * t.tn / (x4 + pairs))
+        if t.orient == "wg":  # per group and k step: tm blocks of A (64 x 16) and B (16 x N_w), A shared by p
+            read = t.tm * (64 * 16 / p + 16 * t.tn * 8) * 2
+            lone = WGMMA_LONE if t.groups * occ < 2 else 1.0
+            seconds += work / min(peak * WGMMA_REACH * lone, smem * 2 * 64 * 16 * 8 * t.tn * t.tm / read)
+        else:
+            x4, pairs = (512 * t.tm / p, 256 * t.tn) if t.orient == "mn" else (512 * t.tm, 256 * t.tn / p)
+            seconds += mma_sync(work, t.wm * t.wn * t.wk, 4096 * t.tm * t.tn / (x4 + pairs))
         registered += work
     for f in shape.flash.values():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times

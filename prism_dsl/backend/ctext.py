@@ -72,14 +72,28 @@ def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
     return " + ".join(terms) or "0"
 
 
-def offset(idx: list[str], shape: tuple[int, ...], pad: int = 0) -> str:
+def offset(idx: list[str], shape: tuple[int, ...], pad: int = 0, swizzle: bool = False) -> str:
     """Row-major offset of index expressions `idx` (aligned to the right of `shape`; size-1 dims
-    broadcast and read index 0), in a buffer whose rows have `pad` elements more (`Buffer.pad`)."""
+    broadcast and read index 0), in a buffer whose rows have `pad` elements more (`Buffer.pad`); or, with
+    `swizzle`, in wgmma's 128-byte swizzle of a 16-bit matrix (`swizzled`)."""
     rank = len(shape)
     idx = list(idx[len(idx) - rank:]) if len(idx) >= rank else ["0"] * (rank - len(idx)) + list(idx)
+    if swizzle:
+        return swizzled(idx[-2], idx[-1], shape[-2], shape[-1])
     terms = []
     for i, size, stride in zip(idx, shape, _strides(shape[:-1] + (shape[-1] + pad,) if shape else shape)):
         if size == 1 or i == "0":
             continue
         terms.append(i if stride == 1 else f"{i} * {stride}")
     return " + ".join(terms) or "0"
+
+
+def swizzled(row: str, col: str, rows: int, cols: int) -> str:
+    """The element offset of (row, col) in a rows x cols matrix of 16-bit elements stored for wgmma (cols a
+    multiple of 64): blocks of 64 columns one after another, each rows x 128 bytes, and in each 8-row atom
+    of 1024 bytes row r's 16-byte chunk c at chunk c ^ r % 8 (prism.cuh, "wgmma")."""
+    r, c = (f"({x})" if not x.isidentifier() and not x.isdigit() else x for x in (row, col))
+    block = f"{c} / 64 * {rows * 64} + " if cols > 64 else ""
+    if row == "0":
+        return f"{block}{c} % 64" if cols > 64 else c
+    return f"{block}{r} * 64 + ({c} / 8 % 8 ^ {r} % 8) * 8 + {c} % 8"

@@ -33,7 +33,7 @@ from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_t
 from ..kernels.kernel import loop_varying
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
 from ..kernels.sizes import call, compile_sizes, int_value
-from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling
+from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
 
 DEFAULT_STAGES = 3  # cp.async pipeline depth, at most: 2 overlaps one load with compute, 3 covers latency jitter
 
@@ -45,6 +45,13 @@ class CodegenConfig:
     vector_loads: bool = True  # 16-byte copies from global memory where alignment allows
     stages: int = DEFAULT_STAGES  # loop-tile pipeline depth, at most (1: no pipeline)
     smem_limit: int = 232448  # bytes of shared memory a block may use (the hardware's; H100: 227 KiB)
+    wgmma: bool = True  # warpgroup products from swizzled shared memory where the arch has them (sm_90a)
+    arch: str = "sm_90"  # the target GPU's (`Hardware.arch`)
+
+    @property
+    def warpgroups(self) -> bool:
+        """Whether register-tiled products may run on wgmma (`warp_mma.wgmma_tiling`)."""
+        return self.tensor_cores and self.wgmma and self.arch in ("sm_90", "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class Layout:
     flash: dict[Node, Flash]  # online softmax in registers, by its scores
     stages: int  # 1: the loop's tiles load, wait, then compute
     pads: dict[str, int]  # buffer name -> elements after each row (`padding`)
+    swizzled: frozenset[str]  # buffers in wgmma's 128-byte swizzle (`swizzled`; no padding)
     offsets: dict[str, int]  # buffer name -> byte offset in the block's shared memory
     sizes: dict[str, int]  # buffer name -> bytes (every stage, for loop tiles)
     smem: int  # bytes per block
@@ -159,17 +167,41 @@ def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Ti
                 and tensor_core_operands(*acc.args[0].args, p, c.shape)]
     share = MAX_ACCUMULATORS // max(1, len(products))  # their accumulators are all live through the loop
 
-    def layouts(min_warps: int) -> dict[Node, Tiling]:
+    def layouts(min_warps: int, groups: bool) -> dict[Node, Tiling]:
         out = {}
         for acc in products:
             sa, sb = c.shape(acc.args[0].args[0]), c.shape(acc.args[0].args[1])
-            if (t := tiling(sa[-2], sb[-1], sa[-1], min_warps, share)) is not None:
+            t = wgmma_tiling(sa[-2], sb[-1], sa[-1], min_warps, share) if groups else None
+            if (t := t or tiling(sa[-2], sb[-1], sa[-1], min_warps, share)) is not None:
                 out[acc] = t
         return out
 
-    first = layouts(config.threads // 32)
-    warps = max([config.threads // 32] + [t.warps for t in first.values()])
-    return (layouts(warps) if warps * 32 != config.threads else first), warps * 32
+    def chosen(groups: bool) -> tuple[dict[Node, Tiling], int]:
+        first = layouts(config.threads // 32, groups)
+        warps = max([config.threads // 32] + [t.warps for t in first.values()])
+        return (layouts(warps, groups) if warps * 32 != config.threads else first), warps * 32
+
+    out = chosen(config.warpgroups)
+    if swizzled(c, out[0]) and not _only_wgmma_reads(c, out[0]):
+        out = chosen(False)
+    return out
+
+
+def swizzled(c: Concrete, registers: dict[Node, Tiling]) -> frozenset[str]:
+    """The buffers wgmma reads (the operands of "wg" products): stored in the 128-byte swizzle, unpadded."""
+    p = plan(c.kernel)
+    return frozenset(p.buffer(x).name for acc, t in registers.items() if t.orient == "wg"
+                     for x in (acc.args[0].args[0], stored_operand(acc.args[0].args[1])[0]))
+
+
+def _only_wgmma_reads(c: Concrete, registers: dict[Node, Tiling]) -> bool:
+    """Whether no product other than the "wg" ones reads a swizzled buffer (element reads are fine: they go
+    through the same address arithmetic; ldmatrix, wmma and online softmax assume padded rows)."""
+    names, p = swizzled(c, registers), plan(c.kernel)
+    wg = {acc.args[0] for acc, t in registers.items() if t.orient == "wg"}
+    others = [n for n in c.kernel.body() if n.op == "matmul" and n not in wg]
+    return not any(p.place.get(x) is Place.SMEM and p.buffer(x).name in names
+                   for n in others for x in (n.args[0], stored_operand(n.args[1])[0]))
 
 
 def copy_bytes(c: Concrete, tile: Node, config: CodegenConfig) -> int:
@@ -237,8 +269,11 @@ def buffer_shapes(c: Concrete) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+SWIZZLE_ATOM = 1024  # bytes: 8 rows of 128 bytes, the 128-byte swizzle's repeating pattern
+
+
+def _aligned(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
 
 
 def layout(c: Concrete, config: CodegenConfig) -> Layout:
@@ -252,20 +287,25 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     buffers = [b for b in p.buffers if b.name not in gone]
     live = lifetimes(k) | dict.fromkeys(written_after(p, registers, flash_of), (AFTER, AFTER))
     dims = buffer_shapes(c)
-    pads = {b.name: _pad(b, dims[b.name]) for b in buffers}
+    swizzle = swizzled(c, registers)
+    pads = {b.name: 0 if b.name in swizzle else _pad(b, dims[b.name]) for b in buffers}
     size = {b.name: _size(b, dims[b.name], pads[b.name]) for b in buffers}
     staged = {b.name for b in buffers if b.role == "tile" and b.node in varying}
     names = [b.name for b in buffers]
     most = 1
     if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in buffers if b.name in staged):
         most = max(1, min(config.stages, c.loop))
+    align = SWIZZLE_ATOM if swizzle else ALIGN  # every buffer, so the swizzled ones start on an atom
     for stages in range(most, 0, -1):  # as many as fit
-        taken = {n: _aligned(size[n]) * (stages if n in staged else 1) for n in names}
+        taken = {n: _aligned(size[n], align) * (stages if n in staged else 1) for n in names}
         offsets, smem = arrange(names, taken, live)
         if smem <= config.smem_limit:
             break
+    if swizzle and smem > config.smem_limit:  # the atoms' alignment costs what the limit lacks: no wgmma
+        return layout(c, replace(config, wgmma=False))
     sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
-    return Layout(threads, registers, flash_of, stages, pads, offsets, sizes, max(smem, 16), {n: live[n] for n in names})
+    return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
+                  {n: live[n] for n in names})
 
 
 def written_after(p: Plan, registers: dict[Node, Tiling], flash_of: dict[Node, Flash]) -> set[str]:
@@ -275,18 +315,14 @@ def written_after(p: Plan, registers: dict[Node, Tiling], flash_of: dict[Node, F
     return {b.name for acc in accs for b in p.state[acc].values()}
 
 
-def _bytes(c: Concrete, b: Buffer, pad: int) -> int:
-    return _size(b, c.shape(b), pad)
-
-
 def _size(b: Buffer, shape: tuple[int, ...], pad: int) -> int:
     rows = math.prod(shape[:-1]) if shape else 1
     return (math.prod(shape) + rows * pad) * b.dtype.bytes
 
 
-def stage_elements(c: Concrete, b: Buffer) -> int:
-    """Elements from one stage of a pipelined loop tile to the next (each stage 128-byte aligned)."""
-    return _aligned(_bytes(c, b, padding(c, b))) // b.dtype.bytes
+def stage_elements(laid: Layout, b: Buffer) -> int:
+    """Elements from one stage of a pipelined loop tile to the next (each stage aligned as `layout` laid it)."""
+    return laid.sizes[b.name] // laid.stages // b.dtype.bytes
 
 
 def blocks_per_sm(smem: int, threads: int, registers: int, hardware) -> int:

@@ -53,7 +53,7 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
 
     def one(job):
         k, arch = job
-        cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_OPTIONS, "-Xptxas", "-v",
+        cmd = [nvcc, "-cubin", f"-arch={kernel_arch(k, arch)}", *NVCC_OPTIONS, "-Xptxas", "-v",
                "-o", os.devnull, k.file]
         done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
         result = {"ok": done.returncode == 0, **ptxas_figures(done.stderr)}
@@ -63,6 +63,14 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
 
     results: dict[str, dict[str, dict]] = {k.name: {} for k in kernels}
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        for name, arch, result in pool.map(one, [(k, a) for k in kernels for a in archs]):
+        for name, arch, result in pool.map(one, [(k, a) for k in kernels for a in archs if kernel_arch(k, a)]):
             results[name][arch] = result
     return results
+
+
+def kernel_arch(k: RenderedKernel, arch: str) -> str | None:
+    """What nvcc compiles kernel k as for `arch`: a kernel on wgmma needs sm_90a (the arch-specific features of
+    sm_90) and runs on no other; None where it cannot run."""
+    if not k.wgmma:
+        return arch
+    return "sm_90a" if arch in ("sm_90", "sm_90a") else None

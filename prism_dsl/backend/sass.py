@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # instruction classes counted in a loop: the opcode's first dotted part
-CLASSES = ("HMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "STS", "BAR", "LDG", "SHFL")
+CLASSES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "STS", "BAR", "LDG", "SHFL")
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 NEVER = "NEVER"  # the opcode recorded for an instruction predicated on !PT (alignment filler: never runs)
@@ -97,10 +97,10 @@ def loops(sass: str) -> list[Loop]:
 
 
 def hot_loop(sass: str) -> Loop | None:
-    """The main loop: the one with the most HMMA, then the most LDGSTS, then FFMA (ties: the longest); None
+    """The main loop: the one with the most HMMA or HGMMA (wgmma), then the most LDGSTS, then FFMA (ties: the longest); None
     without loops. (An epilogue's FFMA loop must not outrank the tensor-core loop, nor a branch back into
     the middle of the loop body from the code after it, which ptxas may lay out beside the pipelined loop
     and which holds its HMMA but not its copies.)"""
     found = loops(sass)
-    key = lambda l: (l.counts["HMMA"], l.counts["LDGSTS"], l.counts["FFMA"], l.instructions)  # noqa: E731
+    key = lambda l: (l.counts["HMMA"] + l.counts["HGMMA"], l.counts["LDGSTS"], l.counts["FFMA"], l.instructions)  # noqa: E731
     return max(found, key=key, default=None)

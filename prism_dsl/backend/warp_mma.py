@@ -15,6 +15,13 @@ Two orientations:
   16-row side of the instruction and A's 8 rows its 8-column side: B^T fragments by `ldmatrix.x4.trans`,
   A^T fragments by `ldmatrix.x2` from A's rows. Needs m multiple of 8, n and k multiples of 16.
 
+- "wg" (sm_90a, `wgmma`): a warpgroup of 4 warps computes 64 x N_w blocks of C (N_w 64, 128 or 256) by
+  `wgmma.mma_async` straight from shared memory, with no ldmatrix: both operands are stored in the 128-byte
+  swizzle (`launch.swizzled`; tiles with rows and columns in multiples of 64). Warp w of a group holds rows
+  16 w ... of each 64-row block in mma.sync's C layout, so the store after the loop is the "mn" one with
+  64-row blocks. Needs m, n and k multiples of 64; 8 warps (2 groups) where their accumulators fit, so one
+  group's tensor-core work runs while the other waits.
+
 Warps split the output (wm x wn) and, when the output has too few tiles for them, the contraction too (wk):
 each such warp folds its share of every tile's k steps, and the partial sums are added in turn after the
 loop. The accumulators of a warp (tm x tn tiles of 4 floats per thread) are capped at MAX_ACCUMULATORS
@@ -43,15 +50,16 @@ WARPS = (4, 8)  # warps per block a register-tiled kernel may use (the first tha
 
 @dataclass(frozen=True)
 class Tiling:
-    orient: str  # "mn" or "nm" (see the module docstring)
+    orient: str  # "mn", "nm" or "wg" (see the module docstring)
     m: int
     n: int
     k: int
     wm: int  # warps along C's rows (m)
     wn: int  # warps along C's columns (n)
     wk: int  # warps sharing the contraction
-    tm: int  # instruction tiles per warp along the instruction's M side (16 rows; "nm": 16 of C's columns)
-    tn: int  # along its N side (8 columns; "nm": 8 of C's rows)
+    tm: int  # instruction tiles per warp along the instruction's M side (16 rows; "nm": 16 of C's columns;
+    #          "wg": 64-row blocks per warpgroup, wm then counting 4 warps per group)
+    tn: int  # along its N side (8 columns; "nm": 8 of C's rows; "wg": N_w / 8)
     warps: int  # warps in the block (some may idle when the output is small)
 
     @property
@@ -65,8 +73,21 @@ class Tiling:
 
     @property
     def ldmatrix_per_k(self) -> int:
-        """ldmatrix per warp and k step: x4 loads of the 16-row side; x4.trans pairs or x2 of the other."""
+        """ldmatrix per warp and k step: x4 loads of the 16-row side; x4.trans pairs or x2 of the other (none
+        for wgmma, which reads shared memory itself)."""
+        if self.orient == "wg":
+            return 0
         return self.tm + (self.tn // 2 if self.orient == "mn" and self.tn % 2 == 0 else self.tn)
+
+    @property
+    def row_step(self) -> int:
+        """Rows of C between a warp's instruction tiles along M (16; 64 for a warpgroup's blocks)."""
+        return 64 if self.orient == "wg" else 16
+
+    @property
+    def groups(self) -> int:
+        """Warpgroups computing ("wg")."""
+        return self.wm * self.wn // 4
 
     @property
     def k_steps(self) -> int:
@@ -103,6 +124,31 @@ def flash(m: int, d: int, n: int, dv: int, outs: int) -> Flash | None:
         f = Flash(m, d, n, dv, outs, tm, m // 16 // tm)
         if f.warps <= max(WARPS) and f.accumulators <= MAX_ACCUMULATORS + 4 * tm:
             return f
+    return None
+
+
+WGMMA_N = (64, 128, 256)  # the instruction widths prism::wgmma is written for
+
+
+def wgmma_tiling(m: int, n: int, k: int, min_warps: int = 4, most: int = MAX_ACCUMULATORS) -> Tiling | None:
+    """The warpgroup layout ("wg") of an m x k @ k x n product, or None: 8 warps where the accumulators fit,
+    else 4 (at least min_warps); among those, the fewest bytes wgmma reads from shared memory per k step."""
+    if m % 64 or n % 64 or k % 64:
+        return None
+    for warps in sorted({max(w, min_warps) for w in WARPS}, reverse=True):
+        best, key = None, None
+        for gm in _divisors(m // 64):
+            gn = warps // 4 // gm
+            if gm * gn * 4 != warps or (n // 64) % gn or n // gn not in WGMMA_N:
+                continue
+            t = Tiling("wg", m, n, k, 4 * gm, gn, 1, m // 64 // gm, n // gn // 8, warps)
+            if t.accumulators > most:
+                continue
+            read = gm * gn * t.tm * (64 + n // gn)  # rows of A and columns of B per k step, all groups
+            if key is None or read < key:
+                best, key = t, read
+        if best is not None:
+            return best
     return None
 
 

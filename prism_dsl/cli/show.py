@@ -88,12 +88,17 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
     problems = [v for c in constraints(k, hardware) if (v := c.violation(binding))]
     if not problems and all(not bind(g, binding).free_symbols for _, g in k.grid) \
             and not bind(k.loop_range, binding).free_symbols:
-        laid = layout(instantiate(k, binding, hardware), CodegenConfig(smem_limit=hardware.smem_per_block))
+        laid = layout(instantiate(k, binding, hardware), CodegenConfig(smem_limit=hardware.smem_per_block,
+                                                                        arch=hardware.arch))
         pipeline = f"a {laid.stages}-stage cp.async pipeline" if laid.stages > 1 else "no pipeline"
         flash = "".join(f", online softmax over {names.get(s, 's')} in registers ({f.warps} warps of {16 * f.tm} rows)"
                         for s, f in laid.flash.items())
         lines.append(f"  as generated: {laid.threads} threads, {pipeline}{flash}, {laid.smem} bytes of shared memory "
                      "(row padding and pipeline stages included)")
+        if laid.registers:
+            lines.append("  register-tiled products: " + ", ".join(
+                f"{names.get(acc, acc.op)} on {'wgmma (sm_90a)' if t.orient == 'wg' else 'mma.sync'} ({t.warps} warps)"
+                for acc, t in laid.registers.items()))
     return lines, problems
 
 

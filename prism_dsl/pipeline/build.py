@@ -99,7 +99,8 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
 
 
 def render(tuned: Tuned, config: CodegenConfig) -> Build:
-    config = replace(config, smem_limit=tuned.hardware.smem_per_block)  # what the pipeline stages may fill
+    # what the pipeline stages may fill; whether wgmma is there
+    config = replace(config, smem_limit=tuned.hardware.smem_per_block, arch=tuned.hardware.arch)
     kernels = tuple(render_kernel(tuned.concrete[k.name], tuned.program, config) for k in kernels_of(tuned.program))
     return Build(**vars(tuned), kernels=kernels)
 
@@ -147,7 +148,7 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...]) -> 
     bad = [(f"{k} ({a})", r["stderr"]) for k, per in figures.items() for a, r in per.items() if not r["ok"]]
     if bad:
         raise PrismError(f"nvcc rejected the generated code for {', '.join(w for w, _ in bad)}:\n{bad[0][1]}")
-    return NvccCheck(tuple(archs)), figures
+    return NvccCheck(tuple(archs), tuple(k.name for k in kernels if k.wgmma)), figures
 
 
 # -- emulate and measure ----------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ class NvccCheck:
     """Every kernel compiled by nvcc for every architecture (a rejection is an error, not a report)."""
 
     archs: tuple[str, ...]
+    wgmma: tuple[str, ...] = ()  # kernels on wgmma: compiled as sm_90a, for sm_90 only
     passed: bool = True
 
 
@@ -192,7 +193,8 @@ def summary(report: Report, out: Path) -> str:
         if isinstance(c, Skipped):
             lines.append(f"  {name}: skipped ({c.skipped})")
         elif isinstance(c, NvccCheck):
-            lines.append(f"  nvcc: every kernel compiles for {', '.join(c.archs)}")
+            lines.append(f"  nvcc: every kernel compiles for {', '.join(c.archs)}"
+                         + (f" (on wgmma, for sm_90a only: {', '.join(c.wgmma)})" if c.wgmma else ""))
         else:
             lines.append(f"  {name}: {'passed' if c.passed else 'FAILED'} against the float64 reference of the "
                          f"{c.checked_against} ({c.errors()})")
