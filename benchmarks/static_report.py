@@ -1,5 +1,5 @@
 """The static performance report: for each workload at decode and prefill shapes, the program `prismc compile`
-chooses, and for each of its kernels what the compiled code does, read from its SASS (sm_90): the hot loop's
+chooses, and for each of its kernels what the compiled code does, read from its SASS (sm_90a): the hot loop's
 instruction mix (HMMA, HGMMA, LDSM, LDGSTS, FFMA, LDS, BAR), registers, spills, shared memory, blocks per SM, the
 cost model's estimate and the roofline floor. No GPU is needed; nvcc and cuobjdump are (cuobjdump from the
 `sass` extra: pip install -e ".[sass]").
@@ -74,7 +74,7 @@ def main() -> int:
         print("needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')", file=sys.stderr)
         return 2
     print(f"machine: {platform.machine()} {platform.processor() or ''}, Python {platform.python_version()}; "
-          f"SASS for sm_90 by {Path(sass.tool()).name}; model: H100 (no GPU ran)")
+          f"SASS for sm_90a by {Path(sass.tool()).name}; model: H100 (no GPU ran)")
     print("| workload | program | kernel | grid x threads | hot loop HMMA / HGMMA / LDSM / LDGSTS / FFMA / LDS / BAR | "
           "HMMA per LDSM | registers | spills | shared | blocks/SM | model us | program model us | floor us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -308,7 +308,7 @@ class Launcher:
             from pycuda.compiler import SourceModule
 
             dev = drv.Device(self.device)
-            arch = "sm_%d%d" % dev.compute_capability()
+            arch = "sm_%d%d%s" % (*dev.compute_capability(), "a" if dev.compute_capability() == (9, 0) else "")  # wgmma
             optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             modules: dict[Path, object] = {}
             functions = []
