@@ -422,7 +422,8 @@ inline float wgmma_read(const unsigned char* p, bool bf16) {
     return b16_to_f(bits, bf16);
 }
 struct WgmmaIn {
-    WgmmaDesc a, b;
+    WgmmaDesc a, b;  // a unused where A comes from registers
+    const uint32_t* ra;  // A's fragment in registers (mma.sync's A layout for the warp's 16 rows), or null
     const float* c;
     int warp;  // this warp's place in its warpgroup
 };
@@ -430,17 +431,25 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, v
     const WgmmaIn& f = *static_cast<const WgmmaIn*>(in[0]);
     for (int l = 1; l < kWarp; ++l) {
         const WgmmaIn& o = *static_cast<const WgmmaIn*>(in[l]);
-        if (o.a != f.a || o.b != f.b || o.warp != f.warp)
+        if ((!f.ra && o.a != f.a) || o.b != f.b || o.warp != f.warp)
             fail({rt().op_site}, "wgmma: lane %d passes other descriptors than lane 0 (they must agree)", l);
     }
     for (const WgmmaDesc* d : {&f.a, &f.b})
-        if (reinterpret_cast<uintptr_t>(d->p) % 16 || d->lbo % 16 || d->sbo % 16)
+        if ((d != &f.a || !f.ra) && (reinterpret_cast<uintptr_t>(d->p) % 16 || d->lbo % 16 || d->sbo % 16))
             fail({rt().op_site}, "wgmma: descriptor start %p, lbo %u, sbo %u: each must be a multiple of 16 bytes",
                  static_cast<const void*>(d->p), d->lbo, d->sbo);
     float A[16][16], B[16][N];
-    for (int r = 0; r < 16; ++r) {
-        const int row = 16 * f.warp + r;
-        for (int k = 0; k < 16; ++k) A[r][k] = wgmma_read(f.a.p + row / 8 * f.a.sbo + row % 8 * 128 + 2 * k, Bf16);
+    if (f.ra) {
+        for (int l = 0; l < kWarp; ++l) {  // a_i: row g (+8 for i = 2,3,6,7), column 2t + (i & 1) (+8 for i >= 4)
+            const uint32_t* a = static_cast<const WgmmaIn*>(in[l])->ra;
+            for (int i = 0; i < 8; ++i)
+                A[l / 4 + 8 * ((i >> 1) & 1)][2 * (l % 4) + (i & 1) + 8 * (i >> 2)] = b16_to_f(half_at(a[i >> 1], i & 1), Bf16);
+        }
+    } else {
+        for (int r = 0; r < 16; ++r) {
+            const int row = 16 * f.warp + r;
+            for (int k = 0; k < 16; ++k) A[r][k] = wgmma_read(f.a.p + row / 8 * f.a.sbo + row % 8 * 128 + 2 * k, Bf16);
+        }
     }
     for (int k = 0; k < 16; ++k)
         for (int n = 0; n < N; ++n)
@@ -491,7 +500,7 @@ __device__ __forceinline__ WgmmaDesc wgmma_desc(const void* p, uint32_t lbo, uin
 template <int N, class T, bool NMajorB> __device__ __forceinline__ void wgmma(float (&d)[N / 2], WgmmaDesc a, WgmmaDesc b PRISM_AT) {
     static_assert(N == 64 || N == 128 || N == 256, "wgmma is written for N = 64, 128, 256");
 #if defined(PRISM_CPU)
-    const emu::WgmmaIn in{a, b, d, PRISM_TID / 32 % 4};
+    const emu::WgmmaIn in{a, b, nullptr, d, PRISM_TID / 32 % 4};
     float got[N / 2];
     emu::collective("wgmma.mma_async", 0xFFFFFFFFu, at_file, at_line, &in, got,
                     emu::wgmma_op<N, !std::is_same<T, half>::value, NMajorB>);
@@ -555,6 +564,79 @@ template <int N, class T, bool NMajorB> __device__ __forceinline__ void wgmma(fl
                      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
                      "%128, %129, p, 1, 1, 0, %131;\n}\n"
                      : PRISM_WG_D128(d) : "l"(a), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+
+#endif
+}
+
+// The same with A from registers: this warp's 16 rows of the 64 in mma.sync's A layout (`a`, 4 .b32), so the
+// probabilities of online softmax, computed in registers, feed p @ v without shared memory.
+template <int N, class T, bool NMajorB> __device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4], WgmmaDesc b PRISM_AT) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma is written for N = 64, 128, 256");
+#if defined(PRISM_CPU)
+    const emu::WgmmaIn in{b, b, a, d, PRISM_TID / 32 % 4};
+    float got[N / 2];
+    emu::collective("wgmma.mma_async", 0xFFFFFFFFu, at_file, at_line, &in, got,
+                    emu::wgmma_op<N, !std::is_same<T, half>::value, NMajorB>);
+    for (int i = 0; i < N / 2; ++i) d[i] = got[i];
+#elif PRISM_WGMMA
+    if constexpr (N == 64 && std::is_same<T, half>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                     : PRISM_WG_D32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 64 && std::is_same<T, __nv_bfloat16>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                     : PRISM_WG_D32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 128 && std::is_same<T, half>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                     : PRISM_WG_D64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 128 && std::is_same<T, __nv_bfloat16>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                     : PRISM_WG_D64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 256 && std::is_same<T, half>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                     "{%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+                     : PRISM_WG_D128(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
+    if constexpr (N == 256 && std::is_same<T, __nv_bfloat16>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                     "{%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+                     : PRISM_WG_D128(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(NMajorB ? 1 : 0));
 
 #endif
 }

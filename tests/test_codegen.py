@@ -166,6 +166,27 @@ def test_products_on_wgmma_read_their_swizzled_tiles(sanitizer, write, tmp_path)
     assert all("wgmma" not in (sm80 / f"{n}.cu").read_text() for n in src)
 
 
+
+@needs_cxx
+@pytest.mark.parametrize("name, dims, grid, loop, sanitizer", [
+    ("attention", "b=1,h=2,q=128,kv=256,dh=128", "gb=1,gh=2,gq=1", "F=4", "thread"),  # kt N-major, 2 warpgroups
+    ("causal_attention", "b=1,h=2,q=128,kv=128,dh=64", "gq=2,gh=2", "F=2", "address"),  # K-major, RoPE, mask
+])
+def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
+    """Query tiles of 64 rows or more, key tiles and head dims of 64 or 128: s = q @ kt by wgmma from the
+    swizzled tiles, p @ v by wgmma with p's fragments from registers; no ldmatrix; emulated under a
+    sanitizer against the float64 reference."""
+    out = tmp_path / "out"
+    assert main(["compile", str(ROOT / f"programs/fused/{name}.prism"), "--search", "none", "-o", str(out), "--arch",
+                 "none", "--dims", dims, "--grid", grid, "--loop", loop, "--sanitize", sanitizer]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["checked"]["emulation"]["passed"], report["checked"]
+    src = (out / f"{report['kernels'][0]['name']}.cu").read_text()
+    assert "ldmatrix" not in src and "mma_m16n8k16" not in src
+    assert re.search(r"prism::wgmma<\d+, half, (true|false)>\(reinterpret_cast<float \(&\)\[\d+\]>\(sc\[0\]\)", src)
+    assert re.search(r"prism::wgmma<\d+, half, true>\(reinterpret_cast<float \(&\)\[\d+\]>\(f_\w+\[0\]\), pa\[kk\]", src)
+    assert ("K-major" in src) == (name == "causal_attention")
+
 GEMV = """dims n = 2, k = 256, m = 512
 program gemv(A: f16[n, k], B: f16[k, m]) {
     kernel mv grid(x = gx) loop(F) {

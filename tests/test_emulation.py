@@ -162,6 +162,39 @@ def test_wgmma_reads_the_swizzled_operands_its_descriptors_describe(dtype, n_maj
     np.testing.assert_allclose(got.outputs["D"], a @ b, rtol=0, atol=1e-6)
 
 
+WGMMA_REGISTER_A = """
+    half* const sb = PRISM_SHARED(half, 0, 2048);
+    const int tid = threadIdx.x, w = tid / 32, l = tid % 32, g = l / 4, t = l % 4;
+    if (tid < 128) prism::cp_async<8>(sb + tid / 8 * 64 + (tid % 8 ^ tid / 8 % 8) * 8, g_B + tid * 8);  // B 16 x 64
+    prism::cp_async_wait_all();
+    prism::fence_async_shared();
+    __syncthreads();
+    auto pair = [](const half* p) { uint16_t a, b; std::memcpy(&a, p, 2); std::memcpy(&b, p + 1, 2);
+                                    return uint32_t(a) | uint32_t(b) << 16; };
+    const half* const row = g_A + (16 * w + g) * 16 + 2 * t;  // this warp's 16 rows, mma.sync's A layout
+    const uint32_t a[4] = {pair(row), pair(row + 8 * 16), pair(row + 8), pair(row + 8 * 16 + 8)};
+    float d[32] = {};
+    prism::wgmma_fence();
+    prism::wgmma<64, half, true>(d, a, prism::wgmma_desc(sb, 8192, 1024));
+    prism::wgmma_commit();
+    prism::wgmma_wait<0>(d);
+    for (int i = 0; i < 32; ++i)
+        g_D[(16 * w + g + 8 * (i >> 1 & 1)) * 64 + 8 * (i / 4) + 2 * t + (i & 1)] = d[i];
+"""
+
+
+def test_wgmma_with_a_from_registers_takes_mma_syncs_a_layout(tmp_path):
+    """A 64 x 16 operand given as each warp's mma.sync A fragment of its 16 rows (online softmax's p) times a
+    swizzled 16 x 64 B: the product."""
+    k = kernel(WGMMA_REGISTER_A, {"A": "const half* __restrict__", "B": "const half* __restrict__",
+                                  "D": "float* __restrict__"}, 1, threads=128, smem=2048)
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(-4, 5, (64, 16)) / 4, rng.integers(-4, 5, (16, 64)) / 4
+    got = run(k, {"A": DType.F16, "B": DType.F16, "D": DType.F32}, {"A": (64, 16), "B": (16, 64), "D": (64, 64)},
+              {"A": a, "B": b}, tmp_path)
+    assert got.finding is None, got.finding
+    np.testing.assert_allclose(got.outputs["D"], a @ b, rtol=0, atol=1e-6)
+
 def test_a_wgmma_operand_outside_shared_memory_is_reported(tmp_path):
     body = """
     half* const s = PRISM_SHARED(half, 0, 1024);
@@ -378,6 +411,7 @@ extern "C" __global__ void t(const half* a, float* out) {
     prism::wgmma_fence();
     prism::wgmma<64, half, true>(g, prism::wgmma_desc(s, 128, 1024), prism::wgmma_desc(s, 128, 1024));
     prism::wgmma<64, __nv_bfloat16, false>(g, prism::wgmma_desc(s, 128, 1024), prism::wgmma_desc(s, 128, 1024));
+    prism::wgmma<64, half, true>(g, r4, prism::wgmma_desc(s, 128, 1024));
     prism::wgmma_commit();
     prism::wgmma_wait<0>(g);
 #endif

@@ -441,7 +441,7 @@ class FakeDriver:
         return np.frombuffer(self.memory[ptr], dtype)
 
     def source_module(self, source, **options):
-        assert options["no_extern_c"] and options["arch"] == "sm_90", options
+        assert options["no_extern_c"] and options["arch"] == "sm_90a", options  # H100: wgmma needs the arch-specific target
         assert Path(options["include_dirs"][0]).is_absolute(), "nvcc runs elsewhere: relative -I paths break"
         if "undeclared" in source:
             raise self.CompileError()

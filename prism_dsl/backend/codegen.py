@@ -445,7 +445,7 @@ class _Emitter(TensorCoreSteps):
         summary += [comment(f"store {s.name}{s.map}") for s in k.stores]
         for step in prologue + invariant + loop_steps + epilogue + ahead:
             step["async"] = _async(step)
-        wgmma = any(t.orient == "wg" for t in self.layout.registers.values())
+        wgmma = any(t.orient == "wg" for t in self.layout.registers.values()) or any(f.wg for f in self.layout.flash.values())
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function, "wgmma": wgmma,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary, "params": params,

@@ -26,7 +26,7 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         register-tiled mma.sync   min(peak * MMA_SYNC_REACH * min(1, warps * occ / SUBPARTITIONS),
                                       smem bandwidth * flops per ldmatrix byte)
             (online softmax in registers: s = q @ kt priced so, p @ v with only v's bytes by ldmatrix;
-            its exp and rescaling are f32 work)
+            its exp and rescaling are f32 work; on warpgroups both products at the wgmma rate below)
         register-tiled wgmma (sm_90a)   min(peak * WGMMA_REACH * (1 with 2 or more warpgroups per SM, else
                                             WGMMA_LONE), smem bandwidth * flops per operand byte read)
         wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
@@ -287,8 +287,11 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         registered += work
     for f in shape.flash.values():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
-        seconds += mma_sync(qk, f.warps, 4096 * f.tm * f.n / 8 / ((256 * f.tm + 16 * f.n) * 2))
-        seconds += mma_sync(pv, f.warps, 16.0 * f.tm)
+        if f.wg:  # both on wgmma (operand bytes read by it bind nowhere near: 64 rows share every B byte)
+            seconds += (qk + pv) / (peak * WGMMA_REACH * (WGMMA_LONE if f.warps // 4 * occ < 2 else 1.0))
+        else:
+            seconds += mma_sync(qk, f.warps, 4096 * f.tm * f.n / 8 / ((256 * f.tm + 16 * f.n) * 2))
+            seconds += mma_sync(pv, f.warps, 16.0 * f.tm)
         registered += qk + pv
     seconds += (tc - registered) / (peak * WMMA_REACH)
     f32 = hardware.peak_tflops["f32"] * 1e12

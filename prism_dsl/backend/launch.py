@@ -3,9 +3,13 @@
 Where it sits: between parameter instantiation and `codegen`; `cost` reads the same decisions, so the model
 prices the code that is written. For one concrete kernel and a `CodegenConfig`, `layout` says:
 
-- which products run on tensor cores and how: register-tiled `mma.sync` for a loop's `acc_sum(a @ b)`
-  (`warp_mma.tiling`), online softmax over `q @ kt` with `p @ v` entirely in registers (`warp_mma.flash`),
-  wmma fragments for other products of suitable shape (`mma_shape`);
+- which products run on tensor cores and how: register-tiled `wgmma` (sm_90a, `warp_mma.wgmma_tiling`) or
+  `mma.sync` (`warp_mma.tiling`) for a loop's `acc_sum(a @ b)`, online softmax over `q @ kt` with `p @ v`
+  entirely in registers (`warp_mma.flash`, on warpgroups or warps), wmma fragments for other products of
+  suitable shape (`mma_shape`);
+- which buffers wgmma reads (`swizzled`): stored in its 128-byte swizzle, unpadded, every buffer of such a
+  kernel then starting on a 1024-byte atom; where another product would read one as padded rows, or the
+  atoms' alignment overflows shared memory, the kernel keeps `mma.sync` instead;
 - the threads per block: the configured count, or more where a register-tiled product needs more warps;
 - the stages of the loop's copy pipeline: with every loop tile copied by 16-byte `cp.async`, the loads of
   iteration `it + stages - 1` are issued while iteration `it` computes, each loop tile then having `stages`
@@ -131,7 +135,7 @@ def flash_products(c: Concrete, config: CodegenConfig) -> dict[Node, Flash]:
                    and all(x == 1 for x in c.shape(v)[:-2]) for v in vs) or len({c.shape(v)[-1] for v in vs}) > 1:
             continue
         sq, sk = c.shape(m.args[0]), c.shape(m.args[1])
-        if (f := flash(sq[-2], sq[-1], sk[-1], c.shape(vs[0])[-1] if vs else 16, len(vs))) is not None:
+        if (f := flash(sq[-2], sq[-1], sk[-1], c.shape(vs[0])[-1] if vs else 16, len(vs), config.warpgroups)) is not None:
             out[s] = f
     return out
 
@@ -181,24 +185,33 @@ def register_products(c: Concrete, config: CodegenConfig) -> tuple[dict[Node, Ti
         warps = max([config.threads // 32] + [t.warps for t in first.values()])
         return (layouts(warps, groups) if warps * 32 != config.threads else first), warps * 32
 
-    out = chosen(config.warpgroups)
-    if swizzled(c, out[0]) and not _only_wgmma_reads(c, out[0]):
-        out = chosen(False)
+    return chosen(config.warpgroups)
+
+
+def _wgmma_products(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash]) -> list[tuple[Node, list[Node]]]:
+    """The products on wgmma, each with the nodes whose buffers it reads: "wg" register-tiled ones (a and
+    b as stored) and online softmax on warpgroups (q, k as stored, every v)."""
+    p = plan(c.kernel)
+    out = [(acc.args[0], [acc.args[0].args[0], stored_operand(acc.args[0].args[1])[0]])
+           for acc, t in registers.items() if t.orient == "wg"]
+    for s, f in flash_of.items():
+        if f.wg:
+            m = scores_product(s, p)
+            out.append((m, [m.args[0], stored_operand(m.args[1])[0]] + [u.args[1] for u in p.users[s] if len(u.args) > 1]))
     return out
 
 
-def swizzled(c: Concrete, registers: dict[Node, Tiling]) -> frozenset[str]:
-    """The buffers wgmma reads (the operands of "wg" products): stored in the 128-byte swizzle, unpadded."""
+def swizzled(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash]) -> frozenset[str]:
+    """The buffers wgmma reads: stored in the 128-byte swizzle, unpadded."""
     p = plan(c.kernel)
-    return frozenset(p.buffer(x).name for acc, t in registers.items() if t.orient == "wg"
-                     for x in (acc.args[0].args[0], stored_operand(acc.args[0].args[1])[0]))
+    return frozenset(p.buffer(x).name for _, xs in _wgmma_products(c, registers, flash_of) for x in xs)
 
 
-def _only_wgmma_reads(c: Concrete, registers: dict[Node, Tiling]) -> bool:
-    """Whether no product other than the "wg" ones reads a swizzled buffer (element reads are fine: they go
-    through the same address arithmetic; ldmatrix, wmma and online softmax assume padded rows)."""
-    names, p = swizzled(c, registers), plan(c.kernel)
-    wg = {acc.args[0] for acc, t in registers.items() if t.orient == "wg"}
+def _only_wgmma_reads(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash]) -> bool:
+    """Whether no product other than those on wgmma reads a swizzled buffer (element reads are fine: they go
+    through the same address arithmetic; ldmatrix and wmma assume padded rows)."""
+    names, p = swizzled(c, registers, flash_of), plan(c.kernel)
+    wg = {m for m, _ in _wgmma_products(c, registers, flash_of)}
     others = [n for n in c.kernel.body() if n.op == "matmul" and n not in wg]
     return not any(p.place.get(x) is Place.SMEM and p.buffer(x).name in names
                    for n in others for x in (n.args[0], stored_operand(n.args[1])[0]))
@@ -286,8 +299,10 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     gone = unbuffered(p, flash_of)
     buffers = [b for b in p.buffers if b.name not in gone]
     live = lifetimes(k) | dict.fromkeys(written_after(p, registers, flash_of), (AFTER, AFTER))
+    swizzle = swizzled(c, registers, flash_of)
+    if swizzle and not _only_wgmma_reads(c, registers, flash_of):  # another product reads a tile as padded rows
+        return layout(c, replace(config, wgmma=False))
     dims = buffer_shapes(c)
-    swizzle = swizzled(c, registers)
     pads = {b.name: 0 if b.name in swizzle else _pad(b, dims[b.name]) for b in buffers}
     size = {b.name: _size(b, dims[b.name], pads[b.name]) for b in buffers}
     staged = {b.name for b in buffers if b.role == "tile" and b.node in varying}

@@ -5,7 +5,8 @@ its own shape in templates/steps.j2 and its own layout decision in `launch`:
 
 - "mma": a product into a shared buffer on wmma tiles, one warp per output tile (`launch.mma_shape`);
 - "warp_mma": a loop's `acc_sum(a @ b)` with the accumulators in registers for the whole loop
-  (`warp_mma.Tiling`), written to its state after the loop ("warp_mma_store"); those with the
+  (`warp_mma.Tiling`: mma.sync fed by ldmatrix, or wgmma from the swizzled tiles, "wg"), written to its
+  state after the loop ("warp_mma_store"); those with the
   same left operand and layout become one step at the end of the loop body (`shared_operand`), which
   loads that operand's fragments once for all of them;
 - "flash": online softmax over scores s = q @ kt (or causal(q @ kt), masked there), the scores, their

@@ -28,6 +28,10 @@ loop. The accumulators of a warp (tm x tn tiles of 4 floats per thread) are capp
 registers, shared equally by the products a kernel holds in registers at once (the two of a gated MLP),
 and a layout uses 4 warps, or 8 where 4 cannot hold the outputs in registers.
 
+Online softmax on wgmma (`Flash.wg`, sm_90a): the same dataflow with 16 rows per warp, 4 warps a group of
+64: s = q @ kt by wgmma from the swizzled q and k tiles (its accumulators are the same layout as mma.sync's),
+p @ v by wgmma with p's A fragments from registers and v from its swizzled tile.
+
 Online softmax on tensor cores (`Flash`, FlashAttention-2's dataflow): for scores s = q @ kt folded by
 `acc_softmax_out(s, v)` and `acc_softmax_sum(s)`, each warp owns 16 rows of q (tm blocks of them) and
 computes its rows of s with mma.sync into registers ("mn" as above: q by `ldmatrix.x4`, kt by
@@ -107,6 +111,7 @@ class Flash:
     outs: int  # acc_softmax_out accumulators folding these scores (each its own output registers)
     tm: int  # 16-row blocks per warp
     warps: int  # warps that compute (m / 16 / tm)
+    wg: bool = False  # on wgmma: q @ kt from shared memory, p @ v with p from registers (tm 1, 4 warps a group)
 
     @property
     def accumulators(self) -> int:
@@ -114,12 +119,18 @@ class Flash:
         return self.tm * (self.outs * self.dv + self.n) // 2 + 4 * self.tm
 
 
-def flash(m: int, d: int, n: int, dv: int, outs: int) -> Flash | None:
+def flash(m: int, d: int, n: int, dv: int, outs: int, wgmma: bool = False) -> Flash | None:
     """The warp layout of online softmax over s = q @ kt (m x d @ d x n) folding p @ v (n x dv) `outs`
     times, or None when tensor cores cannot take it: the fewest 16-row blocks per warp that keep the
-    warps at most max(WARPS) and the registers at most MAX_ACCUMULATORS (plus the running max and sum)."""
+    warps at most max(WARPS) and the registers at most MAX_ACCUMULATORS (plus the running max and sum).
+    With `wgmma`, on warpgroups where the shapes allow: 16 rows per warp, m a multiple of 64, the key tile
+    and the value columns 64, 128 or 256 wide, d a multiple of 64."""
     if m % 16 or d % 16 or n % 16 or dv % 16:
         return None
+    if wgmma and m % 64 == 0 and d % 64 == 0 and n in WGMMA_N and dv in WGMMA_N and m // 16 <= max(WARPS):
+        f = Flash(m, d, n, dv, outs, 1, m // 16, True)
+        if f.accumulators <= MAX_ACCUMULATORS + 4:
+            return f
     for tm in _divisors(m // 16):
         f = Flash(m, d, n, dv, outs, tm, m // 16 // tm)
         if f.warps <= max(WARPS) and f.accumulators <= MAX_ACCUMULATORS + 4 * tm:
