@@ -170,8 +170,14 @@ def test_generated_kernels_pass_the_sanitizers(path, sanitizer):
     assert result.passed, result.errors()
 
 
-@pytest.mark.parametrize("mutation", MUTATIONS)
-@pytest.mark.parametrize("path", PLANTED, ids=lambda p: p.parent.name + "/" + p.stem)
+# A read past a tile's end is found by AddressSanitizer the same way in every kernel (test_emulation checks the
+# sanitizer on a hand-written one): planted in one program of each kind of kernel, not all of them.
+READ_PAST = {"fused/attention.decoding", "fused/rmsnorm_mlp", "programs/causal_attention", "programs/gpt2_mlp"}
+PLANTINGS = [(p, m) for p in PLANTED for m in MUTATIONS
+             if m != "read past a tile's end" or f"{p.parent.name}/{p.stem}" in READ_PAST]
+
+
+@pytest.mark.parametrize("path, mutation", PLANTINGS, ids=[f"{p.parent.name}/{p.stem}-{m}" for p, m in PLANTINGS])
 def test_a_planted_bug_is_reported(path, mutation):
     b = mutated(path, mutation)
     if b is None:

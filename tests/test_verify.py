@@ -50,10 +50,10 @@ def test_verify_passes_a_directory_as_compiled(capsys, out):
     assert code == 0 and "the .cu files on disk" in text and "verified: yes" in text
 
 
-def test_verify_under_both_sanitizers(capsys, out):
-    for sanitizer in ("thread", "address"):
-        code, text, _ = prismc(capsys, "verify", out, "--sanitize", sanitizer)
-        assert code == 0 and f"{sanitizer} sanitizer" in text, text
+def test_verify_under_a_sanitizer(capsys, out):
+    """(ThreadSanitizer under verify: test_verify_maps_a_race_to_the_edited_line.)"""
+    code, text, _ = prismc(capsys, "verify", out, "--sanitize", "address")
+    assert code == 0 and "address sanitizer" in text, text
 
 
 def test_verify_finds_an_edited_kernel_wrong_with_the_first_wrong_element(capsys, out):
