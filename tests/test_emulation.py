@@ -389,6 +389,26 @@ def test_the_gpu_forms_of_the_primitives_compile_with_nvcc(tmp_path):
 
 
 NVCC_PRIMITIVES = """#include "prism.cuh"
+#if PRISM_WGMMA
+// every wgmma form: N = 64, 128, 256; f16 and bf16; B N-major and K-major; A from shared memory or registers
+template <int N, class T> __device__ void wgmma_forms(float* out, const void* s, const uint32_t (&r)[4]) {
+    float d[N / 2] = {};
+    prism::wgmma_fence();
+    prism::wgmma<N, T, true>(d, prism::wgmma_desc(s, 16, 1024), prism::wgmma_desc(s, 8192, 1024));
+    prism::wgmma<N, T, false>(d, prism::wgmma_desc(s, 16, 1024), prism::wgmma_desc(s, 16, 1024));
+    prism::wgmma<N, T, true>(d, r, prism::wgmma_desc(s, 8192, 1024));
+    prism::wgmma_commit();
+    prism::wgmma_wait<0>(d);
+    for (int i = 0; i < N / 2; ++i) out[threadIdx.x * N + i] += d[i];
+}
+extern "C" __global__ void w(float* out, const uint32_t* g) {
+    extern __shared__ __align__(1024) unsigned char sm[];
+    const uint32_t r[4] = {g[0], g[1], g[2], g[threadIdx.x]};
+    wgmma_forms<64, half>(out, sm, r), wgmma_forms<128, half>(out, sm, r), wgmma_forms<256, half>(out, sm, r);
+    wgmma_forms<64, __nv_bfloat16>(out, sm, r), wgmma_forms<128, __nv_bfloat16>(out, sm, r);
+    wgmma_forms<256, __nv_bfloat16>(out, sm, r);
+}
+#endif
 extern "C" __global__ void t(const half* a, float* out) {
     __shared__ __align__(128) half s[256];
     prism::cp_async<8>(s + threadIdx.x * 8, a + threadIdx.x * 8);
@@ -408,12 +428,6 @@ extern "C" __global__ void t(const half* a, float* out) {
     float g[32] = {};
 #if PRISM_WGMMA
     prism::fence_async_shared();
-    prism::wgmma_fence();
-    prism::wgmma<64, half, true>(g, prism::wgmma_desc(s, 128, 1024), prism::wgmma_desc(s, 128, 1024));
-    prism::wgmma<64, __nv_bfloat16, false>(g, prism::wgmma_desc(s, 128, 1024), prism::wgmma_desc(s, 128, 1024));
-    prism::wgmma<64, half, true>(g, r4, prism::wgmma_desc(s, 128, 1024));
-    prism::wgmma_commit();
-    prism::wgmma_wait<0>(g);
 #endif
     prism::load8(w, reinterpret_cast<const __nv_bfloat16*>(s) + threadIdx.x % 16 * 8);
     for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0] + w[i] + w[i + 4] + g[i];
