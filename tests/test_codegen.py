@@ -196,6 +196,35 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
     assert re.search(r"prism::wgmma<\d+, half, true>\(reinterpret_cast<float \(&\)\[\d+\]>\(f_\w+\[0\]\), pa\[kk\]", src)
     assert ("K-major" in src) == (name == "causal_attention")
 
+PREFILL_PROJECTION = """dims n = 4096, d = 4096
+program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {
+    kernel fused grid(x = gx, y = gy) loop(F) {
+        xt = load X[y, loop]
+        wt = load W[loop, x]
+        store Y[y, x] = acc_sum(xt @ wt) / acc_rms_last(xt)
+    }
+    return Y
+}
+"""
+
+
+def test_parameters_are_tuned_for_the_code_asked_for(write):
+    """The model tunes and prices the path the code generator will write: wgmma by default on H100, mma.sync
+    with --no-wgmma, the plain path with --no-tensor-cores (other tiles, an honest time), and the tuning
+    database keeps them apart."""
+    from prism_dsl.backend import cost
+    from prism_dsl.pipeline.optimize import tuning_key
+
+    program = load(write(PREFILL_PROJECTION)).program()
+    lowered, dims = lower(program), program.default_binding()
+    runs = {name: cost.parameters(lowered, dims, {}, H100, cfg) for name, cfg in
+            (("wgmma", None), ("mma.sync", CodegenConfig(wgmma=False)), ("plain", CodegenConfig(tensor_cores=False)))}
+    (t_wg,), (t_mma,), (t_plain,) = ([e.time_us for e in est] for _, _, est in runs.values())
+    assert t_wg < t_mma < t_plain / 4
+    assert runs["plain"][0] != runs["wgmma"][0]  # tiles for the plain path
+    keys = {tuning_key(program, dims, H100, cfg) for cfg in (CodegenConfig(), CodegenConfig(wgmma=False))}
+    assert len(keys) == 2
+
 GEMV = """dims n = 2, k = 256, m = 512
 program gemv(A: f16[n, k], B: f16[k, m]) {
     kernel mv grid(x = gx) loop(F) {

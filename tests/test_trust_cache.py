@@ -29,6 +29,7 @@ from prism_dsl.semantics.reference import bind_dims
 from prism_dsl.prove.rules import load_library
 from prism_dsl.search.config import SearchConfig
 from prism_dsl.prove.soundness import check_library
+from prism_dsl.backend.launch import CodegenConfig
 from prism_dsl.pipeline.optimize import Measurement, optimize, rank, tuning_key
 from prism_dsl.search.checkpoint import checkpoint_key, load_checkpoint
 
@@ -279,13 +280,13 @@ def test_tuning_parameters_are_checked_against_the_kernels(params, tmp_path, mon
     binding = bind_dims(program, SMALL)
     key = tuning_key(program, binding, H100)
     cache.write("tuning", key, {"params": params, "us": 1.0})
-    r = rank(program, binding, H100, 128)
+    r = rank(program, binding, H100, CodegenConfig())
     assert r is not None and set(r.params) == {"gx", "gy"} and all(type(v) is int for v in r.params.values())
     assert 64 % r.params["gx"] == 0 and 4 % r.params["gy"] == 0
     assert "not a valid tuning entry" in capsys.readouterr().err
     stored = cache.read("tuning", key)["params"]  # overwritten
     assert stored == r.params and all(type(v) is int for v in stored.values())
-    assert rank(program, binding, H100, 128).params == r.params
+    assert rank(program, binding, H100, CodegenConfig()).params == r.params
     assert capsys.readouterr().err == ""
 
 

@@ -81,7 +81,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import sympy
@@ -215,7 +215,7 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
 
 
 def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None) -> Estimate:
-    config = config or CodegenConfig(threads=threads, smem_limit=hardware.smem_per_block, arch=hardware.arch)
+    config = config or for_hardware(CodegenConfig(threads=threads), hardware)
     shape = layout(c, config)
     dram, l2, flops, tc, vec = kernel_work(c, hardware, shape, config)
     blocks = c.blocks()
@@ -371,23 +371,30 @@ def kept_share(rows: int, cols: int) -> float:
 
 
 def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mapping[str, int], hardware: Hardware,
-               threads: int = 128) -> tuple[dict[str, int], dict[str, Concrete], list[Estimate]]:
+               codegen: CodegenConfig | None = None) -> tuple[dict[str, int], dict[str, Concrete], list[Estimate]]:
     """A lowered program at these dims: its kernel parameters by name (`given` kept, the rest chosen by
-    the model), every kernel concrete, and their estimates. Raises PrismError listing the violated
-    constraints when no choice is valid."""
+    the model for the code `codegen` asks for), every kernel concrete, and their estimates. Raises
+    PrismError listing the violated constraints when no choice is valid."""
+    config = for_hardware(codegen, hardware)
     symbols = {s.name: s for s in free_symbols(program)}
     fixed = {symbols[n]: v for n, v in given.items()}
     try:
-        chosen = tune(program, dims, fixed, hardware, threads)
+        chosen = tune(program, dims, fixed, hardware, config)
     except ValueError:  # `choose` searches further, and reports every violated constraint in words
         chosen = choose(program, dims, fixed, hardware)
     params = {**given, **{s.name: v for s, v in chosen.items()}}
     concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, hardware)
-    return params, concrete, [estimate(k, hardware, threads) for k in concrete.values()]
+    return params, concrete, [estimate(k, hardware, config=config) for k in concrete.values()]
+
+
+def for_hardware(codegen: CodegenConfig | None, hardware: Hardware) -> CodegenConfig:
+    """The code generator's options (the defaults where None) with what the hardware decides: the shared
+    memory a block may fill, and its arch (wgmma on sm_90 only)."""
+    return replace(codegen or CodegenConfig(), smem_limit=hardware.smem_per_block, arch=hardware.arch)
 
 
 def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], hardware: Hardware,
-         threads: int = 128) -> dict[sympy.Symbol, int]:
+         codegen: CodegenConfig | None = None) -> dict[sympy.Symbol, int]:
     """Values for the free kernel parameters that minimise the estimated time; between equal estimates,
     the one that keeps more SMs busy (the model's bandwidth is a ceiling it reaches with few SMs as with
     many, which the hardware does not promise), then the one that reads fewer bytes through L2 (larger
@@ -399,6 +406,7 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     a time while the estimate improves. Raises ValueError when a kernel has no valid choice (the caller
     reports the violations through `kernels.params.choose`)."""
     binding = {**dims, **fixed}
+    config = for_hardware(codegen, hardware)
     free = set(free_symbols(program)) - set(fixed)
     chosen: dict[sympy.Symbol, int] = {}
     for group in _groups(program, free):
@@ -416,7 +424,7 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
                 if key not in memo:
                     trial = {**binding, **{syms[i]: values[i] for i in mine}}
                     if valid(k, trial, hardware):
-                        e = estimate(instantiate(k, trial, hardware), hardware, threads)
+                        e = estimate(instantiate(k, trial, hardware), hardware, config=config)
                         memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
                     else:
                         memo[key] = (math.inf, 0, 0)

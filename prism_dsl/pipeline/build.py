@@ -92,7 +92,7 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
         pair_outputs(source, reference)
     binding = bind_dims(lowered, dict(options.dims))
     given = {**resolve_params(lowered, options.grid, options.loop), **options.params}
-    params, concrete, estimates = cost.parameters(lowered, binding, given, hardware, options.codegen.threads)
+    params, concrete, estimates = cost.parameters(lowered, binding, given, hardware, options.codegen)
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates))

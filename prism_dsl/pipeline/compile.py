@@ -94,7 +94,7 @@ def search(request: Request) -> Outcome | None:
     s, o = request.search, request.options
     measure = gpu_timer(request.hardware, o, request.program) if o.rank == "measure" else None
     return optimize(request.program, library, request.hardware, bind_dims(request.program, dict(o.dims)),
-                    **vars(s), threads=o.codegen.threads, measure=measure,
+                    **vars(s), codegen=o.codegen, measure=measure,
                     device=cuda_runtime.device_identity() if measure else "")
 
 

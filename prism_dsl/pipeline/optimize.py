@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..backend import cost, cuda_runtime
-from ..backend.codegen import TEMPLATES
+from ..backend.codegen import TEMPLATES, CodegenConfig
 from ..base import cache
 from ..base.errors import PrismError
 from ..ir.nodes import Program
@@ -92,30 +92,33 @@ def _dims(binding: dict) -> str:
     return json.dumps(sorted((str(k), int(v)) for k, v in binding.items()))
 
 
-def tuning_key(program: Program, binding: dict, hardware: Hardware) -> str:
-    """The model's parameters and estimate for a program at some dims on a hardware."""
+def tuning_key(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig = CodegenConfig()) -> str:
+    """The model's parameters and estimate for a program at some dims on a hardware, for the code `codegen`
+    asks for (threads, tensor cores, wgmma, pipeline stages)."""
     return cache.digest("tuning", SEARCH_VERSION, cache.code_digest(*MODEL_CODE), structure(program), _dims(binding),
-                        hardware.name)
+                        hardware.name, json.dumps(sorted(vars(codegen).items())))
 
 
-def measured_key(program: Program, binding: dict, hardware: Hardware, device: str, params: dict[str, int]) -> str:
+def measured_key(program: Program, binding: dict, hardware: Hardware, device: str, params: dict[str, int],
+                 codegen: CodegenConfig = CodegenConfig()) -> str:
     """A time measured on a GPU: the device string names the GPU, its compute capability and driver; the
-    generated code's sources and templates are in the key too, since a time measured on other code is stale."""
+    generated code's sources and templates are in the key too, since a time measured on other code is stale,
+    and so are the code generator's options."""
     code = cache.code_digest(*MODEL_CODE, "backend", "pipeline/build.py", extra=TEMPLATES)
     return cache.digest("measured", SEARCH_VERSION, code, structure(program), _dims(binding), hardware.name, device,
-                        json.dumps(sorted(params.items())))
+                        json.dumps(sorted(params.items())), json.dumps(sorted(vars(codegen).items())))
 
 
-def rank(program: Program, binding: dict, hardware: Hardware, threads: int) -> Ranked | None:
+def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig) -> Ranked | None:
     """Parameters and estimated time for one program at these dims, from the tuning database when it has
     a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again."""
     lowered = lower(program)
-    key = tuning_key(program, binding, hardware)
+    key = tuning_key(program, binding, hardware, codegen)
     hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware), "tuning entry", "tuning")
     if hit is not None:
         return Ranked(program, dict(hit["params"]), float(hit["us"]))
     try:
-        params, _, estimates = cost.parameters(lowered, binding, {}, hardware, threads)
+        params, _, estimates = cost.parameters(lowered, binding, {}, hardware, codegen)
     except PrismError:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
     us = sum(e.time_us for e in estimates)
@@ -182,14 +185,15 @@ class Choosing:
 
     binding: dict
     hardware: Hardware
-    threads: int = 128
+    codegen: CodegenConfig = CodegenConfig()  # the code the programs are ranked as (threads, paths, stages)
     measure: Measure | None = None
     device: str = ""
     use_cache: bool = True
 
 
 def optimize(program: Program, library: Library, hardware: Hardware, binding: dict, *, config: SearchConfig = SearchConfig(),
-             time_limit: float | None = None, jobs: int | None = None, threads: int = 128, use_cache: bool = True,
+             time_limit: float | None = None, jobs: int | None = None, codegen: CodegenConfig = CodegenConfig(),
+             use_cache: bool = True,
              progress: bool = False, stop_event: threading.Event | None = None,
              measure: Measure | None = None, device: str = "") -> Outcome:
     """Search (or reuse the checkpoint), tune every proved program by the model, and choose the fastest;
@@ -202,7 +206,7 @@ def optimize(program: Program, library: Library, hardware: Hardware, binding: di
     started = time.perf_counter()
     key = checkpoint_key(program, library, config)
     jobs = jobs or default_jobs()
-    how = Choosing(binding, hardware, threads, measure, device, use_cache)
+    how = Choosing(binding, hardware, codegen, measure, device, use_cache)
     chosen = _from_checkpoint(program, library, key, how, jobs) if use_cache else None
     if chosen is None:
         show = Progress(progress, started)
@@ -257,11 +261,11 @@ def _choose(program: Program, proved: list[Program], how: Choosing,
     """Every program that fits these dims ranked, the chosen one first, with what report.json says of it.
     `proved` are proved already when `prover` is None; else `prover` proves those to be timed and the
     chosen one, and the answer is why not when one of them is not proved."""
-    ranked = [r for r in (rank(p, how.binding, how.hardware, how.threads) for p in proved) if r is not None]
+    ranked = [r for r in (rank(p, how.binding, how.hardware, how.codegen) for p in proved) if r is not None]
     unfit = len(proved) - len(ranked)
     for r in ranked:
         r.proved = prover is None
-    written = rank(program, how.binding, how.hardware, how.threads)
+    written = rank(program, how.binding, how.hardware, how.codegen)
     if written is not None:
         written.as_written = written.proved = True  # the input itself
         ranked.append(written)
@@ -318,7 +322,7 @@ def _measure_best(ranked: list[Ranked], how: Choosing) -> dict:
     failures: list[str] = []
     by_model = {id(r): i + 1 for i, r in enumerate(ranked)}
     for r in _to_measure(ranked):
-        key = measured_key(r.program, how.binding, how.hardware, how.device, r.params)
+        key = measured_key(r.program, how.binding, how.hardware, how.device, r.params, how.codegen)
         hit = _usable("measured", key, _measured_problem, "measurement", "timing") if how.use_cache else None
         if hit is not None:
             r.measured = Measurement(None if hit["us"] is None else float(hit["us"]), hit["note"])
