@@ -137,7 +137,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
     `config` lays it out)."""
     k = c.kernel
     laid = laid or layout(c, config)
-    registered = {acc.args[0] for acc in laid.registers} | set(laid.flash)  # products on mma.sync
+    registered = {acc.args[0] for acc in laid.registers} | set(laid.flash)  # products in registers (mma.sync, wgmma)
     shape = c.shape
     blocks, loop = c.blocks(), iterations(c)
     varying = loop_varying(k)

@@ -17,7 +17,8 @@ import sympy
 
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
-from ..backend.launch import CodegenConfig, layout
+from ..backend.cost import for_hardware
+from ..backend.launch import layout
 from ..kernels.constraints import constraints, instantiate, shared_memory
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape, storage, stored_dtype
@@ -88,10 +89,10 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
     problems = [v for c in constraints(k, hardware) if (v := c.violation(binding))]
     if not problems and all(not bind(g, binding).free_symbols for _, g in k.grid) \
             and not bind(k.loop_range, binding).free_symbols:
-        laid = layout(instantiate(k, binding, hardware), CodegenConfig(smem_limit=hardware.smem_per_block,
-                                                                        arch=hardware.arch))
+        laid = layout(instantiate(k, binding, hardware), for_hardware(None, hardware))
         pipeline = f"a {laid.stages}-stage cp.async pipeline" if laid.stages > 1 else "no pipeline"
-        flash = "".join(f", online softmax over {names.get(s, 's')} in registers ({f.warps} warps of {16 * f.tm} rows)"
+        flash = "".join(f", online softmax over {names.get(s, 's')} in registers ({f.warps} warps of {16 * f.tm} rows"
+                        f"{', on wgmma' if f.wg else ''})"
                         for s, f in laid.flash.items())
         lines.append(f"  as generated: {laid.threads} threads, {pipeline}{flash}, {laid.smem} bytes of shared memory "
                      "(row padding and pipeline stages included)")

@@ -16,7 +16,7 @@ with the program the search chose, so that they do not depend on the proof (`rep
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -99,8 +99,7 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
 
 
 def render(tuned: Tuned, config: CodegenConfig) -> Build:
-    # what the pipeline stages may fill; whether wgmma is there
-    config = replace(config, smem_limit=tuned.hardware.smem_per_block, arch=tuned.hardware.arch)
+    config = cost.for_hardware(config, tuned.hardware)  # what the pipeline stages may fill; whether wgmma is there
     kernels = tuple(render_kernel(tuned.concrete[k.name], tuned.program, config) for k in kernels_of(tuned.program))
     return Build(**vars(tuned), kernels=kernels)
 
