@@ -461,7 +461,7 @@ def test_show_says_where_online_softmax_runs_in_registers(capsys):
     path = REPO / "programs" / "fused" / "attention.prism"
     args = ["--dims", "b=1,h=16,q=4096,kv=4096,dh=128", "--grid", "gb=1,gh=16,gq=32", "--loop", "F=64"]
     assert main(["show", str(path), *args]) == 0
-    assert "online softmax over s in registers (8 warps of 16 rows)" in capsys.readouterr().out
+    assert "online softmax over s in registers (8 warps of 16 rows, on wgmma)" in capsys.readouterr().out
 
 
 def test_show_lists_violations_and_exits_1(capsys):
