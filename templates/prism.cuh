@@ -151,6 +151,21 @@ template <class R> __device__ __forceinline__ R rescale(R old_max, R new_max) {
     return old_max == -R(INFINITY) ? R(0) : exp_(old_max - new_max);
 }
 
+// Online softmax's exp(x - m) over a row of f32 scores held in registers as one FFMA and one MUFU.EX2 (GPU):
+// 2^(x log2(e) - ml), with ml = exp_shift(m) once per row (0 where m is -inf: every x is then -inf, and its
+// exp 0). ex2.approx is within 2 ulp of 2^y; the emulation takes the exact power of two of the same fma.
+constexpr float kLog2e = 1.4426950408889634f;
+__device__ __forceinline__ float exp_shift(float m) { return m == -INFINITY ? 0.0f : m * kLog2e; }
+__device__ __forceinline__ float exp_from(float x, float ml) {
+#if defined(PRISM_CPU)
+    return std::exp2(std::fma(x, kLog2e, -ml));
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, kLog2e, -ml)));
+    return y;
+#endif
+}
+
 // -- warp shuffles and reductions (each row of a row reduction is one warp's work) ------------------------
 #if defined(PRISM_CPU)
 template <class R> struct ShflIn { R v; int lane_mask; };

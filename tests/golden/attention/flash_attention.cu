@@ -115,11 +115,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
                     mx = prism::max_(mx, prism::shfl_xor(mx, 2));
                     const real grown = prism::max_(f_v2_m[i][h], mx), scale = prism::rescale(f_v2_m[i][h], grown);
                     f_v2_m[i][h] = grown;
+                    const real shift = prism::exp_shift(grown);
                     real part = real(0);
                     PRISM_UNROLL
                     for (int j = 0; j < 8; ++j) {
-                        sc[i][j][2 * h] = prism::exp_(sc[i][j][2 * h] - grown);
-                        sc[i][j][2 * h + 1] = prism::exp_(sc[i][j][2 * h + 1] - grown);
+                        sc[i][j][2 * h] = prism::exp_from(sc[i][j][2 * h], shift);
+                        sc[i][j][2 * h + 1] = prism::exp_from(sc[i][j][2 * h + 1], shift);
                         part += sc[i][j][2 * h] + sc[i][j][2 * h + 1];
                     }
                     f_v2_l[i][h] = f_v2_l[i][h] * scale + part;
