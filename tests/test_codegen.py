@@ -196,6 +196,30 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
     assert re.search(r"prism::wgmma<\d+, half, true>\(reinterpret_cast<float \(&\)\[\d+\]>\(f_\w+\[0\]\), pa\[kk\]", src)
     assert ("K-major" in src) == (name == "causal_attention")
 
+SHARED_WITH_WMMA = """dims n = 128, d = 128, e = 128
+program mix(X: f16[n, d], W: f16[d, e], U: f16[d, e]) {
+    kernel k grid(x = g) loop(F) {
+        xt = load X[:, loop]
+        wt = load W[loop, x]
+        ut = load U[loop, x]
+        a = acc_sum(xt @ wt)
+        m = acc_max_last(xt @ ut)
+        store Y[:, x] = a / m
+    }
+    return Y
+}
+"""
+
+
+def test_a_tile_that_another_product_reads_as_padded_rows_keeps_mma_sync(write):
+    """xt feeds a wgmma-sized register-tiled product and a wmma product (`xt @ ut`, folded by a max): wmma
+    reads padded rows, so xt is not swizzled and the register-tiled product stays on mma.sync."""
+    program = load(write(SHARED_WITH_WMMA)).program()
+    built = build(program, H100, BuildOptions(grid={"g": 2}, loop={"F": 2}, archs=()))
+    src = built.kernels[0].source
+    assert not built.kernels[0].wgmma and "wgmma" not in src and "(i1 / 8 % 8 ^" not in src
+    assert "prism::mma_m16n8k16<half>" in src and "wmma::mma_sync" in src
+
 PREFILL_PROJECTION = """dims n = 4096, d = 4096
 program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {
     kernel fused grid(x = gx, y = gy) loop(F) {
