@@ -128,3 +128,15 @@ def test_a_compiled_edit_that_breaks_compilation_names_the_cu_line(capsys, out):
     cu.write_text(cu.read_text().replace("__syncthreads();", "__syncthreads(;", 1))
     code, _, err = prismc(capsys, "verify", out)
     assert code == 1 and re.search(r"rmsnorm_matmul\.cu:\d+:\d+: error", err), err
+
+
+def test_verify_launches_the_kernels_on_disk_as_they_were_compiled(capsys, tmp_path):
+    """A directory compiled with --no-wgmma at sizes where the default is wgmma: its mma.sync kernel is
+    launched with the block and shared memory it was written for."""
+    from prism_dsl.cli.main import main
+    out = tmp_path / "out"
+    assert main(["compile", str(FUSED_RMSNORM), "--search", "none", "--arch", "none", "--no-emulate", "--no-wgmma",
+                 "--dims", "n=128,d=256", "--grid", "gx=2", "--loop", "F=4", "-o", str(out)]) == 0
+    assert "wgmma" not in (out / "rmsnorm_matmul.cu").read_text()
+    code, text, _ = prismc(capsys, "verify", out)
+    assert code == 0 and "the .cu files on disk" in text and "agrees" in text, text
