@@ -537,44 +537,36 @@ __device__ __forceinline__ WgmmaDesc wgmma_desc(const void* p, uint32_t lbo, uin
 }
 
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T: d += a b over the warpgroup, B N-major (as stored, rows of k)
-// or K-major (stored as its transpose). N is 64, 128 or 256.
-template <int N, class T, bool NMajorB> __device__ __forceinline__ void wgmma(float (&d)[N / 2], WgmmaDesc a, WgmmaDesc b PRISM_AT) {
+// or K-major (stored as its transpose). N is 64, 128 or 256. A is a descriptor, or this warp's 16 rows of the
+// 64 in registers, in mma.sync's A layout (4 .b32): so the probabilities of online softmax, computed in
+// registers, feed p @ v without shared memory.
+template <int N, class T, bool NMajorB, class A> __device__ __forceinline__ void wgmma(float (&d)[N / 2], const A& a, WgmmaDesc b PRISM_AT) {
     static_assert(N == 64 || N == 128 || N == 256, "wgmma is written for N = 64, 128, 256");
-#if defined(PRISM_CPU)
-    const emu::WgmmaIn in{a, b, nullptr, d, PRISM_TID / 32 % 4};
-    float got[N / 2];
-    emu::collective("wgmma.mma_async", 0xFFFFFFFFu, at_file, at_line, &in, got,
-                    emu::wgmma_op<N, !std::is_same<T, half>::value, NMajorB>);
-    for (int i = 0; i < N / 2; ++i) d[i] = got[i];
-#elif PRISM_WGMMA
-    constexpr bool f16 = std::is_same<T, half>::value;
-    if constexpr (N == 64 && f16) PRISM_WGMMA_SS("64", "f16", PRISM_WG_R32, PRISM_WG_D32, "32", "33", "34", "35");
-    if constexpr (N == 64 && !f16) PRISM_WGMMA_SS("64", "bf16", PRISM_WG_R32, PRISM_WG_D32, "32", "33", "34", "35");
-    if constexpr (N == 128 && f16) PRISM_WGMMA_SS("128", "f16", PRISM_WG_R64, PRISM_WG_D64, "64", "65", "66", "67");
-    if constexpr (N == 128 && !f16) PRISM_WGMMA_SS("128", "bf16", PRISM_WG_R64, PRISM_WG_D64, "64", "65", "66", "67");
-    if constexpr (N == 256 && f16) PRISM_WGMMA_SS("256", "f16", PRISM_WG_R128, PRISM_WG_D128, "128", "129", "130", "131");
-    if constexpr (N == 256 && !f16) PRISM_WGMMA_SS("256", "bf16", PRISM_WG_R128, PRISM_WG_D128, "128", "129", "130", "131");
+#if defined(PRISM_CPU) || PRISM_WGMMA
+    constexpr bool regs = !std::is_same<A, WgmmaDesc>::value;
 #endif
-}
-
-// The same with A from registers: this warp's 16 rows of the 64 in mma.sync's A layout (`a`, 4 .b32), so the
-// probabilities of online softmax, computed in registers, feed p @ v without shared memory.
-template <int N, class T, bool NMajorB> __device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4], WgmmaDesc b PRISM_AT) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma is written for N = 64, 128, 256");
 #if defined(PRISM_CPU)
-    const emu::WgmmaIn in{b, b, a, d, PRISM_TID / 32 % 4};
+    emu::WgmmaIn in{b, b, nullptr, d, PRISM_TID / 32 % 4};
+    if constexpr (regs) in.ra = a;
+    else in.a = a;
     float got[N / 2];
     emu::collective("wgmma.mma_async", 0xFFFFFFFFu, at_file, at_line, &in, got,
                     emu::wgmma_op<N, !std::is_same<T, half>::value, NMajorB>);
     for (int i = 0; i < N / 2; ++i) d[i] = got[i];
 #elif PRISM_WGMMA
     constexpr bool f16 = std::is_same<T, half>::value;
-    if constexpr (N == 64 && f16) PRISM_WGMMA_RS("64", "f16", PRISM_WG_R32, PRISM_WG_D32, "%32, %33, %34, %35", "36", "37", "38");
-    if constexpr (N == 64 && !f16) PRISM_WGMMA_RS("64", "bf16", PRISM_WG_R32, PRISM_WG_D32, "%32, %33, %34, %35", "36", "37", "38");
-    if constexpr (N == 128 && f16) PRISM_WGMMA_RS("128", "f16", PRISM_WG_R64, PRISM_WG_D64, "%64, %65, %66, %67", "68", "69", "70");
-    if constexpr (N == 128 && !f16) PRISM_WGMMA_RS("128", "bf16", PRISM_WG_R64, PRISM_WG_D64, "%64, %65, %66, %67", "68", "69", "70");
-    if constexpr (N == 256 && f16) PRISM_WGMMA_RS("256", "f16", PRISM_WG_R128, PRISM_WG_D128, "%128, %129, %130, %131", "132", "133", "134");
-    if constexpr (N == 256 && !f16) PRISM_WGMMA_RS("256", "bf16", PRISM_WG_R128, PRISM_WG_D128, "%128, %129, %130, %131", "132", "133", "134");
+#define PRISM_WGMMA_TYPED(FORM, N, ...) \
+    if constexpr (f16) FORM(N, "f16", __VA_ARGS__); else FORM(N, "bf16", __VA_ARGS__)
+    if constexpr (regs) {
+        if constexpr (N == 64) PRISM_WGMMA_TYPED(PRISM_WGMMA_RS, "64", PRISM_WG_R32, PRISM_WG_D32, "%32, %33, %34, %35", "36", "37", "38");
+        if constexpr (N == 128) PRISM_WGMMA_TYPED(PRISM_WGMMA_RS, "128", PRISM_WG_R64, PRISM_WG_D64, "%64, %65, %66, %67", "68", "69", "70");
+        if constexpr (N == 256) PRISM_WGMMA_TYPED(PRISM_WGMMA_RS, "256", PRISM_WG_R128, PRISM_WG_D128, "%128, %129, %130, %131", "132", "133", "134");
+    } else {
+        if constexpr (N == 64) PRISM_WGMMA_TYPED(PRISM_WGMMA_SS, "64", PRISM_WG_R32, PRISM_WG_D32, "32", "33", "34", "35");
+        if constexpr (N == 128) PRISM_WGMMA_TYPED(PRISM_WGMMA_SS, "128", PRISM_WG_R64, PRISM_WG_D64, "64", "65", "66", "67");
+        if constexpr (N == 256) PRISM_WGMMA_TYPED(PRISM_WGMMA_SS, "256", PRISM_WG_R128, PRISM_WG_D128, "128", "129", "130", "131");
+    }
+#undef PRISM_WGMMA_TYPED
 #endif
 }
 

@@ -39,6 +39,7 @@ from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
 from ..kernels.sizes import call, compile_sizes, int_value
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
 
+WGMMA_ARCHS = ("sm_90", "sm_90a")  # the targets with wgmma (compiled as sm_90a: its arch-specific features)
 DEFAULT_STAGES = 3  # cp.async pipeline depth, at most: 2 overlaps one load with compute, 3 covers latency jitter
 
 
@@ -55,7 +56,7 @@ class CodegenConfig:
     @property
     def warpgroups(self) -> bool:
         """Whether register-tiled products may run on wgmma (`warp_mma.wgmma_tiling`)."""
-        return self.tensor_cores and self.wgmma and self.arch in ("sm_90", "sm_90a")
+        return self.tensor_cores and self.wgmma and self.arch in WGMMA_ARCHS
 
 
 @dataclass(frozen=True)

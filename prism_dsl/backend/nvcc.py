@@ -17,6 +17,7 @@ from typing import Sequence
 from ..base.errors import PrismError
 from .codegen import HEADER, RenderedKernel, header_source
 from .cuda_runtime import NVCC_OPTIONS
+from .launch import WGMMA_ARCHS
 
 
 def write_sources(kernels: Sequence[RenderedKernel], directory: Path) -> None:
@@ -73,4 +74,4 @@ def kernel_arch(k: RenderedKernel, arch: str) -> str | None:
     sm_90) and runs on no other; None where it cannot run."""
     if not k.wgmma:
         return arch
-    return "sm_90a" if arch in ("sm_90", "sm_90a") else None
+    return "sm_90a" if arch in WGMMA_ARCHS else None
