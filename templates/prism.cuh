@@ -43,7 +43,8 @@
 #define PRISM_TENSOR_CORES 1
 #define PRISM_ASYNC_COPY 1
 // Where a primitive was called from, so that a finding names the generated .cu line.
-#define PRISM_AT , const char *at_file = __builtin_FILE(), int at_line = __builtin_LINE()
+#define PRISM_AT , PRISM_AT_ONLY
+#define PRISM_AT_ONLY const char *at_file = __builtin_FILE(), int at_line = __builtin_LINE()
 #define PRISM_HERE , at_file, at_line
 typedef _Float16 half;
 struct __nv_bfloat16 { uint16_t bits; };
@@ -57,6 +58,7 @@ struct __nv_bfloat16 { uint16_t bits; };
 #define PRISM_SHARED_IN(T, offset, bytes, first, last) reinterpret_cast<T*>(prism_smem + (offset))
 #define PRISM_PHASE(p)
 #define PRISM_AT
+#define PRISM_AT_ONLY
 #define PRISM_HERE
 // wmma with f16 and bf16 operands, mma.sync m16n8k16, ldmatrix and cp.async need sm_80; the host pass and
 // older targets take the plain path.
@@ -410,8 +412,11 @@ template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi)
 // falls on the same bytes. wgmma runs asynchronously: wgmma_fence() before the first of a batch (after
 // the accumulators were last touched), wgmma_commit() closes the batch, wgmma_wait<0>() waits for it;
 // shared memory written by the threads (st.shared, cp.async) is made visible to it by
-// fence_async_shared() before the barrier that publishes it. The emulation performs each warp's 16 rows
-// as a warp collective when the warp issues the wgmma.
+// fence_async_shared() before the barrier that publishes it; wgmma_wait<1>() leaves the latest batch in flight.
+// The emulation computes each warp's 16 rows as a warp collective when the warp issues the wgmma, but
+// completes it only at the wgmma_wait that covers its batch (`WgmmaFlight` in prism_emu.h): commit and wait
+// are warp collectives, the accumulators hold NaN until the wait, and the operands read again there must
+// be unchanged.
 #if defined(PRISM_CPU)
 #define PRISM_WGMMA 1
 namespace emu {
@@ -442,10 +447,39 @@ struct WgmmaIn {
     const float* c;
     int warp;  // this warp's place in its warpgroup
 };
+// A and B as the lanes' operands give them: A[16][16] (this warp's rows), then B[16][N].
+template <int N, bool Bf16, bool NMajorB> void wgmma_operands(const std::vector<WgmmaIn>& in, std::vector<float>& ab) {
+    const WgmmaIn& f = in[0];
+    ab.resize(16 * 16 + 16 * N);
+    float* const A = ab.data();
+    float* const B = A + 16 * 16;
+    if (f.ra) {
+        for (int l = 0; l < kWarp; ++l) {  // a_i: row g (+8 for i = 2,3,6,7), column 2t + (i & 1) (+8 for i >= 4)
+            const uint32_t* a = in[l].ra;
+            for (int i = 0; i < 8; ++i)
+                A[16 * (l / 4 + 8 * ((i >> 1) & 1)) + 2 * (l % 4) + (i & 1) + 8 * (i >> 2)] = b16_to_f(half_at(a[i >> 1], i & 1), Bf16);
+        }
+    } else {
+        for (int r = 0; r < 16; ++r) {
+            const int row = 16 * f.warp + r;
+            for (int k = 0; k < 16; ++k) A[16 * r + k] = wgmma_read(f.a.p + row / 8 * f.a.sbo + row % 8 * 128 + 2 * k, Bf16);
+        }
+    }
+    for (int k = 0; k < 16; ++k)
+        for (int n = 0; n < N; ++n)
+            B[N * k + n] = wgmma_read(NMajorB ? f.b.p + n / 64 * f.b.lbo + k / 8 * f.b.sbo + k % 8 * 128 + 2 * (n % 64)
+                                              : f.b.p + n / 8 * f.b.sbo + n % 8 * 128 + 2 * k, Bf16);
+}
+inline Warp& own_warp() { return self()->block->warps[self()->linear / kWarp]; }
+// Issues one warp's 16 rows: the result goes in flight (`WgmmaFlight`) and each lane's accumulators read NaN
+// until the wait. A lane's start value is its accumulators, or the result of the latest wgmma in flight into
+// them (a batch chains its products through the same registers).
 template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, void* const* out) {
-    const WgmmaIn& f = *static_cast<const WgmmaIn*>(in[0]);
+    std::vector<WgmmaIn> lanes(kWarp);
+    for (int l = 0; l < kWarp; ++l) lanes[l] = *static_cast<const WgmmaIn*>(in[l]);
+    const WgmmaIn& f = lanes[0];
     for (int l = 1; l < kWarp; ++l) {
-        const WgmmaIn& o = *static_cast<const WgmmaIn*>(in[l]);
+        const WgmmaIn& o = lanes[l];
         if ((!f.ra && o.a != f.a) || o.b != f.b || o.warp != f.warp)
             fail({rt().op_site}, "wgmma: lane %d passes other descriptors than lane 0 (they must agree)", l);
     }
@@ -453,32 +487,66 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, v
         if ((d != &f.a || !f.ra) && (reinterpret_cast<uintptr_t>(d->p) % 16 || d->lbo % 16 || d->sbo % 16))
             fail({rt().op_site}, "wgmma: descriptor start %p, lbo %u, sbo %u: each must be a multiple of 16 bytes",
                  static_cast<const void*>(d->p), d->lbo, d->sbo);
-    float A[16][16], B[16][N];
-    if (f.ra) {
-        for (int l = 0; l < kWarp; ++l) {  // a_i: row g (+8 for i = 2,3,6,7), column 2t + (i & 1) (+8 for i >= 4)
-            const uint32_t* a = static_cast<const WgmmaIn*>(in[l])->ra;
-            for (int i = 0; i < 8; ++i)
-                A[l / 4 + 8 * ((i >> 1) & 1)][2 * (l % 4) + (i & 1) + 8 * (i >> 2)] = b16_to_f(half_at(a[i >> 1], i & 1), Bf16);
-        }
-    } else {
-        for (int r = 0; r < 16; ++r) {
-            const int row = 16 * f.warp + r;
-            for (int k = 0; k < 16; ++k) A[r][k] = wgmma_read(f.a.p + row / 8 * f.a.sbo + row % 8 * 128 + 2 * k, Bf16);
-        }
-    }
-    for (int k = 0; k < 16; ++k)
-        for (int n = 0; n < N; ++n)
-            B[k][n] = wgmma_read(NMajorB ? f.b.p + n / 64 * f.b.lbo + k / 8 * f.b.sbo + k % 8 * 128 + 2 * (n % 64)
-                                         : f.b.p + n / 8 * f.b.sbo + n % 8 * 128 + 2 * k, Bf16);
+    WgmmaFlight flight;
+    flight.site = rt().op_site;
+    wgmma_operands<N, Bf16, NMajorB>(lanes, flight.operands);
+    flight.read = [lanes](std::vector<float>& ab) { wgmma_operands<N, Bf16, NMajorB>(lanes, ab); };
+    const float* const A = flight.operands.data();
+    const float* const B = A + 16 * 16;
+    Warp& w = own_warp();
+    flight.value.resize(kWarp * N / 2);
     for (int l = 0; l < kWarp; ++l) {
-        const float* c = static_cast<const WgmmaIn*>(in[l])->c;
+        const float* c = lanes[l].c;
+        for (auto it = w.wgmma.rbegin(); it != w.wgmma.rend(); ++it)
+            if (it->d[l] == lanes[l].c) {
+                c = it->value.data() + l * N / 2;
+                break;
+            }
+        flight.d.push_back(const_cast<float*>(lanes[l].c));
         float* d = static_cast<float*>(out[l]);
         for (int i = 0; i < N / 2; ++i) {
             const int row = l / 4 + 8 * ((i >> 1) & 1), col = 8 * (i / 4) + 2 * (l % 4) + (i & 1);
             float acc = c[i];
-            for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-            d[i] = acc;
+            for (int k = 0; k < 16; ++k) acc += A[16 * row + k] * B[N * k + col];
+            flight.value[l * N / 2 + i] = acc;
+            d[i] = NAN;
         }
+    }
+    w.wgmma.push_back(std::move(flight));
+}
+inline size_t wgmma_grouped(const Warp& w) {
+    size_t grouped = 0;
+    for (size_t g : w.wgmma_groups) grouped += g;
+    return grouped;
+}
+inline void wgmma_commit_op(const void* const*, void* const*) {
+    Warp& w = own_warp();
+    w.wgmma_groups.push_back(w.wgmma.size() - wgmma_grouped(w));
+}
+// wgmma.wait_group n: every committed group but the n most recent completes: its operands are read again
+// (they must be what the issue read) and its results written to the accumulators.
+inline void wgmma_wait_op(const void* const* in, void* const*) {
+    const int n = *static_cast<const int*>(in[0]);
+    Warp& w = own_warp();
+    if (wgmma_grouped(w) < w.wgmma.size())
+        fail({w.wgmma[wgmma_grouped(w)].site, rt().op_site}, "wgmma issued at %s is waited for before it is committed "
+             "(wgmma.commit_group closes a batch; the generated code commits every wgmma before it waits)",
+             where(w.wgmma[wgmma_grouped(w)].site).c_str());
+    while (w.wgmma_groups.size() > static_cast<size_t>(n)) {
+        const size_t count = w.wgmma_groups.front();
+        std::vector<float> again;
+        for (size_t i = 0; i < count; ++i) {
+            const WgmmaFlight& f = w.wgmma[i];
+            f.read(again);
+            if (std::memcmp(again.data(), f.operands.data(), again.size() * sizeof(float)) != 0)
+                fail({f.site, rt().op_site}, "the operands of the wgmma issued at %s changed before the wgmma.wait_group "
+                     "that completes it: shared memory (or A's registers) written while the tensor cores may still read it",
+                     where(f.site).c_str());
+            for (int l = 0; l < kWarp; ++l) std::memcpy(f.d[l], f.value.data() + l * f.value.size() / kWarp,
+                                                        f.value.size() / kWarp * sizeof(float));
+        }
+        w.wgmma.erase(w.wgmma.begin(), w.wgmma.begin() + count);
+        w.wgmma_groups.erase(w.wgmma_groups.begin());
     }
 }
 }  // namespace emu
@@ -549,7 +617,7 @@ template <int N, class T, bool NMajorB, class A> __device__ __forceinline__ void
     emu::WgmmaIn in{b, b, nullptr, d, PRISM_TID / 32 % 4};
     if constexpr (regs) in.ra = a;
     else in.a = a;
-    float got[N / 2];
+    float got[N / 2];  // NaN: the accumulators are undefined until the wait
     emu::collective("wgmma.mma_async", 0xFFFFFFFFu, at_file, at_line, &in, got,
                     emu::wgmma_op<N, !std::is_same<T, half>::value, NMajorB>);
     for (int i = 0; i < N / 2; ++i) d[i] = got[i];
@@ -575,15 +643,21 @@ __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wgmma_commit() {
-#if PRISM_WGMMA && !defined(PRISM_CPU)
+__device__ __forceinline__ void wgmma_commit(PRISM_AT_ONLY) {
+#if defined(PRISM_CPU)
+    emu::collective("wgmma.commit_group", 0xFFFFFFFFu, at_file, at_line, nullptr, nullptr, emu::wgmma_commit_op);
+#elif PRISM_WGMMA
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
 // Waits until at most N batches are pending; the accumulators `d` are then final (the empty asm tells the
 // compiler so: no read of them moves above the wait).
-template <int N, int M> __device__ __forceinline__ void wgmma_wait(float (&d)[M]) {
-#if PRISM_WGMMA && !defined(PRISM_CPU)
+template <int N, int M> __device__ __forceinline__ void wgmma_wait(float (&d)[M] PRISM_AT) {
+#if defined(PRISM_CPU)
+    const int n = N;
+    emu::collective("wgmma.wait_group", 0xFFFFFFFFu, at_file, at_line, &n, nullptr, emu::wgmma_wait_op);
+    (void)d;
+#elif PRISM_WGMMA
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
     PRISM_UNROLL
     for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[i])::"memory");

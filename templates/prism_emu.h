@@ -44,6 +44,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,18 @@ struct Thread {
     std::vector<size_t> groups;  // copies.size() at each commit, oldest first
 };
 
+// One warp's wgmma in flight (prism.cuh): issued, not yet completed by a wgmma.wait_group. The result is
+// computed at the issue and written to the accumulators only at that wait (they hold NaN meanwhile: on the
+// GPU they are undefined until it); the operands are read at the issue and again at the wait, and must not
+// have changed, as the tensor cores may read them at any time in between.
+struct WgmmaFlight {
+    Site site;
+    std::vector<float*> d;  // each lane's accumulators
+    std::vector<float> value;  // the results, lane after lane
+    std::vector<float> operands;  // A's and B's elements as read at the issue
+    std::function<void(std::vector<float>&)> read;  // reads them again
+};
+
 struct Warp {
     // ThreadSanitizer synchronises the lanes of a collective on sync[generation % 2]: a lane that hurries on
     // to the next collective releases the other address, so a slow lane's acquire never picks up what the
@@ -126,6 +139,8 @@ struct Warp {
     const void* in[kWarp];
     void* out[kWarp];
     void (*op)(const void* const* in, void* const* out) = nullptr;
+    std::vector<WgmmaFlight> wgmma;  // in flight, oldest first
+    std::vector<size_t> wgmma_groups;  // the sizes of the committed groups among them, oldest first
 };
 
 struct Buffer {
@@ -280,6 +295,10 @@ PRISM_UNSEEN inline void switch_to(Thread* from, Thread* to) {  // from/to null:
 inline void yield() { switch_to(self(), nullptr); }
 
 inline void finish_checks(Thread* t) {
+    const Warp& w = t->block->warps[t->linear / kWarp];
+    if (!w.wgmma.empty())
+        fail({w.wgmma.front().site}, "%s ends with %zu wgmma in flight, never waited for (issued at %s)", who(t).c_str(),
+             w.wgmma.size(), where(w.wgmma.front().site).c_str());
     if (!t->copies.empty())
         fail({t->copies.front().site}, "%s ends with %zu cp.async cop%s never waited for (issued at %s)",
              who(t).c_str(), t->copies.size(), t->copies.size() == 1 ? "y" : "ies",

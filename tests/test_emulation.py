@@ -206,6 +206,56 @@ def test_a_wgmma_operand_outside_shared_memory_is_reported(tmp_path):
     got = run(k, {"D": DType.F32}, {"D": (128,)}, {}, tmp_path)
     assert got.finding is not None and "wgmma reads" in got.finding.message
 
+IN_FLIGHT = {  # how the batch of WGMMA is waited for: (what replaces its commit and wait, what is found)
+    # two batches, the first completed by wait<1> while the second is in flight: the product
+    "two batches": ("", None),
+    "never waited": ("prism::wgmma_commit();", "never waited for"),
+    "not committed": ("prism::wgmma_wait<0>(d);", "before it is committed"),
+    # an operand written while the batch is in flight
+    "written in flight": ("prism::wgmma_commit();\n    if (tid == 0) sa[0] = T(7.0f);\n    prism::wgmma_wait<0>(d);",
+                          "changed before the wgmma.wait_group"),
+    # the accumulators read before the wait: undefined (NaN in the emulation)
+    "read early": ("prism::wgmma_commit();\n    const float early = d[0];\n    prism::wgmma_wait<0>(d);\n    d[0] = early;", None),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_FLIGHT))
+def test_a_wgmma_batch_completes_at_the_wait_that_covers_it(case, tmp_path):
+    """wgmma is asynchronous: the emulation completes a batch only at the wgmma_wait that covers it, and reports
+    a batch never waited for, a wait before the commit, and shared memory written while a batch may read it;
+    the accumulators are NaN until then."""
+    replaced, finding = IN_FLIGHT[case]
+    body = WGMMA.replace("NMAJOR", "true")
+    if case == "two batches":
+        body = body.replace("for (int s = 0; s < 4; ++s)", "for (int s = 0; s < 2; ++s)")
+        body = body.replace("prism::wgmma_wait<0>(d);", """prism::wgmma_fence();
+    for (int s = 2; s < 4; ++s)
+        prism::wgmma<128, T, true>(d, prism::wgmma_desc(sa + s * 16, 16, 1024), prism::wgmma_desc(sb + s * 16 * 64, 8192, 1024));
+    prism::wgmma_commit();
+    prism::wgmma_wait<1>(d);
+    prism::wgmma_wait<0>(d);""")
+    else:
+        body = body.replace("prism::wgmma_commit();\n    prism::wgmma_wait<0>(d);", replaced)
+    k = kernel("    using T = half;\n" + body, {"A": "const half* __restrict__", "B": "const half* __restrict__",
+                                                "D": "float* __restrict__"}, 1, threads=128, smem=24576)
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(-4, 5, (64, 64)) / 4, rng.integers(-4, 5, (64, 128)) / 4
+    got = run(k, {"A": DType.F16, "B": DType.F16, "D": DType.F32}, {"A": (64, 64), "B": (64, 128), "D": (64, 128)},
+              {"A": a, "B": b}, tmp_path)
+    if finding:
+        assert got.finding is not None and finding in got.finding.message, got.finding
+        return
+    assert got.finding is None, got.finding
+    expected = a @ b
+    if case == "read early":  # each thread's first accumulator: row 16 w + l / 4, column 2 (l % 4)
+        early = np.zeros_like(expected, bool)
+        rows = [16 * w + g for w in range(4) for g in range(8)]
+        early[np.array(rows)[:, None], 2 * np.arange(4)[None, :]] = True
+        assert np.isnan(got.outputs["D"][early]).all() and not np.isnan(got.outputs["D"][~early]).any()
+        return
+    np.testing.assert_allclose(got.outputs["D"], expected, rtol=0, atol=1e-6)
+
+
 # -- what the emulation reports -------------------------------------------------------------------------------------
 
 F32_IO = {"X": "const float* __restrict__", "Y": "float* __restrict__"}
