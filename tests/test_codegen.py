@@ -147,11 +147,13 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     """At H100 and tiles in multiples of 64, register-tiled products run on wgmma (2 warpgroups): every write of
     an operand tile (the copies, gain * x) lands in the 128-byte swizzle its descriptors describe, the gated
     pair shares A's descriptor, B is read N-major as stored or K-major where stored transposed, no ldmatrix;
-    the emulated code matches the float64 reference under ThreadSanitizer (the emulation itself reports a
-    descriptor that reads outside shared memory), and a copy written unswizzled is caught."""
+    where both operands are pipelined loop tiles (3 stages), each iteration's batch stays in flight into the
+    next. The emulated code matches the float64 reference under ThreadSanitizer (the emulation itself reports a
+    descriptor that reads outside shared memory), and a copy written unswizzled is caught, as is a stage
+    refilled while a batch in flight still reads it."""
     out = tmp_path / "out"
     assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(out), "--arch", "none",
-                 "--sanitize", "thread", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=2,F2=2,F3=2"]) == 0
+                 "--sanitize", "thread", "--dims", "d=256", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=4,F2=4,F3=2"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["checked"]["emulation"]["passed"], report["checked"]
     src = {name: (out / f"{name}.cu").read_text() for name in ("gain", "gated", "kmajor")}
@@ -161,18 +163,27 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     assert src["gated"].count("prism::wgmma<128, half, true>") == 2 and src["gated"].count("WgmmaDesc da") == 1
     assert src["kmajor"].count("prism::wgmma<64, half, false>") == 1
     assert all(k["block"][0] == 256 for k in report["kernels"])
+    # in flight: the gated pair (loop tiles only, 4 iterations: 3 stages); not gain * x (computed in the loop)
+    # nor kmajor (2 iterations: 2 stages)
+    assert "wgmma_wait<1>" in src["gated"] and "prism::cp_async_wait<0>();  // this iteration's" in src["gated"]
+    assert "wgmma_wait<1>" not in src["gain"] + src["kmajor"]
     sm80 = tmp_path / "sm80"  # --no-wgmma: the same products on mma.sync, for sm_80 and later
     assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(sm80), "--arch", "none",
-                 "--no-emulate", "--no-wgmma", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=2,F2=2,F3=2"]) == 0
+                 "--no-emulate", "--no-wgmma", "--dims", "d=256", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=4,F2=4,F3=2"]) == 0
     assert all("wgmma" not in (sm80 / f"{n}.cu").read_text() for n in src)
     # one tile's copies written row-major (the chunk not XORed with the row): the products read other values
     program = load(write(WGMMA_PRODUCTS)).program()
-    options = BuildOptions(grid={"g1": 2, "g2": 1, "g3": 2}, loop={"F1": 2, "F2": 2, "F3": 2}, archs=())
+    options = BuildOptions(dims={"d": 256}, grid={"g1": 2, "g2": 1, "g3": 2}, loop={"F1": 4, "F2": 4, "F3": 2}, archs=())
     built = build(program, H100, options)
     k = built.kernels[2]
     wrong = k.source.replace("(i1 / 8 % 8 ^ i0 % 8) * 8", "i1 / 8 % 8 * 8", 1)
     assert wrong != k.source and "prism::cp_async<8>(s_vt" in k.source
     assert not emulate(replace(built, kernels=built.kernels[:2] + (replace(k, source=wrong),)), options).passed
+    # two batches left in flight where the pipeline refills the stage of the older one
+    k = built.kernels[1]
+    wrong = k.source.replace("wgmma_wait<1>", "wgmma_wait<2>")
+    found = emulate(replace(built, kernels=(built.kernels[0], replace(k, source=wrong), built.kernels[2])), options)
+    assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
 
 
 

@@ -16,8 +16,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
 
     Memory, by Little's law: the bandwidth a kernel reaches is the bytes it keeps in flight over the
     latency, at most the achievable share of the peak:
-        flight = per SM, the loop tiles of every resident block (stages - 1 iterations of them when the
-                 loop is pipelined, one otherwise); the once-loaded tiles and stores count as one tile
+        flight = per SM, the loop tiles of every resident block (as many iterations of them as the pipeline
+                 loads ahead: stages - 1, stages - 2 with a wgmma batch in flight; one unpipelined); the
+                 once-loaded tiles and stores count as one tile
         fill   = busy * SM_FILL_BYTES_PER_CLOCK * clock: what the busy SMs can take in at all
         bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency, fill)
         t_mem  = max(dram / bw, l2 / min(l2 bandwidth, fill))
@@ -28,7 +29,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
             (online softmax in registers: s = q @ kt priced so, p @ v with only v's bytes by ldmatrix;
             its exp and rescaling are f32 work; on warpgroups both products at the wgmma rate below)
         register-tiled wgmma (sm_90a)   min(peak * WGMMA_REACH * (1 with 2 or more warpgroups per SM, else
-                                            WGMMA_LONE), smem bandwidth * flops per operand byte read)
+                                            WGMMA_LONE), smem bandwidth * flops per operand byte read);
+                                        each iteration's batch in flight into the next (`Layout.in_flight`):
+                                        peak * WGMMA_IN_FLIGHT, whatever the warpgroups
         wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
         plain f32 dot products and element-wise work   f32 peak * SCALAR_REACH
         plain dot products reading 8 columns per 16-byte load ("dot8")   f32 peak * VECTOR_REACH
@@ -59,6 +62,10 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   TMA), so it is taken a little lower. WGMMA_LONE = 0.75: with one warpgroup per SM nothing runs on the
   tensor cores while it waits for its batch, the barrier and the next tiles' wait (an estimate: about a
   quarter of an iteration of 64-deep k at N = 128); a second warpgroup fills that time.
+  WGMMA_IN_FLIGHT = 0.72 (576 TFLOP/s): where each iteration's batch stays in flight while the next
+  iteration waits for its tiles, passes its barrier and issues its own batch, the tensor cores are not left
+  idle by that wait; what remains is the code without TMA or warp-specialized producers, priced at
+  FlashAttention-3's figure for that configuration (570-580) itself rather than below it.
 - smem bandwidth: 128 bytes per clock per SM at 1.75 GHz (about 30 TB/s for the GPU); a warp tile of
   tm x tn instruction tiles moves (256 tm + 128 tn) * 2 bytes by ldmatrix per k step for 4096 tm tn flops,
   the left operand's share divided among the products that load its fragments once (a gated MLP's two).
@@ -103,6 +110,7 @@ BANDWIDTH_REACH = 0.9
 MMA_SYNC_REACH = 0.5
 WGMMA_REACH = 0.65
 WGMMA_LONE = 0.75  # the share of WGMMA_REACH one warpgroup per SM keeps busy
+WGMMA_IN_FLIGHT = 0.72  # with each iteration's batch in flight into the next (`Layout.in_flight`)
 WMMA_REACH = 0.04
 SCALAR_REACH = 0.2
 VECTOR_REACH = 0.4
@@ -246,13 +254,14 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
 
 
 def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
-    """Bytes one block has in flight from device memory: its loop tiles for stages - 1 iterations (one when
-    unpipelined), or its largest other tile when it has no loop tiles."""
+    """Bytes one block has in flight from device memory: its loop tiles for the iterations the pipeline loads
+    ahead (one when unpipelined), or its largest other tile when it has no loop tiles."""
     k, varying = c.kernel, loop_varying(c.kernel)
     tiles = [(k.tile_node(l.tile), k.inputs[l.source]) for l in k.loads]
     sizes = [(n in varying, math.prod(c.shape(n)) * storage(src).bytes) for n, src in tiles if n is not None]
     looped = sum(b for v, b in sizes if v)
-    return max(1, looped * max(1, shape.stages - 1) if looped else max((b for _, b in sizes), default=16))
+    ahead = shape.stages - (2 if shape.in_flight else 1)
+    return max(1, looped * max(1, ahead) if looped else max((b for _, b in sizes), default=16))
 
 
 def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,
@@ -279,8 +288,8 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         p = sharing[acc.args[0].args[0], t]  # products on the same fragments of a (`tensor_steps.shared_operand`)
         if t.orient == "wg":  # per group and k step: tm blocks of A (64 x 16) and B (16 x N_w), A shared by p
             read = t.tm * (64 * 16 / p + 16 * t.tn * 8) * 2
-            lone = WGMMA_LONE if t.groups * occ < 2 else 1.0
-            seconds += work / min(peak * WGMMA_REACH * lone, smem * 2 * 64 * 16 * 8 * t.tn * t.tm / read)
+            reach = WGMMA_IN_FLIGHT if shape.in_flight else WGMMA_REACH * (WGMMA_LONE if t.groups * occ < 2 else 1.0)
+            seconds += work / min(peak * reach, smem * 2 * 64 * 16 * 8 * t.tn * t.tm / read)
         else:
             x4, pairs = (512 * t.tm / p, 256 * t.tn) if t.orient == "mn" else (512 * t.tm, 256 * t.tn / p)
             seconds += mma_sync(work, t.wm * t.wn * t.wk, 4096 * t.tm * t.tn / (x4 + pairs))

@@ -14,7 +14,9 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
 - the stages of the loop's copy pipeline: with every loop tile copied by 16-byte `cp.async`, the loads of
   iteration `it + stages - 1` are issued while iteration `it` computes, each loop tile then having `stages`
   buffers; as many stages as the config allows (`CodegenConfig.stages`) and shared memory holds
-  (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block);
+  (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block). Where wgmma products read only
+  loop tiles, each iteration's batch stays in flight into the next (`in_flight`) and the loads run
+  `stages - 2` iterations ahead;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
   at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
   scores, their exp or its rescaling factors, and it and register-tiled products write their state only
@@ -71,6 +73,7 @@ class Layout:
     sizes: dict[str, int]  # buffer name -> bytes (every stage, for loop tiles)
     smem: int  # bytes per block
     live: dict[str, Lifetime]  # buffer name -> the phases it is in use (`kernels.lifetimes`)
+    in_flight: bool = False  # each iteration's wgmma batch runs on while the next iteration starts (`in_flight`)
 
 
 def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
@@ -321,7 +324,18 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
         return layout(c, replace(config, wgmma=False))
     sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
     return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
-                  {n: live[n] for n in names})
+                  {n: live[n] for n in names}, in_flight(c, registers, stages, staged))
+
+
+def in_flight(c: Concrete, registers: dict[Node, Tiling], stages: int, staged: set[str]) -> bool:
+    """Whether each iteration's register-tiled wgmma batch stays in flight while the next iteration waits for
+    its tiles and computes what comes before its own batch (`wgmma_wait<1>`): where every operand of those
+    products is a pipelined loop tile and there are 3 or more stages. The stage a batch reads is then
+    refilled only after the next iteration's barrier, so the copies run stages - 2 iterations ahead."""
+    wg = [acc.args[0] for acc, t in registers.items() if t.orient == "wg"]
+    p = plan(c.kernel)
+    return stages >= 3 and bool(wg) and all(
+        p.buffer(x).name in staged for m in wg for x in (m.args[0], stored_operand(m.args[1])[0]))
 
 
 def written_after(p: Plan, registers: dict[Node, Tiling], flash_of: dict[Node, Flash]) -> set[str]:

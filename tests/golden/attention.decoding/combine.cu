@@ -63,6 +63,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
     }
 
     for (int it = 0; it < 4; ++it) {
+        prism::cp_async_wait<1>();  // this iteration's tiles have landed
+        __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
             // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
             for (int e = PRISM_TID; e < 1; e += kThreads) {
@@ -79,9 +81,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
                 prism::cp_async<1>(s_lt_stages + ahead % 3 * 32 + 0, g_L + ahead * 1 * 2 + blockIdx.x * 1 * 2 + blockIdx.y * 1);
             }
         }
-        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait below counts groups
-        prism::cp_async_wait<2>();  // this iteration's tiles have landed
-        __syncthreads();
+        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
         float* const s_mt = s_mt_stages + it % 3 * 32;
         float* const s_pt = s_pt_stages + it % 3 * 64;
         float* const s_lt = s_lt_stages + it % 3 * 32;
@@ -99,8 +99,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
             s_a4[e] = s_a4[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_lt[0];
             s_a4_max[e] = mn;
         }
-        __syncthreads();
     }
+    __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     // store O[x, y, :, :] = (acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt))  [1, 1, 1, 1, 64]

@@ -72,6 +72,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     }
 
     for (int it = 0; it < 2; ++it) {
+        prism::cp_async_wait<0>();  // this iteration's tiles have landed
+        __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 1; ahead < 2) {
             // kt = load K[x, y, :, z*loop]  tile [1, 1, 64, 16] of [1, 2, 64, 128]
             for (int v = PRISM_TID; v < 128; v += kThreads) {
@@ -88,9 +90,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 prism::cp_async<8>(s_vt_stages + ahead % 2 * 1152 + i2 * 72 + i3, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + ahead * 16 + i2) * 64 + i3);
             }
         }
-        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait below counts groups
-        prism::cp_async_wait<1>();  // this iteration's tiles have landed
-        __syncthreads();
+        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
         half* const s_kt = s_kt_stages + it % 2 * 1024;
         half* const s_vt = s_vt_stages + it % 2 * 1152;
         // s = (qt @ kt)  [1, 1, 1, 16]: 8 outputs per 16 lanes, 16-byte loads
@@ -186,8 +186,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 }
             }
         }
-        __syncthreads();
     }
+    __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     // store M[z, x, y, :, :] = acc_max_last(s)  [1, 1, 1, 1]

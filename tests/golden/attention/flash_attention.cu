@@ -60,6 +60,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
     }
 
     for (int it = 0; it < 2; ++it) {
+        prism::cp_async_wait<0>();  // this iteration's tiles have landed
+        __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 1; ahead < 2) {
             // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 128]
             for (int v = PRISM_TID; v < 512; v += kThreads) {
@@ -76,9 +78,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
                 prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (ahead * 64 + i2) * 64 + i3);
             }
         }
-        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait below counts groups
-        prism::cp_async_wait<1>();  // this iteration's tiles have landed
-        __syncthreads();
+        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
         half* const s_kt = s_kt_stages + it % 2 * 4608;
         half* const s_vt = s_vt_stages + it % 2 * 4608;
         #if PRISM_TENSOR_CORES
@@ -153,8 +153,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
         #elif defined(__CUDA_ARCH__)
         #error "this kernel keeps online softmax in tensor-core registers (sm_80 or later); prismc --no-tensor-cores writes a form for older GPUs"
         #endif
-        __syncthreads();
     }
+    __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     #if PRISM_TENSOR_CORES

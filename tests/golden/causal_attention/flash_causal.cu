@@ -113,6 +113,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     }
 
     for (int it = 0; it < loop_end; ++it) {
+        prism::cp_async_wait<1>();  // this iteration's tiles have landed
+        __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < loop_end) {
             // kt = load K[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
             for (int v = PRISM_TID; v < 256; v += kThreads) {
@@ -143,9 +145,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_V + blockIdx.y * 1 * 8192 + (ahead * 32 + i2) * 64 + i3);
             }
         }
-        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait below counts groups
-        prism::cp_async_wait<2>();  // this iteration's tiles have landed
-        __syncthreads();
+        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
         half* const s_kt = s_kt_stages + it % 3 * 2304;
         half* const s_ckt = s_ckt_stages + it % 3 * 2304;
         half* const s_skt = s_skt_stages + it % 3 * 2304;
@@ -242,8 +242,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         #elif defined(__CUDA_ARCH__)
         #error "this kernel keeps online softmax in tensor-core registers (sm_80 or later); prismc --no-tensor-cores writes a form for older GPUs"
         #endif
-        __syncthreads();
     }
+    __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     #if PRISM_TENSOR_CORES

@@ -42,6 +42,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
     }
 
     for (int it = 0; it < 4; ++it) {
+        prism::cp_async_wait<1>();  // this iteration's tiles have landed
+        __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
             // h_0 = load H[y, loop]  tile [8, 128] of [8, 512]
             for (int v = PRISM_TID; v < 128; v += kThreads) {
@@ -58,9 +60,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
                 prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1, g_W2 + (ahead * 128 + i0) * 256 + blockIdx.x * 64 + i1);
             }
         }
-        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait below counts groups
-        prism::cp_async_wait<2>();  // this iteration's tiles have landed
-        __syncthreads();
+        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
         half* const s_h_0 = s_h_0_stages + it % 3 * 1088;
         half* const s_w2_1 = s_w2_1_stages + it % 3 * 9216;
         #if PRISM_TENSOR_CORES
@@ -92,8 +92,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
         #elif defined(__CUDA_ARCH__)
         #error "this kernel keeps a product's accumulators in tensor-core registers (sm_80 or later); prismc --no-tensor-cores writes a form for older GPUs"
         #endif
-        __syncthreads();
     }
+    __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     #if PRISM_TENSOR_CORES

@@ -56,6 +56,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
     }
 
     for (int it = 0; it < 4; ++it) {
+        prism::cp_async_wait<1>();  // this iteration's tiles have landed
+        __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
             // xt = load X[:, loop]  tile [8, 64] of [8, 256]
             for (int v = PRISM_TID; v < 64; v += kThreads) {
@@ -79,9 +81,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
                 prism::cp_async<8>(s_ut_stages + ahead % 3 * 2560 + i0 * 40 + i1, g_Wu + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
             }
         }
-        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait below counts groups
-        prism::cp_async_wait<2>();  // this iteration's tiles have landed
-        __syncthreads();
+        prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
         half* const s_xt = s_xt_stages + it % 3 * 576;
         half* const s_gt = s_gt_stages + it % 3 * 2560;
         half* const s_ut = s_ut_stages + it % 3 * 2560;
@@ -126,8 +126,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
         #elif defined(__CUDA_ARCH__)
         #error "this kernel keeps a product's accumulators in tensor-core registers (sm_80 or later); prismc --no-tensor-cores writes a form for older GPUs"
         #endif
-        __syncthreads();
     }
+    __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     #if PRISM_TENSOR_CORES
