@@ -59,8 +59,9 @@ def kernel_rows(out: Path, report: dict) -> list[str]:
         per = f"{counts['HMMA'] / counts['LDSM']:.1f}" if counts and counts["LDSM"] else "-"
         nv = k["nvcc"].get("sm_90", {})
         est = k["estimate"]
+        serialized = " (ptxas serialized its wgmma)" if nv.get("wgmma_serialized") else ""
         rows.append(f"{k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {per} | "
-                    f"{nv.get('registers', '?')} | {nv.get('spill_stores', '?')} | {k['smem_bytes'] // 1024} KiB | "
+                    f"{nv.get('registers', '?')}{serialized} | {nv.get('spill_stores', '?')} | {k['smem_bytes'] // 1024} KiB | "
                     f"{est['occupancy']} | {est['time_us']:.1f} ({est['bound']})")
     return rows
 

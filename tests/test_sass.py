@@ -52,8 +52,9 @@ def test_instructions_predicated_never_to_run_are_not_counted():
                     reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma.sync"])
 def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(wgmma, tmp_path):
-    """On wgmma (sm_90a) the hot loop issues HGMMA with no ldmatrix and no HMMA; on mma.sync, 4 HMMA or more
-    per LDSM."""
+    """On wgmma (sm_90a) the hot loop issues HGMMA with no ldmatrix and no HMMA, and leaves each iteration's
+    batch in flight (waits while at most one is pending) without ptxas serializing the instructions; on
+    mma.sync, 4 HMMA or more per LDSM."""
     import subprocess
 
     from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
@@ -70,8 +71,23 @@ def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(wg
                            "-v", "-o", "k.cubin", kernel.file], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "0 bytes spill stores" in done.stderr
-    hot = sass.hot_loop(sass.disassemble(tmp_path / "k.cubin")).counts
+    listing = sass.disassemble(tmp_path / "k.cubin")
+    hot = sass.hot_loop(listing).counts
     if wgmma:
         assert hot["HGMMA"] > 0 and hot["HMMA"] == hot["LDSM"] == 0 and hot["LDGSTS"] > 0, hot
+        assert "serialized" not in done.stderr and "WARPGROUP.DEPBAR.LE gsb0, 0x1" in listing
     else:
         assert hot["HMMA"] >= 4 * hot["LDSM"] > 0 and hot["LDGSTS"] > 0, hot
+
+
+def test_ptxas_serializing_wgmma_is_kept_in_the_figures():
+    """ptxas's note that it made each wgmma wait for the one before is kept with the kernel's figures (the
+    summary and the static report print it): the batch then runs one product at a time."""
+    from prism_dsl.backend.nvcc import ptxas_figures
+
+    text = ("ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+            "to program dependence on compiler-inserted WG.DP in divergent path in the function 'prism_fused'\n"
+            "ptxas info    : Used 208 registers, used 1 barriers\n")
+    figures = ptxas_figures(text)
+    assert figures["registers"] == 208 and figures["wgmma_serialized"].endswith("'prism_fused'")
+    assert "wgmma_serialized" not in ptxas_figures("ptxas info    : Used 40 registers\n")

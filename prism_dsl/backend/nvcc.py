@@ -40,8 +40,16 @@ def nvcc_path() -> str | None:
     return shutil.which("nvcc")
 
 
+# ptxas's note that it made wgmma wait for each instruction (C7510-C7520: accumulators touched, or a batch left
+# in flight across a branch some threads skip): the products then run one at a time.
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized[^\n]*")
+
+
 def ptxas_figures(text: str) -> dict:
-    return {key: int(m.group(1)) if (m := pattern.search(text)) else 0 for key, pattern in _PTXAS.items()}
+    figures = {key: int(m.group(1)) if (m := pattern.search(text)) else 0 for key, pattern in _PTXAS.items()}
+    if m := _SERIALIZED.search(text):
+        figures["wgmma_serialized"] = m.group(0)
+    return figures
 
 
 def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[str, ...]) -> dict[str, dict[str, dict]]:

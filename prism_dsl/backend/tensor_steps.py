@@ -64,6 +64,7 @@ class TensorCoreSteps:
         ba = self.plan.buffer(a)
         self.tensor_core_steps += 1
         product = {"comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst, "in_flight": self.layout.in_flight,
+                   "every_warp": self.threads == 32 * self.registers[acc].warps,
                    "a": self.cname[ba.name], "ab": CTYPE[ba.dtype], "lda": self.shape(a)[-1] + self.pad[ba.name],
                    **self._right(b)}
         return {"kind": "warp_mma", **product, "products": [product]}

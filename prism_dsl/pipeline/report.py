@@ -181,6 +181,7 @@ def summary(report: Report, out: Path) -> str:
     for k in report.kernels:
         nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})
         res = f", {nv['registers']} registers, {nv['spill_stores']} B spilled" if nv else ""
+        res += ", its wgmma serialized by ptxas" if nv.get("wgmma_serialized") else ""
         measured = f", measured {k.measured_us} us" if k.measured_us is not None else ""
         lines.append(f"  kernel {k.name}: grid {'x'.join(map(str, k.grid))}, {k.block[0]} threads, "
                      f"{k.smem_bytes} B shared{res}{', tensor cores' if k.tensor_cores else ''}; "
