@@ -140,3 +140,13 @@ def test_verify_launches_the_kernels_on_disk_as_they_were_compiled(capsys, tmp_p
     assert "wgmma" not in (out / "rmsnorm_matmul.cu").read_text()
     code, text, _ = prismc(capsys, "verify", out)
     assert code == 0 and "the .cu files on disk" in text and "agrees" in text, text
+    # generated again at other dims, with the options the directory was compiled with (report.json keeps them)
+    from prism_dsl.backend.launch import CodegenConfig
+    from prism_dsl.cli.verify import _codegen
+    report = json.loads((out / "report.json").read_text())
+    assert _codegen(report) == CodegenConfig(wgmma=False)
+    assert _codegen({"kernels": [{"block": [256, 1, 1]}]}) == CodegenConfig(threads=256)  # an older report
+    report["codegen"]["stages"] = "3"
+    (out / "report.json").write_text(json.dumps(report))
+    code, _, err = prismc(capsys, "verify", out, "--dims", "n=64")
+    assert code != 0 and "codegen options in report.json are not prismc's" in err and "Traceback" not in err

@@ -85,10 +85,8 @@ def verify(args) -> int:
     hardware = load_hardware(report["hardware"]["name"])
     compiled_dims = report["dims"]
     on_disk = (not args.dims or {**compiled_dims, **args.dims} == compiled_dims) and not args.grid and not args.loop
-    threads = report["kernels"][0]["block"][0] if report["kernels"] else 128
     options = BuildOptions(dims={**compiled_dims, **args.dims}, grid=args.grid, loop=args.loop,
-                           params=report["parameters"] if on_disk else {}, archs=(),
-                           codegen=CodegenConfig(threads=threads))
+                           params=report["parameters"] if on_disk else {}, archs=(), codegen=_codegen(report))
     built = build(program, hardware, options)
     header = None
     if on_disk:
@@ -100,6 +98,18 @@ def verify(args) -> int:
                             extra=args.blocks, header=header)
     print(_summary(check, directory, built, on_disk))
     return 0 if check.passed else 1
+
+
+def _codegen(report: dict) -> CodegenConfig:
+    """The code generator's options the directory was compiled with (a report from before they were recorded:
+    the defaults with its block's threads), so kernels generated again at other dims are the same code."""
+    fields = {f: type(v) for f, v in vars(CodegenConfig()).items()}
+    given = report.get("codegen")
+    if isinstance(given, dict) and all(k in fields and type(v) is fields[k] for k, v in given.items()):
+        return CodegenConfig(**given)
+    if given is not None:
+        raise PrismError(f"the codegen options in report.json are not prismc's: {json.dumps(given)[:200]}")
+    return CodegenConfig(threads=report["kernels"][0]["block"][0] if report["kernels"] else 128)
 
 
 def _as_on_disk(built, directory: Path, report: dict):

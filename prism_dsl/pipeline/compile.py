@@ -124,7 +124,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
                   cost.roofline(built.reference, bind_dims(built.reference, dims_of(built)), built.hardware),
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
-                  chosen.searched)
+                  chosen.searched, dict(vars(chosen.options.codegen)))
 
 
 def _us(timing_ms: Mapping[str, float]) -> float:

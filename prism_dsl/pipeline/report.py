@@ -163,6 +163,7 @@ class Report:
     compile_seconds: float
     files: tuple[str, ...]  # what prismc wrote into the output directory
     searched: Searched | None = None  # None: compiled as written
+    codegen: Mapping | None = None  # the code generator's options (`CodegenConfig`: --threads, --stages, ...)
 
     @property
     def verified(self) -> bool:
