@@ -50,9 +50,14 @@ def _active(lines: list[str]) -> list[bool]:
 
 
 def remove_barrier(src: str, grid) -> str | None:
-    """The barrier after the loop's first load step (or the first load's, with none in the loop): the one between
-    a tile's copy and its readers. (The prologue's can be redundant: a barrier in the loop may follow.)"""
+    """The barrier between a tile's copy and its readers: in a pipelined loop the one after the wait for the
+    iteration's tiles, else the one after the loop's first load step (or the first load's, with none in the
+    loop). (The prologue's can be redundant: a barrier in the loop may follow.)"""
     lines = src.splitlines(keepends=True)
+    landed = next((i for i, l in enumerate(lines) if "this iteration's tiles have landed" in l), None)
+    if landed is not None:
+        at = next(i for i in range(landed, len(lines)) if lines[i].strip().startswith("__syncthreads();"))
+        return "".join(lines[:at] + lines[at + 1:])
     loop = next((i for i, l in enumerate(lines) if "for (int it = 0;" in l), 0)
     loads = [i for i, l in enumerate(lines) if "= load " in l and l.strip().startswith("//")]
     first_load = next((i for i in loads if i > loop), loads[0] if loads else None)
