@@ -260,8 +260,7 @@ def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
     tiles = [(k.tile_node(l.tile), k.inputs[l.source]) for l in k.loads]
     sizes = [(n in varying, math.prod(c.shape(n)) * storage(src).bytes) for n, src in tiles if n is not None]
     looped = sum(b for v, b in sizes if v)
-    ahead = shape.stages - (2 if shape.in_flight else 1)
-    return max(1, looped * max(1, ahead) if looped else max((b for _, b in sizes), default=16))
+    return max(1, looped * max(1, shape.lead) if looped else max((b for _, b in sizes), default=16))
 
 
 def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,

@@ -75,6 +75,12 @@ class Layout:
     live: dict[str, Lifetime]  # buffer name -> the phases it is in use (`kernels.lifetimes`)
     in_flight: bool = False  # each iteration's wgmma batch runs on while the next iteration starts (`in_flight`)
 
+    @property
+    def lead(self) -> int:
+        """How many iterations ahead a pipelined loop's copies run: stages - 1, or stages - 2 where a wgmma
+        batch in flight still reads the stage before."""
+        return self.stages - (2 if self.in_flight else 1)
+
 
 def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
     """The wmma fragment (rows, cols; depth 16) for an m x k @ k x n product, or None.
