@@ -665,6 +665,29 @@ template <int N, int M> __device__ __forceinline__ void wgmma_wait(float (&d)[M]
     (void)d;
 #endif
 }
+// After the wait that completes a batch whose A fragments come from registers: the empty asm reads and
+// writes them, so the compiler keeps them as they were until here and puts nothing else in them while the
+// batch may still read them (new values for them are written after this).
+template <int K> __device__ __forceinline__ void wgmma_hold(uint32_t (&a)[K][4]) {
+#if PRISM_WGMMA && !defined(PRISM_CPU)
+    PRISM_UNROLL
+    for (int i = 0; i < K; ++i)
+        PRISM_UNROLL
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+#else
+    (void)a;
+#endif
+}
+// The same for values computed beside a batch (online softmax's exp while p @ v runs): placed before the
+// wait, it keeps the compiler from moving their computation past it.
+template <int M> __device__ __forceinline__ void wgmma_hold(float (&v)[M]) {
+#if PRISM_WGMMA && !defined(PRISM_CPU)
+    PRISM_UNROLL
+    for (int i = 0; i < M; ++i) asm volatile("" : "+f"(v[i])::"memory");
+#else
+    (void)v;
+#endif
+}
 __device__ __forceinline__ void fence_async_shared() {
 #if PRISM_WGMMA && !defined(PRISM_CPU)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -195,7 +195,10 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
 def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
     """Query tiles of 64 rows or more, key tiles and head dims of 64 or 128: s = q @ kt by wgmma from the
     swizzled tiles, p @ v by wgmma with p's fragments from registers; no ldmatrix; emulated under a
-    sanitizer against the float64 reference."""
+    sanitizer against the float64 reference. With 3 stages (attention here), p @ v runs one iteration
+    late, beside the next scores' softmax, and the last one after the loop (`launch.overlap`); p's
+    fragments written before that batch's wait are reported. With 2 (causal here), each iteration waits
+    for both batches."""
     out = tmp_path / "out"
     assert main(["compile", str(ROOT / f"programs/fused/{name}.prism"), "--search", "none", "-o", str(out), "--arch",
                  "none", "--dims", dims, "--grid", grid, "--loop", loop, "--sanitize", sanitizer]) == 0
@@ -204,8 +207,25 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
     src = (out / f"{report['kernels'][0]['name']}.cu").read_text()
     assert "ldmatrix" not in src and "mma_m16n8k16" not in src
     assert re.search(r"prism::wgmma<\d+, half, (true|false)>\(reinterpret_cast<float \(&\)\[\d+\]>\(sc\[0\]\)", src)
-    assert re.search(r"prism::wgmma<\d+, half, true>\(reinterpret_cast<float \(&\)\[\d+\]>\(f_\w+\[0\]\), pa\[kk\]", src)
+    late = name == "attention"
+    p = r"f_\w+_p\[kk\]" if late else r"pa\[kk\]"
+    assert len(re.findall(r"prism::wgmma<\d+, half, true>\(reinterpret_cast<float \(&\)\[\d+\]>\(f_\w+\[0\]\), " + p, src)) == 1 + late
+    assert ("wgmma_wait<1>" in src) == late and ("3 stages" in src) == late
     assert ("K-major" in src) == (name == "causal_attention")
+    if late:  # p's next fragments packed before the wait for the p @ v that reads the current ones
+        program = load(ROOT / f"programs/fused/{name}.prism").program()
+        options = BuildOptions(dims=_ints(dims), grid=_ints(grid), loop=_ints(loop), archs=())
+        built = build(program, H100, options)
+        k = built.kernels[0]
+        pack = re.search(r"\n *PRISM_UNROLL\n *for \(int kk = 0; kk < \d+; \+\+kk\) \{  // p's A fragments.*?\n *\}\n", k.source, re.S)
+        wait = re.search(r"\n *prism::wgmma_wait<0>\([^\n]*// p @ v of iteration it - 1 has landed", k.source)
+        wrong = k.source[:wait.start()] + pack.group(0)[:-1] + k.source[wait.start():pack.start()] + k.source[pack.end() - 1:]
+        found = emulate(replace(built, kernels=(replace(k, source=wrong),)), options)
+        assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
+
+
+def _ints(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
 SHARED_WITH_WMMA = """dims n = 128, d = 128, e = 128
 program mix(X: f16[n, d], W: f16[d, e], U: f16[d, e]) {

@@ -50,21 +50,25 @@ def test_instructions_predicated_never_to_run_are_not_counted():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
                     reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
-@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma.sync"])
-def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(wgmma, tmp_path):
-    """On wgmma (sm_90a) the hot loop issues HGMMA with no ldmatrix and no HMMA, and leaves each iteration's
-    batch in flight (waits while at most one is pending) without ptxas serializing the instructions; on
-    mma.sync, 4 HMMA or more per LDSM."""
+@pytest.mark.parametrize("name, dims, grid, loop, wgmma", [
+    ("rmsnorm_linear", {"n": 128, "d": 1024}, {"gx": 8}, {"F": 16}, True),
+    ("rmsnorm_linear", {"n": 128, "d": 1024}, {"gx": 8}, {"F": 16}, False),
+    ("attention", {"b": 1, "h": 2, "q": 128, "kv": 512, "dh": 128}, {"gb": 1, "gh": 2, "gq": 1}, {"F": 8}, True),
+], ids=["wgmma", "mma.sync", "attention"])
+def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(name, dims, grid, loop, wgmma, tmp_path):
+    """On wgmma (sm_90a) the hot loop issues HGMMA with no ldmatrix and no HMMA, and waits while one batch
+    is still pending without ptxas serializing the instructions: the products' batch of the iteration
+    before, or online softmax's p @ v beside the next scores' softmax; on mma.sync, 4 HMMA or more per
+    LDSM."""
     import subprocess
 
     from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
     from prism_dsl.backend.launch import CodegenConfig
     from prism_dsl.backend.nvcc import kernel_arch, nvcc_path, write_sources
 
-    program = load(ROOT / "programs/fused/rmsnorm_linear.prism").program()
-    options = BuildOptions(dims={"n": 128, "d": 1024}, grid={"gx": 8}, loop={"F": 16}, archs=(),
-                           codegen=CodegenConfig(wgmma=wgmma))
-    kernel = build(program, H100, options).kernels[0]  # a 128 x 128 output tile per block, k steps of 64
+    program = load(ROOT / f"programs/fused/{name}.prism").program()
+    options = BuildOptions(dims=dims, grid=grid, loop=loop, archs=(), codegen=CodegenConfig(wgmma=wgmma))
+    kernel = build(program, H100, options).kernels[0]  # 128 x 128 output tiles or 128 query rows, k steps of 64
     assert kernel.wgmma == wgmma
     write_sources([kernel], tmp_path)
     done = subprocess.run([nvcc_path(), "-cubin", f"-arch={kernel_arch(kernel, 'sm_90')}", *NVCC_OPTIONS, "-Xptxas",

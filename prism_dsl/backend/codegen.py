@@ -421,6 +421,8 @@ class _Emitter(TensorCoreSteps):
         loop_steps = shared_operand(loop_steps)
         registers = [p for st in _walk(loop_steps) if st["kind"] == "warp_mma" for p in st["products"]]
         flash = [st for st in _walk(loop_steps) if st["kind"] == "flash"]
+        late = {o["v"][0] for st in flash if st["defer"] for o in st["outs"]}  # read through the stage before
+        staged = [st | {"late": st["cname"] in late} for st in staged]
         epilogue = [st | {"kind": "warp_mma_store"} for st in registers]
         epilogue += [st | {"kind": "flash_store"} for st in flash]
         epilogue += self._merge([self.load_step(n) for n in post if n.op == "tile"])
@@ -450,7 +452,7 @@ class _Emitter(TensorCoreSteps):
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary, "params": params,
                "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
-               "in_flight": self.layout.in_flight, "lead": self.layout.lead, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
+               "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
         source = template_env().get_template("kernel.cu.j2").render(k=ctx)
         zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
         return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.threads, 1, 1), smem,

@@ -27,7 +27,10 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         register-tiled mma.sync   min(peak * MMA_SYNC_REACH * min(1, warps * occ / SUBPARTITIONS),
                                       smem bandwidth * flops per ldmatrix byte)
             (online softmax in registers: s = q @ kt priced so, p @ v with only v's bytes by ldmatrix;
-            its exp and rescaling are f32 work; on warpgroups both products at the wgmma rate below)
+            its exp and rescaling are f32 work; on warpgroups both products at the wgmma rate below, and
+            where p @ v runs one iteration late (`Layout.overlap`) both at peak * WGMMA_IN_FLIGHT, the
+            softmax's f32 work (max, exp, sums, rescaling, the causal mask) beside p @ v: SOFTMAX_BESIDE
+            of the shorter of the two is not counted)
         register-tiled wgmma (sm_90a)   min(peak * WGMMA_REACH * (1 with 2 or more warpgroups per SM, else
                                             WGMMA_LONE), smem bandwidth * flops per operand byte read);
                                         each iteration's batch in flight into the next (`Layout.in_flight`):
@@ -65,13 +68,20 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   WGMMA_IN_FLIGHT = 0.72 (576 TFLOP/s): where each iteration's batch stays in flight while the next
   iteration waits for its tiles, passes its barrier and issues its own batch, the tensor cores are not left
   idle by that wait; what remains is the code without TMA or warp-specialized producers, priced at
-  FlashAttention-3's figure for that configuration (570-580) itself rather than below it.
+  FlashAttention-3's figure for that configuration (570-580) itself rather than below it. Online softmax
+  whose p @ v runs one iteration late, beside the next scores' max and exp, has the same rate: that
+  ablation puts FlashAttention-3 with only one of its two overlaps (warp specialization, or this pipelining
+  of the two products with the softmax) at 570-582 TFLOP/s, against 661 with both.
+- SOFTMAX_BESIDE = 0.5: read from the SASS of attention at dh = 128 (nvcc 13, sm_90a): of an iteration's
+  34 MUFU.EX2 and 42 FFMA, which the PTX has all before p @ v's wait, ptxas issues 18 and 25 between the
+  scores' wait and that one, and schedules the rest after it; the rescaling of the outputs must follow it.
 - smem bandwidth: 128 bytes per clock per SM at 1.75 GHz (about 30 TB/s for the GPU); a warp tile of
   tm x tn instruction tiles moves (256 tm + 128 tn) * 2 bytes by ldmatrix per k step for 4096 tm tn flops,
   the left operand's share divided among the products that load its fragments once (a gated MLP's two).
 - SUBPARTITIONS = 4: an SM issues from 4 warp schedulers, each with its own tensor-core unit; a warp
   runs on one, so fewer than 4 computing warps per SM leave the rest of the peak idle.
-- WMMA_REACH = 0.04: the wmma path reloads and stores its accumulator in shared memory every k step and
+- SOFTMAX_BESIDE = 0.5  # the share of online softmax's f32 work issued while p @ v runs (`Layout.overlap`)
+WMMA_REACH = 0.04: the wmma path reloads and stores its accumulator in shared memory every k step and
   its 256-512-byte row strides conflict 8 ways: about 30-40 TFLOP/s as generated.
 - SCALAR_REACH = 0.2: a plain dot product issues 2 shared loads and 2 conversions per FFMA: about 12 of
   the 60 TFLOP/s f32 peak.
@@ -111,6 +121,7 @@ MMA_SYNC_REACH = 0.5
 WGMMA_REACH = 0.65
 WGMMA_LONE = 0.75  # the share of WGMMA_REACH one warpgroup per SM keeps busy
 WGMMA_IN_FLIGHT = 0.72  # with each iteration's batch in flight into the next (`Layout.in_flight`)
+SOFTMAX_BESIDE = 0.5  # the share of online softmax's f32 work issued while p @ v runs (`Layout.overlap`)
 WMMA_REACH = 0.04
 SCALAR_REACH = 0.2
 VECTOR_REACH = 0.4
@@ -293,17 +304,29 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
             x4, pairs = (512 * t.tm / p, 256 * t.tn) if t.orient == "mn" else (512 * t.tm, 256 * t.tn / p)
             seconds += mma_sync(work, t.wm * t.wn * t.wk, 4096 * t.tm * t.tn / (x4 + pairs))
         registered += work
-    for f in shape.flash.values():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
+    f32 = hardware.peak_tflops["f32"] * 1e12
+    hidden = 0.0  # f32 work that runs beside an online softmax's p @ v (`Layout.overlap`)
+    for s, f in shape.flash.items():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
-        if f.wg:  # both on wgmma (operand bytes read by it bind nowhere near: 64 rows share every B byte)
+        if f.wg and shape.overlap:  # p @ v one iteration late, beside the next iteration's softmax
+            seconds += (qk + pv) / (peak * WGMMA_IN_FLIGHT)
+            hidden += SOFTMAX_BESIDE * min(pv / (peak * WGMMA_IN_FLIGHT), _softmax_flops(c, s) * times / (f32 * SCALAR_REACH))
+        elif f.wg:  # both on wgmma (operand bytes read by it bind nowhere near: 64 rows share every B byte)
             seconds += (qk + pv) / (peak * WGMMA_REACH * (WGMMA_LONE if f.warps // 4 * occ < 2 else 1.0))
         else:
             seconds += mma_sync(qk, f.warps, 4096 * f.tm * f.n / 8 / ((256 * f.tm + 16 * f.n) * 2))
             seconds += mma_sync(pv, f.warps, 16.0 * f.tm)
         registered += qk + pv
     seconds += (tc - registered) / (peak * WMMA_REACH)
-    f32 = hardware.peak_tflops["f32"] * 1e12
-    return seconds + (flops - vec) / (f32 * SCALAR_REACH) + vec / (f32 * VECTOR_REACH)
+    return seconds + (flops - vec) / (f32 * SCALAR_REACH) + vec / (f32 * VECTOR_REACH) - hidden
+
+
+def _softmax_flops(c: Concrete, s: Node) -> int:
+    """The f32 flops of one evaluation of online softmax over `s` in registers: its accumulators' running max,
+    exp, sums and rescaling, and the causal mask where `s` is masked there (`launch.scores_product`)."""
+    p = plan(c.kernel)
+    nodes = [u for u in p.users[s] if OPS[u.op].kind is Kind.ACCUMULATE] + ([s] if s.op == "causal" else [])
+    return sum(_node_flops(n, c.shape, p, flash=True)[0] for n in nodes)
 
 
 def roofline(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> dict:
@@ -347,7 +370,7 @@ def masked_share(program: Program, binding: Mapping[sympy.Symbol, int]) -> dict[
     probabilities times V). The masked elements are -inf scores and zero probabilities, which a kernel
     that skips the key tiles past the diagonal never computes."""
     share: dict[Node, float] = {}
-    masks = {n: _kept(n, binding) for n in program.nodes() if n.op == "causal"}
+    masks = {n: kept_share(*(int(bind(d, binding)) for d in n.shape[-2:])) for n in program.nodes() if n.op == "causal"}
     for c, kept in masks.items():
         todo = [c.args[0]]
         while todo:  # the scores' products, under element-wise ops of the same rows and columns
@@ -364,10 +387,6 @@ def masked_share(program: Program, binding: Mapping[sympy.Symbol, int]) -> dict[
             if n in masks:
                 share[m] = masks[n]
     return share
-
-
-def _kept(c: Node, binding) -> float:
-    return kept_share(*(int(bind(d, binding)) for d in c.shape[-2:]))
 
 
 def kept_share(rows: int, cols: int) -> float:
@@ -407,12 +426,11 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     the one that keeps more SMs busy (the model's bandwidth is a ceiling it reaches with few SMs as with
     many, which the hardware does not promise), then the one that reads fewer bytes through L2 (larger
     tiles: each operand fragment feeds more products, which a model bound by the tensor-core rate alone
-    does not see). Kernels that share a parameter are tuned together; the
-    rest one at a time. Every combination of candidate values is tried
-    when there are at most MAX_CANDIDATES of them; beyond that, a descent from the best of a few starts
-    (every parameter at its smallest, middle or largest candidate) that changes one or two parameters at
-    a time while the estimate improves. Raises ValueError when a kernel has no valid choice (the caller
-    reports the violations through `kernels.params.choose`)."""
+    does not see). Kernels that share a parameter are tuned together; the rest one at a time. Every
+    combination of candidate values is tried when there are at most MAX_CANDIDATES of them; beyond that, a
+    descent from the best of a few starts (every parameter at its smallest, middle or largest candidate)
+    that changes one or two parameters at a time while the estimate improves. Raises ValueError when a
+    kernel has no valid choice (the caller reports the violations through `kernels.params.choose`)."""
     binding = {**dims, **fixed}
     config = for_hardware(codegen, hardware)
     free = set(free_symbols(program)) - set(fixed)
@@ -436,9 +454,7 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
                         memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
                     else:
                         memo[key] = (math.inf, 0, 0)
-                total += memo[key][0]
-                busy += memo[key][1]
-                l2 += memo[key][2]
+                total, busy, l2 = total + memo[key][0], busy + memo[key][1], l2 + memo[key][2]
             return round(total, 3), -busy, l2
 
         if math.prod(len(c) for c in cands) <= MAX_CANDIDATES:

@@ -15,8 +15,9 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   iteration `it + stages - 1` are issued while iteration `it` computes, each loop tile then having `stages`
   buffers; as many stages as the config allows (`CodegenConfig.stages`) and shared memory holds
   (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block). Where wgmma products read only
-  loop tiles, each iteration's batch stays in flight into the next (`in_flight`) and the loads run
-  `stages - 2` iterations ahead;
+  loop tiles, each iteration's batch stays in flight into the next (`in_flight`), and online softmax on
+  wgmma runs `p @ v` one iteration late, beside the next iteration's softmax (`overlap`); the loads then
+  run `stages - 2` iterations ahead;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
   at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
   scores, their exp or its rescaling factors, and it and register-tiled products write their state only
@@ -74,12 +75,13 @@ class Layout:
     smem: int  # bytes per block
     live: dict[str, Lifetime]  # buffer name -> the phases it is in use (`kernels.lifetimes`)
     in_flight: bool = False  # each iteration's wgmma batch runs on while the next iteration starts (`in_flight`)
+    overlap: bool = False  # online softmax's p @ v of the iteration before runs beside this one's softmax (`overlap`)
 
     @property
     def lead(self) -> int:
         """How many iterations ahead a pipelined loop's copies run: stages - 1, or stages - 2 where a wgmma
-        batch in flight still reads the stage before."""
-        return self.stages - (2 if self.in_flight else 1)
+        batch still reads the stage of the iteration before (`in_flight`, `overlap`)."""
+        return self.stages - (2 if self.in_flight or self.overlap else 1)
 
 
 def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
@@ -330,18 +332,36 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
         return layout(c, replace(config, wgmma=False))
     sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
     return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
-                  {n: live[n] for n in names}, in_flight(c, registers, stages, staged))
+                  {n: live[n] for n in names}, in_flight(c, registers, flash_of, stages, staged),
+                  overlap(c, flash_of, stages, staged, threads))
 
 
-def in_flight(c: Concrete, registers: dict[Node, Tiling], stages: int, staged: set[str]) -> bool:
+def in_flight(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash], stages: int,
+              staged: set[str]) -> bool:
     """Whether each iteration's register-tiled wgmma batch stays in flight while the next iteration waits for
     its tiles and computes what comes before its own batch (`wgmma_wait<1>`): where every operand of those
     products is a pipelined loop tile and there are 3 or more stages. The stage a batch reads is then
-    refilled only after the next iteration's barrier, so the copies run stages - 2 iterations ahead."""
+    refilled only after the next iteration's barrier, so the copies run stages - 2 iterations ahead. Not
+    beside online softmax on wgmma, whose waits count the batches it commits in the same iteration."""
     wg = [acc.args[0] for acc, t in registers.items() if t.orient == "wg"]
     p = plan(c.kernel)
-    return stages >= 3 and bool(wg) and all(
+    return stages >= 3 and bool(wg) and not any(f.wg for f in flash_of.values()) and all(
         p.buffer(x).name in staged for m in wg for x in (m.args[0], stored_operand(m.args[1])[0]))
+
+
+def overlap(c: Concrete, flash_of: dict[Node, Flash], stages: int, staged: set[str], threads: int) -> bool:
+    """Whether online softmax on wgmma runs `p @ v` one iteration late (FlashAttention-3's pipelining of the
+    two products with the softmax): iteration `it` issues its scores' batch and then the iteration before's
+    `p @ v`, waits only for the scores (`wgmma_wait<1>`), and computes their max and exp while `p @ v` runs;
+    the last one follows the loop. Where every tile v that `p @ v` reads is a pipelined loop tile and there
+    are 3 or more stages: v's stage of the iteration before is then read through this iteration, so the
+    copies run stages - 2 iterations ahead. Only where every warp of the block takes part: ptxas serializes
+    a batch issued under the branch that leaves the others out (note C7520)."""
+    p = plan(c.kernel)
+    wg = [(s, f) for s, f in flash_of.items() if f.wg]
+    vs = [u.args[1] for s, _ in wg for u in p.users[s] if len(u.args) > 1]
+    return (stages >= 3 and bool(vs) and all(p.buffer(v).name in staged for v in vs)
+            and all(32 * f.warps == threads for _, f in wg))
 
 
 def written_after(p: Plan, registers: dict[Node, Tiling], flash_of: dict[Node, Flash]) -> set[str]:

@@ -12,7 +12,8 @@ its own shape in templates/steps.j2 and its own layout decision in `launch`:
 - "flash": online softmax over scores s = q @ kt (or causal(q @ kt), masked there), the scores, their
   exp and every state in registers
   and `p @ v` fed to the next mma from registers (`warp_mma.Flash`, FlashAttention-2's dataflow), the
-  states written after the loop ("flash_store").
+  states written after the loop ("flash_store"); on wgmma with `launch.overlap`, `p @ v` runs one iteration
+  late ("defer"), beside the next iteration's softmax, the last one after the loop ("flash_tail").
 
 An "mma" step keeps the plain form of its work beside it (`plain`), the path for GPUs without tensor
 cores. "warp_mma" and "flash" have none: their states are written only after the loop, in bytes the
@@ -25,7 +26,7 @@ from __future__ import annotations
 from ..ir.accumulators import ACCUMULATORS, RUNNING_MAX
 from ..ir.nodes import Node
 from .ctext import CTYPE, comment, ident
-from .launch import mma_shape, scores_product, stored_operand, uses_tensor_cores
+from .launch import mma_shape, scores_product, stage_elements, stored_operand, uses_tensor_cores
 
 
 class TensorCoreSteps:
@@ -79,7 +80,7 @@ class TensorCoreSteps:
         def tile(n: Node) -> tuple[str, int]:
             b = self.plan.buffer(n)
             return self.cname[b.name], self.shape(n)[-1] + self.pad[b.name]
-        outs = [{"r": f"{reg}_o{j}", "v": tile(u.args[1]), "c": self.cname[self.held(u).name]}
+        outs = [{"r": f"{reg}_o{j}", "v": tile(u.args[1]), "c": self.cname[self.held(u).name], **self._stage_of(u.args[1])}
                 for j, u in enumerate(u for u in users if ACCUMULATORS[u.op].like == "matmul")]
         sums = [self.cname[self.held(u).name] for u in users if ACCUMULATORS[u.op].row and u.op != RUNNING_MAX]
         self.tensor_core_steps += 1
@@ -89,7 +90,19 @@ class TensorCoreSteps:
         return {"kind": "flash", "comment": text, "f": f, "r": reg, "q": tile(q), "k": (right["b"], right["ldb"]),
                 "kt": right["bt"], "causal": self.causal_fragment(s) if s is not m else None,
                 "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
-                "m": self.cname[self.plan.groups[s]["m"].name]}
+                "m": self.cname[self.plan.groups[s]["m"].name], "defer": self.layout.overlap and f.wg and bool(outs),
+                "every_warp": self.threads == 32 * f.warps}
+
+    def _stage_of(self, v: Node) -> dict:
+        """Where a pipelined loop tile's stage of the iteration before ("prev") and of the last iteration
+        ("last", after the loop) start: what a `p @ v` run one iteration late reads (`launch.overlap`)."""
+        if not self.layout.overlap:
+            return {}
+        b, stages = self.plan.buffer(v), self.layout.stages
+        base, stride = self.cname[b.name] + "_stages", stage_elements(self.layout, b)
+        bound = "loop_end" if self.loop_end() else str(self.c.loop)
+        return {"prev": f"{base} + (it + {stages - 1}) % {stages} * {stride}",
+                "last": f"{base} + ({bound} - 1) % {stages} * {stride}"}
 
 
 def shared_operand(steps: list[dict]) -> list[dict]:
