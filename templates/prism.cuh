@@ -679,7 +679,8 @@ template <int K> __device__ __forceinline__ void wgmma_hold(uint32_t (&a)[K][4])
 #endif
 }
 // The same for values computed beside a batch (online softmax's exp while p @ v runs): placed before the
-// wait, it keeps the compiler from moving their computation past it.
+// wait, it keeps nvcc from moving their computation past it in the PTX (ptxas still schedules the SASS
+// on its own, and sinks some of it).
 template <int M> __device__ __forceinline__ void wgmma_hold(float (&v)[M]) {
 #if PRISM_WGMMA && !defined(PRISM_CPU)
     PRISM_UNROLL
