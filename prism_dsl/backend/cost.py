@@ -80,8 +80,7 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   the left operand's share divided among the products that load its fragments once (a gated MLP's two).
 - SUBPARTITIONS = 4: an SM issues from 4 warp schedulers, each with its own tensor-core unit; a warp
   runs on one, so fewer than 4 computing warps per SM leave the rest of the peak idle.
-- SOFTMAX_BESIDE = 0.5  # the share of online softmax's f32 work issued while p @ v runs (`Layout.overlap`)
-WMMA_REACH = 0.04: the wmma path reloads and stores its accumulator in shared memory every k step and
+- WMMA_REACH = 0.04: the wmma path reloads and stores its accumulator in shared memory every k step and
   its 256-512-byte row strides conflict 8 ways: about 30-40 TFLOP/s as generated.
 - SCALAR_REACH = 0.2: a plain dot product issues 2 shared loads and 2 conversions per FFMA: about 12 of
   the 60 TFLOP/s f32 peak.
