@@ -17,6 +17,7 @@ import pytest
 from prism_dsl.pipeline.build import BuildOptions, build, emulate, nvcc_check
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
+from prism_dsl.cli.values import parse_dims
 from prism_dsl.backend.codegen import CodegenConfig, comment, ident
 from prism_dsl.backend.cost import estimate, tune
 from prism_dsl.backend.emulate import compiler
@@ -214,7 +215,7 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
     assert ("K-major" in src) == (name == "causal_attention")
     if late:  # p's next fragments packed before the wait for the p @ v that reads the current ones
         program = load(ROOT / f"programs/fused/{name}.prism").program()
-        options = BuildOptions(dims=_ints(dims), grid=_ints(grid), loop=_ints(loop), archs=())
+        options = BuildOptions(dims=parse_dims(dims), grid=parse_dims(grid), loop=parse_dims(loop), archs=())
         built = build(program, H100, options)
         k = built.kernels[0]
         pack = re.search(r"\n *PRISM_UNROLL\n *for \(int kk = 0; kk < \d+; \+\+kk\) \{  // p's A fragments.*?\n *\}\n", k.source, re.S)
@@ -222,10 +223,6 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
         wrong = k.source[:wait.start()] + pack.group(0)[:-1] + k.source[wait.start():pack.start()] + k.source[pack.end() - 1:]
         found = emulate(replace(built, kernels=(replace(k, source=wrong),)), options)
         assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
-
-
-def _ints(text: str) -> dict[str, int]:
-    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
 SHARED_WITH_WMMA = """dims n = 128, d = 128, e = 128
 program mix(X: f16[n, d], W: f16[d, e], U: f16[d, e]) {
