@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sympy
 
 from prism_dsl.backend import cost
 
@@ -29,6 +30,9 @@ from prism_dsl.prove.soundness import check_library
 from prism_dsl.search.config import Rejection, SearchConfig
 from prism_dsl.search.driver import search
 from prism_dsl.search.generate import loop_ops
+from prism_dsl.search.maps import hoisted_scales
+from prism_dsl.ir.nodes import DType, Node, const
+from prism_dsl.ir.shapes import build
 from prism_dsl.pipeline.optimize import MEASURED, Measurement, _to_measure, optimize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,6 +184,36 @@ def test_causal_attention_reaches_one_kernel_with_rope_and_the_mask_inside(libra
     written = next(r for r in out.ranked if r.as_written)
     assert out.best.estimated_us < written.estimated_us / 2
     assert causal_loop(kernels_of(out.best.program)[0]) is not None  # it stops early
+    # At prefill (64 query tiles per head), RoPE'd keys are made once by a kernel of their own rather than
+    # in every query tile's loop, and the scale moved onto the query tile, computed before the loop.
+    out = optimize(src, library, H100, bind_dims(src, dict(b=1, h=16, q=4096, kv=4096)))
+    text = print_program(out.best.program)
+    assert "t7 = rope(K, CK, SK)" in text and custom_kernels(out.best.program) == 1, text
+    assert "causal(rope(qt, cqt, sqt) / 11.313708498984761 @ transpose(t7t, 3, 2))" in text, text
+    one_kernel = min(r.estimated_us for r in out.ranked if len(kernels_of(lower(r.program))) == 1)
+    assert out.best.estimated_us < 0.7 * one_kernel
+
+
+def test_a_constant_scale_moves_onto_the_product_operand_the_loop_does_not_walk():
+    """`q @ (transpose(k) / c)` with k walked by the loop becomes `(q / c) @ transpose(k)` (q is scaled once,
+    before the loop), through transposes and products by a constant on either side; nothing moves where
+    both operands or neither change with the loop."""
+    q = Node("tile", (), "qt", DType.F16, (sympy.Integer(64), sympy.Integer(16)))
+    k = Node("tile", (), "kt", DType.F16, (sympy.Integer(32), sympy.Integer(16)))
+    c = const(4.0)
+    kt = build("transpose", [k], [0, 1])
+    scaled = build("matmul", [q, build("div", [kt, c])])
+    assert hoisted_scales(scaled, frozenset({k}), {}) is build("matmul", [build("div", [q, c]), kt])
+    assert hoisted_scales(scaled, frozenset({q, k}), {}) is scaled
+    assert hoisted_scales(scaled, frozenset(), {}) is scaled
+    assert hoisted_scales(scaled, frozenset({q}), {}) is scaled  # the scale is on q's partner already
+    twice = build("matmul", [q, build("transpose", [build("mul", [c, build("div", [k, const(2.0)])])], [0, 1])])
+    want = build("matmul", [build("mul", [c, build("div", [q, const(2.0)])]), kt])
+    assert hoisted_scales(twice, frozenset({k}), {}) is want
+    qt = build("transpose", [q], [0, 1])
+    left = build("matmul", [build("mul", [k, c]), qt])  # the walked operand on the left
+    hoisted = hoisted_scales(build("exp", [left]), frozenset({k}), {})
+    assert hoisted is build("exp", [build("matmul", [k, build("mul", [qt, c])])])
 
 
 def test_loop_values_may_be_as_long_as_the_program_writes_them():

@@ -117,9 +117,11 @@ class InputGraph:
                 term = make(c)
             except (PrismError, ShapeError):
                 continue
-            nodes = {m for m in term.walk() if m.op != "const"}  # a computed leaf's own ops count too: loop values
-            # over a pre-defined kernel's result stay small
-            if nodes & set(leaves.values()) and len(nodes - set(leaves.values())) <= max_ops:
+            walked = set(term.walk())
+            # A computed leaf's own ops count too (inputs and tiles do not): a loop value over a pre-defined
+            # kernel's result is no longer than the input program's own values (`generate.loop_ops`).
+            ops = {m for m in walked if m.op not in ("const", "input", "tile")}
+            if walked & set(leaves.values()) and len(ops) <= max_ops:
                 out[c] = term
         return out
 

@@ -29,7 +29,7 @@ from ..prove.rules import Library
 from .config import SearchConfig
 from .driver import Result
 
-SEARCH_VERSION = "3"  # bump when the search's meaning changes: old checkpoints (and tunings) are then ignored
+SEARCH_VERSION = "4"  # bump when the search's meaning changes: old checkpoints (and tunings) are then ignored
 STAT_COUNTS = ("generated", "candidates", "maps", "proofs", "proved")  # `Stats.as_dict`'s counters
 
 

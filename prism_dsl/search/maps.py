@@ -162,12 +162,57 @@ def build_kernel(sketch: Sketch, uf: IndexClasses, by_class: dict, loop_root, na
                 new[n] = n if n.op == "const" else rebuild(n, [new[a] for a in n.args])
     except ShapeError:
         return NoKernel.SHAPES
+    if loop_root is not None:
+        looped = frozenset(new[t] for t, load in zip(sketch.tiles, loads) if any(d.loop for d in load.map.dims))
+        memo: dict = {}
+        for out in sketch.outputs:
+            new[out] = hoisted_scales(new[out], looped, memo)
     stores = stores_of(sketch.outputs, store_names, new, uf, by_class, all_axes,
                        DimMap(split_axis) if split else None, summed=not split)
     if isinstance(stores, NoKernel):
         return stores
     kernel = Kernel(name, grid, loop, tuple(loads), stores, tuple(sources))
     return kernel, kernel_outputs(kernel)
+
+
+def hoisted_scales(n: Node, looped: frozenset, memo: dict) -> Node:
+    """`n` with every constant scale of a product's operand that changes each loop iteration moved onto
+    its other operand, when that one does not (it is computed once, before the loop):
+    `q @ (transpose(k) / c)` becomes `(q / c) @ transpose(k)`. The two are equal in exact arithmetic,
+    and the program assembled from the kernel is proved like every candidate; the e-graph's cheapest
+    term may have put the scale on either side, since it cannot know which tile the loop walks."""
+    if n in memo:
+        return memo[n]
+    args = [hoisted_scales(a, looped, memo) for a in n.args]
+    out = n if all(a is b for a, b in zip(args, n.args)) else rebuild(n, args)
+    if n.op == "matmul":
+        a, b = args
+        varies = [any(m in looped for m in x.walk()) for x in (a, b)]
+        for i in (0, 1):
+            core, scales = _peeled(args[i])
+            if varies[i] and not varies[1 - i] and scales:
+                other = args[1 - i]
+                for s in scales:  # innermost first, each with its constant on the side it was
+                    other = rebuild(s, [other, s.args[1]] if s.args[1].op == "const" else [s.args[0], other])
+                out = rebuild(n, [core, other] if i == 0 else [other, core])
+                break
+    memo[n] = out
+    return out
+
+
+def _peeled(n: Node) -> tuple[Node, list[Node]]:
+    """`n` without the constant scales (a product or quotient by a constant) over its core, looked for
+    through transposes: the core with the transposes kept, and the scale nodes, innermost first."""
+    if n.op == "transpose":
+        core, scales = _peeled(n.args[0])
+        return (rebuild(n, [core]) if scales else n), scales
+    if n.op == "div" and n.args[1].op == "const" or n.op == "mul" and n.args[1].op == "const":
+        core, scales = _peeled(n.args[0])
+        return core, scales + [n]
+    if n.op == "mul" and n.args[0].op == "const":
+        core, scales = _peeled(n.args[1])
+        return core, scales + [n]
+    return n, []
 
 
 def stores_of(outputs, names: list[str], new: dict, uf: IndexClasses, by_class: dict, axes: tuple,
