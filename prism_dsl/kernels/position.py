@@ -146,7 +146,10 @@ def loop_end(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int, cl: C
     if cl is None:
         return loop
     last, step, piece = loop_bounds(shape_of, kernel, grid, loop, cl)
-    last += block[cl.rows.dm.axis] * piece if piece else 0
+    return _end(last + (block[cl.rows.dm.axis] * piece if piece else 0), step, loop)
+
+
+def _end(last: int, step: int, loop: int) -> int:
     return 1 if last < 0 else min(loop, last // step + 1)
 
 
@@ -155,6 +158,6 @@ def mean_iterations(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int
     cl = causal_loop(kernel)
     if cl is None:
         return float(loop)
-    axis = cl.rows.dm.axis if cl.rows else None
-    ends = [loop_end(shape_of, kernel, grid, loop, cl, {axis: b} if axis else {}) for b in range(grid[axis] if axis else 1)]
-    return sum(ends) / len(ends)
+    last, step, piece = loop_bounds(shape_of, kernel, grid, loop, cl)  # `loop_end` of every block along the rows
+    blocks = grid[cl.rows.dm.axis] if piece else 1
+    return sum(_end(last + b * piece, step, loop) for b in range(blocks)) / blocks
