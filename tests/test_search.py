@@ -197,23 +197,27 @@ def test_causal_attention_reaches_one_kernel_with_rope_and_the_mask_inside(libra
 def test_a_constant_scale_moves_onto_the_product_operand_the_loop_does_not_walk():
     """`q @ (transpose(k) / c)` with k walked by the loop becomes `(q / c) @ transpose(k)` (q is scaled once,
     before the loop), through transposes and products by a constant on either side; nothing moves where
-    both operands or neither change with the loop."""
+    both operands or neither change with the loop, nor after the loop."""
     q = Node("tile", (), "qt", DType.F16, (sympy.Integer(64), sympy.Integer(16)))
     k = Node("tile", (), "kt", DType.F16, (sympy.Integer(32), sympy.Integer(16)))
     c = const(4.0)
     kt = build("transpose", [k], [0, 1])
     scaled = build("matmul", [q, build("div", [kt, c])])
-    assert hoisted_scales(scaled, frozenset({k}), {}) is build("matmul", [build("div", [q, c]), kt])
-    assert hoisted_scales(scaled, frozenset({q, k}), {}) is scaled
-    assert hoisted_scales(scaled, frozenset(), {}) is scaled
-    assert hoisted_scales(scaled, frozenset({q}), {}) is scaled  # the scale is on q's partner already
+    assert hoisted_scales(scaled, {k}, {}) is build("matmul", [build("div", [q, c]), kt])
+    assert hoisted_scales(scaled, {q, k}, {}) is scaled
+    assert hoisted_scales(scaled, set(), {}) is scaled
+    assert hoisted_scales(scaled, {q}, {}) is scaled  # the scale is on q's partner already
     twice = build("matmul", [q, build("transpose", [build("mul", [c, build("div", [k, const(2.0)])])], [0, 1])])
     want = build("matmul", [build("mul", [c, build("div", [q, const(2.0)])]), kt])
-    assert hoisted_scales(twice, frozenset({k}), {}) is want
+    assert hoisted_scales(twice, {k}, {}) is want
     qt = build("transpose", [q], [0, 1])
     left = build("matmul", [build("mul", [k, c]), qt])  # the walked operand on the left
-    hoisted = hoisted_scales(build("exp", [left]), frozenset({k}), {})
+    hoisted = hoisted_scales(build("exp", [left]), {k}, {})
     assert hoisted is build("exp", [build("matmul", [k, build("mul", [qt, c])])])
+    # After the loop an accumulator's value no longer changes: a product of it is left as it is.
+    w = Node("tile", (), "wt", DType.F16, (sympy.Integer(32), sympy.Integer(8)))  # read after the loop
+    after = build("matmul", [build("div", [build("acc_sum", [build("matmul", [q, kt])]), c]), w])
+    assert hoisted_scales(after, {k}, {}) is after
 
 
 def test_loop_values_may_be_as_long_as_the_program_writes_them():

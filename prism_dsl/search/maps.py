@@ -163,10 +163,10 @@ def build_kernel(sketch: Sketch, uf: IndexClasses, by_class: dict, loop_root, na
     except ShapeError:
         return NoKernel.SHAPES
     if loop_root is not None:
-        looped = frozenset(new[t] for t, load in zip(sketch.tiles, loads) if any(d.loop for d in load.map.dims))
+        varying = {new[t] for t, load in zip(sketch.tiles, loads) if load.map.loop_dim() is not None}
         memo: dict = {}
         for out in sketch.outputs:
-            new[out] = hoisted_scales(new[out], looped, memo)
+            new[out] = hoisted_scales(new[out], varying, memo)
     stores = stores_of(sketch.outputs, store_names, new, uf, by_class, all_axes,
                        DimMap(split_axis) if split else None, summed=not split)
     if isinstance(stores, NoKernel):
@@ -175,27 +175,29 @@ def build_kernel(sketch: Sketch, uf: IndexClasses, by_class: dict, loop_root, na
     return kernel, kernel_outputs(kernel)
 
 
-def hoisted_scales(n: Node, looped: frozenset, memo: dict) -> Node:
+def hoisted_scales(n: Node, varying: set, memo: dict) -> Node:
     """`n` with every constant scale of a product's operand that changes each loop iteration moved onto
     its other operand, when that one does not (it is computed once, before the loop):
     `q @ (transpose(k) / c)` becomes `(q / c) @ transpose(k)`. The two are equal in exact arithmetic,
     and the program assembled from the kernel is proved like every candidate; the e-graph's cheapest
-    term may have put the scale on either side, since it cannot know which tile the loop walks."""
+    term may have put the scale on either side, since it cannot know which tile the loop walks.
+    `varying` holds the loop-walked tiles and gains every node that changes with them (before any
+    accumulator, as `kernels.kernel.loop_varying` counts them)."""
     if n in memo:
         return memo[n]
-    args = [hoisted_scales(a, looped, memo) for a in n.args]
+    args = [hoisted_scales(a, varying, memo) for a in n.args]
     out = n if all(a is b for a, b in zip(args, n.args)) else rebuild(n, args)
     if n.op == "matmul":
-        a, b = args
-        varies = [any(m in looped for m in x.walk()) for x in (a, b)]
         for i in (0, 1):
             core, scales = _peeled(args[i])
-            if varies[i] and not varies[1 - i] and scales:
+            if scales and args[i] in varying and args[1 - i] not in varying:
                 other = args[1 - i]
                 for s in scales:  # innermost first, each with its constant on the side it was
                     other = rebuild(s, [other, s.args[1]] if s.args[1].op == "const" else [s.args[0], other])
                 out = rebuild(n, [core, other] if i == 0 else [other, core])
                 break
+    if OPS[out.op].kind is not Kind.ACCUMULATE and any(a in varying for a in out.args):
+        varying.add(out)
     memo[n] = out
     return out
 
