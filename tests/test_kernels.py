@@ -756,11 +756,29 @@ def test_a_mask_after_the_loop_over_a_dim_the_loop_splits_is_refused_alike(write
     assert "has no place" in err.out + err.err and "Traceback" not in err.out + err.err
 
 
+ROPED_KEYS = """dims b = 1, h = 2, q = 64, kv = 96, dh = 16
+program causal_attention(Q: f16[b, h, q, dh], K: f16[b, h, kv, dh], V: f16[b, h, kv, dh], CQ: f16[q, dh],
+                          SQ: f16[q, dh], CK: f16[kv, dh], SK: f16[kv, dh]) {
+    t7 = rope(K, CK, SK)
+    kernel fused1 grid(x = gx, y = gy, z = gz) loop(F) {
+        qt = load Q[:, z, y, :]
+        vt = load V[:, z, loop, x]
+        cqt = load CQ[y, :]
+        sqt = load SQ[y, :]
+        t7t = load t7[:, z, loop, :]
+        t0 = causal(rope(qt, cqt, sqt) / 4.0 @ transpose(t7t, 3, 2))
+        store O[:, z, y, x] = acc_softmax_out(t0, vt) / acc_softmax_sum(t0)
+    }
+    return O
+}
+"""
+
+
 def test_the_floor_counts_only_what_a_causal_mask_keeps():
     """Both products of causal attention count at the kept share of the scores (row i keeps columns up to
     i + kv - q), in the program as written and in its fused kernel alike; attention without a mask counts
     them whole."""
-    from prism_dsl.backend.cost import kept_share, masked_share, roofline
+    from prism_dsl.backend.roofline import kept_share, masked_share, roofline
 
     assert kept_share(4, 4) == 10 / 16 and kept_share(2, 4) == 7 / 8 and kept_share(4, 2) == 3 / 8
     plain = load(REPO / "programs" / "causal_attention.prism").program()
@@ -771,5 +789,8 @@ def test_the_floor_counts_only_what_a_causal_mask_keeps():
     floor = roofline(plain, bind_dims(plain, dims), H100)
     assert floor["flops"] == round(2 * 2 * 2 * 64 * 96 * 16 * kept_share(64, 96))
     assert roofline(fused, bind_dims(fused, dims), H100)["flops"] == floor["flops"]
+    # blocks along the output's columns (x) each compute the scores again: the floor counts them once
+    split = load("roped.prism", ROPED_KEYS).program()
+    assert roofline(split, bind_dims(split, dims), H100)["flops"] == floor["flops"]
     unmasked = load(REPO / "programs" / "attention.prism").program()
     assert masked_share(unmasked, bind_dims(unmasked, {})) == {}

@@ -3,7 +3,8 @@
 Takes concrete custom kernels (`kernels.constraints.Concrete`) of a lowered program. Gives:
 
 - `codegen`: CUDA C per kernel through the Jinja templates (`RenderedKernel`), and those templates;
-- `cost`: the cost model: an `Estimate` per kernel, kernel parameters tuned by it, the roofline floor;
+- `cost`: the cost model: an `Estimate` per kernel, kernel parameters tuned by it;
+- `roofline`: a program's floor, the time no program computing it beats;
 - `nvcc`: the generated code compiled by nvcc for each architecture, with ptxas's figures;
 - `emulate`: the generated code compiled as C++ and run on the CPU, where there is no GPU;
 - `cuda_runtime`: a runtime plan launched through PyCUDA, outputs checked, kernels timed. It imports

@@ -2,7 +2,7 @@
 
 All three run on the same random inputs in the same process; each is checked against the float64
 reference before its time counts. Times are CUDA-event medians after warm-up, inputs rotated across three
-sets. The table gives each time beside the program's roofline floor (`cost.roofline`). PyTorch runs the
+sets. The table gives each time beside the program's roofline floor (`roofline.roofline`). PyTorch runs the
 baseline program (the file itself, or `--baseline` when the file's kernels are hand-written), translated op
 by op through `TORCH` below; torch is imported only here.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backend import cost
+from ..backend import roofline
 
 from ..backend import cuda_runtime
 from ..pipeline.build import RTOL, BuildOptions, build, measure, reference_outputs
@@ -106,7 +106,7 @@ def bench(args) -> int:
         checks = [cuda_runtime.check(g.float().cpu().numpy(), ref[o], RTOL) for g, (o, _) in zip(got, baseline.outputs)]
         rows.append({"impl": name, "us": round(_time_torch(fn, dev, args.repeat), 3),
                      "passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks)})
-    roof = cost.roofline(baseline, binding, hardware)
+    roof = roofline.roofline(baseline, binding, hardware)
     table = {"program": program.name, "device": why, "dims": {d.name: int(binding[d.symbol]) for d in baseline.dims},
              "roofline_us": roof["floor_us"], "rows": rows}
     print(f"{program.name} on {why} (dims {', '.join(f'{k}={v}' for k, v in table['dims'].items())}); "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
-from ..backend import cost, cuda_runtime
+from ..backend import cuda_runtime, roofline
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware
@@ -122,7 +122,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
         for r, e in zip(built.kernels, built.estimates))
     return Report(built.program.name, HardwareUsed(built.hardware.name, built.hardware.arch), chosen.options.rank,
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
-                  cost.roofline(built.reference, bind_dims(built.reference, dims_of(built)), built.hardware),
+                  roofline.roofline(built.reference, bind_dims(built.reference, dims_of(built)), built.hardware),
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched, dict(vars(chosen.options.codegen)))
 
