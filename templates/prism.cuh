@@ -246,6 +246,70 @@ __device__ __forceinline__ void cp_async_wait_all() {
     cp_async_wait<0>();
 }
 
+// -- mbarriers and named barriers (sm_80 and later) -------------------------------------------------------------
+// An mbarrier (8 bytes of shared memory) counts arrivals per phase: mbarrier_init(bar, n) before any use (a
+// __syncthreads() then publishes it), mbarrier_arrive(bar) one arrival, cp_async_arrive(bar) an arrival made
+// when every cp.async this thread issued before it has completed (.noinc: the count passed to init includes
+// it), mbarrier_wait(bar, parity) until the phase of that parity has completed, after which what the arrivals
+// before it wrote is visible. A pipeline whose stage s is filled for the f-th time waits for parity f % 2.
+// named_sync(id, n) / named_arrive(id, n): hardware barrier id (1-15) completes when n threads have arrived;
+// sync waits for that, arrive does not.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count PRISM_AT) {
+#if defined(PRISM_CPU)
+    emu::mbarrier_init(bar, count, at_file, at_line);
+#elif PRISM_ASYNC_COPY
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))),
+                 "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar PRISM_AT) {
+#if defined(PRISM_CPU)
+    emu::mbarrier_arrive(bar, at_file, at_line);
+#elif PRISM_ASYNC_COPY
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar PRISM_AT) {
+#if defined(PRISM_CPU)
+    emu::cp_async_mbarrier_arrive(bar, at_file, at_line);
+#elif PRISM_ASYNC_COPY
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n"
+                 ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, unsigned parity PRISM_AT) {
+#if defined(PRISM_CPU)
+    emu::mbarrier_wait(bar, parity, at_file, at_line);
+#elif PRISM_ASYNC_COPY
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    unsigned done;
+    do
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(a), "r"(parity) : "memory");
+    while (!done);
+#endif
+}
+
+__device__ __forceinline__ void named_sync(int id, int count PRISM_AT) {
+#if defined(PRISM_CPU)
+    emu::named_barrier(id, count, true, at_file, at_line);
+#else
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void named_arrive(int id, int count PRISM_AT) {
+#if defined(PRISM_CPU)
+    emu::named_barrier(id, count, false, at_file, at_line);
+#else
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+#endif
+}
+
 // -- tensor cores: ldmatrix and mma.sync m16n8k16 (sm_80 and later) ---------------------------------------------
 #if defined(PRISM_CPU)
 namespace emu {
@@ -655,6 +719,7 @@ __device__ __forceinline__ void wgmma_commit(PRISM_AT_ONLY) {
 template <int N, int M> __device__ __forceinline__ void wgmma_wait(float (&d)[M] PRISM_AT) {
 #if defined(PRISM_CPU)
     const int n = N;
+    emu::defer();  // the batches in flight complete as late as they can
     emu::collective("wgmma.wait_group", 0xFFFFFFFFu, at_file, at_line, &n, nullptr, emu::wgmma_wait_op);
     (void)d;
 #elif PRISM_WGMMA

@@ -23,10 +23,21 @@
 //                      checks that those sharing are never in use at once, refills each with the NaN
 //                      pattern where its use begins and ends, and under AddressSanitizer poisons it
 //                      outside them, so a read of what another buffer left there is found.
+//   wgmma              computed at the issue, written at the wait; a warp that reaches a wait for its batches
+//                      runs again only when no other thread of the wave can go on, one such warp at a time.
 //   cp.async           copies are queued per thread: the source is read when the copy is issued, the
 //                      destination is overwritten with the NaN pattern at once (its contents are undefined
 //                      until the wait) and with the data only at the cp.async.wait_group that completes
 //                      its group. Another thread sees it only after a barrier that follows that wait.
+//   named barriers     bar.sync / bar.arrive with an id (1-15) and a thread count: a barrier completes when
+//                      that many arrivals reach it, bar.sync waiting for it and bar.arrive not. The count must
+//                      agree among the arrivals, a thread arrives once per completion, and a barrier left
+//                      with arrivals when its block ends is an error.
+//   mbarriers          in shared memory: init with an arrival count, arrive, and a wait for the completion of
+//                      the phase of a given parity. cp.async.mbarrier.arrive.noinc is an arrival made when
+//                      every copy the thread issued before it has completed: the emulation completes those
+//                      copies as late as it can, when a thread must wait for that phase, so a read of the
+//                      destination before the wait finds the NaN pattern.
 //
 // Errors the emulation finds itself are printed as one line "prism-emulation: kernel K: ..." followed by
 // "prism-emulation-at: FILE:LINE" lines, and the process exits with status 3. Sanitizer reports are
@@ -90,11 +101,12 @@ struct Site {
     const char* what = "";
 };
 
-enum class State { kReady, kBarrier, kWarp, kDone };
+enum class State { kReady, kBarrier, kWarp, kNamed, kMbarrier, kDeferred, kDone };
 
 struct Block;
 
 struct Copy {  // one queued cp.async
+    size_t seq;  // the thread's copies issued before it
     unsigned char* dst;
     unsigned char data[16];
     int size;
@@ -113,6 +125,15 @@ struct Thread {
     Site site;  // where it waits
     std::vector<Copy> copies;  // issued, not yet completed
     std::vector<size_t> groups;  // copies.size() at each commit, oldest first
+    size_t issued = 0;  // copies issued so far
+    struct Landing {  // a cp.async.mbarrier.arrive: an arrival at `bar` once the copies before `seq` complete
+        size_t seq;
+        void* bar;
+        Site site;
+    };
+    std::vector<Landing> landings;  // not yet made, oldest first
+    char landing_sync = 0;  // released at each, acquired by the thread that completes the copies
+    const void* waits_on = nullptr;  // the mbarrier it waits at (State::kMbarrier)
 };
 
 // One warp's wgmma in flight (prism.cuh): issued, not yet completed by a wgmma.wait_group. The result is
@@ -150,6 +171,21 @@ struct Buffer {
     int first, last;  // the phases it is in use (`shared`)
 };
 
+struct Named {  // one of a block's hardware barriers 1-15 (bar.sync / bar.arrive)
+    int count = 0, arrived = 0;
+    std::vector<Thread*> waiting, in;  // those that wait for it; every arrival of this completion
+    Site site;
+    char sync[2] = {0, 0};
+    unsigned generation = 0;
+};
+
+struct Mbarrier {  // an mbarrier object in shared memory
+    int count = 0, pending = 0;  // arrivals per phase; still to come in this one
+    unsigned phase = 0;  // completed phases
+    char sync[2] = {0, 0};  // phase p's arrivals release sync[p % 2]; its waiters acquire it
+    Site init;
+};
+
 struct Block {
     prism_dim3 idx{0, 0, 0};
     std::vector<Thread*> threads;
@@ -161,6 +197,8 @@ struct Block {
     char sync[2] = {0, 0};  // where ThreadSanitizer synchronises barrier generation g: sync[g % 2] (as in Warp)
     unsigned generation = 0;
     char exit_sync = 0;
+    Named named[16];
+    std::vector<std::pair<const void*, Mbarrier>> mbarriers;
 };
 
 struct Launch {
@@ -303,6 +341,9 @@ inline void finish_checks(Thread* t) {
         fail({t->copies.front().site}, "%s ends with %zu cp.async cop%s never waited for (issued at %s)",
              who(t).c_str(), t->copies.size(), t->copies.size() == 1 ? "y" : "ies",
              where(t->copies.front().site).c_str());
+    if (!t->landings.empty())
+        fail({t->landings.front().site}, "%s ends with a cp.async.mbarrier.arrive no thread waited for (at %s)",
+             who(t).c_str(), where(t->landings.front().site).c_str());
 }
 
 inline void entry() {
@@ -520,6 +561,7 @@ inline void cp_async(void* dst, const void* src, int size, const char* file, int
             fail({here}, "cp.async in %s writes %p, outside the block's shared buffers", who(t).c_str(), dst);
         if (in_shared(t->block, src, size))
             fail({here}, "cp.async in %s reads shared memory at %p; its source is global memory", who(t).c_str(), src);
+        c.seq = t->issued++;
         c.dst = static_cast<unsigned char*>(dst);
         c.size = size;
         c.site = here;
@@ -538,6 +580,8 @@ inline void cp_async_commit() {
     t->groups.push_back(t->copies.size() - grouped);
 }
 
+inline void settle(Thread* t);
+
 // cp.async.wait_group n: every committed group but the n most recent is complete, and its data written.
 inline void cp_async_wait(int n) {
     Thread* t = self();
@@ -552,19 +596,217 @@ inline void cp_async_wait(int n) {
         t->copies.erase(t->copies.begin(), t->copies.begin() + count);
         t->groups.erase(t->groups.begin());
     }
+    settle(t);
+}
+
+// -- mbarriers: arrivals counted per phase; cp.async.mbarrier.arrive made when the thread's copies complete ----
+inline Mbarrier& find_mbarrier(Block* b, const void* bar, const Site& here) {
+    for (auto& [at, m] : b->mbarriers)
+        if (at == bar) return m;
+    fail({here}, "%s at %p in block (%u,%u,%u): no mbarrier was initialised there", here.what, bar, b->idx.x, b->idx.y,
+         b->idx.z);
+}
+
+// One arrival at the mbarrier at `bar`, in the phase it is in: the phase's last arrival completes it.
+inline void arrive_at(Block* b, const void* bar, const Site& here) {
+    char* sync;
+    {
+        Quiet quiet;
+        Mbarrier& m = find_mbarrier(b, bar, here);
+        sync = &m.sync[m.phase % 2];
+    }
+    release(sync);
+    Quiet quiet;
+    Mbarrier& m = find_mbarrier(b, bar, here);
+    if (--m.pending > 0) return;
+    ++m.phase;
+    m.pending = m.count;
+    for (Thread* o : b->threads)
+        if (o->state == State::kMbarrier && o->waits_on == bar) o->state = State::kReady;  // each looks again
+}
+
+// Thread t's copies issued before its k-th pending cp.async.mbarrier.arrive are complete (performed now, by
+// whichever thread needs them), and its arrivals up to that one are made.
+inline void land(Thread* t, size_t k) {
+    std::vector<Copy> done;
+    std::vector<Thread::Landing> made;
+    {
+        Quiet quiet;
+        const size_t upto = t->landings[k].seq;
+        size_t n = 0;
+        while (n < t->copies.size() && t->copies[n].seq < upto) ++n;
+        done.assign(t->copies.begin(), t->copies.begin() + n);
+        t->copies.erase(t->copies.begin(), t->copies.begin() + n);
+        for (size_t left = n; left > 0 && !t->groups.empty();) {  // the groups those copies were in shrink
+            const size_t take = std::min(left, t->groups.front());
+            t->groups.front() -= take, left -= take;
+            if (t->groups.front() == 0) t->groups.erase(t->groups.begin());
+        }
+        made.assign(t->landings.begin(), t->landings.begin() + k + 1);
+        t->landings.erase(t->landings.begin(), t->landings.begin() + k + 1);
+    }
+    acquire(&t->landing_sync);  // after what t did before it issued them
+    for (const Copy& c : done) std::memcpy(c.dst, c.data, c.size);
+    for (const Thread::Landing& l : made) arrive_at(t->block, l.bar, l.site);
+}
+
+// The arrivals of thread t whose copies have all completed (by its cp.async.wait_group) are made.
+inline void settle(Thread* t) {
+    size_t k = 0;
+    {
+        Quiet quiet;
+        const size_t next = t->copies.empty() ? t->issued : t->copies.front().seq;
+        while (k < t->landings.size() && t->landings[k].seq <= next) ++k;
+    }
+    if (k > 0) land(t, k - 1);
+}
+
+inline void mbarrier_init(void* bar, int count, const char* file, int line) {
+    Quiet quiet;
+    Block* b = self()->block;
+    const Site here{file, line, "mbarrier.init"};
+    if (!in_shared(b, bar, 8) || reinterpret_cast<uintptr_t>(bar) % 8)
+        fail({here}, "mbarrier.init at %p: an mbarrier is 8 aligned bytes of shared memory", bar);
+    if (count < 1) fail({here}, "mbarrier.init at %p with %d arrivals: at least one", bar, count);
+    for (auto& [at, m] : b->mbarriers)
+        if (at == bar) fail({m.init, here}, "mbarrier at %p initialised twice", bar);
+    Mbarrier m;
+    m.count = m.pending = count;
+    m.init = here;
+    b->mbarriers.emplace_back(bar, m);
+}
+
+inline void mbarrier_arrive(void* bar, const char* file, int line) {
+    arrive_at(self()->block, bar, {file, line, "mbarrier.arrive"});
+}
+
+// cp.async.mbarrier.arrive.noinc: an arrival at `bar` once every copy this thread issued so far completes.
+inline void cp_async_mbarrier_arrive(void* bar, const char* file, int line) {
+    Thread* t = self();
+    {
+        Quiet quiet;
+        const Site here{file, line, "cp.async.mbarrier.arrive"};
+        find_mbarrier(t->block, bar, here);
+        t->landings.push_back({t->issued, bar, here});
+    }
+    release(&t->landing_sync);
+    settle(t);  // with no copy outstanding, at once
+}
+
+// mbarrier.try_wait.parity in a loop: until the phase of that parity has completed (the current one has the
+// other parity). A thread that would wait completes the copies whose arrivals the phase needs first.
+inline void mbarrier_wait(void* bar, unsigned parity, const char* file, int line) {
+    Thread* t = self();
+    const Site here{file, line, "mbarrier.try_wait.parity"};
+    for (;;) {
+        char* sync;
+        bool done;
+        Thread* owner = nullptr;
+        size_t k = 0;
+        {
+            Quiet quiet;
+            Mbarrier& m = find_mbarrier(t->block, bar, here);
+            done = m.phase % 2 != (parity & 1);
+            sync = &m.sync[(m.phase + 1) % 2];  // the last completed phase's
+            for (Thread* o : t->block->threads) {
+                for (k = 0; k < o->landings.size() && o->landings[k].bar != bar; ++k) {}
+                if (k < o->landings.size()) {
+                    owner = o;
+                    break;
+                }
+            }
+        }
+        if (done) {
+            acquire(sync);
+            return;
+        }
+        if (owner) {
+            land(owner, k);
+            continue;
+        }
+        {
+            Quiet quiet;
+            t->state = State::kMbarrier;
+            t->waits_on = bar;
+            t->site = here;
+        }
+        yield();
+    }
+}
+
+// A thread about to wait for work in flight (its warp's wgmma batches) first lets every other thread of the
+// wave run as far as it can: the scheduler resumes it only when nothing else can go on, and then one such
+// warp at a time. So the tensor cores read their operands as late as the code allows, and a write the code
+// does not order after the wait comes first, and is found there.
+inline void defer() {
+    {
+        Quiet quiet;
+        self()->state = State::kDeferred;
+    }
+    yield();
+}
+
+// -- named barriers: bar.sync (arrive and wait) and bar.arrive (arrive only), an id 1-15 and a thread count ----
+inline void named_barrier(int id, int count, bool wait, const char* file, int line) {
+    Thread* t = self();
+    Block* b;
+    char* sync;
+    bool blocked;
+    const Site here{file, line, wait ? "bar.sync" : "bar.arrive"};
+    {
+        Quiet quiet;
+        b = t->block;
+        if (id < 1 || id > 15) fail({here}, "%s %d: the named barriers are 1-15 (0 is __syncthreads)", here.what, id);
+        if (count < kWarp || count % kWarp || count > static_cast<int>(b->threads.size()))
+            fail({here}, "%s %d, %d: the count is whole warps of the %zu-thread block", here.what, id, count,
+                 b->threads.size());
+        Named& n = b->named[id];
+        if (n.arrived == 0) {
+            n.count = count;
+            n.site = here;
+        } else if (n.count != count) {
+            fail({n.site, here}, "named barrier %d: %s counts %d threads, an arrival before it %d", id, who(t).c_str(),
+                 count, n.count);
+        }
+        if (std::find(n.in.begin(), n.in.end(), t) != n.in.end())
+            fail({n.site, here}, "%s arrives twice at named barrier %d before it completes", who(t).c_str(), id);
+        sync = &n.sync[n.generation % 2];
+    }
+    release(sync);
+    {
+        Quiet quiet;
+        Named& n = b->named[id];
+        n.in.push_back(t);
+        if (wait) {
+            t->state = State::kNamed;
+            t->site = here;
+            n.waiting.push_back(t);
+        }
+        if (++n.arrived == n.count) {
+            for (Thread* o : n.waiting) o->state = State::kReady;
+            n.waiting.clear();
+            n.in.clear();
+            n.arrived = 0;
+            ++n.generation;
+        }
+        blocked = wait && t->state != State::kReady;
+    }
+    if (blocked) yield();
+    if (wait) acquire(sync);
 }
 
 // -- the scheduler ------------------------------------------------------------------------------------------------
 [[noreturn]] inline void deadlock(const std::vector<Block*>& wave) {
     for (Block* b : wave) {
-        std::vector<int> done, at_barrier, at_warp;
-        Site barrier_site, warp_site;
+        std::vector<int> done, at_barrier, at_warp, at_other;
+        Site barrier_site, warp_site, other_site;
         for (Thread* t : b->threads) {
             if (t->state == State::kDone) done.push_back(t->linear);
             if (t->state == State::kBarrier) at_barrier.push_back(t->linear), barrier_site = t->site;
             if (t->state == State::kWarp) at_warp.push_back(t->linear), warp_site = t->site;
+            if (t->state == State::kNamed || t->state == State::kMbarrier) at_other.push_back(t->linear), other_site = t->site;
         }
-        if (at_barrier.empty() && at_warp.empty()) continue;
+        if (at_barrier.empty() && at_warp.empty() && at_other.empty()) continue;
         std::string text = "block (" + std::to_string(b->idx.x) + "," + std::to_string(b->idx.y) + "," +
                            std::to_string(b->idx.z) + ") cannot go on:";
         if (!at_barrier.empty())
@@ -572,9 +814,12 @@ inline void cp_async_wait(int n) {
         if (!at_warp.empty())
             text += " threads " + ranges(at_warp) + " wait for their warps at " + where(warp_site) + " (" +
                     warp_site.what + ");";
+        if (!at_other.empty())
+            text += " threads " + ranges(at_other) + " wait at " + where(other_site) + " (" + other_site.what +
+                    ") for arrivals that never come;";
         if (!done.empty()) text += " threads " + ranges(done) + " have finished;";
         text += " a barrier or warp collective not reached by every thread";
-        fail({at_barrier.empty() ? warp_site : barrier_site}, "%s", text.c_str());
+        fail({!at_barrier.empty() ? barrier_site : !at_warp.empty() ? warp_site : other_site}, "%s", text.c_str());
     }
     fail({}, "no emulated thread can go on");
 }
@@ -598,6 +843,8 @@ inline void run_wave(const std::vector<prism_dim3>& blocks) {
                 t->state = State::kReady;
                 t->copies.clear();
                 t->groups.clear();
+                t->landings.clear();
+                t->issued = 0;
 #if defined(PRISM_ASAN)
                 __asan_unpoison_memory_region(t->stack, r.stack_bytes);
 #endif
@@ -626,11 +873,26 @@ inline void run_wave(const std::vector<prism_dim3>& blocks) {
                 done = done && t->state == State::kDone;
             }
         if (done) break;
+        if (ran) continue;
+        for (Block* b : wave) {  // one warp that waits for its wgmma goes on; the others' stay in flight
+            for (Thread* t : b->threads)
+                if (t->state == State::kDeferred) {
+                    for (Thread* o : b->threads)
+                        if (o->linear / kWarp == t->linear / kWarp && o->state == State::kDeferred) o->state = State::kReady;
+                    ran = true;
+                    break;
+                }
+            if (ran) break;
+        }
         if (!ran) deadlock(wave);
     }
     for (Block* b : wave) {
         acquire(&b->exit_sync);
         Quiet quiet;
+        for (int id = 1; id < 16; ++id)
+            if (b->named[id].arrived)
+                fail({b->named[id].site}, "block (%u,%u,%u) ends with %d of named barrier %d's %d arrivals made: a bar.arrive "
+                     "no bar.sync waited for", b->idx.x, b->idx.y, b->idx.z, b->named[id].arrived, id, b->named[id].count);
         for (Buffer& buf : b->buffers) std::free(buf.base);
         delete b;
     }

@@ -189,20 +189,23 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
 
 
 @needs_cxx
-@pytest.mark.parametrize("name, dims, grid, loop, sanitizer", [
-    ("attention", "b=1,h=2,q=128,kv=256,dh=128", "gb=1,gh=2,gq=1", "F=4", "thread"),  # kt N-major, 2 warpgroups
-    ("causal_attention", "b=1,h=2,q=128,kv=128,dh=64", "gq=2,gh=2", "F=2", "address"),  # K-major, RoPE, mask
+@pytest.mark.parametrize("name, dims, grid, loop, sanitizer, turns", [
+    ("attention", "b=1,h=2,q=128,kv=256,dh=128", "gb=1,gh=2,gq=1", "F=4", "thread", False),  # kt N-major, 2 warpgroups
+    ("attention", "b=1,h=2,q=128,kv=256,dh=128", "gb=1,gh=2,gq=1", "F=4", "address", True),  # taking turns
+    ("causal_attention", "b=1,h=2,q=128,kv=128,dh=64", "gq=2,gh=2", "F=2", "address", False),  # K-major, RoPE, mask
 ])
-def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
+def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tmp_path):
     """Query tiles of 64 rows or more, key tiles and head dims of 64 or 128: s = q @ kt by wgmma from the
     swizzled tiles, p @ v by wgmma with p's fragments from registers; no ldmatrix; emulated under a
     sanitizer against the float64 reference. With 3 stages (attention here), p @ v runs one iteration
     late, beside the next scores' softmax, and the last one after the loop (`launch.overlap`); p's
     fragments written before that batch's wait are reported. With 2 (causal here), each iteration waits
-    for both batches."""
+    for both batches. The two warpgroups of attention take turns on the tensor cores with a fourth stage
+    (`launch.takes_turns`), and in step with --no-pingpong."""
     out = tmp_path / "out"
     assert main(["compile", str(ROOT / f"programs/fused/{name}.prism"), "--search", "none", "-o", str(out), "--arch",
-                 "none", "--dims", dims, "--grid", grid, "--loop", loop, "--sanitize", sanitizer]) == 0
+                 "none", "--dims", dims, "--grid", grid, "--loop", loop, "--sanitize", sanitizer]
+                + ([] if turns or name != "attention" else ["--no-pingpong"])) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["checked"]["emulation"]["passed"], report["checked"]
     src = (out / f"{report['kernels'][0]['name']}.cu").read_text()
@@ -211,11 +214,13 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
     late = name == "attention"
     p = r"f_\w+_p\[kk\]" if late else r"pa\[kk\]"
     assert len(re.findall(r"prism::wgmma<\d+, half, true>\(reinterpret_cast<float \(&\)\[\d+\]>\(f_\w+\[0\]\), " + p, src)) == 1 + late
-    assert ("wgmma_wait<1>" in src) == late and ("3 stages" in src) == late
+    assert ("wgmma_wait<1>" in src) == late and (f"{3 + turns} stages" in src) == late
+    assert ("named_sync(1 + PRISM_TID / 128, 256)" in src) == turns and ("mbarrier_wait(&full" in src) == turns
     assert ("K-major" in src) == (name == "causal_attention")
     if late:  # p's next fragments packed before the wait for the p @ v that reads the current ones
         program = load(ROOT / f"programs/fused/{name}.prism").program()
-        options = BuildOptions(dims=parse_dims(dims), grid=parse_dims(grid), loop=parse_dims(loop), archs=())
+        options = BuildOptions(dims=parse_dims(dims), grid=parse_dims(grid), loop=parse_dims(loop), archs=(),
+                               codegen=CodegenConfig(pingpong=turns))
         built = build(program, H100, options)
         k = built.kernels[0]
         pack = re.search(r"\n *PRISM_UNROLL\n *for \(int kk = 0; kk < \d+; \+\+kk\) \{  // p's A fragments.*?\n *\}\n", k.source, re.S)
@@ -223,6 +228,40 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, tmp_path):
         wrong = k.source[:wait.start()] + pack.group(0)[:-1] + k.source[wait.start():pack.start()] + k.source[pack.end() - 1:]
         found = emulate(replace(built, kernels=(replace(k, source=wrong),)), options)
         assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
+
+@needs_cxx
+def test_warpgroups_taking_turns_are_paced_by_their_barriers():
+    """Attention on two warpgroups that take turns on the tensor cores (`launch.takes_turns`), with 5 stages
+    so that the copies run 2 iterations ahead and a stage is refilled while the later warpgroup may still
+    be reading it: the emulation passes the code as generated and reports each barrier taken out."""
+    program = load(ROOT / "programs/fused/attention.prism").program()
+    options = BuildOptions(dims=parse_dims("b=1,h=1,q=128,kv=768,dh=128"), grid=parse_dims("gb=1,gh=1,gq=1"),
+                           loop=parse_dims("F=12"), archs=(), codegen=CodegenConfig(stages=4))
+    built = build(program, H100, options)
+    k = built.kernels[0]
+    assert "5-stage cp.async pipeline paced by mbarriers" in k.source and "ahead = it + 2;" in k.source
+    assert emulate(built, options).passed
+
+    def found(old: str, new: str, *more: str) -> str:
+        wrong = re.sub(old, new, k.source)
+        if more:
+            wrong = re.sub(*more, wrong)
+        assert wrong != k.source, old
+        result = emulate(replace(built, kernels=(replace(k, source=wrong),)), options)
+        assert not result.passed and result.finding, result.errors()
+        return result.finding["message"]
+    # a stage refilled before the other warpgroup's p @ v of it has landed
+    assert "changed before the wgmma.wait_group" in found(r"prism::mbarrier_wait\(&empty", "if (0) prism::mbarrier_wait(&empty")
+    give_back = "if (it > 0) prism::mbarrier_arrive(&empty[(it - 1) % 5]);"
+    assert "changed before the wgmma.wait_group" in found(  # the stage given back when p @ v is issued, not landed
+        re.escape(give_back), ";", r"(prism::named_arrive\(2 - PRISM_TID / 128, 256\);)", r"\1 " + give_back)
+    assert "for arrivals that never come" in found(re.escape(give_back), ";")  # nor ever
+    # a stage read before its copies have landed (they never complete: nothing waits for them)
+    assert "never waited for" in found(r"prism::mbarrier_wait\(&full", "if (0) prism::mbarrier_wait(&full")
+    # warpgroup 0's first turn never given, and warpgroup 1's last never taken
+    assert "bar.sync) for arrivals that never come" in found(r"if \(PRISM_TID / 128 == 1\) prism::named_arrive", "if (0) prism::named_arrive")
+    assert "a bar.arrive no bar.sync waited for" in found(r"if \(PRISM_TID / 128 == 0\) prism::named_sync", "if (0) prism::named_sync")
+
 
 SHARED_WITH_WMMA = """dims n = 128, d = 128, e = 128
 program mix(X: f16[n, d], W: f16[d, e], U: f16[d, e]) {
@@ -476,6 +515,31 @@ def test_cost_model_ranks_a_grid_that_fills_the_sms_above_one_that_leaves_them_i
         return estimate(c, H100).time_us
 
     assert time(128) < time(4)
+
+
+def test_two_warpgroups_taking_turns_hide_one_softmax_behind_the_other_products():
+    """Attention at prefill with 128 query rows a block (two warpgroups): they take turns on the tensor cores
+    with a fourth stage, so the copies still run one iteration ahead, and the model prices one's softmax
+    beside the other's products. One warpgroup, --stages 2 or --no-pingpong: in step, as before."""
+    from prism_dsl.backend.cost import for_hardware
+    from prism_dsl.backend.launch import layout
+
+    program = load(ROOT / "programs/fused/attention.prism").program()
+    syms = {s.name: s for s in [*free_symbols(program), *program.default_binding()]}
+    dims = {syms[k]: v for k, v in dict(b=1, h=16, q=4096, kv=4096, dh=128, gb=1, gh=16, F=64).items()}
+
+    def kernel(gq):
+        return instantiate_program(program, {**dims, syms["gq"]: gq}, H100)["flash_attention"]
+
+    def shaped(c, **options):
+        config = for_hardware(CodegenConfig(**options), H100)
+        return layout(c, config), estimate(c, H100, config=config).time_us
+    (turns, t_turns), (step, t_step) = shaped(kernel(32)), shaped(kernel(32), pingpong=False)
+    assert turns.pingpong and turns.threads == 256 and (turns.stages, turns.lead) == (4, 1)
+    assert not step.pingpong and step.overlap and (step.stages, step.lead) == (3, 1)
+    assert turns.mbarriers >= turns.smem - 64 and turns.smem > step.smem + 32768  # a stage of kt and vt more
+    assert t_turns < 0.8 * t_step
+    assert not shaped(kernel(32), stages=2)[0].pingpong and not shaped(kernel(64))[0].pingpong  # one warpgroup
 
 
 def test_pre_defined_kernels_cover_every_op_outside_custom_kernels():

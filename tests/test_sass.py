@@ -41,6 +41,17 @@ def test_an_epilogue_loop_of_many_ffma_does_not_outrank_the_loop_that_streams_th
     assert (hot.start, hot.counts["HMMA"], hot.counts["FFMA"]) == (1, 2, 0)
 
 
+def test_a_retry_laid_out_after_the_exit_is_not_a_loop():
+    """ptxas puts the retry of an mbarrier's try-wait after the kernel's EXIT, branching back into the loop:
+    that range holds the loop's tail and the code after it, and is not a loop."""
+    stub = ("        /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2], R3 ;\n"
+            "        /*00a0*/              @!P0 BRA 0x90 ;\n"
+            "        /*00b0*/                   BRA 0x30 ;\n")
+    listing = LISTING + stub
+    assert [(l.start, l.end) for l in sass.loops(listing)] == [(2, 5), (1, 7), (9, 10)]
+    assert (sass.hot_loop(listing).start, sass.hot_loop(listing).end) == (1, 7)
+
+
 def test_instructions_predicated_never_to_run_are_not_counted():
     filler = "        /*0025*/                  @!PT LDS RZ, [RZ] ;\n"
     listing = LISTING.replace("        /*0030*/", filler + "        /*0030*/")
@@ -58,8 +69,8 @@ def test_instructions_predicated_never_to_run_are_not_counted():
 def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(name, dims, grid, loop, wgmma, tmp_path):
     """On wgmma (sm_90a) the hot loop issues HGMMA with no ldmatrix and no HMMA, and waits while one batch
     is still pending without ptxas serializing the instructions: the products' batch of the iteration
-    before, or online softmax's p @ v beside the next scores' softmax; on mma.sync, 4 HMMA or more per
-    LDSM."""
+    before, or online softmax's p @ v beside the next scores' softmax (attention's two warpgroups taking
+    turns at named barriers, the stages paced by mbarriers); on mma.sync, 4 HMMA or more per LDSM."""
     import subprocess
 
     from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
@@ -80,7 +91,11 @@ def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(na
     if wgmma:
         assert hot["HGMMA"] > 0 and hot["HMMA"] == hot["LDSM"] == 0 and hot["LDGSTS"] > 0, hot
         assert "serialized" not in done.stderr and "WARPGROUP.DEPBAR.LE gsb0, 0x1" in listing
-    else:
+    if name == "attention":  # two warpgroups taking turns: named barriers, the stages paced by mbarriers
+        assert hot["HGMMA"] == 13 and hot["BAR"] == 2, hot
+        assert all(op in listing for op in ("BAR.SYNC.DEFER_BLOCKING R", "BAR.ARV R", "ARRIVES.LDGSTSBAR.64.ARVCNT",
+                                            "SYNCS.PHASECHK.TRANS64.TRYWAIT", "SYNCS.ARRIVE.TRANS64.A1T0"))
+    if not wgmma:
         assert hot["HMMA"] >= 4 * hot["LDSM"] > 0 and hot["LDGSTS"] > 0, hot
 
 

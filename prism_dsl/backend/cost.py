@@ -30,7 +30,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
             its exp and rescaling are f32 work; on warpgroups both products at the wgmma rate below, and
             where p @ v runs one iteration late (`Layout.overlap`) both at peak * WGMMA_IN_FLIGHT, the
             softmax's f32 work (max, exp, sums, rescaling, the causal mask) beside p @ v: SOFTMAX_BESIDE
-            of the shorter of the two is not counted)
+            of the shorter of the two is not counted; where two warpgroups take turns (`Layout.pingpong`)
+            both products at peak * WGMMA_PINGPONG, and the f32 work of one beside the other's products:
+            the longer of the products and that work counts, not their sum)
         register-tiled wgmma (sm_90a)   min(peak * WGMMA_REACH * (1 with 2 or more warpgroups per SM, else
                                             WGMMA_LONE), smem bandwidth * flops per operand byte read);
                                         each iteration's batch in flight into the next (`Layout.in_flight`):
@@ -72,6 +74,11 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   whose p @ v runs one iteration late, beside the next scores' max and exp, has the same rate: that
   ablation puts FlashAttention-3 with only one of its two overlaps (warp specialization, or this pipelining
   of the two products with the softmax) at 570-582 TFLOP/s, against 661 with both.
+- WGMMA_PINGPONG = 0.78 (624 TFLOP/s): two warpgroups taking turns on the tensor cores, one's batch beside the
+  other's softmax, as well as p @ v one iteration late in each: the two overlaps of FlashAttention-3, whose
+  ablation (H100, head dim 128) puts the kernel with both at 661 TFLOP/s. The code here has no TMA and no
+  producer warp: the computing warps issue their own cp.async (8 16-byte copies per thread and iteration at
+  dh = 128, with their address arithmetic) and wait at the stages' mbarriers, so it is taken about 6% lower.
 - SOFTMAX_BESIDE = 0.5: read from the SASS of attention at dh = 128 (nvcc 13, sm_90a): of an iteration's
   34 MUFU.EX2 and 42 FFMA, which the PTX has all before p @ v's wait, ptxas issues 18 and 25 between the
   scores' wait and that one, and schedules the rest after it; the rescaling of the outputs must follow it.
@@ -87,9 +94,7 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - VECTOR_REACH = 0.4: read from the SASS of "dot8" (nvcc 13, sm_90): its unrolled inner loop issues 32
   FFMA among 79-83 instructions (one HADD2.F32 conversion per 16-bit element, 8 LDS of which 4 are
   16-byte), so FFMA takes 0.4 of the issue slots; the shuffles that add the lanes' parts come after it.
-It is meant to rank, not to predict to the microsecond. `roofline` is the floor no program beats:
-max(bytes / peak bandwidth, flops / peak) with bytes = the inputs read once and the outputs written once
-and flops = every product's, those inside custom kernels included.
+It is meant to rank, not to predict to the microsecond; `roofline` gives the floor no program beats.
 """
 
 from __future__ import annotations
@@ -108,10 +113,9 @@ from ..kernels.fusion import Place, Plan, plan
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
 from ..kernels.hardware import Hardware
-from ..kernels.position import causal_loop, mean_iterations, whole
+from ..kernels.position import mean_iterations
 from ..kernels.kernel import after_loop, free_symbols, kernels_of, loop_varying, storage, stored_dtype
 from ..kernels.params import candidates, choose
-from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
@@ -120,6 +124,7 @@ MMA_SYNC_REACH = 0.5
 WGMMA_REACH = 0.65
 WGMMA_LONE = 0.75  # the share of WGMMA_REACH one warpgroup per SM keeps busy
 WGMMA_IN_FLIGHT = 0.72  # with each iteration's batch in flight into the next (`Layout.in_flight`)
+WGMMA_PINGPONG = 0.78  # two warpgroups taking turns on the tensor cores (`Layout.pingpong`)
 SOFTMAX_BESIDE = 0.5  # the share of online softmax's f32 work issued while p @ v runs (`Layout.overlap`)
 WMMA_REACH = 0.04
 SCALAR_REACH = 0.2
@@ -307,7 +312,11 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
     hidden = 0.0  # f32 work that runs beside an online softmax's p @ v (`Layout.overlap`)
     for s, f in shape.flash.items():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
-        if f.wg and shape.overlap:  # p @ v one iteration late, beside the next iteration's softmax
+        if f.wg and shape.pingpong:  # one warpgroup's softmax beside the other's products
+            products = (qk + pv) / (peak * WGMMA_PINGPONG)
+            seconds += products
+            hidden += min(products, _softmax_flops(c, s) * times / (f32 * SCALAR_REACH))
+        elif f.wg and shape.overlap:  # p @ v one iteration late, beside the next iteration's softmax
             seconds += (qk + pv) / (peak * WGMMA_IN_FLIGHT)
             hidden += SOFTMAX_BESIDE * min(pv / (peak * WGMMA_IN_FLIGHT), _softmax_flops(c, s) * times / (f32 * SCALAR_REACH))
         elif f.wg:  # both on wgmma (operand bytes read by it bind nowhere near: 64 rows share every B byte)
@@ -326,71 +335,6 @@ def _softmax_flops(c: Concrete, s: Node) -> int:
     p = plan(c.kernel)
     nodes = [u for u in p.users[s] if OPS[u.op].kind is Kind.ACCUMULATE] + ([s] if s.op == "causal" else [])
     return sum(_node_flops(n, c.shape, p, flash=True)[0] for n in nodes)
-
-
-def roofline(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> dict:
-    """The program's floor on `hardware`: its inputs read once, its outputs written once, its math at peak
-    (the products a causal mask makes of its kept elements only: `masked_share`)."""
-    def size(n: Node) -> int:
-        return math.prod(int(bind(s, binding)) for s in n.shape) * (n.dtype or DType.F32).bytes
-
-    moved = sum(size(n) for n in program.inputs) + sum(size(n) for _, n in program.outputs)
-    flops = 0
-    share = masked_share(program, binding)
-    for n in program.nodes():
-        if n.op == "matmul":
-            work = 2 * math.prod(int(bind(s, binding)) for s in n.shape) * int(bind(n.args[0].shape[-1], binding))
-            flops += round(work * share.get(n, 1.0))
-    for k in kernels_of(program):  # products inside custom kernels: per block and iteration, times both
-        runs = sympy.Mul(*[g for _, g in k.grid]) * k.loop_range
-        cl = causal_loop(k)
-        if cl is not None:  # of a causal loop's products, only the kept elements' share is needed
-            def bound(n: Node) -> tuple[int, ...]:
-                return tuple(int(bind(d, binding)) for d in n.shape)
-            cols = whole(bound, k, cl.cols)
-            rows = whole(bound, k, cl.rows) if cl.rows else bound(cl.mask)[-2]
-            runs = runs * sympy.Rational(round(kept_share(rows, cols) * 2**20), 2**20)
-        for n in k.body():
-            if n.op == "matmul" or (n.op in ACCUMULATORS and ACCUMULATORS[n.op].like == "matmul"):
-                depth = n.args[0].shape[-1]  # the contraction: a's columns (s's for exp(s) @ v)
-                total = sympy.simplify(2 * sympy.Mul(*n.shape) * depth * runs)
-                if not (value := bind(total, binding)).free_symbols:
-                    flops += int(value)
-    dtype = next((n.dtype.value for n in program.inputs if n.dtype), "f16")
-    t_mem = moved / (hardware.bandwidth_gbs * 1e9) * 1e6
-    t_math = flops / (hardware.peak_tflops[dtype] * 1e12) * 1e6
-    return {"bytes": moved, "flops": flops, "floor_us": round(max(t_mem, t_math), 3),
-            "bound": "memory" if t_mem >= t_math else "math"}
-
-
-def masked_share(program: Program, binding: Mapping[sympy.Symbol, int]) -> dict[Node, float]:
-    """The share of each product's work a causal mask keeps: the scores under the mask (through
-    element-wise ops), and the products whose left operand is made from the masked scores (softmax's
-    probabilities times V). The masked elements are -inf scores and zero probabilities, which a kernel
-    that skips the key tiles past the diagonal never computes."""
-    share: dict[Node, float] = {}
-    masks = {n: kept_share(*(int(bind(d, binding)) for d in n.shape[-2:])) for n in program.nodes() if n.op == "causal"}
-    for c, kept in masks.items():
-        todo = [c.args[0]]
-        while todo:  # the scores' products, under element-wise ops of the same rows and columns
-            n = todo.pop()
-            if n.op == "matmul":
-                share[n] = kept
-            elif OPS[n.op].kind in (Kind.UNARY, Kind.BINARY):
-                todo += [a for a in n.args if a.rank >= 2 and a.shape[-2:] == n.shape[-2:]]
-    for m in program.nodes():
-        if m.op == "matmul" and m not in share:
-            n = m.args[0]  # the probabilities: element-wise and row-wise ops down to a mask
-            while n not in masks and OPS[n.op].kind in (Kind.UNARY, Kind.BINARY, Kind.ROWWISE) and n.args:
-                n = n.args[0]
-            if n in masks:
-                share[m] = masks[n]
-    return share
-
-
-def kept_share(rows: int, cols: int) -> float:
-    """The share of a causal mask's elements it keeps: row i keeps the columns up to i + cols - rows."""
-    return sum(min(cols, max(0, i + cols - rows + 1)) for i in range(rows)) / (rows * cols)
 
 
 # -- parameter choice by the model ------------------------------------------------------------------------

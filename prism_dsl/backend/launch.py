@@ -17,7 +17,10 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block). Where wgmma products read only
   loop tiles, each iteration's batch stays in flight into the next (`in_flight`), and online softmax on
   wgmma runs `p @ v` one iteration late, beside the next iteration's softmax (`overlap`); the loads then
-  run `stages - 2` iterations ahead;
+  run `stages - 2` iterations ahead. Where that online softmax is the whole loop on two warpgroups, they
+  take turns on the tensor cores (`pingpong`): one's products run while the other computes its softmax,
+  and mbarriers take the place of the loop's block-wide barrier; with one stage more, the loads run
+  `stages - 3` ahead;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
   at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
   scores, their exp or its rescaling factors, and it and register-tiled products write their state only
@@ -37,7 +40,8 @@ from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_transpose, plan
-from ..kernels.kernel import loop_varying
+from ..ir.ops import OPS, Kind
+from ..kernels.kernel import after_loop, loop_varying
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
 from ..kernels.sizes import call, compile_sizes, int_value
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
@@ -55,6 +59,7 @@ class CodegenConfig:
     smem_limit: int = 232448  # bytes of shared memory a block may use (the hardware's; H100: 227 KiB)
     wgmma: bool = True  # warpgroup products from swizzled shared memory where the arch has them (sm_90a)
     arch: str = "sm_90"  # the target GPU's (`Hardware.arch`)
+    pingpong: bool = True  # two warpgroups of online softmax take turns on the tensor cores where they can (`pingpong`)
 
     @property
     def warpgroups(self) -> bool:
@@ -76,12 +81,15 @@ class Layout:
     live: dict[str, Lifetime]  # buffer name -> the phases it is in use (`kernels.lifetimes`)
     in_flight: bool = False  # each iteration's wgmma batch runs on while the next iteration starts (`in_flight`)
     overlap: bool = False  # online softmax's p @ v of the iteration before runs beside this one's softmax (`overlap`)
+    pingpong: bool = False  # two warpgroups take turns on the tensor cores; mbarriers pace the pipeline (`pingpong`)
+    mbarriers: int = 0  # byte offset of the pipeline's mbarriers (two per stage, after every buffer), with `pingpong`
 
     @property
     def lead(self) -> int:
         """How many iterations ahead a pipelined loop's copies run: stages - 1, or stages - 2 where a wgmma
-        batch still reads the stage of the iteration before (`in_flight`, `overlap`)."""
-        return self.stages - (2 if self.in_flight or self.overlap else 1)
+        batch still reads the stage of the iteration before (`in_flight`, `overlap`), or stages - 3 where the
+        warpgroups take turns (`pingpong`: the later one may still read the stage of two iterations before)."""
+        return self.stages - (3 if self.pingpong else 2 if self.in_flight or self.overlap else 1)
 
 
 def mma_shape(m: int, n: int, k: int) -> tuple[int, int] | None:
@@ -320,12 +328,17 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     staged = {b.name for b in buffers if b.role == "tile" and b.node in varying}
     names = [b.name for b in buffers]
     most = 1
+    turns = config.pingpong and config.stages >= PINGPONG_STAGES - 1 and takes_turns(c, registers, flash_of, threads)
     if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in buffers if b.name in staged):
-        most = max(1, min(config.stages, c.loop))
+        most = max(1, min(config.stages + turns, c.loop))  # taking turns, the loads run one stage less ahead
     align = SWIZZLE_ATOM if swizzle else ALIGN  # every buffer, so the swizzled ones start on an atom
     for stages in range(most, 0, -1):  # as many as fit
         taken = {n: _aligned(size[n], align) * (stages if n in staged else 1) for n in names}
         offsets, smem = arrange(names, taken, live)
+        pingpong = turns and stages >= PINGPONG_STAGES and overlap(c, flash_of, stages, staged, threads)
+        mbarriers = _aligned(smem, 16)
+        if pingpong:
+            smem = mbarriers + 16 * stages  # a full and an empty mbarrier per stage
         if smem <= config.smem_limit:
             break
     if swizzle and smem > config.smem_limit:  # the atoms' alignment costs what the limit lacks: no wgmma
@@ -333,7 +346,30 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
     return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
                   {n: live[n] for n in names}, in_flight(c, registers, flash_of, stages, staged),
-                  overlap(c, flash_of, stages, staged, threads))
+                  overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong else 0)
+
+
+PINGPONG_STAGES = 4  # the fewest with which two warpgroups taking turns keep a load in flight (`Layout.lead`)
+
+
+def takes_turns(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash], threads: int) -> bool:
+    """Whether the loop is one online softmax on exactly two warpgroups and nothing else, so that the two may
+    take turns on the tensor cores (FlashAttention-3's ping-pong): one issues its scores and the late `p @ v`
+    while the other computes its softmax, in the order two named barriers set. The block-wide barrier of
+    each iteration would hold them in step, so the stages are paced by mbarriers instead: a full one per
+    stage that every thread's cp.async arrive at when its copies complete, an empty one that every thread
+    arrives at once its `p @ v` of that stage has landed. (With `overlap`, and the stages that leaves
+    `lead` 1 or more: `layout`.)"""
+    wg = [f for f in flash_of.values() if f.wg]
+    if registers or len(flash_of) != 1 or len(wg) != 1 or wg[0].warps != 8 or threads != 256:
+        return False
+    k, p = c.kernel, plan(c.kernel)
+    body = k.body()
+    after, varying, (s,) = after_loop(body), loop_varying(k), flash_of
+    in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
+    own = flash_values(p, flash_of) | set(p.users[s])
+    return all(n in own or n.op == "tile" or OPS[n.op].kind is not Kind.ACCUMULATE
+               and (n not in varying or p.place.get(n) is not Place.SMEM) for n in in_loop)
 
 
 def in_flight(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash], stages: int,

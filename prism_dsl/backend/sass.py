@@ -84,14 +84,16 @@ def count(ops: list[str]) -> dict[str, int]:
 
 
 def loops(sass: str) -> list[Loop]:
-    """Every loop: a branch back to an earlier address (within the same kernel: the addresses run up)."""
+    """Every loop: a branch back to an earlier address (within the same kernel: the addresses run up), not
+    over the kernel's EXIT: such a branch comes from code ptxas lays out after the kernel's end (the retry
+    of an mbarrier's try-wait, which then goes back to the middle of the loop)."""
     ops, where, branches = instructions(sass)
     out = []
     for i, target in branches:
         start = i
         while start > 0 and where[start - 1] >= target and where[start - 1] < where[start]:
             start -= 1
-        if where[start] == target and target < where[i]:
+        if where[start] == target and target < where[i] and "EXIT" not in ops[start: i + 1]:
             out.append(Loop(start, i, count(ops[start: i + 1])))
     return out
 

@@ -91,7 +91,7 @@ class TensorCoreSteps:
                 "kt": right["bt"], "causal": self.causal_fragment(s) if s is not m else None,
                 "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
                 "m": self.cname[self.plan.groups[s]["m"].name], "defer": self.layout.overlap and f.wg and bool(outs),
-                "every_warp": self.threads == 32 * f.warps}
+                "every_warp": self.threads == 32 * f.warps, "turns": self.layout.stages if self.layout.pingpong else 0}
 
     def _stage_of(self, v: Node) -> dict:
         """Where a pipelined loop tile's stage of the iteration before ("prev") and of the last iteration

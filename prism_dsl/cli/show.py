@@ -91,6 +91,7 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
             and not bind(k.loop_range, binding).free_symbols:
         laid = layout(instantiate(k, binding, hardware), for_hardware(None, hardware))
         pipeline = f"a {laid.stages}-stage cp.async pipeline" if laid.stages > 1 else "no pipeline"
+        pipeline += ", paced by mbarriers, the two warpgroups taking turns on the tensor cores" if laid.pingpong else ""
         flash = "".join(f", online softmax over {names.get(s, 's')} in registers ({f.warps} warps of {16 * f.tm} rows"
                         f"{', on wgmma' if f.wg else ''})"
                         for s, f in laid.flash.items())
