@@ -55,6 +55,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
@@ -198,7 +199,7 @@ struct Block {
     unsigned generation = 0;
     char exit_sync = 0;
     Named named[16];
-    std::vector<std::pair<const void*, Mbarrier>> mbarriers;
+    std::deque<std::pair<const void*, Mbarrier>> mbarriers;  // a deque: their sync addresses stay put
 };
 
 struct Launch {

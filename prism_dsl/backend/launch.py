@@ -328,14 +328,15 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     staged = {b.name for b in buffers if b.role == "tile" and b.node in varying}
     names = [b.name for b in buffers]
     most = 1
-    turns = config.pingpong and config.stages >= PINGPONG_STAGES - 1 and takes_turns(c, registers, flash_of, threads)
+    turns = (config.pingpong and config.stages >= PINGPONG_STAGES - 1 and takes_turns(c, registers, flash_of, threads)
+             and overlap(c, flash_of, PINGPONG_STAGES, staged, threads))
     if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in buffers if b.name in staged):
         most = max(1, min(config.stages + turns, c.loop))  # taking turns, the loads run one stage less ahead
     align = SWIZZLE_ATOM if swizzle else ALIGN  # every buffer, so the swizzled ones start on an atom
     for stages in range(most, 0, -1):  # as many as fit
         taken = {n: _aligned(size[n], align) * (stages if n in staged else 1) for n in names}
         offsets, smem = arrange(names, taken, live)
-        pingpong = turns and stages >= PINGPONG_STAGES and overlap(c, flash_of, stages, staged, threads)
+        pingpong = turns and stages >= PINGPONG_STAGES
         mbarriers = _aligned(smem, 16)
         if pingpong:
             smem = mbarriers + 16 * stages  # a full and an empty mbarrier per stage
@@ -357,7 +358,7 @@ def takes_turns(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node,
     take turns on the tensor cores (FlashAttention-3's ping-pong): one issues its scores and the late `p @ v`
     while the other computes its softmax, in the order two named barriers set. The block-wide barrier of
     each iteration would hold them in step, so the stages are paced by mbarriers instead: a full one per
-    stage that every thread's cp.async arrive at when its copies complete, an empty one that every thread
+    stage that every thread's cp.async arrives at when its copies complete, an empty one that every thread
     arrives at once its `p @ v` of that stage has landed. (With `overlap`, and the stages that leaves
     `lead` 1 or more: `layout`.)"""
     wg = [f for f in flash_of.values() if f.wg]
