@@ -50,6 +50,10 @@ def test_a_retry_laid_out_after_the_exit_is_not_a_loop():
     listing = LISTING + stub
     assert [(l.start, l.end) for l in sass.loops(listing)] == [(2, 5), (1, 7), (9, 10)]
     assert (sass.hot_loop(listing).start, sass.hot_loop(listing).end) == (1, 7)
+    # a predicated EXIT inside a loop (threads leaving early) is not the kernel's end
+    some = listing.replace("        /*0060*/                   BAR.SYNC", "        /*0060*/               @P2 EXIT ;\n"
+                           "        /*0068*/                   BAR.SYNC")
+    assert [(l.start, l.end) for l in sass.loops(some)] == [(2, 5), (1, 8), (10, 11)]
 
 
 def test_instructions_predicated_never_to_run_are_not_counted():

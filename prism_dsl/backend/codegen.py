@@ -39,7 +39,7 @@ from ..ir.nodes import DType, Node, Program
 from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
-from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
+from ..kernels.kernel import after_loop, in_loop, loop_varying, storage, stored_dtype
 from ..kernels.lifetimes import AFTER, in_use
 from ..kernels.position import causal_loop, loop_bounds, placed, whole
 from ..kernels.sizes import bind
@@ -397,11 +397,11 @@ class _Emitter(TensorCoreSteps):
         body = k.body()
         after = after_loop(body)
         varying = loop_varying(k)
-        in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
+        looped = in_loop(body, after)
         prologue = self.init_steps()
-        prologue += [self.load_step(n) for n in in_loop if n.op == "tile" and n not in varying]
+        prologue += [self.load_step(n) for n in looped if n.op == "tile" and n not in varying]
         # the loop's loads run together; one barrier after them (or, pipelined, issued stages - 1 iterations ahead)
-        loop_tiles = [n for n in in_loop if n.op == "tile" and n in varying]
+        loop_tiles = [n for n in looped if n.op == "tile" and n in varying]
         stages = self.layout.stages
         staged = [{"cname": self.cname[self.plan.buffer(n).name], "ctype": CTYPE[self.plan.buffer(n).dtype],
                    "stride": stage_elements(self.layout, self.plan.buffer(n))} for n in loop_tiles] if stages > 1 else []
@@ -411,7 +411,7 @@ class _Emitter(TensorCoreSteps):
         done: set = set()
         flashed = flash_values(self.plan, self.layout.flash)
         invariant = []  # values the loop reads but does not change: computed once, before it
-        for n in in_loop:
+        for n in looped:
             kind = OPS[n.op].kind
             if kind is Kind.ACCUMULATE:
                 loop_steps += self.acc_steps(n, done)

@@ -312,13 +312,14 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
     hidden = 0.0  # f32 work that runs beside an online softmax's p @ v (`Layout.overlap`)
     for s, f in shape.flash.items():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
+        softmax = _softmax_flops(c, s) * times / (f32 * SCALAR_REACH) if f.wg else 0.0  # its f32 work's seconds
         if f.wg and shape.pingpong:  # one warpgroup's softmax beside the other's products
             products = (qk + pv) / (peak * WGMMA_PINGPONG)
             seconds += products
-            hidden += min(products, _softmax_flops(c, s) * times / (f32 * SCALAR_REACH))
+            hidden += min(products, softmax)
         elif f.wg and shape.overlap:  # p @ v one iteration late, beside the next iteration's softmax
             seconds += (qk + pv) / (peak * WGMMA_IN_FLIGHT)
-            hidden += SOFTMAX_BESIDE * min(pv / (peak * WGMMA_IN_FLIGHT), _softmax_flops(c, s) * times / (f32 * SCALAR_REACH))
+            hidden += SOFTMAX_BESIDE * min(pv / (peak * WGMMA_IN_FLIGHT), softmax)
         elif f.wg:  # both on wgmma (operand bytes read by it bind nowhere near: 64 rows share every B byte)
             seconds += (qk + pv) / (peak * WGMMA_REACH * (WGMMA_LONE if f.warps // 4 * occ < 2 else 1.0))
         else:

@@ -41,7 +41,7 @@ from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_transpose, plan
 from ..ir.ops import OPS, Kind
-from ..kernels.kernel import after_loop, loop_varying
+from ..kernels.kernel import after_loop, in_loop, loop_varying
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
 from ..kernels.sizes import call, compile_sizes, int_value
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
@@ -367,10 +367,9 @@ def takes_turns(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node,
     k, p = c.kernel, plan(c.kernel)
     body = k.body()
     after, varying, (s,) = after_loop(body), loop_varying(k), flash_of
-    in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
     own = flash_values(p, flash_of) | set(p.users[s])
     return all(n in own or n.op == "tile" or OPS[n.op].kind is not Kind.ACCUMULATE
-               and (n not in varying or p.place.get(n) is not Place.SMEM) for n in in_loop)
+               and (n not in varying or p.place.get(n) is not Place.SMEM) for n in in_loop(body, after))
 
 
 def in_flight(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash], stages: int,

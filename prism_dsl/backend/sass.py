@@ -24,6 +24,7 @@ CLASSES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "STS", "BAR", "LDG"
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 NEVER = "NEVER"  # the opcode recorded for an instruction predicated on !PT (alignment filler: never runs)
+EXIT_SOME = "EXIT.IF"  # the opcode recorded for a predicated EXIT (`loops` looks for the unconditional one)
 _TARGET = re.compile(r"^\s*(0x[0-9a-f]+)")
 
 
@@ -66,6 +67,8 @@ def instructions(sass: str) -> tuple[list[str], list[int], list[tuple[int, int]]
     for line in sass.splitlines():
         if m := _LINE.search(line):
             op = m.group(3) if m.group(2) != "@!PT" else NEVER
+            if op == "EXIT" and m.group(2):  # some threads leave here: not the kernel's end
+                op = EXIT_SOME
             if op.startswith("BRA") and (t := _TARGET.match(m.group(4))):
                 branches.append((len(ops), int(t.group(1), 16)))
             ops.append(op)
@@ -85,7 +88,7 @@ def count(ops: list[str]) -> dict[str, int]:
 
 def loops(sass: str) -> list[Loop]:
     """Every loop: a branch back to an earlier address (within the same kernel: the addresses run up), not
-    over the kernel's EXIT: such a branch comes from code ptxas lays out after the kernel's end (the retry
+    over the kernel's unconditional EXIT: such a branch comes from code ptxas lays out after the kernel's end (the retry
     of an mbarrier's try-wait, which then goes back to the middle of the loop)."""
     ops, where, branches = instructions(sass)
     out = []

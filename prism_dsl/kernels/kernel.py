@@ -205,12 +205,16 @@ def after_loop(body: list[Node]) -> set[Node]:
     for n in body:
         if OPS[n.op].kind is Kind.ACCUMULATE or any(a in after for a in n.args):
             after.add(n)
-    in_loop = [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
-    users_in_loop = {a for n in in_loop for a in n.args}
+    users_in_loop = {a for n in in_loop(body, after) for a in n.args}
     for n in body:
         if n.op == "tile" and n not in users_in_loop and any(n in m.args for m in after):
             after.add(n)
     return after
+
+
+def in_loop(body: list[Node], after: set[Node]) -> list[Node]:
+    """The nodes each loop iteration computes: those not after the loop, and the accumulators it folds."""
+    return [n for n in body if n not in after or OPS[n.op].kind is Kind.ACCUMULATE]
 
 
 def splits_loop(kernel: Kernel) -> bool:
