@@ -229,6 +229,62 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tmp_p
         found = emulate(replace(built, kernels=(replace(k, source=wrong),)), options)
         assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
 
+ROPED_KEYS_128 = """dims b = 1, h = 1, q = 128, kv = 512, dh = 128
+program causal_attention(Q: f16[b, h, q, dh], K: f16[b, h, kv, dh], V: f16[b, h, kv, dh], CQ: f16[q, dh],
+                          SQ: f16[q, dh], CK: f16[kv, dh], SK: f16[kv, dh]) {
+    t7 = rope(K, CK, SK)
+    kernel fused1 grid(x = gx, y = gy, z = gz) loop(F) {
+        qt = load Q[:, z, y, :]
+        vt = load V[:, z, loop, x]
+        cqt = load CQ[y, :]
+        sqt = load SQ[y, :]
+        t7t = load t7[:, z, loop, :]
+        t0 = causal(rope(qt, cqt, sqt) / 11.313708498984761 @ transpose(t7t, 3, 2))
+        store O[:, z, y, x] = acc_softmax_out(t0, vt) / acc_softmax_sum(t0)
+    }
+    return O
+}
+"""
+
+
+@needs_cxx
+def test_a_kernel_over_its_bound_is_held_to_the_shared_memory_its_code_takes(write, tmp_path):
+    """Causal attention over RoPE'd keys in 128-row query tiles and 64-key tiles (dh = 128): the kernel's
+    shared-memory bound, which holds however its code is generated (the scores and probabilities in
+    shared memory, as the plain path keeps them), is over the limit, but the code generated with online
+    softmax in registers keeps 164 KB. The backend instantiates it by the latter (`cost.fits`), the tuner
+    chooses it at prefill dims, and it compiles and emulates under a sanitizer against the reference."""
+    from prism_dsl.backend.cost import fits, for_hardware, parameters
+    from prism_dsl.backend.launch import layout
+    from prism_dsl.kernels.constraints import instantiate, valid
+    from prism_dsl.semantics.reference import bind_dims
+
+    path = write(ROPED_KEYS_128)
+    program = lower(load(path).program())
+    k = next(k for k in kernels_of(program) if k.name == "fused1")
+    syms = {s.name: s for s in free_symbols(program)}
+    dims = bind_dims(program, dict(b=1, h=1, q=128, kv=512, dh=128))
+    binding = {**dims, syms["gx"]: 1, syms["gy"]: 1, syms["gz"]: 1, syms["F"]: 8}
+    assert not valid(k, binding, H100) and valid(k, binding, H100, smem=False)
+    assert any("above the limit" in p for p in instantiate(k, binding, H100))
+    config = for_hardware(None, H100)
+    c = fits(k, binding, H100, config)
+    laid = layout(c, config)
+    assert c.smem_bytes == laid.smem < H100.smem_per_block and laid.pingpong and laid.threads == 256
+    assert fits(k, binding, H100, replace(config, tensor_cores=False)) is None  # scores in shared memory: over
+    # at prefill dims the model's choice is the 128-row tiles on two warpgroups taking turns
+    big = bind_dims(program, dict(b=1, h=16, q=4096, kv=4096, dh=128))
+    params, concrete, _ = parameters(program, big, {}, H100)
+    assert (params["gx"], params["gy"]) == (1, 32) and layout(concrete["fused1"], config).pingpong, params
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "--search", "none", "-o", str(out), "--arch", "none", "--grid",
+                 "gx=1,gy=1,gz=1", "--loop", "F=8", "--sanitize", "address"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["checked"]["emulation"]["passed"], report["checked"]
+    fused = next(r for r in report["kernels"] if r["name"] == "fused1")
+    assert fused["smem_bytes"] == laid.smem and fused["block"][0] == 256
+
+
 @needs_cxx
 def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     """Attention on two warpgroups that take turns on the tensor cores (`launch.takes_turns`), with 5 stages

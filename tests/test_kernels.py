@@ -794,3 +794,48 @@ def test_the_floor_counts_only_what_a_causal_mask_keeps():
     assert roofline(split, bind_dims(split, dims), H100)["flops"] == floor["flops"]
     unmasked = load(REPO / "programs" / "attention.prism").program()
     assert masked_share(unmasked, bind_dims(unmasked, {})) == {}
+
+
+def test_a_causal_grid_runs_its_longest_query_tiles_first_across_the_heads(write, tmp_path, monkeypatch):
+    """The blocks of a causal loop run more iterations the later their query tile: where some wait for a
+    slot (more blocks than SMs), the generated code takes the last query tile across every head first,
+    then the one before it (`position.longest_first`), and the model schedules them so
+    (`position.stretch`): at prefill shapes (16 heads, 32 tiles of 128 rows, 132 SMs) that order ends
+    within 2% of the even spread, where the hardware's own order (the tiles of one head, shortest first,
+    then the next head's) ends a third later. The emulation, sampling blocks, runs the launch's blocks
+    that compute them; it fails where it runs the sampled indices as launched."""
+    import heapq
+
+    from prism_dsl.kernels.position import launch_index, launch_order, launched, longest_first, stretch
+    from prism_dsl.pipeline import emulation
+
+    program = load("roped.prism", ROPED_KEYS).program()
+    k = next(k for k in kernels_of(program) if k.name == "fused1")
+    grid = {"x": 1, "y": 4, "z": 3}
+    assert longest_first(k, grid, 8) == "y" and launch_order(k, grid, 8) == ("x", "z", "y")
+    assert [launched(k, grid, i, 8) for i in range(4)] == [{"x": 0, "z": z, "y": 3} for z in range(3)] + [
+        {"x": 0, "z": 0, "y": 2}]
+    assert sorted(launch_index(k, grid, launched(k, grid, i, 8), 8) for i in range(12)) == list(range(12))
+    assert longest_first(k, grid, 12) is None  # every block starts at once: taken as launched
+    assert longest_first(k, {"x": 1, "y": 1, "z": 30}, 8) is None  # one query tile: every block runs alike
+    syms = {s.name: s for s in free_symbols(program)}
+    binding = {**bind_dims(program, dict(b=1, h=16, q=4096, kv=4096, dh=16)),
+               syms["gx"]: 1, syms["gy"]: 32, syms["gz"]: 16, syms["F"]: 64}
+    c = instantiate(k, binding, H100)
+    ends = [loop_end(c.shape, k, dict(c.grid), c.loop, causal_loop(k), {"y": y}) for y in range(32)]
+    assert ends == [2 * (y + 1) for y in range(32)]
+    assert 1 <= stretch(c.shape, k, dict(c.grid), c.loop, 132, 132) < 1.02
+    free = [0] * 132
+    for n in [ends[y] for _ in range(16) for y in range(32)]:  # as the hardware launches them
+        heapq.heapreplace(free, free[0] + n)
+    assert max(free) / (16 * sum(ends) / 132) > 1.3
+    # generated and emulated, sampled: 3 query tiles of 64 rows on 48 heads (144 blocks), 4 key tiles
+    path = write(ROPED_KEYS.replace("dims b = 1, h = 2, q = 64, kv = 96, dh = 16", "dims b = 1, h = 48, q = 192, kv = 256, dh = 64"))
+    args = ["compile", str(path), "--search", "none", "--grid", "gx=1,gy=3,gz=48", "--loop", "F=4", "--emulate-blocks", "1",
+            "--arch", "none"]
+    assert main(args + ["-o", str(tmp_path / "ok")]) == 0
+    source = (tmp_path / "ok" / "fused1.cu").read_text()
+    assert "blk_y = 2 - launched / 48 % 3;" in source and "blk_z = launched % 48;" in source
+    assert "blockIdx.y *" not in source
+    monkeypatch.setattr(emulation, "_launched", lambda c, b, sms: b)
+    assert main(args + ["-o", str(tmp_path / "wrong")]) == 1

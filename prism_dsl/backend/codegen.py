@@ -41,7 +41,7 @@ from ..kernels.constraints import Concrete
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..kernels.kernel import after_loop, in_loop, loop_varying, storage, stored_dtype
 from ..kernels.lifetimes import AFTER, in_use
-from ..kernels.position import causal_loop, loop_bounds, placed, whole
+from ..kernels.position import causal_loop, launch_order, longest_first, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, comment, decompose, ident, offset, tensor_name
@@ -104,6 +104,8 @@ class _Emitter(TensorCoreSteps):
         self.layout = layout(c, config)
         self.registers, self.threads, self.pad = self.layout.registers, self.layout.threads, self.layout.pads
         self.cname = {b.name: f"s_{ident(b.name)}" for b in self.plan.buffers}
+        # the block's place in the grid: blockIdx, or the block a causal kernel's launch order takes
+        self.blk = "blk_" if longest_first(self.k, dict(c.grid), config.sms) else "blockIdx."
 
     # shapes and buffers
     def shape(self, node_or_buffer) -> tuple[int, ...]:
@@ -161,7 +163,7 @@ class _Emitter(TensorCoreSteps):
             return "", self.shape(node)[dim]
         full, dm = whole(self.shape, self.k, o), o.dm
         piece = full // dict(self.c.grid)[dm.axis] if dm.axis else full
-        parts = ([f"(int)blockIdx.{dm.axis} * {piece}"] if dm.axis else []) + ([f"it * {piece // self.c.loop}"] if dm.loop else [])
+        parts = ([f"(int){self.blk}{dm.axis} * {piece}"] if dm.axis else []) + ([f"it * {piece // self.c.loop}"] if dm.loop else [])
         return "".join(f" + {p}" for p in parts), full
 
     def loop_end(self) -> str | None:
@@ -171,8 +173,25 @@ class _Emitter(TensorCoreSteps):
         if cl is None:
             return None
         last, step, piece = loop_bounds(self.shape, self.k, dict(self.c.grid), self.c.loop, cl)
-        row0 = f"(int)blockIdx.{cl.rows.dm.axis} * {piece} + " if piece else ""
+        row0 = f"(int){self.blk}{cl.rows.dm.axis} * {piece} + " if piece else ""
         return f"prism::causal_end({row0}{last}, {step}, {self.c.loop})"
+
+    def block_order(self) -> list[str]:
+        """Where the generated code takes its blocks longest first (`kernels.position.longest_first`): the C
+        lines that name the block the launch's block computes (`blk_x`, `blk_y`, `blk_z`); none where it is
+        blockIdx itself."""
+        if self.blk == "blockIdx.":
+            return []
+        grid = dict(self.c.grid)
+        rows, size = longest_first(self.k, grid, self.config.sms), {a: grid.get(a, 1) for a in ("x", "y", "z")}
+        at, stride = {}, 1
+        for a in launch_order(self.k, grid, self.config.sms):
+            if grid[a] > 1:
+                at[a] = f"launched / {stride} % {grid[a]}" if stride > 1 else f"launched % {grid[a]}"
+                stride *= grid[a]
+        at[rows] = f"{grid[rows] - 1} - {at[rows]}"
+        return [f"const int launched = blockIdx.x + {size['x']} * (blockIdx.y + {size['y']} * blockIdx.z);"] + [
+            f"[[maybe_unused]] const int blk_{a} = {at.get(a, '0')};" for a in ("x", "y", "z") if a in grid]
 
     def finish(self, acc: Node, idx: list[str]) -> str:
         """An accumulator's value after the loop: its `cuda_finish` over the state that holds it."""
@@ -202,7 +221,7 @@ class _Emitter(TensorCoreSteps):
         full, tile, b = self.shape(src), self.shape(node), self.plan.buffer(node)
         vec, cp = vector_width(self.c, node, self.config), copy_bytes(self.c, node, self.config) > 0
         lines, idx = decompose("e", tile, "i")
-        parts = [([f"blockIdx.{dm.axis} * {size // dict(self.c.grid)[dm.axis]}"] if dm.axis else [])
+        parts = [([f"{self.blk}{dm.axis} * {size // dict(self.c.grid)[dm.axis]}"] if dm.axis else [])
                  + ([f"{it} * {t}"] if dm.loop else []) + ([i] if i != "0" else [])
                  for size, t, dm, i in zip(full, tile, load.map.dims, idx)]
         text = comment(f"{node.attr} = load {tensor_name(src)}{load.map}  tile {list(tile)} of {list(full)}")
@@ -380,7 +399,7 @@ class _Emitter(TensorCoreSteps):
         atomic = store.add and any(g > 1 and a not in store.map.axes() for a, g in grid.items())
 
         def body(idx):
-            where = address([([f"blockIdx.{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else [])
+            where = address([([f"{self.blk}{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else [])
                              + ([i] if i != "0" else []) for t, dm, i in zip(tile, store.map.dims, idx)], out)
             v = self.read(store.value, idx)
             if atomic:
@@ -450,7 +469,7 @@ class _Emitter(TensorCoreSteps):
         wgmma = any(t.orient == "wg" for t in self.layout.registers.values()) or any(f.wg for f in self.layout.flash.values())
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function, "wgmma": wgmma,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
-               "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary, "params": params,
+               "loop": c.loop, "loop_end": self.loop_end(), "order": self.block_order(), "threads": self.threads, "smem": smem, "summary": summary, "params": params,
                "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
                "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead,
                "pingpong": self.layout.pingpong, "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}

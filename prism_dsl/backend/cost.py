@@ -45,7 +45,12 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     more resident blocks; a lone unpipelined block per SM waits for every tile before computing
     (time = sum). Each loop iteration of an unpipelined block also pays the hardware's iteration latency.
 
-        time = launch overhead + phases (+ waves * loop * iteration latency, unpipelined)
+    Blocks of unequal length (a causal loop: the last query tiles run the most iterations) are scheduled
+    as the generated code takes them (`kernels.position.longest_first`: the longest query tiles first,
+    across the heads): each on the first of the `resident` slots to come free; `tail` is that schedule's
+    length over the iterations spread evenly (1 for equal blocks: their waves are not rounded up).
+
+        time = launch overhead + phases * tail (+ waves * loop * iteration latency, unpipelined)
 
 The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - BANDWIDTH_REACH = 0.9: streaming kernels (cuBLAS GEMV, FlashDecoding) reach 75-90% of the 3.35 TB/s
@@ -113,8 +118,8 @@ from ..kernels.fusion import Place, Plan, plan
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
 from ..kernels.hardware import Hardware
-from ..kernels.position import mean_iterations
-from ..kernels.kernel import after_loop, free_symbols, kernels_of, loop_varying, storage, stored_dtype
+from ..kernels.position import mean_iterations, stretch
+from ..kernels.kernel import Kernel, after_loop, free_symbols, kernels_of, loop_varying, storage, stored_dtype
 from ..kernels.params import candidates, choose
 from ..ir.ops import OPS, Kind
 
@@ -261,7 +266,8 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     t_loop = 0.0 if shape.stages > 1 else waves * iterations(c) * hardware.iteration_latency_us
     terms = {"memory": t_mem, "math": t_math, "loop": t_loop}
     bound = max(terms, key=terms.get)
-    body = (max(t_mem, t_math) if overlaps else t_mem + t_math) + t_loop
+    tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
+    body = (max(t_mem, t_math) if overlaps else t_mem + t_math) * tail + t_loop
     if body < hardware.launch_overhead_us:
         bound = "launch"
     return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(hardware.launch_overhead_us + body, 3),
@@ -354,14 +360,30 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
     except ValueError:  # `choose` searches further, and reports every violated constraint in words
         chosen = choose(program, dims, fixed, hardware)
     params = {**given, **{s.name: v for s, v in chosen.items()}}
-    concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, hardware)
+    concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, hardware,
+                                   generated(config))
     return params, concrete, [estimate(k, hardware, config=config) for k in concrete.values()]
 
 
 def for_hardware(codegen: CodegenConfig | None, hardware: Hardware) -> CodegenConfig:
     """The code generator's options (the defaults where None) with what the hardware decides: the shared
-    memory a block may fill, and its arch (wgmma on sm_90 only)."""
-    return replace(codegen or CodegenConfig(), smem_limit=hardware.smem_per_block, arch=hardware.arch)
+    memory a block may fill, its arch (wgmma on sm_90 only) and its SMs."""
+    return replace(codegen or CodegenConfig(), smem_limit=hardware.smem_per_block, arch=hardware.arch, sms=hardware.sms)
+
+
+def generated(config: CodegenConfig):
+    """The bytes of shared memory the code `config` asks for takes, per concrete kernel (`launch.layout`): what
+    decides whether a kernel fits where the kernel's own bound, which holds for every config, does not."""
+    return lambda c: layout(c, config).smem
+
+
+def fits(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware,
+         config: CodegenConfig) -> Concrete | None:
+    """The kernel instantiated for the code `config` asks for, or None where a constraint fails (`generated`)."""
+    if not valid(kernel, binding, hardware, smem=False):
+        return None
+    c = instantiate(kernel, binding, hardware, generated(config))
+    return None if isinstance(c, list) else c
 
 
 def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], hardware: Hardware,
@@ -393,8 +415,8 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
                     trial = {**binding, **{syms[i]: values[i] for i in mine}}
-                    if valid(k, trial, hardware):
-                        e = estimate(instantiate(k, trial, hardware), hardware, config=config)
+                    if (c := fits(k, trial, hardware, config)) is not None:
+                        e = estimate(c, hardware, config=config)
                         memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
                     else:
                         memo[key] = (math.inf, 0, 0)

@@ -59,6 +59,7 @@ class CodegenConfig:
     smem_limit: int = 232448  # bytes of shared memory a block may use (the hardware's; H100: 227 KiB)
     wgmma: bool = True  # warpgroup products from swizzled shared memory where the arch has them (sm_90a)
     arch: str = "sm_90"  # the target GPU's (`Hardware.arch`)
+    sms: int = 132  # the target GPU's SMs (`Hardware.sms`): whether blocks wait for a slot (`position.longest_first`)
     pingpong: bool = True  # two warpgroups of online softmax take turns on the tensor cores where they can (`pingpong`)
 
     @property

@@ -17,9 +17,9 @@ import sympy
 
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
-from ..backend.cost import for_hardware
+from ..backend.cost import fits, for_hardware
 from ..backend.launch import layout
-from ..kernels.constraints import constraints, instantiate, shared_memory
+from ..kernels.constraints import constraints, shared_memory
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape, storage, stored_dtype
 from ..kernels.params import choose, resolve_params
@@ -85,11 +85,17 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
         lines.append(f"  store {s.name}{s.map} {'+=' if s.add else '='} {node_text(s.value, names)}   "
                      f"tile {_shape(s.value.shape, binding)} -> {s.name} {_shape(full, binding)} {stored_dtype(k, i)}")
     smem = shared_memory(k)
-    lines.append(f"  shared memory per block: {smem} = {_value(smem, binding)} bytes (limit {hardware.smem_per_block} on {hardware.name})")
+    lines.append(f"  shared memory per block, at most: {smem} = {_value(smem, binding)} bytes "
+                 f"(limit {hardware.smem_per_block} on {hardware.name})")
     problems = [v for c in constraints(k, hardware) if (v := c.violation(binding))]
-    if not problems and all(not bind(g, binding).free_symbols for _, g in k.grid) \
-            and not bind(k.loop_range, binding).free_symbols:
-        laid = layout(instantiate(k, binding, hardware), for_hardware(None, hardware))
+    config = for_hardware(None, hardware)
+    c = fits(k, binding, hardware, config) if all(not bind(g, binding).free_symbols for _, g in k.grid) \
+        and not bind(k.loop_range, binding).free_symbols else None
+    if c is not None:
+        if problems:  # the bound only: what is generated fits
+            lines.append("    over the limit as bounded; the code generated for it keeps less (below)")
+        problems = []
+        laid = layout(c, config)
         pipeline = f"a {laid.stages}-stage cp.async pipeline" if laid.stages > 1 else "no pipeline"
         pipeline += ", paced by mbarriers, the two warpgroups taking turns on the tensor cores" if laid.pingpong else ""
         flash = "".join(f", online softmax over {names.get(s, 's')} in registers ({f.warps} warps of {16 * f.tm} rows"

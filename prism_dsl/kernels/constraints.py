@@ -4,12 +4,15 @@ Each kernel brings conditions, as data (`Constraint`): grid sizes and the loop r
 axes within the hardware's limits, every split tile dim a whole number, and the shared memory that the
 fusion plan allocates within the hardware's per-block limit. `instantiate` checks them all and returns a
 `Concrete` kernel or every violation in words; `valid` answers the same question compiled, for tuning.
+The shared-memory bound holds however the code is generated; the backend, which knows what its layout
+keeps in registers, may instead have the kernel's generated shared memory checked (`instantiate`'s
+`generated`).
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
-from typing import Mapping
+from typing import Callable, Mapping
 
 import sympy
 
@@ -111,36 +114,53 @@ class Concrete:
         return math.prod(g for _, g in self.grid)
 
 
-def valid(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> bool:
-    """Whether `instantiate` would succeed: every constraint at once, compiled (`_checker`)."""
-    return call(_checker(kernel, hardware), binding, False)
+def valid(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware, smem: bool = True) -> bool:
+    """Whether `instantiate` would succeed: every constraint at once, compiled (`_checker`); with `smem`
+    False, every one but the shared-memory bound."""
+    return call(_checker(kernel, hardware, smem), binding, False)
 
 
 @cache
-def _checker(kernel: Kernel, hardware: Hardware) -> tuple:
-    """(symbols, a function of their values) true when every constraint of `kernel` holds."""
-    checks = constraints(kernel, hardware)
+def _checker(kernel: Kernel, hardware: Hardware, smem: bool = True) -> tuple:
+    """(symbols, a function of their values) true when every constraint of `kernel` holds (the shared-memory
+    bound left out where `smem` is False)."""
+    checks = [c for c in constraints(kernel, hardware) if smem or c.kind != "smem"]
     forms = {"divides": "({}).denominator == 1", "positive": "({}) >= 1"}  # "smem", "grid": at most the limit
     test = lambda sources: " and ".join(  # noqa: E731
         forms.get(c.kind, f"({{}}) <= {c.limit}").format(e) for c, e in zip(checks, sources)) or "True"
     return compile_sizes([sympy.sympify(c.expr) for c in checks], test)
 
 
-def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> Concrete | list[str]:
-    """The kernel with all symbols bound, or every violated constraint in words."""
-    if not valid(kernel, binding, hardware):
-        return [v for c in constraints(kernel, hardware) if (v := c.violation(binding))]
+def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware,
+                generated: Callable[[Concrete], int] | None = None) -> Concrete | list[str]:
+    """The kernel with all symbols bound, or every violated constraint in words.
+
+    `generated`: the bytes of shared memory the code generated for a concrete kernel takes (the backend's
+    layout, which knows what the code generator keeps in registers). The bound (`shared_memory`) holds
+    however the code is generated; where it is over the limit, the kernel is still valid if what is
+    generated for it fits, and its `smem_bytes` are those."""
     grid = tuple((a, int_value(g, binding)) for a, g in kernel.grid)
-    smem = int_value(shared_memory(kernel), binding)
-    return Concrete(kernel, grid, int_value(kernel.loop_range, binding), dict(binding), smem)
+    if valid(kernel, binding, hardware):
+        smem = int_value(shared_memory(kernel), binding)
+        return Concrete(kernel, grid, int_value(kernel.loop_range, binding), dict(binding), smem)
+    problems = [v for c in constraints(kernel, hardware) if (v := c.violation(binding))]
+    if generated is None or not valid(kernel, binding, hardware, smem=False):
+        return problems
+    c = Concrete(kernel, grid, int_value(kernel.loop_range, binding), dict(binding), 0)
+    used = generated(c)
+    if used > hardware.smem_per_block:
+        return [f"{p}; as generated, {used}" for p in problems]
+    return replace(c, smem_bytes=used)
 
 
-def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware) -> dict[str, Concrete]:
-    """Every kernel instantiated; raises one PrismError listing every violated constraint."""
+def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware,
+                        generated: Callable[[Concrete], int] | None = None) -> dict[str, Concrete]:
+    """Every kernel instantiated (`generated` as `instantiate` takes it); raises one PrismError listing every
+    violated constraint."""
     out: dict[str, Concrete] = {}
     problems: list[str] = []
     for k in kernels_of(program):
-        c = instantiate(k, binding, hardware)
+        c = instantiate(k, binding, hardware, generated)
         if isinstance(c, list):
             problems += c
         else:

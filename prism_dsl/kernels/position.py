@@ -13,10 +13,18 @@ A loop folding only online softmax over `causal(s)`, whose columns the loop walk
 block (`CausalLoop`): the key tiles past the block's last row are masked whole, and adding nothing to the
 running max and sums, they are never loaded. The code generator, the block interpreter and the cost model
 stop at the same iteration.
+
+The blocks of such a loop run different numbers of iterations: the last query tiles the most. The
+generated code takes its blocks in a launch order of its own (`longest_first`): the longest query tiles
+first, each across every other grid axis (heads, batches) before the next shorter one, so the short ones
+fill the SMs at the end instead of a long one starting last. The cost model schedules the blocks in that
+order (`stretch`); the emulation picks the launch's blocks that compute the ones it samples (`launch_index`).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
 from functools import cache
 from typing import Mapping
@@ -161,3 +169,76 @@ def mean_iterations(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int
     last, step, piece = loop_bounds(shape_of, kernel, grid, loop, cl)  # `loop_end` of every block along the rows
     blocks = grid[cl.rows.dm.axis] if piece else 1
     return sum(_end(last + b * piece, step, loop) for b in range(blocks)) / blocks
+
+
+def longest_first(kernel: Kernel, grid: Mapping[str, int], sms: int) -> str | None:
+    """The grid axis of a causal loop's query rows where its blocks along it run different numbers of
+    iterations (more than one block along it), and some wait for a slot (more blocks than `sms`, the GPU's
+    SMs), which the generated code then takes longest first; None where it takes blocks as launched."""
+    cl = causal_loop(kernel)
+    if cl is None or cl.rows is None or not cl.rows.dm.axis or grid.get(cl.rows.dm.axis, 1) == 1 \
+            or math.prod(grid.values()) <= sms:
+        return None
+    return cl.rows.dm.axis
+
+
+def launch_order(kernel: Kernel, grid: Mapping[str, int], sms: int) -> tuple[str, ...]:
+    """The grid axes from the one that varies fastest in the launch's order to the slowest: as the hardware
+    launches blocks (x, y, z), or, for `longest_first`, the other axes first and the query rows last (the
+    rows counted from the last block down)."""
+    axes = tuple(a for a in ("x", "y", "z") if a in grid)
+    rows = longest_first(kernel, grid, sms)
+    return axes if rows is None else tuple(a for a in axes if a != rows) + (rows,)
+
+
+def launched(kernel: Kernel, grid: Mapping[str, int], index: int, sms: int) -> dict[str, int]:
+    """The block (its index along each grid axis) that the launch's block `index` (0 first) computes."""
+    rows, out = longest_first(kernel, grid, sms), {}
+    for a in launch_order(kernel, grid, sms):
+        index, out[a] = divmod(index, grid[a])
+    if rows is not None:
+        out[rows] = grid[rows] - 1 - out[rows]
+    return out
+
+
+def launch_index(kernel: Kernel, grid: Mapping[str, int], block: Mapping[str, int], sms: int) -> int:
+    """Which of the launch's blocks computes `block` (the inverse of `launched`)."""
+    rows, index, stride = longest_first(kernel, grid, sms), 0, 1
+    for a in launch_order(kernel, grid, sms):
+        at = block.get(a, 0)
+        index += (grid[a] - 1 - at if a == rows else at) * stride
+        stride *= grid[a]
+    return index
+
+
+def stretch(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int, slots: int, sms: int) -> float:
+    """For blocks that run different numbers of iterations (a causal loop), how much longer the grid takes
+    than its iterations spread evenly over `slots` (blocks resident at once): each block, in launch order,
+    starts on the first slot to come free. 1 where every block runs the whole loop, or all start at once."""
+    rows = longest_first(kernel, grid, sms)
+    if rows is None:
+        return 1.0
+    last, step, piece = loop_bounds(shape_of, kernel, grid, loop, causal_loop(kernel))
+    across = math.prod(grid.values()) // grid[rows]  # blocks per query tile, launched one after another
+    lengths = [_end(last + r * piece, step, loop) for r in reversed(range(grid[rows]))]
+    slots = max(1, min(slots, across * len(lengths)))
+    even = across * sum(lengths) / slots
+    if across * len(lengths) > 64 * slots:  # any list schedule ends within its longest block of the even spread
+        return 1 + lengths[0] / even
+    free, times = {0: slots}, [0]  # slots by the time they come free; those times, a heap
+    for n in lengths:
+        todo = across
+        while todo:
+            t = times[0]
+            took = min(free[t], todo)
+            if took == free[t]:
+                heapq.heappop(times)
+                del free[t]
+            else:
+                free[t] -= took
+            todo -= took
+            if t + n not in free:
+                free[t + n] = 0
+                heapq.heappush(times, t + n)
+            free[t + n] += took
+    return max(free) / even

@@ -8,7 +8,9 @@
                  results are summed), each kernel fed the block interpreter's values of the tensors it
                  reads from other kernels, and exactly the elements the emulated blocks write compared:
                  the program's outputs with the input program's reference, the tensors kernels pass on
-                 with the block interpreter (`semantics.blocks`), the executable definition of a kernel
+                 with the block interpreter (`semantics.blocks`), the executable definition of a kernel;
+                 where the code takes its blocks in an order of its own (causal loops, longest first), the
+                 launch's blocks that compute the sampled ones run (`kernels.position.launch_index`)
 
 `prismc compile` and `prismc verify` both call `check`; what ran (threads per block, blocks emulated,
 sanitizer, dims, seed) is in the check's `emulation` field and report.json.
@@ -24,6 +26,7 @@ from ..backend import cost, cuda_runtime
 from ..backend import emulate as emulator
 from ..ir.nodes import DTYPES
 from ..kernels.kernel import kernels_of
+from ..kernels.position import launch_index
 from ..semantics.blocks import KernelRunner
 from ..semantics.reference import bind_dims, evaluate_nodes
 from .report import EmulationCheck
@@ -62,7 +65,8 @@ def choose_blocks(built, extra: str | int, seed: int) -> dict[str, list[tuple[in
 def stored_values(built, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every tensor a kernel of the built program stores, by name, in the block interpreter (float64)."""
     program = built.program
-    runner = KernelRunner(program, bind_dims(program, inputs=inputs), dict(built.params), built.hardware.name.lower())
+    runner = KernelRunner(program, bind_dims(program, inputs=inputs), dict(built.params), built.hardware.name.lower(),
+                          concrete=built.concrete)
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
     evaluate_nodes([n for _, n in program.outputs], env, runner)
     values = {}
@@ -85,9 +89,12 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
     # sampled, each kernel reads what the others store from the block interpreter (`run` loads only what a
     # kernel reads, after its producer's output was saved)
     values = stored_values(built, inputs) if blocks else {}
-    result = emulator.run(built.kernels, dtypes, shapes, inputs, sanitizer=sanitizer, blocks=blocks, feed=values,
+    sms = built.hardware.sms
+    launched = {name: [_launched(built.concrete[name], b, sms) for b in bs] for name, bs in blocks.items()}
+    result = emulator.run(built.kernels, dtypes, shapes, inputs, sanitizer=sanitizer, blocks=launched, feed=values,
                           header=header)
-    ran = {"threads_per_block": built.kernels[0].block[0] if built.kernels else 0, "sanitizer": sanitizer,
+    sizes = sorted({k.block[0] for k in built.kernels})  # threads per block: several where kernels differ
+    ran = {"threads_per_block": sizes[-1] if sizes else 0, "block_sizes": sizes, "sanitizer": sanitizer,
            "dims": {d.name: int(built.binding[d.symbol]) for d in built.source.dims},
            "blocks": {name: {"emulated": e, "grid": g} for name, (e, g) in result.blocks.items()},
            "whole_grid": not blocks, "sample_seed": seed if blocks else None, "seconds": result.seconds}
@@ -101,6 +108,14 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
         compared[name] = _compare(result.outputs[name], values[name], masks.get(name), rtol) | {
             "against": "block interpreter"}
     return EmulationCheck(all(o["passed"] for o in compared.values()), rtol, seed, checked_against, compared, ran)
+
+
+def _launched(c, block: tuple[int, int, int], sms: int) -> tuple[int, int, int]:
+    """The launch's block (blockIdx) that computes grid block `block` (`kernels.position.launch_index`)."""
+    grid = dict(c.grid)
+    index = launch_index(c.kernel, grid, dict(zip(("x", "y", "z"), block)), sms)
+    gx, gy = grid.get("x", 1), grid.get("y", 1)
+    return index % gx, index // gx % gy, index // (gx * gy)
 
 
 def _written(built, blocks: Mapping[str, list]) -> dict[str, np.ndarray]:

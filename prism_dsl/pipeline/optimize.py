@@ -33,7 +33,6 @@ from ..backend.codegen import TEMPLATES, CodegenConfig
 from ..base import cache
 from ..base.errors import PrismError
 from ..ir.nodes import Program
-from ..kernels.constraints import valid
 from ..kernels.hardware import Hardware
 from ..kernels.kernel import free_symbols, kernels_of
 from ..kernels.lower import lower
@@ -114,7 +113,7 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again."""
     lowered = lower(program)
     key = tuning_key(program, binding, hardware, codegen)
-    hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware), "tuning entry", "tuning")
+    hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware, codegen), "tuning entry", "tuning")
     if hit is not None:
         return Ranked(program, dict(hit["params"]), float(hit["us"]))
     try:
@@ -136,10 +135,10 @@ def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry:
     return None if why is not None else hit
 
 
-def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware) -> str | None:
+def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
     """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
     parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
-    kernel meets its constraints (`kernels.constraints.valid`); its time a finite positive number."""
+    kernel meets its constraints for the code `codegen` asks for (`cost.fits`); its time a finite positive number."""
     if not isinstance(hit, dict) or not isinstance(hit.get("params"), dict):
         return "no parameters"
     params, us = hit["params"], hit.get("us")
@@ -152,7 +151,8 @@ def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware) ->
     if bad:
         return f"{', '.join(bad)} not a whole number from 1"
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
-    broken = [k.name for k in kernels_of(lowered) if not valid(k, full, hardware)]
+    config = cost.for_hardware(codegen, hardware)
+    broken = [k.name for k in kernels_of(lowered) if cost.fits(k, full, hardware, config) is None]
     if broken:
         return f"the parameters break the constraints of kernel {', '.join(broken)} at these dims"
     return None

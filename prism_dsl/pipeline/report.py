@@ -46,7 +46,7 @@ class Check:
 class EmulationCheck(Check):
     """A check in the thread-faithful CPU emulation (`pipeline.emulation`), with what ran and what it found."""
 
-    emulation: Mapping  # threads_per_block, sanitizer, dims, blocks (emulated / grid per kernel), ...
+    emulation: Mapping  # threads_per_block (the largest), block_sizes, sanitizer, dims, blocks (emulated / grid per kernel), ...
     finding: Mapping | None = None  # what the emulation or a sanitizer reported (`backend.emulate.Finding`)
 
     def errors(self) -> str:
@@ -59,7 +59,8 @@ class EmulationCheck(Check):
         blocks = e["blocks"]
         emulated, total = sum(b["emulated"] for b in blocks.values()), sum(b["grid"] for b in blocks.values())
         how = "every block" if e["whole_grid"] else f"{emulated} of {total} blocks (sampled, seed {e['sample_seed']})"
-        return (f"{e['threads_per_block']} threads per block, {how}, "
+        sizes = e.get("block_sizes") or [e["threads_per_block"]]
+        return (f"{' and '.join(map(str, sizes))} threads per block, {how}, "
                 + (f"{e['sanitizer']} sanitizer" if e["sanitizer"] else "no sanitizer") + f", {e['seconds']} s")
 
 

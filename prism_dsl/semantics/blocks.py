@@ -127,12 +127,17 @@ class KernelRunner:
     given params by symbol name, valid defaults for the rest) and runs it once for all its outputs."""
 
     def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], hardware: str,
-                 prefer: str = "fill"):
-        self.hardware = load_hardware(hardware)
-        symbols = {s.name: s for s in free_symbols(program)}
-        values = complete(program, dims, params, self.hardware, prefer)
-        self.binding = {**dims, **{symbols[n]: v for n, v in values.items()}}
-        self.concrete = instantiate_program(program, self.binding, self.hardware)
+                 prefer: str = "fill", concrete: Mapping[str, Concrete] | None = None):
+        """`concrete`: the kernels already instantiated (as a build tuned them), used as they are."""
+        if concrete is None:
+            hw = load_hardware(hardware)
+            symbols = {s.name: s for s in free_symbols(program)}
+            values = params if set(params) == set(symbols) else complete(program, dims, params, hw, prefer)
+            # Given every parameter (a build's), the kernels are held to every limit but shared memory's: the
+            # interpreter keeps tiles in arrays, and the build has checked what its generated code takes.
+            concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in values.items()}}, hw,
+                                           generated=lambda c: 0)
+        self.concrete = dict(concrete)
         self.results: dict[int, list[np.ndarray]] = {}
 
     def __call__(self, node: Node, operands: list[np.ndarray]) -> np.ndarray:
