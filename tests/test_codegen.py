@@ -25,6 +25,7 @@ from prism_dsl.kernels.constraints import instantiate_program
 from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.kernels.kernel import free_symbols, kernels_of
 from prism_dsl.kernels.lower import lower
+from test_kernels import ROPED_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
@@ -229,22 +230,10 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tmp_p
         found = emulate(replace(built, kernels=(replace(k, source=wrong),)), options)
         assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
 
-ROPED_KEYS_128 = """dims b = 1, h = 1, q = 128, kv = 512, dh = 128
-program causal_attention(Q: f16[b, h, q, dh], K: f16[b, h, kv, dh], V: f16[b, h, kv, dh], CQ: f16[q, dh],
-                          SQ: f16[q, dh], CK: f16[kv, dh], SK: f16[kv, dh]) {
-    t7 = rope(K, CK, SK)
-    kernel fused1 grid(x = gx, y = gy, z = gz) loop(F) {
-        qt = load Q[:, z, y, :]
-        vt = load V[:, z, loop, x]
-        cqt = load CQ[y, :]
-        sqt = load SQ[y, :]
-        t7t = load t7[:, z, loop, :]
-        t0 = causal(rope(qt, cqt, sqt) / 11.313708498984761 @ transpose(t7t, 3, 2))
-        store O[:, z, y, x] = acc_softmax_out(t0, vt) / acc_softmax_sum(t0)
-    }
-    return O
-}
-"""
+
+# the RoPE'd-keys causal program (tests/test_kernels.py) at dh = 128, in one 128-row query tile
+ROPED_KEYS_128 = ROPED_KEYS.replace("dims b = 1, h = 2, q = 64, kv = 96, dh = 16",
+                                    "dims b = 1, h = 1, q = 128, kv = 512, dh = 128").replace("/ 4.0", "/ 11.313708498984761")
 
 
 @needs_cxx

@@ -214,11 +214,14 @@ def launch_index(kernel: Kernel, grid: Mapping[str, int], block: Mapping[str, in
 def stretch(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int, slots: int, sms: int) -> float:
     """For blocks that run different numbers of iterations (a causal loop), how much longer the grid takes
     than its iterations spread evenly over `slots` (blocks resident at once): each block, in launch order,
-    starts on the first slot to come free. 1 where every block runs the whole loop, or all start at once."""
-    rows = longest_first(kernel, grid, sms)
-    if rows is None:
+    starts on the first slot to come free (all at once where they fit: the longest decides). 1 where every
+    block runs the whole loop."""
+    cl = causal_loop(kernel)
+    rows = cl.rows.dm.axis if cl is not None and cl.rows is not None else None
+    if not rows or grid.get(rows, 1) == 1:
         return 1.0
-    last, step, piece = loop_bounds(shape_of, kernel, grid, loop, causal_loop(kernel))
+    # longest first: the code's order where blocks wait for a slot (`longest_first`); else every one starts at once
+    last, step, piece = loop_bounds(shape_of, kernel, grid, loop, cl)
     across = math.prod(grid.values()) // grid[rows]  # blocks per query tile, launched one after another
     lengths = [_end(last + r * piece, step, loop) for r in reversed(range(grid[rows]))]
     slots = max(1, min(slots, across * len(lengths)))
