@@ -48,7 +48,10 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     Blocks of unequal length (a causal loop: the last query tiles run the most iterations) are scheduled
     as the generated code takes them (`kernels.position.longest_first`: the longest query tiles first,
     across the heads): each on the first of the `resident` slots to come free; `tail` is that schedule's
-    length over the iterations spread evenly (1 for equal blocks: their waves are not rounded up).
+    length over the iterations spread evenly. Equal blocks (tail 1) run in waves, the last one partly
+    empty: its idle slots leave their SMs' math unused, so the math time is counted for whole waves
+    (t_math * waves * resident / blocks); the bandwidth is shared by whichever blocks are running, and the
+    memory time is left as it is.
 
         time = launch overhead + phases * tail (+ waves * loop * iteration latency, unpipelined)
 
@@ -262,11 +265,13 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     bandwidth = min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9), fill)
     t_mem = max(dram / bandwidth, l2 / min(hardware.l2_bandwidth_gbs * 1e9, fill)) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec) * us / share
+    tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
+    if tail == 1 and blocks > resident:  # equal blocks: the last wave's idle slots leave their SMs' math unused
+        t_math *= waves * resident / blocks
     overlaps = shape.stages > 1 or math.ceil(resident / busy) > 1
     t_loop = 0.0 if shape.stages > 1 else waves * iterations(c) * hardware.iteration_latency_us
     terms = {"memory": t_mem, "math": t_math, "loop": t_loop}
     bound = max(terms, key=terms.get)
-    tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
     body = (max(t_mem, t_math) if overlaps else t_mem + t_math) * tail + t_loop
     if body < hardware.launch_overhead_us:
         bound = "launch"
