@@ -41,10 +41,10 @@ from ..kernels.constraints import Concrete
 from ..kernels.fusion import Buffer, Place, compute_dtype, plan
 from ..kernels.kernel import after_loop, in_loop, loop_varying, storage, stored_dtype
 from ..kernels.lifetimes import AFTER, in_use
-from ..kernels.position import causal_loop, launch_order, longest_first, loop_bounds, placed, whole
+from ..kernels.position import causal_loop, longest_first, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
-from .ctext import CTYPE, address, comment, decompose, ident, offset, tensor_name
+from .ctext import CTYPE, address, block_names, comment, decompose, ident, offset, tensor_name
 from .launch import CodegenConfig, copy_bytes, dot_lanes, flash_values, layout, stage_elements, vector_width
 from .tensor_steps import TensorCoreSteps, shared_operand
 
@@ -175,23 +175,6 @@ class _Emitter(TensorCoreSteps):
         last, step, piece = loop_bounds(self.shape, self.k, dict(self.c.grid), self.c.loop, cl)
         row0 = f"(int){self.blk}{cl.rows.dm.axis} * {piece} + " if piece else ""
         return f"prism::causal_end({row0}{last}, {step}, {self.c.loop})"
-
-    def block_order(self) -> list[str]:
-        """Where the generated code takes its blocks longest first (`kernels.position.longest_first`): the C
-        lines that name the block the launch's block computes (`blk_x`, `blk_y`, `blk_z`); none where it is
-        blockIdx itself."""
-        if self.blk == "blockIdx.":
-            return []
-        grid = dict(self.c.grid)
-        rows, size = longest_first(self.k, grid, self.config.sms), {a: grid.get(a, 1) for a in ("x", "y", "z")}
-        at, stride = {}, 1
-        for a in launch_order(self.k, grid, self.config.sms):
-            if grid[a] > 1:
-                at[a] = f"launched / {stride} % {grid[a]}" if stride > 1 else f"launched % {grid[a]}"
-                stride *= grid[a]
-        at[rows] = f"{grid[rows] - 1} - {at[rows]}"
-        return [f"const int launched = blockIdx.x + {size['x']} * (blockIdx.y + {size['y']} * blockIdx.z);"] + [
-            f"[[maybe_unused]] const int blk_{a} = {at.get(a, '0')};" for a in ("x", "y", "z") if a in grid]
 
     def finish(self, acc: Node, idx: list[str]) -> str:
         """An accumulator's value after the loop: its `cuda_finish` over the state that holds it."""
@@ -469,7 +452,8 @@ class _Emitter(TensorCoreSteps):
         wgmma = any(t.orient == "wg" for t in self.layout.registers.values()) or any(f.wg for f in self.layout.flash.values())
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function, "wgmma": wgmma,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
-               "loop": c.loop, "loop_end": self.loop_end(), "order": self.block_order(), "threads": self.threads, "smem": smem, "summary": summary, "params": params,
+               "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary,
+               "order": block_names(self.k, dict(c.grid), self.config.sms) if self.blk == "blk_" else [], "params": params,
                "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
                "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead,
                "pingpong": self.layout.pingpong, "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}

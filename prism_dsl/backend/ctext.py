@@ -1,4 +1,5 @@
-"""C text for the code generator: C types, identifiers and comments made from user text, index arithmetic.
+"""C text for the code generator: C types, identifiers and comments made from user text, index arithmetic,
+and the names of a block taken in a launch order of its own.
 
 Where it sits: shared by `codegen` and `tensor_steps` (and the emulation's harness, for `CTYPE`). Names in
 the generated code are derived from the program's, with every character outside [A-Za-z0-9_] replaced, and
@@ -10,6 +11,8 @@ from __future__ import annotations
 import re
 
 from ..ir.nodes import DType, Node
+from ..kernels.kernel import Kernel
+from ..kernels.position import launch_order, longest_first
 
 CTYPE = {DType.F16: "half", DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.F64: "double"}
 
@@ -97,3 +100,17 @@ def swizzled(row: str, col: str, rows: int, cols: int) -> str:
     if row == "0":
         return f"{block}{c} % 64" if cols > 64 else c
     return f"{block}{r} * 64 + ({c} / 8 % 8 ^ {r} % 8) * 8 + {c} % 8"
+
+
+def block_names(kernel: Kernel, grid: dict[str, int], sms: int) -> list[str]:
+    """For a kernel that takes its blocks longest first (`kernels.position.longest_first`), the C lines that
+    name the block the launch's block computes (`blk_x`, `blk_y`, `blk_z`, from the launch's index)."""
+    rows, size = longest_first(kernel, grid, sms), {a: grid.get(a, 1) for a in ("x", "y", "z")}
+    at, stride = {}, 1
+    for a in launch_order(kernel, grid, sms):
+        if grid[a] > 1:
+            at[a] = f"launched / {stride} % {grid[a]}" if stride > 1 else f"launched % {grid[a]}"
+            stride *= grid[a]
+    at[rows] = f"{grid[rows] - 1} - {at[rows]}"
+    return [f"const int launched = blockIdx.x + {size['x']} * (blockIdx.y + {size['y']} * blockIdx.z);"] + [
+        f"[[maybe_unused]] const int blk_{a} = {at.get(a, '0')};" for a in ("x", "y", "z") if a in grid]
