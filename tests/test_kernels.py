@@ -806,16 +806,16 @@ def test_a_causal_grid_runs_its_longest_query_tiles_first_across_the_heads(write
     that compute them; it fails where it runs the sampled indices as launched."""
     import heapq
 
-    from prism_dsl.kernels.position import launch_index, launch_order, launched, longest_first, stretch
+    from prism_dsl.kernels.position import launch_index, launch_order, longest_first, stretch
     from prism_dsl.pipeline import emulation
 
     program = load("roped.prism", ROPED_KEYS).program()
     k = next(k for k in kernels_of(program) if k.name == "fused1")
     grid = {"x": 1, "y": 4, "z": 3}
     assert longest_first(k, grid, 8) == "y" and launch_order(k, grid, 8) == ("x", "z", "y")
-    assert [launched(k, grid, i, 8) for i in range(4)] == [{"x": 0, "z": z, "y": 3} for z in range(3)] + [
-        {"x": 0, "z": 0, "y": 2}]
-    assert sorted(launch_index(k, grid, launched(k, grid, i, 8), 8) for i in range(12)) == list(range(12))
+    index = {(y, z): launch_index(k, grid, {"x": 0, "y": y, "z": z}, 8) for y in range(4) for z in range(3)}
+    assert [index[3, z] for z in range(3)] == [0, 1, 2] and index[2, 0] == 3
+    assert sorted(index.values()) == list(range(12))
     assert longest_first(k, grid, 12) is None  # every block starts at once: taken as launched
     assert longest_first(k, {"x": 1, "y": 1, "z": 30}, 8) is None  # one query tile: every block runs alike
     syms = {s.name: s for s in free_symbols(program)}

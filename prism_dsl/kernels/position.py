@@ -191,18 +191,8 @@ def launch_order(kernel: Kernel, grid: Mapping[str, int], sms: int) -> tuple[str
     return axes if rows is None else tuple(a for a in axes if a != rows) + (rows,)
 
 
-def launched(kernel: Kernel, grid: Mapping[str, int], index: int, sms: int) -> dict[str, int]:
-    """The block (its index along each grid axis) that the launch's block `index` (0 first) computes."""
-    rows, out = longest_first(kernel, grid, sms), {}
-    for a in launch_order(kernel, grid, sms):
-        index, out[a] = divmod(index, grid[a])
-    if rows is not None:
-        out[rows] = grid[rows] - 1 - out[rows]
-    return out
-
-
 def launch_index(kernel: Kernel, grid: Mapping[str, int], block: Mapping[str, int], sms: int) -> int:
-    """Which of the launch's blocks computes `block` (the inverse of `launched`)."""
+    """Which of the launch's blocks (0 first) computes `block` (its index along each grid axis)."""
     rows, index, stride = longest_first(kernel, grid, sms), 0, 1
     for a in launch_order(kernel, grid, sms):
         at = block.get(a, 0)

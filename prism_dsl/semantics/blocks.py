@@ -127,16 +127,17 @@ class KernelRunner:
     given params by symbol name, valid defaults for the rest) and runs it once for all its outputs."""
 
     def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], hardware: str,
-                 prefer: str = "fill", concrete: Mapping[str, Concrete] | None = None):
-        """`concrete`: the kernels already instantiated (as a build tuned them), used as they are."""
+                 prefer: str = "fill", concrete: Mapping[str, Concrete] | None = None, smem: bool = True):
+        """`concrete`: the kernels already instantiated (as a build tuned them), used as they are. `smem`
+        False: given every parameter, the kernels are held to every limit but the shared-memory bound (the
+        interpreter keeps tiles in arrays; a build has checked what its generated code takes instead)."""
         if concrete is None:
             hw = load_hardware(hardware)
             symbols = {s.name: s for s in free_symbols(program)}
-            values = params if set(params) == set(symbols) else complete(program, dims, params, hw, prefer)
-            # Given every parameter (a build's), the kernels are held to every limit but shared memory's: the
-            # interpreter keeps tiles in arrays, and the build has checked what its generated code takes.
+            given = not smem and set(params) == set(symbols)
+            values = params if given else complete(program, dims, params, hw, prefer)
             concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in values.items()}}, hw,
-                                           generated=lambda c: 0)
+                                           generated=(lambda c: 0) if given else None)
         self.concrete = dict(concrete)
         self.results: dict[int, list[np.ndarray]] = {}
 
@@ -148,15 +149,15 @@ class KernelRunner:
 
 
 def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
-             hardware: str = "h100", prefer: str = "fill") -> dict[str, np.ndarray]:
+             hardware: str = "h100", prefer: str = "fill", smem: bool = True) -> dict[str, np.ndarray]:
     """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
 
     Kernel-level ops run in the reference semantics (`reference.apply`); custom kernels run in this
     block-level interpreter with the grid sizes and loop ranges in `params` (by symbol name), and valid
-    choices for the ones not given (see `kernels.params.complete`)."""
+    choices for the ones not given (see `kernels.params.complete`); `smem` as `KernelRunner` takes it."""
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
     kernels = None
     if any(n.op == "kernel" for n in program.nodes()):
-        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, hardware, prefer)
+        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, hardware, prefer, smem=smem)
     values = evaluate_nodes([n for _, n in program.outputs], env, kernels)
     return {name: values[node] for name, node in program.outputs}
