@@ -587,6 +587,42 @@ def test_two_warpgroups_taking_turns_hide_one_softmax_behind_the_other_products(
     assert not shaped(kernel(32), stages=2)[0].pingpong and not shaped(kernel(64))[0].pingpong  # one warpgroup
 
 
+NORMED = """dims n = 4096, d = 4096
+program normed(X: f16[n, d], W: f16[d, d]) {
+    kernel fused grid(x = gx, y = gy) loop(F) {
+        xt = load X[y, loop]
+        wt = load W[loop, x]
+        store Y[y, x] = acc_sum(xt @ wt)EXTRA
+    }
+    return Y
+}
+"""
+
+
+def test_an_iterations_f32_work_runs_beside_the_wgmma_batch_left_in_flight(write):
+    """RMSNorm then a projection at prefill: each iteration's sum of squares is computed while the batch of the
+    iteration before runs on the tensor cores (`Layout.in_flight`), so the model counts only the longer of
+    the two; with 2 stages the batch is waited for within its iteration, and the two add up."""
+    from prism_dsl.backend.cost import for_hardware, kernel_work
+    from prism_dsl.backend.launch import layout
+
+    def priced(extra, **options):
+        program = load(write(NORMED.replace("EXTRA", extra))).program()
+        syms = {s.name: s for s in [*free_symbols(program), *program.default_binding()]}
+        c = instantiate_program(program, {**program.default_binding(), syms["gx"]: 16, syms["gy"]: 32,
+                                          syms["F"]: 64}, H100)["fused"]
+        config = for_hardware(CodegenConfig(**options), H100)
+        return layout(c, config), kernel_work(c, H100), estimate(c, H100, config=config).time_us
+
+    (flying, work, t_rms), (_, plain, t_plain) = priced(" / acc_rms_last(xt)"), priced("")
+    assert flying.in_flight and work.looped > 0 and plain.looped == 0
+    after = (work.flops - work.looped) / (H100.peak_tflops["f32"] * 1e6 * 0.2)  # the division after the loop, us
+    assert t_rms - t_plain <= after * 4 * 132 / 512 * 1.001  # 512 blocks in 4 waves of 132
+    (waited, _, t_rms2), (_, _, t_plain2) = priced(" / acc_rms_last(xt)", stages=2), priced("", stages=2)
+    assert not waited.in_flight
+    assert t_rms2 - t_plain2 > after + work.looped / (H100.peak_tflops["f32"] * 1e6 * 0.2) * 0.9
+
+
 def test_pre_defined_kernels_cover_every_op_outside_custom_kernels():
     program = lower(load(ROOT / "programs/attention.prism").program())
     assert [k.name for k in kernels_of(program)] == ["matmul_t0", "softmax_t1", "matmul_O"]

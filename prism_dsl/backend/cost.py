@@ -36,7 +36,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         register-tiled wgmma (sm_90a)   min(peak * WGMMA_REACH * (1 with 2 or more warpgroups per SM, else
                                             WGMMA_LONE), smem bandwidth * flops per operand byte read);
                                         each iteration's batch in flight into the next (`Layout.in_flight`):
-                                        peak * WGMMA_IN_FLIGHT, whatever the warpgroups
+                                        peak * WGMMA_IN_FLIGHT, whatever the warpgroups; the iteration's
+                                        f32 work (an RMSNorm's sum of squares) then runs beside the batch
+                                        before it, and the shorter of the two is not counted
         wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
         plain f32 dot products and element-wise work   f32 peak * SCALAR_REACH
         plain dot products reading 8 columns per 16-byte load ("dot8")   f32 peak * VECTOR_REACH
@@ -90,6 +92,11 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - SOFTMAX_BESIDE = 0.5: read from the SASS of attention at dh = 128 (nvcc 13, sm_90a): of an iteration's
   34 MUFU.EX2 and 42 FFMA, which the PTX has all before p @ v's wait, ptxas issues 18 and 25 between the
   scores' wait and that one, and schedules the rest after it; the rescaling of the outputs must follow it.
+- The f32 work beside a batch in flight, read from the SASS of rmsnorm_linear at n = d = 4096 (nvcc 13,
+  sm_90a): its loop waits for the cp.async tiles and the block's barrier, issues the next copies, computes
+  the X tile's sum of squares (LDS.U16, FFMA, SHFL, one STS per row), passes a second barrier and issues its
+  batch of 4 HGMMA, then waits with `WARPGROUP.DEPBAR.LE gsb0, 0x1`: the batch before is still running
+  through all of it, so the tensor cores wait only where that work is the longer.
 - smem bandwidth: 128 bytes per clock per SM at 1.75 GHz (about 30 TB/s for the GPU); a warp tile of
   tm x tn instruction tiles moves (256 tm + 128 tn) * 2 bytes by ldmatrix per k step for 4096 tm tn flops,
   the left operand's share divided among the products that load its fragments once (a gated MLP's two).
@@ -111,7 +118,7 @@ import collections
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import sympy
 
@@ -161,11 +168,19 @@ class Estimate:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+class Work(NamedTuple):
+    """What one launch of a kernel moves and computes (`kernel_work`)."""
+    dram: int  # bytes from device memory
+    l2: int  # bytes through L2
+    flops: int  # f32 flops
+    tensor_core_flops: int
+    vector: int  # of `flops`, those in products that read their right operand 8 columns at a time
+    looped: int  # of `flops` less `vector`, those evaluated on every loop iteration
+
+
 def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
-                config: CodegenConfig = CodegenConfig()) -> tuple[int, int, int, int, int]:
-    """(dram bytes, l2 bytes, f32 flops, tensor-core flops, the part of the f32 flops in products that read
-    their right operand 8 columns at a time) of one launch of `c`, laid out as `laid` (by default as
-    `config` lays it out)."""
+                config: CodegenConfig = CodegenConfig()) -> Work:
+    """The `Work` of one launch of `c`, laid out as `laid` (by default as `config` lays it out)."""
     k = c.kernel
     laid = laid or layout(c, config)
     registered = {acc.args[0] for acc in laid.registers} | set(laid.flash)  # products in registers (mma.sync, wgmma)
@@ -189,7 +204,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
         dram += out * (summed if store.add else 1)
     p = plan(k)
     after = after_loop(k.body())
-    flops = tc = vec = 0
+    flops = tc = vec = looped = 0
     # Values made once: after the loop, or before it from tiles it does not split (and the values evaluated
     # in place where only those read them); the rest every iteration.
     once: set[Node] = set()
@@ -203,10 +218,12 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
     for n in k.body():
         times = blocks * (1 if n in once else loop)
         f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
+        v = _vector_flops(c, n, f, laid.threads, config)
         flops += f * times
         tc += t * times
-        vec += _vector_flops(c, n, f, laid.threads, config) * times
-    return dram, l2, round(flops), round(tc), round(vec)
+        vec += v * times
+        looped += 0 if n in once else (f - v) * times
+    return Work(dram, l2, round(flops), round(tc), round(vec), round(looped))
 
 
 def _vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenConfig) -> int:
@@ -248,7 +265,7 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
 def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None) -> Estimate:
     config = config or for_hardware(CodegenConfig(threads=threads), hardware)
     shape = layout(c, config)
-    dram, l2, flops, tc, vec = kernel_work(c, hardware, shape, config)
+    dram, l2, flops, tc, vec, looped = kernel_work(c, hardware, shape, config)
     blocks = c.blocks()
     regs = min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
@@ -264,7 +281,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     fill = busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9
     bandwidth = min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9), fill)
     t_mem = max(dram / bandwidth, l2 / min(hardware.l2_bandwidth_gbs * 1e9, fill)) * us
-    t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec) * us / share
+    t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / share
     tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
     if tail == 1 and blocks > resident:  # equal blocks: the last wave's idle slots leave their SMs' math unused
         t_math *= waves * resident / blocks
@@ -290,15 +307,16 @@ def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
 
 
 def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,
-                  vec: int = 0) -> float:
+                  vec: int = 0, looped: int = 0) -> float:
     """Seconds of math on the whole GPU: each product by its path, the rest as f32 work (`vec` of it in
-    products that read 8 columns per 16-byte load)."""
+    products that read 8 columns per 16-byte load; `looped` of the rest evaluated on every iteration, which
+    runs beside a wgmma batch in flight)."""
     k = c.kernel
     dtype = next((n.dtype.value for n in k.inputs if n.dtype in (DType.F16, DType.BF16)), "f16")
     peak = hardware.peak_tflops[dtype] * 1e12
     smem = SMEM_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9 * hardware.sms
     times = c.blocks() * iterations(c)
-    seconds, registered = 0.0, 0
+    seconds, registered, batches = 0.0, 0, 0.0
 
     def mma_sync(work: int, warps: int, flops_per_byte: float) -> float:
         """Seconds of `work` on mma.sync by `warps` computing warps per block, each k step moving
@@ -314,13 +332,17 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         if t.orient == "wg":  # per group and k step: tm blocks of A (64 x 16) and B (16 x N_w), A shared by p
             read = t.tm * (64 * 16 / p + 16 * t.tn * 8) * 2
             reach = WGMMA_IN_FLIGHT if shape.in_flight else WGMMA_REACH * (WGMMA_LONE if t.groups * occ < 2 else 1.0)
-            seconds += work / min(peak * reach, smem * 2 * 64 * 16 * 8 * t.tn * t.tm / read)
+            product = work / min(peak * reach, smem * 2 * 64 * 16 * 8 * t.tn * t.tm / read)
+            seconds += product
+            batches += product if shape.in_flight else 0.0
         else:
             x4, pairs = (512 * t.tm / p, 256 * t.tn) if t.orient == "mn" else (512 * t.tm, 256 * t.tn / p)
             seconds += mma_sync(work, t.wm * t.wn * t.wk, 4096 * t.tm * t.tn / (x4 + pairs))
         registered += work
     f32 = hardware.peak_tflops["f32"] * 1e12
-    hidden = 0.0  # f32 work that runs beside an online softmax's p @ v (`Layout.overlap`)
+    # f32 work that runs beside the tensor cores: an online softmax's beside p @ v (`Layout.overlap`,
+    # `Layout.pingpong`); an iteration's other work beside the batch left in flight (`Layout.in_flight`)
+    hidden = min(batches, looped / (f32 * SCALAR_REACH))
     for s, f in shape.flash.items():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
         softmax = _softmax_flops(c, s) * times / (f32 * SCALAR_REACH) if f.wg else 0.0  # its f32 work's seconds

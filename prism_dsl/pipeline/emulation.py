@@ -41,8 +41,8 @@ def work(built) -> float:
     """What emulating every block of every kernel costs, in the units of WHOLE_GRID_WORK."""
     total = 0.0
     for k in kernels_of(built.program):
-        _, l2, flops, tc, _ = cost.kernel_work(built.concrete[k.name], built.hardware)
-        total += flops + tc + l2
+        w = cost.kernel_work(built.concrete[k.name], built.hardware)
+        total += w.flops + w.tensor_core_flops + w.l2
     return total
 
 
