@@ -279,7 +279,7 @@ def test_tuning_parameters_are_checked_against_the_kernels(params, tmp_path, mon
                    "        store Y[y, x] = rms_norm(xt) @ wt\n    }\n    return Y\n}\n").program()
     binding = bind_dims(program, SMALL)
     key = tuning_key(program, binding, H100)
-    cache.write("tuning", key, {"params": params, "us": 1.0})
+    cache.write("tuning", key, {"params": params, "us": 1.0, "busy": 1})
     r = rank(program, binding, H100, CodegenConfig())
     assert r is not None and set(r.params) == {"gx", "gy"} and all(type(v) is int for v in r.params.values())
     assert 64 % r.params["gx"] == 0 and 4 % r.params["gy"] == 0
@@ -288,6 +288,24 @@ def test_tuning_parameters_are_checked_against_the_kernels(params, tmp_path, mon
     assert stored == r.params and all(type(v) is int for v in stored.values())
     assert rank(program, binding, H100, CodegenConfig()).params == r.params
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("busy", [None, 0, -1, True, 2.0, "4", [1]])
+def test_a_tuning_entry_without_a_count_of_busy_sms_is_tuned_again(busy, tmp_path, monkeypatch, capsys):
+    """The SMs a program keeps busy break ties between equal estimates: an entry must say how many."""
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
+    program = load("<fused>", "dims n = 4, d = 64\n" "program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {\n"
+                   "    kernel fused grid(x = gx, y = gy) {\n        xt = load X[y, :]\n        wt = load W[:, x]\n"
+                   "        store Y[y, x] = rms_norm(xt) @ wt\n    }\n    return Y\n}\n").program()
+    binding = bind_dims(program, SMALL)
+    clean = rank(program, binding, H100, CodegenConfig())
+    key = tuning_key(program, binding, H100)
+    cache.write("tuning", key, {"params": clean.params, "us": clean.estimated_us}
+                | ({} if busy is None else {"busy": busy}))
+    r = rank(program, binding, H100, CodegenConfig())
+    assert "not a valid tuning entry (the busy SMs" in capsys.readouterr().err
+    assert (r.params, r.estimated_us, r.busy) == (clean.params, clean.estimated_us, clean.busy) and r.busy >= 1
+    assert cache.read("tuning", key)["busy"] == clean.busy
 
 
 def test_tuning_times_that_are_not_times_do_not_change_the_choice(cache_dir, library, source, capsys):

@@ -66,6 +66,7 @@ class Ranked:
     program: Program
     params: dict[str, int]
     estimated_us: float
+    busy: int = 0  # the SMs its kernels keep busy, summed: between equal estimates, more is ranked first
     measured: Measurement | None = None
     as_written: bool = False
     proved: bool = False  # proved equal to the input in this run (by the search or again), or the input itself
@@ -115,14 +116,14 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     key = tuning_key(program, binding, hardware, codegen)
     hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware, codegen), "tuning entry", "tuning")
     if hit is not None:
-        return Ranked(program, dict(hit["params"]), float(hit["us"]))
+        return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"])
     try:
         params, _, estimates = cost.parameters(lowered, binding, {}, hardware, codegen)
     except PrismError:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
-    us = sum(e.time_us for e in estimates)
-    cache.write("tuning", key, {"params": params, "us": us})
-    return Ranked(program, params, us)
+    us, busy = sum(e.time_us for e in estimates), sum(min(e.blocks, hardware.sms) for e in estimates)
+    cache.write("tuning", key, {"params": params, "us": us, "busy": busy})
+    return Ranked(program, params, us, busy)
 
 
 def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry: str, redo: str):
@@ -144,6 +145,8 @@ def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware, co
     params, us = hit["params"], hit.get("us")
     if not is_time(us):
         return f"the time {clip(repr(us))} is not a finite positive number"
+    if not is_count(hit.get("busy")) or hit["busy"] < 1:
+        return f"the busy SMs {clip(repr(hit.get('busy')))} are not a whole number from 1"
     symbols = {s.name: s for s in free_symbols(lowered)}
     if set(params) != set(symbols):
         return f"parameters {clip(repr(sorted(params)))} are not the program's ({', '.join(symbols) or 'none'})"
@@ -273,7 +276,10 @@ def _choose(program: Program, proved: list[Program], how: Choosing,
         raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, neither as written "
                          f"nor in any of the {len(proved)} proved programs")
     info: dict = {"as_written_fits": written is not None}  # False: its pre-defined kernels cannot run here
-    ranked.sort(key=lambda r: (r.estimated_us, not r.as_written))  # stable: search order breaks ties
+    # Between equal estimates, the one that keeps more SMs busy (as `cost.tune` does: the model's bandwidth
+    # is a ceiling it reaches with few SMs as with many, which the hardware does not promise), then the
+    # program as written; stable: search order breaks the remaining ties.
+    ranked.sort(key=lambda r: (r.estimated_us, -r.busy, not r.as_written))
     if how.measure is not None:
         if problem := _confirm(_to_measure(ranked), prover):
             return problem
