@@ -6,7 +6,8 @@ cost model's estimate and the roofline floor. No GPU is needed; nvcc and cuobjdu
 
     python benchmarks/static_report.py [--only NAME] [--time-limit SECONDS]
 
-Prints a markdown table (the one in benchmarks/NOTES.md) and the machine it ran on.
+Prints a markdown table (the one in benchmarks/NOTES.md) and the machine it ran on, then which of the static
+targets each workload meets.
 """
 
 import argparse
@@ -23,6 +24,12 @@ sys.path.insert(0, str(ROOT))
 from prism_dsl.backend import sass  # noqa: E402
 from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS  # noqa: E402
 from prism_dsl.backend.nvcc import nvcc_path  # noqa: E402
+from prism_dsl.ir.accumulators import ACCUMULATORS  # noqa: E402
+from prism_dsl.ir.ops import OPS, Kind  # noqa: E402
+from prism_dsl.kernels.hardware import load_hardware  # noqa: E402
+from prism_dsl.kernels.kernel import kernels_of  # noqa: E402
+from prism_dsl.kernels.lower import lower  # noqa: E402
+from prism_dsl.lang.check import load  # noqa: E402
 
 ATTENTION = "b=2,h=8,q=1,dh=128"
 WORKLOADS = [  # (name, program, dims)
@@ -46,8 +53,16 @@ WORKLOADS = [  # (name, program, dims)
 MIX = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "BAR")
 
 
-def kernel_rows(out: Path, report: dict) -> list[str]:
-    rows = []
+def products(out: Path) -> dict[str, bool]:
+    """Per kernel of the chosen program (`best.prism` in `out`), whether it computes a product."""
+    program = lower(load(out / "best.prism").program())
+    return {k.name: any(OPS[n.op].kind is Kind.MATMUL or OPS[n.op].kind is Kind.ACCUMULATE
+                        and ACCUMULATORS[n.op].like == "matmul" for n in k.body()) for k in kernels_of(program)}
+
+
+def kernel_rows(out: Path, report: dict) -> list[tuple[str, dict]]:
+    """Per kernel of the chosen program, its table row and what the targets are checked on."""
+    rows, multiplies = [], products(out)
     for k in report["kernels"]:
         cubin = out / (k["file"][:-3] + ".cubin")
         done = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90a", *NVCC_OPTIONS, "-o", str(cubin), k["file"]],
@@ -63,10 +78,32 @@ def kernel_rows(out: Path, report: dict) -> list[str]:
         nv = k["nvcc"].get("sm_90", {})
         est = k["estimate"]
         serialized = " (ptxas serialized its wgmma)" if nv.get("wgmma_serialized") else ""
-        rows.append(f"{k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {per} | "
-                    f"{nv.get('registers', '?')}{serialized} | {nv.get('spill_stores', '?')} | {k['smem_bytes'] // 1024} KiB | "
-                    f"{est['occupancy']} | {est['time_us']:.1f} ({est['bound']})")
+        rows.append((f"{k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {per} | "
+                     f"{nv.get('registers', '?')}{serialized} | {nv.get('spill_stores', '?')} | {k['smem_bytes'] // 1024} KiB | "
+                     f"{est['occupancy']} | {est['time_us']:.1f} ({est['bound']})",
+                     {"blocks": k["grid"][0] * k["grid"][1] * k["grid"][2], "counts": counts, "products": multiplies[k["name"]],
+                      "spills": nv.get("spill_stores")}))
     return rows
+
+
+def targets(name: str, report: dict, kernels: list[dict], sms: int) -> str:
+    """The static targets for one workload, as a table row: at decode, a block per SM (the program's largest
+    launch); at prefill, every product on tensor cores (wgmma, or 4 HMMA per LDSM) and every hot loop with
+    async copies; everywhere 0 spills and the model within 1.5x of the floor. (Copies per FMA are not
+    judged here: the counts are of instructions in the loop's code, and the copies sit in loops of their own.)"""
+    ratio = report["estimated_us"] / report["roofline"]["floor_us"]
+    checks = {"model / floor <= 1.5": ratio <= 1.5, "0 spills": all(k["spills"] == 0 for k in kernels)}
+    loops = [k["counts"] for k in kernels if k["counts"]]
+    if "decode" in name:
+        most = max(k["blocks"] for k in kernels)
+        checks[f"a block per SM ({most} of {sms})"] = most >= sms
+    else:
+        checks["products on tensor cores"] = all(
+            k["counts"] and (k["counts"]["HGMMA"] or k["counts"]["LDSM"] and k["counts"]["HMMA"] >= 4 * k["counts"]["LDSM"])
+            for k in kernels if k["products"])
+        checks["async copies in every loop"] = all(c["LDGSTS"] for c in loops)
+    missed = [c for c, ok in checks.items() if not ok]
+    return f"| {name} | {ratio:.2f} | " + ("all met" if not missed else "missed: " + "; ".join(missed)) + " |"
 
 
 def main() -> int:
@@ -82,6 +119,7 @@ def main() -> int:
     print("| workload | program | kernel | grid x threads | hot loop HMMA / HGMMA / LDSM / LDGSTS / FFMA / LDS / BAR | "
           "HMMA per LDSM | registers | spills | shared | blocks/SM | model us | program model us | floor us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    summary, sms = [], load_hardware("h100").sms
     for name, program, dims in WORKLOADS:
         if args.only and args.only not in name:
             continue
@@ -95,9 +133,13 @@ def main() -> int:
                 continue
             report = json.loads(done.stdout)
             head = f"| {name} ({dims}) | {len(report['kernels'])} kernel(s) | "
-            for i, row in enumerate(kernel_rows(out, report)):
+            rows = kernel_rows(out, report)
+            for i, (row, _) in enumerate(rows):
                 tail = f" | {report['estimated_us']:.1f} | {report['roofline']['floor_us']:.1f} |" if i == 0 else " | | |"
                 print((head if i == 0 else "| | | ") + row + tail)
+            summary.append(targets(name, report, [facts for _, facts in rows], sms))
+    print("\n| workload | model / floor | static targets |\n|---|---|---|")
+    print("\n".join(summary))
     return 0
 
 

@@ -290,7 +290,7 @@ def test_tuning_parameters_are_checked_against_the_kernels(params, tmp_path, mon
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("busy", [None, 0, -1, True, 2.0, "4", [1]])
+@pytest.mark.parametrize("busy", [None, 0, -1, True, 2.0, "4", [1], 133, 10**6])
 def test_a_tuning_entry_without_a_count_of_busy_sms_is_tuned_again(busy, tmp_path, monkeypatch, capsys):
     """The SMs a program keeps busy break ties between equal estimates: an entry must say how many."""
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))

@@ -38,7 +38,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
                                         each iteration's batch in flight into the next (`Layout.in_flight`):
                                         peak * WGMMA_IN_FLIGHT, whatever the warpgroups; the iteration's
                                         f32 work (an RMSNorm's sum of squares) then runs beside the batch
-                                        before it, and the shorter of the two is not counted
+                                        before it, and the shorter of the two is not counted (but for the
+                                        first iteration, which has no batch before it)
         wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
         plain f32 dot products and element-wise work   f32 peak * SCALAR_REACH
         plain dot products reading 8 columns per 16-byte load ("dot8")   f32 peak * VECTOR_REACH
@@ -302,8 +303,8 @@ def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
     k, varying = c.kernel, loop_varying(c.kernel)
     tiles = [(k.tile_node(l.tile), k.inputs[l.source]) for l in k.loads]
     sizes = [(n in varying, math.prod(c.shape(n)) * storage(src).bytes) for n, src in tiles if n is not None]
-    looped = sum(b for v, b in sizes if v)
-    return max(1, looped * max(1, shape.lead) if looped else max((b for _, b in sizes), default=16))
+    tiles = sum(b for v, b in sizes if v)
+    return max(1, tiles * max(1, shape.lead) if tiles else max((b for _, b in sizes), default=16))
 
 
 def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,
@@ -341,8 +342,10 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         registered += work
     f32 = hardware.peak_tflops["f32"] * 1e12
     # f32 work that runs beside the tensor cores: an online softmax's beside p @ v (`Layout.overlap`,
-    # `Layout.pingpong`); an iteration's other work beside the batch left in flight (`Layout.in_flight`)
-    hidden = min(batches, looped / (f32 * SCALAR_REACH))
+    # `Layout.pingpong`); an iteration's other work beside the batch the iteration before left in flight
+    # (`Layout.in_flight`), for all but the first iteration
+    steps = iterations(c)
+    hidden = min(batches, looped / (f32 * SCALAR_REACH)) * max(0.0, steps - 1) / steps
     for s, f in shape.flash.items():  # s = q @ kt as above (tn = n / 8); p @ v: only v by ldmatrix
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
         softmax = _softmax_flops(c, s) * times / (f32 * SCALAR_REACH) if f.wg else 0.0  # its f32 work's seconds

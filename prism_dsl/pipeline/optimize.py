@@ -66,7 +66,7 @@ class Ranked:
     program: Program
     params: dict[str, int]
     estimated_us: float
-    busy: int = 0  # the SMs its kernels keep busy, summed: between equal estimates, more is ranked first
+    busy: int = 0  # the SMs its kernels keep busy, on average over its time: between equal estimates, more first
     measured: Measurement | None = None
     as_written: bool = False
     proved: bool = False  # proved equal to the input in this run (by the search or again), or the input itself
@@ -121,7 +121,8 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
         params, _, estimates = cost.parameters(lowered, binding, {}, hardware, codegen)
     except PrismError:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
-    us, busy = sum(e.time_us for e in estimates), sum(min(e.blocks, hardware.sms) for e in estimates)
+    us = sum(e.time_us for e in estimates)
+    busy = round(sum(e.time_us * min(e.blocks, hardware.sms) for e in estimates) / us)  # a kernel at a time
     cache.write("tuning", key, {"params": params, "us": us, "busy": busy})
     return Ranked(program, params, us, busy)
 
@@ -139,14 +140,15 @@ def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry:
 def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
     """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
     parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
-    kernel meets its constraints for the code `codegen` asks for (`cost.fits`); its time a finite positive number."""
+    kernel meets its constraints for the code `codegen` asks for (`cost.fits`); its time a finite positive number;
+    its busy SMs a whole number from 1 to the hardware's SMs."""
     if not isinstance(hit, dict) or not isinstance(hit.get("params"), dict):
         return "no parameters"
     params, us = hit["params"], hit.get("us")
     if not is_time(us):
         return f"the time {clip(repr(us))} is not a finite positive number"
-    if not is_count(hit.get("busy")) or hit["busy"] < 1:
-        return f"the busy SMs {clip(repr(hit.get('busy')))} are not a whole number from 1"
+    if not is_count(hit.get("busy")) or not 1 <= hit["busy"] <= hardware.sms:
+        return f"the busy SMs {clip(repr(hit.get('busy')))} are not a whole number from 1 to {hardware.sms}"
     symbols = {s.name: s for s in free_symbols(lowered)}
     if set(params) != set(symbols):
         return f"parameters {clip(repr(sorted(params)))} are not the program's ({', '.join(symbols) or 'none'})"
@@ -279,7 +281,7 @@ def _choose(program: Program, proved: list[Program], how: Choosing,
     # Between equal estimates, the one that keeps more SMs busy (as `cost.tune` does: the model's bandwidth
     # is a ceiling it reaches with few SMs as with many, which the hardware does not promise), then the
     # program as written; stable: search order breaks the remaining ties.
-    ranked.sort(key=lambda r: (r.estimated_us, -r.busy, not r.as_written))
+    ranked.sort(key=lambda r: (round(r.estimated_us, 3), -r.busy, not r.as_written))
     if how.measure is not None:
         if problem := _confirm(_to_measure(ranked), prover):
             return problem
