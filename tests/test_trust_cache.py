@@ -268,15 +268,25 @@ def test_tuning_entry_that_breaks_the_kernel_constraints_is_ignored(cache_dir, c
     assert code == 0 and err == ""
 
 
+FUSED = """dims n = 4, d = 64
+program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {
+    kernel fused grid(x = gx, y = gy) {
+        xt = load X[y, :]
+        wt = load W[:, x]
+        store Y[y, x] = rms_norm(xt) @ wt
+    }
+    return Y
+}
+"""
+
+
 @pytest.mark.parametrize("params", [
     {"gx": 3, "gy": 1}, {"gx": "2", "gy": 1}, {"gx": 2.0, "gy": 1}, {"gx": True, "gy": 1}, {"gx": 0, "gy": 1},
     {"gx": -2, "gy": 1}, {"gx": 2}, {"gx": 2, "gy": 1, "F": 2}, {"gx": 2, "gy": 1, "nope": 1}, {"gx": 10**400, "gy": 1},
     [2, 1], None])
 def test_tuning_parameters_are_checked_against_the_kernels(params, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
-    program = load("<fused>", "dims n = 4, d = 64\n" "program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {\n"
-                   "    kernel fused grid(x = gx, y = gy) {\n        xt = load X[y, :]\n        wt = load W[:, x]\n"
-                   "        store Y[y, x] = rms_norm(xt) @ wt\n    }\n    return Y\n}\n").program()
+    program = load("<fused>", FUSED).program()
     binding = bind_dims(program, SMALL)
     key = tuning_key(program, binding, H100)
     cache.write("tuning", key, {"params": params, "us": 1.0, "busy": 1})
@@ -294,9 +304,7 @@ def test_tuning_parameters_are_checked_against_the_kernels(params, tmp_path, mon
 def test_a_tuning_entry_without_a_count_of_busy_sms_is_tuned_again(busy, tmp_path, monkeypatch, capsys):
     """The SMs a program keeps busy break ties between equal estimates: an entry must say how many."""
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
-    program = load("<fused>", "dims n = 4, d = 64\n" "program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {\n"
-                   "    kernel fused grid(x = gx, y = gy) {\n        xt = load X[y, :]\n        wt = load W[:, x]\n"
-                   "        store Y[y, x] = rms_norm(xt) @ wt\n    }\n    return Y\n}\n").program()
+    program = load("<fused>", FUSED).program()
     binding = bind_dims(program, SMALL)
     clean = rank(program, binding, H100, CodegenConfig())
     key = tuning_key(program, binding, H100)
