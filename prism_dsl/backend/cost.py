@@ -303,8 +303,8 @@ def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
     k, varying = c.kernel, loop_varying(c.kernel)
     tiles = [(k.tile_node(l.tile), k.inputs[l.source]) for l in k.loads]
     sizes = [(n in varying, math.prod(c.shape(n)) * storage(src).bytes) for n, src in tiles if n is not None]
-    tiles = sum(b for v, b in sizes if v)
-    return max(1, tiles * max(1, shape.lead) if tiles else max((b for _, b in sizes), default=16))
+    per_iteration = sum(b for v, b in sizes if v)
+    return max(1, per_iteration * max(1, shape.lead) if per_iteration else max((b for _, b in sizes), default=16))
 
 
 def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,
