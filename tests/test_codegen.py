@@ -510,6 +510,36 @@ def test_tiles_too_narrow_for_16_bytes_are_copied_by_narrower_cp_async_and_pipel
     assert "prism::cp_async_wait<" in combine.source and "s_mt[0] = g_M" not in combine.source
 
 
+def test_a_loop_of_small_tiles_runs_deep_enough_to_keep_the_latency_covered():
+    """FlashDecoding's combining loop brings a max, a sum and a 128-wide row per piece (520 bytes): 3 stages
+    keep about 1 KB in flight, a DRAM latency per two pieces. It goes as deep as its pieces (at most 16), so
+    the bytes an SM needs are in flight (`launch.deepened`), and the model prices the shorter wait; the
+    pieces' loop, whose tiles are large, keeps the configured depth, and --stages 1 still turns it off."""
+    from prism_dsl.backend.cost import for_hardware
+    from prism_dsl.backend.launch import MAX_STAGES, deepened, layout
+
+    program = load(ROOT / "programs/fused/attention.decoding.prism").program()
+    syms = {s.name: s for s in [*free_symbols(program), *program.default_binding()]}
+
+    def shaped(kv, pieces, name, flight=None, **options):
+        dims = dict(b=2, h=8, q=1, kv=kv, dh=128, gb=2, gh=8, S=pieces, F=kv // pieces // 64)
+        c = instantiate_program(program, {syms[k]: v for k, v in dims.items()}, H100)[name]
+        config = for_hardware(CodegenConfig(**options), H100)
+        config = config if flight is None else replace(config, flight=flight)
+        return layout(c, config), estimate(c, H100, config=config).time_us
+
+    assert for_hardware(CodegenConfig(), H100).flight == 13636  # 3000 GB/s x 600 ns over 132 SMs
+    (deep, t_deep), (three, t_three) = shaped(4096, 16, "combine"), shaped(4096, 16, "combine", flight=0)
+    assert (deep.stages, three.stages) == (16, 3) and t_deep < t_three - 1.0
+    assert shaped(4096, 8, "combine")[0].stages == 8  # no deeper than the loop
+    assert shaped(32768, 64, "combine")[0].stages == MAX_STAGES
+    assert shaped(4096, 16, "combine", stages=1)[0].stages == 1
+    assert shaped(4096, 16, "partial")[0].stages == 3  # 36 KB of keys and values per iteration
+    assert shaped(4096, 16, "partial", stages=2)[0].stages == 2
+    assert deepened(520, 64, CodegenConfig()) == MAX_STAGES and deepened(4096, 64, CodegenConfig()) == 5
+    assert deepened(64 << 10, 64, CodegenConfig()) == 2  # below --stages: the configured depth decides
+
+
 @needs_cxx
 def test_bf16_flash_decoding_keeps_its_partial_states_in_f32_and_meets_the_tolerance(tmp_path):
     """Rounded to bf16, the per-piece states of this shape miss the 1e-2 tolerance (5e-2 measured); in f32

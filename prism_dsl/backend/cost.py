@@ -397,8 +397,12 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
 
 def for_hardware(codegen: CodegenConfig | None, hardware: Hardware) -> CodegenConfig:
     """The code generator's options (the defaults where None) with what the hardware decides: the shared
-    memory a block may fill, its arch (wgmma on sm_90 only) and its SMs."""
-    return replace(codegen or CodegenConfig(), smem_limit=hardware.smem_per_block, arch=hardware.arch, sms=hardware.sms)
+    memory a block may fill, its arch (wgmma on sm_90 only), its SMs, and the bytes an SM keeps in flight to
+    stream its share of the bandwidth over the DRAM latency (`launch.deepened`: H100 3000 GB/s x 600 ns over
+    132 SMs, 13.6 KB)."""
+    flight = round(hardware.bandwidth_gbs * hardware.dram_latency_ns / hardware.sms)
+    return replace(codegen or CodegenConfig(), smem_limit=hardware.smem_per_block, arch=hardware.arch, sms=hardware.sms,
+                   flight=flight)
 
 
 def generated(config: CodegenConfig):

@@ -14,7 +14,10 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
 - the stages of the loop's copy pipeline: with every loop tile copied by 16-byte `cp.async`, the loads of
   iteration `it + stages - 1` are issued while iteration `it` computes, each loop tile then having `stages`
   buffers; as many stages as the config allows (`CodegenConfig.stages`) and shared memory holds
-  (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block). Where wgmma products read only
+  (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block). A loop whose tiles are too small
+  for that to cover the memory latency (FlashDecoding's combining loop: a max, a sum and a row per piece)
+  goes deeper, up to `MAX_STAGES` and its own length, until the iterations ahead hold the bytes an SM needs
+  in flight (`CodegenConfig.flight`, Little's law: `deepened`). Where wgmma products read only
   loop tiles, each iteration's batch stays in flight into the next (`in_flight`), and online softmax on
   wgmma runs `p @ v` one iteration late, beside the next iteration's softmax (`overlap`); the loads then
   run `stages - 2` iterations ahead. Where that online softmax is the whole loop on two warpgroups, they
@@ -48,6 +51,7 @@ from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tili
 
 WGMMA_ARCHS = ("sm_90", "sm_90a")  # the targets with wgmma (compiled as sm_90a: its arch-specific features)
 DEFAULT_STAGES = 3  # cp.async pipeline depth, at most: 2 overlaps one load with compute, 3 covers latency jitter
+MAX_STAGES = 16  # the deepest pipeline a loop of small tiles gets (`deepened`)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class CodegenConfig:
     arch: str = "sm_90"  # the target GPU's (`Hardware.arch`)
     sms: int = 132  # the target GPU's SMs (`Hardware.sms`): whether blocks wait for a slot (`position.longest_first`)
     pingpong: bool = True  # two warpgroups of online softmax take turns on the tensor cores where they can (`pingpong`)
+    flight: int = 13636  # bytes an SM keeps in flight to cover the DRAM latency (`cost.for_hardware`; H100's here)
 
     @property
     def warpgroups(self) -> bool:
@@ -333,6 +338,9 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
              and overlap(c, flash_of, PINGPONG_STAGES, staged, threads))
     if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in buffers if b.name in staged):
         most = max(1, min(config.stages + turns, c.loop))  # taking turns, the loads run one stage less ahead
+        if config.stages > 1 and not turns:
+            most = max(most, deepened(sum(math.prod(dims[n]) * b.dtype.bytes for b in buffers
+                                          if (n := b.name) in staged), c.loop, config))
     align = SWIZZLE_ATOM if swizzle else ALIGN  # every buffer, so the swizzled ones start on an atom
     for stages in range(most, 0, -1):  # as many as fit
         taken = {n: _aligned(size[n], align) * (stages if n in staged else 1) for n in names}
@@ -349,6 +357,15 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
                   {n: live[n] for n in names}, in_flight(c, registers, flash_of, stages, staged),
                   overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong else 0)
+
+
+def deepened(step: int, loop: int, config: CodegenConfig) -> int:
+    """The stages of a pipelined loop whose tiles bring `step` bytes per iteration, so that the iterations
+    ahead (stages - 1) hold `config.flight` bytes: by Little's law an SM streams at most the bytes it keeps
+    in flight per memory latency, and a loop of small tiles at the configured depth would wait a latency
+    for every few hundred bytes. At most `MAX_STAGES` and the loop's length (the last stage then holds its
+    last iteration); where the tiles are large this is fewer than `config.stages`, which then decides."""
+    return max(1, min(1 + -(-config.flight // max(step, 1)), MAX_STAGES, loop))
 
 
 PINGPONG_STAGES = 4  # the fewest with which two warpgroups taking turns keep a load in flight (`Layout.lead`)

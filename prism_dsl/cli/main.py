@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     _emulation_options(co)
     co.add_argument("--threads", type=positive_int, default=128, help="threads per block (default 128)")
     co.add_argument("--stages", type=positive_int, default=3,
-                    help="cp.async pipeline depth of kernel loops, at most (default 3; 1: no pipeline)")
+                    help="cp.async pipeline depth of kernel loops (default 3; 1: no pipeline); loops of small "
+                    "tiles go deeper, up to 16, to keep the memory latency covered")
     co.add_argument("--no-tensor-cores", action="store_true", help="plain matrix products only")
     co.add_argument("--no-wgmma", action="store_true", help="register-tiled products on mma.sync, not wgmma "
                     "(kernels for sm_80 and later instead of sm_90a)")
