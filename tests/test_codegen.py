@@ -541,6 +541,22 @@ def test_a_loop_of_small_tiles_runs_deep_enough_to_keep_the_latency_covered():
 
 
 @needs_cxx
+@pytest.mark.parametrize("sanitizer", [None, "thread", "address"])
+def test_a_sixteen_stage_combine_agrees_with_the_reference_under_each_sanitizer(sanitizer):
+    """FlashDecoding over 16 pieces: the combine's loop runs 16 stages deep (every piece in flight before the
+    first is read, `cp.async.wait_group 14`), and the emulated code matches the reference, the stages'
+    refills and reads ordered as the sanitizers require."""
+    program = load(ROOT / "programs/fused/attention.decoding.prism").program()
+    options = BuildOptions(dims={"b": 1, "h": 2, "kv": 1024, "dh": 64}, grid={"gb": 1, "gh": 2, "S": 16},
+                           loop={"F": 1}, archs=(), sanitize=sanitizer)
+    built = build(program, H100, options)
+    combine = next(k for k in built.kernels if k.name == "combine").source
+    assert "16-stage cp.async pipeline" in combine and "prism::cp_async_wait<14>()" in combine
+    check = emulate(built, options)
+    assert check.passed, check
+
+
+@needs_cxx
 def test_bf16_flash_decoding_keeps_its_partial_states_in_f32_and_meets_the_tolerance(tmp_path):
     """Rounded to bf16, the per-piece states of this shape miss the 1e-2 tolerance (5e-2 measured); in f32
     only the final rounding is left."""

@@ -63,6 +63,9 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   HBM3 peak; the hardware file's `bandwidth_gbs` is the measured copy bandwidth.
 - dram_latency_ns (hardware file, H100 600): loaded DRAM latency on Hopper in microbenchmark studies is
   roughly 500-700 ns; 3.35 TB/s over 600 ns needs about 2 MB in flight, 15 KB per SM.
+- launch_overhead_us (hardware file, 3.0), once per kernel: not a published H100 figure, but the usual order
+  of one launch timed alone with CUDA events (a few microseconds). It decides between one kernel and two at
+  decode, where the work itself takes a few microseconds; `--rank measure` replaces it with timings.
 - SM_FILL_BYTES_PER_CLOCK = 64: the bytes per clock one SM's L1 takes in from L2. A100's whitepaper gives
   its L2 read bandwidth as 5120 bytes per clock for 108 SMs (47 each), so an SM's own path is at least that
   and is taken here as 64: about 112 GB/s per SM at 1.75 GHz. It binds where few SMs are busy: 16 blocks
@@ -398,11 +401,9 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
 def for_hardware(codegen: CodegenConfig | None, hardware: Hardware) -> CodegenConfig:
     """The code generator's options (the defaults where None) with what the hardware decides: the shared
     memory a block may fill, its arch (wgmma on sm_90 only), its SMs, and the bytes an SM keeps in flight to
-    stream its share of the bandwidth over the DRAM latency (`launch.deepened`: H100 3000 GB/s x 600 ns over
-    132 SMs, 13.6 KB)."""
-    flight = round(hardware.bandwidth_gbs * hardware.dram_latency_ns / hardware.sms)
+    stream its share of the bandwidth over the DRAM latency (`launch.deepened`; H100: 13.6 KB)."""
     return replace(codegen or CodegenConfig(), smem_limit=hardware.smem_per_block, arch=hardware.arch, sms=hardware.sms,
-                   flight=flight)
+                   flight=round(hardware.bandwidth_gbs * hardware.dram_latency_ns / hardware.sms))
 
 
 def generated(config: CodegenConfig):
