@@ -534,6 +534,7 @@ def test_a_loop_of_small_tiles_runs_deep_enough_to_keep_the_latency_covered():
     assert shaped(4096, 8, "combine")[0].stages == 8  # no deeper than the loop
     assert shaped(32768, 64, "combine")[0].stages == MAX_STAGES
     assert shaped(4096, 16, "combine", stages=1)[0].stages == 1
+    assert shaped(4096, 16, "combine", stages=2)[0].stages == 16  # --stages 2 is the depth for large tiles
     assert shaped(4096, 16, "partial")[0].stages == 3  # 36 KB of keys and values per iteration
     assert shaped(4096, 16, "partial", stages=2)[0].stages == 2
     assert deepened(520, 64, CodegenConfig()) == MAX_STAGES and deepened(4096, 64, CodegenConfig()) == 5

@@ -17,7 +17,8 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   (`CodegenConfig.smem_limit`, the hardware's opt-in maximum per block). A loop whose tiles are too small
   for that to cover the memory latency (FlashDecoding's combining loop: a max, a sum and a row per piece)
   goes deeper, up to `MAX_STAGES` and its own length, until the iterations ahead hold the bytes an SM needs
-  in flight (`CodegenConfig.flight`, Little's law: `deepened`). Where wgmma products read only
+  in flight (`CodegenConfig.flight`, Little's law: `deepened`), but for loops with products on warpgroups,
+  which keep the configured depth (their tiles are large, and 2 stages drain each batch). Where wgmma products read only
   loop tiles, each iteration's batch stays in flight into the next (`in_flight`), and online softmax on
   wgmma runs `p @ v` one iteration late, beside the next iteration's softmax (`overlap`); the loads then
   run `stages - 2` iterations ahead. Where that online softmax is the whole loop on two warpgroups, they
@@ -50,7 +51,7 @@ from ..kernels.sizes import call, compile_sizes, int_value
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
 
 WGMMA_ARCHS = ("sm_90", "sm_90a")  # the targets with wgmma (compiled as sm_90a: its arch-specific features)
-DEFAULT_STAGES = 3  # cp.async pipeline depth, at most: 2 overlaps one load with compute, 3 covers latency jitter
+DEFAULT_STAGES = 3  # cp.async pipeline depth: 2 overlaps one load with compute, 3 covers latency jitter
 MAX_STAGES = 16  # the deepest pipeline a loop of small tiles gets (`deepened`)
 
 
@@ -59,7 +60,7 @@ class CodegenConfig:
     threads: int = 128  # threads per block (at least; register-tiled products may take more)
     tensor_cores: bool = True  # emit tensor-core paths (mma.sync, wmma) where tile shapes allow
     vector_loads: bool = True  # 16-byte copies from global memory where alignment allows
-    stages: int = DEFAULT_STAGES  # loop-tile pipeline depth, at most (1: no pipeline)
+    stages: int = DEFAULT_STAGES  # loop-tile pipeline depth (1: no pipeline; small tiles go deeper: `deepened`)
     smem_limit: int = 232448  # bytes of shared memory a block may use (the hardware's; H100: 227 KiB)
     wgmma: bool = True  # warpgroup products from swizzled shared memory where the arch has them (sm_90a)
     arch: str = "sm_90"  # the target GPU's (`Hardware.arch`)
@@ -338,7 +339,7 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
              and overlap(c, flash_of, PINGPONG_STAGES, staged, threads))
     if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in buffers if b.name in staged):
         most = max(1, min(config.stages + turns, c.loop))  # taking turns, the loads run one stage less ahead
-        if config.stages > 1 and not turns:
+        if config.stages > 1 and not swizzle:  # no products on warpgroups (nor, so, any taking turns)
             most = max(most, deepened(sum(math.prod(dims[n]) * b.dtype.bytes for b in buffers
                                           if (n := b.name) in staged), c.loop, config))
     align = SWIZZLE_ATOM if swizzle else ALIGN  # every buffer, so the swizzled ones start on an atom
