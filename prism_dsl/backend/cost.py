@@ -126,7 +126,8 @@ from typing import Mapping, NamedTuple
 
 import sympy
 
-from .launch import CodegenConfig, Layout, blocks_per_sm, dot_lanes, layout, uses_tensor_cores
+from .launch import (CodegenConfig, Layout, blocks_per_sm, dot_lanes, iteration_bytes, layout, tile_bytes,
+                     uses_tensor_cores)
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
 from ..ir.nodes import DType, Node, Program
@@ -303,11 +304,9 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
 def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
     """Bytes one block has in flight from device memory: its loop tiles for the iterations the pipeline loads
     ahead (one when unpipelined), or its largest other tile when it has no loop tiles."""
-    k, varying = c.kernel, loop_varying(c.kernel)
-    tiles = [(k.tile_node(l.tile), k.inputs[l.source]) for l in k.loads]
-    sizes = [(n in varying, math.prod(c.shape(n)) * storage(src).bytes) for n, src in tiles if n is not None]
-    per_iteration = sum(b for v, b in sizes if v)
-    return max(1, per_iteration * max(1, shape.lead) if per_iteration else max((b for _, b in sizes), default=16))
+    per_iteration = iteration_bytes(c)
+    return max(1, per_iteration * max(1, shape.lead) if per_iteration
+               else max((b for _, b in tile_bytes(c)), default=16))
 
 
 def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,

@@ -45,7 +45,7 @@ from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_transpose, plan
 from ..ir.ops import OPS, Kind
-from ..kernels.kernel import after_loop, in_loop, loop_varying
+from ..kernels.kernel import after_loop, in_loop, loop_varying, storage
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
 from ..kernels.sizes import call, compile_sizes, int_value
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
@@ -340,8 +340,7 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     if c.loop > 1 and staged and all(copy_bytes(c, b.node, config) for b in buffers if b.name in staged):
         most = max(1, min(config.stages + turns, c.loop))  # taking turns, the loads run one stage less ahead
         if config.stages > 1 and not swizzle:  # no products on warpgroups (nor, so, any taking turns)
-            most = max(most, deepened(sum(math.prod(dims[n]) * b.dtype.bytes for b in buffers
-                                          if (n := b.name) in staged), c.loop, config))
+            most = max(most, deepened(iteration_bytes(c), c.loop, config))
     align = SWIZZLE_ATOM if swizzle else ALIGN  # every buffer, so the swizzled ones start on an atom
     for stages in range(most, 0, -1):  # as many as fit
         taken = {n: _aligned(size[n], align) * (stages if n in staged else 1) for n in names}
@@ -358,6 +357,19 @@ def layout(c: Concrete, config: CodegenConfig) -> Layout:
     return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
                   {n: live[n] for n in names}, in_flight(c, registers, flash_of, stages, staged),
                   overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong else 0)
+
+
+def tile_bytes(c: Concrete) -> list[tuple[Node, int]]:
+    """Each loaded tile of the kernel with the bytes one load of it brings from device memory (as stored)."""
+    k = c.kernel
+    return [(n, math.prod(c.shape(n)) * storage(k.inputs[load.source]).bytes) for load in k.loads
+            if (n := k.tile_node(load.tile)) is not None]
+
+
+def iteration_bytes(c: Concrete) -> int:
+    """The bytes a block's loop tiles bring from device memory on each iteration (0 without any)."""
+    varying = loop_varying(c.kernel)
+    return sum(b for n, b in tile_bytes(c) if n in varying)
 
 
 def deepened(step: int, loop: int, config: CodegenConfig) -> int:
