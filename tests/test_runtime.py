@@ -408,9 +408,8 @@ class FakeDriver:
             def get_attribute(self, attribute):
                 return 227 * 1024
 
-        class Event:
+        class Event:  # the clock is the number of launches so far: each takes 0.25 ms
             def record(self):
-                drv.clock += 1
                 self.at = drv.clock
 
             def synchronize(self):
@@ -460,6 +459,7 @@ class FakeDriver:
             def prepared_call(self, grid, block, *ptrs, shared_size):
                 assert drv.depth > 0 and len(ptrs) == len(self.fmt), "launched outside the context"
                 drv.log.append(("launch", grid, block, shared_size))
+                drv.clock += 1
                 self.body(drv, grid[0] * block[0], *ptrs)
 
         class Module:
@@ -543,6 +543,17 @@ def test_timing_rotates_input_sets(fake_gpu, tmp_path):
     assert len(set(seen)) == 3 and seen[2:] == [seen[0], seen[1], seen[4]] * 2  # 2 warm-ups, then 0 1 2 0 1 2
     assert list(launcher.time_kernels([gpu_inputs()], warmup=0, repeat=2)) == ["add"]
     assert fake_gpu.depth == 0
+
+
+def test_batched_timing_divides_back_to_back_sequences(fake_gpu, tmp_path):
+    launcher = Launcher(gpu_plan(tmp_path), tmp_path)
+    seen = []
+    fake_gpu.kernels["add"] = lambda drv, threads, x, *rest: seen.append(x)
+    stats = launcher.time([gpu_inputs(seed) for seed in range(3)], warmup=0, repeat=2, batch=4)
+    assert stats == {"median_ms": 0.25, "min_ms": 0.25, "mean_ms": 0.25, "repeat": 2}  # 4 launches over 4
+    assert len(seen) == 8 and seen == [seen[0], seen[1], seen[2]] * 2 + [seen[0], seen[1]]  # rotating on
+    with pytest.raises(PlanError, match="batch >= 1"):
+        launcher.time([gpu_inputs()], batch=0)
 
 
 def test_compile_errors_carry_nvcc_stderr(fake_gpu, tmp_path):

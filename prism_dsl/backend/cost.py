@@ -234,13 +234,12 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
 def _vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenConfig) -> int:
     """Of a node's f32 flops, those of a plain product that `codegen` writes as "dot8" (`launch.dot_lanes`)."""
     kind, shape = OPS[n.op].kind, c.shape
-    if not f32 or not n.args or len(n.args) < 2:
+    if not f32 or len(n.args) < 2 or not (kind is Kind.MATMUL or kind is Kind.ACCUMULATE
+                                          and ACCUMULATORS[n.op].like == "matmul"):
         return 0
-    if kind is Kind.MATMUL or (kind is Kind.ACCUMULATE and ACCUMULATORS[n.op].like == "matmul"):
-        work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
-        # work > f32: online softmax's product, counted on tensor cores, not among the f32 flops
-        return work if work <= f32 and dot_lanes(c, n.args[1], shape(n), shape(n.args[0])[-1], threads, config) else 0
-    return 0
+    work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
+    # work > f32: online softmax's product, counted on tensor cores, not among the f32 flops
+    return work if work <= f32 and dot_lanes(c, n.args[1], shape(n), shape(n.args[0])[-1], threads, config) else 0
 
 
 def iterations(c: Concrete) -> float:
@@ -280,13 +279,11 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     resident = min(blocks, hardware.sms * occ)
     waves = math.ceil(blocks / resident)
     busy = min(blocks, hardware.sms)
-    share = busy / hardware.sms
     us = 1e6
     flight = math.ceil(resident / busy) * _bytes_in_flight(c, shape)
     fill = busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9
-    bandwidth = min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9), fill)
-    t_mem = max(dram / bandwidth, l2 / min(hardware.l2_bandwidth_gbs * 1e9, fill)) * us
-    t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / share
+    t_mem = max(dram / reachable_bandwidth(hardware, busy, flight), l2 / min(hardware.l2_bandwidth_gbs * 1e9, fill)) * us
+    t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / (busy / hardware.sms)
     tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
     if tail == 1 and blocks > resident:  # equal blocks: the last wave's idle slots leave their SMs' math unused
         t_math *= waves * resident / blocks
@@ -299,6 +296,12 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
         bound = "launch"
     return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(hardware.launch_overhead_us + body, 3),
                     bound)
+
+
+def reachable_bandwidth(hardware: Hardware, busy: int, flight: float) -> float:
+    """Bytes per second from device memory for `busy` SMs keeping `flight` bytes in flight each (the docstring's bw)."""
+    return min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9),
+               busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9)
 
 
 def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
@@ -377,7 +380,6 @@ def _softmax_flops(c: Concrete, s: Node) -> int:
 
 
 # -- parameter choice by the model ------------------------------------------------------------------------
-
 
 def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mapping[str, int], hardware: Hardware,
                codegen: CodegenConfig | None = None) -> tuple[dict[str, int], dict[str, Concrete], list[Estimate]]:

@@ -68,9 +68,7 @@ def gpu_status() -> tuple[bool, str]:
         return False, "pycuda is not installed (pip install pycuda)"
     try:
         drv = _import_driver()
-        if drv.Device.count() == 0:
-            return False, "no CUDA device found"
-        return True, drv.Device(0).name()
+        return (True, drv.Device(0).name()) if drv.Device.count() else (False, "no CUDA device found")
     except ImportError as err:  # libcuda.so.1 missing: pycuda installed on a machine without a driver
         return False, f"the CUDA driver library cannot be loaded: {err}"
     except Exception as err:  # pycuda.driver.Error and friends: no device, driver too old, ...
@@ -198,9 +196,8 @@ def _is_torch(x) -> bool:
 
 
 def _torch_to_numpy(t) -> np.ndarray:
-    import torch
     t = t.detach().cpu()
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # bf16 widens to float32 exactly
+    return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy()  # bf16 widens to float32 exactly
 
 
 def _check_names(plan: dict, given) -> None:
@@ -404,32 +401,34 @@ class Launcher:
         drv.memcpy_dtoh(host, ptr)
         return from_bf16_bits(host) if dtype == "bf16" else host
 
-    def _launch(self, drv, ptrs: dict[str, int], events: list | None = None) -> None:
+    def _launch(self, drv, ptrs: dict[str, int], events: list | None = None, first=True, last=True) -> None:
         """Launch every kernel in order, zeroing its `zero` tensors first. events[i] (where not None) is recorded
-        before kernel i's zeroing and events[-1] after the last kernel, so a kernel's time includes its zeroing."""
+        before kernel i's zeroing (kernel 0's if `first`), events[-1] after the last kernel (if `last`)."""
         for i, (kernel, fn) in enumerate(zip(self.plan["kernels"], self._functions)):
-            if events is not None and events[i] is not None:
+            if events is not None and events[i] is not None and (first or i):
                 events[i].record()
             for name in kernel.get("zero", []):
                 drv.memset_d8(ptrs[name], 0, _nbytes(self.plan, name))
             fn.prepared_call(tuple(kernel["grid"]), tuple(kernel["block"]), *(ptrs[n] for n in kernel["args"]),
                              shared_size=kernel.get("smem", 0))
-        if events is not None:
+        if events is not None and last:
             events[-1].record()
 
-    def time(self, input_sets: list[dict], warmup: int = 10, repeat: int = 100) -> dict:
-        """Milliseconds of the whole launch sequence: two events around all kernels, rotating input sets."""
-        return _stats([s[0] for s in self._timed(input_sets, warmup, repeat, per_kernel=False)])
+    def time(self, input_sets: list[dict], warmup: int = 10, repeat: int = 100, batch: int = 1) -> dict:
+        """Milliseconds of the whole launch sequence, rotating input sets: two events around one sequence, or
+        around `batch` sequences launched back to back (as a model's forward pass queues them) over `batch`."""
+        return _stats([s[0] for s in self._timed(input_sets, warmup, repeat, per_kernel=False, batch=batch)])
 
     def time_kernels(self, input_sets: list[dict], warmup: int = 10, repeat: int = 100) -> dict[str, dict]:
         """Per kernel name, milliseconds between events around that kernel (with the zeroing it needs)."""
         samples = self._timed(input_sets, warmup, repeat, per_kernel=True)
         return {k["name"]: _stats([s[i] for s in samples]) for i, k in enumerate(self.plan["kernels"])}
 
-    def _timed(self, input_sets: list[dict], warmup: int, repeat: int, per_kernel: bool) -> list[list[float]]:
-        if not input_sets or repeat < 1 or warmup < 0:
-            raise PlanError(f"timing needs at least one input set, repeat >= 1 and warmup >= 0; got "
-                            f"{len(input_sets)} sets, repeat={repeat}, warmup={warmup}")
+    def _timed(self, input_sets: list[dict], warmup: int, repeat: int, per_kernel: bool,
+               batch: int = 1) -> list[list[float]]:
+        if not input_sets or repeat < 1 or warmup < 0 or batch < 1:
+            raise PlanError(f"timing needs at least one input set, repeat >= 1, warmup >= 0 and batch >= 1; got "
+                            f"{len(input_sets)} sets, repeat={repeat}, warmup={warmup}, batch={batch}")
         bound = [self._bind_inputs(inputs) for inputs in input_sets]
         self.compile()
         with self._active() as drv, contextlib.ExitStack() as cleanup:
@@ -443,10 +442,11 @@ class Launcher:
                 self._launch(drv, sets[i % len(sets)])
             samples = []
             for i in range(repeat):
-                self._launch(drv, sets[i % len(sets)], events)
+                for j in range(batch):  # the first sequence records the first event, the last one the last
+                    self._launch(drv, sets[(i * batch + j) % len(sets)], events, first=j == 0, last=j == batch - 1)
                 events[-1].synchronize()
                 samples.append([events[j].time_till(events[j + 1]) for j in range(n)] if per_kernel
-                               else [events[0].time_till(events[-1])])
+                               else [events[0].time_till(events[-1]) / batch])
             return samples
 
     def close(self) -> None:

@@ -1,0 +1,75 @@
+// Probes of the memory system and the launch path, read by benchmarks/gpu_probe.py on a GPU. Each answers
+// one of the cost model's assumptions (prism_dsl/backend/cost.py): what a launch costs, how long a load from
+// device memory takes, and what bandwidth B blocks reach with F bytes of copies in flight each.
+
+#include <cstdint>
+
+// Nothing: a launch's own cost.
+extern "C" __global__ void probe_empty() {}
+
+// One thread follows a chain of indices (next[i] is the next slot) for `steps` loads, each waiting on the
+// one before: the load-to-use latency of wherever the chain lives (L2 for a small one, device memory for
+// one far larger than L2). The chain's end goes to *sink, so nothing is left out, and the host checks it.
+extern "C" __global__ void probe_chase(const unsigned* __restrict__ next, unsigned stride, unsigned start,
+                                       long long steps, unsigned* sink) {
+    unsigned at = start;
+    for (long long i = 0; i < steps; ++i) {
+        at = __ldcg(next + (size_t)at * stride);  // .cg: around L1, which would otherwise keep a small chain
+    }
+    *sink = at;
+}
+
+__device__ __forceinline__ void copy16(void* smem, const void* global) {
+    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global));
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void wait_pending() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Block b streams its `tiles` tiles of `tile16` 16-byte units (tile b * tiles onwards) through a ring of
+// STAGES tiles in shared memory with cp.async, as the generated loops do: STAGES - 1 tiles in flight while
+// one is read. Each thread folds what it reads into an XOR, so every byte is used; the block's XOR goes to
+// out[b], which the host compares with the XOR of the same bytes.
+template <int STAGES>
+__device__ void stream(const uint4* __restrict__ src, long long tiles, int tile16, unsigned* out) {
+    extern __shared__ uint4 ring[];
+    const uint4* base = src + (size_t)blockIdx.x * tiles * tile16;
+    auto issue = [&](long long t) {
+        uint4* slot = ring + (t % STAGES) * tile16;
+        const uint4* from = base + (size_t)t * tile16;
+        for (int i = threadIdx.x; i < tile16; i += blockDim.x) copy16(slot + i, from + i);
+    };
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < tiles) issue(s);
+        commit();
+    }
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (long long t = 0; t < tiles; ++t) {
+        wait_pending<STAGES - 2>();
+        __syncthreads();  // tile t has landed for every thread, and every thread is done with tile t - 1
+        if (t + STAGES - 1 < tiles) issue(t + STAGES - 1);  // into tile t - 1's slot
+        commit();
+        const uint4* slot = ring + (t % STAGES) * tile16;
+        for (int i = threadIdx.x; i < tile16; i += blockDim.x) {
+            uint4 v = slot[i];
+            acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
+        }
+    }
+    unsigned x = acc.x ^ acc.y ^ acc.z ^ acc.w;
+    for (int o = 16; o > 0; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
+    if ((threadIdx.x & 31) == 0) atomicXor(out + blockIdx.x, x);
+}
+
+#define PROBE_STREAM(S) \
+    extern "C" __global__ void probe_stream_##S(const uint4* src, long long tiles, int tile16, unsigned* out) { \
+        stream<S>(src, tiles, tile16, out); \
+    }
+PROBE_STREAM(2)
+PROBE_STREAM(3)
+PROBE_STREAM(4)
+PROBE_STREAM(5)
+PROBE_STREAM(9)
+PROBE_STREAM(17)
