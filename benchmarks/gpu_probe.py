@@ -1,0 +1,250 @@
+"""Measures, on a GPU, the figures the cost model assumes about memory and launches, and prints each beside
+the model's own: what a kernel launch costs (alone, and back to back), how long one load from L2 and from
+device memory takes, and what bandwidth B blocks reach with F bytes of copies in flight each.
+
+    python benchmarks/gpu_probe.py [--hardware h100] [--json FILE]     # needs a CUDA GPU and pycuda
+
+The kernels are in benchmarks/probe.cu. The streaming kernel copies through shared memory with cp.async as
+the generated loops do, and the XOR of everything it read is checked against the host's for every block, so
+a figure is only printed for a kernel that read every byte. The bandwidth table sets each measured figure
+beside `cost.reachable_bandwidth` at the same blocks and bytes in flight, and the summary gives what the
+table implies for the hardware file's constants (`bandwidth_gbs` with BANDWIDTH_REACH, `dram_latency_ns`,
+SM_FILL_BYTES_PER_CLOCK, `launch_overhead_us`): the question it settles first is whether half the SMs,
+each with deep pipelines, stream as fast as all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from prism_dsl.backend import cost  # noqa: E402
+from prism_dsl.kernels.hardware import Hardware, load_hardware  # noqa: E402
+
+SOURCE = Path(__file__).with_name("probe.cu")
+STAGES = (2, 3, 4, 5, 9, 17)  # the depths probe.cu instantiates
+THREADS = 128
+STREAM_BYTES = 1 << 30  # far beyond L2: every byte comes from device memory
+SLOT = 256  # bytes between the links of a chase: one per L2 sector group, no two in a line
+
+
+@dataclass(frozen=True)
+class Point:
+    """One streaming measurement: `blocks` blocks of THREADS threads, `stages` tiles of `tile` bytes each."""
+    blocks: int
+    stages: int
+    tile: int
+    gbs: float  # measured, GB/s
+
+    @property
+    def flight(self) -> int:  # bytes one block keeps in flight: the tiles loaded ahead
+        return (self.stages - 1) * self.tile
+
+
+def configurations(sms: int) -> list[tuple[int, int, int]]:
+    """(blocks, stages, tile bytes) to measure: from an eighth of the SMs to two blocks per SM, each from a
+    shallow pipeline of small tiles (4 KB in flight) to 128 KB in flight."""
+    depths = [(2, 4096), (3, 4096), (3, 8192), (5, 8192), (3, 16384), (9, 8192), (17, 8192)]
+    blocks = sorted({max(1, sms // 8), max(1, sms // 4), max(1, sms // 2), sms * 3 // 4, sms, 2 * sms})
+    return [(b, s, t) for b in blocks for s, t in depths]
+
+
+def per_sm_flight(point: Point, hardware: Hardware) -> tuple[int, float]:
+    """(busy SMs, bytes in flight per busy SM), as `cost.estimate` counts them: the blocks resident on an SM
+    (as many as its shared memory holds, at most the blocks per SM launched) each with their flight."""
+    busy = min(point.blocks, hardware.sms)
+    fit = max(1, hardware.smem_per_sm // (point.stages * point.tile))
+    return busy, min(fit, -(-point.blocks // hardware.sms)) * point.flight
+
+
+def model_gbs(point: Point, hardware: Hardware) -> float:
+    busy, flight = per_sm_flight(point, hardware)
+    return cost.reachable_bandwidth(hardware, busy, flight) / 1e9
+
+
+def summarize(points: list[Point], hardware: Hardware) -> dict:
+    """What the measurements say of the model's memory constants:
+    - peak_gbs: the most any configuration streamed (the model: bandwidth_gbs * BANDWIDTH_REACH);
+    - fill_bytes_per_clock: the most one SM took in, over configurations with at most half the SMs busy, in
+      bytes per clock at cost.CLOCK_GHZ (the model: SM_FILL_BYTES_PER_CLOCK);
+    - latency_ns: busy * flight / bandwidth, the median over the configurations that stream under 60% of the
+      peak and under 60% of that SM intake (where only the bytes in flight can bind; None when none does);
+    - half_over_full: the most streamed with half the SMs over the most with all of them."""
+    peak = max(p.gbs for p in points)
+    half = [p for p in points if p.blocks <= hardware.sms // 2]
+    fill = max((p.gbs / p.blocks for p in half), default=None)  # GB/s per SM
+    bound = []
+    for p in points:
+        busy, flight = per_sm_flight(p, hardware)
+        if p.gbs < 0.6 * peak and (fill is None or p.gbs / busy < 0.6 * fill):
+            bound.append(busy * flight / p.gbs)  # bytes / (GB/s) = ns
+    halves = [p.gbs for p in points if p.blocks == hardware.sms // 2]
+    fulls = [p.gbs for p in points if p.blocks == hardware.sms]
+    return {"peak_gbs": round(peak, 1),
+            "fill_bytes_per_clock": round(fill / cost.CLOCK_GHZ, 1) if fill is not None else None,
+            "latency_ns": round(statistics.median(bound), 1) if bound else None,
+            "half_over_full": round(max(halves) / max(fulls), 3) if halves and fulls else None}
+
+
+def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, device: str) -> str:
+    """The tables and the summary as markdown."""
+    lines = [f"# Probes on {device} (hardware file: {hardware.name})", "",
+             "| blocks | stages x tile | in flight per block | measured GB/s | model GB/s | measured / model |",
+             "|---|---|---|---|---|---|"]
+    for p in points:
+        m = model_gbs(p, hardware)
+        lines.append(f"| {p.blocks} | {p.stages} x {p.tile // 1024} KB | {p.flight // 1024} KB | {p.gbs:.0f} | {m:.0f} "
+                     f"| {p.gbs / m:.2f} |")
+    s = summarize(points, hardware)
+    model_fill = cost.SM_FILL_BYTES_PER_CLOCK
+    lines += ["", "| figure | measured | the model's |", "|---|---|---|",
+              f"| streaming peak (GB/s) | {s['peak_gbs']} | {hardware.bandwidth_gbs * cost.BANDWIDTH_REACH:.0f} "
+              f"(bandwidth_gbs {hardware.bandwidth_gbs:.0f} x BANDWIDTH_REACH {cost.BANDWIDTH_REACH}) |",
+              f"| one SM's intake, at most half the SMs busy (bytes/clock at {cost.CLOCK_GHZ} GHz) | "
+              f"{s['fill_bytes_per_clock']} | {model_fill} (SM_FILL_BYTES_PER_CLOCK) |",
+              f"| latency where the bytes in flight bind (ns) | {s['latency_ns']} | {hardware.dram_latency_ns} "
+              f"(dram_latency_ns) |",
+              f"| half the SMs over all of them, at best | {s['half_over_full']} | "
+              f"{model_half_over_full(hardware):.3f} |",
+              f"| one load's latency from device memory, unloaded (ns) | {chase['dram_ns']:.0f} | |",
+              f"| one load's latency from L2 (ns) | {chase['l2_ns']:.0f} | |",
+              f"| a launch timed alone (us) | {launch['alone_us']:.2f} | {hardware.launch_overhead_us} "
+              f"(launch_overhead_us) |",
+              f"| a launch among launches back to back (us) | {launch['back_to_back_us']:.2f} | |"]
+    return "\n".join(lines)
+
+
+def model_half_over_full(hardware: Hardware) -> float:
+    """The model's best figure with half the SMs busy over its best with all of them, over the configurations."""
+    def best(blocks):
+        return max(model_gbs(Point(b, s, t, 0.0), hardware) for b, s, t in configurations(hardware.sms) if b == blocks)
+    return best(hardware.sms // 2) / best(hardware.sms)
+
+
+# -- on the GPU ------------------------------------------------------------------------------------------------
+
+def _events(drv, launch, repeat: int) -> list[float]:
+    """Milliseconds of `launch()` between two events, `repeat` times, after one warm-up."""
+    launch()
+    times = []
+    for _ in range(repeat):
+        start, end = drv.Event(), drv.Event()
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.time_till(end))
+    return times
+
+
+def probe_launch(drv, module) -> dict:
+    empty = module.get_function("probe_empty")
+    empty.prepare("")
+    alone = statistics.median(_events(drv, lambda: empty.prepared_call((1, 1, 1), (32, 1, 1)), 200))
+    many = 1000
+    batch = statistics.median(_events(drv, lambda: [empty.prepared_call((1, 1, 1), (32, 1, 1)) for _ in range(many)], 5))
+    return {"alone_us": alone * 1e3, "back_to_back_us": batch * 1e3 / many}
+
+
+def probe_chase(drv, module, footprint: int, steps: int, seed: int = 0) -> float:
+    """Nanoseconds per dependent load over a random cycle through `footprint` bytes (one link per SLOT)."""
+    slots = footprint // SLOT
+    order = np.random.default_rng(seed).permutation(slots).astype(np.uint32)
+    chain = np.zeros(slots * (SLOT // 4), np.uint32)
+    chain[order * (SLOT // 4)] = np.roll(order, -1)
+    chase = module.get_function("probe_chase")
+    chase.prepare("PIIqP")
+    device, sink = drv.to_device(chain), drv.mem_alloc(4)
+    times = _events(drv, lambda: chase.prepared_call((1, 1, 1), (1, 1, 1), int(device), SLOT // 4, int(order[0]),
+                                                     steps, int(sink)), 3)
+    end = np.zeros(1, np.uint32)
+    drv.memcpy_dtoh(end, sink)
+    if int(end[0]) != int(order[steps % slots]):
+        raise RuntimeError(f"the chase through {footprint} bytes ended at slot {end[0]}, not {order[steps % slots]}")
+    device.free()
+    sink.free()
+    return statistics.median(times) * 1e6 / steps
+
+
+def probe_stream(drv, module, sms: int, smem_optin: int) -> list[Point]:
+    words = np.random.default_rng(1).integers(0, 2**32, STREAM_BYTES // 4, dtype=np.uint32)
+    src = drv.to_device(words)
+    points = []
+    for blocks, stages, tile in configurations(sms):
+        if stages * tile > smem_optin:
+            continue
+        fn = module.get_function(f"probe_stream_{stages}")
+        fn.prepare("PqiP")
+        if stages * tile > 48 * 1024:
+            fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, stages * tile)
+        tiles = STREAM_BYTES // (blocks * tile)
+        out = drv.mem_alloc(4 * blocks)
+
+        def launch():
+            drv.memset_d32(out, 0, blocks)
+            fn.prepared_call((blocks, 1, 1), (THREADS, 1, 1), int(src), tiles, tile // 16, int(out),
+                             shared_size=stages * tile)
+
+        times = _events(drv, launch, 5)  # the memset is in the timed region: 4 bytes per block, next to nothing
+        got = np.zeros(blocks, np.uint32)
+        drv.memcpy_dtoh(got, out)
+        out.free()
+        want = np.bitwise_xor.reduce(words[:blocks * tiles * tile // 4].reshape(blocks, -1), axis=1)
+        if not np.array_equal(got, want):
+            raise RuntimeError(f"the streaming kernel ({blocks} blocks, {stages} x {tile} bytes) did not read every "
+                               f"byte: {int((got != want).sum())} of {blocks} blocks' XORs differ from the host's")
+        points.append(Point(blocks, stages, tile, blocks * tiles * tile / (statistics.median(times) * 1e-3) / 1e9))
+    src.free()
+    return points
+
+
+def run(hardware: Hardware) -> tuple[list[Point], dict, dict, str]:
+    import pycuda.autoprimaryctx  # noqa: F401  (the device's primary context, made current)
+    import pycuda.driver as drv
+    from pycuda.compiler import SourceModule
+
+    dev = drv.Context.get_device()
+    major, minor = dev.compute_capability()
+    arch = f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    module = SourceModule(SOURCE.read_text(), no_extern_c=True, arch=arch, options=["-O3", "-std=c++17"])
+    sms = dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+    optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    launch = probe_launch(drv, module)
+    chase = {"l2_ns": probe_chase(drv, module, 8 << 20, 100_000), "dram_ns": probe_chase(drv, module, 1 << 30, 100_000)}
+    points = probe_stream(drv, module, sms, optin)
+    device = f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
+    return points, launch, chase, device
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hardware", default="h100", help="the hardware file whose figures to compare with")
+    parser.add_argument("--json", help="also write every measurement to this file")
+    args = parser.parse_args()
+    from prism_dsl.backend.cuda_runtime import gpu_status
+
+    ok, why = gpu_status()
+    if not ok:
+        print(f"gpu_probe.py needs a usable CUDA GPU: {why}", file=sys.stderr)
+        return 1
+    hardware = load_hardware(args.hardware)
+    points, launch, chase, device = run(hardware)
+    print(report(points, launch, chase, hardware, device))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "launch": launch, "chase": chase,
+                                               "stream": [asdict(p) for p in points],
+                                               "summary": summarize(points, hardware)}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
