@@ -207,22 +207,27 @@ def probe_stream(drv, module, sms: int, smem_optin: int) -> list[Point]:
     return points
 
 
-def run(hardware: Hardware) -> tuple[list[Point], dict, dict, str]:
-    import pycuda.autoprimaryctx  # noqa: F401  (the device's primary context, made current)
+def run() -> tuple[list[Point], dict, dict, str]:
     import pycuda.driver as drv
     from pycuda.compiler import SourceModule
 
-    dev = drv.Context.get_device()
-    major, minor = dev.compute_capability()
-    arch = f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-    module = SourceModule(SOURCE.read_text(), no_extern_c=True, arch=arch, options=["-O3", "-std=c++17"])
-    sms = dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
-    optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-    launch = probe_launch(drv, module)
-    chase = {"l2_ns": probe_chase(drv, module, 8 << 20, 100_000), "dram_ns": probe_chase(drv, module, 1 << 30, 100_000)}
-    points = probe_stream(drv, module, sms, optin)
-    device = f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
-    return points, launch, chase, device
+    drv.init()
+    dev = drv.Device(0)
+    context = dev.retain_primary_context()
+    context.push()
+    try:
+        major, minor = dev.compute_capability()
+        arch = f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+        module = SourceModule(SOURCE.read_text(), no_extern_c=True, arch=arch, options=["-O3", "-std=c++17"])
+        sms = dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+        optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        launch = probe_launch(drv, module)
+        chase = {"l2_ns": probe_chase(drv, module, 8 << 20, 100_000),
+                 "dram_ns": probe_chase(drv, module, 1 << 30, 100_000)}
+        points = probe_stream(drv, module, sms, optin)
+        return points, launch, chase, f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
+    finally:
+        drv.Context.pop()
 
 
 def main() -> int:
@@ -237,7 +242,7 @@ def main() -> int:
         print(f"gpu_probe.py needs a usable CUDA GPU: {why}", file=sys.stderr)
         return 1
     hardware = load_hardware(args.hardware)
-    points, launch, chase, device = run(hardware)
+    points, launch, chase, device = run()
     print(report(points, launch, chase, hardware, device))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "launch": launch, "chase": chase,
