@@ -1,58 +1,293 @@
-"""Times the fused kernels of programs/fused/ on a GPU at the suite's shapes, against PyTorch eager and
-torch.compile, and writes the table to benchmarks/RESULTS.md.
+"""The static report's workloads on a GPU: each program `prismc compile` chooses, checked against the float64
+reference and timed beside PyTorch eager, torch.compile and, for attention, scaled_dot_product_attention
+(FlashAttention); the table goes to benchmarks/RESULTS.md with the device named.
 
-    python benchmarks/gpu_fused.py            # needs a CUDA GPU, pycuda and torch
+Two steps, so that the GPU machine needs neither the search nor its prover (egglog):
 
-Each row comes from `prismc bench` (every implementation checked against the float64 reference first).
+    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME] [--time-limit S]   # any machine
+    python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME] [--again]               # CUDA GPU, pycuda, torch
+    python benchmarks/gpu_fused.py table [--dir out/gpu]                                     # any machine
+
+`prepare` compiles every workload of `static_report.WORKLOADS` into DIR/<workload>/ (`prismc compile`: its
+kernels, launcher.py and report.json) beside the program as written (`baseline.prism`). `run` takes each such
+directory as a user would: the kernels through the directory's own launcher.py. Every implementation runs on
+the same random inputs and is checked against the float64 reference of the program as written before its
+time counts. Each is timed with CUDA events, the median of `REPEAT` samples, rotating through enough input
+sets to defeat the L2 cache; each sample is `BATCH` calls back to back over `BATCH`, the time per call once
+launches queue up as in a model's forward pass (the time of one call alone is given too, for ours). A row's
+figures are written to DIR/<workload>/gpu.json as soon as they are measured, so `run` can be split over
+several commands (`--only`) and takes up where it stopped; `--again` measures again. RESULTS.md is written
+from every gpu.json there is, by `run` and by `table` (which needs no GPU: for gpu.json files brought back
+from the GPU machine).
 """
 
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
 import json
+import math
+import shutil
+import statistics
+import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
-from prism_dsl.cli.main import main
-from prism_dsl.backend.cuda_runtime import gpu_status
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-NK = ["n=8,d=1024", "n=8,d=2048", "n=8,d=4096", "n=16,d=1024", "n=16,d=4096"]
-ATT = ["b=2,h=8,q=1,kv=1024,dh=128", "b=2,h=8,q=128,kv=1024,dh=128", "b=2,h=32,q=1,kv=1024,dh=128",
-       "b=4,h=8,q=1,kv=1024,dh=128"]
-CASES = [("rmsnorm_linear", "rmsnorm_linear", NK), ("rmsnorm_mlp", "rmsnorm_mlp", NK), ("swiglu", "swiglu", NK),
-         ("attention", "attention", ATT), ("attention.decoding", "attention", ATT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from static_report import WORKLOADS  # noqa: E402
+
+from prism_dsl.base.errors import PrismError  # noqa: E402
+
+BATCH = 20  # calls between two events
+REPEAT = 30
+L2_DEFEAT = 150 << 20  # input bytes the rotating sets span at least: three times the H100's L2
+RTOL = 1e-2
 
 
-def run() -> int:
-    ok, device = gpu_status()
-    if not ok:
-        print(f"no GPU: {device}", file=sys.stderr)
-        return 1
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for fused, baseline, shapes in CASES:
-            for dims in shapes:
-                out = Path(tmp) / "t.json"
-                code = main(["bench", str(ROOT / f"programs/fused/{fused}.prism"), "--baseline",
-                             str(ROOT / f"programs/{baseline}.prism"), "--dims", dims, "--json", str(out)])
-                table = json.loads(out.read_text()) if out.exists() else None
-                rows.append((fused, dims, code, table))
-                out.unlink(missing_ok=True)
-    lines = [f"# GPU results ({device})", "", "Written by `python benchmarks/gpu_fused.py`; times are CUDA-event medians.", "",
-             "| program | dims | ours (us) | eager (us) | torch.compile (us) | roofline floor (us) | ours / floor | max rel err | checks |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for fused, dims, code, t in rows:
-        if t is None:
-            lines.append(f"| {fused} | {dims} | failed (exit {code}) | | | | | | |")
+def slug(name: str) -> str:
+    return name.replace(" ", "_").replace("=", "")
+
+
+# -- prepare: any machine ----------------------------------------------------------------------------------
+
+def prepare(args, workloads=WORKLOADS) -> int:
+    directory = Path(args.dir)
+    failed = 0
+    for name, program, dims in workloads:
+        if args.only and args.only not in name:
             continue
-        r = {row["impl"]: row for row in t["rows"]}
-        ours = r["prism-dsl"]
-        lines.append(f"| {fused} | {dims} | {ours['us']:.2f} | {r['torch eager']['us']:.2f} | {r['torch.compile']['us']:.2f} "
-                     f"| {t['roofline_us']:.2f} | {ours['us'] / t['roofline_us']:.2f} | {ours['max_rel_err']:.1e} "
-                     f"| {'ok' if all(x['passed'] for x in t['rows']) else 'FAILED'} |")
-    (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+        out = directory / slug(name)
+        if out.exists():
+            shutil.rmtree(out)
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
+                               "--dims", dims, "-o", str(out), "--no-emulate", "--arch", "sm_90",
+                               "--time-limit", str(args.time_limit)], capture_output=True, text=True)
+        if done.returncode:
+            failed += 1
+            print(f"{name}: prismc compile failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+            continue
+        shutil.copy(ROOT / "programs" / f"{program}.prism", out / "baseline.prism")
+        (out / "case.json").write_text(json.dumps({"workload": name, "program": program, "dims": dims}) + "\n")
+        print(f"{name}: {out} ({time.monotonic() - started:.0f} s)")
+    return 1 if failed else 0
+
+
+# -- run: on the GPU ---------------------------------------------------------------------------------------
+
+def _launcher_module(out: Path):
+    spec = importlib.util.spec_from_file_location(f"launcher_{out.name}", out / "launcher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stored(rt, plan: dict, inputs: dict) -> dict[str, np.ndarray]:
+    """The inputs as the device holds them, in float64: what the reference must be computed on."""
+    out = {}
+    for name, value in rt.marshal(plan, inputs).items():
+        out[name] = (rt.from_bf16_bits(value) if plan["tensors"][name]["dtype"] == "bf16" else value).astype(np.float64)
+    return out
+
+
+def input_sets(plan: dict, rt) -> list[dict]:
+    per_set = sum(rt._nbytes(plan, n) for n in plan["inputs"])
+    return [rt.random_inputs(plan, seed) for seed in range(max(3, min(16, math.ceil(L2_DEFEAT / per_set))))]
+
+
+def time_calls(torch, call, arg_sets: list, batch: int = BATCH, repeat: int = REPEAT) -> float:
+    """Microseconds per call: the median over `repeat` samples of `batch` calls between two CUDA events."""
+    for args in arg_sets[:3]:
+        call(*args)
+    torch.cuda.synchronize()
+    samples = []
+    for r in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for j in range(batch):
+            call(*arg_sets[(r * batch + j) % len(arg_sets)])
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / batch)
+    return statistics.median(samples)
+
+
+def sdpa(torch, program: str, dims: dict):
+    """(function, how its arguments are made from the program's inputs) running the workload's attention through
+    scaled_dot_product_attention, or None. The arguments are laid out as FlashAttention takes them (keys
+    [b, h, kv, dh]) before timing: a layout the program's caller could have chosen."""
+    F = torch.nn.functional
+    if program == "attention":
+        return (lambda Q, K, V: F.scaled_dot_product_attention(Q, K, V, scale=1.0),
+                lambda Q, K, V: (Q, K.transpose(-1, -2).contiguous(), V))
+    if program == "qk_norm_attention":
+        return (lambda Q, K, V: F.scaled_dot_product_attention(F.rms_norm(Q, Q.shape[-1:], eps=0.0), K, V, scale=1.0),
+                lambda Q, K, V: (Q, K.transpose(-1, -2).contiguous(), V))
+    scale = 1 / math.sqrt(128)  # the programs' own constant, whatever dh is
+    if program == "gqa_decode":  # the group's queries are rows: attention with g queries per key/value head
+        return (lambda Q, K, V: F.scaled_dot_product_attention(Q, K, V, scale=scale), lambda Q, K, V: (Q, K, V))
+    if program == "causal_attention" and dims["q"] == dims["kv"]:  # is_causal aligns the corners only then
+        def rope(x, c, s):
+            half = x.shape[-1] // 2
+            return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+        return (lambda Q, K, V, CQ, SQ, CK, SK: F.scaled_dot_product_attention(rope(Q, CQ, SQ), rope(K, CK, SK), V,
+                                                                              is_causal=True, scale=scale),
+                lambda *xs: xs)
+    return None
+
+
+def oracle(out: Path, hardware_name: str):
+    """(the directory's launcher module, the program as written, the input sets, the float64 reference of the
+    program as written on the first set, (our output, its output) name pairs)."""
+    from prism_dsl.lang.check import load
+    from prism_dsl.semantics.blocks import evaluate
+
+    launcher = _launcher_module(out)
+    rt, plan = launcher.prism_runtime, launcher.PLAN
+    baseline = load(out / "baseline.prism").program()
+    sets = input_sets(plan, rt)
+    reference = evaluate(baseline, stored(rt, plan, sets[0]), {}, hardware_name)
+    pairs = list(zip(plan["outputs"], (name for name, _ in baseline.outputs)))  # paired by position
+    return launcher, baseline, sets, reference, pairs
+
+
+def run_case(out: Path, hardware_name: str) -> dict:
+    import torch
+
+    from prism_dsl.cli.bench import torch_function
+
+    case = json.loads((out / "case.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    launcher, baseline, sets, reference, pairs = oracle(out, hardware_name)
+    rt, plan = launcher.prism_runtime, launcher.PLAN
+    rows = {}
+
+    def checked(outputs) -> dict:
+        checks = [rt.check(outputs[mine], reference[theirs], RTOL) for mine, theirs in pairs]
+        return {"passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks)}
+
+    ours = launcher.get_launcher()
+    try:
+        rows["prism-dsl"] = checked(ours(**sets[0])) | {
+            "alone_us": ours.time(sets, repeat=REPEAT * 3)["median_ms"] * 1e3,
+            "us": ours.time(sets, repeat=REPEAT, batch=BATCH)["median_ms"] * 1e3}
+    finally:
+        ours.close()
+    dtypes = {n.attr: getattr(torch, rt.TORCH_DTYPE[n.dtype.value]) for n in baseline.inputs}
+    names = [n.attr for n in baseline.inputs]
+    device_sets = [[torch.tensor(s[n], dtype=dtypes[n], device="cuda") for n in names] for s in sets]
+    eager = torch_function(baseline)
+    call = lambda fn: lambda *xs: fn(**dict(zip(names, xs)))  # noqa: E731
+    impls = [("torch eager", call(eager), device_sets), ("torch.compile", call(torch.compile(eager)), device_sets)]
+    if (attention := sdpa(torch, case["program"], report["dims"])) is not None:
+        attend, arrange = attention
+        impls.append(("sdpa", lambda *xs: (attend(*xs),), [arrange(*xs) for xs in device_sets]))
+    for impl, fn, arg_sets in impls:
+        got = fn(*arg_sets[0])
+        rows[impl] = checked({mine: g.float().cpu().numpy() for (mine, _), g in zip(pairs, got)}) | {
+            "us": time_calls(torch, fn, arg_sets)}
+    del device_sets, impls
+    torch.cuda.empty_cache()
+    return {"workload": case["workload"], "dims": case["dims"], "device": rt.gpu_status()[1],
+            "sets": len(sets), "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
+            "kernels": len(plan["kernels"]), "rows": rows}
+
+
+def table(results: list[dict]) -> str:
+    devices = sorted({r["device"] for r in results})
+    lines = [f"# GPU results ({', '.join(devices)})", "",
+             "Written by `python benchmarks/gpu_fused.py run` (after `prepare`). Every implementation is checked "
+             f"against the float64 reference (relative tolerance {RTOL}); times are CUDA-event medians in microseconds, "
+             f"each sample {BATCH} calls back to back over {BATCH}; \"alone\" is one call of ours between two events. "
+             "\"model\" is the cost model's estimate, \"floor\" the roofline floor.", "",
+             "| workload | kernels | ours | ours alone | torch eager | torch.compile | sdpa | model | floor | ours / floor "
+             "| ours / torch.compile | max rel err (ours) | checks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rows = r["rows"]
+        ours = rows["prism-dsl"]
+
+        def us(impl):
+            return f"{rows[impl]['us']:.1f}" + ("" if rows[impl]["passed"] else " (wrong)") if impl in rows else "-"
+        failed = [impl for impl, row in rows.items() if not row["passed"]]
+        lines.append(f"| {r['workload']} ({r['dims']}) | {r['kernels']} | {us('prism-dsl')} | {ours['alone_us']:.1f} "
+                     f"| {us('torch eager')} | {us('torch.compile')} | {us('sdpa')} | {r['model_us']:.1f} "
+                     f"| {r['floor_us']:.1f} | {ours['us'] / r['floor_us']:.2f} "
+                     f"| {ours['us'] / rows['torch.compile']['us']:.2f} | {ours['max_rel_err']:.1e} "
+                     f"| {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    from prism_dsl.backend.cuda_runtime import gpu_status
+
+    ok, why = gpu_status()
+    if not ok:
+        print(f"gpu_fused.py run needs a usable CUDA GPU: {why}", file=sys.stderr)
+        return 1
+    directory = Path(args.dir)
+    cases = [(name, directory / slug(name)) for name, _, _ in WORKLOADS
+             if (directory / slug(name) / "case.json").exists()]
+    if not cases:
+        print(f"no prepared workloads in {directory}: run `python benchmarks/gpu_fused.py prepare` first",
+              file=sys.stderr)
+        return 1
+    failed = 0
+    for name, out in cases:
+        saved = out / "gpu.json"
+        if (args.only and args.only not in name) or (saved.exists() and not args.again):
+            continue
+        started = time.monotonic()
+        try:
+            result = run_case(out, args.hardware)
+        except (PrismError, RuntimeError, OSError) as err:
+            failed += 1
+            print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
+            continue
+        saved.write_text(json.dumps(result, indent=2) + "\n")
+        ours = result["rows"]["prism-dsl"]
+        print(f"{name}: ours {ours['us']:.1f} us ({'ok' if ours['passed'] else 'WRONG'}), "
+              f"torch.compile {result['rows']['torch.compile']['us']:.1f} us; {time.monotonic() - started:.0f} s",
+              flush=True)
+    return 1 if write_table(directory) or failed else 0
+
+
+def write_table(directory: Path) -> int:
+    """RESULTS.md from every gpu.json under `directory`, in the workloads' order; 1 if one of ours failed."""
+    saved = [directory / slug(name) / "gpu.json" for name, _, _ in WORKLOADS]
+    results = [json.loads(path.read_text()) for path in saved if path.exists()]
+    if not results:
+        print(f"no measured workloads (gpu.json) in {directory}", file=sys.stderr)
+        return 1
+    text = table(results)
+    (ROOT / "benchmarks" / "RESULTS.md").write_text(text)
+    print(text)
+    return 1 if any(not r["rows"]["prism-dsl"]["passed"] for r in results) else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    pre = sub.add_parser("prepare", help="compile every workload into DIR (any machine)")
+    pre.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
+    go = sub.add_parser("run", help="check and time the prepared workloads (a CUDA GPU)")
+    go.add_argument("--again", action="store_true", help="measure workloads that already have a gpu.json")
+    go.add_argument("--hardware", default="h100", help="the hardware file the reference's kernels are read for")
+    tab = sub.add_parser("table", help="write benchmarks/RESULTS.md from the gpu.json files in DIR (any machine)")
+    for p in (pre, go, tab):
+        p.add_argument("--dir", default=str(ROOT / "out" / "gpu"), help="where the compiled workloads are")
+        p.add_argument("--only", help="workloads whose name contains this")
+    args = parser.parse_args()
+    with contextlib.suppress(KeyboardInterrupt):
+        return {"prepare": prepare, "run": run, "table": lambda a: write_table(Path(a.dir))}[args.step](args)
+    return 130
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(main())

@@ -5,11 +5,13 @@ from figures the model itself would give."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prism_dsl.backend import cost, sass
@@ -89,3 +91,85 @@ def test_the_probe_kernels_compile_and_stream_by_cp_async(tmp_path):
         assert "LDGSTS" in body and "LDGDEPBAR" in body, stages  # cp.async and its commit, no register round trip
     chase = listing.split("Function : probe_chase")[1].split("Function :")[0]
     assert "LDG" in chase  # the chain of loads is there, not folded away
+
+
+fused = script("gpu_fused")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """One small workload compiled by `gpu_fused.py prepare`, as the GPU step finds it."""
+    directory = tmp_path_factory.mktemp("gpu")
+    args = type("Args", (), {"dir": str(directory), "only": None, "time_limit": 10.0})
+    assert fused.prepare(args, [("rmsnorm_mlp small", "rmsnorm_mlp", "n=8,d=256")]) == 0
+    return directory / "rmsnorm_mlp_small"
+
+
+def test_prepare_writes_what_the_gpu_step_reads(prepared):
+    for name in ("case.json", "baseline.prism", "report.json", "launcher.py", "prism_runtime.py", "prism.cuh"):
+        assert (prepared / name).is_file(), name
+    assert json.loads((prepared / "case.json").read_text()) == {"workload": "rmsnorm_mlp small",
+                                                                "program": "rmsnorm_mlp", "dims": "n=8,d=256"}
+    assert (prepared / "baseline.prism").read_text() == (BENCHMARKS.parent / "programs/rmsnorm_mlp.prism").read_text()
+
+
+def test_the_gpu_steps_oracle_is_the_program_as_written_on_the_inputs_the_device_holds(prepared):
+    """What the chosen program computes (its kernels in the block interpreter, with the parameters compiled)
+    on the same inputs agrees with the oracle the GPU step checks every implementation against."""
+    from prism_dsl.lang.check import load
+    from prism_dsl.semantics.blocks import evaluate
+
+    launcher, baseline, sets, reference, pairs = fused.oracle(prepared, "h100")
+    rt, report = launcher.prism_runtime, json.loads((prepared / "report.json").read_text())
+    assert len(sets) == 16 and set(sets[0]) == {"X", "Wu", "Wg"}  # small inputs: many sets to span the L2 cache
+    assert len({float(s["X"][0, 0]) for s in sets}) == 16
+    chosen = load(prepared / f"{report['program']}.prism").program()
+    got = evaluate(chosen, fused.stored(rt, launcher.PLAN, sets[0]), report["parameters"], "h100", smem=False)
+    for mine, theirs in pairs:
+        check = rt.check(got[mine], reference[theirs], 1e-6)
+        assert check["passed"], check
+
+
+def test_the_gpu_step_refuses_cleanly_without_a_gpu(prepared):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_fused.py"), "run", "--dir", str(prepared.parent)],
+                          capture_output=True, text=True, env={**os.environ, "PRISM_NO_GPU": "1"})
+    assert done.returncode == 1 and "needs a usable CUDA GPU: disabled by PRISM_NO_GPU" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_results_table_names_every_implementation_and_every_failure():
+    rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
+            "torch eager": {"passed": True, "max_rel_err": 1e-3, "us": 40.0},
+            "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0},
+            "sdpa": {"passed": False, "max_rel_err": 2e-2, "us": 10.0}}
+    text = fused.table([{"workload": "attention decode", "dims": "b=2", "device": "a GPU", "sets": 3,
+                         "floor_us": 10.0, "model_us": 13.0, "kernels": 1, "rows": rows}])
+    assert text.startswith("# GPU results (a GPU)")
+    assert ("| attention decode (b=2) | 1 | 12.0 | 15.0 | 40.0 | 24.0 | 10.0 (wrong) | 13.0 | 10.0 | 1.20 | 0.50 "
+            "| 3.0e-04 | FAILED: sdpa |") in text
+
+
+@pytest.mark.parametrize("program, dims", [
+    ("attention", {"b": 1, "h": 2, "q": 3, "kv": 40, "dh": 16}),
+    ("qk_norm_attention", {"b": 2, "h": 1, "q": 1, "kv": 24, "dh": 32}),
+    ("gqa_decode", {"b": 1, "hk": 2, "g": 4, "kv": 48, "dh": 16}),
+    ("causal_attention", {"b": 1, "h": 2, "q": 20, "kv": 20, "dh": 16}),
+])
+def test_the_pytorch_baselines_compute_the_program_as_written(program, dims):
+    """Op by op (`prismc bench`'s translation, rope and the causal mask included) and through
+    scaled_dot_product_attention with the keys laid out as it takes them, on the CPU in float64."""
+    torch = pytest.importorskip("torch")
+    from prism_dsl.cli.bench import torch_function
+    from prism_dsl.lang.check import load
+    from prism_dsl.semantics.blocks import evaluate
+    from prism_dsl.semantics.reference import bind_dims, random_inputs
+
+    source = load(BENCHMARKS.parent / "programs" / f"{program}.prism").program()
+    inputs = random_inputs(source, bind_dims(source, dims), seed=3)
+    want = next(iter(evaluate(source, inputs, {}, "h100").values()))
+    tensors = {k: torch.tensor(v, dtype=torch.float64) for k, v in inputs.items()}
+    attend, arrange = fused.sdpa(torch, program, dims)
+    for got in (torch_function(source)(**tensors)[0], attend(*arrange(*(tensors[n.attr] for n in source.inputs)))):
+        assert np.allclose(got.numpy(), want, rtol=1e-9, atol=1e-9)
+    assert fused.sdpa(torch, "causal_attention", {**dims, "q": 1, "kv": 20}) is None  # corners apart
+    assert fused.sdpa(torch, "rmsnorm_linear", {}) is None

@@ -36,7 +36,24 @@ TORCH = {
     "max": lambda t, x, a: x[0].amax(a, keepdim=True), "mean": lambda t, x, a: x[0].mean(a, keepdim=True),
     "rms_norm": lambda t, x, a: x[0] / t.sqrt((x[0] * x[0]).mean(-1, keepdim=True)),
     "softmax": lambda t, x, a: t.softmax(x[0], -1),
+    "rms_norm_eps": lambda t, x, a: x[0] / t.sqrt((x[0] * x[0]).mean(-1, keepdim=True) + a),
+    "layer_norm": lambda t, x, a: t.nn.functional.layer_norm(x[0], x[0].shape[-1:], eps=a),
+    "transpose": lambda t, x, a: x[0].transpose(*a),
+    "rope": lambda t, x, a: x[0] * x[1] + _rotate_half(t, x[0]) * x[2],
+    "causal": lambda t, x, a: _causal(t, x[0]),
 }
+
+
+def _rotate_half(t, x):
+    half = x.shape[-1] // 2
+    return t.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _causal(t, x):
+    """-inf above the diagonal that ends at the last row's last column (`semantics.reference._causal`)."""
+    rows, cols = x.shape[-2:]
+    above = t.ones(rows, cols, dtype=t.bool, device=x.device).triu(cols - rows + 1)
+    return x.masked_fill(above, float("-inf"))
 
 
 def torch_function(program):
