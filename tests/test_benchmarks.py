@@ -147,6 +147,11 @@ def test_the_results_table_names_every_implementation_and_every_failure():
     assert text.startswith("# GPU results (a GPU)")
     assert ("| attention decode (b=2) | 1 | 12.0 | 15.0 | 40.0 | 24.0 | 10.0 (wrong) | 13.0 | 10.0 | 1.20 | 0.50 "
             "| 3.0e-04 | FAILED: sdpa |") in text
+    rows["torch.compile"] = {"passed": False, "error": "BackendCompilerFailed: no C compiler"}
+    text = fused.table([{"workload": "w", "dims": "d", "device": "a GPU", "sets": 3, "floor_us": 10.0,
+                         "model_us": 13.0, "kernels": 2, "rows": rows}])
+    assert "| 40.0 | did not run | 10.0 (wrong) | 13.0 | 10.0 | 1.20 | - | 3.0e-04 | FAILED: torch.compile, sdpa |" in text
+    assert text.endswith("Baselines that did not run:\n- w, torch.compile: BackendCompilerFailed: no C compiler\n")
 
 
 @pytest.mark.parametrize("program, dims", [
