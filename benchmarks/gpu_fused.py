@@ -10,8 +10,8 @@ Two steps, so that the GPU machine needs neither the search nor its prover (eggl
 
 `prepare` compiles every workload of `static_report.WORKLOADS` into DIR/<workload>/ (`prismc compile`: its
 kernels, launcher.py and report.json) beside the program as written (`baseline.prism`). `run` takes each such
-directory as a user would: the kernels through the directory's own launcher.py. Every implementation runs on
-the same random inputs and is checked against the float64 reference of the program as written before its
+directory as a user would: the kernels through the plan and runtime of the directory's own launcher.py.
+Every implementation runs on the same random inputs (each rounded to its dtype) and is checked against the float64 reference of the program as written before its
 time counts. Each is timed with CUDA events, the median of `REPEAT` samples, rotating through enough input
 sets to defeat the L2 cache; each sample is `BATCH` calls back to back over `BATCH`, the time per call once
 launches queue up as in a model's forward pass (the time of one call alone is given too, for ours). A row's
@@ -29,13 +29,11 @@ import importlib.util
 import json
 import math
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -43,10 +41,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from static_report import WORKLOADS  # noqa: E402
 
 from prism_dsl.base.errors import PrismError  # noqa: E402
+from prism_dsl.cli.bench import TORCH, time_torch, torch_function  # noqa: E402
+from prism_dsl.kernels.hardware import load_hardware  # noqa: E402
+from prism_dsl.lang.check import load  # noqa: E402
+from prism_dsl.semantics.blocks import evaluate  # noqa: E402
+from prism_dsl.semantics.reference import bind_dims, concrete_shape, random_inputs  # noqa: E402
 
 BATCH = 20  # calls between two events
 REPEAT = 30
-L2_DEFEAT = 150 << 20  # input bytes the rotating sets span at least: three times the H100's L2
+L2_SPAN = 3  # the rotating input sets span at least this many times the hardware's L2 cache
 RTOL = 1e-2
 
 
@@ -88,35 +91,13 @@ def _launcher_module(out: Path):
     return module
 
 
-def stored(rt, plan: dict, inputs: dict) -> dict[str, np.ndarray]:
-    """The inputs as the device holds them, in float64: what the reference must be computed on."""
-    out = {}
-    for name, value in rt.marshal(plan, inputs).items():
-        out[name] = (rt.from_bf16_bits(value) if plan["tensors"][name]["dtype"] == "bf16" else value).astype(np.float64)
-    return out
-
-
-def input_sets(plan: dict, rt) -> list[dict]:
-    per_set = sum(math.prod(plan["tensors"][n]["shape"]) * rt.STORAGE[plan["tensors"][n]["dtype"]].itemsize
-                  for n in plan["inputs"])
-    return [rt.random_inputs(plan, seed) for seed in range(max(3, min(16, math.ceil(L2_DEFEAT / per_set))))]
-
-
-def time_calls(torch, call, arg_sets: list, batch: int = BATCH, repeat: int = REPEAT) -> float:
-    """Microseconds per call: the median over `repeat` samples of `batch` calls between two CUDA events."""
-    for args in arg_sets[:3]:
-        call(*args)
-    torch.cuda.synchronize()
-    samples = []
-    for r in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for j in range(batch):
-            call(*arg_sets[(r * batch + j) % len(arg_sets)])
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / batch)
-    return statistics.median(samples)
+def input_sets(program, dims: dict, l2_bytes: int) -> list[dict]:
+    """Random inputs of the program as written, each rounded to its dtype (float64 arrays, as `prismc compile`
+    checks its kernels: `pipeline.build.check_inputs`), as many sets as span L2_SPAN times the L2 cache."""
+    binding = bind_dims(program, dims)
+    per_set = sum(math.prod(concrete_shape(n.shape, binding)) * n.dtype.bytes for n in program.inputs)
+    count = max(3, min(16, math.ceil(L2_SPAN * l2_bytes / per_set)))
+    return [random_inputs(program, binding, seed) for seed in range(count)]
 
 
 def sdpa(torch, program: str, dims: dict):
@@ -135,8 +116,7 @@ def sdpa(torch, program: str, dims: dict):
         return (lambda Q, K, V: F.scaled_dot_product_attention(Q, K, V, scale=scale), lambda Q, K, V: (Q, K, V))
     if program == "causal_attention" and dims["q"] == dims["kv"]:  # is_causal aligns the corners only then
         def rope(x, c, s):
-            half = x.shape[-1] // 2
-            return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+            return TORCH["rope"](torch, [x, c, s], None)
         return (lambda Q, K, V, CQ, SQ, CK, SK: F.scaled_dot_product_attention(rope(Q, CQ, SQ), rope(K, CK, SK), V,
                                                                               is_causal=True, scale=scale),
                 lambda *xs: xs)
@@ -146,22 +126,17 @@ def sdpa(torch, program: str, dims: dict):
 def oracle(out: Path, hardware_name: str):
     """(the directory's launcher module, the program as written, the input sets, the float64 reference of the
     program as written on the first set, (our output, its output) name pairs)."""
-    from prism_dsl.lang.check import load
-    from prism_dsl.semantics.blocks import evaluate
-
     launcher = _launcher_module(out)
-    rt, plan = launcher.prism_runtime, launcher.PLAN
     baseline = load(out / "baseline.prism").program()
-    sets = input_sets(plan, rt)
-    reference = evaluate(baseline, stored(rt, plan, sets[0]), {}, hardware_name)
-    pairs = list(zip(plan["outputs"], (name for name, _ in baseline.outputs)))  # paired by position
+    dims = json.loads((out / "report.json").read_text())["dims"]
+    sets = input_sets(baseline, dims, load_hardware(hardware_name).l2_bytes)
+    reference = evaluate(baseline, sets[0], {}, hardware_name)
+    pairs = list(zip(launcher.PLAN["outputs"], (name for name, _ in baseline.outputs)))  # paired by position
     return launcher, baseline, sets, reference, pairs
 
 
 def run_case(out: Path, hardware_name: str) -> dict:
     import torch
-
-    from prism_dsl.cli.bench import torch_function
 
     case = json.loads((out / "case.json").read_text())
     report = json.loads((out / "report.json").read_text())
@@ -173,7 +148,7 @@ def run_case(out: Path, hardware_name: str) -> dict:
         checks = [rt.check(outputs[mine], reference[theirs], RTOL) for mine, theirs in pairs]
         return {"passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks)}
 
-    ours = launcher.get_launcher()
+    ours = rt.Launcher(plan, out, cast=True)  # the directory's runtime; the f16 (bf16) values pass exactly
     try:
         rows["prism-dsl"] = checked(ours(**sets[0])) | {
             "alone_us": ours.time(sets, repeat=REPEAT * 3)["median_ms"] * 1e3,
@@ -193,7 +168,7 @@ def run_case(out: Path, hardware_name: str) -> dict:
         try:
             got = fn(*arg_sets[0])
             rows[impl] = checked({mine: g.float().cpu().numpy() for (mine, _), g in zip(pairs, got)}) | {
-                "us": time_calls(torch, fn, arg_sets)}
+                "us": time_torch(lambda xs: fn(*xs), arg_sets, REPEAT, BATCH, warmup=3)}
         except Exception as err:  # a baseline that cannot run (torch.compile's backend, say) is a row, not the end
             rows[impl] = {"passed": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
     del device_sets, impls

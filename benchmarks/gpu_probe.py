@@ -28,9 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prism_dsl.backend import cost  # noqa: E402
+from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS  # noqa: E402
+from prism_dsl.backend.launch import blocks_per_sm  # noqa: E402
 from prism_dsl.kernels.hardware import Hardware, load_hardware  # noqa: E402
 
 SOURCE = Path(__file__).with_name("probe.cu")
+HEADERS = ROOT / "templates"  # prism.cuh, whose cp.async the streaming kernel uses
 STAGES = (2, 3, 4, 5, 9, 17)  # the depths probe.cu instantiates
 THREADS = 128
 STREAM_BYTES = 1 << 30  # far beyond L2: every byte comes from device memory
@@ -60,9 +63,9 @@ def configurations(sms: int) -> list[tuple[int, int, int]]:
 
 def per_sm_flight(point: Point, hardware: Hardware) -> tuple[int, float]:
     """(busy SMs, bytes in flight per busy SM), as `cost.estimate` counts them: the blocks resident on an SM
-    (as many as its shared memory holds, at most the blocks per SM launched) each with their flight."""
+    (`launch.blocks_per_sm`, at most the blocks per SM launched) each with their flight."""
     busy = min(point.blocks, hardware.sms)
-    fit = max(1, hardware.smem_per_sm // (point.stages * point.tile))
+    fit = max(1, blocks_per_sm(point.stages * point.tile, THREADS, 0, hardware))
     return busy, min(fit, -(-point.blocks // hardware.sms)) * point.flight
 
 
@@ -218,7 +221,8 @@ def run() -> tuple[list[Point], dict, dict, str]:
     try:
         major, minor = dev.compute_capability()
         arch = f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-        module = SourceModule(SOURCE.read_text(), no_extern_c=True, arch=arch, options=["-O3", "-std=c++17"])
+        module = SourceModule(SOURCE.read_text(), no_extern_c=True, arch=arch, options=NVCC_OPTIONS,
+                              include_dirs=[str(HEADERS)])
         sms = dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
         optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         launch = probe_launch(drv, module)

@@ -2,7 +2,7 @@
 // one of the cost model's assumptions (prism_dsl/backend/cost.py): what a launch costs, how long a load from
 // device memory takes, and what bandwidth B blocks reach with F bytes of copies in flight each.
 
-#include <cstdint>
+#include "prism.cuh"  // the generated code's own copy primitives (templates/)
 
 // Nothing: a launch's own cost.
 extern "C" __global__ void probe_empty() {}
@@ -19,18 +19,8 @@ extern "C" __global__ void probe_chase(const unsigned* __restrict__ next, unsign
     *sink = at;
 }
 
-__device__ __forceinline__ void copy16(void* smem, const void* global) {
-    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global));
-}
-
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void wait_pending() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // Block b streams its `tiles` tiles of `tile16` 16-byte units (tile b * tiles onwards) through a ring of
-// STAGES tiles in shared memory with cp.async, as the generated loops do: STAGES - 1 tiles in flight while
+// STAGES tiles in shared memory with cp.async (prism.cuh's, as the generated loops use it): STAGES - 1 tiles in flight while
 // one is read. Each thread folds what it reads into an XOR, so every byte is used; the block's XOR goes to
 // out[b], which the host compares with the XOR of the same bytes.
 template <int STAGES>
@@ -40,18 +30,18 @@ __device__ void stream(const uint4* __restrict__ src, long long tiles, int tile1
     auto issue = [&](long long t) {
         uint4* slot = ring + (t % STAGES) * tile16;
         const uint4* from = base + (size_t)t * tile16;
-        for (int i = threadIdx.x; i < tile16; i += blockDim.x) copy16(slot + i, from + i);
+        for (int i = threadIdx.x; i < tile16; i += blockDim.x) prism::cp_async<1>(slot + i, from + i);
     };
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < tiles) issue(s);
-        commit();
+        prism::cp_async_commit();
     }
     uint4 acc = make_uint4(0, 0, 0, 0);
     for (long long t = 0; t < tiles; ++t) {
-        wait_pending<STAGES - 2>();
+        prism::cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile t has landed for every thread, and every thread is done with tile t - 1
         if (t + STAGES - 1 < tiles) issue(t + STAGES - 1);  // into tile t - 1's slot
-        commit();
+        prism::cp_async_commit();
         const uint4* slot = ring + (t % STAGES) * tile16;
         for (int i = threadIdx.x; i < tile16; i += blockDim.x) {
             uint4 v = slot[i];
@@ -59,7 +49,7 @@ __device__ void stream(const uint4* __restrict__ src, long long tiles, int tile1
         }
     }
     unsigned x = acc.x ^ acc.y ^ acc.z ^ acc.w;
-    for (int o = 16; o > 0; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
+    for (int o = 16; o > 0; o >>= 1) x ^= prism::shfl_xor(x, o);
     if ((threadIdx.x & 31) == 0) atomicXor(out + blockIdx.x, x);
 }
 

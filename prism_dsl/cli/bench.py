@@ -79,20 +79,23 @@ def torch_function(program):
     return run
 
 
-def _time_torch(fn, input_sets, repeat: int) -> float:
+def time_torch(call, arg_sets: list, repeat: int, batch: int = 1, warmup: int = 10) -> float:
+    """Microseconds per call of `call(arg_set)`: the median over `repeat` samples, each `batch` calls between two
+    CUDA events over `batch`, rotating through `arg_sets` (warm-up calls first)."""
     import torch
 
-    for _ in range(10):
-        fn(**input_sets[0])
+    for i in range(warmup):
+        call(arg_sets[i % len(arg_sets)])
     torch.cuda.synchronize()
     times = []
-    for i in range(repeat):
+    for r in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(**input_sets[i % len(input_sets)])
+        for j in range(batch):
+            call(arg_sets[(r * batch + j) % len(arg_sets)])
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / batch)
     return float(np.median(times)) * 1000.0
 
 
@@ -121,7 +124,7 @@ def bench(args) -> int:
     for name, fn in (("torch eager", eager), ("torch.compile", torch.compile(eager))):
         got = fn(**dev[0])
         checks = [cuda_runtime.check(g.float().cpu().numpy(), ref[o], RTOL) for g, (o, _) in zip(got, baseline.outputs)]
-        rows.append({"impl": name, "us": round(_time_torch(fn, dev, args.repeat), 3),
+        rows.append({"impl": name, "us": round(time_torch(lambda s: fn(**s), dev, args.repeat), 3),
                      "passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks)})
     roof = roofline.roofline(baseline, binding, hardware)
     table = {"program": program.name, "device": why, "dims": {d.name: int(binding[d.symbol]) for d in baseline.dims},
