@@ -500,3 +500,35 @@ def test_sampled_blocks_of_a_program_of_several_kernels():
     assert any(b["emulated"] < b["grid"] for b in check.emulation["blocks"].values())
     intermediates = [o for o in check.outputs.values() if o.get("against") == "block interpreter"]
     assert intermediates and all(0 < o["elements"] for o in check.outputs.values())
+
+
+def test_the_plain_build_is_optimized_only_for_a_long_run(monkeypatch, tmp_path):
+    """g++ -O1 pays only where the run is long: the pipeline asks for it by the emulated work (the sampled
+    blocks' share of it), and the sanitizers' builds keep their own levels."""
+    from prism_dsl.pipeline import emulation
+    from prism_dsl.pipeline.build import RTOL, check_inputs, plan_of, reference_outputs
+    from test_codegen import ROOT, build_of
+
+    built, _ = build_of(ROOT / "programs" / "rmsnorm_mlp.prism", grid={"x": 4}, archs=())
+    every = emulation.work(built)
+    blocks = emulation.choose_blocks(built, 0, seed=3)
+    assert 0 < emulation.work(built, blocks) < every
+    asked = []
+    real_run = emulate.run
+    monkeypatch.setattr(emulation.emulator, "run", lambda *a, **kw: asked.append(kw["optimize"]) or real_run(*a, **kw))
+    inputs = check_inputs(built, 3)
+    reference = reference_outputs(built, inputs)
+    for limit in (every * 2, every / 2):
+        monkeypatch.setattr(emulation, "OPTIMIZE_WORK", limit)
+        check = emulation.check(built, plan_of(built), inputs, reference, seed=3, rtol=RTOL,
+                                checked_against="input program", extra="all")
+        assert check.passed, check.errors()
+    assert asked == [False, True]
+    commands = []
+    monkeypatch.setattr(emulate.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or
+                        type("Done", (), {"returncode": 0, "stderr": ""})())
+    k = kernel("", {"A": "float*"}, 1)
+    for sanitizer, optimize in ((None, False), (None, True), ("thread", False), ("address", True)):
+        emulate.build([k], {"A": DType.F32}, {"A": (1,)}, tmp_path, sanitizer, optimize=optimize)
+    levels = [[f for f in cmd if f.startswith("-O")] for cmd in commands]
+    assert levels == [["-O0"], ["-O1"], ["-O1"], ["-O0"]]

@@ -49,10 +49,15 @@ RUNTIME = "prism_emu.h"  # the emulation's runtime, beside prism.cuh in template
 SANITIZERS = ("thread", "address")
 THREADS_PER_WAVE = 1024  # threads live at once (whole blocks): what an SM holds is 2048
 TIMEOUT = 600.0  # seconds one emulation may run
+# The plain build is optimized (-O1) only where the caller says the run is long (`optimize`): at the tests'
+# dims g++ takes about a second more at -O1 than the run saves. ThreadSanitizer's runs are slow: -O1 always.
+# AddressSanitizer with UBSan builds at -O0: g++ takes 2-3 times as long to compile UBSan's checks with the
+# optimizer on (15 s against 5 s for fused attention, 2 cores), more than the slower run costs at the dims
+# sanitizers run at, and nothing the sanitizers look for is optimized away.
 _FLAGS = {
-    None: ["-O1"],
+    None: [],
     "thread": ["-O1", "-fsanitize=thread"],
-    "address": ["-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
+    "address": ["-O0", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
 }
 _ENV = {  # each sanitizer stops at its first report, with an exit status of its own
     "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:history_size=4:report_signal_unsafe=0",
@@ -146,8 +151,9 @@ def write_build(kernels: Sequence[RenderedKernel], directory: Path, header: str 
 
 
 def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: Mapping[str, tuple[int, ...]],
-          workdir: Path, sanitizer: str | None = None, header: str | None = None) -> Path:
-    """Compile the kernels and their harness into an executable in `workdir` (under `sanitizer`)."""
+          workdir: Path, sanitizer: str | None = None, header: str | None = None, optimize: bool = False) -> Path:
+    """Compile the kernels and their harness into an executable in `workdir` (under `sanitizer`; the plain
+    build with the optimizer where `optimize`)."""
     cxx = compiler()
     if cxx is None:
         raise PrismError("no C++ compiler (g++ or clang++) for the CPU emulation; set CXX")
@@ -156,7 +162,8 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     write_build(kernels, workdir, header)
     (workdir / "harness.cpp").write_text(_harness(kernels, dtypes, shapes))
     exe = workdir / f"emulate-{sanitizer or 'plain'}"
-    cmd = [cxx, "-std=c++17", "-g", *_FLAGS[sanitizer], "-x", "c++", "harness.cpp", "-o", exe.name]
+    level = ["-O1" if optimize else "-O0"] if sanitizer is None else []
+    cmd = [cxx, "-std=c++17", "-g", *level, *_FLAGS[sanitizer], "-x", "c++", "harness.cpp", "-o", exe.name]
     done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     if done.returncode != 0:
         raise PrismError("the generated kernels do not compile for the CPU emulation:\n" + _compiler_errors(done.stderr))
@@ -177,19 +184,20 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
         inputs: Mapping[str, np.ndarray], workdir: Path | None = None, *, sanitizer: str | None = None,
         blocks: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
         feed: Mapping[str, np.ndarray] | None = None, header: str | None = None,
-        timeout: float = TIMEOUT) -> Result:
+        timeout: float = TIMEOUT, optimize: bool = False) -> Result:
     """Every tensor the kernels write, from the given inputs (float64 arrays of the program's inputs).
 
     `blocks`: per kernel name, the blocks to emulate (all of the grid when a kernel is not named).
     `feed`: tensors some kernels write, given instead: loaded just before the first kernel that reads them
     (a kernel whose producer ran only some blocks reads the reference's values instead).
+    `optimize`: the run is long enough to pay for the plain build's optimizer (`build`).
     Tensors a kernel writes start as NaN, so an element no block writes can never pass a check; those
     written with atomic adds start at zero."""
     blocks, feed = blocks or {}, feed or {}
     shapes = {**{n: np.shape(a) for n, a in inputs.items()}, **shapes}  # inputs' shapes from their arrays
     started = time.perf_counter()
     with files.temp_scratch("emulate") if workdir is None else contextlib.nullcontext(workdir) as workdir:
-        exe = build(kernels, dtypes, shapes, workdir, sanitizer, header)
+        exe = build(kernels, dtypes, shapes, workdir, sanitizer, header, optimize)
         names = _tensors(kernels)
         data = workdir / "data"
         data.mkdir(exist_ok=True)
