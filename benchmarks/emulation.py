@@ -1,7 +1,7 @@
 """How long the thread-faithful emulation takes: every suite program at the tests' small dims, plain and
 under each sanitizer (compiling the emulation included), and a prefill-sized check where blocks are sampled.
 
-    python benchmarks/emulation.py              # the table (about 2 minutes on 2 cores)
+    python benchmarks/emulation.py              # the table (about 13 minutes on 2 cores)
     python benchmarks/emulation.py --prefill    # and the sampled check at n=4096, d=4096 (about 1 more)
 
 Seconds are wall-clock for one `pipeline.emulation.check` (build + run + compare); "blocks" are those
