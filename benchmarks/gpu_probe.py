@@ -1,16 +1,20 @@
 """Measures, on a GPU, the figures the cost model assumes about memory and launches, and prints each beside
 the model's own: what a kernel launch costs (alone, and back to back), how long one load from L2 and from
-device memory takes, and what bandwidth B blocks reach with F bytes of copies in flight each.
+device memory takes, what bandwidth B blocks reach with F bytes of copies in flight each, and what L2
+serves B blocks streaming a footprint that stays in it.
 
     python benchmarks/gpu_probe.py [--hardware h100] [--json FILE]     # needs a CUDA GPU and pycuda
 
 The kernels are in benchmarks/probe.cu. The streaming kernel copies through shared memory with cp.async as
 the generated loops do, and the XOR of everything it read is checked against the host's for every block, so
 a figure is only printed for a kernel that read every byte. The bandwidth table sets each measured figure
-beside `cost.reachable_bandwidth` at the same blocks and bytes in flight, and the summary gives what the
-table implies for the hardware file's constants (`bandwidth_gbs` with BANDWIDTH_REACH, `dram_latency_ns`,
+beside `cost.reachable_bandwidth` at the same blocks and bytes in flight (the L2 table beside
+`cost.reachable_l2_bandwidth`), and the summary gives what the tables imply for the hardware file's
+constants (`bandwidth_gbs` with BANDWIDTH_REACH, `dram_latency_ns`, `l2_bandwidth_gbs`,
 SM_FILL_BYTES_PER_CLOCK, `launch_overhead_us`): the question it settles first is whether half the SMs,
-each with deep pipelines, stream as fast as all of them.
+each with deep pipelines, stream as fast as all of them. That decides attention at decode with 4096 keys,
+where the model prefers 64 blocks each reading all the keys (3 of 4 of them from L2) to 256 blocks and a
+combining kernel: the L2 figures say whether 64 SMs take in those bytes as fast as the model lets them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ STAGES = (2, 3, 4, 5, 9, 17)  # the depths probe.cu instantiates
 THREADS = 128
 STREAM_BYTES = 1 << 30  # far beyond L2: every byte comes from device memory
 SLOT = 256  # bytes between the links of a chase: one per L2 sector group, no two in a line
+L2_FOOTPRINT = 8 << 20  # streamed from L2: within one partition of the H100's (25 MB of 50) and the A100's 40 MB
+L2_READ = 4 << 20  # bytes each block reads of it, from its own place (half of it: the XORs are not all alike)
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,17 @@ def configurations(sms: int) -> list[tuple[int, int, int]]:
     """(blocks, stages, tile bytes) to measure: from an eighth of the SMs to two blocks per SM, each from a
     shallow pipeline of small tiles (4 KB in flight) to 128 KB in flight."""
     depths = [(2, 4096), (3, 4096), (3, 8192), (5, 8192), (3, 16384), (9, 8192), (17, 8192)]
-    blocks = sorted({max(1, sms // 8), max(1, sms // 4), max(1, sms // 2), sms * 3 // 4, sms, 2 * sms})
-    return [(b, s, t) for b in blocks for s, t in depths]
+    return [(b, s, t) for b in block_counts(sms) for s, t in depths]
+
+
+def block_counts(sms: int) -> list[int]:
+    return sorted({max(1, sms // 8), max(1, sms // 4), max(1, sms // 2), sms * 3 // 4, sms, 2 * sms})
+
+
+def l2_configurations(sms: int) -> list[tuple[int, int, int]]:
+    """(blocks, stages, tile bytes) to stream from L2: the same blocks, with 32 and 64 KB in flight, enough
+    that L2's latency (a few hundred ns) does not bind before an SM's intake does."""
+    return [(b, s, t) for b in block_counts(sms) for s, t in ((3, 16384), (9, 8192))]
 
 
 def per_sm_flight(point: Point, hardware: Hardware) -> tuple[int, float]:
@@ -74,14 +89,21 @@ def model_gbs(point: Point, hardware: Hardware) -> float:
     return cost.reachable_bandwidth(hardware, busy, flight) / 1e9
 
 
-def summarize(points: list[Point], hardware: Hardware) -> dict:
+def model_l2_gbs(point: Point, hardware: Hardware) -> float:
+    return cost.reachable_l2_bandwidth(hardware, min(point.blocks, hardware.sms)) / 1e9
+
+
+def summarize(points: list[Point], hardware: Hardware, l2: list[Point] = ()) -> dict:
     """What the measurements say of the model's memory constants:
     - peak_gbs: the most any configuration streamed (the model: bandwidth_gbs * BANDWIDTH_REACH);
     - fill_bytes_per_clock: the most one SM took in, over configurations with at most half the SMs busy, in
       bytes per clock at cost.CLOCK_GHZ (the model: SM_FILL_BYTES_PER_CLOCK);
     - latency_ns: busy * flight / bandwidth, the median over the configurations that stream under 60% of the
       peak and under 60% of that SM intake (where only the bytes in flight can bind; None when none does);
-    - half_over_full: the most streamed with half the SMs over the most with all of them."""
+    - half_over_full: the most streamed with half the SMs over the most with all of them;
+    from the `l2` points (a footprint that stays in L2), where given:
+    - l2_peak_gbs: the most any configuration streamed (the model: l2_bandwidth_gbs);
+    - l2_fill_bytes_per_clock: as fill_bytes_per_clock, with no device memory behind it to bind first."""
     peak = max(p.gbs for p in points)
     half = [p for p in points if p.blocks <= hardware.sms // 2]
     fill = max((p.gbs / p.blocks for p in half), default=None)  # GB/s per SM
@@ -92,13 +114,19 @@ def summarize(points: list[Point], hardware: Hardware) -> dict:
             bound.append(busy * flight / p.gbs)  # bytes / (GB/s) = ns
     halves = [p.gbs for p in points if p.blocks == hardware.sms // 2]
     fulls = [p.gbs for p in points if p.blocks == hardware.sms]
-    return {"peak_gbs": round(peak, 1),
-            "fill_bytes_per_clock": round(fill / cost.CLOCK_GHZ, 1) if fill is not None else None,
-            "latency_ns": round(statistics.median(bound), 1) if bound else None,
-            "half_over_full": round(max(halves) / max(fulls), 3) if halves and fulls else None}
+    summary = {"peak_gbs": round(peak, 1),
+               "fill_bytes_per_clock": round(fill / cost.CLOCK_GHZ, 1) if fill is not None else None,
+               "latency_ns": round(statistics.median(bound), 1) if bound else None,
+               "half_over_full": round(max(halves) / max(fulls), 3) if halves and fulls else None}
+    if l2:
+        l2_fill = max((p.gbs / p.blocks for p in l2 if p.blocks <= hardware.sms // 2), default=None)
+        summary |= {"l2_peak_gbs": round(max(p.gbs for p in l2), 1),
+                    "l2_fill_bytes_per_clock": round(l2_fill / cost.CLOCK_GHZ, 1) if l2_fill is not None else None}
+    return summary
 
 
-def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, device: str) -> str:
+def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, device: str,
+           l2: list[Point] = ()) -> str:
     """The tables and the summary as markdown."""
     lines = [f"# Probes on {device} (hardware file: {hardware.name})", "",
              "| blocks | stages x tile | in flight per block | measured GB/s | model GB/s | measured / model |",
@@ -107,7 +135,15 @@ def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, d
         m = model_gbs(p, hardware)
         lines.append(f"| {p.blocks} | {p.stages} x {p.tile // 1024} KB | {p.flight // 1024} KB | {p.gbs:.0f} | {m:.0f} "
                      f"| {p.gbs / m:.2f} |")
-    s = summarize(points, hardware)
+    if l2:
+        lines += ["", f"From L2 ({L2_FOOTPRINT >> 20} MB streamed over and over, {L2_READ >> 20} MB per block):", "",
+                  "| blocks | stages x tile | in flight per block | measured GB/s | model GB/s | measured / model |",
+                  "|---|---|---|---|---|---|"]
+        for p in l2:
+            m = model_l2_gbs(p, hardware)
+            lines.append(f"| {p.blocks} | {p.stages} x {p.tile // 1024} KB | {p.flight // 1024} KB | {p.gbs:.0f} "
+                         f"| {m:.0f} | {p.gbs / m:.2f} |")
+    s = summarize(points, hardware, l2)
     model_fill = cost.SM_FILL_BYTES_PER_CLOCK
     lines += ["", "| figure | measured | the model's |", "|---|---|---|",
               f"| streaming peak (GB/s) | {s['peak_gbs']} | {hardware.bandwidth_gbs * cost.BANDWIDTH_REACH:.0f} "
@@ -118,6 +154,10 @@ def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, d
               f"(dram_latency_ns) |",
               f"| half the SMs over all of them, at best | {s['half_over_full']} | "
               f"{model_half_over_full(hardware):.3f} |",
+              *([f"| streaming from L2, peak (GB/s) | {s['l2_peak_gbs']} | {hardware.l2_bandwidth_gbs:.0f} "
+                 f"(l2_bandwidth_gbs) |",
+                 f"| one SM's intake from L2, at most half the SMs busy (bytes/clock) | "
+                 f"{s['l2_fill_bytes_per_clock']} | {model_fill} (SM_FILL_BYTES_PER_CLOCK) |"] if l2 else []),
               f"| one load's latency from device memory, unloaded (ns) | {chase['dram_ns']:.0f} | |",
               f"| one load's latency from L2 (ns) | {chase['l2_ns']:.0f} | |",
               f"| a launch timed alone (us) | {launch['alone_us']:.2f} | {hardware.launch_overhead_us} "
@@ -178,39 +218,54 @@ def probe_chase(drv, module, footprint: int, steps: int, seed: int = 0) -> float
     return statistics.median(times) * 1e6 / steps
 
 
-def probe_stream(drv, module, sms: int, smem_optin: int) -> list[Point]:
-    words = np.random.default_rng(1).integers(0, 2**32, STREAM_BYTES // 4, dtype=np.uint32)
+def block_xors(words: np.ndarray, blocks: int, start: int, count: int, wrap: int) -> np.ndarray:
+    """The XOR of words [b * start, b * start + count) modulo `wrap` of `words`, for every block b (at most one wrap)."""
+    prefix = np.concatenate([[0], np.bitwise_xor.accumulate(words[:wrap])]).astype(np.uint32)
+    first = np.arange(blocks, dtype=np.int64) * start % wrap
+    end = first + count
+    inside = prefix[np.minimum(end, wrap)] ^ prefix[first]
+    return np.where(end > wrap, inside ^ prefix[np.maximum(end - wrap, 0)], inside)
+
+
+def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False) -> list[Point]:
+    """GB/s for each configuration: from device memory (each block its own stretch of STREAM_BYTES), or with
+    `l2` from L2 (stretches of L2_FOOTPRINT, L2_READ bytes per block, spread over it)."""
+    words = np.random.default_rng(1).integers(0, 2**32, (L2_FOOTPRINT if l2 else STREAM_BYTES) // 4, dtype=np.uint32)
     src = drv.to_device(words)
     points = []
-    for blocks, stages, tile in configurations(sms):
+    for blocks, stages, tile in (l2_configurations if l2 else configurations)(sms):
         if stages * tile > smem_optin:
             continue
         fn = module.get_function(f"probe_stream_{stages}")
-        fn.prepare("PqiP")
+        fn.prepare("PqiqqP")
         if stages * tile > 48 * 1024:
             fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, stages * tile)
-        tiles = STREAM_BYTES // (blocks * tile)
+        tiles = L2_READ // tile if l2 else STREAM_BYTES // (blocks * tile)
+        step = L2_FOOTPRINT // blocks // tile * tile if l2 else tiles * tile  # bytes between blocks' first tiles
+        wrap = L2_FOOTPRINT if l2 else STREAM_BYTES
         out = drv.mem_alloc(4 * blocks)
 
         def launch():
             drv.memset_d32(out, 0, blocks)
-            fn.prepared_call((blocks, 1, 1), (THREADS, 1, 1), int(src), tiles, tile // 16, int(out),
-                             shared_size=stages * tile)
+            fn.prepared_call((blocks, 1, 1), (THREADS, 1, 1), int(src), tiles, tile // 16, step // 16, wrap // 16,
+                             int(out), shared_size=stages * tile)
 
         times = _events(drv, launch, 5)  # the memset is in the timed region: 4 bytes per block, next to nothing
         got = np.zeros(blocks, np.uint32)
         drv.memcpy_dtoh(got, out)
         out.free()
-        want = np.bitwise_xor.reduce(words[:blocks * tiles * tile // 4].reshape(blocks, -1), axis=1)
+        want = (block_xors(words, blocks, step // 4, tiles * tile // 4, wrap // 4) if l2 else
+                np.bitwise_xor.reduce(words[:blocks * tiles * tile // 4].reshape(blocks, -1), axis=1))
         if not np.array_equal(got, want):
-            raise RuntimeError(f"the streaming kernel ({blocks} blocks, {stages} x {tile} bytes) did not read every "
+            raise RuntimeError(f"the streaming kernel ({blocks} blocks, {stages} x {tile} bytes"
+                               f"{', from L2' if l2 else ''}) did not read every "
                                f"byte: {int((got != want).sum())} of {blocks} blocks' XORs differ from the host's")
         points.append(Point(blocks, stages, tile, blocks * tiles * tile / (statistics.median(times) * 1e-3) / 1e9))
     src.free()
     return points
 
 
-def run() -> tuple[list[Point], dict, dict, str]:
+def run() -> tuple[list[Point], list[Point], dict, dict, str]:
     import pycuda.driver as drv
     from pycuda.compiler import SourceModule
 
@@ -229,7 +284,8 @@ def run() -> tuple[list[Point], dict, dict, str]:
         chase = {"l2_ns": probe_chase(drv, module, 8 << 20, 100_000),
                  "dram_ns": probe_chase(drv, module, 1 << 30, 100_000)}
         points = probe_stream(drv, module, sms, optin)
-        return points, launch, chase, f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
+        l2 = probe_stream(drv, module, sms, optin, l2=True)
+        return points, l2, launch, chase, f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
     finally:
         drv.Context.pop()
 
@@ -246,12 +302,13 @@ def main() -> int:
         print(f"gpu_probe.py needs a usable CUDA GPU: {why}", file=sys.stderr)
         return 1
     hardware = load_hardware(args.hardware)
-    points, launch, chase, device = run()
-    print(report(points, launch, chase, hardware, device))
+    points, l2, launch, chase, device = run()
+    print(report(points, launch, chase, hardware, device, l2))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "launch": launch, "chase": chase,
                                                "stream": [asdict(p) for p in points],
-                                               "summary": summarize(points, hardware)}, indent=2) + "\n")
+                                               "l2_stream": [asdict(p) for p in l2],
+                                               "summary": summarize(points, hardware, l2)}, indent=2) + "\n")
     return 0
 
 

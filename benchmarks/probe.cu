@@ -1,6 +1,7 @@
 // Probes of the memory system and the launch path, read by benchmarks/gpu_probe.py on a GPU. Each answers
 // one of the cost model's assumptions (prism_dsl/backend/cost.py): what a launch costs, how long a load from
-// device memory takes, and what bandwidth B blocks reach with F bytes of copies in flight each.
+// device memory takes, and what bandwidth B blocks reach with F bytes of copies in flight each, from device
+// memory and from L2.
 
 #include "prism.cuh"  // the generated code's own copy primitives (templates/)
 
@@ -19,17 +20,21 @@ extern "C" __global__ void probe_chase(const unsigned* __restrict__ next, unsign
     *sink = at;
 }
 
-// Block b streams its `tiles` tiles of `tile16` 16-byte units (tile b * tiles onwards) through a ring of
-// STAGES tiles in shared memory with cp.async (prism.cuh's, as the generated loops use it): STAGES - 1 tiles in flight while
-// one is read. Each thread folds what it reads into an XOR, so every byte is used; the block's XOR goes to
-// out[b], which the host compares with the XOR of the same bytes.
+// Block b streams `tiles` tiles of `tile16` 16-byte units, from unit b * step16 onwards, wrapping around at
+// unit wrap16: each block its own stretch of a buffer far larger than L2 (step16 = tiles * tile16, wrap16
+// the whole buffer), or stretches of one footprint that stays in L2 (wrap16 that footprint), so that L2, not
+// device memory, serves every load. The tiles go through a ring of STAGES tiles in shared memory with
+// cp.async (prism.cuh's, as the generated loops use it): STAGES - 1 tiles in flight while one is read. Each
+// thread folds what it reads into an XOR, so every byte is used; the block's XOR goes to out[b], which the
+// host compares with the XOR of the same bytes.
 template <int STAGES>
-__device__ void stream(const uint4* __restrict__ src, long long tiles, int tile16, unsigned* out) {
+__device__ void stream(const uint4* __restrict__ src, long long tiles, int tile16, long long step16, long long wrap16,
+                       unsigned* out) {
     extern __shared__ uint4 ring[];
-    const uint4* base = src + (size_t)blockIdx.x * tiles * tile16;
+    const long long first = blockIdx.x * step16;
     auto issue = [&](long long t) {
         uint4* slot = ring + (t % STAGES) * tile16;
-        const uint4* from = base + (size_t)t * tile16;
+        const uint4* from = src + (first + t * tile16) % wrap16;  // step16 and wrap16 are whole tiles
         for (int i = threadIdx.x; i < tile16; i += blockDim.x) prism::cp_async<1>(slot + i, from + i);
     };
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -54,8 +59,9 @@ __device__ void stream(const uint4* __restrict__ src, long long tiles, int tile1
 }
 
 #define PROBE_STREAM(S) \
-    extern "C" __global__ void probe_stream_##S(const uint4* src, long long tiles, int tile16, unsigned* out) { \
-        stream<S>(src, tiles, tile16, out); \
+    extern "C" __global__ void probe_stream_##S(const uint4* src, long long tiles, int tile16, long long step16, \
+                                                long long wrap16, unsigned* out) { \
+        stream<S>(src, tiles, tile16, step16, wrap16, out); \
     }
 PROBE_STREAM(2)
 PROBE_STREAM(3)

@@ -38,7 +38,11 @@ def test_the_probe_summary_gives_back_the_models_own_constants(name):
     hardware = load_hardware(name)
     points = [probe.Point(b, s, t, 0.0) for b, s, t in probe.configurations(hardware.sms)]
     points = [probe.Point(p.blocks, p.stages, p.tile, probe.model_gbs(p, hardware)) for p in points]
-    summary = probe.summarize(points, hardware)
+    l2 = [probe.Point(b, s, t, 0.0) for b, s, t in probe.l2_configurations(hardware.sms)]
+    l2 = [probe.Point(p.blocks, p.stages, p.tile, probe.model_l2_gbs(p, hardware)) for p in l2]
+    summary = probe.summarize(points, hardware, l2)
+    assert summary["l2_peak_gbs"] == pytest.approx(hardware.l2_bandwidth_gbs, rel=1e-3)
+    assert summary["l2_fill_bytes_per_clock"] == pytest.approx(cost.SM_FILL_BYTES_PER_CLOCK, rel=1e-3)
     assert summary["peak_gbs"] == pytest.approx(hardware.bandwidth_gbs * cost.BANDWIDTH_REACH, rel=1e-3)
     assert summary["fill_bytes_per_clock"] == pytest.approx(cost.SM_FILL_BYTES_PER_CLOCK, rel=1e-3)
     assert summary["latency_ns"] == pytest.approx(hardware.dram_latency_ns, rel=1e-3)
@@ -60,13 +64,35 @@ def test_the_probe_summary_reads_a_slower_machine_as_slower():
     slow = [probe.Point(p.blocks, p.stages, p.tile, min(
         2000.0, min(p.blocks, hardware.sms) * 56.0,
         probe.per_sm_flight(p, hardware)[0] * probe.per_sm_flight(p, hardware)[1] / 1200.0)) for p in points]
-    summary = probe.summarize(slow, hardware)
+    # and whose L2 serves 5.5 TB/s at most, 45 GB/s to one SM
+    l2 = [probe.Point(b, s, t, min(5500.0, min(b, hardware.sms) * 45.0)) for b, s, t in
+          probe.l2_configurations(hardware.sms)]
+    summary = probe.summarize(slow, hardware, l2)
     assert summary["peak_gbs"] == 2000.0
     assert summary["fill_bytes_per_clock"] == pytest.approx(56.0 / cost.CLOCK_GHZ, rel=1e-3)
     assert summary["latency_ns"] == pytest.approx(1200.0, rel=1e-3)
+    assert summary["l2_peak_gbs"] == 5500.0
+    assert summary["l2_fill_bytes_per_clock"] == pytest.approx(45.0 / cost.CLOCK_GHZ, rel=1e-3)
     table = probe.report(slow, {"alone_us": 4.0, "back_to_back_us": 2.0}, {"l2_ns": 250.0, "dram_ns": 700.0},
-                         hardware, "a test device")
+                         hardware, "a test device", l2)
     assert "| 1200.0 | 600 (dram_latency_ns) |" in table and "a test device" in table
+    assert "| streaming from L2, peak (GB/s) | 5500.0 | 10000 (l2_bandwidth_gbs) |" in table
+    assert "From L2 (8 MB streamed over and over, 4 MB per block)" in table
+
+
+def test_the_l2_probe_expects_the_xor_of_the_words_its_blocks_read():
+    """Each block reads `count` words from its own place in the footprint, wrapping around at its end, tile by
+    tile as probe.cu addresses them: the host's expected XORs are those of exactly those words."""
+    words = np.random.default_rng(0).integers(0, 2**32, 1 << 12, dtype=np.uint32)
+    wrap, tile = 1 << 12, 64  # words
+    for blocks in (3, 7, 64):
+        start = wrap // blocks // tile * tile
+        count = wrap // 2
+        read = [np.concatenate([words[(b * start + t * tile) % wrap:][:tile] for t in range(count // tile)])
+                for b in range(blocks)]
+        want = [np.bitwise_xor.reduce(r) for r in read]
+        assert list(probe.block_xors(words, blocks, start, count, wrap)) == want
+        assert len(set(want)) == blocks  # distinct: a block that read the wrong place would be found
 
 
 def test_the_probe_refuses_to_run_without_a_gpu():

@@ -189,8 +189,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
     k = c.kernel
     laid = laid or layout(c, config)
     registered = {acc.args[0] for acc in laid.registers} | set(laid.flash)  # products in registers (mma.sync, wgmma)
-    shape = c.shape
-    blocks, loop = c.blocks(), iterations(c)
+    shape, blocks, loop = c.shape, c.blocks(), iterations(c)
     varying = loop_varying(k)
     dram = l2 = 0
     for load in k.loads:
@@ -207,8 +206,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
         out = math.prod(c.output_shape(i)) * stored_dtype(k, i).bytes
         summed = math.prod(g for a, g in c.grid if a not in store.map.axes())
         dram += out * (summed if store.add else 1)
-    p = plan(k)
-    after = after_loop(k.body())
+    p, after = plan(k), after_loop(k.body())
     flops = tc = vec = looped = 0
     # Values made once: after the loop, or before it from tiles it does not split (and the values evaluated
     # in place where only those read them); the rest every iteration.
@@ -224,9 +222,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
         times = blocks * (1 if n in once else loop)
         f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
         v = _vector_flops(c, n, f, laid.threads, config)
-        flops += f * times
-        tc += t * times
-        vec += v * times
+        flops, tc, vec = flops + f * times, tc + t * times, vec + v * times
         looped += 0 if n in once else (f - v) * times
     return Work(dram, l2, round(flops), round(tc), round(vec), round(looped))
 
@@ -281,8 +277,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     busy = min(blocks, hardware.sms)
     us = 1e6
     flight = math.ceil(resident / busy) * _bytes_in_flight(c, shape)
-    fill = busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9
-    t_mem = max(dram / reachable_bandwidth(hardware, busy, flight), l2 / min(hardware.l2_bandwidth_gbs * 1e9, fill)) * us
+    t_mem = max(dram / reachable_bandwidth(hardware, busy, flight), l2 / reachable_l2_bandwidth(hardware, busy)) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / (busy / hardware.sms)
     tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
     if tail == 1 and blocks > resident:  # equal blocks: the last wave's idle slots leave their SMs' math unused
@@ -302,6 +297,11 @@ def reachable_bandwidth(hardware: Hardware, busy: int, flight: float) -> float:
     """Bytes per second from device memory for `busy` SMs keeping `flight` bytes in flight each (the docstring's bw)."""
     return min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9),
                busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9)
+
+
+def reachable_l2_bandwidth(hardware: Hardware, busy: int) -> float:
+    """Bytes per second L2 serves to `busy` SMs: its own bandwidth, or what those SMs take in (min(l2 bw, fill))."""
+    return min(hardware.l2_bandwidth_gbs * 1e9, busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9)
 
 
 def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
