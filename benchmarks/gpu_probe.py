@@ -128,21 +128,10 @@ def summarize(points: list[Point], hardware: Hardware, l2: list[Point] = ()) -> 
 def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, device: str,
            l2: list[Point] = ()) -> str:
     """The tables and the summary as markdown."""
-    lines = [f"# Probes on {device} (hardware file: {hardware.name})", "",
-             "| blocks | stages x tile | in flight per block | measured GB/s | model GB/s | measured / model |",
-             "|---|---|---|---|---|---|"]
-    for p in points:
-        m = model_gbs(p, hardware)
-        lines.append(f"| {p.blocks} | {p.stages} x {p.tile // 1024} KB | {p.flight // 1024} KB | {p.gbs:.0f} | {m:.0f} "
-                     f"| {p.gbs / m:.2f} |")
+    lines = [f"# Probes on {device} (hardware file: {hardware.name})", "", *_table(points, model_gbs, hardware)]
     if l2:
         lines += ["", f"From L2 ({L2_FOOTPRINT >> 20} MB streamed over and over, {L2_READ >> 20} MB per block):", "",
-                  "| blocks | stages x tile | in flight per block | measured GB/s | model GB/s | measured / model |",
-                  "|---|---|---|---|---|---|"]
-        for p in l2:
-            m = model_l2_gbs(p, hardware)
-            lines.append(f"| {p.blocks} | {p.stages} x {p.tile // 1024} KB | {p.flight // 1024} KB | {p.gbs:.0f} "
-                         f"| {m:.0f} | {p.gbs / m:.2f} |")
+                  *_table(l2, model_l2_gbs, hardware)]
     s = summarize(points, hardware, l2)
     model_fill = cost.SM_FILL_BYTES_PER_CLOCK
     lines += ["", "| figure | measured | the model's |", "|---|---|---|",
@@ -164,6 +153,16 @@ def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, d
               f"(launch_overhead_us) |",
               f"| a launch among launches back to back (us) | {launch['back_to_back_us']:.2f} | |"]
     return "\n".join(lines)
+
+
+def _table(points: list[Point], model, hardware: Hardware) -> list[str]:
+    lines = ["| blocks | stages x tile | in flight per block | measured GB/s | model GB/s | measured / model |",
+             "|---|---|---|---|---|---|"]
+    for p in points:
+        m = model(p, hardware)
+        lines.append(f"| {p.blocks} | {p.stages} x {p.tile // 1024} KB | {p.flight // 1024} KB | {p.gbs:.0f} | {m:.0f} "
+                     f"| {p.gbs / m:.2f} |")
+    return lines
 
 
 def model_half_over_full(hardware: Hardware) -> float:
