@@ -50,7 +50,8 @@ SANITIZERS = ("thread", "address")
 THREADS_PER_WAVE = 1024  # threads live at once (whole blocks): what an SM holds is 2048
 TIMEOUT = 600.0  # seconds one emulation may run
 # The plain build is optimized (-O1) only where the caller says the run is long (`optimize`): at the tests'
-# dims g++ takes about a second more at -O1 than the run saves. ThreadSanitizer's runs are slow: -O1 always.
+# dims g++ takes about a second more at -O1 than the run saves. ThreadSanitizer's build: -O1 (the two measured
+# about even: a faster build, a slower run).
 # AddressSanitizer with UBSan builds at -O0: g++ takes 2-3 times as long to compile UBSan's checks with the
 # optimizer on (15 s against 5 s for fused attention, 2 cores), more than the slower run costs at the dims
 # sanitizers run at, and nothing the sanitizers look for is optimized away.
