@@ -10,15 +10,15 @@ Two steps, so that the GPU machine needs neither the search nor its prover (eggl
 
 `prepare` compiles every workload of `static_report.WORKLOADS` into DIR/<workload>/ (`prismc compile`: its
 kernels, launcher.py and report.json) beside the program as written (`baseline.prism`). `run` takes each such
-directory as a user would: the kernels through the plan and runtime of the directory's own launcher.py.
-Every implementation runs on the same random inputs (each rounded to its dtype) and is checked against the float64 reference of the program as written before its
-time counts. Each is timed with CUDA events, the median of `REPEAT` samples, rotating through enough input
-sets to defeat the L2 cache; each sample is `BATCH` calls back to back over `BATCH`, the time per call once
-launches queue up as in a model's forward pass (the time of one call alone is given too, for ours). A row's
-figures are written to DIR/<workload>/gpu.json as soon as they are measured, so `run` can be split over
-several commands (`--only`) and takes up where it stopped; `--again` measures again. RESULTS.md is written
-from every gpu.json there is, by `run` and by `table` (which needs no GPU: for gpu.json files brought back
-from the GPU machine).
+directory as a user would: the kernels through the plan and runtime of the directory's own launcher.py. Every
+implementation runs on the same random inputs (each rounded to its dtype) and is checked against the float64
+reference of the program as written before its time counts. Each is timed with CUDA events, the median of
+`REPEAT` samples, rotating through enough input sets to defeat the L2 cache; each sample is `BATCH` calls back
+to back over `BATCH`, the time per call once launches queue up as in a model's forward pass (the time of one
+call alone is given too, for ours). A row's figures are written to DIR/<workload>/gpu.json as soon as they are
+measured, so `run` can be split over several commands (`--only`) and takes up where it stopped; `--again`
+measures again. RESULTS.md is written from every gpu.json there is, by `run` and by `table` (which needs no
+GPU: for gpu.json files brought back from the GPU machine).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]

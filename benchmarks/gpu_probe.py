@@ -218,7 +218,8 @@ def probe_chase(drv, module, footprint: int, steps: int, seed: int = 0) -> float
 
 
 def block_xors(words: np.ndarray, blocks: int, start: int, count: int, wrap: int) -> np.ndarray:
-    """The XOR of words [b * start, b * start + count) modulo `wrap` of `words`, for every block b (at most one wrap)."""
+    """The XOR of words [b * start, b * start + count) modulo `wrap` of `words`, for every block b (at most one
+    wrap)."""
     prefix = np.concatenate([[0], np.bitwise_xor.accumulate(words[:wrap])]).astype(np.uint32)
     first = np.arange(blocks, dtype=np.int64) * start % wrap
     end = first + count
@@ -284,7 +285,8 @@ def run() -> tuple[list[Point], list[Point], dict, dict, str]:
                  "dram_ns": probe_chase(drv, module, 1 << 30, 100_000)}
         points = probe_stream(drv, module, sms, optin)
         l2 = probe_stream(drv, module, sms, optin, l2=True)
-        return points, l2, launch, chase, f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
+        device = f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
+        return points, l2, launch, chase, device
     finally:
         drv.Context.pop()
 
