@@ -462,6 +462,7 @@ def emulated_gpu(monkeypatch):
     """`--rank measure` on a CPU: the GPU check is the C++ emulation of the generated code, timed as the
     model estimates. Everything around it (search, tuning database, report) is the real path."""
     from prism_dsl.pipeline import build
+    from prism_dsl.pipeline.report import Check
     from prism_dsl.backend import cuda_runtime
 
     if not emulate.compiler():
@@ -471,7 +472,7 @@ def emulated_gpu(monkeypatch):
     def check_gpu(built, directory, seed):
         seen.append(sorted(p.name for p in Path(directory).iterdir()))
         checked = build.check_emulated(built, seed)
-        result = {f: getattr(checked, f) for f in build.Check.__dataclass_fields__}
+        result = {f: getattr(checked, f) for f in Check.__dataclass_fields__}
         us = sum(e.time_us for e in built.estimates)
         return build.GpuCheck(**result, device="emulated", timing_ms={"median_ms": us / 1000},
                               kernels_ms={k.name: {"median_ms": e.time_us / 1000}

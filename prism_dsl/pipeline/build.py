@@ -39,7 +39,7 @@ from ..prove.prover import check_signatures, pair_outputs
 from ..semantics.blocks import evaluate
 from ..semantics.reference import bind_dims, check_sizes, concrete_shape, random_inputs
 from . import emulation
-from .report import Check, EmulationCheck, GpuCheck, NvccCheck, Skipped
+from .report import EmulationCheck, GpuCheck, NvccCheck, Skipped
 
 ARCHS = ("sm_90", "sm_80")
 RTOL = 1e-2  # f16 storage: about three decimal digits
