@@ -4,12 +4,13 @@ reference and timed beside PyTorch eager, torch.compile and, for attention, scal
 
 Two steps, so that the GPU machine needs neither the search nor its prover (egglog):
 
-    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME] [--time-limit S]   # any machine
+    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME] [--time-limit S] [--hardware NAME]  # any machine
     python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME] [--again]               # CUDA GPU, pycuda, torch
     python benchmarks/gpu_fused.py table [--dir out/gpu]                                     # any machine
 
 `prepare` compiles every workload of `static_report.WORKLOADS` into DIR/<workload>/ (`prismc compile`: its
-kernels, launcher.py and report.json) beside the program as written (`baseline.prism`). `run` takes each such
+kernels, launcher.py and report.json, tuned for the hardware file `--hardware` names, h100 by default) beside the
+program as written (`baseline.prism`). `run` takes each such
 directory as a user would: the kernels through the plan and runtime of the directory's own launcher.py. Every
 implementation runs on the same random inputs (each rounded to its dtype) and is checked against the float64
 reference of the program as written before its time counts. Each is timed with CUDA events, the median of
@@ -41,7 +42,7 @@ from static_report import WORKLOADS  # noqa: E402
 
 from prism_dsl.base.errors import PrismError  # noqa: E402
 from prism_dsl.cli.bench import TORCH, time_torch, torch_function  # noqa: E402
-from prism_dsl.kernels.hardware import load_hardware  # noqa: E402
+from prism_dsl.kernels.hardware import for_device, load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
 from prism_dsl.semantics.blocks import evaluate  # noqa: E402
 from prism_dsl.semantics.reference import bind_dims, concrete_shape, random_inputs  # noqa: E402
@@ -70,13 +71,15 @@ def prepare(args, workloads=WORKLOADS) -> int:
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
                                "--dims", dims, "-o", str(out), "--no-emulate", "--arch", "sm_90",
+                               "--hardware", args.hardware,
                                "--time-limit", str(args.time_limit)], capture_output=True, text=True)
         if done.returncode:
             failed += 1
             print(f"{name}: prismc compile failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
             continue
         shutil.copy(ROOT / "programs" / f"{program}.prism", out / "baseline.prism")
-        (out / "case.json").write_text(json.dumps({"workload": name, "program": program, "dims": dims}) + "\n")
+        case = {"workload": name, "program": program, "dims": dims, "hardware": args.hardware}
+        (out / "case.json").write_text(json.dumps(case) + "\n")
         print(f"{name}: {out} ({time.monotonic() - started:.0f} s)")
     return 1 if failed else 0
 
@@ -134,11 +137,12 @@ def oracle(out: Path, hardware_name: str):
     return launcher, baseline, sets, reference, pairs
 
 
-def run_case(out: Path, hardware_name: str) -> dict:
+def run_case(out: Path) -> dict:
     import torch
 
     case = json.loads((out / "case.json").read_text())
     report = json.loads((out / "report.json").read_text())
+    hardware_name = case.get("hardware", "h100")  # what `prepare` compiled for
     launcher, baseline, sets, reference, pairs = oracle(out, hardware_name)
     rt, plan = launcher.prism_runtime, launcher.PLAN
     rows = {}
@@ -173,17 +177,19 @@ def run_case(out: Path, hardware_name: str) -> dict:
     del device_sets, impls
     torch.cuda.empty_cache()
     return {"workload": case["workload"], "dims": case["dims"], "device": rt.gpu_status()[1],
-            "sets": len(sets), "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
+            "hardware": load_hardware(hardware_name).name, "sets": len(sets), "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
             "kernels": len(plan["kernels"]), "rows": rows}
 
 
 def table(results: list[dict]) -> str:
     devices = sorted({r["device"] for r in results})
+    files = sorted({r.get("hardware", "H100") for r in results})
     lines = [f"# GPU results ({', '.join(devices)})", "",
              "Written by `python benchmarks/gpu_fused.py run` (after `prepare`). Every implementation is checked "
              f"against the float64 reference (relative tolerance {RTOL}); times are CUDA-event medians in microseconds, "
              f"each sample {BATCH} calls back to back over {BATCH}; \"alone\" is one call of ours between two events. "
-             "\"model\" is the cost model's estimate, \"floor\" the roofline floor.", "",
+             f"\"model\" is the cost model's estimate, \"floor\" the roofline floor, both for the hardware file "
+             f"{', '.join(files)}, which the programs were tuned for.", "",
              "| workload | kernels | ours | ours alone | torch eager | torch.compile | sdpa | model | floor | ours / floor "
              "| ours / torch.compile | max rel err (ours) | checks |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -203,6 +209,11 @@ def table(results: list[dict]) -> str:
                      f"| {us('torch eager')} | {us('torch.compile')} | {us('sdpa')} | {r['model_us']:.1f} "
                      f"| {r['floor_us']:.1f} | {ours['us'] / r['floor_us']:.2f} | {versus} | {ours['max_rel_err']:.1e} "
                      f"| {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
+    elsewhere = [f"- {r['workload']}: tuned and modelled for {r.get('hardware', 'H100')}, measured on {r['device']}"
+                 for r in results if (for_device(r["device"]) or "").upper() != r.get("hardware", "H100")]
+    if elsewhere:
+        lines += ["", "Measured on another GPU than the hardware file's (`prepare --hardware NAME` tunes for it):",
+                  *elsewhere]
     errors = [f"- {r['workload']}, {impl}: {row['error']}" for r in results for impl, row in r["rows"].items()
               if "error" in row]
     if errors:
@@ -231,7 +242,7 @@ def run(args) -> int:
             continue
         started = time.monotonic()
         try:
-            result = run_case(out, args.hardware)
+            result = run_case(out)
         except (PrismError, RuntimeError, OSError) as err:
             failed += 1
             print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
@@ -261,9 +272,10 @@ def main() -> int:
     sub = parser.add_subparsers(dest="step", required=True)
     pre = sub.add_parser("prepare", help="compile every workload into DIR (any machine)")
     pre.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
+    pre.add_argument("--hardware", default="h100", help="the hardware file to tune for and to take the model and the "
+                     "floor from: the GPU's (h100, h200, a100)")
     go = sub.add_parser("run", help="check and time the prepared workloads (a CUDA GPU)")
     go.add_argument("--again", action="store_true", help="measure workloads that already have a gpu.json")
-    go.add_argument("--hardware", default="h100", help="the hardware file the reference's kernels are read for")
     tab = sub.add_parser("table", help="write benchmarks/RESULTS.md from the gpu.json files in DIR (any machine)")
     for p in (pre, go, tab):
         p.add_argument("--dir", default=str(ROOT / "out" / "gpu"), help="where the compiled workloads are")

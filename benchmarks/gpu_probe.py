@@ -3,7 +3,10 @@ the model's own: what a kernel launch costs (alone, and back to back), how long 
 device memory takes, what bandwidth B blocks reach with F bytes of copies in flight each, and what L2
 serves B blocks streaming a footprint that stays in it.
 
-    python benchmarks/gpu_probe.py [--hardware h100] [--json FILE]     # needs a CUDA GPU and pycuda
+    python benchmarks/gpu_probe.py [--hardware NAME] [--json FILE]     # needs a CUDA GPU and pycuda
+
+The figures are compared with the hardware file the device's name names (h100 on an H100, h200 on an H200;
+`hardware.for_device`), h100 where none does, or the one `--hardware` gives.
 
 The kernels are in benchmarks/probe.cu. The streaming kernel copies through shared memory with cp.async as
 the generated loops do, and the XOR of everything it read is checked against the host's for every block, so
@@ -34,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from prism_dsl.backend import cost  # noqa: E402
 from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS  # noqa: E402
 from prism_dsl.backend.launch import blocks_per_sm  # noqa: E402
-from prism_dsl.kernels.hardware import Hardware, load_hardware  # noqa: E402
+from prism_dsl.kernels.hardware import Hardware, for_device, load_hardware  # noqa: E402
 
 SOURCE = Path(__file__).with_name("probe.cu")
 HEADERS = ROOT / "templates"  # prism.cuh, whose cp.async the streaming kernel uses
@@ -293,7 +296,8 @@ def run() -> tuple[list[Point], list[Point], dict, dict, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hardware", default="h100", help="the hardware file whose figures to compare with")
+    parser.add_argument("--hardware", help="the hardware file whose figures to compare with (default: the one the "
+                        "device's name names, else h100)")
     parser.add_argument("--json", help="also write every measurement to this file")
     args = parser.parse_args()
     from prism_dsl.backend.cuda_runtime import gpu_status
@@ -302,7 +306,7 @@ def main() -> int:
     if not ok:
         print(f"gpu_probe.py needs a usable CUDA GPU: {why}", file=sys.stderr)
         return 1
-    hardware = load_hardware(args.hardware)
+    hardware = load_hardware(args.hardware or for_device(why) or "h100")
     points, l2, launch, chase, device = run()
     print(report(points, launch, chase, hardware, device, l2))
     if args.json:

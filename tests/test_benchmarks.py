@@ -33,7 +33,7 @@ def script(name: str):
 probe = script("gpu_probe")
 
 
-@pytest.mark.parametrize("name", ["h100", "a100"])
+@pytest.mark.parametrize("name", ["h100", "h200", "a100"])
 def test_the_probe_summary_gives_back_the_models_own_constants(name):
     hardware = load_hardware(name)
     points = [probe.Point(b, s, t, 0.0) for b, s, t in probe.configurations(hardware.sms)]
@@ -127,7 +127,7 @@ fused = script("gpu_fused")
 def prepared(tmp_path_factory):
     """One small workload compiled by `gpu_fused.py prepare`, as the GPU step finds it."""
     directory = tmp_path_factory.mktemp("gpu")
-    args = type("Args", (), {"dir": str(directory), "only": None, "time_limit": 10.0})
+    args = type("Args", (), {"dir": str(directory), "only": None, "time_limit": 10.0, "hardware": "h100"})
     assert fused.prepare(args, [("rmsnorm_mlp small", "rmsnorm_mlp", "n=8,d=256")]) == 0
     return directory / "rmsnorm_mlp_small"
 
@@ -136,7 +136,8 @@ def test_prepare_writes_what_the_gpu_step_reads(prepared):
     for name in ("case.json", "baseline.prism", "report.json", "launcher.py", "prism_runtime.py", "prism.cuh"):
         assert (prepared / name).is_file(), name
     assert json.loads((prepared / "case.json").read_text()) == {"workload": "rmsnorm_mlp small",
-                                                                "program": "rmsnorm_mlp", "dims": "n=8,d=256"}
+                                                                "program": "rmsnorm_mlp", "dims": "n=8,d=256",
+                                                                "hardware": "h100"}
     assert (prepared / "baseline.prism").read_text() == (BENCHMARKS.parent / "programs/rmsnorm_mlp.prism").read_text()
 
 
@@ -181,6 +182,22 @@ def test_the_results_table_names_every_implementation_and_every_failure():
                          "model_us": 13.0, "kernels": 2, "rows": rows}])
     assert "| 40.0 | did not run | 10.0 (wrong) | 13.0 | 10.0 | 1.20 | - | 3.0e-04 | FAILED: torch.compile, sdpa |" in text
     assert text.endswith("Baselines that did not run:\n- w, torch.compile: BackendCompilerFailed: no C compiler\n")
+    assert "both for the hardware file H100, which" in text
+    assert "- w: tuned and modelled for H100, measured on a GPU\n" in text  # a device no file names
+
+
+def test_the_results_table_says_where_the_device_is_not_the_one_tuned_for():
+    rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
+            "torch eager": {"passed": True, "max_rel_err": 1e-3, "us": 40.0},
+            "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0}}
+    result = {"dims": "d", "sets": 3, "floor_us": 10.0, "model_us": 13.0, "kernels": 1, "rows": rows}
+    text = fused.table([result | {"workload": "a", "device": "NVIDIA H100 80GB HBM3", "hardware": "H100"},
+                        result | {"workload": "b", "device": "NVIDIA H200", "hardware": "H100"},
+                        result | {"workload": "c", "device": "NVIDIA H200", "hardware": "H200"}])
+    assert "# GPU results (NVIDIA H100 80GB HBM3, NVIDIA H200)" in text
+    assert "both for the hardware file H100, H200, which" in text
+    assert text.endswith("(`prepare --hardware NAME` tunes for it):\n"
+                         "- b: tuned and modelled for H100, measured on NVIDIA H200\n")
 
 
 @pytest.mark.parametrize("program, dims", [
@@ -207,3 +224,11 @@ def test_the_pytorch_baselines_compute_the_program_as_written(program, dims):
         assert np.allclose(got.numpy(), want, rtol=1e-9, atol=1e-9)
     assert fused.sdpa(torch, "causal_attention", {**dims, "q": 1, "kv": 20}) is None  # corners apart
     assert fused.sdpa(torch, "rmsnorm_linear", {}) is None
+
+
+@pytest.mark.parametrize("device, name", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                          ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA H200 NVL", "h200"),
+                                          ("NVIDIA GeForce RTX 4090", None), ("NVIDIA H1000", None)])
+def test_a_device_name_names_its_hardware_file(device, name):
+    from prism_dsl.kernels.hardware import for_device
+    assert for_device(device) == name

@@ -176,8 +176,9 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
 
 
 def _hardware(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hardware", default="h100", metavar="NAME",
-                   help="the hardware, for the limits and the cost model (h100, a100; default h100)")
+    from ..kernels.hardware import hardware_names  # a directory listing: the files in kernels/gpus
+    p.add_argument("--hardware", default="h100", metavar="NAME", help="the hardware, for the limits and the cost "
+                   f"model ({', '.join(hardware_names())}; default h100)")
 
 
 def _gone(p: argparse.ArgumentParser, flag: str, instead: str) -> None:

@@ -43,6 +43,13 @@ def hardware_names() -> list[str]:
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.toml"))
 
 
+def for_device(device: str) -> str | None:
+    """The hardware file named in a CUDA device's name ("NVIDIA H200" -> "h200"), or None where none is. The
+    files describe the SXM parts: an H100 PCIe (114 SMs, 2 TB/s) matches h100 by name all the same."""
+    words = device.lower().replace("-", " ").split()
+    return next((name for name in hardware_names() if name in words), None)
+
+
 @cache
 def load_hardware(name: str = "h100") -> Hardware:
     path = HARDWARE_DIR / f"{name.lower()}.toml"
