@@ -749,6 +749,29 @@ def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monke
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_measuring_on_a_gpu_the_hardware_file_does_not_describe_is_refused(tmp_path, capsys, monkeypatch):
+    """An A100 cannot run kernels made for the H100 (sm_90, 227 KiB of shared memory): refused before the
+    search, naming the file to give; an H200 runs them (its file's limits are the H100's); a GPU no file
+    names is measured as it is."""
+    from prism_dsl.base.errors import PrismError
+    from prism_dsl.pipeline import compile as pipeline_compile
+
+    monkeypatch.setattr(pipeline_compile.cuda_runtime, "gpu_status", lambda: (True, "NVIDIA A100-SXM4-80GB"))
+    out = tmp_path / "out"
+    code = main(["compile", str(ROOT / "programs/fused/rmsnorm_linear.prism"), "-o", str(out), "--rank", "measure"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and not out.exists()
+    assert ("this GPU (NVIDIA A100-SXM4-80GB) is not the hardware the kernels are made for (H100: sm_90, 232448 "
+            "bytes of shared memory per block; it has sm_80, 166912): give --hardware a100") in err
+    pipeline_compile.check_device(load_hardware("a100"))  # what it asks for is accepted
+    for device in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "Some Future GPU"):
+        monkeypatch.setattr(pipeline_compile.cuda_runtime, "gpu_status", lambda d=device: (True, d))
+        pipeline_compile.check_device(H100)
+    monkeypatch.setattr(pipeline_compile.cuda_runtime, "gpu_status", lambda: (False, "no CUDA device found"))
+    with pytest.raises(PrismError, match="needs a usable CUDA GPU: no CUDA device found; use --rank model"):
+        pipeline_compile.check_device(H100)
+
+
 def test_bench_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setenv("PRISM_NO_GPU", "1")
     from prism_dsl.backend.cuda_runtime import gpu_status

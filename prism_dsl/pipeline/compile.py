@@ -21,7 +21,7 @@ from typing import Mapping
 from ..backend import cuda_runtime, roofline
 from ..base.errors import PrismError
 from ..ir.nodes import Program
-from ..kernels.hardware import Hardware
+from ..kernels.hardware import Hardware, for_device, load_hardware
 from ..kernels.kernel import kernels_of
 from ..kernels.lower import lower
 from ..lang.printer import print_program
@@ -65,9 +65,8 @@ class Choice:
 
 def compile_program(request: Request) -> Report:
     """The input program compiled, checked and written to `request.output`; what was found."""
-    if request.options.rank == "measure" and not cuda_runtime.gpu_status()[0]:
-        raise PrismError(f"--rank measure needs a usable CUDA GPU: {cuda_runtime.gpu_status()[1]}; "
-                         "use --rank model without one")
+    if request.options.rank == "measure":
+        check_device(request.hardware)
     check_output(request.output)
     outcome = search(request)
     chosen = choose(request, outcome)
@@ -83,6 +82,22 @@ def compile_program(request: Request) -> Report:
     report = _report(chosen, built, seconds, nvcc, figures, checked, (*texts, "report.json"))
     write(request.output, {**texts, "report.json": report.to_json()})
     return report
+
+
+def check_device(hardware: Hardware) -> None:
+    """For `--rank measure`: a usable GPU, which can run what `hardware` lets the kernels use (its arch, its
+    shared memory per block) where a hardware file names that GPU (`hardware.for_device`); a GPU no file
+    names is measured as it is."""
+    usable, device = cuda_runtime.gpu_status()
+    if not usable:
+        raise PrismError(f"--rank measure needs a usable CUDA GPU: {device}; use --rank model without one")
+    if (own := for_device(device)) is None:
+        return
+    theirs = load_hardware(own)
+    if theirs.arch != hardware.arch or theirs.smem_per_block < hardware.smem_per_block:
+        raise PrismError(f"--rank measure: this GPU ({device}) is not the hardware the kernels are made for "
+                         f"({hardware.name}: {hardware.arch}, {hardware.smem_per_block} bytes of shared memory per "
+                         f"block; it has {theirs.arch}, {theirs.smem_per_block}): give --hardware {own}")
 
 
 def search(request: Request) -> Outcome | None:
