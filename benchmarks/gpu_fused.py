@@ -4,9 +4,9 @@ reference and timed beside PyTorch eager, torch.compile and, for attention, scal
 
 Two steps, so that the GPU machine needs neither the search nor its prover (egglog):
 
-    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME] [--time-limit S] [--hardware NAME]  # any machine
-    python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME] [--again]               # CUDA GPU, pycuda, torch
-    python benchmarks/gpu_fused.py table [--dir out/gpu]                                     # any machine
+    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME] [--time-limit S] [--hardware H]  # any machine
+    python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME] [--again]              # CUDA GPU, pycuda, torch
+    python benchmarks/gpu_fused.py table [--dir out/gpu]                                    # any machine
 
 `prepare` compiles every workload of `static_report.WORKLOADS` into DIR/<workload>/ (`prismc compile`: its
 kernels, launcher.py and report.json, tuned for the hardware file `--hardware` names, h100 by default) beside the
@@ -177,7 +177,8 @@ def run_case(out: Path) -> dict:
     del device_sets, impls
     torch.cuda.empty_cache()
     return {"workload": case["workload"], "dims": case["dims"], "device": rt.gpu_status()[1],
-            "hardware": load_hardware(hardware_name).name, "sets": len(sets), "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
+            "hardware": load_hardware(hardware_name).name, "sets": len(sets),
+            "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
             "kernels": len(plan["kernels"]), "rows": rows}
 
 
