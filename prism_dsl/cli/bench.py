@@ -18,6 +18,7 @@ from ..backend import roofline
 
 from ..backend import cuda_runtime
 from ..pipeline.build import RTOL, BuildOptions, build, measure, reference_outputs
+from ..pipeline.compile import check_device
 from ..lang.check import load
 from ..base.errors import PrismError
 from ..kernels.hardware import load_hardware
@@ -106,6 +107,7 @@ def bench(args) -> int:
     import torch
 
     hardware = load_hardware(args.hardware)
+    check_device(hardware, "prismc bench")  # a GPU the kernels made for `hardware` can run on
     program = load(args.file).program(args.program)
     baseline = load(args.baseline).program() if args.baseline else program
     if kernels_of(baseline):
