@@ -54,7 +54,9 @@ struct __nv_bfloat16 { uint16_t bits; };
 #include <mma.h>
 #include <cstdint>
 #include <type_traits>
-#define PRISM_SMEM(bytes) extern __shared__ __align__(128) unsigned char prism_smem[]
+// Aligned to 1024 bytes: the 128-byte swizzle of wgmma's operands (their descriptors say base offset 0) is of absolute
+// address bits 7-9, so the buffers launch.py places at multiples of 1024 from here must sit at multiples of 1024.
+#define PRISM_SMEM(bytes) extern __shared__ __align__(1024) unsigned char prism_smem[]
 #define PRISM_SHARED_IN(T, offset, bytes, first, last) reinterpret_cast<T*>(prism_smem + (offset))
 #define PRISM_PHASE(p)
 #define PRISM_AT

@@ -489,6 +489,24 @@ def test_every_rendered_kernel_compiles_with_nvcc(path, tmp_path):
             assert r["registers"] > 0 and r["spill_stores"] == 0
 
 
+@needs_nvcc
+@pytest.mark.nvcc
+def test_shared_memory_starts_on_a_swizzle_atom(tmp_path):
+    """wgmma's 128-byte swizzle is of absolute shared-memory address bits 7-9 (its descriptors say base offset
+    0), and launch.py places swizzled tiles at multiples of 1024 bytes from the dynamic shared memory: that
+    must itself start on a multiple of 1024, which the declaration asks for rather than leaving to where ptxas
+    happens to put it: at 0x400 in every kernel here, but at 0x480 with a static `int[5]` before it and a
+    128-byte alignment (nvcc 13, sm_90a; 0x800 with the 1024-byte one)."""
+    (tmp_path / "prism.cuh").write_text((ROOT / "templates/prism.cuh").read_text())
+    (tmp_path / "k.cu").write_text('#include "prism.cuh"\nextern "C" __global__ void k(int* out) {\n'
+                                   '    __shared__ int before[5];\n    PRISM_SMEM(4096);\n    before[threadIdx.x % 5] = 1;\n'
+                                   '    out[0] = static_cast<int>(__cvta_generic_to_shared(prism_smem)) + before[0];\n}\n')
+    done = subprocess.run(["nvcc", "--ptx", "-arch=sm_90a", "k.cu", "-o", "k.ptx"], cwd=tmp_path, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"\.extern \.shared \.align 1024 \.b8 prism_smem\[\]", (tmp_path / "k.ptx").read_text())
+
+
 # -- the generated code, run on the CPU --------------------------------------------------------------------
 
 
