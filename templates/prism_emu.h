@@ -163,6 +163,18 @@ struct Warp {
     void (*op)(const void* const* in, void* const* out) = nullptr;
     std::vector<WgmmaFlight> wgmma;  // in flight, oldest first
     std::vector<size_t> wgmma_groups;  // the sizes of the committed groups among them, oldest first
+    size_t wgmma_issued = 0;  // how many wgmma this warp has issued
+};
+
+// The operands the first warp of a warpgroup to issue its k-th wgmma gave it: the warpgroup's four warps issue
+// one product together, so the other three must give the same (A's descriptor where A is in shared memory,
+// B's, N) before it is complete.
+struct WgmmaIssue {
+    int group;  // the warpgroup
+    size_t k;
+    uintptr_t operands[7];
+    Site site;
+    int warp, warps;  // the first warp's place in the warpgroup; how many of the four have issued it
 };
 
 struct Buffer {
@@ -200,6 +212,7 @@ struct Block {
     char exit_sync = 0;
     Named named[16];
     std::deque<std::pair<const void*, Mbarrier>> mbarriers;  // a deque: their sync addresses stay put
+    std::vector<WgmmaIssue> wgmma_issues;  // each warpgroup's wgmma issued by some of its warps, not yet all four
 };
 
 struct Launch {
@@ -894,6 +907,10 @@ inline void run_wave(const std::vector<prism_dim3>& blocks) {
             if (b->named[id].arrived)
                 fail({b->named[id].site}, "block (%u,%u,%u) ends with %d of named barrier %d's %d arrivals made: a bar.arrive "
                      "no bar.sync waited for", b->idx.x, b->idx.y, b->idx.z, b->named[id].arrived, id, b->named[id].count);
+        for (const WgmmaIssue& issue : b->wgmma_issues)
+            fail({issue.site}, "block (%u,%u,%u) ends with wgmma %zu of warpgroup %d issued by %d of its 4 warps (warp %d "
+                 "first): the warps of a warpgroup issue each wgmma together", b->idx.x, b->idx.y, b->idx.z,
+                 issue.k, issue.group, issue.warps, issue.warp);
         for (Buffer& buf : b->buffers) std::free(buf.base);
         delete b;
     }

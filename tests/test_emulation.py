@@ -216,6 +216,10 @@ IN_FLIGHT = {  # how the batch of WGMMA is waited for: (what replaces its commit
                           "changed before the wgmma.wait_group"),
     # the accumulators read before the wait: undefined (NaN in the emulation)
     "read early": ("prism::wgmma_commit();\n    const float early = d[0];\n    prism::wgmma_wait<0>(d);\n    d[0] = early;", None),
+    # the warps of the warpgroup disagree on A's descriptor, or one of them issues no product
+    "warps disagree": ("prism::wgmma_desc(sa + s * 16 + (w == 2) * 64, 16, 1024)",
+                       "warp 2 passes other descriptors or another N than warp 0"),
+    "a warp left out": ("if (w != 3) prism::wgmma<128, T, NMAJOR>", "issued by 3 of its 4 warps (warp 0 first)"),
 }
 
 
@@ -223,7 +227,8 @@ IN_FLIGHT = {  # how the batch of WGMMA is waited for: (what replaces its commit
 def test_a_wgmma_batch_completes_at_the_wait_that_covers_it(case, tmp_path):
     """wgmma is asynchronous: the emulation completes a batch only at the wgmma_wait that covers it, and reports
     a batch never waited for, a wait before the commit, and shared memory written while a batch may read it;
-    the accumulators are NaN until then."""
+    the accumulators are NaN until then. The four warps of the warpgroup issue each product together: one that
+    passes other descriptors, or a warp that issues none, is reported."""
     replaced, finding = IN_FLIGHT[case]
     body = WGMMA.replace("NMAJOR", "true")
     if case == "two batches":
@@ -234,6 +239,10 @@ def test_a_wgmma_batch_completes_at_the_wait_that_covers_it(case, tmp_path):
     prism::wgmma_commit();
     prism::wgmma_wait<1>(d);
     prism::wgmma_wait<0>(d);""")
+    elif case == "warps disagree":
+        body = body.replace("prism::wgmma_desc(sa + s * 16, 16, 1024)", replaced)
+    elif case == "a warp left out":
+        body = body.replace("prism::wgmma<128, T, true>", replaced.replace("NMAJOR", "true"))
     else:
         body = body.replace("prism::wgmma_commit();\n    prism::wgmma_wait<0>(d);", replaced)
     k = kernel("    using T = half;\n" + body, {"A": "const half* __restrict__", "B": "const half* __restrict__",
