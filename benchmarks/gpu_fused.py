@@ -40,7 +40,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from static_report import WORKLOADS  # noqa: E402
 
-from prism_dsl.base.errors import PrismError  # noqa: E402
 from prism_dsl.cli.bench import TORCH, time_torch, torch_function  # noqa: E402
 from prism_dsl.kernels.hardware import for_device, load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
@@ -244,9 +243,13 @@ def run(args) -> int:
         started = time.monotonic()
         try:
             result = run_case(out)
-        except (PrismError, RuntimeError, OSError) as err:
+        except Exception as err:  # pycuda's errors derive from Exception only; one workload's failure is its row's
             failed += 1
             print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
+            if type(err).__name__ == "LaunchError":  # a fault in a kernel leaves the context unusable
+                print("stopping: the CUDA context cannot run further kernels after a launch failure; rerun `run` "
+                      "(workloads measured so far keep their gpu.json)", file=sys.stderr)
+                break
             continue
         saved.write_text(json.dumps(result, indent=2) + "\n")
         ours = result["rows"]["prism-dsl"]

@@ -10,12 +10,13 @@ The figures are compared with the hardware file the device's name names (h100 on
 
 The kernels are in benchmarks/probe.cu. The streaming kernel copies through shared memory with cp.async as
 the generated loops do, and the XOR of everything it read is checked against the host's for every block, so
-a figure is only printed for a kernel that read every byte. The bandwidth table sets each measured figure
-beside `cost.reachable_bandwidth` at the same blocks and bytes in flight (the L2 table beside
-`cost.reachable_l2_bandwidth`), and the summary gives what the tables imply for the hardware file's
-constants (`bandwidth_gbs` with BANDWIDTH_REACH, `dram_latency_ns`, `l2_bandwidth_gbs`,
-SM_FILL_BYTES_PER_CLOCK, `launch_overhead_us`): the question it settles first is whether half the SMs,
-each with deep pipelines, stream as fast as all of them. That decides attention at decode with 4096 keys,
+a figure is only printed for a kernel that read every byte. Each streaming run is timed between two CUDA
+events with a spinning kernel queued before the first, so that the host's time to issue the run is not
+counted. The bandwidth table sets each measured figure beside `cost.reachable_bandwidth` at the same blocks
+and bytes in flight (the L2 table beside `cost.reachable_l2_bandwidth`), and the summary gives what the
+tables imply for the hardware file's constants (`bandwidth_gbs` with BANDWIDTH_REACH, `dram_latency_ns`,
+`l2_bandwidth_gbs`, SM_FILL_BYTES_PER_CLOCK, `launch_overhead_us`): the question it settles first is whether
+half the SMs, each with deep pipelines, stream as fast as all of them. That decides attention at decode with 4096 keys,
 where the model prefers 64 blocks each reading all the keys (3 of 4 of them from L2) to 256 blocks and a
 combining kernel: the L2 figures say whether 64 SMs take in those bytes as fast as the model lets them.
 """
@@ -43,6 +44,7 @@ SOURCE = Path(__file__).with_name("probe.cu")
 HEADERS = ROOT / "templates"  # prism.cuh, whose cp.async the streaming kernel uses
 STAGES = (2, 3, 4, 5, 9, 17)  # the depths probe.cu instantiates
 THREADS = 128
+SPIN_CYCLES = 200_000  # about 100 us at the H100's clock: longer than the host takes to issue a launch
 STREAM_BYTES = 1 << 30  # far beyond L2: every byte comes from device memory
 SLOT = 256  # bytes between the links of a chase: one per L2 sector group, no two in a line
 L2_FOOTPRINT = 8 << 20  # streamed from L2: within one partition of the H100's (25 MB of 50) and the A100's 40 MB
@@ -177,12 +179,15 @@ def model_half_over_full(hardware: Hardware) -> float:
 
 # -- on the GPU ------------------------------------------------------------------------------------------------
 
-def _events(drv, launch, repeat: int) -> list[float]:
-    """Milliseconds of `launch()` between two events, `repeat` times, after one warm-up."""
+def _events(drv, launch, repeat: int, before=lambda: None) -> list[float]:
+    """Milliseconds of `launch()` between two events, `repeat` times, after one warm-up; `before()` is queued
+    ahead of each start event (outside the interval)."""
+    before()
     launch()
     times = []
     for _ in range(repeat):
         start, end = drv.Event(), drv.Event()
+        before()
         start.record()
         launch()
         end.record()
@@ -235,6 +240,8 @@ def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False) -> li
     `l2` from L2 (stretches of L2_FOOTPRINT, L2_READ bytes per block, spread over it)."""
     words = np.random.default_rng(1).integers(0, 2**32, (L2_FOOTPRINT if l2 else STREAM_BYTES) // 4, dtype=np.uint32)
     src = drv.to_device(words)
+    spin = module.get_function("probe_spin")
+    spin.prepare("q")
     points = []
     for blocks, stages, tile in (l2_configurations if l2 else configurations)(sms):
         if stages * tile > smem_optin:
@@ -248,12 +255,15 @@ def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False) -> li
         wrap = L2_FOOTPRINT if l2 else STREAM_BYTES
         out = drv.mem_alloc(4 * blocks)
 
-        def launch():
+        def before():  # the XORs zeroed, then the GPU kept busy while the host issues the timed launch
             drv.memset_d32(out, 0, blocks)
+            spin.prepared_call((1, 1, 1), (1, 1, 1), SPIN_CYCLES)
+
+        def launch():
             fn.prepared_call((blocks, 1, 1), (THREADS, 1, 1), int(src), tiles, tile // 16, step // 16, wrap // 16,
                              int(out), shared_size=stages * tile)
 
-        times = _events(drv, launch, 5)  # the memset is in the timed region: 4 bytes per block, next to nothing
+        times = _events(drv, launch, 5, before)
         got = np.zeros(blocks, np.uint32)
         drv.memcpy_dtoh(got, out)
         out.free()

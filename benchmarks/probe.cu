@@ -8,6 +8,14 @@
 // Nothing: a launch's own cost.
 extern "C" __global__ void probe_empty() {}
 
+// Spins for `cycles` clocks. Queued just before a timed launch, it keeps the GPU busy while the host issues that
+// launch, so the start event is recorded when the GPU gets to it and the host's time is not in the interval.
+extern "C" __global__ void probe_spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+}
+
 // One thread follows a chain of indices (next[i] is the next slot) for `steps` loads, each waiting on the
 // one before: the load-to-use latency of wherever the chain lives (L2 for a small one, device memory for
 // one far larger than L2). The chain's end goes to *sink, so nothing is left out, and the host checks it.

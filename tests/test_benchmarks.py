@@ -167,6 +167,30 @@ def test_the_gpu_step_refuses_cleanly_without_a_gpu(prepared):
     assert "Traceback" not in done.stderr
 
 
+def test_the_gpu_step_records_a_failed_workload_and_stops_at_a_launch_failure(tmp_path, monkeypatch, capsys):
+    """A workload that raises (pycuda's errors derive from Exception alone) is reported and the next one runs;
+    after a launch failure, which leaves the CUDA context unusable, the step stops."""
+    from prism_dsl.backend import cuda_runtime
+
+    for name in ("rmsnorm_linear decode", "rmsnorm_mlp decode", "swiglu decode"):
+        (tmp_path / fused.slug(name)).mkdir()
+        (tmp_path / fused.slug(name) / "case.json").write_text("{}")
+
+    class LaunchError(Exception):
+        pass
+    raised = iter([ValueError("a plan error"), LaunchError("an illegal address"), AssertionError("never reached")])
+
+    def run_case(out):
+        raise next(raised)
+    monkeypatch.setattr(fused, "run_case", run_case)
+    monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "a GPU"))
+    assert fused.run(type("Args", (), {"dir": str(tmp_path), "only": None, "again": False})) == 1
+    err = capsys.readouterr().err
+    assert "rmsnorm_linear decode: ValueError: a plan error" in err
+    assert "rmsnorm_mlp decode: LaunchError: an illegal address\nstopping: the CUDA context" in err
+    assert "never reached" not in err and "swiglu" not in err
+
+
 def test_the_results_table_names_every_implementation_and_every_failure():
     rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
             "torch eager": {"passed": True, "max_rel_err": 1e-3, "us": 40.0},
