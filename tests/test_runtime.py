@@ -373,7 +373,7 @@ class FakeDriver:
 
     def __init__(self, kernels: dict):
         self.kernels, self.memory, self.log = kernels, {}, []
-        self.clock = self.depth = self.allocated = 0
+        self.clock = self.depth = self.allocated = self.retained = self.detached = 0
         drv = self
 
         class Allocation(int):
@@ -393,13 +393,14 @@ class FakeDriver:
                 pass
 
             def detach(self):
-                pass
+                drv.detached += 1
 
         class Device:
             def __init__(self, index):
                 pass
 
             def retain_primary_context(self):
+                drv.retained += 1
                 return Context()
 
             def compute_capability(self):
@@ -513,6 +514,17 @@ def test_launch_poisons_zeroes_and_reads_back(fake_gpu, tmp_path, monkeypatch):
     assert fake_gpu.functions[0].fmt == "PPPP" and fake_gpu.functions[0].attributes == {}
     launcher.close()
     assert fake_gpu.memory == {} and fake_gpu.depth == 0
+
+
+def test_the_primary_context_is_retained_once_and_never_released(fake_gpu, tmp_path):
+    """Releasing a primary context's last reference resets it while pycuda leaves it current, where PyTorch would
+    then find it destroyed: every launcher of the process shares one retained context, and closing releases none."""
+    first, second = Launcher(gpu_plan(tmp_path), tmp_path), Launcher(gpu_plan(tmp_path), tmp_path)
+    first(**gpu_inputs())
+    first.close()
+    second(**gpu_inputs())
+    second.close()
+    assert fake_gpu.retained == 1 and fake_gpu.detached == 0 and fake_gpu.depth == 0 and fake_gpu.memory == {}
 
 
 def test_large_shared_memory_is_opted_into(fake_gpu, tmp_path):

@@ -79,8 +79,7 @@ def device_identity() -> str:
     """What a measured time depends on besides the code: the GPU's name, compute capability and driver
     version (the tuning database's key). Only meaningful when `gpu_status` says a GPU is usable."""
     drv = _import_driver()
-    dev = drv.Device(0)
-    major, minor = dev.compute_capability()
+    major, minor = (dev := drv.Device(0)).compute_capability()
     return f"{dev.name()}, sm_{major}{minor}, driver {drv.get_driver_version()}"
 
 
@@ -91,6 +90,13 @@ def _import_driver():
         import pycuda.driver as drv
     drv.init()  # every caller needs it; once done, cuInit again is cheap
     return drv
+
+
+@functools.cache
+def _primary(drv, device: int):
+    """The device's primary context, retained once for the process and never released: releasing the last
+    reference resets it while pycuda leaves it current, where PyTorch or CuPy would then find it destroyed."""
+    return drv.Device(device).retain_primary_context()
 
 
 # ---------------------------------------------------------------------------------------------------- plans
@@ -277,7 +283,6 @@ class Launcher:
         validate_plan(plan)
         # Absolute, because nvcc runs in a temporary directory and finds the headers through this path.
         self.plan, self.directory, self.cast, self.device = plan, Path(directory).resolve(), cast, device
-        self._context = None
         self._functions: list | None = None
         self._modules: list = []
         self._buffers: dict = {}  # name -> DeviceAllocation, reused by every numpy-fed call
@@ -288,10 +293,7 @@ class Launcher:
         ok, reason = gpu_status()
         if not ok:
             raise GpuUnavailable(f"cannot run '{self.plan['program']}' without a usable CUDA GPU: {reason}")
-        drv = _import_driver()
-        if self._context is None:
-            self._context = drv.Device(self.device).retain_primary_context()
-        self._context.push()
+        _primary(drv := _import_driver(), self.device).push()
         try:
             yield drv
         finally:
@@ -450,14 +452,12 @@ class Launcher:
             return samples
 
     def close(self) -> None:
-        """Free the device memory this launcher holds and release the primary context."""
-        if self._context is not None:
+        """Free the device memory this launcher holds (the primary context stays retained: `_primary`)."""
+        if self._buffers:
             with self._active():
                 for buf in self._buffers.values():
                     buf.free()
-            self._buffers, self._modules, self._functions = {}, [], None
-            self._context.detach()
-            self._context = None
+        self._buffers, self._modules, self._functions = {}, [], None
 
 
 def _stats(times_ms: list[float]) -> dict:
