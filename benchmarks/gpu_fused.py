@@ -4,13 +4,14 @@ reference and timed beside PyTorch eager, torch.compile and, for attention, scal
 
 Two steps, so that the GPU machine needs neither the search nor its prover (egglog):
 
-    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME] [--time-limit S] [--hardware H]  # any machine
-    python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME] [--again]              # CUDA GPU, pycuda, torch
-    python benchmarks/gpu_fused.py table [--dir out/gpu]                                    # any machine
+    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME] [--time-limit S] [--hardware H]
+                                           [--options="PRISMC OPTIONS"]                      # any machine
+    python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME] [--again] [--results F]  # GPU, pycuda, torch
+    python benchmarks/gpu_fused.py table [--dir out/gpu] [--results F]                        # any machine
 
 `prepare` compiles every workload of `static_report.WORKLOADS` into DIR/<workload>/ (`prismc compile`: its
-kernels, launcher.py and report.json, tuned for the hardware file `--hardware` names, h100 by default) beside the
-program as written (`baseline.prism`). `run` takes each such
+kernels, launcher.py and report.json, tuned for the hardware file `--hardware` names, h100 by default, with
+`--options` added to its command line) beside the program as written (`baseline.prism`). `run` takes each such
 directory as a user would: the kernels through the plan and runtime of the directory's own launcher.py. Every
 implementation runs on the same random inputs (each rounded to its dtype) and is checked against the float64
 reference of the program as written before its time counts. Each is timed with CUDA events, the median of
@@ -18,8 +19,10 @@ reference of the program as written before its time counts. Each is timed with C
 to back over `BATCH`, the time per call once launches queue up as in a model's forward pass (the time of one
 call alone is given too, for ours). A row's figures are written to DIR/<workload>/gpu.json as soon as they are
 measured, so `run` can be split over several commands (`--only`) and takes up where it stopped; `--again`
-measures again. RESULTS.md is written from every gpu.json there is, by `run` and by `table` (which needs no
-GPU: for gpu.json files brought back from the GPU machine).
+measures again. The table (benchmarks/RESULTS.md, or `--results`) is written from every gpu.json in DIR, by
+`run` and by `table` (which needs no GPU: for gpu.json files brought back from the GPU machine). A second
+DIR prepared with other options (`--options="--no-wgmma"`: the products on mma.sync) and its own `--results`
+measures the same workloads compiled another way; the table names the options beside each workload.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import shlex
 import shutil
 import subprocess
 import sys
@@ -70,14 +74,15 @@ def prepare(args, workloads=WORKLOADS) -> int:
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
                                "--dims", dims, "-o", str(out), "--no-emulate", "--arch", "sm_90",
-                               "--hardware", args.hardware,
-                               "--time-limit", str(args.time_limit)], capture_output=True, text=True)
+                               "--hardware", args.hardware, "--time-limit", str(args.time_limit),
+                               *shlex.split(args.options)], capture_output=True, text=True)
         if done.returncode:
             failed += 1
             print(f"{name}: prismc compile failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
             continue
         shutil.copy(ROOT / "programs" / f"{program}.prism", out / "baseline.prism")
-        case = {"workload": name, "program": program, "dims": dims, "hardware": args.hardware}
+        case = {"workload": name, "program": program, "dims": dims, "hardware": args.hardware,
+                "options": shlex.split(args.options)}
         (out / "case.json").write_text(json.dumps(case) + "\n")
         print(f"{name}: {out} ({time.monotonic() - started:.0f} s)")
     return 1 if failed else 0
@@ -175,7 +180,8 @@ def run_case(out: Path) -> dict:
             rows[impl] = {"passed": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
     del device_sets, impls
     torch.cuda.empty_cache()
-    return {"workload": case["workload"], "dims": case["dims"], "device": rt.gpu_status()[1],
+    return {"workload": case["workload"], "dims": case["dims"], "options": case.get("options", []),
+            "device": rt.gpu_status()[1],
             "hardware": load_hardware(hardware_name).name, "sets": len(sets),
             "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
             "kernels": len(plan["kernels"]), "rows": rows}
@@ -205,7 +211,9 @@ def table(results: list[dict]) -> str:
             return f"{rows[impl]['us']:.1f}" + ("" if rows[impl]["passed"] else " (wrong)")
         failed = [impl for impl, row in rows.items() if not row["passed"]]
         versus = f"{ours['us'] / rows['torch.compile']['us']:.2f}" if "us" in rows["torch.compile"] else "-"
-        lines.append(f"| {r['workload']} ({r['dims']}) | {r['kernels']} | {us('prism-dsl')} | {ours['alone_us']:.1f} "
+        options = f" [{' '.join(r['options'])}]" if r.get("options") else ""
+        lines.append(f"| {r['workload']} ({r['dims']}){options} | {r['kernels']} | {us('prism-dsl')} "
+                     f"| {ours['alone_us']:.1f} "
                      f"| {us('torch eager')} | {us('torch.compile')} | {us('sdpa')} | {r['model_us']:.1f} "
                      f"| {r['floor_us']:.1f} | {ours['us'] / r['floor_us']:.2f} | {versus} | {ours['max_rel_err']:.1e} "
                      f"| {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
@@ -255,18 +263,18 @@ def run(args) -> int:
         ours = result["rows"]["prism-dsl"]
         print(f"{name}: ours {ours['us']:.1f} us ({'ok' if ours['passed'] else 'WRONG'}); "
               f"{time.monotonic() - started:.0f} s", flush=True)
-    return 1 if write_table(directory) or failed else 0
+    return 1 if write_table(directory, Path(args.results)) or failed else 0
 
 
-def write_table(directory: Path) -> int:
-    """RESULTS.md from every gpu.json under `directory`, in the workloads' order; 1 if one of ours failed."""
+def write_table(directory: Path, results_md: Path) -> int:
+    """`results_md` from every gpu.json under `directory`, in the workloads' order; 1 if one of ours failed."""
     saved = [directory / slug(name) / "gpu.json" for name, _, _ in WORKLOADS]
     results = [json.loads(path.read_text()) for path in saved if path.exists()]
     if not results:
         print(f"no measured workloads (gpu.json) in {directory}", file=sys.stderr)
         return 1
     text = table(results)
-    (ROOT / "benchmarks" / "RESULTS.md").write_text(text)
+    results_md.write_text(text)
     print(text)
     return 1 if any(not r["rows"]["prism-dsl"]["passed"] for r in results) else 0
 
@@ -278,15 +286,20 @@ def main() -> int:
     pre.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
     pre.add_argument("--hardware", default="h100", help="the hardware file to tune for and to take the model and the "
                      "floor from: the GPU's (h100, h200, a100)")
+    pre.add_argument("--options", default="", help="more options for prismc compile, as one word: --options=\"--no-wgmma\" "
+                     "(into a --dir of their own: the table names them beside each workload)")
     go = sub.add_parser("run", help="check and time the prepared workloads (a CUDA GPU)")
     go.add_argument("--again", action="store_true", help="measure workloads that already have a gpu.json")
     tab = sub.add_parser("table", help="write benchmarks/RESULTS.md from the gpu.json files in DIR (any machine)")
     for p in (pre, go, tab):
         p.add_argument("--dir", default=str(ROOT / "out" / "gpu"), help="where the compiled workloads are")
         p.add_argument("--only", help="workloads whose name contains this")
+    for p in (go, tab):
+        p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"), help="the table's file")
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        return {"prepare": prepare, "run": run, "table": lambda a: write_table(Path(a.dir))}[args.step](args)
+        return {"prepare": prepare, "run": run,
+                "table": lambda a: write_table(Path(a.dir), Path(a.results))}[args.step](args)
     return 130
 
 

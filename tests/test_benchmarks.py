@@ -127,7 +127,8 @@ fused = script("gpu_fused")
 def prepared(tmp_path_factory):
     """One small workload compiled by `gpu_fused.py prepare`, as the GPU step finds it."""
     directory = tmp_path_factory.mktemp("gpu")
-    args = type("Args", (), {"dir": str(directory), "only": None, "time_limit": 10.0, "hardware": "h100"})
+    args = type("Args", (), {"dir": str(directory), "only": None, "time_limit": 10.0, "hardware": "h100",
+                             "options": ""})
     assert fused.prepare(args, [("rmsnorm_mlp small", "rmsnorm_mlp", "n=8,d=256")]) == 0
     return directory / "rmsnorm_mlp_small"
 
@@ -137,7 +138,7 @@ def test_prepare_writes_what_the_gpu_step_reads(prepared):
         assert (prepared / name).is_file(), name
     assert json.loads((prepared / "case.json").read_text()) == {"workload": "rmsnorm_mlp small",
                                                                 "program": "rmsnorm_mlp", "dims": "n=8,d=256",
-                                                                "hardware": "h100"}
+                                                                "hardware": "h100", "options": []}
     assert (prepared / "baseline.prism").read_text() == (BENCHMARKS.parent / "programs/rmsnorm_mlp.prism").read_text()
 
 
@@ -184,7 +185,8 @@ def test_the_gpu_step_records_a_failed_workload_and_stops_at_a_launch_failure(tm
         raise next(raised)
     monkeypatch.setattr(fused, "run_case", run_case)
     monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "a GPU"))
-    assert fused.run(type("Args", (), {"dir": str(tmp_path), "only": None, "again": False})) == 1
+    args = type("Args", (), {"dir": str(tmp_path), "only": None, "again": False, "results": str(tmp_path / "r.md")})
+    assert fused.run(args) == 1
     err = capsys.readouterr().err
     assert "rmsnorm_linear decode: ValueError: a plan error" in err
     assert "rmsnorm_mlp decode: LaunchError: an illegal address\nstopping: the CUDA context" in err
@@ -208,6 +210,31 @@ def test_the_results_table_names_every_implementation_and_every_failure():
     assert text.endswith("Baselines that did not run:\n- w, torch.compile: BackendCompilerFailed: no C compiler\n")
     assert "both for the hardware file H100, which" in text
     assert "- w: tuned and modelled for H100, measured on a GPU\n" in text  # a device no file names
+
+
+def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path, monkeypatch):
+    """A second directory compiled another way (the products on mma.sync) beside the first: prismc gets the
+    options, case.json keeps them, and the table, written where `--results` says, names them."""
+    seen = []
+
+    def compile_run(cmd, **kw):
+        seen.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).mkdir(parents=True)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(fused.subprocess, "run", compile_run)
+    args = type("Args", (), {"dir": str(tmp_path / "mma"), "only": "swiglu decode", "time_limit": 5.0,
+                             "hardware": "h100", "options": "--no-wgmma --stages 2"})
+    assert fused.prepare(args) == 0
+    assert len(seen) == 1 and seen[0][-3:] == ["--no-wgmma", "--stages", "2"] and "n=8,d=4096" in seen[0]
+    case = json.loads((tmp_path / "mma" / "swiglu_decode" / "case.json").read_text())
+    assert case["options"] == ["--no-wgmma", "--stages", "2"]
+    rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
+            "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0}}
+    result = {"workload": "swiglu decode", "dims": "n=8,d=4096", "options": case["options"], "device": "NVIDIA H100",
+              "hardware": "H100", "sets": 3, "floor_us": 10.0, "model_us": 13.0, "kernels": 1, "rows": rows}
+    (tmp_path / "mma" / "swiglu_decode" / "gpu.json").write_text(json.dumps(result))
+    assert fused.write_table(tmp_path / "mma", tmp_path / "mma.md") == 0
+    assert "| swiglu decode (n=8,d=4096) [--no-wgmma --stages 2] | 1 | 12.0 | 15.0 |" in (tmp_path / "mma.md").read_text()
 
 
 def test_the_results_table_says_where_the_device_is_not_the_one_tuned_for():
