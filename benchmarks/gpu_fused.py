@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from static_report import WORKLOADS  # noqa: E402
 
 from prism_dsl.cli.bench import TORCH, time_torch, torch_function  # noqa: E402
-from prism_dsl.kernels.hardware import for_device, load_hardware  # noqa: E402
+from prism_dsl.kernels.hardware import for_device, hardware_names, load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
 from prism_dsl.semantics.blocks import evaluate  # noqa: E402
 from prism_dsl.semantics.reference import bind_dims, concrete_shape, random_inputs  # noqa: E402
@@ -73,7 +73,8 @@ def prepare(args, workloads=WORKLOADS) -> int:
             shutil.rmtree(out)
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
-                               "--dims", dims, "-o", str(out), "--no-emulate", "--arch", "sm_90",
+                               "--dims", dims, "-o", str(out), "--no-emulate",
+                               "--arch", load_hardware(args.hardware).arch,
                                "--hardware", args.hardware, "--time-limit", str(args.time_limit),
                                *shlex.split(args.options)], capture_output=True, text=True)
         if done.returncode:
@@ -182,19 +183,32 @@ def run_case(out: Path) -> dict:
     torch.cuda.empty_cache()
     return {"workload": case["workload"], "dims": case["dims"], "options": case.get("options", []),
             "device": rt.gpu_status()[1],
-            "hardware": load_hardware(hardware_name).name, "sets": len(sets),
+            "hardware": load_hardware(hardware_name).name, "hardware_file": hardware_name, "sets": len(sets),
             "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
             "kernels": len(plan["kernels"]), "rows": rows}
+
+
+def gpu_usable() -> bool:
+    """Whether the GPU still runs work after an error: a kernel's fault (an illegal address, pycuda's LogicError;
+    a failed launch, its LaunchError) leaves the context unusable, and every later call fails too."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # the sticky error of the shared primary context
+        return False
 
 
 def table(results: list[dict]) -> str:
     devices = sorted({r["device"] for r in results})
     files = sorted({r.get("hardware", "H100") for r in results})
+    file_s = "file" if len(files) == 1 else "files"
     lines = [f"# GPU results ({', '.join(devices)})", "",
              "Written by `python benchmarks/gpu_fused.py run` (after `prepare`). Every implementation is checked "
              f"against the float64 reference (relative tolerance {RTOL}); times are CUDA-event medians in microseconds, "
              f"each sample {BATCH} calls back to back over {BATCH}; \"alone\" is one call of ours between two events. "
-             f"\"model\" is the cost model's estimate, \"floor\" the roofline floor, both for the hardware file "
+             f"\"model\" is the cost model's estimate, \"floor\" the roofline floor, both for the hardware {file_s} "
              f"{', '.join(files)}, which the programs were tuned for.", "",
              "| workload | kernels | ours | ours alone | torch eager | torch.compile | sdpa | model | floor | ours / floor "
              "| ours / torch.compile | max rel err (ours) | checks |",
@@ -218,7 +232,7 @@ def table(results: list[dict]) -> str:
                      f"| {r['floor_us']:.1f} | {ours['us'] / r['floor_us']:.2f} | {versus} | {ours['max_rel_err']:.1e} "
                      f"| {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
     elsewhere = [f"- {r['workload']}: tuned and modelled for {r.get('hardware', 'H100')}, measured on {r['device']}"
-                 for r in results if (for_device(r["device"]) or "").upper() != r.get("hardware", "H100")]
+                 for r in results if for_device(r["device"]) != r.get("hardware_file", "h100")]
     if elsewhere:
         lines += ["", "Measured on another GPU than the hardware file's (`prepare --hardware NAME` tunes for it):",
                   *elsewhere]
@@ -254,8 +268,8 @@ def run(args) -> int:
         except Exception as err:  # pycuda's errors derive from Exception only; one workload's failure is its row's
             failed += 1
             print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
-            if type(err).__name__ == "LaunchError":  # a fault in a kernel leaves the context unusable
-                print("stopping: the CUDA context cannot run further kernels after a launch failure; rerun `run` "
+            if not gpu_usable():  # a fault in a kernel (an illegal address, say) leaves the context unusable
+                print("stopping: the CUDA context cannot run further kernels after that fault; rerun `run` "
                       "(workloads measured so far keep their gpu.json)", file=sys.stderr)
                 break
             continue
@@ -284,9 +298,10 @@ def main() -> int:
     sub = parser.add_subparsers(dest="step", required=True)
     pre = sub.add_parser("prepare", help="compile every workload into DIR (any machine)")
     pre.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
-    pre.add_argument("--hardware", default="h100", help="the hardware file to tune for and to take the model and the "
-                     "floor from: the GPU's (h100, h200, a100)")
-    pre.add_argument("--options", default="", help="more options for prismc compile, as one word: --options=\"--no-wgmma\" "
+    pre.add_argument("--hardware", default="h100", choices=hardware_names(), help="the hardware file to tune for and "
+                     "to take the model and the floor from: the GPU's")
+    pre.add_argument("--options", default="", help="more options for prismc compile, as one quoted argument: "
+                     "--options=\"--no-wgmma\" "
                      "(into a --dir of their own: the table names them beside each workload)")
     go = sub.add_parser("run", help="check and time the prepared workloads (a CUDA GPU)")
     go.add_argument("--again", action="store_true", help="measure workloads that already have a gpu.json")

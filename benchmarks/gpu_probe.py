@@ -312,11 +312,11 @@ def main() -> int:
     args = parser.parse_args()
     from prism_dsl.backend.cuda_runtime import gpu_status
 
-    ok, why = gpu_status()
+    ok, name_or_reason = gpu_status()  # the device's name, or why none is usable
     if not ok:
-        print(f"gpu_probe.py needs a usable CUDA GPU: {why}", file=sys.stderr)
+        print(f"gpu_probe.py needs a usable CUDA GPU: {name_or_reason}", file=sys.stderr)
         return 1
-    hardware = load_hardware(args.hardware or for_device(why) or "h100")
+    hardware = load_hardware(args.hardware or for_device(name_or_reason) or "h100")
     points, l2, launch, chase, device = run()
     print(report(points, launch, chase, hardware, device, l2))
     if args.json:

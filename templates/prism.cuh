@@ -537,17 +537,19 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_operands(const std::vector<
                                               : f.b.p + n / 8 * f.b.sbo + n % 8 * 128 + 2 * k, Bf16);
 }
 inline Warp& own_warp() { return self()->block->warps[self()->linear / kWarp]; }
-// This warp's next wgmma is its warpgroup's k-th: the first of the four warps to issue it records its operands,
+// This warp's next wgmma is its warpgroup's k-th: the first of the four warps to issue it records its operands
+// (A's descriptor where A is in shared memory, B's, and `shape`: the instruction's N, type and B's major-ness),
 // the others must give the same; complete once all four have.
-inline void agree_in_warpgroup(const unsigned char* a, uint32_t a_lbo, uint32_t a_sbo, const WgmmaDesc& b, int n,
-                               int warp) {
+inline void agree_in_warpgroup(const unsigned char* a, uint32_t a_lbo, uint32_t a_sbo, const WgmmaDesc& b,
+                               int shape, int warp) {
     Block* const block = self()->block;
     const int group = self()->linear / kWarp / 4;
     const size_t k = own_warp().wgmma_issued++;
-    const uintptr_t mine[7] = {reinterpret_cast<uintptr_t>(a), a_lbo, a_sbo, reinterpret_cast<uintptr_t>(b.p), b.lbo,
-                               b.sbo, uintptr_t(n)};
+    const uintptr_t mine[7] = {reinterpret_cast<uintptr_t>(a), a_lbo, a_sbo, reinterpret_cast<uintptr_t>(b.p),
+                               b.lbo, b.sbo, uintptr_t(shape)};
     auto& issues = block->wgmma_issues;
-    auto it = std::find_if(issues.begin(), issues.end(), [&](const WgmmaIssue& i) { return i.group == group && i.k == k; });
+    auto it = std::find_if(issues.begin(), issues.end(),
+                           [&](const WgmmaIssue& i) { return i.group == group && i.k == k; });
     if (it == issues.end()) {
         WgmmaIssue issue{group, k, {}, rt().op_site, warp, 1};
         std::memcpy(issue.operands, mine, sizeof mine);
@@ -555,8 +557,9 @@ inline void agree_in_warpgroup(const unsigned char* a, uint32_t a_lbo, uint32_t 
         return;
     }
     if (std::memcmp(it->operands, mine, sizeof mine) != 0)
-        fail({it->site, rt().op_site}, "wgmma %zu of warpgroup %d: warp %d passes other descriptors or another N than "
-             "warp %d: the four warps of a warpgroup issue one product and must pass the same", k, group, warp, it->warp);
+        fail({it->site, rt().op_site}, "wgmma %zu of warpgroup %d: warp %d passes other descriptors, or issues another "
+             "shape or type, than warp %d: the four warps of a warpgroup issue one product and must agree", k, group,
+             warp, it->warp);
     if (++it->warps == 4) issues.erase(it);
 }
 // Issues one warp's 16 rows: the result goes in flight (`WgmmaFlight`) and each lane's accumulators read NaN
@@ -575,7 +578,9 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, v
         if ((d != &f.a || !f.ra) && (reinterpret_cast<uintptr_t>(d->p) % 16 || d->lbo % 16 || d->sbo % 16))
             fail({rt().op_site}, "wgmma: descriptor start %p, lbo %u, sbo %u: each must be a multiple of 16 bytes",
                  static_cast<const void*>(d->p), d->lbo, d->sbo);
-    agree_in_warpgroup(f.ra ? nullptr : f.a.p, f.ra ? 0 : f.a.lbo, f.ra ? 0 : f.a.sbo, f.b, N, f.warp);
+    // the instruction: its N, its type and B's major-ness
+    agree_in_warpgroup(f.ra ? nullptr : f.a.p, f.ra ? 0 : f.a.lbo, f.ra ? 0 : f.a.sbo, f.b, 4 * N + 2 * Bf16 + NMajorB,
+                       f.warp);
     WgmmaFlight flight;
     flight.site = rt().op_site;
     wgmma_operands<N, Bf16, NMajorB>(lanes, flight.operands);

@@ -168,7 +168,7 @@ struct Warp {
 
 // The operands the first warp of a warpgroup to issue its k-th wgmma gave it: the warpgroup's four warps issue
 // one product together, so the other three must give the same (A's descriptor where A is in shared memory,
-// B's, N) before it is complete.
+// B's, the instruction's shape and type) before it is complete.
 struct WgmmaIssue {
     int group;  // the warpgroup
     size_t k;
@@ -908,8 +908,8 @@ inline void run_wave(const std::vector<prism_dim3>& blocks) {
                 fail({b->named[id].site}, "block (%u,%u,%u) ends with %d of named barrier %d's %d arrivals made: a bar.arrive "
                      "no bar.sync waited for", b->idx.x, b->idx.y, b->idx.z, b->named[id].arrived, id, b->named[id].count);
         for (const WgmmaIssue& issue : b->wgmma_issues)
-            fail({issue.site}, "block (%u,%u,%u) ends with wgmma %zu of warpgroup %d issued by %d of its 4 warps (warp %d "
-                 "first): the warps of a warpgroup issue each wgmma together", b->idx.x, b->idx.y, b->idx.z,
+            fail({issue.site}, "block (%u,%u,%u) ends with wgmma %zu of warpgroup %d issued by %d of its 4 warps "
+                 "(warp %d first): the warps of a warpgroup issue each wgmma together", b->idx.x, b->idx.y, b->idx.z,
                  issue.k, issue.group, issue.warps, issue.warp);
         for (Buffer& buf : b->buffers) std::free(buf.base);
         delete b;

@@ -782,6 +782,9 @@ def test_measuring_on_a_gpu_the_hardware_file_does_not_describe_is_refused(tmp_p
     assert ("this GPU (NVIDIA A100-SXM4-80GB) is not the hardware the kernels are made for (H100: sm_90, 232448 "
             "bytes of shared memory per block; it has sm_80, 166912): give --hardware a100") in err
     pipeline_compile.check_device(load_hardware("a100"))  # what it asks for is accepted
+    monkeypatch.setattr(pipeline_compile.cuda_runtime, "gpu_status", lambda: (True, "NVIDIA H100 80GB HBM3"))
+    pipeline_compile.check_device(load_hardware("a100"))  # sm_80 kernels in 163 KiB run on an H100
+    monkeypatch.setattr(pipeline_compile.cuda_runtime, "gpu_status", lambda: (True, "NVIDIA A100-SXM4-80GB"))
     with pytest.raises(PrismError, match="^prismc bench: this GPU"):  # bench's own words
         pipeline_compile.check_device(H100, "prismc bench")
     for device in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "Some Future GPU"):

@@ -218,7 +218,7 @@ IN_FLIGHT = {  # how the batch of WGMMA is waited for: (what replaces its commit
     "read early": ("prism::wgmma_commit();\n    const float early = d[0];\n    prism::wgmma_wait<0>(d);\n    d[0] = early;", None),
     # the warps of the warpgroup disagree on A's descriptor, or one of them issues no product
     "warps disagree": ("prism::wgmma_desc(sa + s * 16 + (w == 2) * 64, 16, 1024)",
-                       "warp 2 passes other descriptors or another N than warp 0"),
+                       "warp 2 passes other descriptors, or issues another shape or type, than warp 0"),
     "a warp left out": ("if (w != 3) prism::wgmma<128, T, NMAJOR>", "issued by 3 of its 4 warps (warp 0 first)"),
 }
 

@@ -86,15 +86,17 @@ def compile_program(request: Request) -> Report:
 
 def check_device(hardware: Hardware, what: str = "--rank measure") -> None:
     """For `what` (`--rank measure`, `prismc bench`): a usable GPU, which can run what `hardware` lets the
-    kernels use (its arch, its shared memory per block) where a hardware file names that GPU
-    (`hardware.for_device`); a GPU no file names is measured as it is."""
+    kernels use where a hardware file names that GPU (`hardware.for_device`): an arch no newer than the GPU's
+    (sm_80 kernels run on sm_90; sm_90's wgmma on nothing older) and no more shared memory per block than it
+    has. A GPU no file names is measured as it is."""
     usable, device = cuda_runtime.gpu_status()
     if not usable:
         raise PrismError(f"{what} needs a usable CUDA GPU: {device}; use --rank model without one")
     if (own := for_device(device)) is None:
         return
     theirs = load_hardware(own)
-    if theirs.arch != hardware.arch or theirs.smem_per_block < hardware.smem_per_block:
+    newer = int(hardware.arch.removeprefix("sm_")) > int(theirs.arch.removeprefix("sm_"))
+    if newer or theirs.smem_per_block < hardware.smem_per_block:
         raise PrismError(f"{what}: this GPU ({device}) is not the hardware the kernels are made for "
                          f"({hardware.name}: {hardware.arch}, {hardware.smem_per_block} bytes of shared memory per "
                          f"block; it has {theirs.arch}, {theirs.smem_per_block}): give --hardware {own}")
