@@ -120,6 +120,121 @@ def test_the_probe_kernels_compile_and_stream_by_cp_async(tmp_path):
     assert "LDG" in chase  # the chain of loads is there, not folded away
 
 
+class ProbeDriver:
+    """A stand-in for pycuda.driver that runs probe.cu's kernels in numpy, on a clock: each kernel takes
+    KERNEL_MS, a memset MEMSET_MS and the spin SPIN_MS, so a time says which of them fell between its events."""
+    KERNEL_MS, MEMSET_MS, SPIN_MS = 0.01, 0.5, 1.0
+
+    class function_attribute:
+        MAX_DYNAMIC_SHARED_SIZE_BYTES = "max_dynamic_smem"
+
+    def __init__(self):
+        self.memory, self.clock, self.launches = {}, 0.0, []
+        driver = self
+
+        class Allocation(int):
+            def free(self):
+                del driver.memory[int(self)]
+
+        class Event:
+            def record(self):
+                self.at = driver.clock
+
+            def synchronize(self):
+                pass
+
+            def time_till(self, other):
+                return other.at - self.at
+
+        self.Allocation, self.Event = Allocation, Event
+
+    def mem_alloc(self, nbytes):
+        address = (len(self.memory) + 1) << 40
+        self.memory[address] = np.zeros(nbytes, np.uint8)
+        return self.Allocation(address)
+
+    def to_device(self, array):
+        allocation = self.mem_alloc(array.nbytes)
+        self.memory[int(allocation)][:] = np.ascontiguousarray(array).view(np.uint8).ravel()
+        return allocation
+
+    def words(self, ptr):
+        return self.memory[int(ptr)].view(np.uint32)
+
+    def memset_d32(self, ptr, value, count):
+        self.words(ptr)[:count] = value
+        self.clock += self.MEMSET_MS
+
+    def memcpy_dtoh(self, host, ptr):
+        host.reshape(-1).view(np.uint8)[:] = self.memory[int(ptr)][:host.nbytes]
+
+    def get_function(self, name):  # the module's: probe.cu's kernels by name
+        driver = self
+
+        class Function:
+            attributes = {}
+
+            def prepare(self, fmt):
+                self.fmt = fmt
+
+            def set_attribute(self, attribute, value):
+                self.attributes[attribute] = value
+
+            def prepared_call(self, grid, block, *args, shared_size=0):
+                assert len(args) == len(self.fmt), (name, self.fmt, args)
+                if shared_size > 48 * 1024:
+                    assert self.attributes.get("max_dynamic_smem", 0) >= shared_size, "no opt-in to the shared memory"
+                driver.launches.append((name, grid, shared_size))
+                getattr(driver, name.rstrip("0123456789").rstrip("_"))(grid, *args)
+                driver.clock += driver.SPIN_MS if name == "probe_spin" else driver.KERNEL_MS
+        return Function()
+
+    def probe_empty(self, grid):
+        pass
+
+    def probe_spin(self, grid, cycles):
+        assert cycles > 0
+
+    def probe_chase(self, grid, chain, stride, at, steps, sink):
+        words = self.words(chain)
+        for _ in range(steps):
+            at = int(words[at * stride])
+        self.words(sink)[0] = at
+
+    def probe_stream(self, grid, src, tiles, tile16, step16, wrap16, out):
+        words, xors = self.words(src), self.words(out)
+        for b in range(grid[0]):  # block b: `tiles` tiles of tile16 16-byte units from unit b * step16, wrapping
+            for t in range(tiles):
+                first = (b * step16 + t * tile16) % wrap16 * 4
+                xors[b] ^= np.bitwise_xor.reduce(words[first:first + tile16 * 4])  # atomicXor: out must start at 0
+
+
+def test_the_probe_drives_its_kernels_as_probe_cu_defines_them(monkeypatch):
+    """The host side of every probe, run against probe.cu's kernels emulated in numpy (small buffers): the
+    arguments match the kernels' parameters, shared memory past 48 KiB is opted into, each block's XOR is
+    zeroed before every run so the host's check holds, and neither that memset nor the spin queued ahead of
+    a streaming run lies between its events."""
+    monkeypatch.setattr(probe, "STREAM_BYTES", 1 << 21)
+    monkeypatch.setattr(probe, "L2_FOOTPRINT", 1 << 20)
+    monkeypatch.setattr(probe, "L2_READ", 1 << 18)
+    drv = ProbeDriver()
+    launch = probe.probe_launch(drv, drv)
+    assert launch["alone_us"] == pytest.approx(drv.KERNEL_MS * 1e3)
+    assert launch["back_to_back_us"] == pytest.approx(drv.KERNEL_MS * 1e3)
+    assert probe.probe_chase(drv, drv, 1 << 16, 1000) == pytest.approx(drv.KERNEL_MS * 1e6 / 1000)
+    for l2 in (False, True):
+        points = probe.probe_stream(drv, drv, 8, 232448, l2=l2)  # raises where a block's XOR is not the host's
+        assert [(p.blocks, p.stages, p.tile) for p in points] == (probe.l2_configurations if l2 else
+                                                                   probe.configurations)(8)
+        for p in points:  # the bytes streamed over one kernel's time: no spin, no memset in it
+            tiles = probe.L2_READ // p.tile if l2 else probe.STREAM_BYTES // (p.blocks * p.tile)
+            assert p.gbs == pytest.approx(p.blocks * tiles * p.tile / (drv.KERNEL_MS * 1e-3) / 1e9)
+    assert {s for name, _, s in drv.launches if name == "probe_stream_17"} == {17 * 8192}
+    names = [name for name, _, _ in drv.launches]
+    assert all(names[i - 1] == "probe_spin" for i, name in enumerate(names) if name.startswith("probe_stream"))
+    assert set(drv.memory) == set()  # every buffer freed
+
+
 fused = script("gpu_fused")
 
 
