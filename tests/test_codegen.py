@@ -489,6 +489,22 @@ def test_every_rendered_kernel_compiles_with_nvcc(path, tmp_path):
             assert r["registers"] > 0 and r["spill_stores"] == 0
 
 
+def test_offsets_into_tensors_past_an_ints_range_are_64_bit(tmp_path):
+    """A long-context key cache (b = 64, h = 8, kv = 131072, dh = 128: 2^33 elements) is indexed in 64-bit
+    arithmetic, each dim's index widened before it meets its stride (in int the offset wraps and the GPU
+    reads elsewhere, at sizes the emulation cannot allocate); a tensor an int counts keeps int offsets."""
+    from prism_dsl.backend.ctext import address
+
+    assert address([["b"], ["t", "j"]], (2**16, 2**16)) == "(long long)(b) * 65536 + (long long)(t + j)"
+    assert address([["b"], ["t", "j"]], (2**15, 2**16)) == "b * 65536 + t + j"
+    program = load(ROOT / "programs/fused/attention.decoding.prism").program()
+    options = BuildOptions(dims={"b": 64, "h": 8, "q": 1, "kv": 131072, "dh": 128}, archs=(), emulate=False)
+    partial = next(k for k in build(program, H100, options).kernels if k.name == "partial").source
+    assert "g_K + (long long)(blockIdx.x * 1) * 134217728 + (long long)(blockIdx.y * 1) * 16777216" in partial
+    assert "g_V + (long long)(blockIdx.x * 1) * 134217728" in partial
+    assert "g_Q + blockIdx.x * 1 * 1024 + " in partial and "g_M[blockIdx" in partial  # small: int
+
+
 @needs_nvcc
 @pytest.mark.nvcc
 def test_shared_memory_starts_on_a_swizzle_atom(tmp_path):

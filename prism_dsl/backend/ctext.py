@@ -8,6 +8,7 @@ comments quote the program sanitized the same way, so no user text reaches the c
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..ir.nodes import DType, Node
@@ -15,6 +16,7 @@ from ..kernels.kernel import Kernel
 from ..kernels.position import launch_order, longest_first
 
 CTYPE = {DType.F16: "half", DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.F64: "double"}
+INT_MAX = 2**31 - 1  # the largest offset the generated code computes in int
 
 
 def ident(text: str) -> str:
@@ -66,11 +68,17 @@ def decompose(var: str, shape: tuple[int, ...], prefix: str) -> tuple[list[str],
 
 
 def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
-    """Row-major offset in a tensor of `shape` whose index in each dim is the sum of that dim's `parts`."""
+    """Row-major offset in a tensor of `shape` whose index in each dim is the sum of that dim's `parts`: in int
+    arithmetic, or in 64-bit where the tensor has more elements than an int counts (a long-context key cache:
+    b = 64, h = 8, kv = 131072, dh = 128 is 2^33), each dim's index widened before it meets its stride."""
+    wide = math.prod(shape) - 1 > INT_MAX  # the last element's offset
     terms = []
     for p, stride in zip(parts, _strides(shape)):
         if p and stride:
             term = " + ".join(p)
+            if wide:
+                terms.append(f"(long long)({term})" + ("" if stride == 1 else f" * {stride}"))
+                continue
             terms.append(term if stride == 1 else f"({term}) * {stride}" if len(p) > 1 else f"{term} * {stride}")
     return " + ".join(terms) or "0"
 
