@@ -489,10 +489,12 @@ def test_every_rendered_kernel_compiles_with_nvcc(path, tmp_path):
             assert r["registers"] > 0 and r["spill_stores"] == 0
 
 
-def test_offsets_into_tensors_past_an_ints_range_are_64_bit(tmp_path):
+def test_offsets_into_tensors_past_an_ints_range_are_64_bit(monkeypatch):
     """A long-context key cache (b = 64, h = 8, kv = 131072, dh = 128: 2^33 elements) is indexed in 64-bit
     arithmetic, each dim's index widened before it meets its stride (in int the offset wraps and the GPU
-    reads elsewhere, at sizes the emulation cannot allocate); a tensor an int counts keeps int offsets."""
+    reads elsewhere); a tensor an int counts keeps int offsets. The emulation cannot hold such tensors, so
+    the widened offsets are emulated at small dims, every tensor taken as past the range."""
+    from prism_dsl.backend import ctext
     from prism_dsl.backend.ctext import address
 
     assert address([["b"], ["t", "j"]], (2**16, 2**16)) == "(long long)(b) * 65536 + (long long)(t + j)"
@@ -503,6 +505,13 @@ def test_offsets_into_tensors_past_an_ints_range_are_64_bit(tmp_path):
     assert "g_K + (long long)(blockIdx.x * 1) * 134217728 + (long long)(blockIdx.y * 1) * 16777216" in partial
     assert "g_V + (long long)(blockIdx.x * 1) * 134217728" in partial
     assert "g_Q + blockIdx.x * 1 * 1024 + " in partial and "g_M[blockIdx" in partial  # small: int
+    if compiler():
+        monkeypatch.setattr(ctext, "INT_MAX", 100)
+        small = BuildOptions(dims={"b": 2, "h": 2, "q": 1, "kv": 256, "dh": 64}, archs=())
+        built = build(program, H100, small)
+        assert all("(long long)(" in k.source for k in built.kernels)
+        check = emulate(built, small)
+        assert check.passed, check
 
 
 @needs_nvcc
