@@ -95,7 +95,9 @@ def check_device(hardware: Hardware, what: str = "--rank measure") -> None:
     if (own := for_device(device)) is None:
         return
     theirs = load_hardware(own)
-    newer = int(hardware.arch.removeprefix("sm_")) > int(theirs.arch.removeprefix("sm_"))
+    def number(arch: str) -> int:  # sm_90a -> 90
+        return int("".join(filter(str.isdigit, arch)))
+    newer = number(hardware.arch) > number(theirs.arch)
     if newer or theirs.smem_per_block < hardware.smem_per_block:
         raise PrismError(f"{what}: this GPU ({device}) is not the hardware the kernels are made for "
                          f"({hardware.name}: {hardware.arch}, {hardware.smem_per_block} bytes of shared memory per "
