@@ -523,9 +523,10 @@ def test_shared_memory_starts_on_a_swizzle_atom(tmp_path):
     happens to put it: at 0x400 in every kernel here, but at 0x480 with a static `int[5]` before it and a
     128-byte alignment (nvcc 13, sm_90a; 0x800 with the 1024-byte one)."""
     (tmp_path / "prism.cuh").write_text((ROOT / "templates/prism.cuh").read_text())
-    (tmp_path / "k.cu").write_text('#include "prism.cuh"\nextern "C" __global__ void k(int* out) {\n'
-                                   '    __shared__ int before[5];\n    PRISM_SMEM(4096);\n    before[threadIdx.x % 5] = 1;\n'
-                                   '    out[0] = static_cast<int>(__cvta_generic_to_shared(prism_smem)) + before[0];\n}\n')
+    (tmp_path / "k.cu").write_text(
+        '#include "prism.cuh"\nextern "C" __global__ void k(int* out) {\n    __shared__ int before[5];\n'
+        '    PRISM_SMEM(4096);\n    before[threadIdx.x % 5] = 1;\n'
+        '    out[0] = static_cast<int>(__cvta_generic_to_shared(prism_smem)) + before[0];\n}\n')
     done = subprocess.run(["nvcc", "--ptx", "-arch=sm_90a", "k.cu", "-o", "k.ptx"], cwd=tmp_path, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
