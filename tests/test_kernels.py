@@ -839,3 +839,21 @@ def test_a_causal_grid_runs_its_longest_query_tiles_first_across_the_heads(write
     assert "blockIdx.y *" not in source
     monkeypatch.setattr(emulation, "_launched", lambda c, b, sms: b)
     assert main(args + ["-o", str(tmp_path / "wrong")]) == 1
+
+
+def test_a_hardware_file_like_another_takes_the_figures_it_does_not_give(tmp_path, monkeypatch):
+    """The H200 is the H100 with other memory: its file names the H100's (`like`) and gives only what differs.
+    A file `like` itself is refused with its path."""
+    from dataclasses import asdict
+    from prism_dsl.kernels import hardware
+
+    h100, h200 = asdict(load_hardware("h100")), asdict(load_hardware("h200"))
+    assert {k for k in h100 if h100[k] != h200[k]} == {"name", "bandwidth_gbs"} and h200["bandwidth_gbs"] == 4300.0
+    (tmp_path / "loop.toml").write_text('name = "Loop"\nlike = "loop"\n')
+    monkeypatch.setattr(hardware, "HARDWARE_DIR", tmp_path)
+    hardware.load_hardware.cache_clear()
+    try:
+        with pytest.raises(PrismError, match=r"loop\.toml is malformed: it is `like` itself"):
+            hardware.load_hardware("loop")
+    finally:
+        hardware.load_hardware.cache_clear()

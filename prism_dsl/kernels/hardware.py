@@ -1,11 +1,12 @@
 """The GPUs a kernel is instantiated for: one TOML file per GPU in `gpus/`.
 
 A hardware gives the limits the constraints check (shared memory per block, grid size) and the figures the
-cost model reads (SMs, bandwidths, peak rates, launch overhead). Adding a GPU is adding a file.
+cost model reads (SMs, bandwidths, peak rates, launch overhead). Adding a GPU is adding a file; `like = "NAME"`
+takes every figure the file does not give from another GPU's.
 """
 
 import tomllib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 from typing import Mapping
@@ -57,6 +58,10 @@ def load_hardware(name: str = "h100") -> Hardware:
         raise PrismError(f"unknown hardware '{name}' (known: {', '.join(hardware_names())})")
     try:
         data = tomllib.loads(path.read_text())
+        if like := data.pop("like", None):  # another GPU's file, with this file's figures over its own
+            if str(like).lower() == path.stem:
+                raise PrismError(f"hardware file {path} is malformed: it is `like` itself")
+            data = {**asdict(load_hardware(like)), **data}
         data["max_grid"] = tuple(data["max_grid"])
         return Hardware(**data)
     except (tomllib.TOMLDecodeError, TypeError, KeyError) as e:
