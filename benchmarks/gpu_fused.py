@@ -147,7 +147,7 @@ def run_case(out: Path) -> dict:
 
     case = json.loads((out / "case.json").read_text())
     report = json.loads((out / "report.json").read_text())
-    hardware_name = case.get("hardware", "h100")  # what `prepare` compiled for
+    hardware_name = case["hardware"]  # what `prepare` compiled for
     launcher, baseline, sets, reference, pairs = oracle(out, hardware_name)
     rt, plan = launcher.prism_runtime, launcher.PLAN
     rows = {}
@@ -183,7 +183,7 @@ def run_case(out: Path) -> dict:
     torch.cuda.empty_cache()
     return {"workload": case["workload"], "dims": case["dims"], "options": case.get("options", []),
             "device": rt.gpu_status()[1],
-            "hardware": load_hardware(hardware_name).name, "hardware_file": hardware_name, "sets": len(sets),
+            "hardware": hardware_name, "sets": len(sets),
             "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
             "kernels": len(plan["kernels"]), "rows": rows}
 
@@ -202,7 +202,7 @@ def gpu_usable() -> bool:
 
 def table(results: list[dict]) -> str:
     devices = sorted({r["device"] for r in results})
-    files = sorted({r.get("hardware", "H100") for r in results})
+    files = sorted({load_hardware(r["hardware"]).name for r in results})
     file_s = "file" if len(files) == 1 else "files"
     lines = [f"# GPU results ({', '.join(devices)})", "",
              "Written by `python benchmarks/gpu_fused.py run` (after `prepare`). Every implementation is checked "
@@ -231,8 +231,8 @@ def table(results: list[dict]) -> str:
                      f"| {us('torch eager')} | {us('torch.compile')} | {us('sdpa')} | {r['model_us']:.1f} "
                      f"| {r['floor_us']:.1f} | {ours['us'] / r['floor_us']:.2f} | {versus} | {ours['max_rel_err']:.1e} "
                      f"| {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
-    elsewhere = [f"- {r['workload']}: tuned and modelled for {r.get('hardware', 'H100')}, measured on {r['device']}"
-                 for r in results if for_device(r["device"]) != r.get("hardware_file", "h100")]
+    elsewhere = [f"- {r['workload']}: tuned and modelled for {load_hardware(r['hardware']).name}, measured on "
+                 f"{r['device']}" for r in results if for_device(r["device"]) != r["hardware"]]
     if elsewhere:
         lines += ["", "Measured on another GPU than the hardware file's (`prepare --hardware NAME` tunes for it):",
                   *elsewhere]

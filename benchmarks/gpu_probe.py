@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from prism_dsl.backend import cost  # noqa: E402
 from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS  # noqa: E402
 from prism_dsl.backend.launch import blocks_per_sm  # noqa: E402
-from prism_dsl.kernels.hardware import Hardware, for_device, load_hardware  # noqa: E402
+from prism_dsl.kernels.hardware import Hardware, for_device, hardware_names, load_hardware  # noqa: E402
 
 SOURCE = Path(__file__).with_name("probe.cu")
 HEADERS = ROOT / "templates"  # prism.cuh, whose cp.async the streaming kernel uses
@@ -306,8 +306,8 @@ def run() -> tuple[list[Point], list[Point], dict, dict, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hardware", help="the hardware file whose figures to compare with (default: the one the "
-                        "device's name names, else h100)")
+    parser.add_argument("--hardware", choices=hardware_names(), help="the hardware file whose figures to compare "
+                        "with (default: the one the device's name names, else h100)")
     parser.add_argument("--json", help="also write every measurement to this file")
     args = parser.parse_args()
     from prism_dsl.backend.cuda_runtime import gpu_status

@@ -315,14 +315,14 @@ def test_the_results_table_names_every_implementation_and_every_failure():
             "torch eager": {"passed": True, "max_rel_err": 1e-3, "us": 40.0},
             "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0},
             "sdpa": {"passed": False, "max_rel_err": 2e-2, "us": 10.0}}
-    text = fused.table([{"workload": "attention decode", "dims": "b=2", "device": "a GPU", "sets": 3,
-                         "floor_us": 10.0, "model_us": 13.0, "kernels": 1, "rows": rows}])
+    text = fused.table([{"workload": "attention decode", "dims": "b=2", "device": "a GPU", "hardware": "h100",
+                         "sets": 3, "floor_us": 10.0, "model_us": 13.0, "kernels": 1, "rows": rows}])
     assert text.startswith("# GPU results (a GPU)")
     assert ("| attention decode (b=2) | 1 | 12.0 | 15.0 | 40.0 | 24.0 | 10.0 (wrong) | 13.0 | 10.0 | 1.20 | 0.50 "
             "| 3.0e-04 | FAILED: sdpa |") in text
     rows["torch.compile"] = {"passed": False, "error": "BackendCompilerFailed: no C compiler"}
-    text = fused.table([{"workload": "w", "dims": "d", "device": "a GPU", "sets": 3, "floor_us": 10.0,
-                         "model_us": 13.0, "kernels": 2, "rows": rows}])
+    text = fused.table([{"workload": "w", "dims": "d", "device": "a GPU", "hardware": "h100", "sets": 3,
+                         "floor_us": 10.0, "model_us": 13.0, "kernels": 2, "rows": rows}])
     assert "| 40.0 | did not run | 10.0 (wrong) | 13.0 | 10.0 | 1.20 | - | 3.0e-04 | FAILED: torch.compile, sdpa |" in text
     assert text.endswith("Baselines that did not run:\n- w, torch.compile: BackendCompilerFailed: no C compiler\n")
     assert "both for the hardware file H100, which" in text
@@ -348,7 +348,7 @@ def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path,
     rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
             "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0}}
     result = {"workload": "swiglu decode", "dims": "n=8,d=4096", "options": case["options"], "device": "NVIDIA H100",
-              "hardware": "H100", "sets": 3, "floor_us": 10.0, "model_us": 13.0, "kernels": 1, "rows": rows}
+              "hardware": "h100", "sets": 3, "floor_us": 10.0, "model_us": 13.0, "kernels": 1, "rows": rows}
     (tmp_path / "mma" / "swiglu_decode" / "gpu.json").write_text(json.dumps(result))
     assert fused.write_table(tmp_path / "mma", tmp_path / "mma.md") == 0
     written = (tmp_path / "mma.md").read_text()
@@ -360,7 +360,7 @@ def test_the_results_table_says_where_the_device_is_not_the_one_tuned_for():
             "torch eager": {"passed": True, "max_rel_err": 1e-3, "us": 40.0},
             "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0}}
     result = {"dims": "d", "sets": 3, "floor_us": 10.0, "model_us": 13.0, "kernels": 1, "rows": rows}
-    h100, h200 = {"hardware": "H100", "hardware_file": "h100"}, {"hardware": "H200", "hardware_file": "h200"}
+    h100, h200 = {"hardware": "h100"}, {"hardware": "h200"}
     text = fused.table([result | h100 | {"workload": "a", "device": "NVIDIA H100 80GB HBM3"},
                         result | h100 | {"workload": "b", "device": "NVIDIA H200"},
                         result | h200 | {"workload": "c", "device": "NVIDIA H200"}])
