@@ -17,12 +17,15 @@ implementation runs on the same random inputs (each rounded to its dtype) and is
 reference of the program as written before its time counts. Each is timed with CUDA events, the median of
 `REPEAT` samples, rotating through enough input sets to defeat the L2 cache; each sample is `BATCH` calls back
 to back over `BATCH`, the time per call once launches queue up as in a model's forward pass (the time of one
-call alone is given too, for ours). A row's figures are written to DIR/<workload>/gpu.json as soon as they are
-measured, so `run` can be split over several commands (`--only`) and takes up where it stopped; `--again`
-measures again. The table (benchmarks/RESULTS.md, or `--results`) is written from every gpu.json in DIR, by
-`run` and by `table` (which needs no GPU: for gpu.json files brought back from the GPU machine). A second
-DIR prepared with other options (`--options="--no-wgmma"`: the products on mma.sync) and its own `--results`
-measures the same workloads compiled another way; the table names the options beside each workload.
+call alone is given too, for ours). Every sample is the GPU's own time: a kernel spinning ahead of its first
+event keeps the GPU waiting until the host has queued every call (`cuda_runtime.Ahead`, torch's `_sleep` for
+the baselines), so neither pycuda's nor torch's Python overhead per call is counted. A row's figures are
+written to DIR/<workload>/gpu.json as soon as they are measured, so `run` can be split over several commands
+(`--only`) and takes up where it stopped; `--again` measures again. The table (benchmarks/RESULTS.md, or
+`--results`) is written from every gpu.json in DIR, by `run` and by `table` (which needs no GPU: for gpu.json
+files brought back from the GPU machine). A second DIR prepared with other options (`--options="--no-wgmma"`:
+the products on mma.sync) and its own `--results` measures the same workloads compiled another way; the table
+names the options beside each workload.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from static_report import WORKLOADS  # noqa: E402
 
+from prism_dsl.backend.compare import check  # noqa: E402
 from prism_dsl.cli.bench import TORCH, time_torch, torch_function  # noqa: E402
 from prism_dsl.kernels.hardware import for_device, hardware_names, load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
@@ -153,14 +157,15 @@ def run_case(out: Path) -> dict:
     rows = {}
 
     def checked(outputs) -> dict:
-        checks = [rt.check(outputs[mine], reference[theirs], RTOL) for mine, theirs in pairs]
+        checks = [check(outputs[mine], reference[theirs], RTOL) for mine, theirs in pairs]
         return {"passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks)}
 
     ours = rt.Launcher(plan, out, cast=True)  # the directory's runtime; the f16 (bf16) values pass exactly
     try:
+        alone, batched = ours.time(sets, repeat=REPEAT * 3), ours.time(sets, repeat=REPEAT, batch=BATCH)
         rows["prism-dsl"] = checked(ours(**sets[0])) | {
-            "alone_us": ours.time(sets, repeat=REPEAT * 3)["median_ms"] * 1e3,
-            "us": ours.time(sets, repeat=REPEAT, batch=BATCH)["median_ms"] * 1e3}
+            "alone_us": alone["median_ms"] * 1e3, "us": batched["median_ms"] * 1e3,
+            "host_bound": alone["host_bound"] or batched["host_bound"]}
     finally:
         ours.close()
     dtypes = {n.attr: getattr(torch, rt.TORCH_DTYPE[n.dtype.value]) for n in baseline.inputs}
@@ -175,8 +180,8 @@ def run_case(out: Path) -> dict:
     for impl, fn, arg_sets in impls:
         try:
             got = fn(*arg_sets[0])
-            rows[impl] = checked({mine: g.float().cpu().numpy() for (mine, _), g in zip(pairs, got)}) | {
-                "us": time_torch(lambda xs: fn(*xs), arg_sets, REPEAT, BATCH, warmup=3)}
+            rows[impl] = (checked({mine: g.float().cpu().numpy() for (mine, _), g in zip(pairs, got)})
+                          | time_torch(lambda xs: fn(*xs), arg_sets, REPEAT, BATCH, warmup=3))
         except Exception as err:  # a baseline that cannot run (torch.compile's backend, say) is a row, not the end
             rows[impl] = {"passed": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
     del device_sets, impls
@@ -208,6 +213,8 @@ def table(results: list[dict]) -> str:
              "Written by `python benchmarks/gpu_fused.py run` (after `prepare`). Every implementation is checked "
              f"against the float64 reference (relative tolerance {RTOL}); times are CUDA-event medians in microseconds, "
              f"each sample {BATCH} calls back to back over {BATCH}; \"alone\" is one call of ours between two events. "
+             "A spinning kernel queued ahead of each sample keeps the host's time to queue the calls out of it: the "
+             "times are the GPU's own (\"host-bound\" marks one where the host could not be kept out). "
              f"\"model\" is the cost model's estimate, \"floor\" the roofline floor, both for the hardware {file_s} "
              f"{', '.join(files)}, which the programs were tuned for.", "",
              "| workload | kernels | ours | ours alone | torch eager | torch.compile | sdpa | model | floor | ours / floor "
@@ -222,7 +229,8 @@ def table(results: list[dict]) -> str:
                 return "-"
             if "us" not in rows[impl]:
                 return "did not run"
-            return f"{rows[impl]['us']:.1f}" + ("" if rows[impl]["passed"] else " (wrong)")
+            return (f"{rows[impl]['us']:.1f}" + ("" if rows[impl]["passed"] else " (wrong)")
+                    + (" (host-bound)" if rows[impl].get("host_bound") else ""))
         failed = [impl for impl, row in rows.items() if not row["passed"]]
         versus = f"{ours['us'] / rows['torch.compile']['us']:.2f}" if "us" in rows["torch.compile"] else "-"
         options = f" [{' '.join(r['options'])}]" if r.get("options") else ""

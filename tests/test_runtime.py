@@ -1,4 +1,4 @@
-"""The CUDA runtime: plan validation, input marshalling, bf16 bits, output checks, the generated launcher.
+"""The CUDA runtime: plan validation, input marshalling, bf16 bits, timing, the generated launcher.
 
 Everything but the `gpu`-marked tests runs without a GPU; those compile and launch small hand-written kernels.
 """
@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 
 from prism_dsl.backend import cuda_runtime as rt
-from prism_dsl.backend.cuda_runtime import GpuUnavailable, Launcher, PlanError, check, marshal, validate_plan
+from prism_dsl.backend import sass
+from prism_dsl.backend.compare import check
+from prism_dsl.backend.cuda_runtime import GpuUnavailable, Launcher, PlanError, marshal, validate_plan
+from prism_dsl.backend.nvcc import nvcc_path
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 
@@ -216,48 +219,6 @@ def test_bf16_error_is_at_most_half_a_unit():
     assert np.all(np.abs(y - x) <= np.abs(x) * 2.0**-8)
 
 
-# ----------------------------------------------------------------------------------------------------- check
-
-def test_check_passes_within_tolerance_and_fails_beyond():
-    ref = np.linspace(1, 2, 100)
-    assert check(ref * 1.005, ref)["passed"]
-    result = check(ref * (1 + 0.05 * (np.arange(100) == 37)), ref)
-    assert not result["passed"] and result["worst_index"] == (37,)
-    assert result["max_rel_err"] == pytest.approx(0.05 * ref[37] / (ref[37] + np.sqrt(np.mean(ref**2))))
-
-
-def test_check_never_passes_nan_or_inf():
-    ref = np.ones((4, 4))
-    got = ref.astype(np.float16)
-    got[1, 2], got[3, 0] = np.nan, np.inf
-    result = check(got, ref, rtol=1e9)
-    assert not result["passed"] and result["nan"] == 2 and result["worst_index"] == (1, 2)
-    assert "2 elements are NaN or inf" in result["reason"]
-
-
-def test_check_poison_pattern_fails():
-    poison = np.full(4, 0xFFFF, np.uint16).view(np.float16)
-    assert check(poison, np.zeros(4))["nan"] == 4
-
-
-def test_check_tolerates_near_zero_references():
-    ref = np.array([1.0, -1.0, 1e-9, 2.0])
-    got = ref + np.array([0, 0, 1e-4, 0])
-    result = check(got, ref)
-    assert result["passed"] and result["max_abs_err"] == pytest.approx(1e-4)
-
-
-def test_check_all_zero_reference():
-    assert check(np.zeros(3), np.zeros(3))["passed"]
-    result = check(np.array([0.0, 1e-30, 0.0]), np.zeros(3))
-    assert not result["passed"] and result["worst_index"] == (1,)
-
-
-def test_check_shape_mismatch_fails_with_a_reason():
-    result = check(np.zeros((2, 3)), np.zeros((3, 2)))
-    assert not result["passed"] and result["reason"] == "shape (2, 3) differs from the reference's (3, 2)"
-
-
 # ------------------------------------------------------------------------------------------------ no GPU here
 
 def test_runtime_is_standalone():
@@ -371,9 +332,14 @@ class FakeDriver:
     class function_attribute:
         MAX_DYNAMIC_SHARED_SIZE_BYTES = "max_dynamic_smem"
 
-    def __init__(self, kernels: dict):
-        self.kernels, self.memory, self.log = kernels, {}, []
-        self.clock = self.depth = self.allocated = self.retained = self.detached = 0
+    KERNEL_MS = 0.25  # each kernel's time on the GPU
+    CYCLES_PER_MS = 1 << 20  # the spin's clock: SPIN_CYCLES[0] clocks take 1/16 ms
+
+    def __init__(self, kernels: dict, issue_ms: float = 0.0):
+        """`issue_ms`: the host's time for each call that queues work (launch, memset, event)."""
+        self.kernels, self.memory, self.log, self.issue_ms = kernels, {}, [], issue_ms
+        self.host_ms = self.gpu_ms = 0.0  # the host's clock, and when the GPU is done with what is queued
+        self.depth = self.allocated = self.retained = self.detached = 0
         drv = self
 
         class Allocation(int):
@@ -390,7 +356,7 @@ class FakeDriver:
 
             @staticmethod
             def synchronize():
-                pass
+                drv.host_ms = max(drv.host_ms, drv.gpu_ms)
 
             def detach(self):
                 drv.detached += 1
@@ -409,15 +375,15 @@ class FakeDriver:
             def get_attribute(self, attribute):
                 return 227 * 1024
 
-        class Event:  # the clock is the number of launches so far: each takes 0.25 ms
+        class Event:
             def record(self):
-                self.at = drv.clock
+                self.at = drv.queue(0.0)
 
-            def synchronize(self):
-                pass
+            def synchronize(self):  # the host waits for the GPU to get to the event
+                drv.host_ms = max(drv.host_ms, self.at)
 
             def time_till(self, other):
-                return (other.at - self.at) * 0.25
+                return other.at - self.at
 
         self.Allocation, self.Context, self.Device, self.Event = Allocation, Context, Device, Event
 
@@ -427,9 +393,23 @@ class FakeDriver:
         self.memory[address] = bytearray(nbytes)
         return self.Allocation(address)
 
+    def queue(self, gpu_ms: float) -> float:
+        """Work taking `gpu_ms` on the GPU, queued by the host now: it starts once both have got to it."""
+        start = max(self.gpu_ms, self.host_ms)
+        self.host_ms += self.issue_ms
+        self.gpu_ms = start + gpu_ms
+        return start
+
+    def host_seconds(self) -> float:
+        return self.host_ms / 1e3
+
     def memset_d8(self, ptr, value, count):
         self.log.append(("memset", ptr, value))
         self.memory[ptr][:count] = bytes([value]) * count
+
+    def memset_d8_async(self, ptr, value, count):
+        self.queue(0.0)
+        self.memset_d8(ptr, value, count)
 
     def memcpy_htod(self, dest, array):
         self.memory[int(dest)][:] = np.ascontiguousarray(array).tobytes()
@@ -442,6 +422,8 @@ class FakeDriver:
 
     def source_module(self, source, **options):
         assert options["no_extern_c"] and options["arch"] == "sm_90a", options  # H100: wgmma needs the arch-specific target
+        if source == rt.SPIN_CU:
+            return self.spin_module()
         assert Path(options["include_dirs"][0]).is_absolute(), "nvcc runs elsewhere: relative -I paths break"
         if "undeclared" in source:
             raise self.CompileError()
@@ -460,7 +442,7 @@ class FakeDriver:
             def prepared_call(self, grid, block, *ptrs, shared_size):
                 assert drv.depth > 0 and len(ptrs) == len(self.fmt), "launched outside the context"
                 drv.log.append(("launch", grid, block, shared_size))
-                drv.clock += 1
+                drv.queue(drv.KERNEL_MS)
                 self.body(drv, grid[0] * block[0], *ptrs)
 
         class Module:
@@ -472,6 +454,26 @@ class FakeDriver:
                 return function
 
         self.functions = []
+        return Module()
+
+    def spin_module(self):
+        drv = self
+
+        class Spin:
+            def prepare(self, fmt):
+                assert fmt == "q"
+
+            def prepared_call(self, grid, block, cycles):
+                assert drv.depth > 0 and grid == block == (1, 1, 1) and isinstance(cycles, int)
+                drv.spins.append(cycles)
+                drv.queue(cycles / drv.CYCLES_PER_MS)
+
+        class Module:
+            def get_function(self, name):
+                assert name == "prism_spin"
+                return Spin()
+
+        self.spins = []
         return Module()
 
 
@@ -487,6 +489,7 @@ def fake_gpu(monkeypatch):
     drv = FakeDriver({"add": fake_add})
     monkeypatch.setattr(rt, "gpu_status", lambda: (True, "fake device"))
     monkeypatch.setattr(rt, "_import_driver", lambda: drv)
+    monkeypatch.setattr(rt, "host_seconds", drv.host_seconds)
     compiler = type(sys)("pycuda.compiler")
     compiler.SourceModule = drv.source_module
     monkeypatch.setitem(sys.modules, "pycuda", type(sys)("pycuda"))
@@ -551,7 +554,7 @@ def test_timing_rotates_input_sets(fake_gpu, tmp_path):
     seen = []
     fake_gpu.kernels["add"] = lambda drv, threads, x, *rest: seen.append(x)
     stats = launcher.time([gpu_inputs(seed) for seed in range(3)], warmup=2, repeat=6)
-    assert stats == {"median_ms": 0.25, "min_ms": 0.25, "mean_ms": 0.25, "repeat": 6}
+    assert stats == {"median_ms": 0.25, "min_ms": 0.25, "mean_ms": 0.25, "repeat": 6, "host_bound": False}
     assert len(set(seen)) == 3 and seen[2:] == [seen[0], seen[1], seen[4]] * 2  # 2 warm-ups, then 0 1 2 0 1 2
     assert list(launcher.time_kernels([gpu_inputs()], warmup=0, repeat=2)) == ["add"]
     assert fake_gpu.depth == 0
@@ -562,10 +565,48 @@ def test_batched_timing_divides_back_to_back_sequences(fake_gpu, tmp_path):
     seen = []
     fake_gpu.kernels["add"] = lambda drv, threads, x, *rest: seen.append(x)
     stats = launcher.time([gpu_inputs(seed) for seed in range(3)], warmup=0, repeat=2, batch=4)
-    assert stats == {"median_ms": 0.25, "min_ms": 0.25, "mean_ms": 0.25, "repeat": 2}  # 4 launches over 4
+    assert stats == {"median_ms": 0.25, "min_ms": 0.25, "mean_ms": 0.25, "repeat": 2, "host_bound": False}  # 4 over 4
     assert len(seen) == 8 and seen == [seen[0], seen[1], seen[2]] * 2 + [seen[0], seen[1]]  # rotating on
     with pytest.raises(PlanError, match="batch >= 1"):
         launcher.time([gpu_inputs()], batch=0)
+
+
+def test_timing_leaves_out_the_hosts_time_to_queue_the_launches(fake_gpu, tmp_path):
+    """A host slower to queue a launch (0.4 ms) than the GPU to run it (0.25 ms): events around the launches
+    alone would time the host. The spin queued ahead of them is doubled until the host has queued them all
+    before the GPU reaches the first event; only then does a sample count, and it times the GPU alone."""
+    fake_gpu.issue_ms = 0.4
+    launcher = Launcher(gpu_plan(tmp_path), tmp_path)
+    stats = launcher.time([gpu_inputs(seed) for seed in range(3)], warmup=1, repeat=3, batch=4)
+    assert stats == {"median_ms": 0.25, "min_ms": 0.25, "mean_ms": 0.25, "repeat": 3, "host_bound": False}
+    # 12 calls a sample (the lead event, the spin, the 2 timed events, per sequence a memset and a launch): 4.8 ms
+    # of queueing, more than the spins of 1/16 ... 4 ms, less than the 8 ms one kept for every later sample
+    first, kept = rt.SPIN_CYCLES[0], rt.SPIN_CYCLES[0] << 7
+    assert fake_gpu.spins == [first << k for k in range(8)] + [kept] * 2
+    per_kernel = launcher.time_kernels([gpu_inputs()], warmup=0, repeat=2)
+    assert per_kernel["add"]["median_ms"] == 0.25 and not per_kernel["add"]["host_bound"]
+
+
+def test_a_host_that_cannot_get_ahead_is_said_to_bound_the_times(fake_gpu, tmp_path, monkeypatch):
+    monkeypatch.setattr(rt, "SPIN_CYCLES", (rt.SPIN_CYCLES[0], rt.SPIN_CYCLES[0] * 2))
+    fake_gpu.issue_ms = 0.4
+    stats = Launcher(gpu_plan(tmp_path), tmp_path).time([gpu_inputs()], warmup=0, repeat=2)
+    assert stats["host_bound"] and stats["median_ms"] > 0.25  # the events around the launch time the host
+    assert fake_gpu.spins == [rt.SPIN_CYCLES[0], rt.SPIN_CYCLES[1], 0, 0]  # the longest failed: no more spins
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not on the PATH")
+def test_the_spin_compiles_to_a_loop_on_the_clock(tmp_path):
+    (tmp_path / "spin.cu").write_text(rt.SPIN_CU)
+    done = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90a", *rt.NVCC_OPTIONS, "-o", str(tmp_path / "spin.cubin"),
+                           str(tmp_path / "spin.cu")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    if not sass.available():
+        pytest.skip("cuobjdump is missing (pip install -e '.[sass]'): the SASS is not read")
+    listing = sass.disassemble(tmp_path / "spin.cubin")
+    loop, ops = sass.hot_loop(listing), sass.instructions(listing)[0]
+    assert loop is not None and "CS2R" in ops[loop.start: loop.end + 1]  # the clock read on every turn
 
 
 def test_compile_errors_carry_nvcc_stderr(fake_gpu, tmp_path):

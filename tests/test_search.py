@@ -474,7 +474,7 @@ def emulated_gpu(monkeypatch):
         checked = build.check_emulated(built, seed)
         result = {f: getattr(checked, f) for f in Check.__dataclass_fields__}
         us = sum(e.time_us for e in built.estimates)
-        return build.GpuCheck(**result, device="emulated", timing_ms={"median_ms": us / 1000},
+        return build.GpuCheck(**result, device="emulated", timing_ms={"median_ms": us / 1000, "host_bound": False},
                               kernels_ms={k.name: {"median_ms": e.time_us / 1000}
                                           for k, e in zip(built.kernels, built.estimates)})
 

@@ -7,7 +7,8 @@ Takes concrete custom kernels (`kernels.constraints.Concrete`) of a lowered prog
 - `roofline`: a program's floor, the time no program computing it beats;
 - `nvcc`: the generated code compiled by nvcc for each architecture, with ptxas's figures;
 - `emulate`: the generated code compiled as C++ and run on the CPU, where there is no GPU;
-- `cuda_runtime`: a runtime plan launched through PyCUDA, outputs checked, kernels timed. It imports
+- `compare`: an output judged against the float64 reference, for the emulation and the GPU alike;
+- `cuda_runtime`: a runtime plan launched through PyCUDA, kernels timed as the GPU runs them. It imports
   nothing of the package: it is copied beside generated code as prism_runtime.py.
 
 May import: base, ir, kernels, semantics, lang, prove, search (it uses base, ir, kernels and lang).

@@ -1,11 +1,11 @@
-"""Runs a compiled program's CUDA kernels through PyCUDA, checks their outputs and times them.
+"""Runs a compiled program's CUDA kernels through PyCUDA and times them.
 
 This is the last stage of the pipeline: the CUDA generator writes `.cu` files and a *plan* (a JSON-compatible
 dict naming the program's tensors and the kernels to launch, in order); `Launcher` compiles those files with
-nvcc, allocates every tensor, launches the kernels and hands the outputs back. `check` compares an output
-with the float64 reference interpreter. The module imports nothing from `prism_dsl`: it is also copied beside
-generated kernels as `prism_runtime.py`, for users who run them without the compiler installed. PyCUDA and
-torch are imported only inside the functions that need them, so everything but launching works without a GPU.
+nvcc, allocates every tensor, launches the kernels, hands the outputs back and times them as the GPU runs them
+(`Ahead`). The module imports nothing from `prism_dsl`: it is also copied beside generated kernels as
+`prism_runtime.py`, for users who run them without the compiler installed. PyCUDA and torch are imported only
+inside the functions that need them, so everything but launching works without a GPU.
 
 Inputs, decided once for every entry point:
 - numpy arrays must already have the storage dtype (f16 -> float16, f32 -> float32, f64 -> float64); bf16
@@ -28,6 +28,7 @@ import importlib.util
 import os
 import pprint
 import statistics
+import time
 import warnings
 from pathlib import Path
 
@@ -42,6 +43,10 @@ ALIGNMENT = 16  # the generated kernels load 16 bytes at a time
 MAX_THREADS = 1024
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 NVCC_OPTIONS = ["-O3", "-std=c++17"]
+# Queued ahead of timed work, this kernel keeps the GPU busy while the host queues the work (see `Ahead`).
+SPIN_CU = 'extern "C" __global__ void prism_spin(long long n) { for (long long t = clock64(); clock64() - t < n;) {} }'
+SPIN_CYCLES = (1 << 16, 1 << 28)  # the first spin and the longest: 33 us and 134 ms at 2 GHz
+host_seconds = time.perf_counter  # the host's clock (a stand-in in tests)
 
 
 class PlanError(ValueError):
@@ -276,15 +281,13 @@ class Launcher:
     """Compiles a plan's kernels once and runs the whole program on the GPU.
 
     `directory` holds each kernel's `.cu` file and the headers it includes. `cast=True` lets inputs of another
-    float dtype be converted (see the module doc). Nothing touches the GPU until the first compile or call.
-    """
+    float dtype be converted (see the module doc). Nothing touches the GPU until the first compile or call."""
 
     def __init__(self, plan: dict, directory, *, cast: bool = False, device: int = 0):
         validate_plan(plan)
         # Absolute, because nvcc runs in a temporary directory and finds the headers through this path.
         self.plan, self.directory, self.cast, self.device = plan, Path(directory).resolve(), cast, device
-        self._functions: list | None = None
-        self._modules: list = []
+        self._functions, self._modules = None, []  # compiled on first use
         self._buffers: dict = {}  # name -> DeviceAllocation, reused by every numpy-fed call
 
     @contextlib.contextmanager
@@ -316,7 +319,10 @@ class Launcher:
                 if path not in modules:
                     modules[path] = self._compile_file(SourceModule, drv, kernel["name"], path, arch)
                 functions.append(self._function(drv, modules[path], kernel, optin))
-            self._modules, self._functions = list(modules.values()), functions
+            spin = SourceModule(SPIN_CU, no_extern_c=True, options=NVCC_OPTIONS, arch=arch)
+            self._modules, self._functions = [*modules.values(), spin], functions
+            self._spin = spin.get_function("prism_spin")
+            self._spin.prepare("q")
 
     def _compile_file(self, SourceModule, drv, kernel: str, path: Path, arch: str):
         try:
@@ -410,24 +416,25 @@ class Launcher:
             if events is not None and events[i] is not None and (first or i):
                 events[i].record()
             for name in kernel.get("zero", []):
-                drv.memset_d8(ptrs[name], 0, _nbytes(self.plan, name))
+                drv.memset_d8_async(ptrs[name], 0, _nbytes(self.plan, name))
             fn.prepared_call(tuple(kernel["grid"]), tuple(kernel["block"]), *(ptrs[n] for n in kernel["args"]),
                              shared_size=kernel.get("smem", 0))
         if events is not None and last:
             events[-1].record()
 
     def time(self, input_sets: list[dict], warmup: int = 10, repeat: int = 100, batch: int = 1) -> dict:
-        """Milliseconds of the whole launch sequence, rotating input sets: two events around one sequence, or
-        around `batch` sequences launched back to back (as a model's forward pass queues them) over `batch`."""
-        return _stats([s[0] for s in self._timed(input_sets, warmup, repeat, per_kernel=False, batch=batch)])
+        """Milliseconds of the whole launch sequence on the GPU, rotating input sets: two events around one
+        sequence, or around `batch` sequences queued back to back (as a model's forward pass queues them) over
+        `batch`. The host's time to queue them is not counted (`Ahead`); `host_bound` says where it had to be."""
+        samples, behind = self._timed(input_sets, warmup, repeat, per_kernel=False, batch=batch)
+        return _stats([s[0] for s in samples], behind)
 
     def time_kernels(self, input_sets: list[dict], warmup: int = 10, repeat: int = 100) -> dict[str, dict]:
         """Per kernel name, milliseconds between events around that kernel (with the zeroing it needs)."""
-        samples = self._timed(input_sets, warmup, repeat, per_kernel=True)
-        return {k["name"]: _stats([s[i] for s in samples]) for i, k in enumerate(self.plan["kernels"])}
+        samples, behind = self._timed(input_sets, warmup, repeat, per_kernel=True)
+        return {k["name"]: _stats([s[i] for s in samples], behind) for i, k in enumerate(self.plan["kernels"])}
 
-    def _timed(self, input_sets: list[dict], warmup: int, repeat: int, per_kernel: bool,
-               batch: int = 1) -> list[list[float]]:
+    def _timed(self, input_sets: list[dict], warmup: int, repeat: int, per_kernel: bool, batch: int = 1):
         if not input_sets or repeat < 1 or warmup < 0 or batch < 1:
             raise PlanError(f"timing needs at least one input set, repeat >= 1, warmup >= 0 and batch >= 1; got "
                             f"{len(input_sets)} sets, repeat={repeat}, warmup={warmup}, batch={batch}")
@@ -440,16 +447,24 @@ class Launcher:
             sets = [self._pointers(drv, mode, data, buffers) for (mode, data), buffers in zip(bound, own)]
             n = len(self.plan["kernels"])
             events = [drv.Event() if per_kernel or i in (0, n) else None for i in range(n + 1)]
+            lead, ahead, samples = drv.Event(), Ahead(), []
             for i in range(warmup):
                 self._launch(drv, sets[i % len(sets)])
-            samples = []
-            for i in range(repeat):
+            def queue(cycles: int, i: int) -> None:
+                lead.record()
+                self._spin.prepared_call((1, 1, 1), (1, 1, 1), cycles)
                 for j in range(batch):  # the first sequence records the first event, the last one the last
                     self._launch(drv, sets[(i * batch + j) % len(sets)], events, first=j == 0, last=j == batch - 1)
+
+            def lead_ms() -> float:
                 events[-1].synchronize()
+                return lead.time_till(events[0])
+
+            for i in range(repeat):
+                ahead.sample(functools.partial(queue, i=i), lead_ms)
                 samples.append([events[j].time_till(events[j + 1]) for j in range(n)] if per_kernel
                                else [events[0].time_till(events[-1]) / batch])
-            return samples
+            return samples, ahead.behind
 
     def close(self) -> None:
         """Free the device memory this launcher holds (the primary context stays retained: `_primary`)."""
@@ -460,41 +475,26 @@ class Launcher:
         self._buffers, self._modules, self._functions = {}, [], None
 
 
-def _stats(times_ms: list[float]) -> dict:
+class Ahead:
+    """Times GPU work as the GPU runs it, without the host's time to queue it. `sample(queue, lead_ms)` calls
+    `queue(cycles)`, which records a lead event, queues `prism_spin` for `cycles` clocks, then the work between
+    its own events; `lead_ms()` waits for the work and gives the milliseconds from the lead event to the work's
+    first event. Where the host took less than that to queue it all, the GPU (which reached the lead event no
+    sooner than the host recorded it) found all of the work queued: the sample stands. Otherwise the spin doubles
+    and the work is queued again; past SPIN_CYCLES[1] the spin stops and `behind` is set (times include the host's)."""
+
+    cycles, behind = SPIN_CYCLES[0], False  # each instance's own once changed
+
+    def sample(self, queue, lead_ms) -> None:
+        while True:
+            start = host_seconds()
+            queue(self.cycles)
+            queued_ms = (host_seconds() - start) * 1e3
+            if queued_ms < lead_ms() or self.behind:
+                return
+            self.cycles, self.behind = (self.cycles * 2, False) if self.cycles < SPIN_CYCLES[1] else (0, True)
+
+
+def _stats(times_ms: list[float], host_bound: bool) -> dict:
     return {"median_ms": statistics.median(times_ms), "min_ms": min(times_ms), "mean_ms": statistics.fmean(times_ms),
-            "repeat": len(times_ms)}
-
-
-# -------------------------------------------------------------------------------------------------- checking
-def check(got, ref, rtol: float = 1e-2) -> dict:
-    """Compare an output with a float64 reference, element by element. Passes when no element of `got` is NaN or
-    infinite (but as below) and every element satisfies |got - ref| <= rtol * (|ref| + scale), scale being the root-mean-square
-    of `ref`: a relative test that does not fail on elements whose reference happens to be near zero while the
-    tensor's values are not. Where the reference is infinite (a masked score), `got` must be the same infinity.
-    A failure names the first element out of tolerance (`first_wrong`)."""
-    got = _torch_to_numpy(got) if _is_torch(got) else np.asarray(got)
-    ref = np.asarray(ref, dtype=np.float64)
-    unfit = (f"shape {got.shape} differs from the reference's {ref.shape}" if got.shape != ref.shape
-             else f"dtype {got.dtype} is not a real number type" if got.dtype.kind not in "fiu"
-             else "the reference itself holds NaN" if np.isnan(ref).any() else "")
-    if unfit:
-        return dict(passed=False, max_rel_err=np.inf, max_abs_err=np.inf, nan=0, worst_index=(), reason=unfit)
-    g = got.astype(np.float64)
-    if g.size == 0:
-        return dict(passed=True, max_rel_err=0.0, max_abs_err=0.0, nan=0, worst_index=(), reason="")
-    infinite = np.isinf(ref)
-    bad = ~np.isfinite(g) & ~(infinite & (g == ref))  # an infinity the reference does not have, or NaN
-    finite = np.where(infinite, 0.0, ref)
-    err = np.where(bad, np.inf, np.abs(np.where(infinite, 0.0, g) - finite))
-    denom = np.abs(finite) + float(np.sqrt(np.mean(finite * finite)))
-    with np.errstate(divide="ignore", invalid="ignore"):  # an all-zero reference leaves denom 0
-        rel = np.where(denom > 0, err / denom, np.where(err > 0, np.inf, 0.0))
-    worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
-    wrong = np.argwhere(~(err <= rtol * denom))  # out of tolerance, in row-major order (NaN included)
-    passed = len(wrong) == 0
-    reason = "" if passed else (f"{int(bad.sum())} elements are NaN or inf" if bad.any() else
-                                f"relative error {float(rel[worst]):.3g} at {tuple(map(int, worst))} exceeds {rtol}")
-    out = {"passed": passed, "max_rel_err": float(rel.max()), "max_abs_err": float(err.max()), "nan": int(bad.sum()),
-           "worst_index": tuple(int(i) for i in worst), "reason": reason}
-    first = None if passed else tuple(int(i) for i in wrong[0])
-    return out if passed else out | {"first_wrong": {"index": list(first), "got": float(g[first]), "expected": float(ref[first])}}
+            "repeat": len(times_ms), "host_bound": host_bound}

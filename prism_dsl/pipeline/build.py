@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..backend import cost, cuda_runtime
+from ..backend import compare, cost, cuda_runtime
 from ..backend import emulate as emulator
 from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel
 from ..backend.cost import Estimate
@@ -174,7 +174,7 @@ def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
 def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int) -> dict:
     """A check's common fields: every output of `got` against the reference on `inputs`."""
     ref = reference_outputs(built, inputs)
-    outputs = {name: cuda_runtime.check(got[name], ref[name], RTOL) for name, _ in built.program.outputs}
+    outputs = {name: compare.check(got[name], ref[name], RTOL) for name, _ in built.program.outputs}
     return {"passed": all(o["passed"] for o in outputs.values()), "rtol": RTOL, "seed": seed,
             "checked_against": CHECKED_AGAINST, "outputs": outputs}
 

@@ -22,7 +22,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..backend import cost, cuda_runtime
+from ..backend import compare, cost
 from ..backend import emulate as emulator
 from ..ir.nodes import DTYPES
 from ..kernels.kernel import kernels_of
@@ -135,8 +135,8 @@ def _written(built, blocks: Mapping[str, list]) -> dict[str, np.ndarray]:
 
 
 def _compare(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None, rtol: float) -> dict:
-    """`cuda_runtime.check` over the elements `mask` selects (all when None): the others take the reference's
+    """`compare.check` over the elements `mask` selects (all when None): the others take the reference's
     values, so that they neither pass nor fail anything, and `elements` says how many were compared."""
     ref = np.asarray(ref, dtype=np.float64)
     got = np.asarray(got, dtype=np.float64) if mask is None else np.where(mask, got, ref)
-    return cuda_runtime.check(got, ref, rtol) | {"elements": int(ref.size if mask is None else mask.sum())}
+    return compare.check(got, ref, rtol) | {"elements": int(ref.size if mask is None else mask.sum())}

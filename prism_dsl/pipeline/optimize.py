@@ -368,6 +368,7 @@ def gpu_timer(hardware: Hardware, options: build.BuildOptions, reference: Progra
             return Measurement(None, f"could not be built or run: {str(e).splitlines()[0]}", lasting=False)
         if not gpu.passed:
             return Measurement(None, f"disagreed with the reference ({gpu.errors()})")
-        return Measurement(gpu.timing_ms["median_ms"] * 1000, "checked")
+        bound = "; host-bound (the host's time to queue its launches is in it)" if gpu.timing_ms["host_bound"] else ""
+        return Measurement(gpu.timing_ms["median_ms"] * 1000, "checked" + bound)
 
     return measure

@@ -30,7 +30,7 @@ class Skipped:
 @dataclass(frozen=True)
 class Check:
     """The generated code run on random inputs, each output compared with the float64 reference
-    (`cuda_runtime.check`: |got - ref| <= rtol * (|ref| + rms(ref)) everywhere, NaN never passes)."""
+    (`compare.check`: |got - ref| <= rtol * (|ref| + rms(ref)) everywhere, NaN never passes)."""
 
     passed: bool
     rtol: float
@@ -69,7 +69,7 @@ class GpuCheck(Check):
     """A check on the GPU, with the program's times there (CUDA-event medians of rotated input sets)."""
 
     device: str
-    timing_ms: Mapping[str, float]  # the whole program: median_ms, min_ms, mean_ms, repeat
+    timing_ms: Mapping[str, float]  # the whole program: median_ms, min_ms, mean_ms, repeat, host_bound
     kernels_ms: Mapping[str, Mapping[str, float]]  # the same per kernel, its zeroing included
 
 
