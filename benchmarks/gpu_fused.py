@@ -17,15 +17,16 @@ implementation runs on the same random inputs (each rounded to its dtype) and is
 reference of the program as written before its time counts. Each is timed with CUDA events, the median of
 `REPEAT` samples, rotating through enough input sets to defeat the L2 cache; each sample is `BATCH` calls back
 to back over `BATCH`, the time per call once launches queue up as in a model's forward pass (the time of one
-call alone is given too, for ours). Every sample is the GPU's own time: a kernel spinning ahead of its first
-event keeps the GPU waiting until the host has queued every call (`cuda_runtime.Ahead`, torch's `_sleep` for
-the baselines), so neither pycuda's nor torch's Python overhead per call is counted. A row's figures are
-written to DIR/<workload>/gpu.json as soon as they are measured, so `run` can be split over several commands
-(`--only`) and takes up where it stopped; `--again` measures again. The table (benchmarks/RESULTS.md, or
-`--results`) is written from every gpu.json in DIR, by `run` and by `table` (which needs no GPU: for gpu.json
-files brought back from the GPU machine). A second DIR prepared with other options (`--options="--no-wgmma"`:
-the products on mma.sync) and its own `--results` measures the same workloads compiled another way; the table
-names the options beside each workload.
+call alone is given too, for ours, and each of its kernels alone beside the model's estimate for that kernel).
+Every sample is the GPU's own time: a kernel spinning ahead of its first event keeps the GPU waiting until the
+host has queued every call (`cuda_runtime.Ahead`, torch's `_sleep` for the baselines), so neither pycuda's nor
+torch's Python overhead per call is counted. A row's figures are written to DIR/<workload>/gpu.json as soon as
+they are measured, so `run` can be split over several commands (`--only`) and takes up where it stopped;
+`--again` measures again. The table (benchmarks/RESULTS.md, or `--results`) is written from every gpu.json in
+DIR, by `run` and by `table` (which needs no GPU: for gpu.json files brought back from the GPU machine). A
+second DIR prepared with other options (`--options="--no-wgmma"`: the products on mma.sync) and its own
+`--results` measures the same workloads compiled another way; the table names the options beside each
+workload.
 """
 
 from __future__ import annotations
@@ -163,9 +164,13 @@ def run_case(out: Path) -> dict:
     ours = rt.Launcher(plan, out, cast=True)  # the directory's runtime; the f16 (bf16) values pass exactly
     try:
         alone, batched = ours.time(sets, repeat=REPEAT * 3), ours.time(sets, repeat=REPEAT, batch=BATCH)
+        each = ours.time_kernels(sets, repeat=REPEAT * 3)
         rows["prism-dsl"] = checked(ours(**sets[0])) | {
             "alone_us": alone["median_ms"] * 1e3, "us": batched["median_ms"] * 1e3,
             "host_bound": alone["host_bound"] or batched["host_bound"]}
+        per_kernel = [{"name": k["name"], "grid": k["grid"], "block": k["block"],
+                       "model_us": k["estimate"]["time_us"], "bound": k["estimate"]["bound"],
+                       "us": each[k["name"]]["median_ms"] * 1e3} for k in report["kernels"]]
     finally:
         ours.close()
     dtypes = {n.attr: getattr(torch, rt.TORCH_DTYPE[n.dtype.value]) for n in baseline.inputs}
@@ -190,7 +195,7 @@ def run_case(out: Path) -> dict:
             "device": rt.gpu_status()[1],
             "hardware": hardware_name, "sets": len(sets),
             "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
-            "kernels": len(plan["kernels"]), "rows": rows}
+            "kernels": len(plan["kernels"]), "per_kernel": per_kernel, "rows": rows}
 
 
 def gpu_usable() -> bool:
@@ -244,6 +249,15 @@ def table(results: list[dict]) -> str:
     if elsewhere:
         lines += ["", "Measured on another GPU than the hardware file's (`prepare --hardware NAME` tunes for it):",
                   *elsewhere]
+    kernels = [f"| {r['workload']} | {k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} "
+               f"| {k['model_us']:.1f} ({k['bound']}) | {k['us']:.1f} | {k['us'] / k['model_us']:.2f} |"
+               for r in results for k in r.get("per_kernel", [])]
+    if kernels:
+        lines += ["", "Each kernel of ours beside the model's estimate for it (events around each kernel of one call, "
+                  "its zeroing included; the median of as many samples as \"alone\"), which is what the cost "
+                  "model's constants answer to:", "",
+                  "| workload | kernel | grid x threads | model us (bound) | measured us | measured / model |",
+                  "|---|---|---|---|---|---|", *kernels]
     errors = [f"- {r['workload']}, {impl}: {row['error']}" for r in results for impl, row in r["rows"].items()
               if "error" in row]
     if errors:

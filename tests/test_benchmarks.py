@@ -328,6 +328,15 @@ def test_the_results_table_names_every_implementation_and_every_failure():
     assert text.endswith("Baselines that did not run:\n- w, torch.compile: BackendCompilerFailed: no C compiler\n")
     assert "both for the hardware file H100, which" in text
     assert "- w: tuned and modelled for H100, measured on a GPU\n" in text  # a device no file names
+    assert "measured / model" not in text  # results without kernel times (written before they were kept)
+    per_kernel = [{"name": "fused_partial", "grid": [16, 8, 2], "block": [128, 1, 1], "model_us": 10.0,
+                   "bound": "memory", "us": 14.0},
+                  {"name": "fused_combine", "grid": [8, 2, 1], "block": [128, 1, 1], "model_us": 3.7, "bound": "launch",
+                   "us": 1.85}]
+    text = fused.table([{"workload": "w", "dims": "d", "device": "a GPU", "hardware": "h100", "sets": 3,
+                         "floor_us": 10.0, "model_us": 13.0, "kernels": 2, "per_kernel": per_kernel, "rows": rows}])
+    assert ("| w | fused_partial | 16x8x2 x 128 | 10.0 (memory) | 14.0 | 1.40 |\n"
+            "| w | fused_combine | 8x2x1 x 128 | 3.7 (launch) | 1.9 | 0.50 |\n") in text
 
 
 def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path, monkeypatch):
