@@ -10,9 +10,10 @@ The figures are compared with the hardware file the device's name names (h100 on
 
 The kernels are in benchmarks/probe.cu. The streaming kernel copies through shared memory with cp.async as
 the generated loops do, and the XOR of everything it read is checked against the host's for every block, so
-a figure is only printed for a kernel that read every byte. Each streaming run is timed between two CUDA
-events with a spinning kernel queued before the first, so that the host's time to issue the run is not
-counted. The bandwidth table sets each measured figure beside `cost.reachable_bandwidth` at the same blocks
+a figure is only printed for a kernel that read every byte. Every run (the launches, the chases, the
+streams) is timed between two CUDA events with a spinning kernel queued before the first and lengthened
+until the host has queued the whole run before the GPU gets to it (`cuda_runtime.Ahead`), so that the
+host's time to issue the run is never counted: a launch "back to back" is the GPU's time per launch queued. The bandwidth table sets each measured figure beside `cost.reachable_bandwidth` at the same blocks
 and bytes in flight (the L2 table beside `cost.reachable_l2_bandwidth`), and the summary gives what the
 tables imply for the hardware file's constants (`bandwidth_gbs` with BANDWIDTH_REACH, `dram_latency_ns`,
 `l2_bandwidth_gbs`, SM_FILL_BYTES_PER_CLOCK, `launch_overhead_us`): the question it settles first is whether
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prism_dsl.backend import cost  # noqa: E402
-from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS  # noqa: E402
+from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS, Ahead  # noqa: E402
 from prism_dsl.backend.launch import blocks_per_sm  # noqa: E402
 from prism_dsl.kernels.hardware import Hardware, for_device, hardware_names, load_hardware  # noqa: E402
 
@@ -44,7 +45,6 @@ SOURCE = Path(__file__).with_name("probe.cu")
 HEADERS = ROOT / "templates"  # prism.cuh, whose cp.async the streaming kernel uses
 STAGES = (2, 3, 4, 5, 9, 17)  # the depths probe.cu instantiates
 THREADS = 128
-SPIN_CYCLES = 200_000  # about 100 us at the H100's clock: longer than the host takes to issue a launch
 STREAM_BYTES = 1 << 30  # far beyond L2: every byte comes from device memory
 SLOT = 256  # bytes between the links of a chase: one per L2 sector group, no two in a line
 L2_FOOTPRINT = 8 << 20  # streamed from L2: within one partition of the H100's (25 MB of 50) and the A100's 40 MB
@@ -179,29 +179,45 @@ def model_half_over_full(hardware: Hardware) -> float:
 
 # -- on the GPU ------------------------------------------------------------------------------------------------
 
-def _events(drv, launch, repeat: int, before=lambda: None) -> list[float]:
-    """Milliseconds of `launch()` between two events, `repeat` times, after one warm-up; `before()` is queued
-    ahead of each start event (outside the interval)."""
+def _events(drv, module, launch, repeat: int, before=lambda: None) -> list[float]:
+    """Milliseconds of `launch()` between two events, `repeat` times, after one warm-up: the GPU's own, with
+    `probe_spin` queued ahead of the start event until the host has queued all of `launch()` before the GPU
+    gets there (`cuda_runtime.Ahead`). `before()` is queued ahead of the spin, outside the interval."""
+    spin = module.get_function("probe_spin")
+    spin.prepare("q")
     before()
     launch()
-    times = []
-    for _ in range(repeat):
-        start, end = drv.Event(), drv.Event()
+    lead, start, end = drv.Event(), drv.Event(), drv.Event()
+    ahead, times = Ahead(), []
+
+    def queue(cycles: int) -> None:
+        lead.record()
         before()
+        spin.prepared_call((1, 1, 1), (1, 1, 1), cycles)
         start.record()
         launch()
         end.record()
+
+    def lead_ms() -> float:
         end.synchronize()
+        return lead.time_till(start)
+
+    for _ in range(repeat):
+        ahead.sample(queue, lead_ms)
         times.append(start.time_till(end))
+    if ahead.behind:
+        print("warning: the host could not queue a probe's launches ahead of the GPU; its times include the "
+              "host's", file=sys.stderr)
     return times
 
 
 def probe_launch(drv, module) -> dict:
     empty = module.get_function("probe_empty")
     empty.prepare("")
-    alone = statistics.median(_events(drv, lambda: empty.prepared_call((1, 1, 1), (32, 1, 1)), 200))
-    many = 1000
-    batch = statistics.median(_events(drv, lambda: [empty.prepared_call((1, 1, 1), (32, 1, 1)) for _ in range(many)], 5))
+    alone = statistics.median(_events(drv, module, lambda: empty.prepared_call((1, 1, 1), (32, 1, 1)), 200))
+    many = 200  # well within the launches a stream holds queued before the host must wait
+    batch = statistics.median(_events(drv, module, lambda: [empty.prepared_call((1, 1, 1), (32, 1, 1))
+                                                            for _ in range(many)], 5))
     return {"alone_us": alone * 1e3, "back_to_back_us": batch * 1e3 / many}
 
 
@@ -214,7 +230,7 @@ def probe_chase(drv, module, footprint: int, steps: int, seed: int = 0) -> float
     chase = module.get_function("probe_chase")
     chase.prepare("PIIqP")
     device, sink = drv.to_device(chain), drv.mem_alloc(4)
-    times = _events(drv, lambda: chase.prepared_call((1, 1, 1), (1, 1, 1), int(device), SLOT // 4, int(order[0]),
+    times = _events(drv, module, lambda: chase.prepared_call((1, 1, 1), (1, 1, 1), int(device), SLOT // 4, int(order[0]),
                                                      steps, int(sink)), 3)
     end = np.zeros(1, np.uint32)
     drv.memcpy_dtoh(end, sink)
@@ -240,8 +256,6 @@ def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False) -> li
     `l2` from L2 (stretches of L2_FOOTPRINT, L2_READ bytes per block, spread over it)."""
     words = np.random.default_rng(1).integers(0, 2**32, (L2_FOOTPRINT if l2 else STREAM_BYTES) // 4, dtype=np.uint32)
     src = drv.to_device(words)
-    spin = module.get_function("probe_spin")
-    spin.prepare("q")
     points = []
     for blocks, stages, tile in (l2_configurations if l2 else configurations)(sms):
         if stages * tile > smem_optin:
@@ -255,15 +269,14 @@ def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False) -> li
         wrap = L2_FOOTPRINT if l2 else STREAM_BYTES
         out = drv.mem_alloc(4 * blocks)
 
-        def before():  # the XORs zeroed, then the GPU kept busy while the host issues the timed launch
-            drv.memset_d32(out, 0, blocks)
-            spin.prepared_call((1, 1, 1), (1, 1, 1), SPIN_CYCLES)
+        def before():  # the XORs zeroed
+            drv.memset_d32_async(out, 0, blocks)
 
         def launch():
             fn.prepared_call((blocks, 1, 1), (THREADS, 1, 1), int(src), tiles, tile // 16, step // 16, wrap // 16,
                              int(out), shared_size=stages * tile)
 
-        times = _events(drv, launch, 5, before)
+        times = _events(drv, module, launch, 5, before)
         got = np.zeros(blocks, np.uint32)
         drv.memcpy_dtoh(got, out)
         out.free()
