@@ -164,13 +164,17 @@ def run_case(out: Path) -> dict:
     ours = rt.Launcher(plan, out, cast=True)  # the directory's runtime; the f16 (bf16) values pass exactly
     try:
         alone, batched = ours.time(sets, repeat=REPEAT * 3), ours.time(sets, repeat=REPEAT, batch=BATCH)
+        if "host_bound" not in alone:
+            raise RuntimeError(f"{out}/prism_runtime.py times the host's queueing too (it predates timing the GPU "
+                               "alone): run `gpu_fused.py prepare` again")
         each = ours.time_kernels(sets, repeat=REPEAT * 3)
         rows["prism-dsl"] = checked(ours(**sets[0])) | {
             "alone_us": alone["median_ms"] * 1e3, "us": batched["median_ms"] * 1e3,
             "host_bound": alone["host_bound"] or batched["host_bound"]}
         per_kernel = [{"name": k["name"], "grid": k["grid"], "block": k["block"],
                        "model_us": k["estimate"]["time_us"], "bound": k["estimate"]["bound"],
-                       "us": each[k["name"]]["median_ms"] * 1e3} for k in report["kernels"]]
+                       "us": each[k["name"]]["median_ms"] * 1e3, "host_bound": each[k["name"]]["host_bound"]}
+                      for k in report["kernels"]]
     finally:
         ours.close()
     dtypes = {n.attr: getattr(torch, rt.TORCH_DTYPE[n.dtype.value]) for n in baseline.inputs}
@@ -250,7 +254,8 @@ def table(results: list[dict]) -> str:
         lines += ["", "Measured on another GPU than the hardware file's (`prepare --hardware NAME` tunes for it):",
                   *elsewhere]
     kernels = [f"| {r['workload']} | {k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} "
-               f"| {k['model_us']:.1f} ({k['bound']}) | {k['us']:.1f} | {k['us'] / k['model_us']:.2f} |"
+               f"| {k['model_us']:.1f} ({k['bound']}) | {k['us']:.1f}{' (host-bound)' if k.get('host_bound') else ''} "
+               f"| {k['us'] / k['model_us']:.2f} |"
                for r in results for k in r.get("per_kernel", [])]
     if kernels:
         lines += ["", "Each kernel of ours beside the model's estimate for it (events around each kernel of one call, "

@@ -186,6 +186,7 @@ def _events(drv, module, launch, repeat: int, before=lambda: None) -> list[float
     spin = module.get_function("probe_spin")
     spin.prepare("q")
     before()
+    spin.prepared_call((1, 1, 1), (1, 1, 1), 0)  # loaded now, not in the first sample
     launch()
     lead, start, end = drv.Event(), drv.Event(), drv.Event()
     ahead, times = Ahead(), []

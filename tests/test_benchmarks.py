@@ -194,7 +194,7 @@ class ProbeDriver:
         pass
 
     def probe_spin(self, grid, cycles):
-        assert cycles > 0
+        assert cycles >= 0
 
     def probe_chase(self, grid, chain, stride, at, steps, sink):
         words = self.words(chain)
@@ -236,8 +236,8 @@ def test_the_probe_drives_its_kernels_as_probe_cu_defines_them(monkeypatch):
     assert {s for name, _, s in drv.launches if name == "probe_stream_17"} == {17 * 8192}
     names = [name for name, _, _ in drv.launches]
     streams = [i for i, name in enumerate(names) if name.startswith("probe_stream")]
-    timed = [i for i in streams if names[i - 1] == "probe_spin"]  # the spin right before: nothing else between
-    assert len(streams) == 6 * runs and len(timed) == 5 * runs  # a warm-up, then 5 timed, per run
+    assert len(streams) == 6 * runs  # a warm-up, then 5 timed, per run
+    assert all(names[i - 1] == "probe_spin" for i in streams)  # each right after a spin (the warm-up's of 0 clocks)
     assert set(drv.memory) == set()  # every buffer freed
 
 
@@ -335,11 +335,11 @@ def test_the_results_table_names_every_implementation_and_every_failure():
     per_kernel = [{"name": "fused_partial", "grid": [16, 8, 2], "block": [128, 1, 1], "model_us": 10.0,
                    "bound": "memory", "us": 14.0},
                   {"name": "fused_combine", "grid": [8, 2, 1], "block": [128, 1, 1], "model_us": 3.7, "bound": "launch",
-                   "us": 1.85}]
+                   "us": 1.85, "host_bound": True}]
     text = fused.table([{"workload": "w", "dims": "d", "device": "a GPU", "hardware": "h100", "sets": 3,
                          "floor_us": 10.0, "model_us": 13.0, "kernels": 2, "per_kernel": per_kernel, "rows": rows}])
     assert ("| w | fused_partial | 16x8x2 x 128 | 10.0 (memory) | 14.0 | 1.40 |\n"
-            "| w | fused_combine | 8x2x1 x 128 | 3.7 (launch) | 1.9 | 0.50 |\n") in text
+            "| w | fused_combine | 8x2x1 x 128 | 3.7 (launch) | 1.9 (host-bound) | 0.50 |\n") in text
 
 
 def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path, monkeypatch):

@@ -507,6 +507,31 @@ def test_compile_rank_measure_times_the_best_few(tmp_path, capsys, emulated_gpu)
     assert len(emulated_gpu) == 1 and again["alternatives"][0]["program"] == report["alternatives"][0]["program"]
 
 
+def test_a_host_bound_time_ranks_its_program_but_is_not_kept(tmp_path, capsys, emulated_gpu, monkeypatch):
+    """A time the host's queueing is in (`cuda_runtime.Ahead` could not get ahead) still ranks its program, says so,
+    and stays out of the tuning database, so that the next compile times it again."""
+    import dataclasses
+
+    from prism_dsl.pipeline import build
+
+    emulated = build.check_gpu
+
+    def host_bound(*args):
+        gpu = emulated(*args)
+        return dataclasses.replace(gpu, timing_ms={**gpu.timing_ms, "host_bound": True})
+
+    monkeypatch.setattr(build, "check_gpu", host_bound)
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))  # no time of another test's to reuse
+    assert main(["compile", str(ROOT / "programs" / "swiglu.prism"), "-o", str(tmp_path / "out"), "--dims",
+                 "n=4,d=64", "--arch", "none", "--rank", "measure", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    timed = [a for a in report["alternatives"] if a["measured_us"] is not None]
+    assert report["search"]["measured"]["timed"] >= MEASURED and report["checked"]["gpu"]["timing_ms"]["host_bound"]
+    assert timed and all(a["measurement"].startswith("checked; host-bound") for a in timed)
+    assert report["alternatives"][0]["measured_us"] == min(a["measured_us"] for a in timed)
+    assert (tmp_path / "cache" / "search").is_dir() and not (tmp_path / "cache" / "measured").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU[0], reason=GPU[1])
 def test_compile_rank_measure_on_the_gpu(tmp_path, capsys):

@@ -26,7 +26,6 @@ import difflib
 import functools
 import importlib.util
 import os
-import pprint
 import statistics
 import time
 import warnings
@@ -46,6 +45,7 @@ NVCC_OPTIONS = ["-O3", "-std=c++17"]
 # Queued ahead of timed work, this kernel keeps the GPU busy while the host queues the work (see `Ahead`).
 SPIN_CU = 'extern "C" __global__ void prism_spin(long long n) { for (long long t = clock64(); clock64() - t < n;) {} }'
 SPIN_CYCLES = (1 << 16, 1 << 28)  # the first spin and the longest: 33 us and 134 ms at 2 GHz
+EVENT_MS = 0.002  # a margin over the resolution of CUDA events' times (about half a microsecond)
 host_seconds = time.perf_counter  # the host's clock (a stand-in in tests)
 
 
@@ -164,11 +164,6 @@ def _kernel_problems(i: int, kernel, tensors: dict, inputs: list) -> list[str]:
         if key == "zero":
             problems += [f"{where}: zeroes input '{n}', which the program must not write" for n in names if n in inputs]
     return problems
-
-
-def format_plan(plan: dict) -> str:
-    """The plan as readable Python literal text, for writing into a generated launcher.py."""
-    return pprint.pformat(plan, width=110, sort_dicts=False)
 
 
 def random_inputs(plan: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -448,6 +443,7 @@ class Launcher:
             n = len(self.plan["kernels"])
             events = [drv.Event() if per_kernel or i in (0, n) else None for i in range(n + 1)]
             lead, ahead, samples = drv.Event(), Ahead(), []
+            self._spin.prepared_call((1, 1, 1), (1, 1, 1), 0)  # loaded now, not in the first sample
             for i in range(warmup):
                 self._launch(drv, sets[i % len(sets)])
             def queue(cycles: int, i: int) -> None:
@@ -476,23 +472,26 @@ class Launcher:
 
 
 class Ahead:
-    """Times GPU work as the GPU runs it, without the host's time to queue it. `sample(queue, lead_ms)` calls
-    `queue(cycles)`, which records a lead event, queues `prism_spin` for `cycles` clocks, then the work between
-    its own events; `lead_ms()` waits for the work and gives the milliseconds from the lead event to the work's
-    first event. Where the host took less than that to queue it all, the GPU (which reached the lead event no
-    sooner than the host recorded it) found all of the work queued: the sample stands. Otherwise the spin doubles
-    and the work is queued again; past SPIN_CYCLES[1] the spin stops and `behind` is set (times include the host's)."""
+    """Times GPU work as the GPU runs it, without the host's time to queue it (on Linux, where a queued call has
+    reached the GPU when it returns). `sample(queue, lead_ms)` calls `queue(cycles)`, which records a lead event,
+    queues `prism_spin` for `cycles` clocks, then the work between its own events; `lead_ms()` waits for the work
+    and gives the milliseconds from the lead event to the work's first event. Where the host took less than that
+    to queue it all, the GPU (which reached the lead event no sooner than the host recorded it) found all of the
+    work queued: the sample stands. Otherwise the spin doubles and the sample is taken again, up to
+    SPIN_CYCLES[1], where it stands with `behind` set: its time includes the host's."""
 
-    cycles, behind = SPIN_CYCLES[0], False  # each instance's own once changed
+    def __init__(self):
+        self.cycles, self.behind = SPIN_CYCLES[0], False
 
     def sample(self, queue, lead_ms) -> None:
         while True:
             start = host_seconds()
             queue(self.cycles)
-            queued_ms = (host_seconds() - start) * 1e3
-            if queued_ms < lead_ms() or self.behind:
+            queued_ms, lead = (host_seconds() - start) * 1e3, lead_ms()
+            if queued_ms + EVENT_MS < lead or self.cycles >= SPIN_CYCLES[1]:
+                self.behind |= queued_ms + EVENT_MS >= lead
                 return
-            self.cycles, self.behind = (self.cycles * 2, False) if self.cycles < SPIN_CYCLES[1] else (0, True)
+            self.cycles *= 2
 
 
 def _stats(times_ms: list[float], host_bound: bool) -> dict:

@@ -55,7 +55,8 @@ class Measurement:
 
     us: float | None  # None: not usable (it disagreed with the reference, or could not be built or run)
     note: str  # "checked", or what went wrong
-    lasting: bool = True  # worth keeping in the tuning database (a failure to build or launch is not)
+    lasting: bool = True  # worth keeping in the tuning database (a failure to build or launch is not, nor a
+    # time the host's queueing is in)
 
 
 Measure = Callable[[Program, dict[str, int]], Measurement]
@@ -368,7 +369,9 @@ def gpu_timer(hardware: Hardware, options: build.BuildOptions, reference: Progra
             return Measurement(None, f"could not be built or run: {str(e).splitlines()[0]}", lasting=False)
         if not gpu.passed:
             return Measurement(None, f"disagreed with the reference ({gpu.errors()})")
-        bound = "; host-bound (the host's time to queue its launches is in it)" if gpu.timing_ms["host_bound"] else ""
-        return Measurement(gpu.timing_ms["median_ms"] * 1000, "checked" + bound)
+        if gpu.timing_ms["host_bound"]:  # ranked as measured, but not kept: a later run may time the GPU alone
+            return Measurement(gpu.timing_ms["median_ms"] * 1000, "checked; host-bound (the host's time to queue "
+                               "its launches is in it)", lasting=False)
+        return Measurement(gpu.timing_ms["median_ms"] * 1000, "checked")
 
     return measure

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pprint
 import re
 import secrets
 import shutil
@@ -129,12 +130,17 @@ def _swap_in(scratch: Path, out: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def format_plan(plan: dict) -> str:
+    """The runtime plan as readable Python literal text, for writing into a generated launcher.py."""
+    return pprint.pformat(plan, width=110, sort_dicts=False)
+
+
 def contents(built: build.Build, extra: Mapping[str, str]) -> dict[str, str]:
     """Every file of an output but report.json, name -> text: prism.cuh and the kernels, the runtime and a
     launcher for it, the program as compiled, and `extra` (the search's best.prism)."""
     plan = build.plan_of(built)
     launcher = template_env().get_template("launcher.py.j2").render(
-        plan=plan, program=built.program.name, plan_literal=cuda_runtime.format_plan(plan))
+        plan=plan, program=built.program.name, plan_literal=format_plan(plan))
     return {HEADER: header_source(), **{k.file: k.source for k in built.kernels},
             "prism_runtime.py": Path(cuda_runtime.__file__).read_text(), "launcher.py": launcher,
             f"{built.program.name}.prism": print_program(built.program), **extra}

@@ -176,21 +176,28 @@ class Report:
         return json.dumps({**fields, **searched, "verified": self.verified}, indent=2) + "\n"
 
 
+def _host(timing: Mapping) -> str:
+    """What a measured time says where the host's time to queue its launches is in it (`cuda_runtime.Ahead`)."""
+    return " (host-bound: the host's time to queue the launches is in it)" if timing.get("host_bound") else ""
+
+
 def summary(report: Report, out: Path) -> str:
     """The report in words, for the terminal."""
     lines = [f"{report.program} -> {out}/ (hardware {report.hardware.name}, "
              f"dims {', '.join(f'{k}={v}' for k, v in report.dims.items()) or 'none'})"]
+    gpu = report.checked.gpu  # where a time was measured
     for k in report.kernels:
         nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})
         res = f", {nv['registers']} registers, {nv['spill_stores']} B spilled" if nv else ""
         res += ", its wgmma serialized by ptxas" if nv.get("wgmma_serialized") else ""
-        measured = f", measured {k.measured_us} us" if k.measured_us is not None else ""
+        measured = f", measured {k.measured_us} us{_host(gpu.kernels_ms[k.name])}" if k.measured_us is not None else ""
         lines.append(f"  kernel {k.name}: grid {'x'.join(map(str, k.grid))}, {k.block[0]} threads, "
                      f"{k.smem_bytes} B shared{res}{', tensor cores' if k.tensor_cores else ''}; "
                      f"estimated {k.estimate['time_us']} us ({k.estimate['bound']}){measured}")
     roof = report.roofline
     lines.append(f"  estimated {report.estimated_us} us; roofline floor {roof['floor_us']} us ({roof['bound']})"
-                 + (f"; measured {report.measured_us} us" if report.measured_us is not None else ""))
+                 + (f"; measured {report.measured_us} us{_host(gpu.timing_ms)}" if report.measured_us is not None
+                    else ""))
     checks = {"nvcc": report.nvcc, "emulation": report.checked.emulation, "gpu": report.checked.gpu}
     for name, c in ((n, c) for n, c in checks.items() if c is not None):
         if isinstance(c, Skipped):
