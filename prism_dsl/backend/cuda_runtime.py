@@ -487,9 +487,9 @@ class Ahead:
         while True:
             start = host_seconds()
             queue(self.cycles)
-            queued_ms, lead = (host_seconds() - start) * 1e3, lead_ms()
-            if queued_ms + EVENT_MS < lead or self.cycles >= SPIN_CYCLES[1]:
-                self.behind |= queued_ms + EVENT_MS >= lead
+            ahead = (host_seconds() - start) * 1e3 + EVENT_MS < lead_ms()  # lead_ms waits for the work
+            if ahead or self.cycles >= SPIN_CYCLES[1]:
+                self.behind |= not ahead
                 return
             self.cycles *= 2
 
