@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import sympy
 
-from prism_dsl.backend import cost, emulate
+from prism_dsl.backend import emulate, tuning
 from prism_dsl.backend.codegen import render_kernel
 from prism_dsl.ir.accumulators import ACCUMULATORS, ONLINE_SOFTMAX, RUNNING_MAX, fold
 from prism_dsl.ir.nodes import DType, Node
@@ -101,7 +101,7 @@ program rows(X: f32[n, d], Y: f32[n, d], W: f16[d, d]) {
 def test_generated_row_folds_agree_with_numpy_in_the_cpu_emulation(write, tmp_path):
     program = lower(load(write(ROW_FOLDS)).program())
     binding = program.default_binding()
-    _, concrete, _ = cost.parameters(program, binding, {"F": 4, "G": 2}, load_hardware("h100"))
+    _, concrete, _ = tuning.parameters(program, binding, {"F": 4, "G": 2}, load_hardware("h100"))
     kernels = [render_kernel(concrete[k.name], program) for k in kernels_of(program)]
     inputs = random_inputs(program, binding, seed=1)
     dtypes = {n.attr: n.dtype for n in program.inputs} | {"A": DType.F32, "B": DType.F32, "C": DType.F32}

@@ -19,7 +19,8 @@ from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.cli.values import parse_dims
 from prism_dsl.backend.codegen import CodegenConfig, comment, ident
-from prism_dsl.backend.cost import estimate, tune
+from prism_dsl.backend.cost import estimate
+from prism_dsl.backend.tuning import tune
 from prism_dsl.backend.emulate import compiler
 from prism_dsl.kernels.constraints import instantiate_program
 from prism_dsl.kernels.hardware import load_hardware
@@ -241,9 +242,10 @@ def test_a_kernel_over_its_bound_is_held_to_the_shared_memory_its_code_takes(wri
     """Causal attention over RoPE'd keys in 128-row query tiles and 64-key tiles (dh = 128): the kernel's
     shared-memory bound, which holds however its code is generated (the scores and probabilities in
     shared memory, as the plain path keeps them), is over the limit, but the code generated with online
-    softmax in registers keeps 164 KB. The backend instantiates it by the latter (`cost.fits`), the tuner
+    softmax in registers keeps 164 KB. The backend instantiates it by the latter (`tuning.fits`), the tuner
     chooses it at prefill dims, and it compiles and emulates under a sanitizer against the reference."""
-    from prism_dsl.backend.cost import fits, for_hardware, parameters
+    from prism_dsl.backend.cost import for_hardware
+    from prism_dsl.backend.tuning import fits, parameters
     from prism_dsl.backend.launch import layout
     from prism_dsl.kernels.constraints import instantiate, valid
     from prism_dsl.semantics.reference import bind_dims
@@ -348,12 +350,12 @@ def test_parameters_are_tuned_for_the_code_asked_for(write):
     """The model tunes and prices the path the code generator will write: wgmma by default on H100, mma.sync
     with --no-wgmma, the plain path with --no-tensor-cores (other tiles, an honest time), and the tuning
     database keeps them apart."""
-    from prism_dsl.backend import cost
+    from prism_dsl.backend import tuning
     from prism_dsl.pipeline.optimize import tuning_key
 
     program = load(write(PREFILL_PROJECTION)).program()
     lowered, dims = lower(program), program.default_binding()
-    runs = {name: cost.parameters(lowered, dims, {}, H100, cfg) for name, cfg in
+    runs = {name: tuning.parameters(lowered, dims, {}, H100, cfg) for name, cfg in
             (("wgmma", None), ("mma.sync", CodegenConfig(wgmma=False)), ("plain", CodegenConfig(tensor_cores=False)))}
     (t_wg,), (t_mma,), (t_plain,) = ([e.time_us for e in est] for _, _, est in runs.values())
     assert t_wg < t_mma < t_plain / 4

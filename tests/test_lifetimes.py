@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import sympy
 
-from prism_dsl.backend.cost import tune
+from prism_dsl.backend.tuning import tune
 from prism_dsl.backend.launch import CodegenConfig, layout
 from prism_dsl.kernels.constraints import instantiate_program, shared_memory
 from prism_dsl.kernels.fusion import plan

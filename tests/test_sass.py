@@ -114,3 +114,87 @@ def test_ptxas_serializing_wgmma_is_kept_in_the_figures():
     figures = ptxas_figures(text)
     assert figures["registers"] == 208 and figures["wgmma_serialized"].endswith("'prism_fused'")
     assert "wgmma_serialized" not in ptxas_figures("ptxas info    : Used 40 registers\n")
+
+
+# A loop of one barrier per pass (instructions 1-7) with a branch forward over two of its instructions.
+SKIPPING = LISTING.replace("        /*0060*/                   BAR.SYNC",
+                           "        /*0058*/               @P3 BRA 0x68 ;\n"
+                           "        /*005c*/                   FFMA R1, R2, R3, R1 ;\n"
+                           "        /*0060*/                   BAR.SYNC").replace(
+                           "        /*0070*/              @!P1 BRA 0x10 ;",
+                           "        /*0068*/                   IADD3 R1, R1, 0x1, RZ ;\n"
+                           "        /*0070*/              @!P1 BRA 0x10 ;")
+MAIN_LOOP = """    for (int it = 0; it < {n}; ++it) {{
+        prism::cp_async_wait<1>();
+        {barriers}
+        for (int e = PRISM_TID; e < 64; e += kThreads) {{ s_x[e] = 0; }}
+    }}
+    __syncthreads();  // after the loop: not one of its barriers
+"""
+
+
+def test_the_fewest_instructions_a_warp_issues_skip_what_a_branch_jumps_over_and_take_a_nested_loop_once():
+    assert sass.fewest(LISTING) == 9  # straight through: back branches not taken, EXIT counted
+    hot = sass.hot_loop(SKIPPING)
+    assert (hot.start, hot.counts["total"], hot.counts["BAR"]) == (1, 10, 1)
+    assert sass.fewest(SKIPPING, hot.start, hot.end) == 8  # the branch over FFMA and BAR is taken
+    assert sass.fewest(SKIPPING.replace("@P3 BRA 0x68", "@!PT BRA 0x68")) == 11  # never taken, never issued
+    # a branch that always jumps: what it jumps over is not on any path
+    assert sass.fewest(SKIPPING.replace("@P3 BRA 0x68", "BRA 0x68")) == 10
+
+
+@pytest.mark.parametrize("n, barriers, expected", [
+    (16, 1, sass.Issued(8, 2)),     # one pass per iteration: the loop's fewest, and the rest once
+    (16, 2, None),                  # the SASS loop passes fewer barriers than an iteration has: not matched
+    (1, 1, sass.Issued(0, 10)),     # one iteration: no loop in the source, everything once
+])
+def test_what_a_warp_issues_is_matched_to_the_sources_main_loop_by_its_barriers(n, barriers, expected):
+    source = MAIN_LOOP.format(n=n, barriers=" ".join(["__syncthreads();"] * barriers))
+    assert sass.main_loop_barriers(source) == (None if n == 1 else barriers)
+    assert sass.issued(SKIPPING, source) == expected
+    twice = SKIPPING.replace("        /*0068*/", "        /*0064*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;\n"
+                             "        /*0068*/")
+    if n > 1 and barriers == 1:  # two barriers per pass where an iteration has one: nvcc unrolled it twice
+        assert sass.issued(twice, source) == sass.Issued(4, 2)
+
+
+def test_the_model_prices_a_kernel_from_its_compiled_code_where_it_has_it():
+    """ptxas's registers decide the blocks per SM in place of the estimate, and the instructions a warp issues
+    bound the time where they take longer than the rest; `priced` says which was done."""
+    from prism_dsl.backend.cost import estimate
+
+    program = load(ROOT / "programs/fused/rmsnorm_linear.prism").program()
+    built = build(program, H100, BuildOptions(dims={"n": 8, "d": 4096}, archs=()))
+    c = built.concrete[built.kernels[0].name]
+    plain = estimate(c, H100)
+    assert plain.priced == "structure" and plain.bound != "issue"
+    assert estimate(c, H100, compiled={"registers": 40}).priced == "ptxas"
+    busy = estimate(c, H100, compiled={"registers": 40, "issued": {"loop": 0, "once": 10}})
+    assert (busy.priced, busy.time_us) == ("sass", plain.time_us)  # a floor far below: nothing changes
+    slow = estimate(c, H100, compiled={"registers": 40, "issued": {"loop": 1e5, "once": 0}})
+    assert slow.bound == "issue" and slow.time_us > 10 * plain.time_us
+    # 255 registers a thread: 65536 / (255 * 128) = 2 blocks of 128 threads at most
+    assert estimate(c, H100, compiled={"registers": 255}).occupancy <= 2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
+                    reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
+def test_prismc_compile_prices_the_chosen_program_from_its_compiled_code_and_says_so(tmp_path, capsys):
+    import json
+
+    from prism_dsl.cli.main import main
+
+    path = str(ROOT / "programs/fused/rmsnorm_linear.prism")
+    common = [path, "--search", "none", "--dims", "n=8,d=512", "--no-emulate"]
+    assert main(["compile", *common, "--arch", "sm_90", "-o", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "estimates priced from the compiled code (sm_90: ptxas's registers" in out
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    kernel = report["kernels"][0]
+    assert kernel["estimate"]["priced"] == "sass" and report["priced"].startswith("the compiled code")
+    assert kernel["nvcc"]["sm_90"]["issued"]["loop"] > 0
+    assert main(["compile", *common, "--arch", "none", "-o", str(tmp_path / "b")]) == 0
+    assert "priced from the code's structure: no architecture compiled (--arch none)" in capsys.readouterr().out
+    assert main(["compile", *common, "--arch", "sm_80", "-o", str(tmp_path / "c")]) == 0
+    assert ("the code's structure: sm_90, the hardware's architecture, not among --arch"
+            in capsys.readouterr().out)

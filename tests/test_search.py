@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import sympy
 
-from prism_dsl.backend import cost
+from prism_dsl.backend import tuning
 
 from prism_dsl.backend import emulate
 from prism_dsl.lang.check import load
@@ -328,7 +328,7 @@ def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_pat
 
     with monkeypatch.context() as m:
         m.setattr("prism_dsl.pipeline.optimize.search", no_search)
-        m.setattr(cost, "tune", no_tuning)
+        m.setattr(tuning, "tune", no_tuning)
         again = optimize(src, library, H100, binding)
     assert again.from_checkpoint
     assert print_program(again.best.program) == print_program(first.best.program)

@@ -58,6 +58,19 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
 
         time = launch overhead + phases * tail (+ waves * loop * iteration latency, unpipelined)
 
+    From the compiled code (`compiled`: the compile check's figures for the hardware's arch, `nvcc.nvcc_check`):
+    the registers ptxas reports replace the estimate in occ, and where cuobjdump read the SASS
+    (`sass.issued`: the fewest instructions one warp issues per iteration of the main loop, and once besides)
+    the time to issue them joins the math:
+        t_issue = blocks * warps * (loop * iterations + once) / (busy * min(SUBPARTITIONS, warps per SM) * clock)
+    one instruction per clock per warp scheduler, none of them idle. It is a floor, and a low one: the
+    shortest path takes every forward branch past code (a guard on the thread or warp index, the copies of
+    the iterations ahead, the remainder of a per-thread loop whose trip count nvcc cannot see): at dh = 128,
+    attention at prefill issues at least 419 of the 896 instructions in its loop, FlashDecoding's combine 18
+    of 730. It binds only where every path through the loop issues more than the products and copies take. The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted
+    as for t_math. The search ranks by the code's structure (it cannot compile every candidate); the chosen
+    program is priced again from its compiled code, and `Estimate.priced` says which was done.
+
 The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - BANDWIDTH_REACH = 0.9: streaming kernels (cuBLAS GEMV, FlashDecoding) reach 75-90% of the 3.35 TB/s
   HBM3 peak; the hardware file's `bandwidth_gbs` is the measured copy bandwidth.
@@ -119,26 +132,21 @@ It is meant to rank, not to predict to the microsecond; `roofline` gives the flo
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple
-
-import sympy
 
 from .launch import (CodegenConfig, Layout, blocks_per_sm, dot_lanes, iteration_bytes, layout, tile_bytes,
                      uses_tensor_cores)
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
-from ..ir.nodes import DType, Node, Program
-from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
+from ..ir.nodes import DType, Node
+from ..kernels.constraints import Concrete
 from ..kernels.hardware import Hardware
 from ..kernels.position import mean_iterations, stretch
-from ..kernels.kernel import Kernel, after_loop, free_symbols, kernels_of, loop_varying, storage, stored_dtype
-from ..kernels.params import candidates, choose
+from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
 from ..ir.ops import OPS, Kind
 
-MAX_CANDIDATES = 4096  # per group of kernels that share parameters
 BANDWIDTH_REACH = 0.9
 MMA_SYNC_REACH = 0.5
 WGMMA_REACH = 0.65
@@ -167,7 +175,8 @@ class Estimate:
     flops: int
     tensor_core_flops: int
     time_us: float
-    bound: str  # "memory", "math", "loop" or "launch": the term that decided
+    bound: str  # "memory", "math", "issue", "loop" or "launch": the term that decided
+    priced: str = "structure"  # from what: "structure" (launch.layout), "ptxas" (and its registers), "sass" (and issue)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -262,12 +271,15 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
     return 0, 0
 
 
-def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None) -> Estimate:
+def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None,
+             compiled: Mapping | None = None) -> Estimate:
+    """The kernel's estimated time, priced from the code's structure, or from `compiled` where given (the
+    compile check's figures for the hardware's arch: ptxas's `registers`, and `issued` from the SASS)."""
     config = config or for_hardware(CodegenConfig(threads=threads), hardware)
     shape = layout(c, config)
     dram, l2, flops, tc, vec, looped = kernel_work(c, hardware, shape, config)
     blocks = c.blocks()
-    regs = min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
+    regs = compiled["registers"] if compiled and compiled.get("registers") else min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
                       for t in shape.registers.values()] + [0])
                + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0))
@@ -279,18 +291,31 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     flight = math.ceil(resident / busy) * _bytes_in_flight(c, shape)
     t_mem = max(dram / reachable_bandwidth(hardware, busy, flight), l2 / reachable_l2_bandwidth(hardware, busy)) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / (busy / hardware.sms)
+    issued = (compiled or {}).get("issued")
+    t_issue = _issue_seconds(c, shape, hardware, issued, occ) * us if issued else 0.0
     tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
     if tail == 1 and blocks > resident:  # equal blocks: the last wave's idle slots leave their SMs' math unused
-        t_math *= waves * resident / blocks
+        t_math, t_issue = (t * waves * resident / blocks for t in (t_math, t_issue))
     overlaps = shape.stages > 1 or math.ceil(resident / busy) > 1
     t_loop = 0.0 if shape.stages > 1 else waves * iterations(c) * hardware.iteration_latency_us
-    terms = {"memory": t_mem, "math": t_math, "loop": t_loop}
+    terms = {"memory": t_mem, "math": t_math, "issue": t_issue, "loop": t_loop}
     bound = max(terms, key=terms.get)
-    body = (max(t_mem, t_math) if overlaps else t_mem + t_math) * tail + t_loop
+    compute = max(t_math, t_issue)
+    body = (max(t_mem, compute) if overlaps else t_mem + compute) * tail + t_loop
     if body < hardware.launch_overhead_us:
         bound = "launch"
     return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(hardware.launch_overhead_us + body, 3),
-                    bound)
+                    bound, "sass" if issued else "ptxas" if compiled else "structure")
+
+
+def _issue_seconds(c: Concrete, shape: Layout, hardware: Hardware, issued: Mapping, occ: int) -> float:
+    """Seconds the busy SMs take to issue what every warp of the launch issues (`sass.Issued`'s fields), one
+    instruction per clock per warp scheduler that has a warp (t_issue in the docstring)."""
+    warps, blocks = shape.threads // 32, c.blocks()
+    busy = min(blocks, hardware.sms)
+    per_sm = warps * min(occ, math.ceil(blocks / busy))  # warps resident on a busy SM
+    per_warp = issued["loop"] * iterations(c) + issued["once"]
+    return blocks * warps * per_warp / (busy * min(SUBPARTITIONS, per_sm) * CLOCK_GHZ * 1e9)
 
 
 def reachable_bandwidth(hardware: Hardware, busy: int, flight: float) -> float:
@@ -379,122 +404,9 @@ def _softmax_flops(c: Concrete, s: Node) -> int:
     return sum(_node_flops(n, c.shape, p, flash=True)[0] for n in nodes)
 
 
-# -- parameter choice by the model ------------------------------------------------------------------------
-
-def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mapping[str, int], hardware: Hardware,
-               codegen: CodegenConfig | None = None) -> tuple[dict[str, int], dict[str, Concrete], list[Estimate]]:
-    """A lowered program at these dims: its kernel parameters by name (`given` kept, the rest chosen by
-    the model for the code `codegen` asks for), every kernel concrete, and their estimates. Raises
-    PrismError listing the violated constraints when no choice is valid."""
-    config = for_hardware(codegen, hardware)
-    symbols = {s.name: s for s in free_symbols(program)}
-    fixed = {symbols[n]: v for n, v in given.items()}
-    try:
-        chosen = tune(program, dims, fixed, hardware, config)
-    except ValueError:  # `choose` searches further, and reports every violated constraint in words
-        chosen = choose(program, dims, fixed, hardware)
-    params = {**given, **{s.name: v for s, v in chosen.items()}}
-    concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, hardware,
-                                   generated(config))
-    return params, concrete, [estimate(k, hardware, config=config) for k in concrete.values()]
-
-
 def for_hardware(codegen: CodegenConfig | None, hardware: Hardware) -> CodegenConfig:
     """The code generator's options (the defaults where None) with what the hardware decides: the shared
     memory a block may fill, its arch (wgmma on sm_90 only), its SMs, and the bytes an SM keeps in flight to
     stream its share of the bandwidth over the DRAM latency (`launch.deepened`; H100: 13.6 KB)."""
     return replace(codegen or CodegenConfig(), smem_limit=hardware.smem_per_block, arch=hardware.arch, sms=hardware.sms,
                    flight=round(hardware.bandwidth_gbs * hardware.dram_latency_ns / hardware.sms))
-
-
-def generated(config: CodegenConfig):
-    """The bytes of shared memory the code `config` asks for takes, per concrete kernel (`launch.layout`): what
-    decides whether a kernel fits where the kernel's own bound, which holds for every config, does not."""
-    return lambda c: layout(c, config).smem
-
-
-def fits(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware,
-         config: CodegenConfig) -> Concrete | None:
-    """The kernel instantiated for the code `config` asks for, or None where a constraint fails (`generated`)."""
-    if not valid(kernel, binding, hardware, smem=False):
-        return None
-    c = instantiate(kernel, binding, hardware, generated(config))
-    return None if isinstance(c, list) else c
-
-
-def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], hardware: Hardware,
-         codegen: CodegenConfig | None = None) -> dict[sympy.Symbol, int]:
-    """Values for the free kernel parameters that minimise the estimated time; between equal estimates,
-    the one that keeps more SMs busy (the model's bandwidth is a ceiling it reaches with few SMs as with
-    many, which the hardware does not promise), then the one that reads fewer bytes through L2 (larger
-    tiles: each operand fragment feeds more products, which a model bound by the tensor-core rate alone
-    does not see). Kernels that share a parameter are tuned together; the rest one at a time. Every
-    combination of candidate values is tried when there are at most MAX_CANDIDATES of them; beyond that, a
-    descent from the best of a few starts (every parameter at its smallest, middle or largest candidate)
-    that changes one or two parameters at a time while the estimate improves. Raises ValueError when a
-    kernel has no valid choice (the caller reports the violations through `kernels.params.choose`)."""
-    binding = {**dims, **fixed}
-    config = for_hardware(codegen, hardware)
-    free = set(free_symbols(program)) - set(fixed)
-    chosen: dict[sympy.Symbol, int] = {}
-    for group in _groups(program, free):
-        syms = sorted({s for k in group for s in k.symbols() if s in free}, key=str)
-        cands = [candidates(program, s, binding) for s in syms]
-        own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()]) for k in group]
-        memo: dict = {}
-
-        def time_of(values: tuple[int, ...]) -> tuple[float, int, int]:
-            """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2): the
-            order parameters are ranked by."""
-            total, busy, l2 = 0.0, 0, 0
-            for k, mine in own:  # a kernel's estimate depends on its own parameters only
-                key = (k.name, tuple(values[i] for i in mine))
-                if key not in memo:
-                    trial = {**binding, **{syms[i]: values[i] for i in mine}}
-                    if (c := fits(k, trial, hardware, config)) is not None:
-                        e = estimate(c, hardware, config=config)
-                        memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
-                    else:
-                        memo[key] = (math.inf, 0, 0)
-                total, busy, l2 = total + memo[key][0], busy + memo[key][1], l2 + memo[key][2]
-            return round(total, 3), -busy, l2
-
-        if math.prod(len(c) for c in cands) <= MAX_CANDIDATES:
-            best = min(itertools.product(*cands), key=time_of)  # the first of equal ranks: deterministic
-        else:
-            starts = [tuple(c[0] for c in cands), tuple(c[len(c) // 2] for c in cands), tuple(c[-1] for c in cands)]
-            start = min(starts, key=time_of)
-            if time_of(start)[0] == math.inf:  # none valid: the first valid combination, if any
-                start = next((v for v in itertools.islice(itertools.product(*cands), 20 * MAX_CANDIDATES)
-                              if time_of(v)[0] < math.inf), start)
-            best = _descend(start, cands, time_of)
-        if time_of(best)[0] == math.inf:
-            raise ValueError("no valid parameters for kernel " + ", ".join(k.name for k in group))
-        chosen.update(zip(syms, best))
-    return chosen
-
-
-def _descend(start: tuple[int, ...], cands: list[list[int]], time_of) -> tuple[int, ...]:
-    """Local search: the best change of one or two values at a time, until none improves."""
-    current, now = start, time_of(start)
-    for _ in range(16):
-        moves = [current[:i] + (v,) + current[i + 1:] for i, c in enumerate(cands) for v in c]
-        moves += [tuple(v if n == i else w if n == j else x for n, x in enumerate(current))
-                  for i, j in itertools.combinations(range(len(cands)), 2) for v in cands[i] for w in cands[j]]
-        best = min(moves, key=time_of)
-        if time_of(best) >= now:
-            break
-        current, now = best, time_of(best)
-    return current
-
-
-def _groups(program: Program, free: set) -> list[list]:
-    """Kernels joined when they share a free parameter (FlashDecoding's split count, say)."""
-    groups: list[list] = []
-    for k in kernels_of(program):
-        mine = k.symbols() & free
-        joined = [g for g in groups if any(mine & (kk.symbols() & free) for kk in g)]
-        merged = [k] + [kk for g in joined for kk in g]
-        groups = [g for g in groups if g not in joined] + [merged]
-    return groups
-

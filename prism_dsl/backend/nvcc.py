@@ -1,4 +1,5 @@
-"""The compile check: the generated kernels compiled by nvcc for each architecture, ptxas's figures kept.
+"""The compile check: the generated kernels compiled by nvcc for each architecture, ptxas's figures kept, and
+where cuobjdump is there (`sass.available`), what one warp of each issues (`sass.issued`), for the cost model.
 
 Where it sits: after codegen, beside the CPU emulation (`emulate`); the pipeline's compile-check pass
 (`pipeline.build.compile_check`) turns a rejection into an error and the figures into the report.
@@ -18,6 +19,7 @@ from ..base.errors import PrismError
 from .codegen import HEADER, RenderedKernel, header_source
 from .cuda_runtime import NVCC_OPTIONS
 from .launch import WGMMA_ARCHS
+from .sass import available, disassemble, issued
 
 
 def write_sources(kernels: Sequence[RenderedKernel], directory: Path) -> None:
@@ -54,7 +56,9 @@ def ptxas_figures(text: str) -> dict:
 
 def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[str, ...]) -> dict[str, dict[str, dict]]:
     """Compile every kernel for every arch (`nvcc -cubin -Xptxas -v`); per kernel and arch: ok, the ptxas
-    figures, and nvcc's messages when it failed."""
+    figures, nvcc's messages when it failed, and `issued` (`sass.Issued` as a dict, None where the SASS's
+    loops do not match the source's) where cuobjdump is there."""
+    read = available()
     nvcc = nvcc_path()
     if nvcc is None:
         raise PrismError("nvcc is not on the PATH")
@@ -62,12 +66,15 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
 
     def one(job):
         k, arch = job
-        cmd = [nvcc, "-cubin", f"-arch={kernel_arch(k, arch)}", *NVCC_OPTIONS, "-Xptxas", "-v",
-               "-o", os.devnull, k.file]
+        cubin = f"{k.name}.{arch}.cubin"
+        cmd = [nvcc, "-cubin", f"-arch={kernel_arch(k, arch)}", *NVCC_OPTIONS, "-Xptxas", "-v", "-o", cubin, k.file]
         done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
         result = {"ok": done.returncode == 0, **ptxas_figures(done.stderr)}
         if done.returncode != 0:
             result["stderr"] = done.stderr[-4000:]
+        elif read:
+            found = issued(disassemble(workdir / cubin), k.source)
+            result["issued"] = None if found is None else found.as_dict()
         return k.name, arch, result
 
     results: dict[str, dict[str, dict]] = {k.name: {} for k in kernels}

@@ -7,11 +7,20 @@ are, async copies in flight, no spills). `cuobjdump` is found on the PATH or ins
 
 The hot loop is found from the branches: every backward branch closes a loop (its target address to the
 branch); the hot loop is the loop holding the most tensor-core, async-copy and FMA instructions, the
-kernel's main loop in generated code (inner loops are unrolled by nvcc).
+kernel's main loop in generated code (inner loops are unrolled by nvcc). Its counts are of the code it holds;
+some of that code runs only on some iterations or never (the copies of the iterations ahead, the remainder
+of an unrolled inner loop whose trip count nvcc cannot see).
+
+`issued` is what the cost model takes from it (`cost.estimate`'s issue time): the fewest instructions one warp
+issues per iteration of the main loop and once besides, along the shortest path through the code (forward
+branches taken wherever that is shorter, nested loops once), so a floor. The SASS loop is taken for the source's main loop (`for (int
+it = 0; ...)`) only where its barriers say so: BAR per pass, against the source's barriers per iteration,
+gives how many iterations nvcc unrolled into one pass; where they disagree, nothing is taken.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -25,6 +34,7 @@ CLASSES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "STS", "BAR", "LDG"
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 NEVER = "NEVER"  # the opcode recorded for an instruction predicated on !PT (alignment filler: never runs)
 EXIT_SOME = "EXIT.IF"  # the opcode recorded for a predicated EXIT (`loops` looks for the unconditional one)
+IF = ".IF"  # appended to the opcode of a predicated branch: it may fall through
 _TARGET = re.compile(r"^\s*(0x[0-9a-f]+)")
 
 
@@ -71,6 +81,7 @@ def instructions(sass: str) -> tuple[list[str], list[int], list[tuple[int, int]]
                 op = EXIT_SOME
             if op.startswith("BRA") and (t := _TARGET.match(m.group(4))):
                 branches.append((len(ops), int(t.group(1), 16)))
+                op += IF if m.group(2) not in (None, "@PT") else ""
             ops.append(op)
             where.append(int(m.group(1), 16))
     return ops, where, branches
@@ -99,6 +110,78 @@ def loops(sass: str) -> list[Loop]:
         if where[start] == target and target < where[i] and "EXIT" not in ops[start: i + 1]:
             out.append(Loop(start, i, count(ops[start: i + 1])))
     return out
+
+
+@dataclass(frozen=True)
+class Issued:
+    """The instructions one warp of a kernel issues: `loop` per iteration of its main loop (0 where it has none
+    in the SASS: one iteration, or unrolled whole), `once` besides (an inner loop outside it counts once)."""
+    loop: float
+    once: int
+
+    def as_dict(self) -> dict:
+        return {"loop": self.loop, "once": self.once}
+
+
+_MAIN_LOOP = re.compile(r"for \(int it = 0; it < (\w+); \+\+it\) \{")
+_SOURCE_BARRIERS = re.compile(r"__syncthreads\(\)|prism::named_(?:sync|arrive)\(")
+
+
+def main_loop_barriers(source: str) -> int | None:
+    """The barriers one iteration of a generated kernel's main loop passes (`__syncthreads`, named barriers),
+    as its CUDA source has them; None without a loop of more than one iteration."""
+    m = _MAIN_LOOP.search(source)
+    if m is None or m.group(1) == "1":
+        return None
+    depth, i = 0, m.end() - 1
+    for i in range(m.end() - 1, len(source)):
+        depth += {"{": 1, "}": -1}.get(source[i], 0)
+        if depth == 0:
+            break
+    return len(_SOURCE_BARRIERS.findall(source[m.end(): i]))
+
+
+def fewest(sass: str, start: int = 0, end: int | None = None) -> int:
+    """The fewest instructions a warp issues from instruction `start` to `end` (both counted; by default the
+    kernel's unconditional EXIT): fall-throughs, and branches forward to an instruction in between, whichever
+    is shorter; a back branch is not taken (a loop nested inside counts once); instructions predicated never
+    to run count 0. One kernel per listing (`where`'s addresses run up)."""
+    ops, where, branches = instructions(sass)
+    if end is None:
+        end = next((i for i, op in enumerate(ops) if op == "EXIT"), len(ops) - 1)
+    at = {a: i for i, a in enumerate(where[start: end + 1], start)}
+    ahead: dict[int, list[int]] = {}
+    for i, target in branches:
+        if start <= i < end and at.get(target, -1) > i:
+            ahead.setdefault(i, []).append(at[target])
+    cost = [0 if op == NEVER else 1 for op in ops]
+    best = [math.inf] * (end + 1)
+    best[start] = cost[start]
+    for i in range(start, end):
+        if best[i] == math.inf:
+            continue
+        goes_on = not ((ops[i].startswith("BRA") and not ops[i].endswith(IF)) or ops[i] == "EXIT")
+        for j in ahead.get(i, []) + ([i + 1] if goes_on else []):
+            best[j] = min(best[j], best[i] + cost[j])
+    return int(best[end]) if best[end] < math.inf else 0
+
+
+def issued(sass: str, source: str) -> Issued | None:
+    """What one warp of the kernel in `sass` (compiled from `source`) issues at least; None where the SASS's
+    loops cannot be matched to the source's main loop (its hot loop passes no barrier, or a number of them
+    that is not a multiple of the source's per iteration)."""
+    whole = fewest(sass)
+    barriers, hot = main_loop_barriers(source), hot_loop(sass)
+    if barriers is None:
+        return Issued(0, whole)
+    if hot is None or not barriers or hot.counts["BAR"] == 0:
+        # no loop left, or none with the loop's barriers: unrolled whole when nothing in the SASS loops back
+        return Issued(0, whole) if hot is None else None
+    unrolled, rest = divmod(hot.counts["BAR"], barriers)
+    if rest:
+        return None
+    per_pass = fewest(sass, hot.start, hot.end)
+    return Issued(per_pass / unrolled, max(0, whole - per_pass))
 
 
 def hot_loop(sass: str) -> Loop | None:

@@ -17,7 +17,8 @@ import sympy
 
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
-from ..backend.cost import fits, for_hardware
+from ..backend.cost import for_hardware
+from ..backend.tuning import fits
 from ..backend.launch import layout
 from ..kernels.constraints import constraints, shared_memory
 from ..kernels.hardware import load_hardware

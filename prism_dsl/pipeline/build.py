@@ -2,9 +2,11 @@
 
     lower          every op outside custom kernels becomes a pre-defined kernel (`kernels.lower`)
     tune           kernel parameters as given (by the command line, or as the search tuned them), the rest
-                   chosen by the cost model (`cost.parameters`); every kernel concrete -> `Tuned`
+                   chosen by the cost model (`tuning.parameters`); every kernel concrete -> `Tuned`
     render         CUDA C per kernel through the templates (`codegen`) -> `Build`
-    compile-check  each kernel compiled by nvcc for every requested architecture; ptxas figures kept
+    compile-check  each kernel compiled by nvcc for every requested architecture; ptxas figures kept, and
+                   what each warp issues where cuobjdump reads the SASS (`nvcc`)
+    price          each kernel's estimate again from its compiled code for the hardware's arch (`cost.estimate`)
     emulate        the generated code run as C++ on the CPU, every output compared with the float64
                    reference (`backend.emulate`)
     measure        on the GPU: run, compared the same way, timed (`cuda_runtime`)
@@ -16,13 +18,13 @@ with the program the search chose, so that they do not depend on the proof (`rep
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..backend import compare, cost, cuda_runtime
+from ..backend import compare, cost, cuda_runtime, sass, tuning
 from ..backend import emulate as emulator
 from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel
 from ..backend.cost import Estimate
@@ -92,7 +94,7 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
         pair_outputs(source, reference)
     binding = bind_dims(lowered, dict(options.dims))
     given = {**resolve_params(lowered, options.grid, options.loop), **options.params}
-    params, concrete, estimates = cost.parameters(lowered, binding, given, hardware, options.codegen)
+    params, concrete, estimates = tuning.parameters(lowered, binding, given, hardware, options.codegen)
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates))
@@ -148,6 +150,29 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...]) -> 
     if bad:
         raise PrismError(f"nvcc rejected the generated code for {', '.join(w for w, _ in bad)}:\n{bad[0][1]}")
     return NvccCheck(tuple(archs), tuple(k.name for k in kernels if k.wgmma)), figures
+
+
+def price(built: Build, figures: Mapping[str, Mapping], config: CodegenConfig) -> Build:
+    """`built` with each kernel's estimate priced from its compiled code where the compile check has figures for
+    the hardware's arch (`cost.estimate`'s `compiled`); the others keep the structure's."""
+    config, arch = cost.for_hardware(config, built.hardware), built.hardware.arch
+    estimates = tuple(
+        cost.estimate(built.concrete[r.name], built.hardware, config=config, compiled=figures[r.name][arch])
+        if arch in figures.get(r.name, {}) else e for r, e in zip(built.kernels, built.estimates))
+    return replace(built, estimates=estimates)
+
+
+def pricing(built: Build, nvcc: NvccCheck | Skipped | None, archs: tuple[str, ...]) -> str:
+    """What the estimates were priced from, in words (the report's `priced`)."""
+    arch, kinds = built.hardware.arch, [e.priced for e in built.estimates]
+    if all(k == "sass" for k in kinds):
+        return f"the compiled code ({arch}: ptxas's registers, the instructions in its SASS)"
+    why = ("no architecture compiled (--arch none)" if nvcc is None else nvcc.skipped if isinstance(nvcc, Skipped)
+           else f"{arch}, the hardware's architecture, not among --arch" if arch not in archs
+           else "cuobjdump not found (pip install 'prism-dsl[sass]')" if not sass.available()
+           else "the SASS's loops not matched to the source's main loop for "
+           + ", ".join(e.kernel for e in built.estimates if e.priced != "sass"))
+    return "the code's structure" + (", registers from ptxas" if "ptxas" in kinds else "") + f": {why}"
 
 
 # -- emulate and measure ----------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
                    GPU), ranked (`optimize`); not run when compiling the program as written
     choose         the program to build: the fastest found, or the input as written
     lower          pre-defined kernels for every op outside custom kernels (`kernels.lower`)
-    tune, render, compile-check, emulate, measure                 (`build`)
+    tune, render, compile-check, price, emulate, measure          (`build`)
     write          every file, report.json last, into the output directory, replaced whole (`output`)
 
 Nothing is written before the last pass, and the output is checked before the first, so that minutes of
@@ -29,7 +29,7 @@ from ..prove.rules import load_library
 from ..prove.soundness import check_library
 from ..search.config import SearchConfig
 from ..semantics.reference import bind_dims
-from .build import Build, BuildOptions, compile_check, dims_of, emulate, measure, render, tune
+from .build import Build, BuildOptions, compile_check, dims_of, emulate, measure, price, pricing, render, tune
 from .optimize import TOP, Outcome, gpu_timer, optimize
 from .output import check_output, contents, write
 from .report import Alternative, Checked, HardwareUsed, KernelReport, NvccCheck, Report, Searched, Skipped
@@ -76,6 +76,7 @@ def compile_program(request: Request) -> Report:
     built = render(tuned, chosen.options.codegen)
     seconds = round(time.perf_counter() - started, 3)
     nvcc, figures = compile_check(built.kernels, chosen.options.archs)
+    built = price(built, figures, chosen.options.codegen)
     checked = Checked(emulate(built, chosen.options),
                       measure(built, chosen.options.seed) if chosen.options.rank == "measure" else None)
     texts = contents(built, {} if chosen.searched is None else {chosen.searched.best: print_program(chosen.program)})
@@ -143,7 +144,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
                   roofline.roofline(built.reference, bind_dims(built.reference, dims_of(built)), built.hardware),
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
-                  chosen.searched, dict(vars(chosen.options.codegen)))
+                  chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs))
 
 
 def _us(timing_ms: Mapping[str, float]) -> float:

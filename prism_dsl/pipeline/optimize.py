@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..backend import cost, cuda_runtime
+from ..backend import cost, cuda_runtime, tuning
 from ..backend.codegen import TEMPLATES, CodegenConfig
 from ..base import cache
 from ..base.errors import PrismError
@@ -119,7 +119,7 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     if hit is not None:
         return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"])
     try:
-        params, _, estimates = cost.parameters(lowered, binding, {}, hardware, codegen)
+        params, _, estimates = tuning.parameters(lowered, binding, {}, hardware, codegen)
     except PrismError:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
     us = sum(e.time_us for e in estimates)
@@ -141,7 +141,7 @@ def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry:
 def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
     """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
     parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
-    kernel meets its constraints for the code `codegen` asks for (`cost.fits`); its time a finite positive number;
+    kernel meets its constraints for the code `codegen` asks for (`tuning.fits`); its time a finite positive number;
     its busy SMs a whole number from 1 to the hardware's SMs."""
     if not isinstance(hit, dict) or not isinstance(hit.get("params"), dict):
         return "no parameters"
@@ -158,7 +158,7 @@ def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware, co
         return f"{', '.join(bad)} not a whole number from 1"
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     config = cost.for_hardware(codegen, hardware)
-    broken = [k.name for k in kernels_of(lowered) if cost.fits(k, full, hardware, config) is None]
+    broken = [k.name for k in kernels_of(lowered) if tuning.fits(k, full, hardware, config) is None]
     if broken:
         return f"the parameters break the constraints of kernel {', '.join(broken)} at these dims"
     return None
@@ -279,7 +279,7 @@ def _choose(program: Program, proved: list[Program], how: Choosing,
         raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, neither as written "
                          f"nor in any of the {len(proved)} proved programs")
     info: dict = {"as_written_fits": written is not None}  # False: its pre-defined kernels cannot run here
-    # Between equal estimates, the one that keeps more SMs busy (as `cost.tune` does: the model's bandwidth
+    # Between equal estimates, the one that keeps more SMs busy (as `tuning.tune` does: the model's bandwidth
     # is a ceiling it reaches with few SMs as with many, which the hardware does not promise), then the
     # program as written; stable: search order breaks the remaining ties.
     ranked.sort(key=lambda r: (round(r.estimated_us, 3), -r.busy, not r.as_written))

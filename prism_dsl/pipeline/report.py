@@ -165,6 +165,7 @@ class Report:
     files: tuple[str, ...]  # what prismc wrote into the output directory
     searched: Searched | None = None  # None: compiled as written
     codegen: Mapping | None = None  # the code generator's options (`CodegenConfig`: --threads, --stages, ...)
+    priced: str = "the code's structure"  # what the estimates were priced from (`build.pricing`)
 
     @property
     def verified(self) -> bool:
@@ -198,6 +199,7 @@ def summary(report: Report, out: Path) -> str:
     lines.append(f"  estimated {report.estimated_us} us; roofline floor {roof['floor_us']} us ({roof['bound']})"
                  + (f"; measured {report.measured_us} us{_host(gpu.timing_ms)}" if report.measured_us is not None
                     else ""))
+    lines.append(f"    estimates priced from {report.priced}")
     checks = {"nvcc": report.nvcc, "emulation": report.checked.emulation, "gpu": report.checked.gpu}
     for name, c in ((n, c) for n, c in checks.items() if c is not None):
         if isinstance(c, Skipped):

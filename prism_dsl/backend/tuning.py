@@ -1,0 +1,135 @@
+"""Parameter choice by the cost model: for a lowered program at given dims, the free kernel parameters (tile
+sizes, loop steps, pieces) that minimise `cost.estimate` for the code the generator will write.
+
+Where it sits: the pipeline's tune pass (`pipeline.build.tune`) and the search's tuning of each proved program
+(`pipeline.optimize`), and `prismc show`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Mapping
+
+import sympy
+
+from ..ir.nodes import Program
+from ..kernels.constraints import Concrete, instantiate, instantiate_program, valid
+from ..kernels.hardware import Hardware
+from ..kernels.kernel import Kernel, free_symbols, kernels_of
+from ..kernels.params import candidates, choose
+from .cost import Estimate, estimate, for_hardware
+from .launch import CodegenConfig, layout
+
+MAX_CANDIDATES = 4096  # per group of kernels that share parameters
+
+
+def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mapping[str, int], hardware: Hardware,
+               codegen: CodegenConfig | None = None) -> tuple[dict[str, int], dict[str, Concrete], list[Estimate]]:
+    """A lowered program at these dims: its kernel parameters by name (`given` kept, the rest chosen by
+    the model for the code `codegen` asks for), every kernel concrete, and their estimates. Raises
+    PrismError listing the violated constraints when no choice is valid."""
+    config = for_hardware(codegen, hardware)
+    symbols = {s.name: s for s in free_symbols(program)}
+    fixed = {symbols[n]: v for n, v in given.items()}
+    try:
+        chosen = tune(program, dims, fixed, hardware, config)
+    except ValueError:  # `choose` searches further, and reports every violated constraint in words
+        chosen = choose(program, dims, fixed, hardware)
+    params = {**given, **{s.name: v for s, v in chosen.items()}}
+    concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, hardware,
+                                   generated(config))
+    return params, concrete, [estimate(k, hardware, config=config) for k in concrete.values()]
+
+
+def generated(config: CodegenConfig):
+    """The bytes of shared memory the code `config` asks for takes, per concrete kernel (`launch.layout`): what
+    decides whether a kernel fits where the kernel's own bound, which holds for every config, does not."""
+    return lambda c: layout(c, config).smem
+
+
+def fits(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware,
+         config: CodegenConfig) -> Concrete | None:
+    """The kernel instantiated for the code `config` asks for, or None where a constraint fails (`generated`)."""
+    if not valid(kernel, binding, hardware, smem=False):
+        return None
+    c = instantiate(kernel, binding, hardware, generated(config))
+    return None if isinstance(c, list) else c
+
+
+def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sympy.Symbol, int], hardware: Hardware,
+         codegen: CodegenConfig | None = None) -> dict[sympy.Symbol, int]:
+    """Values for the free kernel parameters that minimise the estimated time; between equal estimates,
+    the one that keeps more SMs busy (the model's bandwidth is a ceiling it reaches with few SMs as with
+    many, which the hardware does not promise), then the one that reads fewer bytes through L2 (larger
+    tiles: each operand fragment feeds more products, which a model bound by the tensor-core rate alone
+    does not see). Kernels that share a parameter are tuned together; the rest one at a time. Every
+    combination of candidate values is tried when there are at most MAX_CANDIDATES of them; beyond that, a
+    descent from the best of a few starts (every parameter at its smallest, middle or largest candidate)
+    that changes one or two parameters at a time while the estimate improves. Raises ValueError when a
+    kernel has no valid choice (the caller reports the violations through `kernels.params.choose`)."""
+    binding = {**dims, **fixed}
+    config = for_hardware(codegen, hardware)
+    free = set(free_symbols(program)) - set(fixed)
+    chosen: dict[sympy.Symbol, int] = {}
+    for group in _groups(program, free):
+        syms = sorted({s for k in group for s in k.symbols() if s in free}, key=str)
+        cands = [candidates(program, s, binding) for s in syms]
+        own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()]) for k in group]
+        memo: dict = {}
+
+        def time_of(values: tuple[int, ...]) -> tuple[float, int, int]:
+            """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2): the
+            order parameters are ranked by."""
+            total, busy, l2 = 0.0, 0, 0
+            for k, mine in own:  # a kernel's estimate depends on its own parameters only
+                key = (k.name, tuple(values[i] for i in mine))
+                if key not in memo:
+                    trial = {**binding, **{syms[i]: values[i] for i in mine}}
+                    if (c := fits(k, trial, hardware, config)) is not None:
+                        e = estimate(c, hardware, config=config)
+                        memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
+                    else:
+                        memo[key] = (math.inf, 0, 0)
+                total, busy, l2 = total + memo[key][0], busy + memo[key][1], l2 + memo[key][2]
+            return round(total, 3), -busy, l2
+
+        if math.prod(len(c) for c in cands) <= MAX_CANDIDATES:
+            best = min(itertools.product(*cands), key=time_of)  # the first of equal ranks: deterministic
+        else:
+            starts = [tuple(c[0] for c in cands), tuple(c[len(c) // 2] for c in cands), tuple(c[-1] for c in cands)]
+            start = min(starts, key=time_of)
+            if time_of(start)[0] == math.inf:  # none valid: the first valid combination, if any
+                start = next((v for v in itertools.islice(itertools.product(*cands), 20 * MAX_CANDIDATES)
+                              if time_of(v)[0] < math.inf), start)
+            best = _descend(start, cands, time_of)
+        if time_of(best)[0] == math.inf:
+            raise ValueError("no valid parameters for kernel " + ", ".join(k.name for k in group))
+        chosen.update(zip(syms, best))
+    return chosen
+
+
+def _descend(start: tuple[int, ...], cands: list[list[int]], time_of) -> tuple[int, ...]:
+    """Local search: the best change of one or two values at a time, until none improves."""
+    current, now = start, time_of(start)
+    for _ in range(16):
+        moves = [current[:i] + (v,) + current[i + 1:] for i, c in enumerate(cands) for v in c]
+        moves += [tuple(v if n == i else w if n == j else x for n, x in enumerate(current))
+                  for i, j in itertools.combinations(range(len(cands)), 2) for v in cands[i] for w in cands[j]]
+        best = min(moves, key=time_of)
+        if time_of(best) >= now:
+            break
+        current, now = best, time_of(best)
+    return current
+
+
+def _groups(program: Program, free: set) -> list[list]:
+    """Kernels joined when they share a free parameter (FlashDecoding's split count, say)."""
+    groups: list[list] = []
+    for k in kernels_of(program):
+        mine = k.symbols() & free
+        joined = [g for g in groups if any(mine & (kk.symbols() & free) for kk in g)]
+        merged = [k] + [kk for g in joined for kk in g]
+        groups = [g for g in groups if g not in joined] + [merged]
+    return groups
+
