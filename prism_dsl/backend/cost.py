@@ -67,9 +67,10 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     shortest path takes every forward branch past code (a guard on the thread or warp index, the copies of
     the iterations ahead, the remainder of a per-thread loop whose trip count nvcc cannot see): at dh = 128,
     attention at prefill issues at least 419 of the 896 instructions in its loop, FlashDecoding's combine 18
-    of 730. It binds only where every path through the loop issues more than the products and copies take. The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted
-    as for t_math. The search ranks by the code's structure (it cannot compile every candidate); the chosen
-    program is priced again from its compiled code, and `Estimate.priced` says which was done.
+    of 730. It binds only where every path through the loop issues more than the products and copies take.
+    The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted as for t_math. The
+    search ranks by the code's structure (it cannot compile every candidate); the chosen program is priced
+    again from its compiled code, and `Estimate.priced` says which was done.
 
 The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - BANDWIDTH_REACH = 0.9: streaming kernels (cuBLAS GEMV, FlashDecoding) reach 75-90% of the 3.35 TB/s
@@ -279,10 +280,12 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     shape = layout(c, config)
     dram, l2, flops, tc, vec, looped = kernel_work(c, hardware, shape, config)
     blocks = c.blocks()
-    regs = compiled["registers"] if compiled and compiled.get("registers") else min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
+    regs = min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
                       for t in shape.registers.values()] + [0])
                + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0))
+    if compiled and compiled.get("registers"):  # what ptxas gave it, in place of the estimate
+        regs = compiled["registers"]
     occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
     resident = min(blocks, hardware.sms * occ)
     waves = math.ceil(blocks / resident)

@@ -13,9 +13,10 @@ of an unrolled inner loop whose trip count nvcc cannot see).
 
 `issued` is what the cost model takes from it (`cost.estimate`'s issue time): the fewest instructions one warp
 issues per iteration of the main loop and once besides, along the shortest path through the code (forward
-branches taken wherever that is shorter, nested loops once), so a floor. The SASS loop is taken for the source's main loop (`for (int
-it = 0; ...)`) only where its barriers say so: BAR per pass, against the source's barriers per iteration,
-gives how many iterations nvcc unrolled into one pass; where they disagree, nothing is taken.
+branches taken wherever that is shorter, nested loops once), so a floor. The SASS loop is taken for the
+source's main loop (`for (int it = 0; ...)`) only where its barriers say so: BAR per pass, against the
+source's barriers per iteration, gives how many iterations nvcc unrolled into one pass; where they disagree,
+nothing is taken.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def main_loop_barriers(source: str) -> int | None:
     m = _MAIN_LOOP.search(source)
     if m is None or m.group(1) == "1":
         return None
-    depth, i = 0, m.end() - 1
+    depth = 0
     for i in range(m.end() - 1, len(source)):
         depth += {"{": 1, "}": -1}.get(source[i], 0)
         if depth == 0:
@@ -146,7 +147,12 @@ def fewest(sass: str, start: int = 0, end: int | None = None) -> int:
     kernel's unconditional EXIT): fall-throughs, and branches forward to an instruction in between, whichever
     is shorter; a back branch is not taken (a loop nested inside counts once); instructions predicated never
     to run count 0. One kernel per listing (`where`'s addresses run up)."""
-    ops, where, branches = instructions(sass)
+    return _fewest(instructions(sass), start, end)
+
+
+def _fewest(parsed, start: int = 0, end: int | None = None) -> int:
+    """`fewest` over a listing already parsed by `instructions`."""
+    ops, where, branches = parsed
     if end is None:
         end = next((i for i, op in enumerate(ops) if op == "EXIT"), len(ops) - 1)
     at = {a: i for i, a in enumerate(where[start: end + 1], start)}
@@ -170,7 +176,8 @@ def issued(sass: str, source: str) -> Issued | None:
     """What one warp of the kernel in `sass` (compiled from `source`) issues at least; None where the SASS's
     loops cannot be matched to the source's main loop (its hot loop passes no barrier, or a number of them
     that is not a multiple of the source's per iteration)."""
-    whole = fewest(sass)
+    parsed = instructions(sass)
+    whole = _fewest(parsed)
     barriers, hot = main_loop_barriers(source), hot_loop(sass)
     if barriers is None:
         return Issued(0, whole)
@@ -180,7 +187,7 @@ def issued(sass: str, source: str) -> Issued | None:
     unrolled, rest = divmod(hot.counts["BAR"], barriers)
     if rest:
         return None
-    per_pass = fewest(sass, hot.start, hot.end)
+    per_pass = _fewest(parsed, hot.start, hot.end)
     return Issued(per_pass / unrolled, max(0, whole - per_pass))
 
 
