@@ -107,15 +107,32 @@ def shift_tensor_core_load(src: str, grid) -> str | None:
 
 
 def read_past_tile(src: str, grid) -> str | None:
-    """One more element in the first loop over a tile after the loads: a read past the tile's end."""
+    """One more element in the first loop over a tile after the loads: a read past the tile's end. Of the forms
+    of a step's loop (templates/steps.j2, `each`), one guarded pass (`if (const int e = ...; e < N)`) takes
+    one more element by its bound; passes counted from 0 (`for (int e0 = 0; e0 < N; ...)`) take one more
+    pass with every item past N + 1 stopped (a ragged last pass's own stop moves by one). One unguarded pass
+    of every thread (`{ const int e = ...;`) is passed over."""
     lines = src.splitlines(keepends=True)
     active = _active(lines)
     start = next((i for i, l in enumerate(lines) if "cp_async_wait_all" in l or "= load " in l), 0)
     start = next((i for i in range(start, len(lines)) if lines[i].strip() == "__syncthreads();"), start)
+    once = re.compile(r"if \(const int (?:k|j|e|row) = [^;]+; \w+ < \d+\)")  # not the loop's, nor a load's
+    passes = re.compile(r"for \(int (k|j|e|row)0 = 0; \w+ < (\d+);")
     for i in range(start, len(lines)):
-        m = re.search(r"for \(int (?:k|j|r|e|row) = [^;]+; \w+ < \d+;", lines[i])  # not the loop's, nor a load's
-        if active[i] and m:
+        if not active[i]:
+            continue
+        if m := once.search(lines[i]):
             lines[i] = lines[i][: m.end() - 1].replace(" < ", " <= ") + lines[i][m.end() - 1:]
+            return "".join(lines)
+        if m := passes.search(lines[i]):
+            var, n = m.groups()
+            lines[i] = lines[i].replace(f" < {n};", f" <= {n};", 1)
+            stop = f"if ({var} >= {n}) break;"
+            pad = lines[i + 1][: len(lines[i + 1]) - len(lines[i + 1].lstrip())]
+            if stop in lines[i + 2]:
+                lines[i + 2] = lines[i + 2].replace(stop, f"if ({var} > {n}) break;")
+            else:
+                lines.insert(i + 2, f"{pad}if ({var} > {n}) break;\n")
             return "".join(lines)
     return None
 

@@ -168,7 +168,8 @@ def test_the_model_prices_a_kernel_from_its_compiled_code_where_it_has_it():
     c = built.concrete[built.kernels[0].name]
     plain = estimate(c, H100)
     assert plain.priced == "structure" and plain.bound != "issue"
-    assert estimate(c, H100, compiled={"registers": 40}).priced == "ptxas"
+    ptxas = estimate(c, H100, compiled={"registers": 40})
+    assert (ptxas.priced, ptxas.registers) == ("ptxas", 40) and plain.registers > 64  # the base and the products'
     busy = estimate(c, H100, compiled={"registers": 40, "issued": {"loop": 0, "once": 10}})
     assert (busy.priced, busy.time_us) == ("sass", plain.time_us)  # a floor far below: nothing changes
     slow = estimate(c, H100, compiled={"registers": 40, "issued": {"loop": 1e5, "once": 0}})
@@ -198,3 +199,27 @@ def test_prismc_compile_prices_the_chosen_program_from_its_compiled_code_and_say
     assert main(["compile", *common, "--arch", "sm_80", "-o", str(tmp_path / "c")]) == 0
     assert ("the code's structure: sm_90, the hardware's architecture, not among --arch"
             in capsys.readouterr().out)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+@pytest.mark.parametrize("name, dims, threads", [
+    ("attention.decoding", {"b": 2, "h": 8, "q": 1, "dh": 128, "kv": 32768}, 128),
+    ("attention.decoding", {"b": 2, "h": 8, "q": 1, "dh": 128, "kv": 32768}, 256),
+    ("swiglu", {"n": 8, "d": 4096}, 128),
+    ("attention", {"b": 1, "h": 16, "q": 4096, "kv": 4096, "dh": 128}, 256),
+], ids=["flash-decoding-128", "flash-decoding-256", "swiglu-decode", "attention-prefill"])
+def test_the_models_registers_are_near_what_ptxas_gives(name, dims, threads):
+    """The model's guess of registers per thread (`cost.REGISTERS_BASE`, the products' accumulators and
+    fragments, `REGISTERS_PER_COPY` per copy of the loop's tiles) against ptxas's count, within 1.6x either
+    way: the blocks per SM it decides must not be far off for the candidates the search never compiles."""
+    from prism_dsl.backend.codegen import CodegenConfig
+    from prism_dsl.pipeline.build import compile_check
+
+    program = load(ROOT / "programs" / "fused" / f"{name}.prism").program()
+    built = build(program, H100, BuildOptions(dims=dims, codegen=CodegenConfig(threads=threads)))
+    _, figures = compile_check(built.kernels, ("sm_90",))
+    for k, e in zip(built.kernels, built.estimates):
+        if k.name == "combine":
+            continue  # 32 registers against the base's 64: a loop of one copy per thread, too small to matter
+        ptxas = figures[k.name]["sm_90"]["registers"]
+        assert ptxas / 1.6 <= e.registers <= ptxas * 1.6, (k.name, e.registers, ptxas)

@@ -10,7 +10,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     math   = per block and iteration, each product by the path that runs it (below), every other op one
              f32 operation per element (row-wise ops three)
     occ    = blocks resident per SM: by shared memory (`layout.smem`), threads, registers (an estimate:
-             REGISTERS_BASE plus every register-tiled product's accumulators and one's fragments) and the
+             REGISTERS_BASE plus every register-tiled product's accumulators and one's fragments, and
+             REGISTERS_PER_COPY for each 16-byte copy a thread issues per iteration of the loop) and the
              block limit
     resident = min(blocks, SMs * occ);  waves = ceil(blocks / resident);  busy = min(blocks, SMs)
 
@@ -127,6 +128,14 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - VECTOR_REACH = 0.4: read from the SASS of "dot8" (nvcc 13, sm_90): its unrolled inner loop issues 32
   FFMA among 79-83 instructions (one HADD2.F32 conversion per 16-bit element, 8 LDS of which 4 are
   16-byte), so FFMA takes 0.4 of the issue slots; the shuffles that add the lanes' parts come after it.
+- REGISTERS_BASE = 64, REGISTERS_PER_COPY = 2: read from ptxas (nvcc 13, sm_90) over the programs of
+  programs/fused at decode and prefill shapes, 128 and 256 threads. The threads' passes over a tile have
+  their trip count in sight (templates/steps.j2), so nvcc unrolls the copies of the loop's tiles into the
+  main loop and keeps each one's addresses in registers across it: FlashDecoding's partial kernel at dh =
+  128 takes 168 registers at 128 threads (32 copies per thread and iteration) and 100 at 256 (16), the
+  gated MLP at n = 8 166 and 95 (40 and 20); about 2 a copy over the rest. It is a rough fit (from 1 to 3
+  a copy; where the loop is short, nvcc unrolls it whole and keeps fewer), and ptxas's own count replaces
+  it for the program that is built.
 It is meant to rank, not to predict to the microsecond; `roofline` gives the floor no program beats.
 """
 
@@ -162,6 +171,7 @@ SMEM_BYTES_PER_CLOCK = 128  # per SM
 SM_FILL_BYTES_PER_CLOCK = 64  # per SM, from L2 into its L1
 CLOCK_GHZ = 1.75
 REGISTERS_BASE = 64  # registers per thread besides a register-tiled product's accumulators and fragments
+REGISTERS_PER_COPY = 2  # per 16-byte copy a thread issues per loop iteration: its addresses, held across the loop
 SUBPARTITIONS = 4  # warp schedulers (and tensor-core units) per SM: one warp keeps at most one busy
 
 
@@ -178,6 +188,7 @@ class Estimate:
     time_us: float
     bound: str  # "memory", "math", "issue", "loop" or "launch": the term that decided
     priced: str = "structure"  # from what: "structure" (launch.layout), "ptxas" (and its registers), "sass" (and issue)
+    registers: int = 0  # per thread, for the blocks per SM: the model's guess, or ptxas's count where priced from it
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -283,7 +294,8 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     regs = min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
                       for t in shape.registers.values()] + [0])
-               + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0))
+               + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0)
+               + (REGISTERS_PER_COPY * -(-iteration_bytes(c) // (16 * shape.threads)) if c.loop > 1 else 0))
     if compiled and compiled.get("registers"):  # what ptxas gave it, in place of the estimate
         regs = compiled["registers"]
     occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
@@ -308,7 +320,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     if body < hardware.launch_overhead_us:
         bound = "launch"
     return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(hardware.launch_overhead_us + body, 3),
-                    bound, "sass" if issued else "ptxas" if compiled else "structure")
+                    bound, "sass" if issued else "ptxas" if compiled else "structure", regs)
 
 
 def _issue_seconds(c: Concrete, shape: Layout, hardware: Hardware, issued: Mapping, occ: int) -> float:

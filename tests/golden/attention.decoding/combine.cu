@@ -25,19 +25,19 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
     float* const s_a4 = PRISM_SHARED_IN(float, 640, 4, 0, 2);  // state a4: [1, 1, 1, 1, 1] f32, in use throughout
 
     // acc_rescaled_sum: m starts at -real(INFINITY)
-    for (int e = PRISM_TID; e < 64; e += kThreads) {
+    if (const int e = PRISM_TID; e < 64) {
         s_a2_max[e] = -real(INFINITY);
     }
     // acc_rescaled_sum: acc starts at 0.0f
-    for (int e = PRISM_TID; e < 64; e += kThreads) {
+    if (const int e = PRISM_TID; e < 64) {
         s_a2[e] = 0.0f;
     }
     // acc_rescaled_sum: m starts at -real(INFINITY)
-    for (int e = PRISM_TID; e < 1; e += kThreads) {
+    if (const int e = PRISM_TID; e < 1) {
         s_a4_max[e] = -real(INFINITY);
     }
     // acc_rescaled_sum: acc starts at 0.0f
-    for (int e = PRISM_TID; e < 1; e += kThreads) {
+    if (const int e = PRISM_TID; e < 1) {
         s_a4[e] = 0.0f;
     }
     __syncthreads();
@@ -46,17 +46,17 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
     // the loop's tiles: a 4-stage cp.async pipeline, iteration it + 3 in flight while it computes
     for (int ahead = 0; ahead < 3; ++ahead) {
         // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
-        for (int e = PRISM_TID; e < 1; e += kThreads) {
+        if (const int e = PRISM_TID; e < 1) {
             prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + ahead * 1 * 2 + blockIdx.x * 1 * 2 + blockIdx.y * 1);
         }
         // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
-        for (int v = PRISM_TID; v < 16; v += kThreads) {
+        if (const int v = PRISM_TID; v < 16) {
             const int e = v * 4;
             const int i4 = e;
             prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + ahead * 1 * 128 + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i4);
         }
         // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
-        for (int e = PRISM_TID; e < 1; e += kThreads) {
+        if (const int e = PRISM_TID; e < 1) {
             prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + ahead * 1 * 2 + blockIdx.x * 1 * 2 + blockIdx.y * 1);
         }
         prism::cp_async_commit();
@@ -67,17 +67,17 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 3; ahead < 4) {
             // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
-            for (int e = PRISM_TID; e < 1; e += kThreads) {
+            if (const int e = PRISM_TID; e < 1) {
                 prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + ahead * 1 * 2 + blockIdx.x * 1 * 2 + blockIdx.y * 1);
             }
             // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
-            for (int v = PRISM_TID; v < 16; v += kThreads) {
+            if (const int v = PRISM_TID; v < 16) {
                 const int e = v * 4;
                 const int i4 = e;
                 prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + ahead * 1 * 128 + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i4);
             }
             // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
-            for (int e = PRISM_TID; e < 1; e += kThreads) {
+            if (const int e = PRISM_TID; e < 1) {
                 prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + ahead * 1 * 2 + blockIdx.x * 1 * 2 + blockIdx.y * 1);
             }
         }
@@ -86,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
         float* const s_pt = s_pt_stages + it % 4 * 64;
         float* const s_lt = s_lt_stages + it % 4 * 32;
         // acc_rescaled_sum(mt, pt)  [1, 1, 1, 1, 64]
-        for (int e = PRISM_TID; e < 64; e += kThreads) {
+        if (const int e = PRISM_TID; e < 64) {
             const int i4 = e;
             const real mv = s_mt[0], mo = s_a2_max[e], mn = prism::max_(mo, mv);
             s_a2[e] = s_a2[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_pt[i4];
@@ -94,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
         }
         __syncthreads();
         // acc_rescaled_sum(mt, lt)  [1, 1, 1, 1, 1]
-        for (int e = PRISM_TID; e < 1; e += kThreads) {
+        if (const int e = PRISM_TID; e < 1) {
             const real mv = s_mt[0], mo = s_a4_max[e], mn = prism::max_(mo, mv);
             s_a4[e] = s_a4[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_lt[0];
             s_a4_max[e] = mn;
@@ -104,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_combine(
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     // store O[x, y, :, :] = (acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt))  [1, 1, 1, 1, 64]
-    for (int e = PRISM_TID; e < 64; e += kThreads) {
+    if (const int e = PRISM_TID; e < 64) {
         const int i3 = e;
         g_O[blockIdx.y * 1 * 64 + i3] = prism::from_f<half>((s_a2[i3] / s_a4[0]));
     }

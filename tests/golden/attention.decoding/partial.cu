@@ -31,19 +31,19 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     float* const s_a6 = PRISM_SHARED_IN(float, 512, 256, 0, 2);  // state a6: [1, 1, 1, 64] f32, in use throughout
 
     // acc_max_last: m starts at -real(INFINITY)
-    for (int e = PRISM_TID; e < 1; e += kThreads) {
+    if (const int e = PRISM_TID; e < 1) {
         s_a3_max[e] = -real(INFINITY);
     }
     // acc_softmax_sum: acc starts at 0.0f
-    for (int e = PRISM_TID; e < 1; e += kThreads) {
+    if (const int e = PRISM_TID; e < 1) {
         s_a4[e] = 0.0f;
     }
     // acc_softmax_out: acc starts at 0.0f
-    for (int e = PRISM_TID; e < 64; e += kThreads) {
+    if (const int e = PRISM_TID; e < 64) {
         s_a6[e] = 0.0f;
     }
     // qt = load Q[x, y, :, :]  tile [1, 1, 1, 64] of [1, 2, 1, 64]
-    for (int v = PRISM_TID; v < 8; v += kThreads) {
+    if (const int v = PRISM_TID; v < 8) {
         const int e = v * 8;
         const int i3 = e;
         prism::cp_async<8>(s_qt + i3, g_Q + blockIdx.x * 1 * 128 + blockIdx.y * 1 * 64 + i3);
@@ -55,14 +55,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     // the loop's tiles: a 2-stage cp.async pipeline, iteration it + 1 in flight while it computes
     for (int ahead = 0; ahead < 1; ++ahead) {
         // kt = load K[x, y, :, z*loop]  tile [1, 1, 64, 16] of [1, 2, 64, 128]
-        for (int v = PRISM_TID; v < 128; v += kThreads) {
+        {
+            const int v = PRISM_TID;
             const int e = v * 8;
             const int i2 = e / 16;
             const int i3 = e % 16;
             prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + i3, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + ahead * 16 + i3);
         }
         // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
-        for (int v = PRISM_TID; v < 128; v += kThreads) {
+        {
+            const int v = PRISM_TID;
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
@@ -76,14 +78,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 1; ahead < 2) {
             // kt = load K[x, y, :, z*loop]  tile [1, 1, 64, 16] of [1, 2, 64, 128]
-            for (int v = PRISM_TID; v < 128; v += kThreads) {
+            {
+                const int v = PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 16;
                 const int i3 = e % 16;
                 prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + i3, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + ahead * 16 + i3);
             }
             // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
-            for (int v = PRISM_TID; v < 128; v += kThreads) {
+            {
+                const int v = PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
@@ -99,7 +103,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             const int i3 = e;
             real part[8] = {};
             if (u < 2) {
-                for (int k = PRISM_TID % 16; k < 64; k += 16) {
+                for (int k0 = 0; k0 < 64; k0 += 16) {
+                    const int k = k0 + PRISM_TID % 16;
                     float w[8];
                     prism::load8(w, s_kt + k * 16 + i3);
                     const real x = prism::to_f(s_qt[k]);
@@ -124,9 +129,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         // online softmax over s: running row max, rescaling factor
         {
             const int lane = PRISM_TID % PRISM_WARP;
-            for (int row = PRISM_TID / PRISM_WARP; row < 1; row += kThreads / PRISM_WARP) {
+            if (const int row = PRISM_TID / PRISM_WARP; row < 1) {
                 real part = -real(INFINITY);
-                for (int j = lane; j < 16; j += PRISM_WARP) {
+                if (const int j = lane; j < 16) {
                     part = prism::max_(part, s_v2[j]);
                 }
                 part = prism::warp_max(part);
@@ -139,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         }
         __syncthreads();
         // p = exp(s - running max)
-        for (int e = PRISM_TID; e < 16; e += kThreads) {
+        if (const int e = PRISM_TID; e < 16) {
             const int i3 = e;
             s_a3_p[e] = prism::exp_(s_v2[i3] - s_a3_max[0]);
         }
@@ -147,9 +152,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         // acc_softmax_sum(s)  [1, 1, 1, 1]
         {
             const int lane = PRISM_TID % PRISM_WARP;
-            for (int row = PRISM_TID / PRISM_WARP; row < 1; row += kThreads / PRISM_WARP) {
+            if (const int row = PRISM_TID / PRISM_WARP; row < 1) {
                 real part = 0.0f;
-                for (int j = lane; j < 16; j += PRISM_WARP) {
+                if (const int j = lane; j < 16) {
                     part += s_a3_p[j];
                 }
                 part = prism::warp_sum(part);
@@ -165,7 +170,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             const int i3 = e;
             real part[8] = {};
             if (u < 8) {
-                for (int k = PRISM_TID % 4; k < 16; k += 4) {
+                for (int k0 = 0; k0 < 16; k0 += 4) {
+                    const int k = k0 + PRISM_TID % 4;
                     float w[8];
                     prism::load8(w, s_vt + k * 72 + i3);
                     const real x = s_a3_p[k];
@@ -191,17 +197,17 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     // store M[z, x, y, :, :] = acc_max_last(s)  [1, 1, 1, 1]
-    for (int e = PRISM_TID; e < 1; e += kThreads) {
+    if (const int e = PRISM_TID; e < 1) {
         g_M[blockIdx.z * 1 * 2 + blockIdx.y * 1] = prism::from_f<float>(s_a3_max[0]);
     }
     __syncthreads();
     // store L[z, x, y, :, :] = acc_softmax_sum(s)  [1, 1, 1, 1]
-    for (int e = PRISM_TID; e < 1; e += kThreads) {
+    if (const int e = PRISM_TID; e < 1) {
         g_L[blockIdx.z * 1 * 2 + blockIdx.y * 1] = prism::from_f<float>(s_a4[0]);
     }
     __syncthreads();
     // store P[z, x, y, :, :] = acc_softmax_out(s, vt)  [1, 1, 1, 64]
-    for (int e = PRISM_TID; e < 64; e += kThreads) {
+    if (const int e = PRISM_TID; e < 64) {
         const int i4 = e;
         g_P[blockIdx.z * 1 * 128 + blockIdx.y * 1 * 64 + i4] = prism::from_f<float>(s_a6[i4]);
     }

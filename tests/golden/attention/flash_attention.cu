@@ -30,7 +30,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
 #endif
 
     // qt = load Q[x, y, z, :]  tile [1, 1, 32, 64] of [1, 2, 32, 64]
-    for (int v = PRISM_TID; v < 256; v += kThreads) {
+    for (int v0 = 0; v0 < 256; v0 += kThreads) {
+        const int v = v0 + PRISM_TID;
         const int e = v * 8;
         const int i2 = e / 64;
         const int i3 = e % 64;
@@ -43,14 +44,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
     // the loop's tiles: a 2-stage cp.async pipeline, iteration it + 1 in flight while it computes
     for (int ahead = 0; ahead < 1; ++ahead) {
         // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 128]
-        for (int v = PRISM_TID; v < 512; v += kThreads) {
+        for (int v0 = 0; v0 < 512; v0 += kThreads) {
+            const int v = v0 + PRISM_TID;
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
             prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + ahead * 64 + i3);
         }
         // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
-        for (int v = PRISM_TID; v < 512; v += kThreads) {
+        for (int v0 = 0; v0 < 512; v0 += kThreads) {
+            const int v = v0 + PRISM_TID;
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
@@ -64,14 +67,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 1; ahead < 2) {
             // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 128]
-            for (int v = PRISM_TID; v < 512; v += kThreads) {
+            for (int v0 = 0; v0 < 512; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
                 prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + ahead * 64 + i3);
             }
             // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
-            for (int v = PRISM_TID; v < 512; v += kThreads) {
+            for (int v0 = 0; v0 < 512; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
@@ -186,7 +191,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
     #endif
     __syncthreads();
     // store O[x, y, z, :] = (o / l)  [1, 1, 32, 64]
-    for (int e = PRISM_TID; e < 2048; e += kThreads) {
+    for (int e0 = 0; e0 < 2048; e0 += kThreads) {
+        const int e = e0 + PRISM_TID;
         const int i2 = e / 64;
         const int i3 = e % 64;
         g_O[blockIdx.y * 1 * 2048 + i2 * 64 + i3] = prism::from_f<half>((s_a4[i2 * 64 + i3] / s_a5[i2]));

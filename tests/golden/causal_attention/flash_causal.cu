@@ -44,21 +44,24 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
 #endif
 
     // qt = load Q[:, y, x, :]  tile [1, 1, 32, 64] of [1, 2, 64, 64]
-    for (int v = PRISM_TID; v < 256; v += kThreads) {
+    for (int v0 = 0; v0 < 256; v0 += kThreads) {
+        const int v = v0 + PRISM_TID;
         const int e = v * 8;
         const int i2 = e / 64;
         const int i3 = e % 64;
         prism::cp_async<8>(s_qt + i2 * 72 + i3, g_Q + blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3);
     }
     // cqt = load CQ[x, :]  tile [32, 64] of [64, 64]
-    for (int v = PRISM_TID; v < 256; v += kThreads) {
+    for (int v0 = 0; v0 < 256; v0 += kThreads) {
+        const int v = v0 + PRISM_TID;
         const int e = v * 8;
         const int i0 = e / 64;
         const int i1 = e % 64;
         prism::cp_async<8>(s_cqt + i0 * 72 + i1, g_CQ + (blockIdx.x * 32 + i0) * 64 + i1);
     }
     // sqt = load SQ[x, :]  tile [32, 64] of [64, 64]
-    for (int v = PRISM_TID; v < 256; v += kThreads) {
+    for (int v0 = 0; v0 < 256; v0 += kThreads) {
+        const int v = v0 + PRISM_TID;
         const int e = v * 8;
         const int i0 = e / 64;
         const int i1 = e % 64;
@@ -68,7 +71,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     __syncthreads();
 
     // (rope(qt, cqt, sqt) / 11.313708498984761)  [1, 1, 32, 64]
-    for (int e = PRISM_TID; e < 2048; e += kThreads) {
+    for (int e0 = 0; e0 < 2048; e0 += kThreads) {
+        const int e = e0 + PRISM_TID;
         const int i2 = e / 64;
         const int i3 = e % 64;
         s_v5[i2 * 72 + i3] = prism::from_f<half>(((prism::to_f(s_qt[i2 * 72 + i3]) * prism::to_f(s_cqt[i2 * 72 + i3]) + (i3 < 32 ? -prism::to_f(s_qt[i2 * 72 + (i3 + 32)]) : prism::to_f(s_qt[i2 * 72 + (i3 - 32)])) * prism::to_f(s_sqt[i2 * 72 + i3])) / 11.313708498984761f));
@@ -81,28 +85,32 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     for (int ahead = 0; ahead < 2; ++ahead) {
         if (ahead < loop_end) {
             // kt = load K[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
                 prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_K + blockIdx.y * 1 * 8192 + (ahead * 32 + i2) * 64 + i3);
             }
             // ckt = load CK[loop, :]  tile [32, 64] of [128, 64]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
                 prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_CK + (ahead * 32 + i0) * 64 + i1);
             }
             // skt = load SK[loop, :]  tile [32, 64] of [128, 64]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
                 prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_SK + (ahead * 32 + i0) * 64 + i1);
             }
             // vt = load V[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
@@ -117,28 +125,32 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < loop_end) {
             // kt = load K[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
                 prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_K + blockIdx.y * 1 * 8192 + (ahead * 32 + i2) * 64 + i3);
             }
             // ckt = load CK[loop, :]  tile [32, 64] of [128, 64]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
                 prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_CK + (ahead * 32 + i0) * 64 + i1);
             }
             // skt = load SK[loop, :]  tile [32, 64] of [128, 64]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
                 prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_SK + (ahead * 32 + i0) * 64 + i1);
             }
             // vt = load V[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
@@ -151,7 +163,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         half* const s_skt = s_skt_stages + it % 3 * 2304;
         half* const s_vt = s_vt_stages + it % 3 * 2304;
         // rope(kt, ckt, skt)  [1, 1, 32, 64]
-        for (int e = PRISM_TID; e < 2048; e += kThreads) {
+        for (int e0 = 0; e0 < 2048; e0 += kThreads) {
+            const int e = e0 + PRISM_TID;
             const int i2 = e / 64;
             const int i3 = e % 64;
             s_v9[i2 * 72 + i3] = prism::from_f<half>((prism::to_f(s_kt[i2 * 72 + i3]) * prism::to_f(s_ckt[i2 * 72 + i3]) + (i3 < 32 ? -prism::to_f(s_kt[i2 * 72 + (i3 + 32)]) : prism::to_f(s_kt[i2 * 72 + (i3 - 32)])) * prism::to_f(s_skt[i2 * 72 + i3])));
@@ -275,7 +288,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     #endif
     __syncthreads();
     // store O[:, y, x, :] = (o / l)  [1, 1, 32, 64]
-    for (int e = PRISM_TID; e < 2048; e += kThreads) {
+    for (int e0 = 0; e0 < 2048; e0 += kThreads) {
+        const int e = e0 + PRISM_TID;
         const int i2 = e / 64;
         const int i3 = e % 64;
         g_O[blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3] = prism::from_f<half>((s_a14[i2 * 64 + i3] / s_a15[i2]));

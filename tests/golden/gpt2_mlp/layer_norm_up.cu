@@ -27,15 +27,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
 #endif
 
     // m: acc starts at 0.0f
-    for (int e = PRISM_TID; e < 8; e += kThreads) {
+    if (const int e = PRISM_TID; e < 8) {
         s_a4[e] = 0.0f;
     }
     // cw: acc starts at 0.0f
-    for (int e = PRISM_TID; e < 64; e += kThreads) {
+    if (const int e = PRISM_TID; e < 64) {
         s_a6[e] = 0.0f;
     }
     // q: acc starts at 0.0f
-    for (int e = PRISM_TID; e < 8; e += kThreads) {
+    if (const int e = PRISM_TID; e < 8) {
         s_a10[e] = 0.0f;
     }
     __syncthreads();
@@ -44,14 +44,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
     for (int ahead = 0; ahead < 2; ++ahead) {
         // xt = load X[:, loop]  tile [8, 64] of [8, 256]
-        for (int v = PRISM_TID; v < 64; v += kThreads) {
+        if (const int v = PRISM_TID; v < 64) {
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
             prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
         }
         // wt = load W1[loop, x]  tile [64, 64] of [256, 512]
-        for (int v = PRISM_TID; v < 512; v += kThreads) {
+        for (int v0 = 0; v0 < 512; v0 += kThreads) {
+            const int v = v0 + PRISM_TID;
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
@@ -65,14 +66,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
             // xt = load X[:, loop]  tile [8, 64] of [8, 256]
-            for (int v = PRISM_TID; v < 64; v += kThreads) {
+            if (const int v = PRISM_TID; v < 64) {
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
                 prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
             }
             // wt = load W1[loop, x]  tile [64, 64] of [256, 512]
-            for (int v = PRISM_TID; v < 512; v += kThreads) {
+            for (int v0 = 0; v0 < 512; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
@@ -85,10 +87,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         // m = acc_mean_last(xt)  [8, 1]
         {
             const int lane = PRISM_TID % PRISM_WARP;
-            for (int row = PRISM_TID / PRISM_WARP; row < 8; row += kThreads / PRISM_WARP) {
+            for (int row0 = 0; row0 < 8; row0 += kThreads / PRISM_WARP) {
+                const int row = row0 + PRISM_TID / PRISM_WARP;
                 const int i0 = row;
                 real part = 0.0f;
-                for (int j = lane; j < 64; j += PRISM_WARP) {
+                for (int j0 = 0; j0 < 64; j0 += PRISM_WARP) {
+                    const int j = j0 + lane;
                     part += prism::to_f(s_xt[i0 * 72 + j]);
                 }
                 part = prism::warp_sum(part);
@@ -99,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         }
         __syncthreads();
         // sum(wt, -2)  [1, 64]
-        for (int e = PRISM_TID; e < 64; e += kThreads) {
+        if (const int e = PRISM_TID; e < 64) {
             const int i1 = e;
             real acc = 0.0f;
             for (int r = 0; r < 64; ++r) acc += prism::to_f(s_wt[r * 72 + i1]);
@@ -107,13 +111,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         }
         __syncthreads();
         // cw = acc_sum(sum(wt, -2))  [1, 64]
-        for (int e = PRISM_TID; e < 64; e += kThreads) {
+        if (const int e = PRISM_TID; e < 64) {
             const int i1 = e;
             s_a6[e] += s_v5[i1];
         }
         __syncthreads();
         // (xt * xt)  [8, 64]
-        for (int e = PRISM_TID; e < 512; e += kThreads) {
+        for (int e0 = 0; e0 < 512; e0 += kThreads) {
+            const int e = e0 + PRISM_TID;
             const int i0 = e / 64;
             const int i1 = e % 64;
             s_v9[e] = (prism::to_f(s_xt[i0 * 72 + i1]) * prism::to_f(s_xt[i0 * 72 + i1]));
@@ -122,10 +127,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         // q = acc_mean_last((xt * xt))  [8, 1]
         {
             const int lane = PRISM_TID % PRISM_WARP;
-            for (int row = PRISM_TID / PRISM_WARP; row < 8; row += kThreads / PRISM_WARP) {
+            for (int row0 = 0; row0 < 8; row0 += kThreads / PRISM_WARP) {
+                const int row = row0 + PRISM_TID / PRISM_WARP;
                 const int i0 = row;
                 real part = 0.0f;
-                for (int j = lane; j < 64; j += PRISM_WARP) {
+                for (int j0 = 0; j0 < 64; j0 += PRISM_WARP) {
+                    const int j = j0 + lane;
                     part += s_v9[i0 * 64 + j];
                 }
                 part = prism::warp_sum(part);
@@ -192,7 +199,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     #endif
     __syncthreads();
     // store H[:, x] = gelu_tanh(((acc - (m * cw)) / sqrt(((q - (m * m)) + 1e-05))))  [8, 64]
-    for (int e = PRISM_TID; e < 512; e += kThreads) {
+    for (int e0 = 0; e0 < 512; e0 += kThreads) {
+        const int e = e0 + PRISM_TID;
         const int i0 = e / 64;
         const int i1 = e % 64;
         g_H[i0 * 512 + blockIdx.x * 64 + i1] = prism::from_f<half>(prism::gelu_tanh_(((s_a3[i0 * 64 + i1] - ((s_a4[i0] / real(256)) * s_a6[i1])) / prism::sqrt_((((s_a10[i0] / real(256)) - ((s_a4[i0] / real(256)) * (s_a4[i0] / real(256)))) + 1e-05f)))));

@@ -25,14 +25,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
     for (int ahead = 0; ahead < 2; ++ahead) {
         // h_0 = load H[y, loop]  tile [8, 128] of [8, 512]
-        for (int v = PRISM_TID; v < 128; v += kThreads) {
+        {
+            const int v = PRISM_TID;
             const int e = v * 8;
             const int i0 = e / 128;
             const int i1 = e % 128;
             prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + (blockIdx.y * 8 + i0) * 512 + ahead * 128 + i1);
         }
         // w2_1 = load W2[loop, x]  tile [128, 64] of [512, 256]
-        for (int v = PRISM_TID; v < 1024; v += kThreads) {
+        for (int v0 = 0; v0 < 1024; v0 += kThreads) {
+            const int v = v0 + PRISM_TID;
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
@@ -46,14 +48,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
             // h_0 = load H[y, loop]  tile [8, 128] of [8, 512]
-            for (int v = PRISM_TID; v < 128; v += kThreads) {
+            {
+                const int v = PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 128;
                 const int i1 = e % 128;
                 prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + (blockIdx.y * 8 + i0) * 512 + ahead * 128 + i1);
             }
             // w2_1 = load W2[loop, x]  tile [128, 64] of [512, 256]
-            for (int v = PRISM_TID; v < 1024; v += kThreads) {
+            for (int v0 = 0; v0 < 1024; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
@@ -120,7 +124,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
     #endif
     __syncthreads();
     // store Y[y, x] = acc_sum((h_0 @ w2_1))  [8, 64]
-    for (int e = PRISM_TID; e < 512; e += kThreads) {
+    for (int e0 = 0; e0 < 512; e0 += kThreads) {
+        const int e = e0 + PRISM_TID;
         const int i0 = e / 64;
         const int i1 = e % 64;
         g_Y[i0 * 256 + blockIdx.x * 64 + i1] = prism::from_f<half>(s_a3[i0 * 64 + i1]);

@@ -30,7 +30,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
 #endif
 
     // rms: acc starts at 0.0f
-    for (int e = PRISM_TID; e < 8; e += kThreads) {
+    if (const int e = PRISM_TID; e < 8) {
         s_a4[e] = 0.0f;
     }
     __syncthreads();
@@ -39,21 +39,23 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
     for (int ahead = 0; ahead < 2; ++ahead) {
         // xt = load X[:, loop]  tile [8, 64] of [8, 256]
-        for (int v = PRISM_TID; v < 64; v += kThreads) {
+        if (const int v = PRISM_TID; v < 64) {
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
             prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
         }
         // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
-        for (int v = PRISM_TID; v < 256; v += kThreads) {
+        for (int v0 = 0; v0 < 256; v0 += kThreads) {
+            const int v = v0 + PRISM_TID;
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
             prism::cp_async<8>(s_ut_stages + ahead % 3 * 2560 + i0 * 40 + i1, g_Wu + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
         }
         // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
-        for (int v = PRISM_TID; v < 256; v += kThreads) {
+        for (int v0 = 0; v0 < 256; v0 += kThreads) {
+            const int v = v0 + PRISM_TID;
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
@@ -67,21 +69,23 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
             // xt = load X[:, loop]  tile [8, 64] of [8, 256]
-            for (int v = PRISM_TID; v < 64; v += kThreads) {
+            if (const int v = PRISM_TID; v < 64) {
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
                 prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
             }
             // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 32;
                 const int i1 = e % 32;
                 prism::cp_async<8>(s_ut_stages + ahead % 3 * 2560 + i0 * 40 + i1, g_Wu + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
             }
             // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 32;
                 const int i1 = e % 32;
@@ -95,10 +99,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
         // rms = acc_rms_last(xt)  [8, 1]
         {
             const int lane = PRISM_TID % PRISM_WARP;
-            for (int row = PRISM_TID / PRISM_WARP; row < 8; row += kThreads / PRISM_WARP) {
+            for (int row0 = 0; row0 < 8; row0 += kThreads / PRISM_WARP) {
+                const int row = row0 + PRISM_TID / PRISM_WARP;
                 const int i0 = row;
                 real part = 0.0f;
-                for (int j = lane; j < 64; j += PRISM_WARP) {
+                for (int j0 = 0; j0 < 64; j0 += PRISM_WARP) {
+                    const int j = j0 + lane;
                     part += prism::to_f(s_xt[i0 * 72 + j]) * prism::to_f(s_xt[i0 * 72 + j]);
                 }
                 part = prism::warp_sum(part);
@@ -206,7 +212,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
     #endif
     __syncthreads();
     // store Y[:, x] = ((up / rms) * (gate / rms))  [8, 32]
-    for (int e = PRISM_TID; e < 256; e += kThreads) {
+    for (int e0 = 0; e0 < 256; e0 += kThreads) {
+        const int e = e0 + PRISM_TID;
         const int i0 = e / 32;
         const int i1 = e % 32;
         g_Y[i0 * 256 + blockIdx.x * 32 + i1] = prism::from_f<half>(((s_a3[i0 * 32 + i1] / prism::sqrt_(s_a4[i0] / real(256))) * (s_a8[i0 * 32 + i1] / prism::sqrt_(s_a4[i0] / real(256)))));

@@ -32,21 +32,23 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
     for (int ahead = 0; ahead < 2; ++ahead) {
         // xt = load X[:, loop]  tile [8, 64] of [8, 256]
-        for (int v = PRISM_TID; v < 64; v += kThreads) {
+        if (const int v = PRISM_TID; v < 64) {
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
             prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
         }
         // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
-        for (int v = PRISM_TID; v < 256; v += kThreads) {
+        for (int v0 = 0; v0 < 256; v0 += kThreads) {
+            const int v = v0 + PRISM_TID;
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
             prism::cp_async<8>(s_gt_stages + ahead % 3 * 2560 + i0 * 40 + i1, g_Wg + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
         }
         // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
-        for (int v = PRISM_TID; v < 256; v += kThreads) {
+        for (int v0 = 0; v0 < 256; v0 += kThreads) {
+            const int v = v0 + PRISM_TID;
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
@@ -60,21 +62,23 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
             // xt = load X[:, loop]  tile [8, 64] of [8, 256]
-            for (int v = PRISM_TID; v < 64; v += kThreads) {
+            if (const int v = PRISM_TID; v < 64) {
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
                 prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
             }
             // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 32;
                 const int i1 = e % 32;
                 prism::cp_async<8>(s_gt_stages + ahead % 3 * 2560 + i0 * 40 + i1, g_Wg + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
             }
             // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
-            for (int v = PRISM_TID; v < 256; v += kThreads) {
+            for (int v0 = 0; v0 < 256; v0 += kThreads) {
+                const int v = v0 + PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 32;
                 const int i1 = e % 32;
@@ -183,7 +187,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
     #endif
     __syncthreads();
     // store Y[:, x] = (silu(gate) * up)  [8, 32]
-    for (int e = PRISM_TID; e < 256; e += kThreads) {
+    for (int e0 = 0; e0 < 256; e0 += kThreads) {
+        const int e = e0 + PRISM_TID;
         const int i0 = e / 32;
         const int i1 = e % 32;
         g_Y[i0 * 256 + blockIdx.x * 32 + i1] = prism::from_f<half>((prism::silu_(s_a3[i0 * 32 + i1]) * s_a7[i0 * 32 + i1]));
