@@ -138,11 +138,24 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16, doubl
     __device__ __forceinline__ R relu_(R x) { return x > R(0) ? x : R(0); }                               \
     __device__ __forceinline__ R tanh_(R x) { return tanh##SUFFIX(x); }                                   \
     __device__ __forceinline__ R gelu_tanh_(R x) {  /* ir/ops.py: GELU_TANH_SCALE, GELU_TANH_CUBIC */     \
-        return R(0.5) * x * (R(1) + tanh##SUFFIX(R(0.7978845608028654) * (x + R(0.044715) * x * x * x))); } \
-    __device__ __forceinline__ R max_(R a, R b) { return a > b ? a : b; }
+        return R(0.5) * x * (R(1) + tanh##SUFFIX(R(0.7978845608028654) * (x + R(0.044715) * x * x * x))); }
 PRISM_MATH(float, f)
 PRISM_MATH(double, )
 #undef PRISM_MATH
+
+// The larger of two, NaN where either is NaN, as the float64 reference's maximum: a NaN read from memory
+// never written (the emulation fills outputs and shared memory with NaN) is never dropped by a max. On sm_80
+// and later one instruction (max.NaN.f32: FMNMX.NAN), where `a > b ? a : b` takes a compare and a select.
+__device__ __forceinline__ double max_(double a, double b) { return a != a || b != b ? a + b : a > b ? a : b; }
+__device__ __forceinline__ float max_(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+#else
+    return a != a || b != b ? a + b : a > b ? a : b;
+#endif
+}
 
 // A causal loop's bound: the iterations up to the one holding column `last` (`step` columns each), at
 // least one, at most `loop`.

@@ -302,6 +302,17 @@ def test_warp_sum_exchanges_between_lanes(tmp_path):
     assert list(got.outputs["Y"]) == [x[:32].sum()] * 32 + [x[32:].sum()] * 32
 
 
+def test_a_max_is_nan_where_either_operand_is(tmp_path):
+    """As the float64 reference's maximum: a NaN read from memory never written (the emulation starts outputs
+    and shared memory as NaN) must not be dropped by a max, whichever side it comes in on."""
+    k = kernel("    g_Y[threadIdx.x] = prism::max_(g_X[threadIdx.x], g_X[(threadIdx.x + 1) % 32]);", F32_IO, 1)
+    x = np.arange(32.0)
+    x[3] = np.nan
+    y = run(k, F32_TYPES, {"X": (32,), "Y": (32,)}, {"X": x}, tmp_path).outputs["Y"]
+    rest = [i for i in range(32) if i not in (2, 3)]
+    assert np.isnan(y[2]) and np.isnan(y[3]) and list(y[rest]) == list(np.maximum(x, np.roll(x, -1))[rest])
+
+
 def test_cp_async_data_appears_only_at_its_wait(tmp_path):
     body = """
     float* const s = PRISM_SHARED(float, 0, 1024);
@@ -489,7 +500,8 @@ extern "C" __global__ void t(const half* a, float* out) {
     prism::fence_async_shared();
 #endif
     prism::load8(w, reinterpret_cast<const __nv_bfloat16*>(s) + threadIdx.x % 16 * 8);
-    for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0] + w[i] + w[i + 4] + g[i];
+    for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0] + w[i] + w[i + 4] + g[i]
+                                                         + prism::max_(d[i], e[i]);
 }
 """
 
