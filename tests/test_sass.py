@@ -158,6 +158,29 @@ def test_what_a_warp_issues_is_matched_to_the_sources_main_loop_by_its_barriers(
         assert sass.issued(twice, source) == sass.Issued(4, 2)
 
 
+# The copies of the iterations ahead as a loop of their own before the main loop, with more LDGSTS than it
+AHEAD = """
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;
+        /*0020*/               @P2 BRA 0x0 ;
+        /*0030*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0040*/                   FFMA R1, R2, R3, R1 ;
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0060*/              @!P1 BRA 0x30 ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_the_hot_loop_is_one_that_passes_a_barrier_where_any_does():
+    """A loop of the copies ahead has more LDGSTS than the main loop but passes no barrier, so it is not the
+    main loop; where no loop passes one, nvcc unrolled the main loop whole and the loop left counts once."""
+    source = MAIN_LOOP.format(n=16, barriers="__syncthreads();")
+    assert sass.hot_loop(AHEAD).start == 3
+    assert sass.issued(AHEAD, source) == sass.Issued(4, 4)  # the main loop's 4, and the copies' loop and EXIT once
+    unrolled = AHEAD.replace("BAR.SYNC.DEFER_BLOCKING 0x0", "FFMA R1, R2, R3, R1").replace("@!P1 BRA 0x30", "NOP")
+    assert sass.issued(unrolled, source) == sass.Issued(0, 8)
+
+
 def test_the_model_prices_a_kernel_from_its_compiled_code_where_it_has_it():
     """ptxas's registers decide the blocks per SM in place of the estimate, and the instructions a warp issues
     bound the time where they take longer than the rest; `priced` says which was done."""

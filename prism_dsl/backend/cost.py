@@ -66,9 +66,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         t_issue = blocks * warps * (loop * iterations + once) / (busy * min(SUBPARTITIONS, warps per SM) * clock)
     one instruction per clock per warp scheduler, none of them idle. It is a floor, and a low one: the
     shortest path takes every forward branch past code (a guard on the thread or warp index, the copies of
-    the iterations ahead, the remainder of a per-thread loop whose trip count nvcc cannot see): at dh = 128,
-    attention at prefill issues at least 419 of the 896 instructions in its loop, FlashDecoding's combine 18
-    of 730. It binds only where every path through the loop issues more than the products and copies take.
+    the iterations ahead, which run on all but the loop's last iterations): at dh = 128, attention at
+    prefill issues at least 382 of the 515 instructions in its loop. It binds only where every path through
+    the loop issues more than the products and copies take.
     The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted as for t_math. The
     search ranks by the code's structure (it cannot compile every candidate); the chosen program is priced
     again from its compiled code, and `Estimate.priced` says which was done.

@@ -7,9 +7,9 @@ are, async copies in flight, no spills). `cuobjdump` is found on the PATH or ins
 
 The hot loop is found from the branches: every backward branch closes a loop (its target address to the
 branch); the hot loop is the loop holding the most tensor-core, async-copy and FMA instructions, the
-kernel's main loop in generated code (inner loops are unrolled by nvcc). Its counts are of the code it holds;
-some of that code runs only on some iterations or never (the copies of the iterations ahead, the remainder
-of an unrolled inner loop whose trip count nvcc cannot see).
+kernel's main loop in generated code (the threads' passes over a tile are unrolled by nvcc: their trip count
+is in sight, templates/steps.j2). Its counts are of the code it holds; some of that code runs only on some
+iterations (the copies of the iterations ahead).
 
 `issued` is what the cost model takes from it (`cost.estimate`'s issue time): the fewest instructions one warp
 issues per iteration of the main loop and once besides, along the shortest path through the code (forward
@@ -174,17 +174,15 @@ def _fewest(parsed, start: int = 0, end: int | None = None) -> int:
 
 def issued(sass: str, source: str) -> Issued | None:
     """What one warp of the kernel in `sass` (compiled from `source`) issues at least; None where the SASS's
-    loops cannot be matched to the source's main loop (its hot loop passes no barrier, or a number of them
-    that is not a multiple of the source's per iteration)."""
+    loops cannot be matched to the source's main loop: the hot loop's BAR must be a whole multiple of the
+    source's per iteration. Where the source's loop has barriers and no SASS loop passes one, nvcc unrolled
+    the main loop whole (a loop left, such as the copies of the iterations ahead, counts once)."""
     parsed = instructions(sass)
     whole = _fewest(parsed)
     barriers, hot = main_loop_barriers(source), hot_loop(sass)
-    if barriers is None:
+    if barriers is None or hot is None or barriers and not hot.counts["BAR"]:
         return Issued(0, whole)
-    if hot is None or not barriers or hot.counts["BAR"] == 0:
-        # no loop left, or none with the loop's barriers: unrolled whole when nothing in the SASS loops back
-        return Issued(0, whole) if hot is None else None
-    unrolled, rest = divmod(hot.counts["BAR"], barriers)
+    unrolled, rest = divmod(hot.counts["BAR"], barriers) if barriers else (0, 1)
     if rest:
         return None
     per_pass = _fewest(parsed, hot.start, hot.end)
@@ -192,10 +190,15 @@ def issued(sass: str, source: str) -> Issued | None:
 
 
 def hot_loop(sass: str) -> Loop | None:
-    """The main loop: the one with the most HMMA or HGMMA (wgmma), then the most LDGSTS, then FFMA (ties: the longest); None
-    without loops. (An epilogue's FFMA loop must not outrank the tensor-core loop, nor a branch back into
-    the middle of the loop body from the code after it, which ptxas may lay out beside the pipelined loop
-    and which holds its HMMA but not its copies.)"""
+    """The main loop: of the loops that pass a barrier (every generated main loop does; a loop of the copies
+    of the iterations ahead, before it, does not), or of all where none does, the one with the most HMMA or
+    HGMMA (wgmma), then the most LDGSTS, then FFMA (ties: the longest); None without loops. (An epilogue's
+    FFMA loop must not outrank the tensor-core loop, nor a branch back into the middle of the loop body
+    from the code after it, which ptxas may lay out beside the pipelined loop and which holds its HMMA but
+    not its copies.)"""
     found = loops(sass)
-    key = lambda l: (l.counts["HMMA"] + l.counts["HGMMA"], l.counts["LDGSTS"], l.counts["FFMA"], l.instructions)  # noqa: E731
-    return max(found, key=key, default=None)
+    return max([l for l in found if l.counts["BAR"]] or found, key=_hotness, default=None)
+
+
+def _hotness(l: Loop) -> tuple:  # `hot_loop`'s order
+    return (l.counts["HMMA"] + l.counts["HGMMA"], l.counts["LDGSTS"], l.counts["FFMA"], l.instructions)
