@@ -495,7 +495,10 @@ template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi)
 // The emulation computes each warp's 16 rows as a warp collective when the warp issues the wgmma, but
 // completes it only at the wgmma_wait that covers its batch (`WgmmaFlight` in prism_emu.h): commit and wait
 // are warp collectives, the accumulators hold NaN until the wait, and the operands read again there must
-// be unchanged.
+// be unchanged. It also holds the code to both fences: a batch's first wgmma finds every lane fenced by
+// wgmma_fence() since the warp's last commit (stricter than the PTX ISA, which asks for the fence only where
+// registers the wgmma uses were touched in between), and reads its operands as the async proxy sees them,
+// as of the last fence_async_shared() (`fence_proxy_async` in prism_emu.h).
 #if defined(PRISM_CPU)
 #define PRISM_WGMMA 1
 namespace emu {
@@ -511,10 +514,12 @@ inline const unsigned char* swizzle128(const unsigned char* p) {
 }
 inline float wgmma_read(const unsigned char* p, bool bf16) {
     p = swizzle128(p);
-    if (!in_shared(self()->block, p, 2))
-        fail({rt().op_site}, "wgmma reads %p, outside the block's shared buffers", static_cast<const void*>(p));
+    const Buffer* const in = buffer_of(self()->block, p, 2);
+    if (!in) fail({rt().op_site}, "wgmma reads %p, outside the block's shared buffers", static_cast<const void*>(p));
     uint16_t bits;
-    {
+    if (rt().async_view) {
+        std::memcpy(&bits, in->seen.data() + (p - in->mem), 2);
+    } else {
         Visible visible;  // the shared-memory read is the kernel's
         std::memcpy(&bits, p, 2);
     }
@@ -550,6 +555,12 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_operands(const std::vector<
                                               : f.b.p + n / 8 * f.b.sbo + n % 8 * 128 + 2 * k, Bf16);
 }
 inline Warp& own_warp() { return self()->block->warps[self()->linear / kWarp]; }
+// How many of the warp's wgmma in flight are in committed batches.
+inline size_t wgmma_grouped(const Warp& w) {
+    size_t grouped = 0;
+    for (size_t g : w.wgmma_groups) grouped += g;
+    return grouped;
+}
 // This warp's next wgmma is its warpgroup's k-th: the first of the four warps to issue it records its operands
 // (A's descriptor where A is in shared memory, B's, and `shape`: the instruction's N, type and B's major-ness),
 // the others must give the same; complete once all four have.
@@ -597,10 +608,33 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, v
     WgmmaFlight flight;
     flight.site = rt().op_site;
     wgmma_operands<N, Bf16, NMajorB>(lanes, flight.operands);
+    Warp& w = own_warp();
+    Thread* const* const warp = &self()->block->threads[self()->linear / kWarp * kWarp];
+    if (w.wgmma.size() == wgmma_grouped(w))  // the first wgmma of a batch
+        for (int l = 0; l < kWarp; ++l)
+            if (!warp[l]->wgmma_fenced)
+                fail({rt().op_site}, "wgmma begins a batch in lane %d with no wgmma.fence (prism::wgmma_fence) "
+                     "since the warp's last wgmma.commit_group: the accumulators and A's registers, touched since by "
+                     "other instructions, are not ordered before the tensor cores read them (the generated code "
+                     "fences before every batch)", l);
+    {
+        std::vector<float> seen;  // the same elements as the async proxy sees them
+        rt().async_view = true;
+        wgmma_operands<N, Bf16, NMajorB>(lanes, seen);
+        rt().async_view = false;
+        for (size_t at = 0; at < seen.size(); ++at) {  // A (where in registers, the same both times), then B
+            if (std::memcmp(&seen[at], &flight.operands[at], sizeof(float)) == 0) continue;
+            const bool in_a = at < 16 * 16;
+            const size_t row = in_a ? 16 * f.warp + at / 16 : (at - 16 * 16) / N, col = in_a ? at % 16 : (at - 16 * 16) % N;
+            fail({rt().op_site}, "wgmma reads %s element (%zu, %zu) of shared memory as written since the last "
+                 "fence.proxy.async: the tensor cores read through the async proxy, which sees a thread's st.shared "
+                 "or cp.async data only after that thread executes the fence (prism::fence_async_shared)",
+                 in_a ? "A's" : "B's", row, col);
+        }
+    }
     flight.read = [lanes](std::vector<float>& ab) { wgmma_operands<N, Bf16, NMajorB>(lanes, ab); };
     const float* const A = flight.operands.data();
     const float* const B = A + 16 * 16;
-    Warp& w = own_warp();
     flight.value.resize(kWarp * N / 2);
     for (int l = 0; l < kWarp; ++l) {
         const float* c = lanes[l].c;
@@ -621,13 +655,9 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, v
     }
     w.wgmma.push_back(std::move(flight));
 }
-inline size_t wgmma_grouped(const Warp& w) {
-    size_t grouped = 0;
-    for (size_t g : w.wgmma_groups) grouped += g;
-    return grouped;
-}
 inline void wgmma_commit_op(const void* const*, void* const*) {
     Warp& w = own_warp();
+    for (int l = 0; l < kWarp; ++l) self()->block->threads[self()->linear / kWarp * kWarp + l]->wgmma_fenced = false;
     w.wgmma_groups.push_back(w.wgmma.size() - wgmma_grouped(w));
 }
 // wgmma.wait_group n: every committed group but the n most recent completes: its operands are read again
@@ -746,7 +776,9 @@ template <int N, class T, bool NMajorB, class A> __device__ __forceinline__ void
 }
 
 __device__ __forceinline__ void wgmma_fence() {
-#if PRISM_WGMMA && !defined(PRISM_CPU)
+#if defined(PRISM_CPU)
+    emu::self()->wgmma_fenced = true;
+#elif PRISM_WGMMA
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
@@ -798,7 +830,9 @@ template <int M> __device__ __forceinline__ void wgmma_hold(float (&v)[M]) {
 #endif
 }
 __device__ __forceinline__ void fence_async_shared() {
-#if PRISM_WGMMA && !defined(PRISM_CPU)
+#if defined(PRISM_CPU)
+    emu::fence_proxy_async();
+#elif PRISM_WGMMA
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }

@@ -25,6 +25,8 @@
 //                      outside them, so a read of what another buffer left there is found.
 //   wgmma              computed at the issue, written at the wait; a warp that reaches a wait for its batches
 //                      runs again only when no other thread of the wave can go on, one such warp at a time.
+//                      Its operands must be as the async proxy saw them at the block's last fence.proxy.async
+//                      (`fence_proxy_async`), and a batch must begin with a wgmma.fence in every lane.
 //   cp.async           copies are queued per thread: the source is read when the copy is issued, the
 //                      destination is overwritten with the NaN pattern at once (its contents are undefined
 //                      until the wait) and with the data only at the cp.async.wait_group that completes
@@ -135,6 +137,7 @@ struct Thread {
     std::vector<Landing> landings;  // not yet made, oldest first
     char landing_sync = 0;  // released at each, acquired by the thread that completes the copies
     const void* waits_on = nullptr;  // the mbarrier it waits at (State::kMbarrier)
+    bool wgmma_fenced = false;  // a wgmma.fence since its warp's last wgmma.commit_group
 };
 
 // One warp's wgmma in flight (prism.cuh): issued, not yet completed by a wgmma.wait_group. The result is
@@ -182,6 +185,7 @@ struct Buffer {
     unsigned char* mem;  // at base + offset % 1024: the GPU's place within a 1024-byte swizzle atom (wgmma)
     unsigned char* base;
     int first, last;  // the phases it is in use (`shared`)
+    std::vector<unsigned char> seen;  // its bytes as the async proxy (wgmma) sees them (`fence_proxy_async`)
 };
 
 struct Named {  // one of a block's hardware barriers 1-15 (bar.sync / bar.arrive)
@@ -234,6 +238,7 @@ struct Runtime {
     size_t main_stack_size = 0;
     char launch_sync = 0, done_sync = 0;
     Site op_site;  // the warp collective being performed, for the checks its exchange makes
+    bool async_view = false;  // wgmma operands read as the async proxy sees them (`Buffer::seen`)
     size_t stack_bytes = size_t(256) << 10;
 };
 
@@ -434,7 +439,7 @@ inline void* shared(size_t offset, size_t bytes, int first, int last, const char
     __asan_poison_memory_region(base, lead);
     __asan_poison_memory_region(mem + (first > b->phase ? 0 : bytes), total - lead - (first > b->phase ? 0 : bytes));
 #endif
-    b->buffers.push_back({offset, bytes, mem, base, first, last});
+    b->buffers.push_back({offset, bytes, mem, base, first, last, std::vector<unsigned char>(bytes, 0xFF)});
     return mem;
 }
 
@@ -457,17 +462,33 @@ inline void phase(int p, const char* file, int line) {
         __asan_unpoison_memory_region(have.mem, have.bytes);
 #endif
         std::memset(have.mem, 0xFF, have.bytes);
+        std::fill(have.seen.begin(), have.seen.end(), 0xFF);
 #if defined(PRISM_ASAN)
         if (!now) __asan_poison_memory_region(have.mem, have.bytes);
 #endif
     }
 }
 
-inline bool in_shared(const Block* b, const void* p, size_t bytes) {
+inline const Buffer* buffer_of(const Block* b, const void* p, size_t bytes) {
     const unsigned char* c = static_cast<const unsigned char*>(p);
     for (const Buffer& have : b->buffers)
-        if (c >= have.mem && c + bytes <= have.mem + have.bytes) return true;
-    return false;
+        if (c >= have.mem && c + bytes <= have.mem + have.bytes) return &have;
+    return nullptr;
+}
+inline bool in_shared(const Block* b, const void* p, size_t bytes) { return buffer_of(b, p, bytes) != nullptr; }
+
+// fence.proxy.async.shared::cta. The tensor cores read wgmma's operands from shared memory through the async
+// proxy, which sees what the threads wrote there (st.shared, and cp.async as it lands) only once the writing
+// thread has executed this fence after the write. Each buffer keeps a copy of its bytes as that proxy sees
+// them, taken again whenever a thread of the block executes the fence; a wgmma reads the live bytes and
+// must find them equal to that copy (`wgmma_op`). So a write with no fence after it before the wgmma is
+// found; the copy is of every thread's writes, not only the fencing thread's, so a write left unfenced by
+// its own thread while another thread fences is not (the generated code fences in every thread at once).
+inline void fence_proxy_async() {
+    Quiet quiet;
+    Block* b = self()->block;
+    for (Buffer& have : b->buffers)
+        if (have.first <= b->phase && b->phase <= have.last) std::memcpy(have.seen.data(), have.mem, have.bytes);
 }
 
 // -- barriers and warp collectives ----------------------------------------------------------------------------------

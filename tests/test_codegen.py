@@ -153,7 +153,8 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     where both operands are pipelined loop tiles (3 stages), each iteration's batch stays in flight into the
     next. The emulated code matches the float64 reference under ThreadSanitizer (the emulation itself reports a
     descriptor that reads outside shared memory), and a copy written unswizzled is caught, as is a stage
-    refilled while a batch in flight still reads it."""
+    refilled while a batch in flight still reads it, and code without the fences that hand the threads' writes
+    and registers to the tensor cores."""
     out = tmp_path / "out"
     assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(out), "--arch", "none",
                  "--sanitize", "thread", "--dims", "d=256", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=4,F2=4,F3=2"]) == 0
@@ -187,6 +188,16 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     wrong = k.source.replace("wgmma_wait<1>", "wgmma_wait<2>")
     found = emulate(replace(built, kernels=(built.kernels[0], replace(k, source=wrong), built.kernels[2])), options)
     assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
+    # the fences removed: gain * x, stored by the threads, read by a wgmma with no fence.proxy.async since; a
+    # batch with no wgmma.fence before it
+    for at, fence, message in ((0, "prism::fence_async_shared();", "as written since the last fence.proxy.async"),
+                               (1, "prism::wgmma_fence();", "with no wgmma.fence")):
+        k = built.kernels[at]
+        wrong = k.source.replace(fence, "")
+        assert wrong != k.source
+        kernels = built.kernels[:at] + (replace(k, source=wrong),) + built.kernels[at + 1:]
+        found = emulate(replace(built, kernels=kernels), options)
+        assert found.finding and message in found.finding["message"], found.errors()
 
 
 
@@ -280,7 +291,8 @@ def test_a_kernel_over_its_bound_is_held_to_the_shared_memory_its_code_takes(wri
 def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     """Attention on two warpgroups that take turns on the tensor cores (`launch.takes_turns`), with 5 stages
     so that the copies run 2 iterations ahead and a stage is refilled while the later warpgroup may still
-    be reading it: the emulation passes the code as generated and reports each barrier taken out."""
+    be reading it: the emulation passes the code as generated and reports each barrier taken out, and the fence
+    that hands the landed tiles to the tensor cores."""
     program = load(ROOT / "programs/fused/attention.prism").program()
     options = BuildOptions(dims=parse_dims("b=1,h=1,q=128,kv=768,dh=128"), grid=parse_dims("gb=1,gh=1,gq=1"),
                            loop=parse_dims("F=12"), archs=(), codegen=CodegenConfig(stages=4))
@@ -308,6 +320,9 @@ def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     # warpgroup 0's first turn never given, and warpgroup 1's last never taken
     assert "bar.sync) for arrivals that never come" in found(r"if \(PRISM_TID / 128 == 1\) prism::named_arrive", "if (0) prism::named_arrive")
     assert "a bar.arrive no bar.sync waited for" in found(r"if \(PRISM_TID / 128 == 0\) prism::named_sync", "if (0) prism::named_sync")
+    # the tiles landed at the mbarrier, read by wgmma with no fence.proxy.async after them
+    landed = re.escape("prism::fence_async_shared();  // and wgmma sees them")
+    assert "since the last fence.proxy.async" in found(landed, "")
 
 
 SHARED_WITH_WMMA = """dims n = 128, d = 128, e = 128

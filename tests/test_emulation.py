@@ -220,6 +220,10 @@ IN_FLIGHT = {  # how the batch of WGMMA is waited for: (what replaces its commit
     "warps disagree": ("prism::wgmma_desc(sa + s * 16 + (w == 2) * 64, 16, 1024)",
                        "warp 2 passes other descriptors, or issues another shape or type, than warp 0"),
     "a warp left out": ("if (w != 3) prism::wgmma<128, T, NMAJOR>", "issued by 3 of its 4 warps (warp 0 first)"),
+    # the fences removed: the copies' data not handed to the async proxy; the batch not ordered after the
+    # threads' register writes
+    "no proxy fence": ("prism::fence_async_shared();", "as written since the last fence.proxy.async"),
+    "no wgmma fence": ("prism::wgmma_fence();", "with no wgmma.fence (prism::wgmma_fence)"),
 }
 
 
@@ -228,7 +232,8 @@ def test_a_wgmma_batch_completes_at_the_wait_that_covers_it(case, tmp_path):
     """wgmma is asynchronous: the emulation completes a batch only at the wgmma_wait that covers it, and reports
     a batch never waited for, a wait before the commit, and shared memory written while a batch may read it;
     the accumulators are NaN until then. The four warps of the warpgroup issue each product together: one that
-    passes other descriptors, or a warp that issues none, is reported."""
+    passes other descriptors, or a warp that issues none, is reported. So is a batch with no wgmma.fence before
+    it, and one that reads copies no fence.proxy.async has handed to the tensor cores."""
     replaced, finding = IN_FLIGHT[case]
     body = WGMMA.replace("NMAJOR", "true")
     if case == "two batches":
@@ -243,6 +248,9 @@ def test_a_wgmma_batch_completes_at_the_wait_that_covers_it(case, tmp_path):
         body = body.replace("prism::wgmma_desc(sa + s * 16, 16, 1024)", replaced)
     elif case == "a warp left out":
         body = body.replace("prism::wgmma<128, T, true>", replaced.replace("NMAJOR", "true"))
+    elif case.endswith("fence"):
+        assert body.count(replaced) == 1
+        body = body.replace(replaced, "")
     else:
         body = body.replace("prism::wgmma_commit();\n    prism::wgmma_wait<0>(d);", replaced)
     k = kernel("    using T = half;\n" + body, {"A": "const half* __restrict__", "B": "const half* __restrict__",
