@@ -1,6 +1,7 @@
 """The static performance report: for each workload at decode and prefill shapes, the program `prismc compile`
 chooses, and for each of its kernels what the compiled code does, read from its SASS (sm_90a): the hot loop's
-instruction mix (HMMA, HGMMA, LDSM, LDGSTS, FFMA, LDS, BAR, and all its instructions), registers, spills,
+instruction mix (HMMA, HGMMA, LDSM, LDGSTS, FFMA, LDS, BAR, and all its instructions), the fewest instructions
+a warp issues per iteration of it (`sass.issued`: on any iteration, and on one that copies tiles ahead), registers, spills,
 shared memory, blocks per SM, the cost model's estimate and the roofline floor. No GPU is needed; nvcc and
 cuobjdump are (cuobjdump from the `sass` extra: pip install -e ".[sass]").
 
@@ -85,7 +86,9 @@ def kernel_rows(out: Path, report: dict) -> list[tuple[str, dict]]:
         nv = k["nvcc"].get("sm_90", {})
         est = k["estimate"]
         serialized = " (ptxas serialized its wgmma)" if nv.get("wgmma_serialized") else ""
-        rows.append((f"{k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {per} | "
+        got = nv.get("issued")  # what the model's issue floor took, per iteration (copying ahead or not)
+        issued = f"{got['loop']:g} / {got.get('copying', got['loop']):g}" if got and got["loop"] else "-"
+        rows.append((f"{k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {issued} | {per} | "
                      f"{nv.get('registers', '?')}{serialized} | {nv.get('spill_stores', '?')} | {k['smem_bytes'] // 1024} KiB | "
                      f"{est['occupancy']} | {est['time_us']:.1f} ({est['bound']})",
                      {"blocks": k["grid"][0] * k["grid"][1] * k["grid"][2], "counts": counts, "products": multiplies[k["name"]],
@@ -129,8 +132,9 @@ def main() -> int:
     print(f"machine: {platform.machine()} {platform.processor() or ''}, Python {platform.python_version()}; "
           f"SASS for sm_90a by {Path(sass.tool()).name}; model: H100 (no GPU ran)")
     print("| workload | program | kernel | grid x threads | hot loop HMMA / HGMMA / LDSM / LDGSTS / FFMA / LDS / BAR / all | "
-          "HMMA per LDSM | registers | spills | shared | blocks/SM | model us | program model us | floor us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "issued per iteration / copying ahead | HMMA per LDSM | registers | spills | shared | blocks/SM | model us | "
+          "program model us | floor us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     summary, sms = [], load_hardware("h100").sms
     for name, program, dims in WORKLOADS:
         if args.only and args.only not in name:

@@ -144,7 +144,7 @@ def test_the_fewest_instructions_a_warp_issues_skip_what_a_branch_jumps_over_and
 
 
 @pytest.mark.parametrize("n, barriers, expected", [
-    (16, 1, sass.Issued(8, 2)),     # one pass per iteration: the loop's fewest, and the rest once
+    (16, 1, sass.Issued(8, 2, 8)),  # one pass per iteration: the loop's fewest, and the rest once
     (16, 2, None),                  # the SASS loop passes fewer barriers than an iteration has: not matched
     (1, 1, sass.Issued(0, 10)),     # one iteration: no loop in the source, everything once
 ])
@@ -155,7 +155,35 @@ def test_what_a_warp_issues_is_matched_to_the_sources_main_loop_by_its_barriers(
     twice = SKIPPING.replace("        /*0068*/", "        /*0064*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;\n"
                              "        /*0068*/")
     if n > 1 and barriers == 1:  # two barriers per pass where an iteration has one: nvcc unrolled it twice
-        assert sass.issued(twice, source) == sass.Issued(4, 2)
+        assert sass.issued(twice, source) == sass.Issued(4, 2, 4)
+
+
+# A pipelined loop: the copies of the iteration ahead behind a branch (`if (ahead < N)`, not taken on the last
+# iterations), then an FFMA behind a guard on the thread index
+COPIES_AHEAD = """
+        /*0000*/                   MOV R1, R2 ;
+        /*0010*/                   FFMA R1, R2, R3, R1 ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/               @P2 BRA 0x60 ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0050*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;
+        /*0060*/               @P3 BRA 0x80 ;
+        /*0070*/                   FFMA R1, R2, R3, R1 ;
+        /*0080*/              @!P1 BRA 0x10 ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_an_iteration_that_copies_ahead_issues_its_copies():
+    """The fewest a warp issues skips both branches' code; an iteration that copies tiles ahead issues the
+    copies, and still skips the guarded FFMA (the shortest of the paths with the most LDGSTS)."""
+    source = MAIN_LOOP.format(n=16, barriers="__syncthreads();")
+    assert sass.issued(COPIES_AHEAD, source) == sass.Issued(5, 2, 7)
+    assert sass.issued(COPIES_AHEAD, source).as_dict() == {"loop": 5, "once": 2, "copying": 7}
+    assert sass.fewest(COPIES_AHEAD, 1, 8, copying=True) == 7 and sass.fewest(COPIES_AHEAD, 1, 8) == 5
+    # a loop whose every path copies: the same both ways
+    always = COPIES_AHEAD.replace("@P2 BRA 0x60", "NOP")
+    assert sass.issued(always, source).as_dict() == {"loop": 7, "once": 2, "copying": 7}
 
 
 # The copies of the iterations ahead as a loop of their own before the main loop, with more LDGSTS than it
@@ -176,7 +204,7 @@ def test_the_hot_loop_is_one_that_passes_a_barrier_where_any_does():
     main loop; where no loop passes one, nvcc unrolled the main loop whole and the loop left counts once."""
     source = MAIN_LOOP.format(n=16, barriers="__syncthreads();")
     assert sass.hot_loop(AHEAD).start == 3
-    assert sass.issued(AHEAD, source) == sass.Issued(4, 4)  # the main loop's 4, and the copies' loop and EXIT once
+    assert sass.issued(AHEAD, source) == sass.Issued(4, 4, 4)  # the main loop's 4, and the copies' loop and EXIT once
     unrolled = AHEAD.replace("BAR.SYNC.DEFER_BLOCKING 0x0", "FFMA R1, R2, R3, R1").replace("@!P1 BRA 0x30", "NOP")
     assert sass.issued(unrolled, source) == sass.Issued(0, 8)
 
@@ -184,7 +212,8 @@ def test_the_hot_loop_is_one_that_passes_a_barrier_where_any_does():
 def test_the_model_prices_a_kernel_from_its_compiled_code_where_it_has_it():
     """ptxas's registers decide the blocks per SM in place of the estimate, and the instructions a warp issues
     bound the time where they take longer than the rest; `priced` says which was done."""
-    from prism_dsl.backend.cost import estimate
+    from prism_dsl.backend.cost import estimate, for_hardware
+    from prism_dsl.backend.launch import CodegenConfig, layout
 
     program = load(ROOT / "programs/fused/rmsnorm_linear.prism").program()
     built = build(program, H100, BuildOptions(dims={"n": 8, "d": 4096}, archs=()))
@@ -197,6 +226,12 @@ def test_the_model_prices_a_kernel_from_its_compiled_code_where_it_has_it():
     assert (busy.priced, busy.time_us) == ("sass", plain.time_us)  # a floor far below: nothing changes
     slow = estimate(c, H100, compiled={"registers": 40, "issued": {"loop": 1e5, "once": 0}})
     assert slow.bound == "issue" and slow.time_us > 10 * plain.time_us
+    # the iterations that copy tiles ahead (all but the pipeline's last) issue the copies too
+    copying = estimate(c, H100, compiled={"registers": 40, "issued": {"loop": 1e5, "once": 0, "copying": 2e5}})
+    shape = layout(c, for_hardware(CodegenConfig(threads=128), H100))
+    n, lead = c.loop, shape.lead
+    assert shape.stages > 1 and 0 < lead < n
+    assert copying.time_us - 3 == pytest.approx((slow.time_us - 3) * (2 * (n - lead) + lead) / n, rel=1e-3)
     # 255 registers a thread: 65536 / (255 * 128) = 2 blocks of 128 threads at most
     assert estimate(c, H100, compiled={"registers": 255}).occupancy <= 2
 

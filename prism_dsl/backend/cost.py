@@ -61,14 +61,17 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
 
     From the compiled code (`compiled`: the compile check's figures for the hardware's arch, `nvcc.nvcc_check`):
     the registers ptxas reports replace the estimate in occ, and where cuobjdump read the SASS
-    (`sass.issued`: the fewest instructions one warp issues per iteration of the main loop, and once besides)
-    the time to issue them joins the math:
-        t_issue = blocks * warps * (loop * iterations + once) / (busy * min(SUBPARTITIONS, warps per SM) * clock)
-    one instruction per clock per warp scheduler, none of them idle. It is a floor, and a low one: the
-    shortest path takes every forward branch past code (a guard on the thread or warp index, the copies of
-    the iterations ahead, which run on all but the loop's last iterations): at dh = 128, attention at
-    prefill issues at least 382 of the 515 instructions in its loop. It binds only where every path through
-    the loop issues more than the products and copies take.
+    (`sass.issued`: the fewest instructions one warp issues per iteration of the main loop, `loop`, and per
+    iteration that issues the copies of the iterations ahead, `copying`; and once besides) the time to issue
+    them joins the math:
+        per warp = copying * (iterations - last) + loop * last + once
+                   (last: the pipeline's last iterations, `Layout.lead` of them, which copy nothing ahead)
+        t_issue  = blocks * warps * per warp / (busy * min(SUBPARTITIONS, warps per SM) * clock)
+    one instruction per clock per warp scheduler, none of them idle. It is a floor: the shortest path still
+    takes every forward branch past code that only some warps run (a guard on the thread or warp index): at
+    dh = 128, attention at prefill issues at least 456 of the 515 instructions in its loop (382 on the
+    iterations that copy nothing). It binds only where every path through the loop issues more than the
+    products and copies take.
     The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted as for t_math. The
     search ranks by the code's structure (it cannot compile every candidate); the chosen program is priced
     again from its compiled code, and `Estimate.priced` says which was done.
@@ -329,7 +332,9 @@ def _issue_seconds(c: Concrete, shape: Layout, hardware: Hardware, issued: Mappi
     warps, blocks = shape.threads // 32, c.blocks()
     busy = min(blocks, hardware.sms)
     per_sm = warps * min(occ, math.ceil(blocks / busy))  # warps resident on a busy SM
-    per_warp = issued["loop"] * iterations(c) + issued["once"]
+    n = iterations(c)
+    last = min(n, max(0, shape.lead) if shape.stages > 1 else 0)  # the iterations with no copies ahead to issue
+    per_warp = issued.get("copying", issued["loop"]) * (n - last) + issued["loop"] * last + issued["once"]
     return blocks * warps * per_warp / (busy * min(SUBPARTITIONS, per_sm) * CLOCK_GHZ * 1e9)
 
 

@@ -13,7 +13,9 @@ iterations (the copies of the iterations ahead).
 
 `issued` is what the cost model takes from it (`cost.estimate`'s issue time): the fewest instructions one warp
 issues per iteration of the main loop and once besides, along the shortest path through the code (forward
-branches taken wherever that is shorter, nested loops once), so a floor. The SASS loop is taken for the
+branches taken wherever that is shorter, nested loops once), so a floor; and per iteration along the shortest
+of the paths that issue the most async copies (LDGSTS), which the iterations that copy tiles ahead take (all
+but a pipelined loop's last few: the copies sit behind `if (ahead < N)`). The SASS loop is taken for the
 source's main loop (`for (int it = 0; ...)`) only where its barriers say so: BAR per pass, against the
 source's barriers per iteration, gives how many iterations nvcc unrolled into one pass; where they disagree,
 nothing is taken.
@@ -116,12 +118,14 @@ def loops(sass: str) -> list[Loop]:
 @dataclass(frozen=True)
 class Issued:
     """The instructions one warp of a kernel issues: `loop` per iteration of its main loop (0 where it has none
-    in the SASS: one iteration, or unrolled whole), `once` besides (an inner loop outside it counts once)."""
+    in the SASS: one iteration, or unrolled whole), `once` besides (an inner loop outside it counts once), and
+    `copying` per iteration of the loop that issues its async copies (`loop` where every path does)."""
     loop: float
     once: int
+    copying: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"loop": self.loop, "once": self.once}
+        return {"loop": self.loop, "once": self.once, "copying": max(self.copying, self.loop)}
 
 
 _MAIN_LOOP = re.compile(r"for \(int it = 0; it < (\w+); \+\+it\) \{")
@@ -142,16 +146,19 @@ def main_loop_barriers(source: str) -> int | None:
     return len(_SOURCE_BARRIERS.findall(source[m.end(): i]))
 
 
-def fewest(sass: str, start: int = 0, end: int | None = None) -> int:
+def fewest(sass: str, start: int = 0, end: int | None = None, copying: bool = False) -> int:
     """The fewest instructions a warp issues from instruction `start` to `end` (both counted; by default the
     kernel's unconditional EXIT): fall-throughs, and branches forward to an instruction in between, whichever
     is shorter; a back branch is not taken (a loop nested inside counts once); instructions predicated never
-    to run count 0. One kernel per listing (`where`'s addresses run up)."""
-    return _fewest(instructions(sass), start, end)
+    to run count 0. With `copying`, of the paths that issue the most LDGSTS. One kernel per listing (`where`'s
+    addresses run up)."""
+    return _fewest(instructions(sass), start, end, copying)
 
 
-def _fewest(parsed, start: int = 0, end: int | None = None) -> int:
-    """`fewest` over a listing already parsed by `instructions`."""
+def _fewest(parsed, start: int = 0, end: int | None = None, copying: bool = False) -> int:
+    """`fewest` over a listing already parsed by `instructions`. A path's cost is (LDGSTS left out, with
+    `copying`; instructions), the least taken at each instruction: the code runs forward, so the least to an
+    instruction extends from the least to those before it."""
     ops, where, branches = parsed
     if end is None:
         end = next((i for i, op in enumerate(ops) if op == "EXIT"), len(ops) - 1)
@@ -160,16 +167,17 @@ def _fewest(parsed, start: int = 0, end: int | None = None) -> int:
     for i, target in branches:
         if start <= i < end and at.get(target, -1) > i:
             ahead.setdefault(i, []).append(at[target])
-    cost = [0 if op == NEVER else 1 for op in ops]
-    best = [math.inf] * (end + 1)
+    cost = [(-int(copying and op.startswith("LDGSTS")), int(op != NEVER)) for op in ops]
+    never = (math.inf, math.inf)
+    best = [never] * (end + 1)
     best[start] = cost[start]
     for i in range(start, end):
-        if best[i] == math.inf:
+        if best[i] == never:
             continue
         goes_on = not ((ops[i].startswith("BRA") and not ops[i].endswith(IF)) or ops[i] == "EXIT")
         for j in ahead.get(i, []) + ([i + 1] if goes_on else []):
-            best[j] = min(best[j], best[i] + cost[j])
-    return int(best[end]) if best[end] < math.inf else 0
+            best[j] = min(best[j], (best[i][0] + cost[j][0], best[i][1] + cost[j][1]))
+    return int(best[end][1]) if best[end] != never else 0
 
 
 def issued(sass: str, source: str) -> Issued | None:
@@ -186,7 +194,7 @@ def issued(sass: str, source: str) -> Issued | None:
     if rest:
         return None
     per_pass = _fewest(parsed, hot.start, hot.end)
-    return Issued(per_pass / unrolled, max(0, whole - per_pass))
+    return Issued(per_pass / unrolled, max(0, whole - per_pass), _fewest(parsed, hot.start, hot.end, True) / unrolled)
 
 
 def hot_loop(sass: str) -> Loop | None:
