@@ -14,7 +14,6 @@ targets each workload meets.
 import argparse
 import json
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -62,12 +61,6 @@ def products(out: Path) -> dict[str, bool]:
                         and ACCUMULATORS[n.op].like == "matmul" for n in k.body()) for k in kernels_of(program)}
 
 
-def main_loop(source: Path) -> bool:
-    """Whether the kernel has a main loop of more than one iteration (its header says how many: codegen)."""
-    found = re.search(r"(\d+) loop iterations?,", source.read_text())
-    return bool(found) and int(found.group(1)) > 1
-
-
 def kernel_rows(out: Path, report: dict) -> list[tuple[str, dict]]:
     """Per kernel of the chosen program, its table row and what the targets are checked on."""
     rows, multiplies = [], products(out)
@@ -92,7 +85,7 @@ def kernel_rows(out: Path, report: dict) -> list[tuple[str, dict]]:
                      f"{nv.get('registers', '?')}{serialized} | {nv.get('spill_stores', '?')} | {k['smem_bytes'] // 1024} KiB | "
                      f"{est['occupancy']} | {est['time_us']:.1f} ({est['bound']})",
                      {"blocks": k["grid"][0] * k["grid"][1] * k["grid"][2], "counts": counts, "products": multiplies[k["name"]],
-                      "spills": nv.get("spill_stores"), "main_loop": main_loop(out / k["file"])}))
+                      "spills": nv.get("spill_stores"), "main_loop": sass.main_loop_barriers((out / k["file"]).read_text()) is not None}))
     return rows
 
 
