@@ -179,11 +179,42 @@ def test_an_iteration_that_copies_ahead_issues_its_copies():
     copies, and still skips the guarded FFMA (the shortest of the paths with the most LDGSTS)."""
     source = MAIN_LOOP.format(n=16, barriers="__syncthreads();")
     assert sass.issued(COPIES_AHEAD, source) == sass.Issued(5, 2, 7)
-    assert sass.issued(COPIES_AHEAD, source).as_dict() == {"loop": 5, "once": 2, "copying": 7}
+    assert sass.issued(COPIES_AHEAD, source).as_dict() == {"loop": 5, "once": 2, "copying": 7, "spare": 0}
     assert sass.fewest(COPIES_AHEAD, 1, 8, copying=True) == 7 and sass.fewest(COPIES_AHEAD, 1, 8) == 5
     # a loop whose every path copies: the same both ways
     always = COPIES_AHEAD.replace("@P2 BRA 0x60", "NOP")
-    assert sass.issued(always, source).as_dict() == {"loop": 7, "once": 2, "copying": 7}
+    assert sass.issued(always, source).as_dict() == {"loop": 7, "once": 2, "copying": 7, "spare": 0}
+
+
+# Online softmax's loop on wgmma: the first iteration branches past `p @ v` (no probabilities yet), the
+# others issue it; then an FFMA behind a guard on the thread index
+PRODUCTS_LATER = """
+        /*0000*/                   MOV R1, R2 ;
+        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0020*/               @P2 BRA 0x60 ;
+        /*0030*/                   WARPGROUP.ARRIVE ;
+        /*0040*/                   HGMMA.64x64x16.F32 R88, gdesc[UR20].tnspB, RZ, !UPT ;
+        /*0050*/                   HGMMA.64x64x16.F32 R88, gdesc[UR20].tnspB, R88 ;
+        /*0060*/               @P3 BRA 0x80 ;
+        /*0070*/                   FFMA R1, R2, R3, R1 ;
+        /*0080*/              @!P1 BRA 0x10 ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_an_iteration_issues_the_products_a_branch_skips_only_on_the_first():
+    """A warp that runs a loop's products runs them on every iteration: the path priced issues the most HGMMA
+    (or HMMA), the shortest of those, so the guarded FFMA is still skipped; on the copying iterations too.
+    A warp with no product takes the branch past them: `spare` is what it leaves out."""
+    source = MAIN_LOOP.format(n=16, barriers="__syncthreads();")
+    # BAR, 2 BRA, the batch (arrive and 2 HGMMA), the back branch; 3 of them for the warps with products only
+    assert sass.issued(PRODUCTS_LATER, source) == sass.Issued(7, 2, 7, 3)
+    assert sass.fewest(PRODUCTS_LATER, 1, 8) == 7 and sass.fewest(PRODUCTS_LATER, 1, 8, products=False) == 4
+    mma = PRODUCTS_LATER.replace("HGMMA.64x64x16.F32 R88, gdesc[UR20].tnspB,", "HMMA.16816.F32 R88, R8, R10,")
+    assert sass.issued(mma, source) == sass.Issued(7, 2, 7, 3)
+    # without the products on that path, the branch past it is the shorter way
+    plain = PRODUCTS_LATER.replace("HGMMA.64x64x16.F32 R88, gdesc[UR20].tnspB,", "FFMA R88, R8, R10,")
+    assert sass.issued(plain, source) == sass.Issued(4, 2, 4)
 
 
 # The copies of the iterations ahead as a loop of their own before the main loop, with more LDGSTS than it
@@ -234,6 +265,28 @@ def test_the_model_prices_a_kernel_from_its_compiled_code_where_it_has_it():
     assert copying.time_us - 3 == pytest.approx((slow.time_us - 3) * (2 * (n - lead) + lead) / n, rel=1e-3)
     # 255 registers a thread: 65536 / (255 * 128) = 2 blocks of 128 threads at most
     assert estimate(c, H100, compiled={"registers": 255}).occupancy <= 2
+
+
+def test_the_warps_a_small_product_leaves_out_issue_less():
+    """Where a product's layout takes 4 of the block's 8 warps (a 16-column slice, k = 64 per iteration),
+    the other 4 skip the products: half the block issues `spare` fewer per iteration; where every warp
+    runs them (k = 4096 / 2 at 128 threads), `spare` changes nothing."""
+    from prism_dsl.backend.cost import estimate, for_hardware, _product_warps
+    from prism_dsl.backend.launch import CodegenConfig, layout
+
+    program = load(ROOT / "programs/fused/rmsnorm_linear.prism").program()
+    built = build(program, H100, BuildOptions(dims={"n": 8, "d": 4096}, grid={"x": 256}, loop={"F": 64}, archs=()))
+    c = built.concrete[built.kernels[0].name]
+    assert _product_warps(layout(c, for_hardware(CodegenConfig(threads=256), H100)), 8) == 4
+    issued = {"loop": 1e4, "once": 0, "copying": 1e4}
+    full = estimate(c, H100, threads=256, compiled={"registers": 40, "issued": issued})
+    spared = estimate(c, H100, threads=256, compiled={"registers": 40, "issued": {**issued, "spare": 5e3}})
+    assert full.bound == spared.bound == "issue"
+    assert spared.time_us - 3 == pytest.approx((full.time_us - 3) * 0.75, rel=1e-3)  # (1e4 + 0.5e4) / 2 per warp
+    every = build(program, H100, BuildOptions(dims={"n": 8, "d": 4096}, grid={"x": 256}, loop={"F": 2}, archs=()))
+    c = every.concrete[every.kernels[0].name]
+    assert estimate(c, H100, compiled={"registers": 40, "issued": {**issued, "spare": 5e3}}) == \
+        estimate(c, H100, compiled={"registers": 40, "issued": issued})
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),

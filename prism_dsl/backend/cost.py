@@ -61,17 +61,19 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
 
     From the compiled code (`compiled`: the compile check's figures for the hardware's arch, `nvcc.nvcc_check`):
     the registers ptxas reports replace the estimate in occ, and where cuobjdump read the SASS
-    (`sass.issued`: the fewest instructions one warp issues per iteration of the main loop, `loop`, and per
-    iteration that issues the copies of the iterations ahead, `copying`; and once besides) the time to issue
-    them joins the math:
+    (`sass.issued`: the fewest instructions a warp that runs the products issues per iteration of the main
+    loop, `loop`, and per iteration that issues the copies of the iterations ahead, `copying`; once besides;
+    and `spare`, what a warp with no product leaves out per iteration) the time to issue them joins the math:
         per warp = copying * (iterations - last) + loop * last + once
-                   (last: the pipeline's last iterations, `Layout.lead` of them, which copy nothing ahead)
+                   - spare * iterations * (1 - product warps / warps)
+                   (last: the pipeline's last iterations, `Layout.lead` of them, which copy nothing ahead;
+                    product warps: those a register-tiled product's layout takes, all where it takes every one)
         t_issue  = blocks * warps * per warp / (busy * min(SUBPARTITIONS, warps per SM) * clock)
     one instruction per clock per warp scheduler, none of them idle. It is a floor: the shortest path still
-    takes every forward branch past code that only some warps run (a guard on the thread or warp index): at
-    dh = 128, attention at prefill issues at least 456 of the 515 instructions in its loop (382 on the
-    iterations that copy nothing). It binds only where every path through the loop issues more than the
-    products and copies take.
+    takes every forward branch past other code that only some warps run (a guard on the thread or warp
+    index): at dh = 128, attention at prefill issues at least 487 of the 518 instructions in its loop (413
+    on the iterations that copy nothing). It binds only where every path through the loop issues more than
+    the products and copies take.
     The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted as for t_math. The
     search ranks by the code's structure (it cannot compile every candidate); the chosen program is priced
     again from its compiled code, and `Estimate.priced` says which was done.
@@ -335,7 +337,15 @@ def _issue_seconds(c: Concrete, shape: Layout, hardware: Hardware, issued: Mappi
     n = iterations(c)
     last = min(n, max(0, shape.lead) if shape.stages > 1 else 0)  # the iterations with no copies ahead to issue
     per_warp = issued.get("copying", issued["loop"]) * (n - last) + issued["loop"] * last + issued["once"]
+    per_warp -= issued.get("spare", 0.0) * n * (1 - _product_warps(shape, warps) / warps)  # warps with no product
     return blocks * warps * per_warp / (busy * min(SUBPARTITIONS, per_sm) * CLOCK_GHZ * 1e9)
+
+
+def _product_warps(shape: Layout, warps: int) -> int:
+    """The block's warps that run a register-tiled product (the first ones: `if (warp < N)` in the code); all
+    of them where the kernel has none, or where one takes every warp."""
+    taken = [t.wm * t.wn * t.wk for t in shape.registers.values()] + [f.warps for f in shape.flash.values()]
+    return min(warps, max(taken, default=warps))
 
 
 def reachable_bandwidth(hardware: Hardware, busy: int, flight: float) -> float:

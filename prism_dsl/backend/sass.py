@@ -12,10 +12,13 @@ is in sight, templates/steps.j2). Its counts are of the code it holds; some of t
 iterations (the copies of the iterations ahead).
 
 `issued` is what the cost model takes from it (`cost.estimate`'s issue time): the fewest instructions one warp
-issues per iteration of the main loop and once besides, along the shortest path through the code (forward
-branches taken wherever that is shorter, nested loops once), so a floor; and per iteration along the shortest
-of the paths that issue the most async copies (LDGSTS), which the iterations that copy tiles ahead take (all
-but a pipelined loop's last few: the copies sit behind `if (ahead < N)`). The SASS loop is taken for the
+issues per iteration of the main loop and once besides, along the shortest of the paths through the code that
+issue the most tensor-core instructions (HMMA, HGMMA: a warp that runs a loop's products runs them on every
+iteration, behind `if (warp < N)` and, for online softmax's `p @ v`, `if (it > 0)`, which no path may skip),
+forward branches taken wherever that is shorter, nested loops once, so a floor; per iteration along the
+shortest of those paths that also issue the most async copies (LDGSTS), which the iterations that copy tiles
+ahead take (all but a pipelined loop's last few: the copies sit behind `if (ahead < N)`); and how much less a
+warp that runs no product issues per iteration (where a small product's layout leaves some warps out). The SASS loop is taken for the
 source's main loop (`for (int it = 0; ...)`) only where its barriers say so: BAR per pass, against the
 source's barriers per iteration, gives how many iterations nvcc unrolled into one pass; where they disagree,
 nothing is taken.
@@ -39,6 +42,7 @@ NEVER = "NEVER"  # the opcode recorded for an instruction predicated on !PT (ali
 EXIT_SOME = "EXIT.IF"  # the opcode recorded for a predicated EXIT (`loops` looks for the unconditional one)
 IF = ".IF"  # appended to the opcode of a predicated branch: it may fall through
 _TARGET = re.compile(r"^\s*(0x[0-9a-f]+)")
+_PRODUCTS = ("HMMA", "HGMMA")  # the tensor-core instructions a loop's every iteration issues
 
 
 def tool(name: str = "cuobjdump") -> str | None:
@@ -117,15 +121,18 @@ def loops(sass: str) -> list[Loop]:
 
 @dataclass(frozen=True)
 class Issued:
-    """The instructions one warp of a kernel issues: `loop` per iteration of its main loop (0 where it has none
-    in the SASS: one iteration, or unrolled whole), `once` besides (an inner loop outside it counts once), and
-    `copying` per iteration of the loop that issues its async copies (`loop` where every path does)."""
+    """The instructions one warp of a kernel that runs its products issues: `loop` per iteration of its main loop
+    (0 where it has none in the SASS: one iteration, or unrolled whole), `once` besides (an inner loop outside it
+    counts once), and `copying` per iteration of the loop that issues its async copies (`loop` where every path
+    does); `spare`, per iteration, what a warp that runs no product leaves out (the block's warps past those
+    a small product's layout takes)."""
     loop: float
     once: int
     copying: float = 0.0
+    spare: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"loop": self.loop, "once": self.once, "copying": max(self.copying, self.loop)}
+        return {"loop": self.loop, "once": self.once, "copying": max(self.copying, self.loop), "spare": self.spare}
 
 
 _MAIN_LOOP = re.compile(r"for \(int it = 0; it < (\w+); \+\+it\) \{")
@@ -146,19 +153,20 @@ def main_loop_barriers(source: str) -> int | None:
     return len(_SOURCE_BARRIERS.findall(source[m.end(): i]))
 
 
-def fewest(sass: str, start: int = 0, end: int | None = None, copying: bool = False) -> int:
+def fewest(sass: str, start: int = 0, end: int | None = None, copying: bool = False, products: bool = True) -> int:
     """The fewest instructions a warp issues from instruction `start` to `end` (both counted; by default the
-    kernel's unconditional EXIT): fall-throughs, and branches forward to an instruction in between, whichever
-    is shorter; a back branch is not taken (a loop nested inside counts once); instructions predicated never
-    to run count 0. With `copying`, of the paths that issue the most LDGSTS. One kernel per listing (`where`'s
+    kernel's unconditional EXIT) along the paths that issue the most HMMA and HGMMA (any path, without
+    `products`): fall-throughs, and branches forward to an instruction in between, whichever is shorter; a
+    back branch is not taken (a loop nested inside counts once); instructions predicated never to run count
+    0. With `copying`, of those paths the ones that issue the most LDGSTS. One kernel per listing (`where`'s
     addresses run up)."""
-    return _fewest(instructions(sass), start, end, copying)
+    return _fewest(instructions(sass), start, end, copying, products)
 
 
-def _fewest(parsed, start: int = 0, end: int | None = None, copying: bool = False) -> int:
+def _fewest(parsed, start: int = 0, end: int | None = None, copying: bool = False, products: bool = True) -> int:
     """`fewest` over a listing already parsed by `instructions`. A path's cost is (LDGSTS left out, with
-    `copying`; instructions), the least taken at each instruction: the code runs forward, so the least to an
-    instruction extends from the least to those before it."""
+    `copying`; tensor-core instructions left out, with `products`; instructions), the least taken at each
+    instruction: the code runs forward, so the least to an instruction extends from the least to those before it."""
     ops, where, branches = parsed
     if end is None:
         end = next((i for i, op in enumerate(ops) if op == "EXIT"), len(ops) - 1)
@@ -167,8 +175,9 @@ def _fewest(parsed, start: int = 0, end: int | None = None, copying: bool = Fals
     for i, target in branches:
         if start <= i < end and at.get(target, -1) > i:
             ahead.setdefault(i, []).append(at[target])
-    cost = [(-int(copying and op.startswith("LDGSTS")), int(op != NEVER)) for op in ops]
-    never = (math.inf, math.inf)
+    cost = [(-int(copying and op.startswith("LDGSTS")), -int(products and op.startswith(_PRODUCTS)), int(op != NEVER))
+            for op in ops]
+    never = (math.inf, math.inf, math.inf)
     best = [never] * (end + 1)
     best[start] = cost[start]
     for i in range(start, end):
@@ -176,8 +185,8 @@ def _fewest(parsed, start: int = 0, end: int | None = None, copying: bool = Fals
             continue
         goes_on = not ((ops[i].startswith("BRA") and not ops[i].endswith(IF)) or ops[i] == "EXIT")
         for j in ahead.get(i, []) + ([i + 1] if goes_on else []):
-            best[j] = min(best[j], (best[i][0] + cost[j][0], best[i][1] + cost[j][1]))
-    return int(best[end][1]) if best[end] != never else 0
+            best[j] = min(best[j], tuple(a + b for a, b in zip(best[i], cost[j])))
+    return int(best[end][-1]) if best[end] != never else 0
 
 
 def issued(sass: str, source: str) -> Issued | None:
@@ -194,7 +203,9 @@ def issued(sass: str, source: str) -> Issued | None:
     if rest:
         return None
     per_pass = _fewest(parsed, hot.start, hot.end)
-    return Issued(per_pass / unrolled, max(0, whole - per_pass), _fewest(parsed, hot.start, hot.end, True) / unrolled)
+    spare = per_pass - _fewest(parsed, hot.start, hot.end, products=False)
+    return Issued(per_pass / unrolled, max(0, whole - per_pass), _fewest(parsed, hot.start, hot.end, True) / unrolled,
+                  spare / unrolled)
 
 
 def hot_loop(sass: str) -> Loop | None:
