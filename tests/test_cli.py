@@ -166,6 +166,24 @@ def test_run_bad_dims(capsys, tmp_path, dims, code, message):
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("command, path, line, col", [
+    ("run", PROGRAMS / "causal_attention.prism", 8, 9),
+    ("compile", PROGRAMS / "causal_attention.prism", 8, 9),
+    ("compile", PROGRAMS / "fused" / "causal_attention.prism", 19, 13),  # the kernel's mask, in the whole scores
+])
+def test_a_causal_mask_over_more_rows_than_columns_is_refused_at_its_call(capsys, tmp_path, command, path, line, col):
+    """The query rows are the last of the key positions: with q > kv the first q - kv rows would have every
+    column masked (their softmax has no value), so such dims are an error where `causal` is written."""
+    where = ["--out", tmp_path / "out.npz"] if command == "run" else ["-o", tmp_path / "out", "--search", "none"]
+    code, _, err = prismc(capsys, command, path, "--dims", "b=1,h=1,q=100,kv=64,dh=64", *where)
+    assert code == 1 and f"causal_attention.prism:{line}:{col}: causal needs at least as many columns as rows" in err
+    assert "the scores are 100 x 64, so their first 36 rows would have every column masked" in err
+    assert leftovers(tmp_path) == []
+    # as many rows as columns, or fewer, is the mask of a cache
+    code, _, err = prismc(capsys, "run", path, "--dims", "b=1,h=1,q=64,kv=64,dh=64", "--out", tmp_path / "out.npz")
+    assert code == 0, err
+
+
 def test_run_input_missing_from_npz(capsys, tmp_path):
     np.savez(tmp_path / "in.npz", X=np.zeros((3, 5)))
     code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")

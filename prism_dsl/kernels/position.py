@@ -135,6 +135,13 @@ def whole(shape_of, kernel: Kernel, o: Origin) -> int:
     return src[o.dim] if -o.dim <= len(src) else 1
 
 
+def extent(shape_of, kernel: Kernel | None, mask: Node) -> tuple[int, int]:
+    """(rows, columns) of the whole scores a causal mask places its elements in: in a kernel, the whole
+    tensors' dims its rows and columns come from (`origin`), else (or where a dim comes from no tile) its own."""
+    found = [(d, origin(kernel, mask, d) if kernel is not None else None) for d in (-2, -1)]
+    return tuple(whole(shape_of, kernel, o) if o is not None else shape_of(mask)[d] for d, o in found)
+
+
 def loop_bounds(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int, cl: CausalLoop) -> tuple[int, int, int]:
     """(last, step, piece) of a causal loop: block b may stop after the iteration that holds column
     `row0(b) + last` (row0(b) = b * piece along the rows' grid axis, 0 without one); each iteration

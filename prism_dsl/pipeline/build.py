@@ -92,6 +92,7 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
     if reference is not source:
         check_signatures(reference, source)
         pair_outputs(source, reference)
+    bind_dims(reference, dict(options.dims))  # a binding the program refuses, reported where the user wrote it
     binding = bind_dims(lowered, dict(options.dims))
     given = {**resolve_params(lowered, options.grid, options.loop), **options.params}
     params, concrete, estimates = tuning.parameters(lowered, binding, given, hardware, options.codegen)

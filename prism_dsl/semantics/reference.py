@@ -20,6 +20,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import DType, Node, Program
 from ..ir.ops import GELU_TANH_CUBIC, GELU_TANH_SCALE, LOOP_DIM, OPS, Kind
 from ..ir.shapes import fmt_shape
+from ..kernels.position import extent
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -197,7 +198,30 @@ def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
         if node.op == "rope" and concrete_shape(node.shape[-1:], binding)[0] % 2:
             raise PrismError(f"rope needs an even last dim (it rotates its two halves); under this binding "
                              f"{fmt_shape(node.shape)} is {list(concrete_shape(node.shape, binding))}", program.locs.get(node))
+    _check_causal(program, binding)
     return binding
+
+
+def _check_causal(program: Program, binding: Binding) -> None:
+    """`causal` places the query rows at the end of the key positions, so it needs at least as many columns as
+    rows: with more, the first rows would have every column masked, and their softmax no value. Checked
+    under the binding, for the program's masks and those in its kernels (placed in the whole scores)."""
+    def shape_of(node: Node) -> tuple[int, ...]:
+        return concrete_shape(node.shape, binding)
+
+    for node in program.nodes():
+        kernel = node.attr[0] if node.op == "kernel" else None
+        for mask in kernel.body() if kernel is not None else [node]:
+            if mask.op != "causal":
+                continue
+            try:
+                rows, cols = extent(shape_of, kernel, mask)
+            except TypeError:  # a size that names a kernel parameter not chosen yet
+                continue
+            if rows > cols:
+                raise PrismError(f"causal needs at least as many columns as rows (the query rows are the last of "
+                                 f"the key positions); under this binding the scores are {rows} x {cols}, so their "
+                                 f"first {rows - cols} rows would have every column masked", program.locs.get(mask))
 
 
 # The float64 reference evaluates tensors of at most this many elements (8 GiB each in float64): a larger
