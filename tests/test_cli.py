@@ -400,3 +400,17 @@ def test_compiled_as_written_and_checked_is_verified(capsys, tmp_path):
     assert emulation["rtol"] == 0.01 and emulation["checked_against"] == "input program"
     assert all(o["max_rel_err"] <= 0.01 for o in emulation["outputs"].values())
     assert "verified: yes" in text
+
+
+@pytest.mark.skipif(not emulate.compiler(), reason="no C++ compiler (g++ or clang++) to emulate the generated code")
+def test_a_program_undefined_on_the_random_inputs_says_so(capsys, tmp_path):
+    """sqrt of inputs drawn around 0: the float64 reference is NaN, so nothing can agree with it; the summary
+    says why, not only that the outputs did not agree."""
+    source = tmp_path / "sq.prism"
+    source.write_text("dims n = 2, d = 16\nprogram sq(X: f16[n, d], W: f16[d, d]) {\n    Y = sqrt(X) @ W\n"
+                      "    return Y\n}\n")
+    code, out, _ = prismc(capsys, "compile", source, "-o", tmp_path / "out", "--search", "none", "--arch", "none")
+    assert code == 1 and "verified: NO: the outputs did not agree" in out
+    assert "(Y: max rel err inf: the reference itself holds NaN (32 of 32 elements, the first at (0, 0))" in out
+    code, out, _ = prismc(capsys, "verify", tmp_path / "out")
+    assert code == 1 and "DIFFERS with the reference, max rel err inf; the reference itself holds NaN" in out

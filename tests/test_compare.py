@@ -25,6 +25,17 @@ def test_check_never_passes_nan_or_inf():
     assert "2 elements are NaN or inf" in result["reason"]
 
 
+def test_a_reference_of_nan_fails_and_says_where_the_program_is_undefined():
+    """Even a NaN where the reference has NaN does not pass: the program is not defined on those inputs (the
+    sqrt of a negative), and the reason says how many elements and the first, which the summary prints."""
+    ref = np.ones((3, 4))
+    ref[1, 2] = ref[2, 0] = np.nan
+    result = check(ref.copy(), ref)
+    assert not result["passed"] and result["max_rel_err"] == np.inf
+    assert result["reason"] == ("the reference itself holds NaN (2 of 12 elements, the first at (1, 2)): "
+                                "the program is not defined on these inputs")
+
+
 def test_check_poison_pattern_fails():
     poison = np.full(4, 0xFFFF, np.uint16).view(np.float16)
     assert check(poison, np.zeros(4))["nan"] == 4

@@ -6,6 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 
+def _undefined(ref: np.ndarray) -> str:
+    nan = np.argwhere(np.isnan(ref))
+    return (f"the reference itself holds NaN ({len(nan)} of {ref.size} elements, the first at "
+            f"{tuple(map(int, nan[0]))}): the program is not defined on these inputs")
+
+
 def check(got, ref, rtol: float = 1e-2) -> dict:
     """Compare an output with a float64 reference, element by element. Passes when no element of `got` is NaN or
     infinite (but as below) and every element satisfies |got - ref| <= rtol * (|ref| + scale), scale being the
@@ -20,7 +26,7 @@ def check(got, ref, rtol: float = 1e-2) -> dict:
     ref = np.asarray(ref, dtype=np.float64)
     unfit = (f"shape {got.shape} differs from the reference's {ref.shape}" if got.shape != ref.shape
              else f"dtype {got.dtype} is not a real number type" if got.dtype.kind not in "fiu"
-             else "the reference itself holds NaN" if np.isnan(ref).any() else "")
+             else _undefined(ref) if np.isnan(ref).any() else "")
     if unfit:
         return dict(passed=False, max_rel_err=np.inf, max_abs_err=np.inf, nan=0, worst_index=(), reason=unfit)
     g = got.astype(np.float64)

@@ -147,6 +147,8 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool) -> st
         if not o["passed"] and o.get("first_wrong"):
             w = o["first_wrong"]
             line += f"; first wrong element {tensor}{w['index']} = {w['got']:.6g}, expected {w['expected']:.6g}"
+        elif not o["passed"] and o.get("reason"):
+            line += f"; {o['reason']}"
         lines.append(line)
     lines.append("  verified: " + ("yes" if check.passed else "NO"))
     return "\n".join(lines)

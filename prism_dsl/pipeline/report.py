@@ -39,7 +39,9 @@ class Check:
     outputs: Mapping[str, Mapping]  # per output: passed, max_rel_err, max_abs_err, nan, worst_index, reason
 
     def errors(self) -> str:
-        return ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" for o, v in self.outputs.items())
+        """Per output its max relative error, and for one that failed, why (`compare.check`'s reason)."""
+        return ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" + (f": {v['reason']}" if v.get("reason") else "")
+                         for o, v in self.outputs.items())
 
 
 @dataclass(frozen=True)
