@@ -71,8 +71,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         t_issue  = blocks * warps * per warp / (busy * min(SUBPARTITIONS, warps per SM) * clock)
     one instruction per clock per warp scheduler, none of them idle. It is a floor: the shortest path still
     takes every forward branch past other code that only some threads or some iterations run (a guard on the
-    thread index, the rescaling where a row's max grew, `if (it > 0)` around the arrival that frees the
-    stage before): at dh = 128, attention at prefill issues at least 487 of the 518 instructions in its loop (413
+    thread index; online softmax's rescaling factor, an exp except where the old max is -inf, and the
+    arrival that frees the stage before, `if (it > 0)`, both skipped only on the first iteration): at dh = 128, attention at prefill issues at least 487 of the 518 instructions in its loop (413
     on the iterations that copy nothing). It binds only where every path through the loop issues more than
     the products and copies take.
     The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted as for t_math. The
