@@ -72,9 +72,10 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     one instruction per clock per warp scheduler, none of them idle. It is a floor: the shortest path still
     takes every forward branch past other code that only some threads or some iterations run (a guard on the
     thread index; online softmax's rescaling factor, an exp except where the old max is -inf, and the
-    arrival that frees the stage before, `if (it > 0)`, both skipped only on the first iteration): at dh = 128, attention at prefill issues at least 487 of the 518 instructions in its loop (413
-    on the iterations that copy nothing). It binds only where every path through the loop issues more than
-    the products and copies take.
+    arrival that frees the stage before, `if (it > 0)`, both skipped only on the first iteration): at
+    dh = 128, attention at prefill issues at least 487 of the 518 instructions in its loop (413 on the
+    iterations that copy nothing). It binds only where every path through the loop issues more than the
+    products and copies take.
     The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted as for t_math. The
     search ranks by the code's structure (it cannot compile every candidate); the chosen program is priced
     again from its compiled code, and `Estimate.priced` says which was done.
