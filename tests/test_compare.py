@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prism_dsl.backend.compare import check
+from prism_dsl.backend.compare import check, tolerance
 
 
 def test_check_passes_within_tolerance_and_fails_beyond():
@@ -34,6 +34,16 @@ def test_a_reference_of_nan_fails_and_says_where_the_program_is_undefined():
     assert not result["passed"] and result["max_rel_err"] == np.inf
     assert result["reason"] == ("the reference itself holds NaN (2 of 12 elements, the first at (1, 2)): "
                                 "the program is not defined on these inputs")
+
+
+def test_the_tolerance_is_twenty_rounding_units_of_the_narrowest_storage_type_and_at_least_1e_2():
+    assert tolerance({"f16"}) == tolerance({"f32", "f64"}) == tolerance(set()) == 1e-2
+    assert tolerance({"bf16"}) == tolerance({"bf16", "f16", "f32"}) == 20 * 2.0**-8  # 0.078
+    # a relative error of 3e-2: over f16's tolerance, within what bf16's roundings reach (causal attention
+    # with RoPE, those roundings made exactly: up to 3.7e-2)
+    ref = np.linspace(-1, 1, 9)
+    got = ref + 3e-2 * (np.abs(ref) + np.sqrt(np.mean(ref**2)))
+    assert not check(got, ref, tolerance({"f16"}))["passed"] and check(got, ref, tolerance({"bf16"}))["passed"]
 
 
 def test_check_poison_pattern_fails():

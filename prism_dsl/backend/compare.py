@@ -6,6 +6,20 @@ from __future__ import annotations
 import numpy as np
 
 
+RTOL = 1e-2  # the least relative tolerance of a check: 20 rounding units of f16, about three decimal digits
+ROUNDING_UNITS = 20
+UNIT = {"f16": 2.0**-11, "bf16": 2.0**-8, "f32": 2.0**-24, "f64": 2.0**-53}  # half the spacing of numbers near 1
+
+
+def tolerance(dtypes) -> float:
+    """The relative tolerance of a program whose inputs and outputs are stored in `dtypes` (names: "f16",
+    "bf16", ...): 20 rounding units of the narrowest, and never under RTOL. f16 gets 1e-2; bf16, whose 8
+    bits of significand are 3 fewer than f16's, 20 * 2^-8 = 0.078. A kernel on tensor cores must round
+    their operands to the storage type (online softmax's probabilities among them): on causal attention with
+    RoPE those roundings alone, made exactly, reach 3.7e-2 in bf16 (5.4e-3 in f16; benchmarks/NOTES.md)."""
+    return max([RTOL] + [ROUNDING_UNITS * UNIT[d] for d in dtypes if d in UNIT])
+
+
 def _undefined(ref: np.ndarray) -> str:
     nan = np.argwhere(np.isnan(ref))
     return (f"the reference itself holds NaN ({len(nan)} of {ref.size} elements, the first at "

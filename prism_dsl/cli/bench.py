@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import compare, cuda_runtime, roofline
-from ..pipeline.build import RTOL, BuildOptions, build, measure, reference_outputs
+from ..pipeline.build import BuildOptions, build, measure, reference_outputs, rtol_of
 from ..pipeline.compile import check_device
 from ..lang.check import load
 from ..base.errors import PrismError
@@ -139,7 +139,8 @@ def bench(args) -> int:
     eager = torch_function(baseline)
     for name, fn in (("torch eager", eager), ("torch.compile", torch.compile(eager))):
         got = fn(**dev[0])
-        checks = [compare.check(g.float().cpu().numpy(), ref[o], RTOL) for g, (o, _) in zip(got, baseline.outputs)]
+        checks = [compare.check(g.float().cpu().numpy(), ref[o], rtol_of(baseline))
+                  for g, (o, _) in zip(got, baseline.outputs)]
         timed = time_torch(lambda s: fn(**s), dev, args.repeat)
         rows.append({"impl": name, "us": round(timed["us"], 3), "passed": all(c["passed"] for c in checks),
                      "max_rel_err": max(c["max_rel_err"] for c in checks), "host_bound": timed["host_bound"]})

@@ -23,7 +23,7 @@ from ..kernels.hardware import load_hardware
 from ..kernels.kernel import kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
-from ..pipeline.build import RTOL, BuildOptions, build, check_inputs, plan_of, reference_outputs
+from ..pipeline.build import BuildOptions, build, check_inputs, plan_of, reference_outputs, rtol_of
 from ..pipeline.report import EmulationCheck
 from ..semantics.reference import check_sizes
 
@@ -93,9 +93,9 @@ def verify(args) -> int:
         built, header = _as_on_disk(built, directory, report)
     check_sizes(program, built.binding)  # the float64 reference must fit in memory
     inputs = check_inputs(built, args.seed)
-    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed, rtol=RTOL,
-                            checked_against=f"program in {source}", sanitizer=args.sanitize,
-                            extra=args.blocks, header=header)
+    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
+                            rtol=rtol_of(built.reference), checked_against=f"program in {source}",
+                            sanitizer=args.sanitize, extra=args.blocks, header=header)
     print(_summary(check, directory, built, on_disk))
     return 0 if check.passed else 1
 

@@ -44,7 +44,6 @@ from . import emulation
 from .report import EmulationCheck, GpuCheck, NvccCheck, Skipped
 
 ARCHS = ("sm_90", "sm_80")
-RTOL = 1e-2  # f16 storage: about three decimal digits
 CHECKED_AGAINST = "input program"  # what the numeric checks compare with, as report.json says
 
 
@@ -193,6 +192,13 @@ def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[st
     return {mine: values[theirs] for mine, theirs in pair_outputs(built.source, built.reference)}
 
 
+def rtol_of(program: Program) -> float:
+    """The checks' relative tolerance for `program` (the input program): by the types it stores its inputs
+    and outputs in (`compare.tolerance`)."""
+    return compare.tolerance({n.dtype.value for n in program.inputs} | {n.dtype.value for _, n in program.outputs
+                                                                         if n.dtype is not None})
+
+
 def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
     return random_inputs(built.source, bind_dims(built.source, dims_of(built)), seed)
 
@@ -200,16 +206,18 @@ def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
 def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int) -> dict:
     """A check's common fields: every output of `got` against the reference on `inputs`."""
     ref = reference_outputs(built, inputs)
-    outputs = {name: compare.check(got[name], ref[name], RTOL) for name, _ in built.program.outputs}
-    return {"passed": all(o["passed"] for o in outputs.values()), "rtol": RTOL, "seed": seed,
+    rtol = rtol_of(built.reference)
+    outputs = {name: compare.check(got[name], ref[name], rtol) for name, _ in built.program.outputs}
+    return {"passed": all(o["passed"] for o in outputs.values()), "rtol": rtol, "seed": seed,
             "checked_against": CHECKED_AGAINST, "outputs": outputs}
 
 
 def check_emulated(built: Build, seed: int, sanitizer: str | None = None, extra: str | int = "auto") -> EmulationCheck:
     """The generated code in the thread-faithful emulation, against the input program's reference."""
     inputs = check_inputs(built, seed)
-    return emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=seed, rtol=RTOL,
-                           checked_against=CHECKED_AGAINST, sanitizer=sanitizer, extra=extra)
+    return emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=seed,
+                           rtol=rtol_of(built.reference), checked_against=CHECKED_AGAINST, sanitizer=sanitizer,
+                           extra=extra)
 
 
 def emulate(built: Build, options: BuildOptions) -> EmulationCheck | Skipped | None:
