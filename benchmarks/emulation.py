@@ -25,7 +25,8 @@ from prism_dsl.backend import emulate  # noqa: E402
 from prism_dsl.kernels.hardware import load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
 from prism_dsl.pipeline import emulation  # noqa: E402
-from prism_dsl.pipeline.build import RTOL, BuildOptions, build, check_inputs, plan_of, reference_outputs  # noqa: E402
+from prism_dsl.pipeline.build import (BuildOptions, build, check_inputs, plan_of,  # noqa: E402
+                                      reference_outputs, rtol_of)
 from test_codegen import FUSED, PROGRAMS, build_of  # noqa: E402
 
 
@@ -33,8 +34,8 @@ def timed(built, sanitizer, extra="all"):
     inputs = check_inputs(built, 0)
     ref = reference_outputs(built, inputs)
     started = time.perf_counter()
-    result = emulation.check(built, plan_of(built), inputs, ref, seed=0, rtol=RTOL, checked_against="input program",
-                             sanitizer=sanitizer, extra=extra)
+    result = emulation.check(built, plan_of(built), inputs, ref, seed=0, rtol=rtol_of(built.reference),
+                             checked_against="input program", sanitizer=sanitizer, extra=extra)
     return time.perf_counter() - started, result
 
 

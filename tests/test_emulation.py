@@ -518,13 +518,13 @@ def test_sampled_blocks_of_a_program_of_several_kernels():
     """Each kernel reads the block interpreter's values of what others store; exactly the elements the
     sampled blocks write are compared, intermediates with the block interpreter."""
     from prism_dsl.pipeline import emulation
-    from prism_dsl.pipeline.build import RTOL, check_inputs, plan_of, reference_outputs
+    from prism_dsl.pipeline.build import check_inputs, plan_of, reference_outputs, rtol_of
     from test_codegen import ROOT, build_of
 
     built, _ = build_of(ROOT / "programs" / "rmsnorm_mlp.prism", grid={"x": 4}, archs=())
     inputs = check_inputs(built, 3)
-    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=3, rtol=RTOL,
-                            checked_against="input program", extra=0)
+    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=3,
+                            rtol=rtol_of(built.reference), checked_against="input program", extra=0)
     assert check.passed and not check.emulation["whole_grid"] and check.emulation["sample_seed"] == 3, check.errors()
     assert any(b["emulated"] < b["grid"] for b in check.emulation["blocks"].values())
     intermediates = [o for o in check.outputs.values() if o.get("against") == "block interpreter"]
@@ -535,7 +535,7 @@ def test_the_plain_build_is_optimized_only_for_a_long_run(monkeypatch, tmp_path)
     """g++ -O1 pays only where the run is long: the pipeline asks for it by the emulated work (the sampled
     blocks' share of it), and the sanitizers' builds keep their own levels."""
     from prism_dsl.pipeline import emulation
-    from prism_dsl.pipeline.build import RTOL, check_inputs, plan_of, reference_outputs
+    from prism_dsl.pipeline.build import check_inputs, plan_of, reference_outputs, rtol_of
     from test_codegen import ROOT, build_of
 
     built, _ = build_of(ROOT / "programs" / "rmsnorm_mlp.prism", grid={"x": 4}, archs=())
@@ -549,7 +549,7 @@ def test_the_plain_build_is_optimized_only_for_a_long_run(monkeypatch, tmp_path)
     reference = reference_outputs(built, inputs)
     for limit in (every * 2, every / 2):
         monkeypatch.setattr(emulation, "OPTIMIZE_WORK", limit)
-        check = emulation.check(built, plan_of(built), inputs, reference, seed=3, rtol=RTOL,
+        check = emulation.check(built, plan_of(built), inputs, reference, seed=3, rtol=rtol_of(built.reference),
                                 checked_against="input program", extra="all")
         assert check.passed, check.errors()
     assert asked == [False, True]

@@ -17,7 +17,7 @@ import pytest
 
 from prism_dsl.backend import emulate
 from prism_dsl.pipeline import emulation
-from prism_dsl.pipeline.build import RTOL, check_inputs, plan_of, reference_outputs
+from prism_dsl.pipeline.build import check_inputs, plan_of, reference_outputs, rtol_of
 from test_codegen import FUSED, GOLDEN_PARAMS, PROGRAMS, build_of
 
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
@@ -168,7 +168,7 @@ def built(path):
 
 def check(b, sanitizer, extra="all"):
     inputs = check_inputs(b, 0)
-    return emulation.check(b, plan_of(b), inputs, reference_outputs(b, inputs), seed=0, rtol=RTOL,
+    return emulation.check(b, plan_of(b), inputs, reference_outputs(b, inputs), seed=0, rtol=rtol_of(b.reference),
                            checked_against="input program", sanitizer=sanitizer, extra=extra)
 
 
