@@ -18,10 +18,10 @@ iteration, behind `if (warp < N)` and, for online softmax's `p @ v`, `if (it > 0
 forward branches taken wherever that is shorter, nested loops once, so a floor; per iteration along the
 shortest of those paths that also issue the most async copies (LDGSTS), which the iterations that copy tiles
 ahead take (all but a pipelined loop's last few: the copies sit behind `if (ahead < N)`); and how much less a
-warp that runs no product issues per iteration (where a small product's layout leaves some warps out). The SASS loop is taken for the
-source's main loop (`for (int it = 0; ...)`) only where its barriers say so: BAR per pass, against the
-source's barriers per iteration, gives how many iterations nvcc unrolled into one pass; where they disagree,
-nothing is taken.
+warp that runs no product issues per iteration (where a small product's layout leaves some warps out). The
+SASS loop is taken for the source's main loop (`for (int it = 0; ...)`) only where its barriers say so: BAR
+per pass, against the source's barriers per iteration, gives how many iterations nvcc unrolled into one pass;
+where they disagree, nothing is taken.
 """
 
 from __future__ import annotations
