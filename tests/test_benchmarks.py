@@ -415,3 +415,24 @@ def test_the_pytorch_baselines_compute_the_program_as_written(program, dims):
 def test_a_device_name_names_its_hardware_file(device, name):
     from prism_dsl.kernels.hardware import for_device
     assert for_device(device) == name
+
+
+def test_the_sweep_draws_sizes_every_program_accepts(tmp_path):
+    """Every program of `programs/` has sizes in both tables; each draw binds (causal attention never has more
+    queries than keys), and the bf16 copies store every f16 tensor as bf16."""
+    import random
+
+    from prism_dsl.cli.values import parse_dims
+    from prism_dsl.lang.check import load
+    from prism_dsl.semantics.reference import bind_dims
+
+    sweep = script("sweep")
+    names = {p.stem for p in (BENCHMARKS.parent / "programs").glob("*.prism")}
+    assert set(sweep.SMALL) == set(sweep.LARGE) == names
+    source = sweep.in_bf16(tmp_path / "programs")
+    assert "f16[" not in (source / "fused" / "attention.prism").read_text().replace("bf16[", "")
+    for table in (sweep.SMALL, sweep.LARGE):
+        for seed in range(4):
+            for path, dims, extra in sweep.runs(random.Random(seed), table, source, True, ""):
+                bind_dims(load(path).program(), parse_dims(dims))  # refuses what the program cannot take
+                assert ("--search" in extra) == (path.parent.name == "fused")
