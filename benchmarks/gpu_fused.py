@@ -48,10 +48,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from static_report import WORKLOADS  # noqa: E402
 
-from prism_dsl.backend.compare import RTOL, check, tolerance  # noqa: E402
+from prism_dsl.backend.compare import RTOL, check  # noqa: E402
 from prism_dsl.cli.bench import TORCH, time_torch, torch_function  # noqa: E402
 from prism_dsl.kernels.hardware import for_device, hardware_names, load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
+from prism_dsl.pipeline.build import rtol_of  # noqa: E402
 from prism_dsl.semantics.blocks import evaluate  # noqa: E402
 from prism_dsl.semantics.reference import bind_dims, concrete_shape, random_inputs  # noqa: E402
 
@@ -154,7 +155,7 @@ def run_case(out: Path) -> dict:
     hardware_name = case["hardware"]  # what `prepare` compiled for
     launcher, baseline, sets, reference, pairs = oracle(out, hardware_name)
     rt, plan = launcher.prism_runtime, launcher.PLAN
-    rtol = tolerance({n.dtype.value for n in baseline.inputs})  # 1e-2 for these f16 programs
+    rtol = rtol_of(baseline)  # 1e-2 for these f16 programs
     rows = {}
 
     def checked(outputs) -> dict:

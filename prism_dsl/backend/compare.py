@@ -26,7 +26,7 @@ def _undefined(ref: np.ndarray) -> str:
             f"{tuple(map(int, nan[0]))}): the program is not defined on these inputs")
 
 
-def check(got, ref, rtol: float = 1e-2) -> dict:
+def check(got, ref, rtol: float = RTOL) -> dict:
     """Compare an output with a float64 reference, element by element. Passes when no element of `got` is NaN or
     infinite (but as below) and every element satisfies |got - ref| <= rtol * (|ref| + scale), scale being the
     root-mean-square of `ref`: a relative test that does not fail on elements whose reference happens to be near

@@ -147,8 +147,7 @@ def loop_bounds(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int, cl
     `row0(b) + last` (row0(b) = b * piece along the rows' grid axis, 0 without one); each iteration
     covers `step` columns."""
     rows = shape_of(cl.mask)[-2]
-    full_c = whole(shape_of, kernel, cl.cols)
-    full_r = whole(shape_of, kernel, cl.rows) if cl.rows else rows
+    full_r, full_c = extent(shape_of, kernel, cl.mask)
     piece = full_r // grid[cl.rows.dm.axis] if cl.rows and cl.rows.dm.axis else 0
     return rows - 1 + full_c - full_r, full_c // loop, piece
 
