@@ -16,7 +16,7 @@ def tolerance(dtypes) -> float:
     "bf16", ...): 20 rounding units of the narrowest, and never under RTOL. f16 gets 1e-2; bf16, whose 8
     bits of significand are 3 fewer than f16's, 20 * 2^-8 = 0.078. A kernel on tensor cores must round
     their operands to the storage type (online softmax's probabilities among them): on causal attention with
-    RoPE those roundings alone, made exactly, reach 3.7e-2 in bf16 (5.4e-3 in f16; benchmarks/NOTES.md)."""
+    RoPE those roundings alone, made exactly, reach 3.7e-2 in bf16 (4.3e-3 in f16; benchmarks/roundings.py)."""
     return max([RTOL] + [ROUNDING_UNITS * UNIT[d] for d in dtypes if d in UNIT])
 
 
