@@ -19,7 +19,7 @@ from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.ir.nodes import DType
 from prism_dsl.kernels.kernel import SymbolicMap, free_symbols, kernels_of, storage, stored_dtype, tile_shape
 from prism_dsl.kernels.params import choose
-from prism_dsl.kernels.position import causal_loop, loop_end, mean_iterations
+from prism_dsl.kernels.position import _end, causal_loop, ends_sum, floor_sum, loop_end, mean_iterations
 from prism_dsl.prove.layout import bind_counts, to_terms
 from prism_dsl.lang.printer import print_program
 from prism_dsl.prove.prover import prove
@@ -857,3 +857,16 @@ def test_a_hardware_file_like_another_takes_the_figures_it_does_not_give(tmp_pat
             hardware.load_hardware("loop")
     finally:
         hardware.load_hardware.cache_clear()
+
+
+def test_the_iterations_of_a_causal_grid_are_summed_in_closed_form():
+    """`ends_sum` (what the cost model's mean iterations and its schedule of unequal blocks add up) agrees with
+    the sum over every block, at random bounds: rows wholly masked, rows past the loop's end and those
+    between; `floor_sum` with the sum of floors it stands for."""
+    rng = np.random.default_rng(5)
+    for _ in range(3000):
+        last, step, piece = int(rng.integers(-400, 400)), int(rng.integers(1, 50)), int(rng.integers(0, 60))
+        blocks, loop = int(rng.integers(0, 80)), int(rng.integers(1, 40))
+        assert ends_sum(last, step, piece, blocks, loop) == sum(_end(last + b * piece, step, loop) for b in range(blocks))
+        n, m, a, b = (int(v) for v in rng.integers([0, 1, 0, 0], [60, 40, 90, 90]))
+        assert floor_sum(n, m, a, b) == sum((a * i + b) // m for i in range(n))

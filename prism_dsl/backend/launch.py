@@ -317,7 +317,15 @@ def _aligned(n: int, align: int = ALIGN) -> int:
 
 
 def layout(c: Concrete, config: CodegenConfig) -> Layout:
-    """The kernel's threads, register-tiled products, pipeline stages and shared-memory buffers."""
+    """The kernel's threads, register-tiled products, pipeline stages and shared-memory buffers (worked out once
+    per concrete kernel and config: the tuner asks for it to fit each trial and again to price it)."""
+    key = ("layout", config)
+    if key not in c.memo:
+        c.memo[key] = _layout(c, config)
+    return c.memo[key]
+
+
+def _layout(c: Concrete, config: CodegenConfig) -> Layout:
     flash_of = flash_products(c, config)
     need = max([config.threads] + [32 * f.warps for f in flash_of.values()])
     registers, threads = register_products(c, replace(config, threads=need))

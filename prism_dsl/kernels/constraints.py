@@ -97,6 +97,9 @@ class Concrete:
     binding: Mapping[sympy.Symbol, int]
     smem_bytes: int
     _shapes: dict = field(default_factory=dict, compare=False, repr=False)  # id(node) -> (node, its shape)
+    # what the backend derives from the kernel alone, by key (`backend.launch.layout`'s, per codegen config);
+    # kept by `replace(c, smem_bytes=...)`, which nothing derived depends on
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def shape(self, node: Node) -> tuple[int, ...]:
         """The node's shape at this binding, remembered (the cost model asks for the same nodes many times;

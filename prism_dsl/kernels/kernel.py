@@ -129,6 +129,15 @@ class Kernel:
     stores: tuple[Store, ...]
     inputs: tuple[Node, ...]  # the kernel-level tensors its loads read, in order
 
+    def __hash__(self) -> int:
+        """The hash of the fields, worked out once: caches keyed by a kernel (`constraints._checker`) ask for it
+        on every trial of the tuner, and it walks every map of every load and store."""
+        known = self.__dict__.get("_hash")
+        if known is None:
+            known = hash((self.name, self.grid, self.loop, self.loads, self.stores, self.inputs))
+            object.__setattr__(self, "_hash", known)
+        return known
+
     @property
     def loop_range(self) -> sympy.Expr:
         return self.loop if self.loop is not None else ONE
@@ -188,7 +197,16 @@ def splits(kernel: Kernel) -> Iterator[tuple[sympy.Expr, list[sympy.Expr]]]:
 
 
 def loop_varying(kernel: Kernel) -> set[Node]:
-    """Body nodes whose value changes from one loop iteration to the next (before any accumulator)."""
+    """Body nodes whose value changes from one loop iteration to the next (before any accumulator); a fresh set,
+    worked out once per kernel."""
+    known = kernel.__dict__.get("_varying")
+    if known is None:
+        known = frozenset(_varying(kernel))
+        object.__setattr__(kernel, "_varying", known)
+    return set(known)
+
+
+def _varying(kernel: Kernel) -> set[Node]:
     varying: set[Node] = set()
     for n in kernel.body():
         if n.op == "tile":

@@ -174,7 +174,38 @@ def mean_iterations(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int
         return float(loop)
     last, step, piece = loop_bounds(shape_of, kernel, grid, loop, cl)  # `loop_end` of every block along the rows
     blocks = grid[cl.rows.dm.axis] if piece else 1
-    return sum(_end(last + b * piece, step, loop) for b in range(blocks)) / blocks
+    return ends_sum(last, step, piece, blocks, loop) / blocks
+
+
+def ends_sum(last: int, step: int, piece: int, blocks: int, loop: int) -> int:
+    """sum(_end(last + b * piece, step, loop) for b in range(blocks)), in closed form (piece >= 0): the blocks
+    whose every column is masked run 1 iteration, those past the loop's last tile all `loop`, and between them
+    a sum of floors (`floor_sum`). The cost model asks for it for every tiling it tries, over thousands of blocks."""
+    if piece == 0 or blocks <= 1:
+        return blocks * _end(last, step, loop) if blocks > 0 else 0
+    masked = min(blocks, max(0, -(last // piece))) if last < 0 else 0  # last + b * piece < 0
+    full = min(blocks, max(masked, -((last - (loop - 1) * step) // piece)))  # from here on: the whole loop
+    between = full - masked
+    return (masked + (blocks - full) * loop + between
+            + floor_sum(between, step, piece, last + masked * piece))
+
+
+def floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """sum((a * i + b) // m for i in range(n)) for n, a, b >= 0 and m > 0, in O(log) steps (the reduction of
+    the lattice points under a line by Euclid's algorithm)."""
+    total = 0
+    while n > 0:
+        if a >= m:
+            total += n * (n - 1) // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        top = a * n + b
+        if top < m:
+            break
+        n, b, m, a = top // m, top % m, a, m
+    return total
 
 
 def longest_first(kernel: Kernel, grid: Mapping[str, int], sms: int) -> str | None:
@@ -219,11 +250,12 @@ def stretch(shape_of, kernel: Kernel, grid: Mapping[str, int], loop: int, slots:
     # longest first: the code's order where blocks wait for a slot (`longest_first`); else every one starts at once
     last, step, piece = loop_bounds(shape_of, kernel, grid, loop, cl)
     across = math.prod(grid.values()) // grid[rows]  # blocks per query tile, launched one after another
-    lengths = [_end(last + r * piece, step, loop) for r in reversed(range(grid[rows]))]
-    slots = max(1, min(slots, across * len(lengths)))
-    even = across * sum(lengths) / slots
-    if across * len(lengths) > 64 * slots:  # any list schedule ends within its longest block of the even spread
-        return 1 + lengths[0] / even
+    tiles = grid[rows]
+    slots = max(1, min(slots, across * tiles))
+    even = across * ends_sum(last, step, piece, tiles, loop) / slots
+    if across * tiles > 64 * slots:  # any list schedule ends within its longest block of the even spread
+        return 1 + _end(last + (tiles - 1) * piece, step, loop) / even
+    lengths = [_end(last + r * piece, step, loop) for r in reversed(range(tiles))]
     free, times = {0: slots}, [0]  # slots by the time they come free; those times, a heap
     for n in lengths:
         todo = across
