@@ -1,5 +1,6 @@
 """The static performance report: for each workload at decode and prefill shapes, the program `prismc compile`
-chooses, and for each of its kernels what the compiled code does, read from its SASS (sm_90a): the hot loop's
+chooses, and for each of its launches (a kernel, or one with the combining kernel of its pieces: `tails`) what
+the compiled code does, read from its SASS (sm_90a): the hot loop's
 instruction mix (HMMA, HGMMA, LDSM, LDGSTS, FFMA, LDS, BAR, and all its instructions), the fewest instructions
 a warp issues per iteration of it (`sass.issued`: on any iteration, and on one that copies tiles ahead), registers, spills,
 shared memory, blocks per SM, the cost model's estimate and the roofline floor. No GPU is needed; nvcc and
@@ -81,7 +82,8 @@ def kernel_rows(out: Path, report: dict) -> list[tuple[str, dict]]:
         serialized = " (ptxas serialized its wgmma)" if nv.get("wgmma_serialized") else ""
         got = nv.get("issued")  # what the model's issue floor took, per iteration (copying ahead or not)
         issued = f"{got['loop']:g} / {got.get('copying', got['loop']):g}" if got and got["loop"] else "-"
-        rows.append((f"{k['name']} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {issued} | {per} | "
+        also = f" + {est['combines']['kernel']}" if est.get("combines") else ""  # a combining kernel in its launch
+        rows.append((f"{k['name']}{also} | {'x'.join(map(str, k['grid']))} x {k['block'][0]} | {mix} | {issued} | {per} | "
                      f"{nv.get('registers', '?')}{serialized} | {nv.get('spill_stores', '?')} | {k['smem_bytes'] // 1024} KiB | "
                      f"{est['occupancy']} | {est['time_us']:.1f} ({est['bound']})",
                      {"blocks": k["grid"][0] * k["grid"][1] * k["grid"][2], "counts": counts, "products": multiplies[k["name"]],
@@ -141,7 +143,7 @@ def main() -> int:
                 print(f"| {name} | error: {(done.stderr.strip().splitlines() or ['?'])[-1]} |")
                 continue
             report = json.loads(done.stdout)
-            head = f"| {name} ({dims}) | {len(report['kernels'])} kernel(s) | "
+            head = f"| {name} ({dims}) | {len(report['kernels'])} launch(es) | "
             rows = kernel_rows(out, report)
             for i, (row, _) in enumerate(rows):
                 tail = f" | {report['estimated_us']:.1f} | {report['roofline']['floor_us']:.1f} |" if i == 0 else " | | |"

@@ -73,8 +73,9 @@ struct __nv_bfloat16 { uint16_t bits; };
 #endif
 #endif
 // A shared buffer at a byte offset of the block's shared memory, in use in phases first..last of the kernel (0
-// before its loop, 1 in it, 2 after it; PRISM_PHASE(p) where phase p begins, after a barrier): buffers never
-// in use at once may share bytes. PRISM_SHARED: one in use throughout.
+// before its loop, 1 in it, 2 after it; 3-5 the same of a combining kernel that runs after it in its launch;
+// PRISM_PHASE(p) where phase p begins, after a barrier): buffers never in use at once may share bytes.
+// PRISM_SHARED: one in use throughout the kernel's phases 0-2.
 #define PRISM_SHARED(T, offset, bytes) PRISM_SHARED_IN(T, offset, bytes, 0, 2)
 #define PRISM_TID ((int)threadIdx.x)
 #define PRISM_NT(n) (n)
@@ -863,6 +864,37 @@ template <class T, class R> __device__ __forceinline__ void atomic_add(T* p, R v
     } while (!__atomic_compare_exchange_n(where, &old, sum, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
 #else
     atomicAdd(p, from_f<T>(v));
+#endif
+}
+
+// -- a split's combining kernel in the launch of its pieces (prism_dsl/backend/tails.py) --------------------
+// Every thread of the block calls last_of after storing its part of the block's piece of the tile; it is true in
+// every thread of the block that takes the tile's last ticket (`pieces` blocks take one each), which then sees
+// what every piece stored, and that block puts the counter back to zero for the next launch. The fences and the
+// atomic are one thread's, between the block's barriers, as in a grid-wide barrier: a release at gpu scope of
+// what the block stored before the first barrier, an acquire of what the other blocks released before theirs.
+// The emulation takes the ticket with an acquire-release atomic, which ThreadSanitizer orders the reads by.
+__device__ __forceinline__ bool last_of(unsigned* ticket, unsigned pieces PRISM_AT) {
+#if defined(PRISM_CPU)
+    emu::barrier(at_file, at_line);
+    bool last = false;
+    if (PRISM_TID == 0) {
+        last = __atomic_fetch_add(ticket, 1u, __ATOMIC_ACQ_REL) == pieces - 1;
+        if (last) __atomic_store_n(ticket, 0u, __ATOMIC_RELAXED);
+    }
+    return emu::barrier_or(last, at_file, at_line);
+#else
+    __syncthreads();
+    int last = 0;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(ticket, 1u) == pieces - 1;
+        if (last) {
+            atomicExch(ticket, 0u);
+            __threadfence();
+        }
+    }
+    return __syncthreads_or(last) != 0;
 #endif
 }
 

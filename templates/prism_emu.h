@@ -96,6 +96,7 @@ namespace prism {
 namespace emu {
 
 constexpr int kWarp = 32;
+constexpr int kLastPhase = 5;  // a kernel's phases 0-2, and 3-5 for a combining kernel run after it in its launch
 constexpr int kExitFinding = 3;  // the exit status of an emulation finding (sanitizers use their own)
 
 struct Site {
@@ -208,12 +209,13 @@ struct Block {
     std::vector<Thread*> threads;
     std::vector<Warp> warps;
     std::vector<Buffer> buffers;
-    int phase = 0;  // of the kernel: 0 before its loop, 1 in it, 2 after it
+    int phase = 0;  // of the kernel: 0 before its loop, 1 in it, 2 after it; 3-5 those of a combining kernel after it
     int at_barrier = 0;
     Site barrier;
     char sync[2] = {0, 0};  // where ThreadSanitizer synchronises barrier generation g: sync[g % 2] (as in Warp)
     unsigned generation = 0;
     char exit_sync = 0;
+    bool vote[2] = {false, false};  // __syncthreads_or of barrier generation g: vote[g % 2]
     Named named[16];
     std::deque<std::pair<const void*, Mbarrier>> mbarriers;  // a deque: their sync addresses stay put
     std::vector<WgmmaIssue> wgmma_issues;  // each warpgroup's wgmma issued by some of its warps, not yet all four
@@ -418,8 +420,9 @@ inline void* shared(size_t offset, size_t bytes, int first, int last, const char
     if (offset + bytes > rt().launch->smem)
         fail({{file, line}}, "shared buffer at offset %zu (%zu bytes) ends past the launch's %zu bytes", offset, bytes,
              rt().launch->smem);
-    if (first < 0 || first > last || last > 2)
-        fail({{file, line}}, "shared buffer at offset %zu: phases %d..%d are not within 0..2", offset, first, last);
+    if (first < 0 || first > last || last > kLastPhase)
+        fail({{file, line}}, "shared buffer at offset %zu: phases %d..%d are not within 0..%d", offset, first, last,
+             kLastPhase);
     for (const Buffer& have : b->buffers) {
         if (have.offset == offset && have.bytes == bytes && have.first == first && have.last == last) return have.mem;
         if (offset < have.offset + have.bytes && have.offset < offset + bytes && first <= have.last && have.first <= last)
@@ -452,7 +455,7 @@ inline void phase(int p, const char* file, int line) {
     Quiet quiet;
     Block* b = self()->block;
     if (p <= b->phase) return;
-    if (p > 2) fail({{file, line}}, "phase %d: a kernel has phases 0..2", p);
+    if (p > kLastPhase) fail({{file, line}}, "phase %d: a launch has phases 0..%d", p, kLastPhase);
     const int was = b->phase;
     b->phase = p;
     for (Buffer& have : b->buffers) {
@@ -523,6 +526,22 @@ inline void barrier(const char* file, int line) {
     }
     if (wait) yield();
     acquire(sync);
+}
+
+// __syncthreads_or: the barrier, and whether any thread of the block passed a true `vote` to it.
+inline bool barrier_or(bool vote, const char* file, int line) {
+    Block* b;
+    unsigned generation;
+    {
+        Quiet quiet;
+        b = self()->block;
+        generation = b->generation;
+        if (b->at_barrier == 0) b->vote[generation % 2] = false;  // the first to arrive
+        b->vote[generation % 2] = b->vote[generation % 2] || vote;
+    }
+    barrier(file, line);
+    Quiet quiet;
+    return b->vote[generation % 2];  // not reset before every thread has read it: the next generation uses the other
 }
 
 inline void collective(const char* what, unsigned mask, const char* file, int line, const void* in, void* out,

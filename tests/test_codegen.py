@@ -566,7 +566,7 @@ def test_tiles_too_narrow_for_16_bytes_are_copied_by_narrower_cp_async_and_pipel
     pipelined like the others (a load waited for every iteration would cost a memory latency each)."""
     grid, loop = GOLDEN_PARAMS["attention.decoding"]
     built, _ = build_of(ROOT / "programs/fused/attention.decoding.prism", grid, loop, archs=())
-    combine = next(k for k in built.kernels if k.name == "combine")
+    combine = next(k for k in built.kernels if k.combines == "combine")  # in the pieces' launch
     assert "prism::cp_async<1>(s_mt_stages" in combine.source and "prism::cp_async<4>(s_pt_stages" in combine.source
     assert "prism::cp_async_wait<" in combine.source and "s_mt[0] = g_M" not in combine.source
 
@@ -624,12 +624,14 @@ def test_a_loop_of_small_tiles_runs_deep_enough_to_keep_the_latency_covered():
 def test_a_sixteen_stage_combine_agrees_with_the_reference_under_each_sanitizer(sanitizer):
     """FlashDecoding over 16 pieces: the combine's loop runs 16 stages deep (every piece in flight before the
     first is read, `cp.async.wait_group 14`), and the emulated code matches the reference, the stages'
-    refills and reads ordered as the sanitizers require."""
+    refills and reads ordered as the sanitizers require; it runs in the pieces' launch, so the sanitizers also
+    check the tickets that order each tile's pieces before its combining block (`tails`)."""
     program = load(ROOT / "programs/fused/attention.decoding.prism").program()
     options = BuildOptions(dims={"b": 1, "h": 2, "kv": 1024, "dh": 64}, grid={"gb": 1, "gh": 2, "S": 16},
                            loop={"F": 1}, archs=(), sanitize=sanitizer)
     built = build(program, H100, options)
-    combine = next(k for k in built.kernels if k.name == "combine").source
+    assert [(k.name, k.combines, k.tickets) for k in built.kernels] == [("partial", "combine", 2)]
+    combine = built.kernels[0].source.split("prism::last_of(")[1]
     assert "16-stage cp.async pipeline" in combine and "prism::cp_async_wait<14>()" in combine
     check = emulate(built, options)
     assert check.passed, check

@@ -487,7 +487,7 @@ extern "C" __global__ void w(float* out, const uint32_t* g) {
     wgmma_forms<256, __nv_bfloat16>(out, sm, r);
 }
 #endif
-extern "C" __global__ void t(const half* a, float* out) {
+extern "C" __global__ void t(const half* a, float* out, unsigned* tickets) {
     __shared__ __align__(128) half s[256];
     prism::cp_async<8>(s + threadIdx.x * 8, a + threadIdx.x * 8);
     prism::cp_async<4>(s + threadIdx.x * 4, a + threadIdx.x * 4);
@@ -510,6 +510,7 @@ extern "C" __global__ void t(const half* a, float* out) {
     prism::load8(w, reinterpret_cast<const __nv_bfloat16*>(s) + threadIdx.x % 16 * 8);
     for (int i = 0; i < 4; ++i) out[threadIdx.x * 4 + i] = e[i] + prism::warp_sum(d[i]) + r1[0] + w[i] + w[i + 4] + g[i]
                                                          + prism::max_(d[i], e[i]);
+    if (prism::last_of(tickets, gridDim.x)) out[threadIdx.x] += 1.0f;
 }
 """
 

@@ -94,6 +94,7 @@ BAD_PLANS = [
     (with_kernel(block=[256, 1.0, 1]), "'block' must be 3 positive ints"),
     (with_kernel(block=[64, 32, 1]), "a block of [64, 32, 1] has 2048 threads; CUDA allows at most 1024"),
     (with_kernel(smem=-1), "'smem' must be a non-negative int (bytes), not -1"),
+    (with_kernel(tickets=0), "'tickets' must be a positive int (tiles whose pieces it combines), not 0"),
     (with_kernel(function=None), "kernel 0 ('add'): 'function' must be a string"),
     (make_plan(kernels=[with_kernel()["kernels"][0]] * 2), "kernel name 'add' is used twice"),
     (make_plan(kernels=["add"]), "kernel 0 is a str, not a dict"),

@@ -329,7 +329,9 @@ def test_the_models_registers_are_near_what_ptxas_gives(name, dims, threads):
     program = load(ROOT / "programs" / "fused" / f"{name}.prism").program()
     built = build(program, H100, BuildOptions(dims=dims, codegen=CodegenConfig(threads=threads)))
     _, figures = compile_check(built.kernels, ("sm_90",))
-    for k, e in zip(built.kernels, built.estimates):
+    estimates = {e.kernel: e for e in built.estimates}
+    for k in built.kernels:  # a launch that also combines its pieces: the first kernel's guess (the more registers)
+        e = estimates[k.name]
         if k.name == "combine":
             continue  # 32 registers against the base's 64: a loop of one copy per thread, too small to matter
         ptxas = figures[k.name]["sm_90"]["registers"]

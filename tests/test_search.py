@@ -463,6 +463,7 @@ def emulated_gpu(monkeypatch):
     model estimates. Everything around it (search, tuning database, report) is the real path."""
     from prism_dsl.pipeline import build
     from prism_dsl.pipeline.report import Check
+    from prism_dsl.pipeline.compile import launch_estimate
     from prism_dsl.backend import cuda_runtime
 
     if not emulate.compiler():
@@ -475,8 +476,8 @@ def emulated_gpu(monkeypatch):
         result = {f: getattr(checked, f) for f in Check.__dataclass_fields__}
         us = sum(e.time_us for e in built.estimates)
         return build.GpuCheck(**result, device="emulated", timing_ms={"median_ms": us / 1000, "host_bound": False},
-                              kernels_ms={k.name: {"median_ms": e.time_us / 1000}
-                                          for k, e in zip(built.kernels, built.estimates)})
+                              kernels_ms={k.name: {"median_ms": launch_estimate(built, k)["time_us"] / 1000}
+                                          for k in built.kernels})
 
     monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "Emulated GPU"))
     monkeypatch.setattr(cuda_runtime, "device_identity", lambda: "Emulated GPU, sm_90, driver 0")
@@ -577,7 +578,9 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
     assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--search", "none", "--arch", "none",
                  "--dims", ",".join(f"{k}={v}" for k, v in dims.items()), "--grid", f"{pieces}=4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["parameters"][pieces] == 4 and len(report["kernels"]) == 2
+    # one launch: each tile's last block combines its pieces (`tails`)
+    assert report["parameters"][pieces] == 4 and len(report["kernels"]) == 1
+    assert report["kernels"][0]["estimate"]["combines"]["kernel"] == kernels_of(splits[0])[1].name
     if emulate.compiler():
         assert report["checked"]["emulation"]["passed"] and report["verified"]
 

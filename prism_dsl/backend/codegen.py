@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import jinja2
@@ -46,9 +46,10 @@ from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, block_names, comment, decompose, ident, offset, tensor_name
 from .launch import CodegenConfig, copy_bytes, dot_lanes, flash_values, layout, stage_elements, vector_width
+from .tails import tail_config
 from .tensor_steps import TensorCoreSteps, shared_operand
 
-__all__ = ["CTYPE", "CodegenConfig", "RenderedKernel", "comment", "ident", "render_kernel"]
+__all__ = ["CTYPE", "CodegenConfig", "RenderedKernel", "comment", "ident", "render_kernel", "render_launch"]
 
 TEMPLATES = data_dir("templates", "templates")
 HEADER = "prism.cuh"
@@ -77,6 +78,8 @@ class RenderedKernel:
     zero: tuple[str, ...]  # outputs that blocks add into: zeroed before the launch
     tensor_cores: bool  # a wmma path is in the code
     wgmma: bool = False  # its products run on wgmma: it compiles for sm_90a only
+    combines: str | None = None  # the combining kernel it also runs (`render_launch`), by name
+    tickets: int = 0  # with `combines`: its tiles, one counter each, zero before the first launch (the last parameter)
 
 
 @cache
@@ -94,7 +97,7 @@ def header_source() -> str:
 
 
 class _Emitter(TensorCoreSteps):
-    def __init__(self, c: Concrete, program: Program, config: CodegenConfig):
+    def __init__(self, c: Concrete, program: Program, config: CodegenConfig, blk: str | None = None):
         self.c, self.k, self.program, self.config = c, c.kernel, program, config
         self.plan = plan(self.k)
         self.real = CTYPE[compute_dtype(self.k)]
@@ -105,7 +108,7 @@ class _Emitter(TensorCoreSteps):
         self.registers, self.threads, self.pad = self.layout.registers, self.layout.threads, self.layout.pads
         self.cname = {b.name: f"s_{ident(b.name)}" for b in self.plan.buffers}
         # the block's place in the grid: blockIdx, or the block a causal kernel's launch order takes
-        self.blk = "blk_" if longest_first(self.k, dict(c.grid), config.sms) else "blockIdx."
+        self.blk = blk or ("blk_" if longest_first(self.k, dict(c.grid), config.sms) else "blockIdx.")
 
     # shapes and buffers
     def shape(self, node_or_buffer) -> tuple[int, ...]:
@@ -395,6 +398,21 @@ class _Emitter(TensorCoreSteps):
 
     # the whole kernel
     def render(self) -> RenderedKernel:
+        ctx = self.context()
+        source = template_env().get_template("kernel.cu.j2").render(k=ctx, t=None)
+        return self.rendered(ctx, source)
+
+    def rendered(self, ctx: dict, source: str) -> RenderedKernel:
+        k, c = self.k, self.c
+        grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
+        args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
+        zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
+        return RenderedKernel(k.name, ctx["function"], ctx["file"], source, grid3, (self.threads, 1, 1), ctx["smem"],
+                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0, ctx["wgmma"])
+
+    def context(self, phase: int = 0) -> dict:
+        """What the template renders the kernel from; its shared buffers' phases (`kernels.lifetimes`) counted
+        from `phase` (3 for a combining kernel that runs after another in its launch: `render_launch`)."""
         k, c = self.k, self.c
         body = k.body()
         after = after_loop(body)
@@ -434,17 +452,15 @@ class _Emitter(TensorCoreSteps):
         pipelined = {st["cname"] for st in staged}
         buffers = [{"cname": self.cname[b.name] + ("_stages" if self.cname[b.name] in pipelined else ""),
                     "ctype": CTYPE[b.dtype], "offset": self.layout.offsets[b.name], "bytes": self.layout.sizes[b.name],
-                    "first": self.layout.live[b.name][0], "last": self.layout.live[b.name][1],
+                    "first": phase + self.layout.live[b.name][0], "last": phase + self.layout.live[b.name][1],
                     "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}"
                                        + (f", {stages} stages" if self.cname[b.name] in pipelined else "")
                                        + f", {in_use(self.layout.live[b.name])}")}
                    for b in self.plan.buffers if b.name in self.layout.offsets]
         smem = self.layout.smem
-        args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
-        params = [f"const {CTYPE[storage(n)]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
-        params += [f"{CTYPE[stored_dtype(k, i)]}* __restrict__ g_{ident(s.name)}" for i, s in enumerate(k.stores)]
+        inputs = [f"const {CTYPE[storage(n)]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
+        outputs = [f"{CTYPE[stored_dtype(k, i)]}* __restrict__ g_{ident(s.name)}" for i, s in enumerate(k.stores)]
         function = f"prism_{ident(k.name)}"
-        grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
         summary = [comment(f"load {l.tile} = {tensor_name(k.inputs[l.source])}{l.map}") for l in k.loads]
         summary += [comment(f"store {s.name}{s.map}") for s in k.stores]
         for step in prologue + invariant + loop_steps + epilogue + ahead:
@@ -453,14 +469,12 @@ class _Emitter(TensorCoreSteps):
         ctx = {"program": comment(self.program.name), "name": comment(k.name), "function": function, "wgmma": wgmma,
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary,
-               "order": block_names(self.k, dict(c.grid), self.config.sms) if self.blk == "blk_" else [], "params": params,
+               "order": block_names(self.k, dict(c.grid), self.config.sms) if self.blk == "blk_" else [],
+               "params": inputs + outputs, "inputs": inputs, "outputs": outputs, "phase": phase,
                "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
                "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead,
                "pingpong": self.layout.pingpong, "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
-        source = template_env().get_template("kernel.cu.j2").render(k=ctx)
-        zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
-        return RenderedKernel(k.name, function, ctx["file"], source, grid3, (self.threads, 1, 1), smem,
-                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0, wgmma)
+        return ctx
 
     @staticmethod
     def _merge(steps: list[dict]) -> list[dict]:
@@ -481,3 +495,35 @@ def _async(step: dict) -> bool:
 
 def render_kernel(c: Concrete, program: Program, config: CodegenConfig = CodegenConfig()) -> RenderedKernel:
     return _Emitter(c, program, config).render()
+
+
+def render_launch(first: Concrete, second: Concrete, program: Program,
+                  config: CodegenConfig = CodegenConfig()) -> RenderedKernel:
+    """One launch of `first` that also runs `second`, a combining kernel of its pieces (`tails.pairs`): each
+    tile's last block to finish its piece runs `second`'s code for that tile (see `tails`)."""
+    a = _Emitter(first, program, config)
+    b = _Emitter(second, program, tail_config(first, config), blk="tile_")  # the tile's place, the split axis left out
+    ka, kb = a.context(), b.context(phase=3)
+    split, pieces = first.grid[-1]
+    tiles = [(axis, size) for axis, size in second.grid if axis != split or size > 1]
+    index, stride = [], 1
+    for axis, size in tiles:
+        if size > 1:
+            index.append(f"blockIdx.{axis}" + (f" * {stride}" if stride > 1 else ""))
+            stride *= size
+    # what `second` reads that `first` does not write or read, then the outputs of both
+    taken = {p.rsplit(" ", 1)[1] for p in ka["params"]}
+    extra = [p for p in kb["inputs"] if p.rsplit(" ", 1)[1] not in taken]
+    kb |= {"pieces": pieces, "ticket": " + ".join(index) or "0", "name_first": ka["name"],
+           "tiles": [f"[[maybe_unused]] const int tile_{axis} = {'0' if axis == split else f'blockIdx.{axis}'};"
+                     for axis, _ in second.grid]}
+    ka |= {"params": ka["inputs"] + extra + ka["outputs"] + kb["outputs"] + ["unsigned* __restrict__ prism_tickets"],
+           "smem": max(ka["smem"], kb["smem"]), "wgmma": ka["wgmma"] or kb["wgmma"]}
+    source = template_env().get_template("kernel.cu.j2").render(k=ka, t=kb)
+    one, two = a.rendered(ka, source), b.rendered(kb, "")
+    inputs = one.args[: len(one.args) - one.stores]
+    inputs += tuple(n for n in two.args[: len(two.args) - two.stores] if n not in one.args)
+    args = inputs + one.args[len(one.args) - one.stores:] + two.args[len(two.args) - two.stores:]
+    return replace(one, args=args, stores=one.stores + two.stores, zero=one.zero + two.zero,
+                   tensor_cores=one.tensor_cores or two.tensor_cores, combines=second.kernel.name,
+                   tickets=math.prod(size for _, size in second.grid))

@@ -59,6 +59,11 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
 
         time = launch overhead + phases * tail (+ waves * loop * iteration latency, unpipelined)
 
+    A split's combining kernel that runs in the launch of the kernel whose pieces it combines (`tails`: each
+    tile's last block combines them) pays no launch overhead; the rest of its time is counted as if it ran
+    alone after that kernel, which is about what the last tiles' combining takes, the others running
+    beside the pieces still being folded.
+
     From the compiled code (`compiled`: the compile check's figures for the hardware's arch, `nvcc.nvcc_check`):
     the registers ptxas reports replace the estimate in occ, and where cuobjdump read the SASS
     (`sass.issued`: the fewest instructions a warp that runs the products issues per iteration of the main
@@ -196,6 +201,7 @@ class Estimate:
     bound: str  # "memory", "math", "issue", "loop" or "launch": the term that decided
     priced: str = "structure"  # from what: "structure" (launch.layout), "ptxas" (and its registers), "sass" (and issue)
     registers: int = 0  # per thread, for the blocks per SM: the model's guess, or ptxas's count where priced from it
+    launched_by: str | None = None  # the kernel in whose launch it runs (a combining kernel: `tails`); None: its own
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -291,9 +297,10 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
 
 
 def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None,
-             compiled: Mapping | None = None) -> Estimate:
+             compiled: Mapping | None = None, launched: bool = True) -> Estimate:
     """The kernel's estimated time, priced from the code's structure, or from `compiled` where given (the
-    compile check's figures for the hardware's arch: ptxas's `registers`, and `issued` from the SASS)."""
+    compile check's figures for the hardware's arch: ptxas's `registers`, and `issued` from the SASS).
+    `launched` False: the kernel runs in another's launch (`tails`), which pays the launch overhead."""
     config = config or for_hardware(CodegenConfig(threads=threads), hardware)
     shape = layout(c, config)
     dram, l2, flops, tc, vec, looped = kernel_work(c, hardware, shape, config)
@@ -324,9 +331,10 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     bound = max(terms, key=terms.get)
     compute = max(t_math, t_issue)
     body = (max(t_mem, compute) if overlaps else t_mem + compute) * tail + t_loop
-    if body < hardware.launch_overhead_us:
+    overhead = hardware.launch_overhead_us if launched else 0.0
+    if body < overhead:
         bound = "launch"
-    return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(hardware.launch_overhead_us + body, 3),
+    return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(overhead + body, 3),
                     bound, "sass" if issued else "ptxas" if compiled else "structure", regs)
 
 

@@ -12,8 +12,7 @@ Inputs, decided once for every entry point:
   tensors take float32 (numpy has no bfloat16), rounded to nearest even on the way in. Any other float dtype is
   a PlanError unless the launcher or `marshal` is given `cast=True`. Integer and bool arrays are always
   refused. Lists and scalars carry no dtype of their own and are converted as if cast=True.
-- numpy inputs are copied to the device, so any memory layout is fine; outputs come back as numpy, bf16 ones
-  widened to float32.
+- numpy inputs are copied to the device (any memory layout will do); outputs come back as numpy, bf16 as float32.
 - torch tensors on the CPU are treated as numpy arrays. torch CUDA tensors are passed by pointer, without a
   copy: they must be contiguous, 16-byte aligned, on the launcher's device and of the exact dtype (torch.bfloat16
   for bf16; with cast=True a wrong dtype is converted with one copy). Outputs are then torch CUDA tensors.
@@ -154,13 +153,14 @@ def _kernel_problems(i: int, kernel, tensors: dict, inputs: list) -> list[str]:
     smem = kernel.get("smem", 0)
     if not (isinstance(smem, int) and not isinstance(smem, bool) and smem >= 0):
         problems.append(f"{where}: 'smem' must be a non-negative int (bytes), not {smem!r}")
+    if "tickets" in kernel and not _positive_int(tickets := kernel["tickets"]):  # tiles whose pieces it combines
+        problems.append(f"{where}: 'tickets' must be a positive int (tiles whose pieces it combines), not {tickets!r}")
     for key in ("args", "zero"):
         names = kernel.get(key, [] if key == "zero" else None)
         if not isinstance(names, list):
             problems.append(f"{where}: '{key}' must be a list of tensor names")
             continue
-        problems += [f"{where}: {key} names unknown tensor {n!r}" for n in names
-                     if not isinstance(n, str) or n not in tensors]
+        problems += [f"{where}: {key} names unknown tensor {n!r}" for n in names if not isinstance(n, str) or n not in tensors]
         if key == "zero":
             problems += [f"{where}: zeroes input '{n}', which the program must not write" for n in names if n in inputs]
     return problems
@@ -201,11 +201,6 @@ def _is_torch(x) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
-def _torch_to_numpy(t) -> np.ndarray:
-    t = t.detach().cpu()
-    return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy()  # bf16 widens to float32 exactly
-
-
 def _check_names(plan: dict, given) -> None:
     expected = plan["inputs"]
     folded = {n.lower(): n for n in expected}  # so that 'w' suggests 'W'
@@ -219,8 +214,8 @@ def _check_names(plan: dict, given) -> None:
 
 
 def _check_shape(plan: dict, name: str, shape) -> None:
-    if tuple(shape) != _shape(plan, name):
-        raise PlanError(f"input '{name}' has shape {tuple(shape)}; the program expects {_shape(plan, name)}")
+    if tuple(shape) != (want := _shape(plan, name)):
+        raise PlanError(f"input '{name}' has shape {tuple(shape)}; the program expects {want}")
 
 
 def marshal(plan: dict, inputs: dict, cast: bool = False) -> dict[str, np.ndarray]:
@@ -231,8 +226,9 @@ def marshal(plan: dict, inputs: dict, cast: bool = False) -> dict[str, np.ndarra
 
 def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
     dtype = plan["tensors"][name]["dtype"]
-    if _is_torch(value):
-        value = _torch_to_numpy(value)
+    if _is_torch(value):  # on the CPU: as numpy (bf16 widened to float32, exactly)
+        value = value.detach().cpu()
+        value = (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
     elif not isinstance(value, np.ndarray):
         try:
             value, cast = np.asarray(value, dtype=np.float64), True
@@ -284,6 +280,7 @@ class Launcher:
         self.plan, self.directory, self.cast, self.device = plan, Path(directory).resolve(), cast, device
         self._functions, self._modules = None, []  # compiled on first use
         self._buffers: dict = {}  # name -> DeviceAllocation, reused by every numpy-fed call
+        self._tickets: dict = {}  # kernel name -> its tiles' counters (plan's "tickets"), allocated by `compile`
 
     @contextlib.contextmanager
     def _active(self):
@@ -342,7 +339,10 @@ class Launcher:
                             f"allows {optin} per block")
         if smem > DEFAULT_SMEM_LIMIT:
             fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-        fn.prepare("P" * len(kernel["args"]))
+        if kernel.get("tickets"):  # a counter per tile whose pieces it combines: zero between launches, so zeroed once
+            self._tickets[kernel["name"]] = drv.mem_alloc(4 * kernel["tickets"])
+            drv.memset_d32(self._tickets[kernel["name"]], 0, kernel["tickets"])
+        fn.prepare("P" * (len(kernel["args"]) + (1 if kernel.get("tickets") else 0)))
         return fn
 
     def __call__(self, **inputs) -> dict:
@@ -412,8 +412,9 @@ class Launcher:
                 events[i].record()
             for name in kernel.get("zero", []):
                 drv.memset_d8_async(ptrs[name], 0, _nbytes(self.plan, name))
+            tickets = (int(self._tickets[kernel["name"]]),) if kernel.get("tickets") else ()
             fn.prepared_call(tuple(kernel["grid"]), tuple(kernel["block"]), *(ptrs[n] for n in kernel["args"]),
-                             shared_size=kernel.get("smem", 0))
+                             *tickets, shared_size=kernel.get("smem", 0))
         if events is not None and last:
             events[-1].record()
 
@@ -464,11 +465,11 @@ class Launcher:
 
     def close(self) -> None:
         """Free the device memory this launcher holds (the primary context stays retained: `_primary`)."""
-        if self._buffers:
+        if held := [*self._buffers.values(), *self._tickets.values()]:
             with self._active():
-                for buf in self._buffers.values():
+                for buf in held:
                     buf.free()
-        self._buffers, self._modules, self._functions = {}, [], None
+        self._buffers, self._tickets, self._modules, self._functions = {}, {}, [], None
 
 
 class Ahead:

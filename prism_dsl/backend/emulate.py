@@ -130,6 +130,9 @@ def _harness(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], sha
     for k in kernels:
         n_inputs = len(k.args) - k.stores
         casts = [f"({'const ' if i < n_inputs else ''}{CTYPE[dtypes[a]]}*)a[{i}]" for i, a in enumerate(k.args)]
+        if k.tickets:  # a combining kernel in the launch: its tiles' counters, zero before it and after it
+            lines.append(f"static unsigned tickets_{k.function}[{k.tickets}];")
+            casts.append(f"tickets_{k.function}")
         lines += [f"static void launch_{k.function}(void* const* a) {{ {k.function}({', '.join(casts)}); }}"]
     lines += ["int main(int argc, char** argv) {", "    const std::vector<prism::emu::TensorEntry> tensors = {"]
     lines += [f'        {{"{n}", {int(np.prod(shapes[n], dtype=np.int64)) * STORAGE[dtypes[n].value].itemsize}u}},'

@@ -67,6 +67,7 @@ class CodegenConfig:
     sms: int = 132  # the target GPU's SMs (`Hardware.sms`): whether blocks wait for a slot (`position.longest_first`)
     pingpong: bool = True  # two warpgroups of online softmax take turns on the tensor cores where they can (`pingpong`)
     flight: int = 13636  # bytes an SM keeps in flight to cover the DRAM latency (`cost.for_hardware`; H100's here)
+    one_launch: bool = True  # a split's combining kernel runs in the launch of the kernel it combines (`tails`)
 
     @property
     def warpgroups(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from typing import Mapping
 
 import sympy
@@ -20,6 +21,7 @@ from ..kernels.kernel import Kernel, free_symbols, kernels_of
 from ..kernels.params import candidates, choose
 from .cost import Estimate, estimate, for_hardware
 from .launch import CodegenConfig, layout
+from .tails import in_launch, joins, pairs, tail_config
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
 
@@ -39,7 +41,23 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
     params = {**given, **{s.name: v for s, v in chosen.items()}}
     concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in params.items()}}, hardware,
                                    generated(config))
-    return params, concrete, [estimate(k, hardware, config=config) for k in concrete.values()]
+    return params, concrete, estimates(program, concrete, hardware, config)
+
+
+def estimates(program: Program, concrete: Mapping[str, Concrete], hardware: Hardware, config: CodegenConfig,
+              compiled: Mapping[str, Mapping] | None = None) -> list[Estimate]:
+    """Each kernel's estimate (`compiled`: per launch, the compile check's figures for the hardware's arch); a
+    combining kernel that runs in another's launch (`tails.in_launch`) priced on that kernel's threads, with no
+    launch of its own, and from the code's structure (the launch's figures are the first kernel's)."""
+    tails = in_launch(program, concrete, config)
+    out = []
+    for name, c in concrete.items():
+        if name in tails:
+            e = estimate(c, hardware, config=tail_config(concrete[tails[name]], config), launched=False)
+            out.append(replace(e, launched_by=tails[name]))
+        else:
+            out.append(estimate(c, hardware, config=config, compiled=(compiled or {}).get(name)))
+    return out
 
 
 def generated(config: CodegenConfig):
@@ -72,22 +90,30 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     config = for_hardware(codegen, hardware)
     free = set(free_symbols(program)) - set(fixed)
     chosen: dict[sympy.Symbol, int] = {}
-    for group in _groups(program, free):
+    by_name = {k.name: k for k in kernels_of(program)}
+    firsts = pairs(program) if config.one_launch else {}  # combining kernel -> the kernel whose launch it may run in
+    for group in _groups(program, free, firsts):
         syms = sorted({s for k in group for s in k.symbols() if s in free}, key=str)
         cands = [candidates(program, s, binding) for s in syms]
-        own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()]) for k in group]
+        # a kernel's estimate depends on its own parameters, and a combining kernel's on its first kernel's too
+        own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()
+                    or k.name in firsts and s in by_name[firsts[k.name]].symbols()]) for k in group]
         memo: dict = {}
 
         def time_of(values: tuple[int, ...]) -> tuple[float, int, int]:
             """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2): the
             order parameters are ranked by."""
             total, busy, l2 = 0.0, 0, 0
-            for k, mine in own:  # a kernel's estimate depends on its own parameters only
+            for k, mine in own:
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
                     trial = {**binding, **{syms[i]: values[i] for i in mine}}
                     if (c := fits(k, trial, hardware, config)) is not None:
-                        e = estimate(c, hardware, config=config)
+                        first = fits(by_name[firsts[k.name]], trial, hardware, config) if k.name in firsts else None
+                        if first is not None and joins(first, c, config):
+                            e = estimate(c, hardware, config=tail_config(first, config), launched=False)
+                        else:
+                            e = estimate(c, hardware, config=config)
                         memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
                     else:
                         memo[key] = (math.inf, 0, 0)
@@ -123,11 +149,13 @@ def _descend(start: tuple[int, ...], cands: list[list[int]], time_of) -> tuple[i
     return current
 
 
-def _groups(program: Program, free: set) -> list[list]:
-    """Kernels joined when they share a free parameter (FlashDecoding's split count, say)."""
+def _groups(program: Program, free: set, firsts: Mapping[str, str]) -> list[list]:
+    """Kernels joined when they share a free parameter (FlashDecoding's split count, say), and a combining
+    kernel with the kernel whose launch it may run in (`firsts`: its estimate depends on that one's parameters)."""
     groups: list[list] = []
+    by_name = {k.name: k for k in kernels_of(program)}
     for k in kernels_of(program):
-        mine = k.symbols() & free
+        mine = (k.symbols() | (by_name[firsts[k.name]].symbols() if k.name in firsts else set())) & free
         joined = [g for g in groups if any(mine & (kk.symbols() & free) for kk in g)]
         merged = [k] + [kk for g in joined for kk in g]
         groups = [g for g in groups if g not in joined] + [merged]

@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(kernels for sm_80 and later instead of sm_90a)")
     co.add_argument("--no-pingpong", action="store_true", help="online softmax on two warpgroups in step, each "
                     "iteration behind a block-wide barrier, not taking turns on the tensor cores")
+    co.add_argument("--two-launches", action="store_true", help="a split reduction's combining kernel launched "
+                    "after the kernel whose pieces it combines, not run in its launch by each tile's last block")
     co.add_argument("--seed", type=whole, default=0, help="seed for the random inputs of the checks (default 0)")
     co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
     co.set_defaults(run=cmd_compile)
@@ -455,7 +457,7 @@ def cmd_compile(args) -> int:
                            emulate=not args.no_emulate, sanitize=args.sanitize, emulate_blocks=args.blocks, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores,
                                                  stages=args.stages, wgmma=not args.no_wgmma,
-                                                 pingpong=not args.no_pingpong))
+                                                 pingpong=not args.no_pingpong, one_launch=not args.two_launches))
     report = compile_program(Request(program, Path(args.output), hardware, options, searching))
     sys.stdout.write(report.to_json() if args.json else summary(report, Path(args.output)) + "\n")
     return EXIT_INPUT if report.checked.failed else EXIT_OK

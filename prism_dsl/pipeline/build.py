@@ -26,9 +26,10 @@ import numpy as np
 
 from ..backend import compare, cost, cuda_runtime, sass, tuning
 from ..backend import emulate as emulator
-from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel
+from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel, render_launch
 from ..backend.cost import Estimate
 from ..backend.nvcc import nvcc_check, nvcc_path, write_sources
+from ..backend.tails import in_launch
 from ..base import files
 from ..base.errors import PrismError
 from ..ir.nodes import Program
@@ -101,8 +102,15 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
 
 
 def render(tuned: Tuned, config: CodegenConfig) -> Build:
+    """The CUDA C of each launch: a kernel's own, or a kernel's with the combining kernel that runs in its
+    launch (`tails.in_launch`)."""
     config = cost.for_hardware(config, tuned.hardware)  # what the pipeline stages may fill; whether wgmma is there
-    kernels = tuple(render_kernel(tuned.concrete[k.name], tuned.program, config) for k in kernels_of(tuned.program))
+    tails = in_launch(tuned.program, tuned.concrete, config)
+    firsts = {first: second for second, first in tails.items()}
+    kernels = tuple(
+        render_launch(tuned.concrete[k.name], tuned.concrete[firsts[k.name]], tuned.program, config) if k.name in firsts
+        else render_kernel(tuned.concrete[k.name], tuned.program, config)
+        for k in kernels_of(tuned.program) if k.name not in tails)
     return Build(**vars(tuned), kernels=kernels)
 
 
@@ -130,7 +138,7 @@ def plan_of(built: Build) -> dict:
         "tensors": tensors,
         "kernels": [{"name": r.name, "file": r.file, "function": r.function, "grid": list(r.grid),
                      "block": list(r.block), "smem": r.smem, "args": list(r.args), "zero": list(r.zero)}
-                    for r in built.kernels],
+                    | ({"tickets": r.tickets} if r.tickets else {}) for r in built.kernels],
     }
 
 
@@ -156,23 +164,26 @@ def price(built: Build, figures: Mapping[str, Mapping], config: CodegenConfig) -
     """`built` with each kernel's estimate priced from its compiled code where the compile check has figures for
     the hardware's arch (`cost.estimate`'s `compiled`); the others keep the structure's."""
     config, arch = cost.for_hardware(config, built.hardware), built.hardware.arch
-    estimates = tuple(
-        cost.estimate(built.concrete[r.name], built.hardware, config=config, compiled=figures[r.name][arch])
-        if arch in figures.get(r.name, {}) else e for r, e in zip(built.kernels, built.estimates))
-    return replace(built, estimates=estimates)
+    compiled = {name: per[arch] for name, per in figures.items() if arch in per}
+    estimates = tuning.estimates(built.program, built.concrete, built.hardware, config, compiled)
+    return replace(built, estimates=tuple(estimates))
 
 
 def pricing(built: Build, nvcc: NvccCheck | Skipped | None, archs: tuple[str, ...]) -> str:
-    """What the estimates were priced from, in words (the report's `priced`)."""
-    arch, kinds = built.hardware.arch, [e.priced for e in built.estimates]
+    """What the estimates were priced from, in words (the report's `priced`). A combining kernel run in another's
+    launch is priced from its structure, whatever the launch's is (`tuning.estimates`), and said so apart."""
+    own = [e for e in built.estimates if e.launched_by is None]
+    arch, kinds = built.hardware.arch, [e.priced for e in own]
+    tails = [e.kernel for e in built.estimates if e.launched_by is not None]
+    aside = f" ({', '.join(tails)}, run in another kernel's launch: from its structure)" if tails else ""
     if all(k == "sass" for k in kinds):
-        return f"the compiled code ({arch}: ptxas's registers, the instructions in its SASS)"
+        return f"the compiled code ({arch}: ptxas's registers, the instructions in its SASS)" + aside
     why = ("no architecture compiled (--arch none)" if nvcc is None else nvcc.skipped if isinstance(nvcc, Skipped)
            else f"{arch}, the hardware's architecture, not among --arch" if arch not in archs
            else "cuobjdump not found (pip install 'prism-dsl[sass]')" if not sass.available()
            else "the SASS's loops not matched to the source's main loop for "
-           + ", ".join(e.kernel for e in built.estimates if e.priced != "sass"))
-    return "the code's structure" + (", registers from ptxas" if "ptxas" in kinds else "") + f": {why}"
+           + ", ".join(e.kernel for e in own if e.priced != "sass"))
+    return "the code's structure" + (", registers from ptxas" if "ptxas" in kinds else "") + f": {why}" + aside
 
 
 # -- emulate and measure ----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..backend import cuda_runtime, roofline
+from ..backend.codegen import RenderedKernel
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware, for_device, load_hardware
@@ -137,14 +138,25 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
             checked: Checked, files: tuple[str, ...]) -> Report:
     gpu = checked.gpu
     kernels = tuple(
-        KernelReport(r.name, r.function, r.file, r.grid, r.block, r.smem, r.tensor_cores, e.as_dict(),
+        KernelReport(r.name, r.function, r.file, r.grid, r.block, r.smem, r.tensor_cores, launch_estimate(built, r),
                      figures.get(r.name, {}), None if gpu is None else _us(gpu.kernels_ms[r.name]))
-        for r, e in zip(built.kernels, built.estimates))
+        for r in built.kernels)
     return Report(built.program.name, HardwareUsed(built.hardware.name, built.hardware.arch), chosen.options.rank,
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
                   roofline.roofline(built.reference, bind_dims(built.reference, dims_of(built)), built.hardware),
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs))
+
+
+def launch_estimate(built: Build, r: RenderedKernel) -> dict:
+    """The estimate of launch `r` (report.json's `estimate`): its kernel's; for a launch that also runs a combining
+    kernel (`r.combines`), the time of both, that kernel's own estimate under `combines`."""
+    by_name = {e.kernel: e for e in built.estimates}
+    e = by_name[r.name].as_dict()
+    if r.combines:
+        tail = by_name[r.combines]
+        e |= {"time_us": round(e["time_us"] + tail.time_us, 3), "combines": tail.as_dict()}
+    return e
 
 
 def _us(timing_ms: Mapping[str, float]) -> float:

@@ -66,7 +66,20 @@ def choose_blocks(built, extra: str | int, seed: int) -> dict[str, list[tuple[in
         blocks = emulator.sample_blocks(c, SAMPLED_EXTRA if extra == "auto" else extra, rng)
         if len(blocks) < c.blocks():
             chosen[k.name] = blocks
+    for r in built.kernels:  # a launch that combines its tiles' pieces: every piece of each tile sampled
+        if r.combines:
+            chosen.pop(r.name, None)
+            if r.combines in chosen:
+                chosen[r.name] = _pieces(built.concrete[r.name], chosen[r.combines])
     return chosen
+
+
+def _pieces(first, tiles: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The blocks of `first` (a kernel whose last grid axis splits its loop into pieces) that compute the pieces of
+    the given tiles (blocks of its combining kernel, whose grid is the others)."""
+    split, pieces = first.grid[-1]
+    at = ("x", "y", "z").index(split)
+    return [tuple(p if i == at else t for i, t in enumerate(tile)) for tile in tiles for p in range(pieces)]
 
 
 def stored_values(built, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

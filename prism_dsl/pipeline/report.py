@@ -194,7 +194,9 @@ def summary(report: Report, out: Path) -> str:
         res = f", {nv['registers']} registers, {nv['spill_stores']} B spilled" if nv else ""
         res += ", its wgmma serialized by ptxas" if nv.get("wgmma_serialized") else ""
         measured = f", measured {k.measured_us} us{_host(gpu.kernels_ms[k.name])}" if k.measured_us is not None else ""
-        lines.append(f"  kernel {k.name}: grid {'x'.join(map(str, k.grid))}, {k.block[0]} threads, "
+        tail = k.estimate.get("combines")
+        also = f" (and {tail['kernel']} in its launch, {tail['time_us']} us)" if tail else ""
+        lines.append(f"  kernel {k.name}{also}: grid {'x'.join(map(str, k.grid))}, {k.block[0]} threads, "
                      f"{k.smem_bytes} B shared{res}{', tensor cores' if k.tensor_cores else ''}; "
                      f"estimated {k.estimate['time_us']} us ({k.estimate['bound']}){measured}")
     roof = report.roofline

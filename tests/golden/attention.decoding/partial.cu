@@ -6,6 +6,11 @@
 //   store M[z, x, y, :, :]
 //   store L[z, x, y, :, :]
 //   store P[z, x, y, :, :]
+// then, in the last block of each tile to finish its piece: kernel combine, grid x=1 x y=2, 4 loop iterations
+//   load mt = M[loop, x, y, :, :]
+//   load lt = L[loop, x, y, :, :]
+//   load pt = P[loop, x, y, :, :]
+//   store O[x, y, :, :]
 // Compiles on its own: nvcc --ptx -arch=sm_90 partial.cu
 #include "prism.cuh"
 
@@ -15,7 +20,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     const half* __restrict__ g_V,
     float* __restrict__ g_M,
     float* __restrict__ g_L,
-    float* __restrict__ g_P)
+    float* __restrict__ g_P,
+    half* __restrict__ g_O,
+    unsigned* __restrict__ prism_tickets)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
     constexpr int kThreads = PRISM_NT(128);
@@ -210,5 +217,109 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     if (const int e = PRISM_TID; e < 64) {
         const int i4 = e;
         g_P[blockIdx.z * 1 * 128 + blockIdx.y * 1 * 64 + i4] = prism::from_f<float>(s_a6[i4]);
+    }
+    // kernel combine in this launch: the last of a tile's 4 blocks to finish its piece combines the tile's
+    // pieces, which every other block of the tile has stored by then (its ticket counts them; `prism::last_of`)
+    if (!prism::last_of(&prism_tickets[blockIdx.y], 4)) return;
+    PRISM_PHASE(3);  // every buffer of partial's code is free from here
+    {
+        [[maybe_unused]] const int tile_x = blockIdx.x;
+        [[maybe_unused]] const int tile_y = blockIdx.y;
+    
+        using real = float;  // arithmetic type; tensors keep their storage type
+        constexpr int kThreads = PRISM_NT(128);
+        PRISM_SMEM(2816);
+        float* const s_mt_stages = PRISM_SHARED_IN(float, 768, 512, 4, 4);  // tile mt: [1, 1, 1, 1, 1] f32, 4 stages, in the loop
+        float* const s_pt_stages = PRISM_SHARED_IN(float, 1280, 1024, 4, 4);  // tile pt: [1, 1, 1, 1, 64] f32, 4 stages, in the loop
+        float* const s_a2_max = PRISM_SHARED_IN(float, 0, 256, 3, 5);  // state a2_max: [1, 1, 1, 1, 64] f32, in use throughout
+        float* const s_a2 = PRISM_SHARED_IN(float, 256, 256, 3, 5);  // state a2: [1, 1, 1, 1, 64] f32, in use throughout
+        float* const s_lt_stages = PRISM_SHARED_IN(float, 2304, 512, 4, 4);  // tile lt: [1, 1, 1, 1, 1] f32, 4 stages, in the loop
+        float* const s_a4_max = PRISM_SHARED_IN(float, 512, 4, 3, 5);  // state a4_max: [1, 1, 1, 1, 1] f32, in use throughout
+        float* const s_a4 = PRISM_SHARED_IN(float, 640, 4, 3, 5);  // state a4: [1, 1, 1, 1, 1] f32, in use throughout
+
+        // acc_rescaled_sum: m starts at -real(INFINITY)
+        if (const int e = PRISM_TID; e < 64) {
+            s_a2_max[e] = -real(INFINITY);
+        }
+        // acc_rescaled_sum: acc starts at 0.0f
+        if (const int e = PRISM_TID; e < 64) {
+            s_a2[e] = 0.0f;
+        }
+        // acc_rescaled_sum: m starts at -real(INFINITY)
+        if (const int e = PRISM_TID; e < 1) {
+            s_a4_max[e] = -real(INFINITY);
+        }
+        // acc_rescaled_sum: acc starts at 0.0f
+        if (const int e = PRISM_TID; e < 1) {
+            s_a4[e] = 0.0f;
+        }
+        __syncthreads();
+
+        PRISM_PHASE(4);  // the loop: buffers used only before it are free from here
+        // the loop's tiles: a 4-stage cp.async pipeline, iteration it + 3 in flight while it computes
+        for (int ahead = 0; ahead < 3; ++ahead) {
+            // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
+            if (const int e = PRISM_TID; e < 1) {
+                prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + ahead * 1 * 2 + tile_x * 1 * 2 + tile_y * 1);
+            }
+            // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
+            if (const int v = PRISM_TID; v < 16) {
+                const int e = v * 4;
+                const int i4 = e;
+                prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + ahead * 1 * 128 + tile_x * 1 * 128 + tile_y * 1 * 64 + i4);
+            }
+            // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
+            if (const int e = PRISM_TID; e < 1) {
+                prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + ahead * 1 * 2 + tile_x * 1 * 2 + tile_y * 1);
+            }
+            prism::cp_async_commit();
+        }
+
+        for (int it = 0; it < 4; ++it) {
+            prism::cp_async_wait<2>();  // this iteration's tiles have landed
+            __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
+            if (const int ahead = it + 3; ahead < 4) {
+                // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
+                if (const int e = PRISM_TID; e < 1) {
+                    prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + ahead * 1 * 2 + tile_x * 1 * 2 + tile_y * 1);
+                }
+                // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
+                if (const int v = PRISM_TID; v < 16) {
+                    const int e = v * 4;
+                    const int i4 = e;
+                    prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + ahead * 1 * 128 + tile_x * 1 * 128 + tile_y * 1 * 64 + i4);
+                }
+                // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
+                if (const int e = PRISM_TID; e < 1) {
+                    prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + ahead * 1 * 2 + tile_x * 1 * 2 + tile_y * 1);
+                }
+            }
+            prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
+            float* const s_mt = s_mt_stages + it % 4 * 32;
+            float* const s_pt = s_pt_stages + it % 4 * 64;
+            float* const s_lt = s_lt_stages + it % 4 * 32;
+            // acc_rescaled_sum(mt, pt)  [1, 1, 1, 1, 64]
+            if (const int e = PRISM_TID; e < 64) {
+                const int i4 = e;
+                const real mv = s_mt[0], mo = s_a2_max[e], mn = prism::max_(mo, mv);
+                s_a2[e] = s_a2[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_pt[i4];
+                s_a2_max[e] = mn;
+            }
+            __syncthreads();
+            // acc_rescaled_sum(mt, lt)  [1, 1, 1, 1, 1]
+            if (const int e = PRISM_TID; e < 1) {
+                const real mv = s_mt[0], mo = s_a4_max[e], mn = prism::max_(mo, mv);
+                s_a4[e] = s_a4[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_lt[0];
+                s_a4_max[e] = mn;
+            }
+        }
+        __syncthreads();  // every thread is done with the loop's buffers
+        PRISM_PHASE(5);  // after the loop: its buffers are free from here
+
+        // store O[x, y, :, :] = (acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt))  [1, 1, 1, 1, 64]
+        if (const int e = PRISM_TID; e < 64) {
+            const int i3 = e;
+            g_O[tile_y * 1 * 64 + i3] = prism::from_f<half>((s_a2[i3] / s_a4[0]));
+        }
     }
 }
