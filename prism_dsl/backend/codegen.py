@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 
 import jinja2
@@ -46,10 +46,9 @@ from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, block_names, comment, decompose, ident, offset, tensor_name
 from .launch import CodegenConfig, copy_bytes, dot_lanes, flash_values, layout, stage_elements, vector_width
-from .tails import tail_config
 from .tensor_steps import TensorCoreSteps, shared_operand
 
-__all__ = ["CTYPE", "CodegenConfig", "RenderedKernel", "comment", "ident", "render_kernel", "render_launch"]
+__all__ = ["CTYPE", "CodegenConfig", "Emitter", "RenderedKernel", "comment", "ident", "render_kernel"]
 
 TEMPLATES = data_dir("templates", "templates")
 HEADER = "prism.cuh"
@@ -96,7 +95,10 @@ def header_source() -> str:
 # -- one kernel -----------------------------------------------------------------------------------------
 
 
-class _Emitter(TensorCoreSteps):
+class Emitter(TensorCoreSteps):
+    """One concrete kernel's code: `context` what the template renders it from, `render` the kernel alone
+    (`tails.render_launch` renders two kernels in one launch from their contexts)."""
+
     def __init__(self, c: Concrete, program: Program, config: CodegenConfig, blk: str | None = None):
         self.c, self.k, self.program, self.config = c, c.kernel, program, config
         self.plan = plan(self.k)
@@ -494,36 +496,5 @@ def _async(step: dict) -> bool:
 
 
 def render_kernel(c: Concrete, program: Program, config: CodegenConfig = CodegenConfig()) -> RenderedKernel:
-    return _Emitter(c, program, config).render()
+    return Emitter(c, program, config).render()
 
-
-def render_launch(first: Concrete, second: Concrete, program: Program,
-                  config: CodegenConfig = CodegenConfig()) -> RenderedKernel:
-    """One launch of `first` that also runs `second`, a combining kernel of its pieces (`tails.pairs`): each
-    tile's last block to finish its piece runs `second`'s code for that tile (see `tails`)."""
-    a = _Emitter(first, program, config)
-    b = _Emitter(second, program, tail_config(first, config), blk="tile_")  # the tile's place, the split axis left out
-    ka, kb = a.context(), b.context(phase=3)
-    split, pieces = first.grid[-1]
-    tiles = [(axis, size) for axis, size in second.grid if axis != split or size > 1]
-    index, stride = [], 1
-    for axis, size in tiles:
-        if size > 1:
-            index.append(f"blockIdx.{axis}" + (f" * {stride}" if stride > 1 else ""))
-            stride *= size
-    # what `second` reads that `first` does not write or read, then the outputs of both
-    taken = {p.rsplit(" ", 1)[1] for p in ka["params"]}
-    extra = [p for p in kb["inputs"] if p.rsplit(" ", 1)[1] not in taken]
-    kb |= {"pieces": pieces, "ticket": " + ".join(index) or "0", "name_first": ka["name"],
-           "tiles": [f"[[maybe_unused]] const int tile_{axis} = {'0' if axis == split else f'blockIdx.{axis}'};"
-                     for axis, _ in second.grid]}
-    ka |= {"params": ka["inputs"] + extra + ka["outputs"] + kb["outputs"] + ["unsigned* __restrict__ prism_tickets"],
-           "smem": max(ka["smem"], kb["smem"]), "wgmma": ka["wgmma"] or kb["wgmma"]}
-    source = template_env().get_template("kernel.cu.j2").render(k=ka, t=kb)
-    one, two = a.rendered(ka, source), b.rendered(kb, "")
-    inputs = one.args[: len(one.args) - one.stores]
-    inputs += tuple(n for n in two.args[: len(two.args) - two.stores] if n not in one.args)
-    args = inputs + one.args[len(one.args) - one.stores:] + two.args[len(two.args) - two.stores:]
-    return replace(one, args=args, stores=one.stores + two.stores, zero=one.zero + two.zero,
-                   tensor_cores=one.tensor_cores or two.tensor_cores, combines=second.kernel.name,
-                   tickets=math.prod(size for _, size in second.grid))

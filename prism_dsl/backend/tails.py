@@ -20,7 +20,9 @@ the search's own splits do):
       others as the first kernel stored them.
 At concrete parameters (`in_launch`), the combining code runs on the first kernel's threads (rendered for
 that many: `tail_config`), and neither kernel takes its blocks in an order of its own (a causal grid's
-longest first), which would break the tile's numbering.
+longest first), which would break the tile's numbering. `render_launch` writes the launch: the first
+kernel's code, the ticket, then the combining kernel's code with its shared buffers in phases 3-5 and its
+block indices those of the tile (the split axis's left at 0).
 
 Ordering: every thread of the block has stored its part of the piece before the block's barrier; one thread
 then makes the block's stores visible at the GPU's scope (a fence), takes the ticket (an atomic add), and,
@@ -33,6 +35,7 @@ which ThreadSanitizer checks the combining block's reads against.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Mapping
 
@@ -40,6 +43,7 @@ from ..ir.nodes import Program
 from ..kernels.constraints import Concrete
 from ..kernels.kernel import DimMap, Kernel, kernels_of
 from ..kernels.position import longest_first
+from .codegen import Emitter, RenderedKernel, template_env
 from .launch import CodegenConfig, layout
 
 
@@ -104,3 +108,35 @@ def joins(first: Concrete, second: Concrete, config: CodegenConfig) -> bool:
                                                                                     config.sms):
         return False
     return layout(second, tail_config(first, config)).threads == layout(first, config).threads
+
+
+def render_launch(first: Concrete, second: Concrete, program: Program,
+                  config: CodegenConfig = CodegenConfig()) -> RenderedKernel:
+    """One launch of `first` that also runs `second`, a combining kernel of its pieces (`tails.pairs`): each
+    tile's last block to finish its piece runs `second`'s code for that tile (see `tails`)."""
+    a = Emitter(first, program, config)
+    b = Emitter(second, program, tail_config(first, config), blk="tile_")  # the tile's place, the split axis left out
+    ka, kb = a.context(), b.context(phase=3)
+    split, pieces = first.grid[-1]
+    tiles = [(axis, size) for axis, size in second.grid if axis != split or size > 1]
+    index, stride = [], 1
+    for axis, size in tiles:
+        if size > 1:
+            index.append(f"blockIdx.{axis}" + (f" * {stride}" if stride > 1 else ""))
+            stride *= size
+    # what `second` reads that `first` does not write or read, then the outputs of both
+    taken = {p.rsplit(" ", 1)[1] for p in ka["params"]}
+    extra = [p for p in kb["inputs"] if p.rsplit(" ", 1)[1] not in taken]
+    kb |= {"pieces": pieces, "ticket": " + ".join(index) or "0", "name_first": ka["name"],
+           "tiles": [f"[[maybe_unused]] const int tile_{axis} = {'0' if axis == split else f'blockIdx.{axis}'};"
+                     for axis, _ in second.grid]}
+    ka |= {"params": ka["inputs"] + extra + ka["outputs"] + kb["outputs"] + ["unsigned* __restrict__ prism_tickets"],
+           "smem": max(ka["smem"], kb["smem"]), "wgmma": ka["wgmma"] or kb["wgmma"]}
+    source = template_env().get_template("kernel.cu.j2").render(k=ka, t=kb)
+    one, two = a.rendered(ka, source), b.rendered(kb, "")
+    inputs = one.args[: len(one.args) - one.stores]
+    inputs += tuple(n for n in two.args[: len(two.args) - two.stores] if n not in one.args)
+    args = inputs + one.args[len(one.args) - one.stores:] + two.args[len(two.args) - two.stores:]
+    return replace(one, args=args, stores=one.stores + two.stores, zero=one.zero + two.zero,
+                   tensor_cores=one.tensor_cores or two.tensor_cores, combines=second.kernel.name,
+                   tickets=math.prod(size for _, size in second.grid))

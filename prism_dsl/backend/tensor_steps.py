@@ -1,6 +1,6 @@
 """The code generator's tensor-core steps: products on wmma tiles, register-tiled products, online softmax.
 
-Where it sits: a part of `codegen._Emitter` (it inherits these), kept apart because each step here has
+Where it sits: a part of `codegen.Emitter` (it inherits these), kept apart because each step here has
 its own shape in templates/steps.j2 and its own layout decision in `launch`:
 
 - "mma": a product into a shared buffer on wmma tiles, one warp per output tile (`launch.mma_shape`);
@@ -30,7 +30,7 @@ from .launch import mma_shape, scores_product, stage_elements, stored_operand, u
 
 
 class TensorCoreSteps:
-    """Methods of `codegen._Emitter` (which provides plan, layout, shape, cname, pad, names, describe)."""
+    """Methods of `codegen.Emitter` (which provides plan, layout, shape, cname, pad, names, describe)."""
 
     def _mma(self, a: Node, b: Node, shape, dst: str, accumulate: bool, text: str) -> dict | None:
         if not self.config.tensor_cores or self.real != "float":

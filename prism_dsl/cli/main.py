@@ -123,8 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(kernels for sm_80 and later instead of sm_90a)")
     co.add_argument("--no-pingpong", action="store_true", help="online softmax on two warpgroups in step, each "
                     "iteration behind a block-wide barrier, not taking turns on the tensor cores")
-    co.add_argument("--two-launches", action="store_true", help="a split reduction's combining kernel launched "
-                    "after the kernel whose pieces it combines, not run in its launch by each tile's last block")
+    co.add_argument("--two-launches", action="store_true", help="a split's combining kernel in a launch of its own")
     co.add_argument("--seed", type=whole, default=0, help="seed for the random inputs of the checks (default 0)")
     co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
     co.set_defaults(run=cmd_compile)

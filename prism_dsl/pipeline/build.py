@@ -26,10 +26,10 @@ import numpy as np
 
 from ..backend import compare, cost, cuda_runtime, sass, tuning
 from ..backend import emulate as emulator
-from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel, render_launch
+from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel
 from ..backend.cost import Estimate
 from ..backend.nvcc import nvcc_check, nvcc_path, write_sources
-from ..backend.tails import in_launch
+from ..backend.tails import in_launch, render_launch
 from ..base import files
 from ..base.errors import PrismError
 from ..ir.nodes import Program

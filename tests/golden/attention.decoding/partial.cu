@@ -225,7 +225,6 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     {
         [[maybe_unused]] const int tile_x = blockIdx.x;
         [[maybe_unused]] const int tile_y = blockIdx.y;
-    
         using real = float;  // arithmetic type; tensors keep their storage type
         constexpr int kThreads = PRISM_NT(128);
         PRISM_SMEM(2816);
