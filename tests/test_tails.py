@@ -5,6 +5,7 @@ and what the model prices."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import numpy as np
@@ -126,3 +127,22 @@ def test_the_model_prices_the_combining_kernel_without_a_launch_of_its_own():
     assert e1["combine"].launched_by == "partial" and e2["combine"].launched_by is None
     assert e1["partial"] == e2["partial"]
     assert np.isclose(e1["combine"].time_us, e2["combine"].time_us - H100.launch_overhead_us, atol=2e-3)
+
+
+def test_prismc_compile_writes_one_launch_and_two_with_two_launches(tmp_path, capsys):
+    """As a user runs it: one .cu for the pair, its report entry holding the combining kernel's estimate, the
+    summary naming both; `--two-launches` writes a .cu per kernel."""
+    from prism_dsl.cli.main import main
+
+    args = ["compile", str(DECODING), "--search", "none", "--arch", "none", "--no-emulate",
+            "--dims", ",".join(f"{k}={v}" for k, v in DIMS.items())]
+    assert main([*args, "-o", str(tmp_path / "one")]) == 0
+    assert "kernel partial (and combine in its launch, " in capsys.readouterr().out
+    report = json.loads((tmp_path / "one" / "report.json").read_text())
+    assert [k["file"] for k in report["kernels"]] == ["partial.cu"] and report["codegen"]["one_launch"] is True
+    assert report["kernels"][0]["estimate"]["combines"]["launched_by"] == "partial"
+    assert not (tmp_path / "one" / "combine.cu").exists()
+    assert main([*args, "-o", str(tmp_path / "two"), "--two-launches", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [k["file"] for k in report["kernels"]] == ["partial.cu", "combine.cu"]
+    assert report["codegen"]["one_launch"] is False and "combines" not in report["kernels"][0]["estimate"]
