@@ -21,7 +21,7 @@ from ..kernels.kernel import Kernel, free_symbols, kernels_of
 from ..kernels.params import candidates, choose
 from .cost import Estimate, estimate, for_hardware
 from .launch import CodegenConfig, layout
-from .tails import in_launch, joins, pairs, tail_config
+from .tails import joins, pairs, tail_config
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
 
@@ -46,18 +46,21 @@ def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mappin
 
 def estimates(program: Program, concrete: Mapping[str, Concrete], hardware: Hardware, config: CodegenConfig,
               compiled: Mapping[str, Mapping] | None = None) -> list[Estimate]:
-    """Each kernel's estimate (`compiled`: per launch, the compile check's figures for the hardware's arch); a
-    combining kernel that runs in another's launch (`tails.in_launch`) priced on that kernel's threads, with no
-    launch of its own, and from the code's structure (the launch's figures are the first kernel's)."""
-    tails = in_launch(program, concrete, config)
-    out = []
-    for name, c in concrete.items():
-        if name in tails:
-            e = estimate(c, hardware, config=tail_config(concrete[tails[name]], config), launched=False)
-            out.append(replace(e, launched_by=tails[name]))
-        else:
-            out.append(estimate(c, hardware, config=config, compiled=(compiled or {}).get(name)))
-    return out
+    """Each kernel's estimate (`priced`; `compiled`: per launch, the compile check's figures for the hardware's
+    arch, which for a launch that also combines are the first kernel's)."""
+    firsts = pairs(program) if config.one_launch else {}
+    return [priced(c, concrete.get(firsts.get(name)), hardware, config, (compiled or {}).get(name))
+            for name, c in concrete.items()]
+
+
+def priced(c: Concrete, first: Concrete | None, hardware: Hardware, config: CodegenConfig,
+           compiled: Mapping | None = None) -> Estimate:
+    """`c`'s estimate; where it is a combining kernel that runs in the launch of `first` (the kernel whose pieces
+    it combines, `tails.joins`), on that kernel's threads, with no launch of its own, from its structure."""
+    if first is not None and joins(first, c, config):
+        e = estimate(c, hardware, config=tail_config(first, config), launched=False)
+        return replace(e, launched_by=first.kernel.name)
+    return estimate(c, hardware, config=config, compiled=compiled)
 
 
 def generated(config: CodegenConfig):
@@ -110,10 +113,7 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
                     trial = {**binding, **{syms[i]: values[i] for i in mine}}
                     if (c := fits(k, trial, hardware, config)) is not None:
                         first = fits(by_name[firsts[k.name]], trial, hardware, config) if k.name in firsts else None
-                        if first is not None and joins(first, c, config):
-                            e = estimate(c, hardware, config=tail_config(first, config), launched=False)
-                        else:
-                            e = estimate(c, hardware, config=config)
+                        e = priced(c, first, hardware, config)
                         memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
                     else:
                         memo[key] = (math.inf, 0, 0)

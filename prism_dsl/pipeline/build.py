@@ -161,8 +161,8 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...]) -> 
 
 
 def price(built: Build, figures: Mapping[str, Mapping], config: CodegenConfig) -> Build:
-    """`built` with each kernel's estimate priced from its compiled code where the compile check has figures for
-    the hardware's arch (`cost.estimate`'s `compiled`); the others keep the structure's."""
+    """`built` with each kernel's estimate priced again, from its compiled code where the compile check has figures
+    for the hardware's arch (`cost.estimate`'s `compiled`), else from its structure as before."""
     config, arch = cost.for_hardware(config, built.hardware), built.hardware.arch
     compiled = {name: per[arch] for name, per in figures.items() if arch in per}
     estimates = tuning.estimates(built.program, built.concrete, built.hardware, config, compiled)
