@@ -39,7 +39,27 @@ def shared_memory(kernel: Kernel) -> sympy.Expr:
     """
     p = plan(kernel)
     names = [b.name for b in p.buffers]
-    return total(class_sums(names, {b.name: b.bytes + ALIGN for b in p.buffers}, lifetimes(kernel)), sympy.Max)
+    return total(class_sums(names, {b.name: b.bytes + ALIGN for b in p.buffers}, lifetimes(kernel)), _bound)
+
+
+def _bound(*terms: sympy.Expr) -> sympy.Expr:
+    """The largest of `terms`, symbolic: a term that another exceeds for every value of the (positive) symbols,
+    by a sum of positive terms, is dropped (a zero; a class that holds another's buffers and more), the rest
+    kept unevaluated. `sympy.Max` would compare every pair under the symbols' assumptions, which costs the
+    search seconds per program and changes no value."""
+    terms = list(dict.fromkeys(sympy.sympify(t) for t in terms))
+    kept = [t for t in terms if not any(u is not t and _positive(u - t) for u in terms)]
+    return kept[0] if len(kept) == 1 else sympy.Max(*kept, evaluate=False)
+
+
+def _positive(e: sympy.Expr) -> bool:
+    """Whether `e` is positive by its form: positive numbers and symbols, and sums, products and powers of
+    them (False where that takes more, which only keeps a term `_bound` could have dropped)."""
+    if e.is_Number or e.is_Symbol:
+        return bool(e.is_positive)
+    if e.is_Add or e.is_Mul:
+        return all(_positive(a) for a in e.args)
+    return bool(e.is_Pow) and _positive(e.base)
 
 
 @dataclass(frozen=True)
@@ -103,18 +123,46 @@ class Concrete:
 
     def shape(self, node: Node) -> tuple[int, ...]:
         """The node's shape at this binding, remembered (the cost model asks for the same nodes many times;
-        the entry holds the node, so its id is not reused while it is there)."""
+        the entry holds the node, so its id is not reused while it is there). The first call evaluates the
+        shapes of every node of the body and every input at once (`_shapes_of`)."""
+        if not self._shapes:
+            nodes, outputs, compiled = _shapes_of(self.kernel)
+            dims = iter(_whole(call(compiled, self.binding, None), compiled))
+            for n in nodes:
+                self._shapes[id(n)] = (n, tuple(next(dims) for _ in n.shape))
+            self._shapes["outputs"] = (None, [tuple(next(dims) for _ in shape) for shape in outputs])
         got = self._shapes.get(id(node))
         if got is None or got[0] is not node:
             got = self._shapes[id(node)] = (node, tuple(int_value(s, self.binding) for s in node.shape))
         return got[1]
 
     def output_shape(self, index: int) -> tuple[int, ...]:
-        store = self.kernel.stores[index]
-        return tuple(int_value(s, self.binding) for s in output_shape(store.value.shape, store.map, self.kernel))
+        if not self._shapes:
+            self.shape(self.kernel.stores[index].value)
+        return self._shapes["outputs"][1][index]
 
     def blocks(self) -> int:
         return math.prod(g for _, g in self.grid)
+
+
+@cache
+def _shapes_of(kernel: Kernel) -> tuple[list[Node], list[tuple], tuple]:
+    """The kernel's block-level nodes and inputs, its stores' full shapes, and a compiled function
+    (`sizes.compile_sizes`) of the binding giving every dim of all of them, in that order, as one tuple."""
+    nodes = list(dict.fromkeys([*kernel.body(), *kernel.inputs]))
+    outputs = [output_shape(s.value.shape, s.map, kernel) for s in kernel.stores]
+    dims = [sympy.sympify(d) for n in nodes for d in n.shape] + [sympy.sympify(d) for shape in outputs for d in shape]
+    return nodes, outputs, compile_sizes(dims, lambda sources: "(" + "".join(f"{x}, " for x in sources) + ")")
+
+
+def _whole(dims: tuple | None, compiled: tuple) -> tuple[int, ...]:
+    """`dims` (a `_shapes_of` result), checked whole: a kernel's shapes are under any binding it is instantiated
+    with (the constraints say so); raises ValueError otherwise, as `int_value` does."""
+    if dims is None:
+        raise ValueError(f"no value for every symbol of {', '.join(map(str, compiled[0]))}")
+    if any(getattr(d, "denominator", 1) != 1 for d in dims):
+        raise ValueError(f"a shape is not a whole number under this binding: {dims}")
+    return tuple(int(d) for d in dims)
 
 
 def valid(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware, smem: bool = True) -> bool:

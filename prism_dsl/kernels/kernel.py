@@ -19,6 +19,7 @@ the free symbols.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Iterator, Mapping
 
 import sympy
@@ -241,6 +242,7 @@ def splits_loop(kernel: Kernel) -> bool:
     return any(dm.axis and dm.loop for load in kernel.loads for dm in load.map.dims)
 
 
+@cache
 def stored_dtype(kernel: Kernel, index: int) -> DType:
     """How a store's tensor is kept in device memory. Partial results are kept in f32 even when the values
     are f16/bf16: a sum across blocks (`+=`, added by f32 atomics) and what a split reduction's blocks

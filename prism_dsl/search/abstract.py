@@ -49,6 +49,7 @@ class InputGraph:
     _children: dict[str, list[str]] | None = field(default=None, repr=False)
     _products: dict[str, list[tuple[str, ...]]] = field(default_factory=dict, repr=False)
     _extracted: dict = field(default_factory=dict, repr=False)
+    _below: dict = field(default_factory=dict, repr=False)  # `below`'s answers, by its arguments
 
     def lookup(self, node: Node, memo: dict[Node, str | None] | None = None) -> str | None:
         """The e-class of `node`'s term, or None when the e-graph does not hold it."""
@@ -125,10 +126,14 @@ class InputGraph:
                 out[c] = term
         return out
 
-    def below(self, goals: list[str], partners: frozenset = frozenset()) -> set[str]:
+    def below(self, goals: list[str], partners: frozenset = frozenset()) -> frozenset[str]:
         """The e-classes reachable from the goals through element-wise e-nodes (and the goals), and the left
         operands of products in them whose right operand is one of `partners` (e-classes of tiles a
-        kernel may load for a product after its loop: LoRA's (X @ A) @ B)."""
+        kernel may load for a product after its loop: LoRA's (X @ A) @ B). Remembered: the search asks for
+        the same goals many times."""
+        key = (tuple(goals), partners)
+        if key in self._below:
+            return self._below[key]
         if self._children is None:
             self._children, self._products = {}, {}
             for (ctor, kids), c in self.classes.items():
@@ -143,7 +148,9 @@ class InputGraph:
                 if k not in seen:
                     seen.add(k)
                     todo.append(k)
-        return seen | {a for c in seen for a, b in self._products.get(c, ()) if b in partners}
+        found = self._below[key] = frozenset(seen | {a for c in seen for a, b in self._products.get(c, ())
+                                                     if b in partners})
+        return found
 
     def _builder(self, leaves: dict[str, Node], key=None):
         key = key or tuple(sorted(leaves))  # the costs depend on the leaf classes only, not on their terms
