@@ -14,11 +14,13 @@ from prism_dsl.base.errors import PrismError
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.prove.egglog_runner import Limits
-from prism_dsl.kernels.constraints import instantiate
+from prism_dsl.kernels.constraints import _bound, instantiate
 from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.ir.nodes import DType
-from prism_dsl.kernels.kernel import SymbolicMap, free_symbols, kernels_of, storage, stored_dtype, tile_shape
+from prism_dsl.kernels.kernel import (SymbolicMap, free_symbols, kernels_of, output_shape, storage, stored_dtype,
+                                     tile_shape)
 from prism_dsl.kernels.params import choose
+from prism_dsl.kernels.sizes import int_value, value
 from prism_dsl.kernels.position import _end, causal_loop, ends_sum, floor_sum, loop_end, mean_iterations
 from prism_dsl.prove.layout import bind_counts, to_terms
 from prism_dsl.lang.printer import print_program
@@ -870,3 +872,32 @@ def test_the_iterations_of_a_causal_grid_are_summed_in_closed_form():
         assert ends_sum(last, step, piece, blocks, loop) == sum(_end(last + b * piece, step, loop) for b in range(blocks))
         n, m, a, b = (int(v) for v in rng.integers([0, 1, 0, 0], [60, 40, 90, 90]))
         assert floor_sum(n, m, a, b) == sum((a * i + b) // m for i in range(n))
+
+
+def test_the_shared_memory_bound_keeps_only_the_terms_that_can_be_largest():
+    """`constraints._bound`, the symbolic maximum of the bound: a term another exceeds by a positive sum is
+    dropped (zero among them), terms neither exceeds stay, and the value is the largest at any binding."""
+    a, b = sympy.symbols("a b", positive=True, integer=True)
+    assert _bound(0, a + 128, a) == a + 128
+    assert _bound(a * b / 4 + 64, a * b / 4, 0) == a * b / 4 + 64
+    kept = _bound(0, a + 1, b, a)
+    assert isinstance(kept, sympy.Max) and set(kept.args) == {a + 1, b}
+    assert _bound(a - b, 0) != 0  # a - b is not positive by its form: both stay
+    for x, y in [(1, 5), (7, 2), (3, 3)]:
+        assert value(kept, {a: x, b: y}) == max(x + 1, y)
+
+
+def test_a_concrete_kernel_evaluates_all_its_shapes_at_once_as_one_at_a_time_would():
+    """`Concrete.shape` and `output_shape` fill every node's shape in one compiled call; each agrees with
+    the node's own symbolic shape evaluated alone, for every kernel of the fused programs."""
+    for path in sorted((Path(__file__).resolve().parent.parent / "programs" / "fused").glob("*.prism")):
+        program = load(path).program()
+        dims = program.default_binding()
+        binding = {**dims, **choose(program, dims, {}, H100)}
+        for k in kernels_of(program):
+            c = instantiate(k, binding, H100)
+            assert not isinstance(c, list), c
+            for n in [*k.body(), *k.inputs]:
+                assert c.shape(n) == tuple(int_value(s, binding) for s in n.shape), (path.name, n)
+            for i, s in enumerate(k.stores):
+                assert c.output_shape(i) == tuple(int_value(d, binding) for d in output_shape(s.value.shape, s.map, k))
