@@ -177,11 +177,15 @@ class InputGraph:
     def _costs(self, leaves, within: frozenset | None = None) -> tuple[dict, dict]:
         """The cheapest term of each e-class buildable from the leaves: its cost and its e-node. With
         `within`, only those e-classes, through element-wise e-nodes."""
-        if self._parents is None:
-            self._parents, self._numbers = {}, []
+        if self._parents is None:  # per e-class, the e-nodes that may use it: (e-class, e-node, its cost
+            self._parents, self._numbers = {}, []  # of its own, its operand e-classes, whether element-wise)
             for (ctor, kids), c in self.classes.items():
-                for k in kids:
-                    self._parents.setdefault(k, []).append((ctor, kids, c))
+                op = OP_OF_CONSTRUCTOR.get(ctor)
+                if op is not None and OPS[op].kind not in (Kind.ACCUMULATE, Kind.SPLIT, Kind.CONCAT, Kind.INPUT):
+                    row = (c, (ctor, kids), EXTRACT_COST.get(OPS[op].kind, 1.0),
+                           [k for k in kids if k.startswith("T-")], OPS[op].kind in (Kind.UNARY, Kind.BINARY))
+                    for k in kids:
+                        self._parents.setdefault(k, []).append(row)
                 if ctor == "Num":
                     self._numbers.append((kids, c))
         cost: dict[str, float] = {c: 0.0 for c in leaves}
@@ -191,21 +195,16 @@ class InputGraph:
         for kids, c in numbers:
             if c not in cost:
                 cost[c], choice[c] = 1.0, ("Num", kids)
+        inf = math.inf
         while todo:  # relax upward from what is buildable until nothing gets cheaper
             nxt = []
             for k in todo:
-                for ctor, kids, c in self._parents.get(k, ()):
-                    op = OP_OF_CONSTRUCTOR.get(ctor)
-                    if op is None or OPS[op].kind in (Kind.ACCUMULATE, Kind.SPLIT, Kind.CONCAT, Kind.INPUT):
+                for c, node, own, operands, elementwise in self._parents.get(k, ()):
+                    if within is not None and (c not in within or not elementwise):
                         continue
-                    if within is not None and (c not in within or OPS[op].kind not in (Kind.UNARY, Kind.BINARY)):
-                        continue
-                    total = EXTRACT_COST.get(OPS[op].kind, 1.0)
-                    for kid in kids:
-                        if kid.startswith("T-"):
-                            total += cost.get(kid, math.inf)
-                    if total < cost.get(c, math.inf) - 1e-9:
-                        cost[c], choice[c] = total, (ctor, kids)
+                    total = own + sum(cost.get(kid, inf) for kid in operands)
+                    if total < cost.get(c, inf) - 1e-9:
+                        cost[c], choice[c] = total, node
                         nxt.append(c)
             todo = nxt
         return cost, choice
