@@ -14,7 +14,7 @@ from prism_dsl.base.errors import PrismError
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.prove.egglog_runner import Limits
-from prism_dsl.kernels.constraints import _bound, instantiate
+from prism_dsl.kernels.constraints import _bound, instantiate, shared_memory, shared_memory_at
 from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.ir.nodes import DType
 from prism_dsl.kernels.kernel import (SymbolicMap, free_symbols, kernels_of, output_shape, storage, stored_dtype,
@@ -889,7 +889,8 @@ def test_the_shared_memory_bound_keeps_only_the_terms_that_can_be_largest():
 
 def test_a_concrete_kernel_evaluates_all_its_shapes_at_once_as_one_at_a_time_would():
     """`Concrete.shape` and `output_shape` fill every node's shape in one compiled call; each agrees with
-    the node's own symbolic shape evaluated alone, for every kernel of the fused programs."""
+    the node's own symbolic shape evaluated alone, for every kernel of the fused programs; and the shared
+    memory at a binding (`shared_memory_at`) is the symbolic bound's value there."""
     for path in sorted((Path(__file__).resolve().parent.parent / "programs" / "fused").glob("*.prism")):
         program = load(path).program()
         dims = program.default_binding()
@@ -901,3 +902,5 @@ def test_a_concrete_kernel_evaluates_all_its_shapes_at_once_as_one_at_a_time_wou
                 assert c.shape(n) == tuple(int_value(s, binding) for s in n.shape), (path.name, n)
             for i, s in enumerate(k.stores):
                 assert c.output_shape(i) == tuple(int_value(d, binding) for d in output_shape(s.value.shape, s.map, k))
+            assert shared_memory_at(k, binding) == value(shared_memory(k), binding) == c.smem_bytes
+            assert shared_memory_at(k, dims) is None or not k.symbols()  # the kernel's own symbols left free

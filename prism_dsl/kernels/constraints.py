@@ -42,6 +42,17 @@ def shared_memory(kernel: Kernel) -> sympy.Expr:
     return total(class_sums(names, {b.name: b.bytes + ALIGN for b in p.buffers}, lifetimes(kernel)), _bound)
 
 
+def shared_memory_at(kernel: Kernel, binding: Mapping[sympy.Symbol, int]) -> int | None:
+    """`shared_memory` at a binding (None where it leaves a symbol free), from each buffer's bytes there: the
+    search asks it of kernels it builds by the hundred, most never instantiated, whose symbolic bound costs
+    SymPy's arithmetic on every buffer."""
+    p = plan(kernel)
+    sizes = {b.name: value(b.bytes, binding) for b in p.buffers}
+    if any(v is None for v in sizes.values()):
+        return None
+    return total(class_sums(list(sizes), {n: v + ALIGN for n, v in sizes.items()}, lifetimes(kernel)), max)
+
+
 def _bound(*terms: sympy.Expr) -> sympy.Expr:
     """The largest of `terms`, symbolic: a term that another exceeds for every value of the (positive) symbols,
     by a sum of positive terms, is dropped (a zero; a class that holds another's buffers and more), the rest

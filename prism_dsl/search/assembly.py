@@ -22,7 +22,7 @@ import sympy
 from ..base.errors import PrismError
 from ..ir.nodes import Node, Program, dim_symbol
 from ..ir.shapes import ShapeError, rebuild, same_shape
-from ..kernels.constraints import shared_memory
+from ..kernels.constraints import shared_memory_at
 from ..kernels.hardware import Hardware
 from ..kernels.kernel import Kernel, splits
 from ..kernels.sizes import value
@@ -254,7 +254,7 @@ def smallest_tiles_fit(kernel: Kernel, dims: dict, hardware: Hardware) -> bool:
         for sym in splitters:
             if isinstance(sym, sympy.Symbol) and sym not in dims:
                 biggest[sym] = min(biggest.get(sym, full), full)
-    smem = value(shared_memory(kernel), {**dict.fromkeys(kernel.symbols(), 1), **dims, **biggest})
+    smem = shared_memory_at(kernel, {**dict.fromkeys(kernel.symbols(), 1), **dims, **biggest})
     return smem is None or smem <= hardware.smem_per_block
 
 
