@@ -17,7 +17,7 @@ from prism_dsl.prove.egglog_runner import Limits
 from prism_dsl.kernels.constraints import _bound, instantiate, shared_memory, shared_memory_at
 from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.ir.nodes import DType
-from prism_dsl.kernels.kernel import (SymbolicMap, free_symbols, kernels_of, output_shape, storage, stored_dtype,
+from prism_dsl.kernels.kernel import (WHOLE, SymbolicMap, free_symbols, kernels_of, output_shape, storage, stored_dtype,
                                      tile_shape)
 from prism_dsl.kernels.params import choose
 from prism_dsl.kernels.sizes import int_value, value
@@ -904,3 +904,17 @@ def test_a_concrete_kernel_evaluates_all_its_shapes_at_once_as_one_at_a_time_wou
                 assert c.output_shape(i) == tuple(int_value(d, binding) for d in output_shape(s.value.shape, s.map, k))
             assert shared_memory_at(k, binding) == value(shared_memory(k), binding) == c.smem_bytes
             assert shared_memory_at(k, dims) is None or not k.symbols()  # the kernel's own symbols left free
+
+
+def test_kernels_are_interned_and_compare_as_their_fields_do():
+    """Building a kernel equal to one alive gives that one (`kernel._Interned`), so the caches keyed by a kernel
+    find it by identity; the equality of the flat form (`Kernel._flat`) covers every field of the dataclass."""
+    from dataclasses import fields, replace
+    program = load(Path(__file__).resolve().parent.parent / "programs" / "fused" / "attention.decoding.prism").program()
+    k = kernels_of(program)[0]
+    assert replace(k) is k and replace(k, name=k.name + "2") != k
+    assert [f.name for f in fields(k)] == ["name", "grid", "loop", "loads", "stores", "inputs"]
+    assert [f.name for f in fields(k.loads[0])] == ["tile", "source", "map"]
+    assert [f.name for f in fields(k.stores[0])] == ["name", "value", "map", "add"]
+    assert [f.name for f in fields(k.stores[0].map)] == ["dims"] and [f.name for f in fields(WHOLE)] == ["axis", "loop"]
+    assert replace(k, loop=None) != k and replace(k, stores=k.stores[:1]) != k and replace(k, loads=k.loads[::-1]) != k

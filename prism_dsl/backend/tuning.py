@@ -102,6 +102,16 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
         own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()
                     or k.name in firsts and s in by_name[firsts[k.name]].symbols()]) for k in group]
         memo: dict = {}
+        concretes: dict = {}
+
+        def concrete(k: Kernel, values: tuple[int, ...], mine: list[int]) -> Concrete | None:
+            """`k` instantiated at `values` of the parameters `mine` (the rest as bound), once: a combining
+            kernel's first kernel is asked for again at every value of the combining kernel's own parameters
+            (its `mine`: its own), and its layout is kept with the concrete kernel (`launch.layout`)."""
+            key = (k.name, tuple(values[i] for i in mine))
+            if key not in concretes:
+                concretes[key] = fits(k, {**binding, **{syms[i]: values[i] for i in mine}}, hardware, config)
+            return concretes[key]
 
         def time_of(values: tuple[int, ...]) -> tuple[float, int, int]:
             """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2): the
@@ -110,9 +120,11 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
             for k, mine in own:
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
-                    trial = {**binding, **{syms[i]: values[i] for i in mine}}
-                    if (c := fits(k, trial, hardware, config)) is not None:
-                        first = fits(by_name[firsts[k.name]], trial, hardware, config) if k.name in firsts else None
+                    if (c := concrete(k, values, mine)) is not None:
+                        first = None
+                        if k.name in firsts:  # at its own parameters' values (those of `mine` in its symbols)
+                            f = by_name[firsts[k.name]]
+                            first = concrete(f, values, [i for i in mine if syms[i] in f.symbols()])
                         e = priced(c, first, hardware, config)
                         memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
                     else:

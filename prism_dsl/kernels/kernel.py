@@ -18,6 +18,7 @@ the free symbols.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import cache
 from typing import Iterator, Mapping
@@ -121,8 +122,22 @@ class Store:
     add: bool  # written `+=`: blocks along axes that write no dim add their results
 
 
+class _Interned(type):
+    """Metaclass that returns the kernel already built when an equal one is built again (as `ir.nodes` does
+    for nodes): lowering a program again gives the same kernel objects, which the caches keyed by a kernel
+    (`fusion.plan`, `constraints`...) then find by identity."""
+
+    def __init__(cls, *args):
+        super().__init__(*args)
+        cls._cache: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def __call__(cls, *args, **kwargs):
+        kernel = super().__call__(*args, **kwargs)
+        return cls._cache.setdefault(kernel._flat(), kernel)
+
+
 @dataclass(frozen=True)
-class Kernel:
+class Kernel(metaclass=_Interned):
     name: str
     grid: tuple[tuple[str, sympy.Expr], ...]  # (axis, size), axes in order x, y, z
     loop: sympy.Expr | None  # the loop range F; None: no loop (one pass)
@@ -138,6 +153,28 @@ class Kernel:
             known = hash((self.name, self.grid, self.loop, self.loads, self.stores, self.inputs))
             object.__setattr__(self, "_hash", known)
         return known
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, as the dataclass would, through a flat form of the fields worked out once (the caches
+        keyed by a kernel compare each equal kernel of another lowering of a program with the first one
+        cached, on every trial of the tuner). Nodes are interned, so their ids stand for them."""
+        if self is other:
+            return True
+        if not isinstance(other, Kernel):
+            return NotImplemented
+        return hash(self) == hash(other) and self._flat() == other._flat()
+
+    def _flat(self) -> tuple:
+        flat = self.__dict__.get("_flat_fields")
+        if flat is None:
+            def dims(m: TileMap) -> tuple:
+                return tuple((d.axis, d.loop) for d in m.dims)
+            flat = (self.name, self.grid, self.loop,
+                    tuple((l.tile, l.source, dims(l.map)) for l in self.loads),
+                    tuple((s.name, id(s.value), dims(s.map), s.add) for s in self.stores),
+                    tuple(id(n) for n in self.inputs))
+            object.__setattr__(self, "_flat_fields", flat)
+        return flat
 
     @property
     def loop_range(self) -> sympy.Expr:
