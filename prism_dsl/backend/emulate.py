@@ -168,8 +168,8 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     exe = workdir / f"emulate-{sanitizer or 'plain'}"
     level = ["-O1" if optimize else "-O0"] if sanitizer is None else []
     # -g1: line tables (what a sanitizer's report needs to name the generated .cu line), no variables' debug
-    # information, which took a quarter to a third of the compile (2.1 s against 1.8 s plain, 3.3 s against 2.3 s
-    # under ThreadSanitizer, fused attention at the tests' dims)
+    # information, which -g adds: the plain build of attention at the tests' dims took 2.1-2.4 s with -g and 2.0 s
+    # with -g1, its ThreadSanitizer build 3.3 s and 2.3 s (g++, 2 cores)
     cmd = [cxx, "-std=c++17", "-g1", *level, *_FLAGS[sanitizer], "-x", "c++", "harness.cpp", "-o", exe.name]
     done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     if done.returncode != 0:
