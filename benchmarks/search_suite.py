@@ -2,12 +2,14 @@
 the chosen program, and the time to re-instantiate from the checkpoint at other dims.
 
     python benchmarks/search_suite.py            # prints a Markdown table (paste it into NOTES.md)
+    python benchmarks/search_suite.py --only attention   # the programs whose name contains it, no decoding table
 
 Uses a fresh cache directory, so the first compile of each program searches.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import tempfile
@@ -32,6 +34,9 @@ DECODING = [dict(b=1, h=8, q=1, kv=8192, dh=128), dict(b=1, h=8, q=1, kv=32768, 
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="programs whose name contains this (and no decoding table)")
+    only = parser.parse_args().only
     os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")
     from prism_dsl.lang.check import load
     from prism_dsl.kernels.hardware import load_hardware
@@ -51,6 +56,8 @@ def main() -> None:
           "best: kernels | best uses | est. us (default dims) | best split us | as written us | recompile at other dims (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, other in PROGRAMS.items():
+        if only and only not in name:
+            continue
         program = load(ROOT / "programs" / f"{name}.prism").program()
         start = time.perf_counter()
         out = optimize(program, library, hardware, program.default_binding(), time_limit=600)
@@ -68,6 +75,8 @@ def main() -> None:
         print(f"| {name} | {first:.1f} | {s['candidates']} | {s['proofs']} | {s['proved_programs']} | {len(splits)} | "
               f"{pruned} | {len(kernels_of(out.best.program))} | {uses} | {out.best.estimated_us:.1f} | {best_split} | "
               f"{written.estimated_us:.1f} | {again:.1f} |")
+    if only:
+        return
     # Decoding with long keys: where the split reduction stands in the model's ranking.
     print()
     print("| attention at | best (model) | est. us | best split est. us | as written us |")
