@@ -3,6 +3,7 @@ translation, constraints and instantiation, kernel errors, and `prismc show`."""
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 
@@ -918,3 +919,5 @@ def test_kernels_are_interned_and_compare_as_their_fields_do():
     assert [f.name for f in fields(k.stores[0])] == ["name", "value", "map", "add"]
     assert [f.name for f in fields(k.stores[0].map)] == ["dims"] and [f.name for f in fields(WHOLE)] == ["axis", "loop"]
     assert replace(k, loop=None) != k and replace(k, stores=k.stores[:1]) != k and replace(k, loads=k.loads[::-1]) != k
+    hash(k), k.body(), k._flat()  # what a kernel works out once stays out of its pickle
+    assert set(pickle.loads(pickle.dumps(k)).__dict__) == {f.name for f in fields(k)}

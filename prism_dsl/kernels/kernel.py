@@ -164,6 +164,12 @@ class Kernel(metaclass=_Interned):
             return NotImplemented
         return hash(self) == hash(other) and self._flat() == other._flat()
 
+    def __getstate__(self) -> dict:
+        """The fields alone: what a kernel works out once (its hash, body, flat form, loop-varying nodes) holds
+        string hashes and node ids, which mean nothing in another process; an unpickled kernel works them out
+        again."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_body", "_flat_fields", "_varying")}
+
     def _flat(self) -> tuple:
         flat = self.__dict__.get("_flat_fields")
         if flat is None:
