@@ -37,20 +37,21 @@ def shared_memory(kernel: Kernel) -> sympy.Expr:
     softmax in registers) or later-lived (state held in registers through the loop), so it never needs
     more.
     """
-    p = plan(kernel)
-    names = [b.name for b in p.buffers]
-    return total(class_sums(names, {b.name: b.bytes + ALIGN for b in p.buffers}, lifetimes(kernel)), _bound)
+    return _arranged(kernel, {b.name: b.bytes for b in plan(kernel).buffers}, _bound)
 
 
 def shared_memory_at(kernel: Kernel, binding: Mapping[sympy.Symbol, int]) -> int | None:
     """`shared_memory` at a binding (None where it leaves a symbol free), from each buffer's bytes there: the
     search asks it of kernels it builds by the hundred, most never instantiated, whose symbolic bound costs
     SymPy's arithmetic on every buffer."""
-    p = plan(kernel)
-    sizes = {b.name: value(b.bytes, binding) for b in p.buffers}
-    if any(v is None for v in sizes.values()):
-        return None
-    return total(class_sums(list(sizes), {n: v + ALIGN for n, v in sizes.items()}, lifetimes(kernel)), max)
+    sizes = {b.name: value(b.bytes, binding) for b in plan(kernel).buffers}
+    return None if None in sizes.values() else _arranged(kernel, sizes, max)
+
+
+def _arranged(kernel: Kernel, sizes: Mapping[str, object], maximum):
+    """The bytes of the plan's buffers of these `sizes` (by name, in the plan's order), each with its
+    alignment, arranged by their lifetimes (`maximum`: `max`, or `_bound` for the symbolic bound)."""
+    return total(class_sums(list(sizes), {n: v + ALIGN for n, v in sizes.items()}, lifetimes(kernel)), maximum)
 
 
 def _bound(*terms: sympy.Expr) -> sympy.Expr:
