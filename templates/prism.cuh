@@ -33,6 +33,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(n)
+#define __grid_constant__
 #define blockIdx (prism::emu::block_idx())
 #define threadIdx (prism::emu::thread_idx())
 #define __syncthreads() prism::emu::barrier(__FILE__, __LINE__)
@@ -49,6 +50,7 @@
 typedef _Float16 half;
 struct __nv_bfloat16 { uint16_t bits; };
 #else
+#include <cuda.h>  // CUtensorMap
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <mma.h>
@@ -323,6 +325,64 @@ __device__ __forceinline__ void named_arrive(int id, int count PRISM_AT) {
     emu::named_barrier(id, count, false, at_file, at_line);
 #else
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+#endif
+}
+
+// -- the tensor memory accelerator (TMA, sm_90) ------------------------------------------------------------------
+// tma_load(dst, map, bar, {c0, c1, ...}) copies the box of tensor map `map` at coordinates c (innermost dim first)
+// into shared memory at dst, one instruction from one thread; its bytes complete the current phase of mbarrier
+// `bar` (complete_tx), which mbarrier_expect_tx(bar, bytes) has told how many to wait for (and arrived at). A map
+// is a kernel parameter (`const __grid_constant__ prism::TensorMap`), encoded on the host by the CUDA driver
+// (cuTensorMapEncodeTiled: the runtime, and `emu::tensor_map` in the emulation's harness); with the 128-byte
+// swizzle the box lands as wgmma's descriptors read it. mbarrier_init_fence() after initialising the mbarriers makes
+// them visible to the async proxy that completes their bytes (a __syncthreads() then publishes them to the threads).
+#if defined(PRISM_CPU)
+using TensorMap = emu::TensorMap;
+#else
+using TensorMap = CUtensorMap;
+#endif
+
+__device__ __forceinline__ void mbarrier_init_fence() {
+#if defined(PRISM_CPU)
+    emu::mbarrier_init_fence();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, unsigned bytes PRISM_AT) {
+#if defined(PRISM_CPU)
+    emu::mbarrier_expect_tx(bar, bytes, at_file, at_line);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void tma_load(void* dst, const TensorMap& map, uint64_t* bar, const int (&at)[N] PRISM_AT) {
+    static_assert(N >= 1 && N <= 5, "a tensor map has 1 to 5 dims");
+#if defined(PRISM_CPU)
+    emu::tma_load(dst, map, bar, at, N, at_file, at_line);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    const uint64_t m = reinterpret_cast<uint64_t>(&map);
+    if constexpr (N == 1)
+        asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n"
+                     ::"r"(d), "l"(m), "r"(at[0]), "r"(b) : "memory");
+    else if constexpr (N == 2)
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                     ::"r"(d), "l"(m), "r"(at[0]), "r"(at[1]), "r"(b) : "memory");
+    else if constexpr (N == 3)
+        asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                     ::"r"(d), "l"(m), "r"(at[0]), "r"(at[1]), "r"(at[2]), "r"(b) : "memory");
+    else if constexpr (N == 4)
+        asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                     ::"r"(d), "l"(m), "r"(at[0]), "r"(at[1]), "r"(at[2]), "r"(at[3]), "r"(b) : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+                     ::"r"(d), "l"(m), "r"(at[0]), "r"(at[1]), "r"(at[2]), "r"(at[3]), "r"(at[4]), "r"(b) : "memory");
 #endif
 }
 

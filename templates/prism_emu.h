@@ -40,6 +40,13 @@
 //                      every copy the thread issued before it has completed: the emulation completes those
 //                      copies as late as it can, when a thread must wait for that phase, so a read of the
 //                      destination before the wait finds the NaN pattern.
+//   TMA                cp.async.bulk.tensor of a box of a tensor map (`tensor_map`): the box is read at the issue;
+//                      its destination holds the NaN pattern until a thread waits for the mbarrier phase whose
+//                      bytes it completes (mbarrier.arrive.expect_tx says how many a phase waits for), and there it
+//                      lands as both the threads and the async proxy see it, in the 128-byte swizzle where the map
+//                      has it. The mbarrier must be fenced for the async proxy first (fence.mbarrier_init); a box
+//                      past the tensor's end, a phase completed without a copy's bytes, or more bytes than a phase
+//                      expects are errors.
 //
 // Errors the emulation finds itself are printed as one line "prism-emulation: kernel K: ..." followed by
 // "prism-emulation-at: FILE:LINE" lines, and the process exits with status 3. Sanitizer reports are
@@ -199,9 +206,30 @@ struct Named {  // one of a block's hardware barriers 1-15 (bar.sync / bar.arriv
 
 struct Mbarrier {  // an mbarrier object in shared memory
     int count = 0, pending = 0;  // arrivals per phase; still to come in this one
+    long tx = 0;  // bytes this phase expects (mbarrier.expect_tx) less those TMA copies delivered (complete_tx)
     unsigned phase = 0;  // completed phases
     char sync[2] = {0, 0};  // phase p's arrivals release sync[p % 2]; its waiters acquire it
     Site init;
+    const Thread* init_by = nullptr;
+    bool fenced = false;  // its initialisation made visible to the async proxy (fence.mbarrier_init)
+};
+
+// A tensor map: what a TMA copy reads (cuTensorMapEncodeTiled on the host; `tensor_map` in the harness here): a
+// tensor in global memory, dims innermost first, and the box one copy brings; `swizzle` 128 for the 128-byte swizzle.
+struct TensorMap {
+    const unsigned char* base = nullptr;
+    int rank = 0, elem = 0, swizzle = 0;  // element bytes; 128 or 0 (none)
+    unsigned long long dims[5] = {}, strides[5] = {};  // elements per dim; bytes from one position of it to the next
+    unsigned box[5] = {};
+};
+
+struct Bulk {  // one TMA copy in flight: the box read at the issue, written when a thread waits for its mbarrier
+    unsigned char* dst;
+    std::vector<unsigned char> data;
+    const void* bar;
+    Site site;
+    unsigned phase;  // the mbarrier's phase it was issued in, whose completion waits for its bytes
+    char sync = 0;  // released by the issuing thread, acquired by the thread that lands it
 };
 
 struct Block {
@@ -219,6 +247,7 @@ struct Block {
     Named named[16];
     std::deque<std::pair<const void*, Mbarrier>> mbarriers;  // a deque: their sync addresses stay put
     std::vector<WgmmaIssue> wgmma_issues;  // each warpgroup's wgmma issued by some of its warps, not yet all four
+    std::vector<Bulk*> bulks;  // TMA copies issued, not yet landed, oldest first
 };
 
 struct Launch {
@@ -661,9 +690,32 @@ inline Mbarrier& find_mbarrier(Block* b, const void* bar, const Site& here) {
          b->idx.z);
 }
 
-// One arrival at the mbarrier at `bar`, in the phase it is in: the phase's last arrival completes it.
+// A phase completes once its arrivals are all made and the bytes it expects from TMA copies all delivered.
+inline void complete_if_due(Block* b, Mbarrier& m, const void* bar) {
+    if (m.pending > 0 || m.tx != 0) return;
+    ++m.phase;
+    m.pending = m.count;
+    for (Thread* o : b->threads)
+        if (o->state == State::kMbarrier && o->waits_on == bar) o->state = State::kReady;  // each looks again
+}
+
+inline bool land_bulks(Block* b, const void* bar);
+
+// A phase that has all its arrivals and waits only for the bytes of TMA copies in flight completes when they land,
+// whether or not a thread waits for it: they land before anything of the next phase (an arrival, expected bytes).
+inline void settle_phase(Block* b, const void* bar, const Site& here) {
+    bool landing;
+    {
+        Quiet quiet;
+        landing = find_mbarrier(b, bar, here).pending == 0;
+    }
+    if (landing) land_bulks(b, bar);
+}
+
+// One arrival at the mbarrier at `bar`, in the phase it is in.
 inline void arrive_at(Block* b, const void* bar, const Site& here) {
     char* sync;
+    settle_phase(b, bar, here);
     {
         Quiet quiet;
         Mbarrier& m = find_mbarrier(b, bar, here);
@@ -672,11 +724,11 @@ inline void arrive_at(Block* b, const void* bar, const Site& here) {
     release(sync);
     Quiet quiet;
     Mbarrier& m = find_mbarrier(b, bar, here);
-    if (--m.pending > 0) return;
-    ++m.phase;
-    m.pending = m.count;
-    for (Thread* o : b->threads)
-        if (o->state == State::kMbarrier && o->waits_on == bar) o->state = State::kReady;  // each looks again
+    if (m.pending == 0)
+        fail({m.init, here}, "%s at %p: the phase already has its %d arrivals and waits for %ld bytes no TMA copy in "
+             "flight brings: an mbarrier.expect_tx too large, or one arrival too many", here.what, bar, m.count, m.tx);
+    --m.pending;
+    complete_if_due(b, m, bar);
 }
 
 // Thread t's copies issued before its k-th pending cp.async.mbarrier.arrive are complete (performed now, by
@@ -727,7 +779,33 @@ inline void mbarrier_init(void* bar, int count, const char* file, int line) {
     Mbarrier m;
     m.count = m.pending = count;
     m.init = here;
+    m.init_by = self();
     b->mbarriers.emplace_back(bar, m);
+}
+
+// fence.mbarrier_init: the mbarriers this thread initialised are visible to the async proxy (the TMA unit that
+// completes their bytes) from here.
+inline void mbarrier_init_fence() {
+    Quiet quiet;
+    Thread* t = self();
+    for (auto& [at, m] : t->block->mbarriers)
+        if (m.init_by == t) m.fenced = true;
+}
+
+// mbarrier.arrive.expect_tx: the phase waits for `bytes` more from TMA copies, and this is one of its arrivals.
+inline void mbarrier_expect_tx(void* bar, unsigned bytes, const char* file, int line) {
+    Block* b = self()->block;
+    const Site here{file, line, "mbarrier.arrive.expect_tx"};
+    settle_phase(b, bar, here);
+    {
+        Quiet quiet;
+        Mbarrier& m = find_mbarrier(b, bar, here);
+        m.tx += bytes;
+        if (bytes == 0 || m.tx >= (1L << 20))
+            fail({here}, "mbarrier.arrive.expect_tx of %u bytes at %p: a phase expects 1 to 2^20 - 1 bytes (%ld now)",
+                 bytes, bar, m.tx);
+    }
+    arrive_at(b, bar, here);
 }
 
 inline void mbarrier_arrive(void* bar, const char* file, int line) {
@@ -745,6 +823,105 @@ inline void cp_async_mbarrier_arrive(void* bar, const char* file, int line) {
     }
     release(&t->landing_sync);
     settle(t);  // with no copy outstanding, at once
+}
+
+// -- TMA: a box of a tensor copied into shared memory by one instruction, completing bytes of an mbarrier ----------
+inline Buffer* shared_buffer(Block* b, const void* p, size_t bytes) {
+    return const_cast<Buffer*>(buffer_of(b, p, bytes));
+}
+
+// cp.async.bulk.tensor (tile mode, the destination in this block's shared memory): the box of `map` at
+// coordinates at[0..n) (innermost first) is read now and written where the mbarrier's phase is waited for
+// (`land_bulks`); until then the destination is undefined (the NaN pattern), as the threads and the async proxy
+// see it. The box lands dim 0 fastest, in rows of box[0] elements; with the 128-byte swizzle byte o of it lands
+// at o ^ (o >> 7 & 7) << 4 (address bits 4-6 XOR bits 7-9 of a 1024-byte aligned destination: wgmma's layout).
+inline void tma_load(void* dst, const TensorMap& map, void* bar, const int* at, int n, const char* file, int line) {
+    Thread* t = self();
+    Block* b = t->block;
+    const Site here{file, line, "cp.async.bulk.tensor"};
+    Bulk* bulk = new Bulk;
+    size_t bytes = map.elem;
+    {
+        Quiet quiet;
+        if (n != map.rank || n < 1 || n > 5)
+            fail({here}, "a TMA copy with %d coordinates from a tensor map of rank %d", n, map.rank);
+        for (int i = 0; i < n; ++i) bytes *= map.box[i];
+        Mbarrier& m = find_mbarrier(b, bar, here);
+        if (!m.fenced)
+            fail({m.init, here}, "a TMA copy in %s completes bytes of the mbarrier at %p, whose initialisation was not "
+                 "made visible to the async proxy (fence.mbarrier_init after mbarrier.init)", who(t).c_str(), bar);
+        if (!in_shared(b, dst, bytes))
+            fail({here}, "a TMA copy in %s writes %zu bytes at %p, outside the block's shared buffers", who(t).c_str(),
+                 bytes, dst);
+        if (reinterpret_cast<uintptr_t>(dst) % (map.swizzle ? 1024 : 128))
+            fail({here}, "a TMA copy in %s writes at %p: the destination of a %s box is %d-byte aligned", who(t).c_str(),
+                 dst, map.swizzle ? "swizzled" : "plain", map.swizzle ? 1024 : 128);
+        for (int i = 0; i < n; ++i)
+            if (at[i] < 0 || at[i] + map.box[i] > map.dims[i])
+                fail({here}, "a TMA copy in %s reads elements %d..%d of dim %d (innermost first), which has %llu: the "
+                     "hardware fills what is outside with zeros, which no tile here means", who(t).c_str(), at[i],
+                     at[i] + int(map.box[i]) - 1, i, map.dims[i]);
+        bulk->dst = static_cast<unsigned char*>(dst);
+        bulk->bar = bar;
+        bulk->site = here;
+        bulk->phase = m.phase;
+        bulk->data.resize(bytes);
+    }
+    const size_t row = size_t(map.box[0]) * map.elem;  // a multiple of 16 bytes (`tensor_map`)
+    for (size_t r = 0; r < bytes / row; ++r) {
+        size_t from = size_t(at[0]) * map.elem, rest = r;
+        for (int i = 1; i < n; ++i) {
+            from += (at[i] + rest % map.box[i]) * map.strides[i];
+            rest /= map.box[i];
+        }
+        for (size_t c = 0; c < row; c += 16) {
+            const size_t o = r * row + c;
+            std::memcpy(bulk->data.data() + (map.swizzle ? o ^ ((o >> 7 & 7) << 4) : o), map.base + from + c, 16);
+        }
+    }
+    std::memset(dst, 0xFF, bytes);
+    {
+        Quiet quiet;
+        Buffer* into = shared_buffer(b, dst, bytes);
+        std::memset(into->seen.data() + (bulk->dst - into->mem), 0xFF, bytes);
+        b->bulks.push_back(bulk);
+    }
+    release(&bulk->sync);
+}
+
+// The TMA copies that complete bytes of `bar`, landed now, oldest first (by a thread that waits for its phase):
+// their bytes written as the threads and the async proxy see them. Whether any was.
+inline bool land_bulks(Block* b, const void* bar) {
+    bool any = false;
+    for (;;) {
+        Bulk* bulk = nullptr;
+        char* sync;
+        {
+            Quiet quiet;
+            for (size_t i = 0; i < b->bulks.size() && !bulk; ++i)
+                if (b->bulks[i]->bar == bar) bulk = b->bulks[i], b->bulks.erase(b->bulks.begin() + i);
+            if (!bulk) return any;
+            Mbarrier& m = find_mbarrier(b, bar, bulk->site);
+            if (m.phase != bulk->phase)
+                fail({bulk->site}, "a TMA copy issued in phase %u of the mbarrier at %p lands after that phase completed "
+                     "without its bytes: an mbarrier.expect_tx for them is missing or short", bulk->phase, bar);
+            sync = &m.sync[m.phase % 2];
+        }
+        any = true;
+        acquire(&bulk->sync);
+        std::memcpy(bulk->dst, bulk->data.data(), bulk->data.size());
+        release(sync);
+        Quiet quiet;
+        Buffer* into = shared_buffer(b, bulk->dst, bulk->data.size());
+        std::memcpy(into->seen.data() + (bulk->dst - into->mem), bulk->data.data(), bulk->data.size());
+        Mbarrier& m = find_mbarrier(b, bar, bulk->site);
+        m.tx -= static_cast<long>(bulk->data.size());
+        if (m.tx < 0 && m.pending == 0)
+            fail({bulk->site}, "TMA copies deliver %ld bytes more than the phase of the mbarrier at %p expects: an "
+                 "mbarrier.expect_tx is short", -m.tx, bar);
+        complete_if_due(b, m, bar);
+        delete bulk;
+    }
 }
 
 // mbarrier.try_wait.parity in a loop: until the phase of that parity has completed (the current one has the
@@ -774,6 +951,7 @@ inline void mbarrier_wait(void* bar, unsigned parity, const char* file, int line
             acquire(sync);
             return;
         }
+        if (land_bulks(t->block, bar)) continue;
         if (owner) {
             land(owner, k);
             continue;
@@ -947,6 +1125,14 @@ inline void run_wave(const std::vector<prism_dim3>& blocks) {
             if (b->named[id].arrived)
                 fail({b->named[id].site}, "block (%u,%u,%u) ends with %d of named barrier %d's %d arrivals made: a bar.arrive "
                      "no bar.sync waited for", b->idx.x, b->idx.y, b->idx.z, b->named[id].arrived, id, b->named[id].count);
+        for (const Bulk* bulk : b->bulks) {
+            if (find_mbarrier(b, bulk->bar, bulk->site).phase != bulk->phase)
+                fail({bulk->site}, "block (%u,%u,%u) ends with a TMA copy whose mbarrier phase completed without its "
+                     "bytes: an mbarrier.expect_tx for them is missing or short", b->idx.x, b->idx.y, b->idx.z);
+            fail({bulk->site}, "block (%u,%u,%u) ends with a TMA copy (issued at %s) that never landed: no thread waited "
+                 "for the mbarrier phase its bytes complete (or that phase's mbarrier.expect_tx is missing)", b->idx.x,
+                 b->idx.y, b->idx.z, where(bulk->site).c_str());
+        }
         for (const WgmmaIssue& issue : b->wgmma_issues)
             fail({issue.site}, "block (%u,%u,%u) ends with wgmma %zu of warpgroup %d issued by %d of its 4 warps "
                  "(warp %d first): the warps of a warpgroup issue each wgmma together", b->idx.x, b->idx.y, b->idx.z,
@@ -1009,6 +1195,33 @@ struct KernelEntry {
     prism_dim3 grid, block;
     size_t smem;
 };
+
+// The tensor map of a contiguous tensor (dims and box outer first, as the plan lists them) with the 128-byte swizzle
+// (`swizzle` 128) or none: what the runtime has the CUDA driver encode (cuTensorMapEncodeTiled), held to the
+// driver's rules for it.
+inline TensorMap tensor_map(const void* base, int elem, const std::vector<unsigned long long>& dims,
+                            const std::vector<unsigned>& box, int swizzle) {
+    TensorMap m;
+    m.base = static_cast<const unsigned char*>(base);
+    m.rank = static_cast<int>(dims.size());
+    m.elem = elem;
+    m.swizzle = swizzle;
+    unsigned long long stride = elem;
+    for (int i = 0; i < m.rank; ++i) {
+        m.dims[i] = dims[m.rank - 1 - i];
+        m.box[i] = box.size() == dims.size() ? box[m.rank - 1 - i] : 0;
+        m.strides[i] = stride;
+        stride *= m.dims[i];
+    }
+    bool ok = m.rank >= 1 && m.rank <= 5 && box.size() == dims.size() && reinterpret_cast<uintptr_t>(base) % 16 == 0
+              && (swizzle == 0 || swizzle == 128) && m.box[0] * elem % 16 == 0
+              && (swizzle == 0 || m.box[0] * elem <= unsigned(swizzle));
+    for (int i = 0; i < m.rank && ok; ++i) ok = m.box[i] >= 1 && m.box[i] <= 256 && m.box[i] <= m.dims[i] && m.strides[i] % (i ? 16 : 1) == 0;
+    if (!ok) fail({}, "a tensor map the CUDA driver would refuse: rank %zu, box of %zu dims (each 1-256, the innermost a "
+                  "multiple of 16 bytes, at most the swizzle's %d), outer strides multiples of 16 bytes", dims.size(),
+                  box.size(), swizzle);
+    return m;
+}
 
 [[noreturn]] inline void harness_error(const std::string& text) {
     std::fprintf(stderr, "prism-emulation: harness: %s\n", text.c_str());

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prism_dsl.backend import emulate
+from prism_dsl.backend import emulate, sass
 from prism_dsl.backend.codegen import RenderedKernel, header_source
 from prism_dsl.ir.nodes import DType
 
@@ -357,6 +357,73 @@ def test_cp_async_never_waited_for_is_reported(tmp_path):
     assert f.kind == "emulation" and "never waited for" in f.message and f.where == ("t.cu:8",)
 
 
+# -- TMA: a box of a tensor map, landed in the 128-byte swizzle when its mbarrier's phase is waited for ----------
+
+TMA = """
+    half* const s = PRISM_SHARED(half, 0, 4096);  // room for a box at 128 bytes in, misaligned
+    uint64_t* const bar = PRISM_SHARED(uint64_t, 4096, 8);
+    const int l = threadIdx.x;
+    if (l == 0) {
+        prism::mbarrier_init(bar, 1);
+        prism::mbarrier_init_fence();
+    }
+    __syncthreads();
+    if (l == 0) {
+        prism::mbarrier_expect_tx(bar, 2048);
+        prism::tma_load(s, tm_M, bar, {64, 16});  // rows 16..31, columns 64..127 (innermost first)
+    }
+    __syncthreads();
+    g_B[l] = prism::to_f(s[l]);  // before any thread waits: undefined
+    __syncthreads();
+    prism::mbarrier_wait(bar, 0);
+    for (int i = l; i < 1024; i += 32) g_R[i] = prism::to_f(s[i]);  // the shared bytes as they are
+"""
+TMA_FAULTS = {
+    "no init fence": (("prism::mbarrier_init_fence();", ""), "not made visible to the async proxy"),
+    "no expect_tx": (("prism::mbarrier_expect_tx(bar, 2048);", "prism::mbarrier_arrive(bar);"), "expect_tx is missing"),
+    "short expect_tx": (("expect_tx(bar, 2048)", "expect_tx(bar, 1024)"), "more than the phase of the mbarrier"),
+    "box past the end": (("{64, 16}", "{96, 16}"), "reads elements 96..159 of dim 0"),
+    "misaligned destination": (("tma_load(s,", "tma_load(s + 64,"), "swizzled box is 1024-byte aligned"),
+    "never waited for": (("prism::mbarrier_wait(bar, 0);", ""), "never landed: no thread waited for"),
+}
+
+
+def tma_run(tmp_path, edit=("", "")):
+    from prism_dsl.backend.copies import TensorMap
+
+    source = ('#include "prism.cuh"\nextern "C" __global__ void prism_t(\n    const __grid_constant__ prism::TensorMap tm_M,\n'
+              '    const half* __restrict__ g_M,\n    float* __restrict__ g_B,\n    float* __restrict__ g_R)\n{\n'
+              f"    PRISM_SMEM(4104);\n{TMA.replace(*edit)}\n}}\n")
+    k = RenderedKernel("t", "prism_t", "t.cu", source, (1, 1, 1), (32, 1, 1), 4104, ("M", "B", "R"), 2, (), False,
+                       maps=(TensorMap("tm_M", "M", DType.F16, (16, 64)),))
+    m = np.array([[r % 16 * 128 + c for c in range(128)] for r in range(32)], dtype=np.float64)  # exact, unique per 16 rows
+    return m, run(k, {"M": DType.F16, "B": DType.F32, "R": DType.F32}, {"M": (32, 128), "B": (32,), "R": (1024,)},
+                  {"M": m}, tmp_path)
+
+
+def test_a_tma_box_lands_in_the_128_byte_swizzle_when_its_phase_is_waited_for(tmp_path):
+    """One thread's cp.async.bulk.tensor of a 16 x 64 box of f16: undefined (NaN) until the mbarrier phase whose
+    bytes it completes is waited for, then in the 128-byte swizzle, row r's 16-byte chunk c at chunk c ^ r % 8:
+    the layout the cp.async path writes for wgmma (`ctext.swizzled`)."""
+    m, got = tma_run(tmp_path)
+    assert got.finding is None, got.finding
+    assert np.isnan(got.outputs["B"]).all()
+    want = np.full(1024, np.nan)
+    for r in range(16):
+        for c in range(64):
+            want[r * 64 + (c // 8 % 8 ^ r % 8) * 8 + c % 8] = m[16 + r, 64 + c]
+    assert np.array_equal(got.outputs["R"], want)
+
+
+@pytest.mark.parametrize("case", list(TMA_FAULTS))
+def test_a_tma_copy_the_hardware_would_not_deliver_as_written_is_reported(case, tmp_path):
+    edit, message = TMA_FAULTS[case]
+    assert edit[0] in TMA
+    _, got = tma_run(tmp_path, edit)
+    assert got.finding and message in got.finding.message, got.finding
+    assert got.finding.where and got.finding.where[0].startswith("t.cu:")
+
+
 def test_a_misaligned_cp_async_is_reported(tmp_path):
     body = ("    float* const s = PRISM_SHARED(float, 0, 1024);\n"
             "    prism::cp_async<4>(s + threadIdx.x * 4 + 1, g_X + threadIdx.x * 4);\n    prism::cp_async_wait_all();")
@@ -460,10 +527,13 @@ def test_the_gpu_forms_of_the_primitives_compile_with_nvcc(tmp_path):
     """Every primitive's GPU form instantiated once (the generated code does not use them all yet)."""
     (tmp_path / "prism.cuh").write_text(header_source())
     (tmp_path / "t.cu").write_text(NVCC_PRIMITIVES)
-    for arch in ("sm_90a", "sm_90", "sm_80"):  # wgmma: sm_90a only
+    for arch in ("sm_90a", "sm_90", "sm_80"):  # wgmma: sm_90a only; TMA: sm_90 and later
         done = __import__("subprocess").run(["nvcc", "-cubin", f"-arch={arch}", "-o", "t.cubin", "t.cu"],
                                             cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+        if arch == "sm_90a" and sass.available():
+            listing = sass.disassemble(tmp_path / "t.cubin")
+            assert all(f"UTMALDG.{n}D" in listing for n in range(1, 6)) and "SYNCS.ARRIVE.TRANS64 RZ" in listing
 
 
 NVCC_PRIMITIVES = """#include "prism.cuh"
@@ -487,6 +557,28 @@ extern "C" __global__ void w(float* out, const uint32_t* g) {
     wgmma_forms<256, __nv_bfloat16>(out, sm, r);
 }
 #endif
+// TMA: a box of every rank at an mbarrier that expects their bytes
+extern "C" __global__ void m(const __grid_constant__ prism::TensorMap map, float* out) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // mbarrier.try_wait: sm_90
+    extern __shared__ __align__(1024) unsigned char sm[];
+    uint64_t* const bar = reinterpret_cast<uint64_t*>(sm + 8192);
+    if (threadIdx.x == 0) {
+        prism::mbarrier_init(bar, 1);
+        prism::mbarrier_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        prism::mbarrier_expect_tx(bar, 5 * 128);
+        prism::tma_load(sm, map, bar, {0});
+        prism::tma_load(sm + 1024, map, bar, {0, 1});
+        prism::tma_load(sm + 2048, map, bar, {0, 1, 2});
+        prism::tma_load(sm + 3072, map, bar, {0, 1, 2, 3});
+        prism::tma_load(sm + 4096, map, bar, {0, 1, 2, 3, 4});
+    }
+    prism::mbarrier_wait(bar, 0);
+    out[threadIdx.x] = sm[threadIdx.x];
+#endif
+}
 extern "C" __global__ void t(const half* a, float* out, unsigned* tickets) {
     __shared__ __align__(128) half s[256];
     prism::cp_async<8>(s + threadIdx.x * 8, a + threadIdx.x * 8);
