@@ -6,8 +6,10 @@ Everything but the `gpu`-marked tests runs without a GPU; those compile and laun
 from __future__ import annotations
 
 import ast
+import ctypes
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,6 +100,12 @@ BAD_PLANS = [
     (with_kernel(function=None), "kernel 0 ('add'): 'function' must be a string"),
     (make_plan(kernels=[with_kernel()["kernels"][0]] * 2), "kernel name 'add' is used twice"),
     (make_plan(kernels=["add"]), "kernel 0 is a str, not a dict"),
+    (with_kernel(maps={"tensor": "X"}), "kernel 0 ('add'): 'maps' must be a list of tensor maps"),
+    (with_kernel(maps=[{"tensor": "X"}]), "a tensor map is {'tensor': NAME, 'box': [...]}, not {'tensor': 'X'}"),
+    (with_kernel(maps=[{"tensor": "Q", "box": [8, 64]}]), "a tensor map's tensor 'Q' is not one of its args"),
+    (with_kernel(maps=[{"tensor": "X", "box": [64]}]), "needs a box of one size per dim of the tensor (1 to 5), not [64]"),
+    (with_kernel(maps=[{"tensor": "X", "box": [0, 64]}]), "each box size is 1 to 256 and at most the tensor's, not [0, 64]"),
+    (with_kernel(maps=[{"tensor": "X", "box": [8, 32]}]), "its box's rows are 128 bytes (the swizzle's)"),
 ]
 
 
@@ -115,6 +123,66 @@ def test_every_problem_of_a_plan_is_reported_at_once():
     text = str(err.value)
     assert text.startswith("plan for 'add' is malformed")
     assert "'grid'" in text and "'smem'" in text and "unknown tensor 'Q'" in text
+
+
+class FakeEncoder:
+    """cuTensorMapEncodeTiled's stand-in: records what it is asked (the map's address aligned, and the arrays as
+    the driver reads them: `rank` entries, strides one fewer) and writes a map it can recognise."""
+
+    def __init__(self, status: int = 0):
+        self.calls, self.status = [], status
+
+    def cuTensorMapEncodeTiled(self, at, dtype, rank, pointer, dims, strides, box, elements, *modes):
+        n = rank.value
+        self.calls.append({"aligned": at.value % 64 == 0, "dtype": dtype, "pointer": pointer.value, "dims": list(dims)[:n],
+                           "strides": list(strides)[:n - 1], "box": list(box)[:n], "elements": list(elements)[:n],
+                           "modes": modes})
+        ctypes.memmove(at.value, bytes([len(self.calls)]) * 128, 128)
+        return self.status
+
+
+def test_a_tensor_map_is_encoded_for_the_driver_innermost_dim_first(monkeypatch):
+    """What the runtime asks the CUDA driver for a TMA copy's map: the tensor's dims innermost first, the byte
+    strides of the others, the box likewise, every element taken, no interleave, the 128-byte swizzle wgmma reads,
+    128-byte L2 promotion, no fill; the map's 128 bytes as written, its address 64-byte aligned."""
+    from prism_dsl.backend import cuda_plan
+
+    fake = FakeEncoder()
+    monkeypatch.setattr(cuda_plan, "_driver", lambda: fake)
+    assert cuda_plan.encode_map(0x7000, "f16", [2, 16, 4096, 128], [1, 1, 64, 64]) == bytes([1]) * 128
+    assert cuda_plan.encode_map(0x9000, "bf16", [4096, 64], [128, 64]) == bytes([2]) * 128
+    assert fake.calls == [
+        {"aligned": True, "dtype": 6, "pointer": 0x7000, "dims": [128, 4096, 16, 2], "strides": [256, 256 * 4096, 256 * 4096 * 16],
+         "box": [64, 64, 1, 1], "elements": [1, 1, 1, 1], "modes": (0, 3, 2, 0)},
+        {"aligned": True, "dtype": 9, "pointer": 0x9000, "dims": [64, 4096], "strides": [128], "box": [64, 128],
+         "elements": [1, 1], "modes": (0, 3, 2, 0)}]
+    fake.status = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError, match=r"refuses the tensor map of a f16 tensor \[8, 64\] at 0x100 with box \[8, 64\] "
+                                           r"\(cuTensorMapEncodeTiled: CUresult 1\)"):
+        cuda_plan.encode_map(0x100, "f16", [8, 64], [8, 64])
+
+
+def test_a_kernel_with_tensor_maps_takes_them_first_encoded_for_its_tensors(fake_gpu, tmp_path, monkeypatch):
+    """A kernel whose loop tiles TMA copies takes a 128-byte map per tile before its pointers (`__grid_constant__`
+    parameters at offsets that are multiples of 64), encoded for the tensor's buffer once and again only where a
+    call passes another buffer."""
+    fake = FakeEncoder()
+    monkeypatch.setattr(rt._plan, "_driver", lambda: fake)  # the runtime's own copy of the plan module
+    seen = []
+    fake_gpu.kernels["add"] = lambda drv, threads, *args: seen.append(args[0])
+    plan = gpu_plan(tmp_path)
+    plan["kernels"][0]["maps"] = [{"param": "tm_x", "tensor": "X", "box": [8, 64]}]
+    launcher = Launcher(plan, tmp_path)
+    launcher(**gpu_inputs(0))
+    launcher(**gpu_inputs(1))  # the same buffers
+    assert fake_gpu.functions[0].fmt == "128sPPPP" and seen == [bytes([1]) * 128] * 2
+    assert len(fake.calls) == 1 and fake.calls[0]["dims"] == [64, 8] and fake.calls[0]["box"] == [64, 8]
+    assert launcher.time([gpu_inputs(0), gpu_inputs(1)], warmup=0, repeat=2)["repeat"] == 2  # two buffers of X: two maps
+    assert len(fake.calls) == 3 and {c["pointer"] for c in fake.calls[1:]} != {fake.calls[0]["pointer"]}
+    fake.status = 1
+    plan["kernels"][0]["maps"][0]["box"] = [4, 64]
+    with pytest.raises(PlanError, match="kernel 'add': the CUDA driver refuses the tensor map"):
+        Launcher(plan, tmp_path)(**gpu_inputs(0))
 
 
 def test_plan_literal_round_trips():
@@ -253,6 +321,7 @@ def render_launcher(directory: Path, plan: dict) -> Path:
     text = env.get_template("launcher.py.j2").render(plan=plan, plan_literal=format_plan(plan),
                                                      program=plan["program"])
     shutil.copy(rt.__file__, directory / "prism_runtime.py")
+    shutil.copy(Path(rt.__file__).with_name("cuda_plan.py"), directory / "cuda_plan.py")
     path = directory / "launcher.py"
     path.write_text(text)
     return path
@@ -442,7 +511,7 @@ class FakeDriver:
                 self.fmt = fmt
 
             def prepared_call(self, grid, block, *ptrs, shared_size):
-                assert drv.depth > 0 and len(ptrs) == len(self.fmt), "launched outside the context"
+                assert drv.depth > 0 and len(ptrs) == len(re.findall(r"\d*[A-Za-z]", self.fmt)), "launched outside the context"
                 drv.log.append(("launch", grid, block, shared_size))
                 drv.queue(drv.KERNEL_MS)
                 self.body(drv, grid[0] * block[0], *ptrs)

@@ -38,7 +38,6 @@ STORAGE = {k: np.dtype(v) for k, v in {"f16": "float16", "bf16": "uint16", "f32"
 HOST = {k: np.dtype(v) for k, v in {"f16": "float16", "bf16": "float32", "f32": "float32", "f64": "float64"}.items()}
 TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
 ALIGNMENT = 16  # the generated kernels load 16 bytes at a time
-MAX_THREADS = 1024
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 NVCC_OPTIONS = ["-O3", "-std=c++17"]
 # Queued ahead of timed work, this kernel keeps the GPU busy while the host queues the work (see `Ahead`).
@@ -104,66 +103,22 @@ def _primary(drv, device: int):
 
 
 # ---------------------------------------------------------------------------------------------------- plans
+def _beside(name: str):
+    """The module `name`.py beside this file (in the package, and beside generated kernels, where the compiler
+    copies both), loaded by its path: standalone modules, whatever package holds them."""
+    spec = importlib.util.spec_from_file_location(f"prism_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_plan = _beside("cuda_plan")  # what a well-formed plan holds; the tensor maps of TMA copies
+
+
 def validate_plan(plan) -> None:
-    """Raise one PlanError listing every problem of a malformed plan."""
-    if not isinstance(plan, dict):
-        raise PlanError(f"a plan is a dict, not {type(plan).__name__}")
-    kinds = {"program": str, "inputs": list, "outputs": list, "tensors": dict, "kernels": list}
-    problems = [f"plan needs '{key}' ({kind.__name__})" for key, kind in kinds.items()
-                if not isinstance(plan.get(key), kind)]
-    if problems:
-        raise PlanError("\n".join(problems))
-    tensors = plan["tensors"]
-    for name, spec in tensors.items():
-        shape, dtype = (spec.get("shape"), spec.get("dtype")) if isinstance(spec, dict) else (None, None)
-        if not (isinstance(shape, list) and all(_positive_int(n) for n in shape)):
-            problems.append(f"tensor '{name}': shape must be a list of positive ints, not {shape!r}")
-        if dtype not in STORAGE:
-            problems.append(f"tensor '{name}': dtype must be one of {', '.join(STORAGE)}, not {dtype!r}")
-    for role in ("inputs", "outputs"):
-        if not all(isinstance(n, str) for n in plan[role]):
-            raise PlanError(f"plan '{role}' must list tensor names (strings), not {plan[role]!r}")
-        problems += [f"{role[:-1]} '{n}' is not in 'tensors'" for n in plan[role] if n not in tensors]
-        problems += [f"{role[:-1]} '{n}' is listed twice" for n in sorted(set(plan[role])) if plan[role].count(n) > 1]
-    problems += [f"'{n}' is both an input and an output" for n in plan["outputs"] if n in plan["inputs"]]
-    names = [k.get("name") for k in plan["kernels"] if isinstance(k, dict)]
-    problems += [f"kernel name '{n}' is used twice" for n in sorted(set(names), key=str) if names.count(n) > 1]
-    for i, kernel in enumerate(plan["kernels"]):
-        problems += _kernel_problems(i, kernel, tensors, plan["inputs"])
-    if problems:
-        raise PlanError(f"plan for '{plan['program']}' is malformed:\n  " + "\n  ".join(problems))
-
-
-def _positive_int(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0
-
-
-def _kernel_problems(i: int, kernel, tensors: dict, inputs: list) -> list[str]:
-    if not isinstance(kernel, dict):
-        return [f"kernel {i} is a {type(kernel).__name__}, not a dict"]
-    where = f"kernel {i} ('{kernel.get('name', '?')}')"
-    problems = [f"{where}: '{key}' must be a string" for key in ("name", "file", "function")
-                if not isinstance(kernel.get(key), str)]
-    for key in ("grid", "block"):
-        value = kernel.get(key)
-        if not (isinstance(value, list) and len(value) == 3 and all(_positive_int(n) for n in value)):
-            problems.append(f"{where}: '{key}' must be 3 positive ints, not {value!r}")
-        elif key == "block" and (threads := value[0] * value[1] * value[2]) > MAX_THREADS:
-            problems.append(f"{where}: a block of {value} has {threads} threads; CUDA allows at most {MAX_THREADS}")
-    smem = kernel.get("smem", 0)
-    if not (isinstance(smem, int) and not isinstance(smem, bool) and smem >= 0):
-        problems.append(f"{where}: 'smem' must be a non-negative int (bytes), not {smem!r}")
-    if "tickets" in kernel and not _positive_int(tickets := kernel["tickets"]):  # tiles whose pieces it combines
-        problems.append(f"{where}: 'tickets' must be a positive int (tiles whose pieces it combines), not {tickets!r}")
-    for key in ("args", "zero"):
-        names = kernel.get(key, [] if key == "zero" else None)
-        if not isinstance(names, list):
-            problems.append(f"{where}: '{key}' must be a list of tensor names")
-            continue
-        problems += [f"{where}: {key} names unknown tensor {n!r}" for n in names if not isinstance(n, str) or n not in tensors]
-        if key == "zero":
-            problems += [f"{where}: zeroes input '{n}', which the program must not write" for n in names if n in inputs]
-    return problems
+    """Raise one PlanError listing every problem of a malformed plan (`cuda_plan.problems`)."""
+    if (text := _plan.problems(plan)) is not None:
+        raise PlanError(text)
 
 
 def random_inputs(plan: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -281,6 +236,7 @@ class Launcher:
         self._functions, self._modules = None, []  # compiled on first use
         self._buffers: dict = {}  # name -> DeviceAllocation, reused by every numpy-fed call
         self._tickets: dict = {}  # kernel name -> its tiles' counters (plan's "tickets"), allocated by `compile`
+        self._maps: dict = {}  # (kernel name, tensor pointers) -> its tensor maps' bytes (plan's "maps")
 
     @contextlib.contextmanager
     def _active(self):
@@ -342,7 +298,7 @@ class Launcher:
         if kernel.get("tickets"):  # a counter per tile whose pieces it combines: zero between launches, so zeroed once
             self._tickets[kernel["name"]] = drv.mem_alloc(4 * kernel["tickets"])
             drv.memset_d32(self._tickets[kernel["name"]], 0, kernel["tickets"])
-        fn.prepare("P" * (len(kernel["args"]) + (1 if kernel.get("tickets") else 0)))
+        fn.prepare("%ds" % _plan.MAP_BYTES * len(kernel.get("maps", [])) + "P" * (len(kernel["args"]) + bool(kernel.get("tickets"))))
         return fn
 
     def __call__(self, **inputs) -> dict:
@@ -413,10 +369,22 @@ class Launcher:
             for name in kernel.get("zero", []):
                 drv.memset_d8_async(ptrs[name], 0, _nbytes(self.plan, name))
             tickets = (int(self._tickets[kernel["name"]]),) if kernel.get("tickets") else ()
-            fn.prepared_call(tuple(kernel["grid"]), tuple(kernel["block"]), *(ptrs[n] for n in kernel["args"]),
-                             *tickets, shared_size=kernel.get("smem", 0))
+            fn.prepared_call(tuple(kernel["grid"]), tuple(kernel["block"]), *self._maps_of(kernel, ptrs),
+                             *(ptrs[n] for n in kernel["args"]), *tickets, shared_size=kernel.get("smem", 0))
         if events is not None and last:
             events[-1].record()
+
+    def _maps_of(self, kernel: dict, ptrs: dict[str, int]) -> tuple[bytes, ...]:
+        """The kernel's tensor maps (its first parameters) for the tensors at these addresses, encoded once each."""
+        key = (kernel["name"], *(ptrs[m["tensor"]] for m in kernel.get("maps", [])))
+        if key not in self._maps:
+            spec, self._maps = self.plan["tensors"], self._maps if len(self._maps) < 64 else {}  # torch tensors come and go
+            try:
+                self._maps[key] = tuple(_plan.encode_map(ptrs[m["tensor"]], spec[m["tensor"]]["dtype"],
+                                                         spec[m["tensor"]]["shape"], m["box"]) for m in kernel.get("maps", []))
+            except RuntimeError as err:
+                raise PlanError(f"kernel '{kernel['name']}': {err}") from None
+        return self._maps[key]
 
     def time(self, input_sets: list[dict], warmup: int = 10, repeat: int = 100, batch: int = 1) -> dict:
         """Milliseconds of the whole launch sequence on the GPU, rotating input sets: two events around one
@@ -469,7 +437,7 @@ class Launcher:
             with self._active():
                 for buf in held:
                     buf.free()
-        self._buffers, self._tickets, self._modules, self._functions = {}, {}, [], None
+        self._buffers, self._tickets, self._maps, self._modules, self._functions = {}, {}, {}, [], None
 
 
 class Ahead:

@@ -27,7 +27,7 @@ from ..base.errors import PrismError
 from ..lang.printer import print_program
 from . import build
 
-_LEGACY = re.compile(r"[^/]+\.cu|prism\.cuh|launcher\.py|prism_runtime\.py|[^/]+\.prism|report\.json")
+_LEGACY = re.compile(r"[^/]+\.cu|prism\.cuh|launcher\.py|prism_runtime\.py|cuda_plan\.py|[^/]+\.prism|report\.json")
 _SCRATCH = files.scratch_pattern(r"\.(?P<name>.+)\.")  # `.DIR.prismc-<pid>-XXXXXXXX` beside DIR
 
 
@@ -136,13 +136,15 @@ def format_plan(plan: dict) -> str:
 
 
 def contents(built: build.Build, extra: Mapping[str, str]) -> dict[str, str]:
-    """Every file of an output but report.json, name -> text: prism.cuh and the kernels, the runtime and a
-    launcher for it, the program as compiled, and `extra` (the search's best.prism)."""
+    """Every file of an output but report.json, name -> text: prism.cuh and the kernels, the runtime (with the
+    plan module it loads from beside itself) and a launcher for it, the program as compiled, and `extra` (the
+    search's best.prism)."""
     plan = build.plan_of(built)
     launcher = template_env().get_template("launcher.py.j2").render(
         plan=plan, program=built.program.name, plan_literal=format_plan(plan))
     return {HEADER: header_source(), **{k.file: k.source for k in built.kernels},
             "prism_runtime.py": Path(cuda_runtime.__file__).read_text(), "launcher.py": launcher,
+            "cuda_plan.py": Path(cuda_runtime.__file__).with_name("cuda_plan.py").read_text(),  # the runtime's, beside it
             f"{built.program.name}.prism": print_program(built.program), **extra}
 
 

@@ -1,0 +1,136 @@
+"""The runtime plan `cuda_runtime` launches: what a well-formed one holds (`problems`), and the tensor maps of the
+kernels whose loop tiles the tensor memory accelerator copies (`backend.copies`), which the CUDA driver encodes
+for the tensors' device addresses (`encode_map`).
+
+A plan is a JSON-compatible dict: the program's name, its inputs and outputs, every tensor's shape and storage
+dtype, and the kernels to launch in order, each with its file, function, grid, block, dynamic shared memory,
+the tensors it takes (`args`, in parameter order), those zeroed before it (`zero`), the tile counters of a
+combining kernel in its launch (`tickets`), and the tensor maps its first parameters are (`maps`: per map the
+tensor and the box one copy brings, outer dims first).
+
+Standalone like `cuda_runtime`, which loads it from beside itself: it imports nothing of the package, and the
+compiler copies both beside the kernels it writes. It raises nothing of its own: problems come back as text,
+which `cuda_runtime` raises as its PlanError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+DTYPES = ("f16", "bf16", "f32", "f64")  # a tensor's storage dtype
+ITEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+MAX_THREADS = 1024
+# CUtensorMapDataType of each storage dtype, and the encoding choices (cuda.h): the 128-byte swizzle wgmma reads
+# (CU_TENSOR_MAP_SWIZZLE_128B), L2 lines of 128 bytes (CU_TENSOR_MAP_L2_PROMOTION_L2_128B), no interleave, no fill
+# of what lies outside the tensor (the generated boxes never reach past it)
+MAP_DTYPE = {"f16": 6, "bf16": 9, "f32": 7, "f64": 8}
+SWIZZLE_128B, L2_PROMOTION_128B, MAP_BYTES, MAX_BOX = 3, 2, 128, 256
+
+
+def problems(plan) -> str | None:
+    """What is wrong with a plan, every problem at once; None for a well-formed one."""
+    if not isinstance(plan, dict):
+        return f"a plan is a dict, not {type(plan).__name__}"
+    kinds = {"program": str, "inputs": list, "outputs": list, "tensors": dict, "kernels": list}
+    found = [f"plan needs '{key}' ({kind.__name__})" for key, kind in kinds.items() if not isinstance(plan.get(key), kind)]
+    if found:
+        return "\n".join(found)
+    tensors = plan["tensors"]
+    for name, spec in tensors.items():
+        shape, dtype = (spec.get("shape"), spec.get("dtype")) if isinstance(spec, dict) else (None, None)
+        if not (isinstance(shape, list) and all(_positive_int(n) for n in shape)):
+            found.append(f"tensor '{name}': shape must be a list of positive ints, not {shape!r}")
+        if dtype not in DTYPES:
+            found.append(f"tensor '{name}': dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    for role in ("inputs", "outputs"):
+        if not all(isinstance(n, str) for n in plan[role]):
+            return f"plan '{role}' must list tensor names (strings), not {plan[role]!r}"
+        found += [f"{role[:-1]} '{n}' is not in 'tensors'" for n in plan[role] if n not in tensors]
+        found += [f"{role[:-1]} '{n}' is listed twice" for n in sorted(set(plan[role])) if plan[role].count(n) > 1]
+    found += [f"'{n}' is both an input and an output" for n in plan["outputs"] if n in plan["inputs"]]
+    names = [k.get("name") for k in plan["kernels"] if isinstance(k, dict)]
+    found += [f"kernel name '{n}' is used twice" for n in sorted(set(names), key=str) if names.count(n) > 1]
+    for i, kernel in enumerate(plan["kernels"]):
+        found += _kernel_problems(i, kernel, tensors, plan["inputs"])
+    return f"plan for '{plan['program']}' is malformed:\n  " + "\n  ".join(found) if found else None
+
+
+def _positive_int(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
+def _kernel_problems(i: int, kernel, tensors: dict, inputs: list) -> list[str]:
+    if not isinstance(kernel, dict):
+        return [f"kernel {i} is a {type(kernel).__name__}, not a dict"]
+    where = f"kernel {i} ('{kernel.get('name', '?')}')"
+    found = [f"{where}: '{key}' must be a string" for key in ("name", "file", "function")
+             if not isinstance(kernel.get(key), str)]
+    for key in ("grid", "block"):
+        value = kernel.get(key)
+        if not (isinstance(value, list) and len(value) == 3 and all(_positive_int(n) for n in value)):
+            found.append(f"{where}: '{key}' must be 3 positive ints, not {value!r}")
+        elif key == "block" and (threads := value[0] * value[1] * value[2]) > MAX_THREADS:
+            found.append(f"{where}: a block of {value} has {threads} threads; CUDA allows at most {MAX_THREADS}")
+    smem = kernel.get("smem", 0)
+    if not (isinstance(smem, int) and not isinstance(smem, bool) and smem >= 0):
+        found.append(f"{where}: 'smem' must be a non-negative int (bytes), not {smem!r}")
+    if "tickets" in kernel and not _positive_int(tickets := kernel["tickets"]):  # tiles whose pieces it combines
+        found.append(f"{where}: 'tickets' must be a positive int (tiles whose pieces it combines), not {tickets!r}")
+    for key in ("args", "zero"):
+        names = kernel.get(key, [] if key == "zero" else None)
+        if not isinstance(names, list):
+            found.append(f"{where}: '{key}' must be a list of tensor names")
+            continue
+        found += [f"{where}: {key} names unknown tensor {n!r}" for n in names if not isinstance(n, str) or n not in tensors]
+        if key == "zero":
+            found += [f"{where}: zeroes input '{n}', which the program must not write" for n in names if n in inputs]
+    maps = kernel.get("maps", [])
+    if not isinstance(maps, list):
+        return found + [f"{where}: 'maps' must be a list of tensor maps"]
+    return found + [f"{where}: {p}" for m in maps if (p := _map_problem(m, kernel.get("args"), tensors))]
+
+
+def _map_problem(m, args, tensors: dict) -> str | None:
+    """What is wrong with one tensor map of a kernel (its tensor one of the kernel's, a box the driver encodes)."""
+    if not (isinstance(m, dict) and isinstance(m.get("tensor"), str) and isinstance(m.get("box"), list)):
+        return f"a tensor map is {{'tensor': NAME, 'box': [...]}}, not {m!r}"
+    name, box = m["tensor"], m["box"]
+    if not isinstance(args, list) or name not in args or not isinstance(tensors.get(name), dict):
+        return f"a tensor map's tensor '{name}' is not one of its args"
+    shape, dtype = tensors[name].get("shape"), tensors[name].get("dtype")
+    if not isinstance(shape, list) or len(box) != len(shape) or not 1 <= len(box) <= 5 or dtype not in ITEM_BYTES:
+        return f"the tensor map of '{name}' needs a box of one size per dim of the tensor (1 to 5), not {box!r}"
+    if not all(_positive_int(b) and b <= min(MAX_BOX, s if _positive_int(s) else 0) for b, s in zip(box, shape)):
+        return f"the tensor map of '{name}': each box size is 1 to {MAX_BOX} and at most the tensor's, not {box!r}"
+    if box[-1] * ITEM_BYTES[dtype] != 128 or shape[-1] * ITEM_BYTES[dtype] % 16:
+        return (f"the tensor map of '{name}': its box's rows are 128 bytes (the swizzle's) and the tensor's a "
+                f"multiple of 16, not {box[-1]} and {shape[-1]} elements of {dtype}")
+    return None
+
+
+@functools.cache
+def _driver():
+    """The CUDA driver library (the one pycuda loaded), for the call pycuda does not wrap."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    return lib
+
+
+def encode_map(pointer: int, dtype: str, shape, box) -> bytes:
+    """The 128-byte CUtensorMap of a contiguous tensor at device address `pointer` (shape and box outer dims
+    first), with the 128-byte swizzle, as cuTensorMapEncodeTiled writes it; RuntimeError where the driver refuses."""
+    rank, item = len(shape), ITEM_BYTES[dtype]
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    dims = (u64 * rank)(*reversed(shape))  # the driver's order: innermost dim first
+    strides = (u64 * max(1, rank - 1))(*(item * math.prod(shape[rank - i:]) for i in range(1, rank)))  # bytes, dims 1..
+    raw = ctypes.create_string_buffer(MAP_BYTES + 64)
+    at = -(-ctypes.addressof(raw) // 64) * 64  # the map's address must be 64-byte aligned
+    status = _driver().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(at), MAP_DTYPE[dtype], u32(rank), ctypes.c_void_p(pointer), dims, strides,
+        (u32 * rank)(*reversed(box)), (u32 * rank)(*[1] * rank), 0, SWIZZLE_128B, L2_PROMOTION_128B, 0)
+    if status != 0:
+        raise RuntimeError(f"the CUDA driver refuses the tensor map of a {dtype} tensor {list(shape)} at {pointer:#x} "
+                           f"with box {list(box)} (cuTensorMapEncodeTiled: CUresult {status})")
+    return ctypes.string_at(at, MAP_BYTES)
