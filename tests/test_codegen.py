@@ -151,10 +151,11 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     an operand tile (the copies, gain * x) lands in the 128-byte swizzle its descriptors describe, the gated
     pair shares A's descriptor, B is read N-major as stored or K-major where stored transposed, no ldmatrix;
     where both operands are pipelined loop tiles (3 stages), each iteration's batch stays in flight into the
-    next. The emulated code matches the float64 reference under ThreadSanitizer (the emulation itself reports a
-    descriptor that reads outside shared memory), and a copy written unswizzled is caught, as is a stage
-    refilled while a batch in flight still reads it, and code without the fences that hand the threads' writes
-    and registers to the tensor cores."""
+    next. Where every loop tile is one wgmma reads (the gated pair, kmajor), TMA copies them, into the same
+    swizzle. The emulated code matches the float64 reference under ThreadSanitizer (the emulation itself
+    reports a descriptor that reads outside shared memory), and a copy written unswizzled (cp.async: --no-tma)
+    is caught, as is a stage refilled while a batch in flight still reads it, and code without the fences that
+    hand the threads' writes and registers to the tensor cores."""
     out = tmp_path / "out"
     assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(out), "--arch", "none",
                  "--sanitize", "thread", "--dims", "d=256", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=4,F2=4,F3=2"]) == 0
@@ -169,8 +170,9 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     assert all(k["block"][0] == 256 for k in report["kernels"])
     # in flight: the gated pair (loop tiles only, 4 iterations: 3 stages); not gain * x (computed in the loop)
     # nor kmajor (2 iterations: 2 stages)
-    assert "wgmma_wait<1>" in src["gated"] and "prism::cp_async_wait<0>();  // this iteration's" in src["gated"]
+    assert "wgmma_wait<1>" in src["gated"] and "mbarrier_wait(&full[it % 3], it / 3 % 2);  // this iteration's" in src["gated"]
     assert "wgmma_wait<1>" not in src["gain"] + src["kmajor"]
+    assert "tma_load(" in src["gated"] and "tma_load(" in src["kmajor"] and "tma_load(" not in src["gain"]
     sm80 = tmp_path / "sm80"  # --no-wgmma: the same products on mma.sync, for sm_80 and later
     assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(sm80), "--arch", "none",
                  "--no-emulate", "--no-wgmma", "--dims", "d=256", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=4,F2=4,F3=2"]) == 0
@@ -179,10 +181,11 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     program = load(write(WGMMA_PRODUCTS)).program()
     options = BuildOptions(dims={"d": 256}, grid={"g1": 2, "g2": 1, "g3": 2}, loop={"F1": 4, "F2": 4, "F3": 2}, archs=())
     built = build(program, H100, options)
-    k = built.kernels[2]
+    copied = build(program, H100, replace(options, codegen=CodegenConfig(tma=False)))
+    k = copied.kernels[2]
     wrong = k.source.replace("(i1 / 8 % 8 ^ i0 % 8) * 8", "i1 / 8 % 8 * 8", 1)
     assert wrong != k.source and "prism::cp_async<8>(s_vt" in k.source
-    assert not emulate(replace(built, kernels=built.kernels[:2] + (replace(k, source=wrong),)), options).passed
+    assert not emulate(replace(copied, kernels=copied.kernels[:2] + (replace(k, source=wrong),)), options).passed
     # two batches left in flight where the pipeline refills the stage of the older one
     k = built.kernels[1]
     wrong = k.source.replace("wgmma_wait<1>", "wgmma_wait<2>")
@@ -202,23 +205,24 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
 
 
 @needs_cxx
-@pytest.mark.parametrize("name, dims, grid, loop, sanitizer, turns", [
-    ("attention", "b=1,h=2,q=128,kv=256,dh=128", "gb=1,gh=2,gq=1", "F=4", "thread", False),  # kt N-major, 2 warpgroups
-    ("attention", "b=1,h=2,q=128,kv=256,dh=128", "gb=1,gh=2,gq=1", "F=4", "address", True),  # taking turns
-    ("causal_attention", "b=1,h=2,q=128,kv=128,dh=64", "gq=2,gh=2", "F=2", "address", False),  # K-major, RoPE, mask
+@pytest.mark.parametrize("name, dims, grid, loop, sanitizer, turns, tma", [
+    ("attention", "b=1,h=2,q=128,kv=256,dh=128", "gb=1,gh=2,gq=1", "F=4", "address", False, False),  # kt N-major, 2 warpgroups
+    ("attention", "b=1,h=2,q=128,kv=256,dh=128", "gb=1,gh=2,gq=1", "F=4", "thread", True, True),  # taking turns, TMA
+    ("causal_attention", "b=1,h=2,q=128,kv=128,dh=64", "gq=2,gh=2", "F=2", "address", False, False),  # K-major, RoPE, mask
 ])
-def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tmp_path):
+def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tma, tmp_path):
     """Query tiles of 64 rows or more, key tiles and head dims of 64 or 128: s = q @ kt by wgmma from the
     swizzled tiles, p @ v by wgmma with p's fragments from registers; no ldmatrix; emulated under a
     sanitizer against the float64 reference. With 3 stages (attention here), p @ v runs one iteration
     late, beside the next scores' softmax, and the last one after the loop (`launch.overlap`); p's
     fragments written before that batch's wait are reported. With 2 (causal here), each iteration waits
     for both batches. The two warpgroups of attention take turns on the tensor cores with a fourth stage
-    (`launch.takes_turns`), and in step with --no-pingpong."""
+    (`launch.takes_turns`), their tiles copied by TMA, and in step with --no-pingpong (here with --no-tma:
+    cp.async). Causal attention's key tile is RoPE'd before wgmma reads it: cp.async copies it."""
     out = tmp_path / "out"
     assert main(["compile", str(ROOT / f"programs/fused/{name}.prism"), "--search", "none", "-o", str(out), "--arch",
                  "none", "--dims", dims, "--grid", grid, "--loop", loop, "--sanitize", sanitizer]
-                + ([] if turns or name != "attention" else ["--no-pingpong"])) == 0
+                + ([] if turns or name != "attention" else ["--no-pingpong", "--no-tma"])) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["checked"]["emulation"]["passed"], report["checked"]
     src = (out / f"{report['kernels'][0]['name']}.cu").read_text()
@@ -229,11 +233,12 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tmp_p
     assert len(re.findall(r"prism::wgmma<\d+, half, true>\(reinterpret_cast<float \(&\)\[\d+\]>\(f_\w+\[0\]\), " + p, src)) == 1 + late
     assert ("wgmma_wait<1>" in src) == late and (f"{3 + turns} stages" in src) == late
     assert ("named_sync(1 + PRISM_TID / 128, 256)" in src) == turns and ("mbarrier_wait(&full" in src) == turns
+    assert ("prism::tma_load(" in src) == tma and ("cp_async<8>(s_kt_stages" in src) != tma
     assert ("K-major" in src) == (name == "causal_attention")
     if late:  # p's next fragments packed before the wait for the p @ v that reads the current ones
         program = load(ROOT / f"programs/fused/{name}.prism").program()
         options = BuildOptions(dims=parse_dims(dims), grid=parse_dims(grid), loop=parse_dims(loop), archs=(),
-                               codegen=CodegenConfig(pingpong=turns))
+                               codegen=CodegenConfig(pingpong=turns, tma=tma))
         built = build(program, H100, options)
         k = built.kernels[0]
         pack = re.search(r"\n *PRISM_UNROLL\n *for \(int kk = 0; kk < \d+; \+\+kk\) \{  // p's A fragments.*?\n *\}\n", k.source, re.S)
@@ -291,22 +296,25 @@ def test_a_kernel_over_its_bound_is_held_to_the_shared_memory_its_code_takes(wri
 def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     """Attention on two warpgroups that take turns on the tensor cores (`launch.takes_turns`), with 5 stages
     so that the copies run 2 iterations ahead and a stage is refilled while the later warpgroup may still
-    be reading it: the emulation passes the code as generated and reports each barrier taken out, and the fence
-    that hands the landed tiles to the tensor cores."""
+    be reading it: the emulation passes the code as generated, its tiles copied by TMA (one thread, after the
+    stage's last readers have arrived at its empty mbarrier), and reports each barrier taken out, a copy
+    whose bytes its stage does not wait for, and an mbarrier the TMA unit was not shown. With cp.async
+    (--no-tma) every thread copies, and the fence that hands the landed tiles to the tensor cores is needed."""
     program = load(ROOT / "programs/fused/attention.prism").program()
-    options = BuildOptions(dims=parse_dims("b=1,h=1,q=128,kv=768,dh=128"), grid=parse_dims("gb=1,gh=1,gq=1"),
-                           loop=parse_dims("F=12"), archs=(), codegen=CodegenConfig(stages=4))
+    options = BuildOptions(dims=parse_dims("b=1,h=1,q=128,kv=512,dh=64"), grid=parse_dims("gb=1,gh=1,gq=1"),
+                           loop=parse_dims("F=8"), archs=(), codegen=CodegenConfig(stages=4))
     built = build(program, H100, options)
     k = built.kernels[0]
-    assert "5-stage cp.async pipeline paced by mbarriers" in k.source and "ahead = it + 2;" in k.source
+    assert "5-stage TMA pipeline paced by mbarriers" in k.source and "ahead = it + 2;" in k.source
     assert emulate(built, options).passed
 
-    def found(old: str, new: str, *more: str) -> str:
+    def found(old: str, new: str, *more: str, within=built) -> str:
+        k = within.kernels[0]
         wrong = re.sub(old, new, k.source)
         if more:
             wrong = re.sub(*more, wrong)
         assert wrong != k.source, old
-        result = emulate(replace(built, kernels=(replace(k, source=wrong),)), options)
+        result = emulate(replace(within, kernels=(replace(k, source=wrong),)), options)
         assert not result.passed and result.finding, result.errors()
         return result.finding["message"]
     # a stage refilled before the other warpgroup's p @ v of it has landed
@@ -315,14 +323,19 @@ def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     assert "changed before the wgmma.wait_group" in found(  # the stage given back when p @ v is issued, not landed
         re.escape(give_back), ";", r"(prism::named_arrive\(2 - PRISM_TID / 128, 256\);)", r"\1 " + give_back)
     assert "for arrivals that never come" in found(re.escape(give_back), ";")  # nor ever
-    # a stage read before its copies have landed (they never complete: nothing waits for them)
-    assert "never waited for" in found(r"prism::mbarrier_wait\(&full", "if (0) prism::mbarrier_wait(&full")
+    # a stage read before its copies have landed (the last ones never do: nothing waits for them)
+    assert "never landed" in found(r"prism::mbarrier_wait\(&full", "if (0) prism::mbarrier_wait(&full")
+    # the stage's bytes not expected: its phase completes at the issuing thread's arrival, before they land
+    assert "mbarrier.expect_tx" in found(r"prism::mbarrier_expect_tx\((&full\[ahead % 5\]), \d+\)", r"prism::mbarrier_arrive(\1)")
+    assert "not made visible to the async proxy" in found(re.escape("prism::mbarrier_init_fence();"), "")
     # warpgroup 0's first turn never given, and warpgroup 1's last never taken
     assert "bar.sync) for arrivals that never come" in found(r"if \(PRISM_TID / 128 == 1\) prism::named_arrive", "if (0) prism::named_arrive")
     assert "a bar.arrive no bar.sync waited for" in found(r"if \(PRISM_TID / 128 == 0\) prism::named_sync", "if (0) prism::named_sync")
-    # the tiles landed at the mbarrier, read by wgmma with no fence.proxy.async after them
+    # cp.async: the tiles landed at the mbarrier, read by wgmma with no fence.proxy.async after them
+    copied = build(program, H100, replace(options, codegen=CodegenConfig(stages=4, tma=False)))
+    assert "5-stage cp.async pipeline paced by mbarriers" in copied.kernels[0].source and emulate(copied, options).passed
     landed = re.escape("prism::fence_async_shared();  // and wgmma sees them")
-    assert "since the last fence.proxy.async" in found(landed, "")
+    assert "since the last fence.proxy.async" in found(landed, "", within=copied)
 
 
 SHARED_WITH_WMMA = """dims n = 128, d = 128, e = 128
@@ -787,8 +800,8 @@ def test_compile_writes_kernels_launcher_program_and_report(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "verified: yes" in text and "nvcc: every kernel compiles for sm_90, sm_80" in text
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["launcher.py", "prism.cuh", "prism_runtime.py", "report.json", "rmsnorm_linear.prism",
-                     "rmsnorm_matmul.cu"]
+    assert names == ["cuda_plan.py", "launcher.py", "prism.cuh", "prism_runtime.py", "report.json",
+                     "rmsnorm_linear.prism", "rmsnorm_matmul.cu"]
     report = json.loads((out / "report.json").read_text())
     assert report["program"] == "rmsnorm_linear" and report["hardware"]["name"] == "H100"
     assert report["verified"] is True and report["measured_us"] is None and report["estimated_us"] > 0

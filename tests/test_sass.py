@@ -74,7 +74,8 @@ def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(na
     """On wgmma (sm_90a) the hot loop issues HGMMA with no ldmatrix and no HMMA, and waits while one batch
     is still pending without ptxas serializing the instructions: the products' batch of the iteration
     before, or online softmax's p @ v beside the next scores' softmax (attention's two warpgroups taking
-    turns at named barriers, the stages paced by mbarriers); on mma.sync, 4 HMMA or more per LDSM."""
+    turns at named barriers, the stages paced by mbarriers); its tiles come by TMA (UTMALDG, no LDGSTS; one
+    thread's, at an mbarrier that counts their bytes). On mma.sync, 4 HMMA or more per LDSM, and cp.async."""
     import subprocess
 
     from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
@@ -93,11 +94,12 @@ def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(na
     listing = sass.disassemble(tmp_path / "k.cubin")
     hot = sass.hot_loop(listing).counts
     if wgmma:
-        assert hot["HGMMA"] > 0 and hot["HMMA"] == hot["LDSM"] == 0 and hot["LDGSTS"] > 0, hot
+        assert hot["HGMMA"] > 0 and hot["HMMA"] == hot["LDSM"] == hot["LDGSTS"] == 0 and hot["UTMALDG"] > 0, hot
         assert "serialized" not in done.stderr and "WARPGROUP.DEPBAR.LE gsb0, 0x1" in listing
+        assert "SYNCS.ARRIVE.TRANS64 RZ" in listing and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in listing  # expect_tx, wait
     if name == "attention":  # two warpgroups taking turns: named barriers, the stages paced by mbarriers
-        assert hot["HGMMA"] == 13 and hot["BAR"] == 2, hot
-        assert all(op in listing for op in ("BAR.SYNC.DEFER_BLOCKING R", "BAR.ARV R", "ARRIVES.LDGSTSBAR.64.ARVCNT",
+        assert hot["HGMMA"] == 13 and hot["BAR"] == 2 and hot["UTMALDG"] == 3, hot  # kt, and v's two panels
+        assert all(op in listing for op in ("BAR.SYNC.DEFER_BLOCKING R", "BAR.ARV R", "UTMALDG.4D",
                                             "SYNCS.PHASECHK.TRANS64.TRYWAIT", "SYNCS.ARRIVE.TRANS64.A1T0"))
     if not wgmma:
         assert hot["HMMA"] >= 4 * hot["LDSM"] > 0 and hot["LDGSTS"] > 0, hot

@@ -45,7 +45,8 @@ from ..kernels.position import causal_loop, longest_first, loop_bounds, placed, 
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, block_names, comment, decompose, ident, offset, tensor_name
-from .launch import CodegenConfig, copy_bytes, dot_lanes, flash_values, layout, stage_elements, vector_width
+from .copies import TensorMap, load_step, tma_copies
+from .launch import CodegenConfig, dot_lanes, flash_values, layout, stage_elements
 from .tensor_steps import TensorCoreSteps, shared_operand
 
 __all__ = ["CTYPE", "CodegenConfig", "Emitter", "RenderedKernel", "comment", "ident", "render_kernel"]
@@ -79,6 +80,7 @@ class RenderedKernel:
     wgmma: bool = False  # its products run on wgmma: it compiles for sm_90a only
     combines: str | None = None  # the combining kernel it also runs (`render_launch`), by name
     tickets: int = 0  # with `combines`: its tiles, one counter each, zero before the first launch (the last parameter)
+    maps: tuple[TensorMap, ...] = ()  # the tensor maps of its TMA copies (`tma`), its first parameters
 
 
 @cache
@@ -201,20 +203,6 @@ class Emitter(TensorCoreSteps):
     def elements(self, shape, body_of, text: str) -> dict:
         lines, idx = decompose("e", shape, "i")
         return {"kind": "elements", "comment": text, "n": math.prod(shape), "idx": lines, "body": body_of(idx)}
-
-    def load_step(self, node: Node, it: str = "it", dst: str = "") -> dict:
-        """The tile `node` copied in: at loop iteration `it` (a C expression), into `dst` (its buffer)."""
-        load = self.k.load(node.attr)
-        src = self.k.inputs[load.source]
-        full, tile, b = self.shape(src), self.shape(node), self.plan.buffer(node)
-        vec, cp = vector_width(self.c, node, self.config), copy_bytes(self.c, node, self.config) > 0
-        lines, idx = decompose("e", tile, "i")
-        parts = [([f"{self.blk}{dm.axis} * {size // dict(self.c.grid)[dm.axis]}"] if dm.axis else [])
-                 + ([f"{it} * {t}"] if dm.loop else []) + ([i] if i != "0" else [])
-                 for size, t, dm, i in zip(full, tile, load.map.dims, idx)]
-        text = comment(f"{node.attr} = load {tensor_name(src)}{load.map}  tile {list(tile)} of {list(full)}")
-        return {"kind": "load", "comment": text, "n": math.prod(tile), "idx": lines, "vec": vec, "cp": cp,
-                "dst": dst or self.cname[b.name], "at": self.offset(b, idx, tile), "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
 
     def compute_step(self, node: Node) -> dict:
         b = self.plan.buffer(node)
@@ -410,7 +398,7 @@ class Emitter(TensorCoreSteps):
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
         zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
         return RenderedKernel(k.name, ctx["function"], ctx["file"], source, grid3, (self.threads, 1, 1), ctx["smem"],
-                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0, ctx["wgmma"])
+                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0, ctx["wgmma"], maps=ctx["maps"])
 
     def context(self, phase: int = 0) -> dict:
         """What the template renders the kernel from; its shared buffers' phases (`kernels.lifetimes`) counted
@@ -421,15 +409,16 @@ class Emitter(TensorCoreSteps):
         varying = loop_varying(k)
         looped = in_loop(body, after)
         prologue = self.init_steps()
-        prologue += [self.load_step(n) for n in looped if n.op == "tile" and n not in varying]
+        prologue += [load_step(self, n) for n in looped if n.op == "tile" and n not in varying]
         # the loop's loads run together; one barrier after them (or, pipelined, issued stages - 1 iterations ahead)
         loop_tiles = [n for n in looped if n.op == "tile" and n in varying]
         stages = self.layout.stages
         staged = [{"cname": self.cname[self.plan.buffer(n).name], "ctype": CTYPE[self.plan.buffer(n).dtype],
                    "stride": stage_elements(self.layout, self.plan.buffer(n))} for n in loop_tiles] if stages > 1 else []
-        ahead = self._merge([self.load_step(n, "ahead", f"{st['cname']}_stages + ahead % {stages} * {st['stride']}")
-                             for n, st in zip(loop_tiles, staged)])
-        loop_steps = [] if staged else self._merge([self.load_step(n) for n in loop_tiles])
+        into = [f"{st['cname']}_stages + ahead % {stages} * {st['stride']}" for st in staged]
+        by_tma, maps = tma_copies(self, loop_tiles, into, stages) if self.layout.tma else ([], ())
+        ahead = [] if by_tma else self._merge([load_step(self, n, "ahead", dst) for n, dst in zip(loop_tiles, into)])
+        loop_steps = [] if staged else self._merge([load_step(self, n) for n in loop_tiles])
         done: set = set()
         flashed = flash_values(self.plan, self.layout.flash)
         invariant = []  # values the loop reads but does not change: computed once, before it
@@ -447,7 +436,7 @@ class Emitter(TensorCoreSteps):
         staged = [st | {"late": st["cname"] in late} for st in staged]
         epilogue = [st | {"kind": "warp_mma_store"} for st in registers]
         epilogue += [st | {"kind": "flash_store"} for st in flash]
-        epilogue += self._merge([self.load_step(n) for n in post if n.op == "tile"])
+        epilogue += self._merge([load_step(self, n) for n in post if n.op == "tile"])
         epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
         epilogue += [self.store_step(i) for i in range(len(k.stores))]
 
@@ -460,7 +449,8 @@ class Emitter(TensorCoreSteps):
                                        + f", {in_use(self.layout.live[b.name])}")}
                    for b in self.plan.buffers if b.name in self.layout.offsets]
         smem = self.layout.smem
-        inputs = [f"const {CTYPE[storage(n)]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
+        inputs = [f"const __grid_constant__ prism::TensorMap {m.param}" for m in maps]
+        inputs += [f"const {CTYPE[storage(n)]}* __restrict__ g_{ident(tensor_name(n))}" for n in k.inputs]
         outputs = [f"{CTYPE[stored_dtype(k, i)]}* __restrict__ g_{ident(s.name)}" for i, s in enumerate(k.stores)]
         function = f"prism_{ident(k.name)}"
         summary = [comment(f"load {l.tile} = {tensor_name(k.inputs[l.source])}{l.map}") for l in k.loads]
@@ -474,7 +464,8 @@ class Emitter(TensorCoreSteps):
                "order": block_names(self.k, dict(c.grid), self.config.sms) if self.blk == "blk_" else [],
                "params": inputs + outputs, "inputs": inputs, "outputs": outputs, "phase": phase,
                "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
-               "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead,
+               "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead, "maps": maps,
+               "tma": by_tma, "tma_bytes": sum(st["bytes"] for st in by_tma),
                "pingpong": self.layout.pingpong, "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
         return ctx
 

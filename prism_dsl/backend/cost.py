@@ -32,7 +32,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
             where p @ v runs one iteration late (`Layout.overlap`) both at peak * WGMMA_IN_FLIGHT, the
             softmax's f32 work (max, exp, sums, rescaling, the causal mask) beside p @ v: SOFTMAX_BESIDE
             of the shorter of the two is not counted; where two warpgroups take turns (`Layout.pingpong`)
-            both products at peak * WGMMA_PINGPONG, and the f32 work of one beside the other's products:
+            both products at peak * WGMMA_PINGPONG (WGMMA_PINGPONG_TMA where TMA copies the loop's tiles:
+            `Layout.tma`), and the f32 work of one beside the other's products:
             the longer of the products and that work counts, not their sum)
         register-tiled wgmma (sm_90a)   min(peak * WGMMA_REACH * (1 with 2 or more warpgroups per SM, else
                                             WGMMA_LONE), smem bandwidth * flops per operand byte read);
@@ -117,9 +118,16 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   of the two products with the softmax) at 570-582 TFLOP/s, against 661 with both.
 - WGMMA_PINGPONG = 0.78 (624 TFLOP/s): two warpgroups taking turns on the tensor cores, one's batch beside the
   other's softmax, as well as p @ v one iteration late in each: the two overlaps of FlashAttention-3, whose
-  ablation (H100, head dim 128) puts the kernel with both at 661 TFLOP/s. The code here has no TMA and no
-  producer warp: the computing warps issue their own cp.async (8 16-byte copies per thread and iteration at
-  dh = 128, with their address arithmetic) and wait at the stages' mbarriers, so it is taken about 6% lower.
+  ablation (H100, head dim 128) puts the kernel with both at 661 TFLOP/s. With cp.async (`--no-tma`) the
+  computing warps issue their own copies (8 16-byte copies per thread and iteration at dh = 128, with their
+  address arithmetic) and wait at the stages' mbarriers, so it is taken about 6% lower.
+  WGMMA_PINGPONG_TMA = 0.81 (648 TFLOP/s): the same with the loop tiles copied by TMA (`Layout.tma`), as
+  FlashAttention-3 copies them: 2% under its 661, since FlashAttention-3 gives the copies a producer warp of
+  their own and the computing warpgroups the registers it frees (setmaxnreg), where here thread 0 of a
+  computing warp issues them, after waiting for the stage's readers (who read it three iterations before, so
+  the wait seldom holds it). Read from the SASS (nvcc 13, sm_90a, attention at q = kv = 4096, dh = 128): the
+  loop holds 471 instructions with no LDGSTS (515 with cp.async), a warp issues at least 386 an iteration
+  (484 where it copies), and ptxas gives 145 registers (163).
 - SOFTMAX_BESIDE = 0.5: read from the SASS of attention at dh = 128 (nvcc 13, sm_90a): of an iteration's
   34 MUFU.EX2 and 42 FFMA, which the PTX has all before p @ v's wait, ptxas issues 18 and 25 between the
   scores' wait and that one, and schedules the rest after it; the rescaling of the outputs must follow it.
@@ -140,7 +148,7 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - VECTOR_REACH = 0.4: read from the SASS of "dot8" (nvcc 13, sm_90): its unrolled inner loop issues 32
   FFMA among 79-83 instructions (one HADD2.F32 conversion per 16-bit element, 8 LDS of which 4 are
   16-byte), so FFMA takes 0.4 of the issue slots; the shuffles that add the lanes' parts come after it.
-- REGISTERS_BASE = 64, REGISTERS_PER_COPY = 2: read from ptxas (nvcc 13, sm_90) over the programs of
+- REGISTERS_BASE = 64, REGISTERS_PER_COPY = 2 (none where TMA copies the loop's tiles): read from ptxas (nvcc 13, sm_90) over the programs of
   programs/fused at decode and prefill shapes, 128 and 256 threads. The threads' passes over a tile have
   their trip count in sight (templates/steps.j2), so nvcc unrolls the copies of the loop's tiles into the
   main loop and keeps each one's addresses in registers across it: FlashDecoding's partial kernel at dh =
@@ -175,6 +183,7 @@ WGMMA_REACH = 0.65
 WGMMA_LONE = 0.75  # the share of WGMMA_REACH one warpgroup per SM keeps busy
 WGMMA_IN_FLIGHT = 0.72  # with each iteration's batch in flight into the next (`Layout.in_flight`)
 WGMMA_PINGPONG = 0.78  # two warpgroups taking turns on the tensor cores (`Layout.pingpong`)
+WGMMA_PINGPONG_TMA = 0.81  # the same with the loop tiles copied by TMA (`Layout.tma`)
 SOFTMAX_BESIDE = 0.5  # the share of online softmax's f32 work issued while p @ v runs (`Layout.overlap`)
 WMMA_REACH = 0.04
 SCALAR_REACH = 0.2
@@ -309,7 +318,8 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
                       for t in shape.registers.values()] + [0])
                + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0)
-               + (REGISTERS_PER_COPY * -(-iteration_bytes(c) // (16 * shape.threads)) if c.loop > 1 else 0))
+               + (REGISTERS_PER_COPY * -(-iteration_bytes(c) // (16 * shape.threads)) if c.loop > 1 and not shape.tma
+                  else 0))
     if compiled and compiled.get("registers"):  # what ptxas gave it, in place of the estimate
         regs = compiled["registers"]
     occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
@@ -420,7 +430,7 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
         softmax = _softmax_flops(c, s) * times / (f32 * SCALAR_REACH) if f.wg else 0.0  # its f32 work's seconds
         if f.wg and shape.pingpong:  # one warpgroup's softmax beside the other's products
-            products = (qk + pv) / (peak * WGMMA_PINGPONG)
+            products = (qk + pv) / (peak * (WGMMA_PINGPONG_TMA if shape.tma else WGMMA_PINGPONG))
             seconds += products
             hidden += min(products, softmax)
         elif f.wg and shape.overlap:  # p @ v one iteration late, beside the next iteration's softmax

@@ -24,7 +24,9 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   run `stages - 2` iterations ahead. Where that online softmax is the whole loop on two warpgroups, they
   take turns on the tensor cores (`pingpong`): one's products run while the other computes its softmax,
   and mbarriers take the place of the loop's block-wide barrier; with one stage more, the loads run
-  `stages - 3` ahead;
+  `stages - 3` ahead. On sm_90a the loop tiles such a kernel reads by wgmma are copied by the tensor memory
+  accelerator where each is a box of its tensor (`tma`): one thread issues them, an mbarrier per stage
+  says when they have landed;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
   at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
   scores, their exp or its rescaling factors, and it and register-tiled products write their state only
@@ -48,6 +50,7 @@ from ..ir.ops import OPS, Kind
 from ..kernels.kernel import after_loop, in_loop, loop_varying, storage
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
 from ..kernels.sizes import call, compile_sizes, int_value
+from .copies import copied_by_tma, copy_bytes
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
 
 WGMMA_ARCHS = ("sm_90", "sm_90a")  # the targets with wgmma (compiled as sm_90a: its arch-specific features)
@@ -68,6 +71,7 @@ class CodegenConfig:
     pingpong: bool = True  # two warpgroups of online softmax take turns on the tensor cores where they can (`pingpong`)
     flight: int = 13636  # bytes an SM keeps in flight to cover the DRAM latency (`cost.for_hardware`; H100's here)
     one_launch: bool = True  # a split's combining kernel runs in the launch of the kernel it combines (`tails`)
+    tma: bool = True  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can (`tma`)
 
     @property
     def warpgroups(self) -> bool:
@@ -90,7 +94,9 @@ class Layout:
     in_flight: bool = False  # each iteration's wgmma batch runs on while the next iteration starts (`in_flight`)
     overlap: bool = False  # online softmax's p @ v of the iteration before runs beside this one's softmax (`overlap`)
     pingpong: bool = False  # two warpgroups take turns on the tensor cores; mbarriers pace the pipeline (`pingpong`)
-    mbarriers: int = 0  # byte offset of the pipeline's mbarriers (two per stage, after every buffer), with `pingpong`
+    mbarriers: int = 0  # byte offset of the pipeline's mbarriers after every buffer: with `pingpong` a full and an
+    # empty one per stage, with `tma` alone a full one
+    tma: frozenset[str] = frozenset()  # the loop tiles copied by TMA (`tma.copied_by_tma`): every staged one, or none
 
     @property
     def lead(self) -> int:
@@ -245,19 +251,6 @@ def _only_wgmma_reads(c: Concrete, registers: dict[Node, Tiling], flash_of: dict
                    for n in others for x in (n.args[0], stored_operand(n.args[1])[0]))
 
 
-def copy_bytes(c: Concrete, tile: Node, config: CodegenConfig) -> int:
-    """Bytes per `cp.async` of a loaded tile: 16, 8 or 4, the widest whose elements divide both the tile's
-    rows and the tensor's (so every copy is aligned at both ends); 0 where none does (2-byte elements in
-    rows of odd length) or vector loads are off: those tiles are copied an element at a time."""
-    if not config.vector_loads:
-        return 0
-    load = c.kernel.load(tile.attr)
-    full = int_value(c.kernel.inputs[load.source].shape[-1], c.binding)
-    part = int_value(tile.shape[-1], c.binding)
-    size = plan(c.kernel).buffer(tile).dtype.bytes
-    return next((n for n in (16, 8, 4) if n % size == 0 and part % (n // size) == 0 and full % (n // size) == 0), 0)
-
-
 def dot_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, threads: int, config: CodegenConfig) -> int:
     """Lanes per 8 adjacent outputs of a product on the plain path that reads its right operand `b` 8 columns
     at a time (one 16-byte shared-memory load for 8 FMAs, `prism::load8`), or 0 where it cannot: b must be a
@@ -274,12 +267,6 @@ def dot_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, thr
     while lanes < 32 and units * lanes < threads and 2 * lanes * ((2 * lanes).bit_length() - 1) <= length:
         lanes *= 2  # while a lane's shuffles (8 per halving) stay below its FMAs (8 per step it takes)
     return lanes
-
-
-def vector_width(c: Concrete, tile: Node, config: CodegenConfig) -> int:
-    """Elements per copy of a loaded tile (`copy_bytes`; 1 for the element-at-a-time copy)."""
-    n = copy_bytes(c, tile, config)
-    return n // plan(c.kernel).buffer(tile).dtype.bytes if n else 1
 
 
 def padding(c: Concrete, b: Buffer) -> int:
@@ -351,13 +338,15 @@ def _layout(c: Concrete, config: CodegenConfig) -> Layout:
         if config.stages > 1 and not swizzle:  # no products on warpgroups (nor, so, any taking turns)
             most = max(most, deepened(iteration_bytes(c), c.loop, config))
     align = SWIZZLE_ATOM if swizzle else ALIGN  # every buffer, so the swizzled ones start on an atom
+    by_tma = copied_by_tma(c, staged, swizzle, config)
     for stages in range(most, 0, -1):  # as many as fit
         taken = {n: _aligned(size[n], align) * (stages if n in staged else 1) for n in names}
         offsets, smem = arrange(names, taken, live)
         pingpong = turns and stages >= PINGPONG_STAGES
+        tma = by_tma if stages > 1 else frozenset()
         mbarriers = _aligned(smem, 16)
-        if pingpong:
-            smem = mbarriers + 16 * stages  # a full and an empty mbarrier per stage
+        if pingpong or tma:
+            smem = mbarriers + (16 if pingpong else 8) * stages  # a full (and, taking turns, an empty) one per stage
         if smem <= config.smem_limit:
             break
     if swizzle and smem > config.smem_limit:  # the atoms' alignment costs what the limit lacks: no wgmma
@@ -365,7 +354,7 @@ def _layout(c: Concrete, config: CodegenConfig) -> Layout:
     sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
     return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
                   {n: live[n] for n in names}, in_flight(c, registers, flash_of, stages, staged),
-                  overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong else 0)
+                  overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong or tma else 0, tma)
 
 
 def tile_bytes(c: Concrete) -> list[tuple[Node, int]]:

@@ -16,12 +16,12 @@ issues per iteration of the main loop and once besides, along the shortest of th
 issue the most tensor-core instructions (HMMA, HGMMA: a warp that runs a loop's products runs them on every
 iteration, behind `if (warp < N)` and, for online softmax's `p @ v`, `if (it > 0)`, which no path may skip),
 forward branches taken wherever that is shorter, nested loops once, so a floor; per iteration along the
-shortest of those paths that also issue the most async copies (LDGSTS), which the iterations that copy tiles
-ahead take (all but a pipelined loop's last few: the copies sit behind `if (ahead < N)`); and how much less a
-warp that runs no product issues per iteration (where a small product's layout leaves some warps out). The
-SASS loop is taken for the source's main loop (`for (int it = 0; ...)`) only where its barriers say so: BAR
-per pass, against the source's barriers per iteration, gives how many iterations nvcc unrolled into one pass;
-where they disagree, nothing is taken.
+shortest of those paths that also issue the most async copies (LDGSTS; TMA's UTMALDG, which thread 0 issues),
+which the iterations that copy tiles ahead take (all but a pipelined loop's last few: the copies sit behind
+`if (ahead < N)`); and how much less a warp that runs no product issues per iteration (where a small product's
+layout leaves some warps out). The SASS loop is taken for the source's main loop (`for (int it = 0; ...)`) only
+where its barriers say so: BAR per pass, against the source's barriers per iteration, gives how many iterations
+nvcc unrolled into one pass; where they disagree, nothing is taken.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # instruction classes counted in a loop: the opcode's first dotted part
-CLASSES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "LDS", "STS", "BAR", "LDG", "SHFL")
+CLASSES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "FFMA", "LDS", "STS", "BAR", "LDG", "SHFL")
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 NEVER = "NEVER"  # the opcode recorded for an instruction predicated on !PT (alignment filler: never runs)
@@ -43,6 +43,7 @@ EXIT_SOME = "EXIT.IF"  # the opcode recorded for a predicated EXIT (`loops` look
 IF = ".IF"  # appended to the opcode of a predicated branch: it may fall through
 _TARGET = re.compile(r"^\s*(0x[0-9a-f]+)")
 _PRODUCTS = ("HMMA", "HGMMA")  # the tensor-core instructions a loop's every iteration issues
+COPIES = ("LDGSTS", "UTMALDG")  # async copies into shared memory: cp.async, and TMA's (cp.async.bulk.tensor)
 
 
 def tool(name: str = "cuobjdump") -> str | None:
@@ -158,13 +159,13 @@ def fewest(sass: str, start: int = 0, end: int | None = None, copying: bool = Fa
     kernel's unconditional EXIT) along the paths that issue the most HMMA and HGMMA (any path, without
     `products`): fall-throughs, and branches forward to an instruction in between, whichever is shorter; a
     back branch is not taken (a loop nested inside counts once); instructions predicated never to run count
-    0. With `copying`, of those paths the ones that issue the most LDGSTS. One kernel per listing (`where`'s
-    addresses run up)."""
+    0. With `copying`, of those paths the ones that issue the most async copies (LDGSTS, UTMALDG). One kernel
+    per listing (`where`'s addresses run up)."""
     return _fewest(instructions(sass), start, end, copying, products)
 
 
 def _fewest(parsed, start: int = 0, end: int | None = None, copying: bool = False, products: bool = True) -> int:
-    """`fewest` over a listing already parsed by `instructions`. A path's cost is (LDGSTS left out, with
+    """`fewest` over a listing already parsed by `instructions`. A path's cost is (async copies left out, with
     `copying`; tensor-core instructions left out, with `products`; instructions), the least taken at each
     instruction: the code runs forward, so the least to an instruction extends from the least to those before it."""
     ops, where, branches = parsed
@@ -175,7 +176,7 @@ def _fewest(parsed, start: int = 0, end: int | None = None, copying: bool = Fals
     for i, target in branches:
         if start <= i < end and at.get(target, -1) > i:
             ahead.setdefault(i, []).append(at[target])
-    cost = [(-int(copying and op.startswith("LDGSTS")), -int(products and op.startswith(_PRODUCTS)), int(op != NEVER))
+    cost = [(-int(copying and op.startswith(COPIES)), -int(products and op.startswith(_PRODUCTS)), int(op != NEVER))
             for op in ops]
     never = (math.inf, math.inf, math.inf)
     best = [never] * (end + 1)
@@ -211,13 +212,13 @@ def issued(sass: str, source: str) -> Issued | None:
 def hot_loop(sass: str) -> Loop | None:
     """The main loop: of the loops that pass a barrier (every generated main loop does; a loop of the copies
     of the iterations ahead, before it, does not), or of all where none does, the one with the most HMMA or
-    HGMMA (wgmma), then the most LDGSTS, then FFMA (ties: the longest); None without loops. (An epilogue's
-    FFMA loop must not outrank the tensor-core loop, nor a branch back into the middle of the loop body
-    from the code after it, which ptxas may lay out beside the pipelined loop and which holds its HMMA but
-    not its copies.)"""
+    HGMMA (wgmma), then the most async copies (LDGSTS, UTMALDG), then FFMA (ties: the longest); None without
+    loops. (An epilogue's FFMA loop must not outrank the tensor-core loop, nor a branch back into the middle
+    of the loop body from the code after it, which ptxas may lay out beside the pipelined loop and which holds
+    its HMMA but not its copies.)"""
     found = loops(sass)
     return max([l for l in found if l.counts["BAR"]] or found, key=_hotness, default=None)
 
 
 def _hotness(l: Loop) -> tuple:  # `hot_loop`'s order
-    return (l.counts["HMMA"] + l.counts["HGMMA"], l.counts["LDGSTS"], l.counts["FFMA"], l.instructions)
+    return (l.counts["HMMA"] + l.counts["HGMMA"], sum(l.counts[c] for c in COPIES), l.counts["FFMA"], l.instructions)

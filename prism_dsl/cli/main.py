@@ -119,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cp.async pipeline depth of kernel loops (default 3; 1: no pipeline); loops of small "
                     "tiles go deeper, up to 16, to keep the memory latency covered")
     co.add_argument("--no-tensor-cores", action="store_true", help="plain matrix products only")
-    co.add_argument("--no-wgmma", action="store_true", help="register-tiled products on mma.sync, not wgmma "
-                    "(kernels for sm_80 and later instead of sm_90a)")
+    co.add_argument("--no-wgmma", action="store_true", help="products on mma.sync (sm_80 and later), not wgmma (sm_90a)")
     co.add_argument("--no-pingpong", action="store_true", help="online softmax on two warpgroups in step, each "
                     "iteration behind a block-wide barrier, not taking turns on the tensor cores")
+    co.add_argument("--no-tma", action="store_true", help="loop tiles of kernels on wgmma copied by cp.async, not by TMA")
     co.add_argument("--two-launches", action="store_true", help="a split's combining kernel in a launch of its own")
     co.add_argument("--seed", type=whole, default=0, help="seed for the random inputs of the checks (default 0)")
     co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
@@ -455,7 +455,7 @@ def cmd_compile(args) -> int:
     options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs,
                            emulate=not args.no_emulate, sanitize=args.sanitize, emulate_blocks=args.blocks, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores,
-                                                 stages=args.stages, wgmma=not args.no_wgmma,
+                                                 stages=args.stages, wgmma=not args.no_wgmma, tma=not args.no_tma,
                                                  pingpong=not args.no_pingpong, one_launch=not args.two_launches))
     report = compile_program(Request(program, Path(args.output), hardware, options, searching))
     sys.stdout.write(report.to_json() if args.json else summary(report, Path(args.output)) + "\n")

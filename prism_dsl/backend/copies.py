@@ -1,0 +1,156 @@
+"""Copies of tiles from device memory into shared memory: by every thread with `cp.async` (16, 8 or 4 bytes a
+copy) or an element at a time, or by the tensor memory accelerator (TMA, sm_90), one instruction per box.
+
+Where it sits: `launch.layout` asks `copy_bytes` which tiles go by `cp.async` (and so may be pipelined) and
+`copied_by_tma` which go by TMA; `codegen` writes the copies (`load_step`, `tma_step`) and takes a tensor map per
+TMA-copied tile as a kernel parameter (`TensorMap`), which the runtime has the CUDA driver encode
+(`cuda_runtime`) and the emulation's harness builds (`emulate`).
+
+TMA. A kernel on wgmma brings each loop tile into the 128-byte swizzle wgmma reads with one instruction per
+box, issued by one thread, where cp.async had every thread copy 16 bytes at a time through its own address
+arithmetic (at dh = 128, 8 copies per thread and iteration for attention's two tiles, and about 2 registers for
+each copy's addresses held across the loop). A loop tile qualifies where wgmma reads it from its swizzle
+(`launch.swizzled`): a matrix of 16-bit elements (its leading dims 1) whose columns are a multiple of 64, from a
+tensor of at most 5 dims whose rows are a multiple of 16 bytes (the map's strides). The swizzle stores 64
+columns (128 bytes) at a time, rows x 128 bytes each (`ctext.swizzled`): one box per 64 columns and per at most
+256 rows (a box dim's limit), each landing on a 1024-byte boundary, where the 128-byte swizzle TMA writes is the
+layout wgmma's descriptors read. Every staged tile of the kernel qualifies, or none is copied by TMA: one thread
+then issues a stage's boxes after `mbarrier.arrive.expect_tx` of their bytes at the stage's mbarrier, which
+every thread waits for in place of cp.async's groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..ir.nodes import DType, Node
+from ..kernels.constraints import Concrete
+from ..kernels.fusion import plan
+from ..kernels.kernel import storage
+from ..kernels.sizes import int_value
+from .ctext import address, comment, decompose, ident, tensor_name
+
+SWIZZLE_COLUMNS = 64  # 16-bit elements per 128-byte row of the swizzle: a box's inner dim
+MAX_BOX = 256  # elements of a box along any dim
+MAX_RANK = 5
+
+
+def copy_bytes(c: Concrete, tile: Node, config) -> int:
+    """Bytes per `cp.async` of a loaded tile: 16, 8 or 4, the widest whose elements divide both the tile's
+    rows and the tensor's (so every copy is aligned at both ends); 0 where none does (2-byte elements in
+    rows of odd length) or vector loads are off: those tiles are copied an element at a time."""
+    if not config.vector_loads:
+        return 0
+    load = c.kernel.load(tile.attr)
+    full = int_value(c.kernel.inputs[load.source].shape[-1], c.binding)
+    part = int_value(tile.shape[-1], c.binding)
+    size = plan(c.kernel).buffer(tile).dtype.bytes
+    return next((n for n in (16, 8, 4) if n % size == 0 and part % (n // size) == 0 and full % (n // size) == 0), 0)
+
+
+def vector_width(c: Concrete, tile: Node, config) -> int:
+    """Elements per copy of a loaded tile (`copy_bytes`; 1 for the element-at-a-time copy)."""
+    n = copy_bytes(c, tile, config)
+    return n // plan(c.kernel).buffer(tile).dtype.bytes if n else 1
+
+
+def starts(e, tile: Node, it: str) -> list[list[str]]:
+    """Per dim of the tensor a loaded tile comes from, the C terms of where the block's tile starts at loop
+    iteration `it` (`e`: the kernel's `codegen.Emitter`): its block's slice along a grid axis, its iteration's."""
+    load, grid = e.k.load(tile.attr), dict(e.c.grid)
+    return [([f"{e.blk}{dm.axis} * {size // grid[dm.axis]}"] if dm.axis else []) + ([f"{it} * {t}"] if dm.loop else [])
+            for size, t, dm in zip(e.shape(e.k.inputs[load.source]), e.shape(tile), load.map.dims)]
+
+
+def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
+    """The loaded tile copied in by the block's threads: at loop iteration `it` (a C expression), into `dst` (its
+    buffer by default)."""
+    load = e.k.load(tile.attr)
+    src = e.k.inputs[load.source]
+    full, shape, b = e.shape(src), e.shape(tile), e.plan.buffer(tile)
+    lines, idx = decompose("e", shape, "i")
+    parts = [at + ([i] if i != "0" else []) for at, i in zip(starts(e, tile, it), idx)]
+    text = comment(f"{tile.attr} = load {tensor_name(src)}{load.map}  tile {list(shape)} of {list(full)}")
+    return {"kind": "load", "comment": text, "n": math.prod(shape), "idx": lines, "vec": vector_width(e.c, tile, e.config),
+            "cp": copy_bytes(e.c, tile, e.config) > 0, "dst": dst or e.cname[b.name], "at": e.offset(b, idx, shape),
+            "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
+
+
+# -- TMA -----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A kernel parameter: the map of tensor `tensor` whose copies bring `box` (its dims, outer first)."""
+
+    param: str
+    tensor: str
+    dtype: DType
+    box: tuple[int, ...]
+
+    def as_plan(self) -> dict:
+        return {"param": self.param, "tensor": self.tensor, "box": list(self.box)}
+
+
+def box_rows(c: Concrete, tile: Node) -> int | None:
+    """The rows of each box a loaded tile is copied in (all of them, or the most up to MAX_BOX that divide them
+    in multiples of 8, each box then starting on a 1024-byte boundary of the swizzle), or None where TMA cannot
+    copy it into wgmma's swizzle."""
+    if tile.op != "tile":
+        return None
+    src = c.kernel.inputs[c.kernel.load(tile.attr).source]
+    shape, full = c.shape(tile), c.shape(src)
+    if (storage(src).bytes != 2 or len(shape) < 2 or len(full) > MAX_RANK or any(s != 1 for s in shape[:-2])
+            or shape[-1] % SWIZZLE_COLUMNS or full[-1] * 2 % 16):
+        return None
+    rows = shape[-2]
+    return rows if rows <= MAX_BOX else next((r for r in range(MAX_BOX, 7, -8) if rows % r == 0), None)
+
+
+def copied_by_tma(c: Concrete, staged: set[str], swizzled: frozenset[str], config) -> frozenset[str]:
+    """The loop tiles TMA copies (`launch.layout`): every staged buffer where each is a swizzled tile it can copy
+    (`box_rows`), on an arch with TMA and wgmma and where `config.tma` allows; else none."""
+    if not (config.tma and config.warpgroups and staged and staged <= swizzled):
+        return frozenset()
+    buffers = {b.name: b for b in plan(c.kernel).buffers}
+    if any(buffers[n].role != "tile" or box_rows(c, buffers[n].node) is None for n in staged):
+        return frozenset()
+    return frozenset(staged)
+
+
+def tma_copies(e, tiles: list[Node], into: list[str], stages: int) -> tuple[list[dict], tuple[TensorMap, ...]]:
+    """The TMA copies of a pipelined loop's tiles into their stages (`into`, by tile: C expressions of iteration
+    `ahead`), completing bytes of the stage's mbarrier `full[ahead % stages]`, and the tensor map of each."""
+    maps = tuple(_map(e, n) for n in tiles)
+    return [tma_step(e, n, m, dst, f"&full[ahead % {stages}]") for n, m, dst in zip(tiles, maps, into)], maps
+
+
+def _map(e, tile: Node) -> TensorMap:
+    src = e.k.inputs[e.k.load(tile.attr).source]
+    box = (1,) * (len(e.shape(tile)) - 2) + (box_rows(e.c, tile), SWIZZLE_COLUMNS)
+    return TensorMap(f"tm_{ident(tile.attr)}", tensor_name(src), storage(src), box)
+
+
+def tma_step(e, tile: Node, m: TensorMap, dst: str, bar: str, it: str = "ahead") -> dict:
+    """The copies of loop tile `tile` through map `m` at iteration `it` into `dst`, completing bytes of mbarrier
+    `bar`: one per box, the panels of 64 columns one after another as the swizzle lays them. Coordinates are
+    signed 32-bit, innermost dim first."""
+    load = e.k.load(tile.attr)
+    src = e.k.inputs[load.source]
+    shape = e.shape(tile)
+    rows, cols, step = shape[-2], shape[-1], m.box[-2]
+    begin = [[f"(int){t}" if t.startswith(e.blk) else t for t in at] for at in starts(e, tile, it)]
+    copies = []
+    for panel in range(cols // SWIZZLE_COLUMNS):
+        for first in range(0, rows, step):
+            at = [list(s) for s in begin]
+            at[-2] += [str(first)] if first else []
+            at[-1] += [str(panel * SWIZZLE_COLUMNS)] if panel else []
+            where = (panel * rows + first) * SWIZZLE_COLUMNS
+            copies.append({"dst": f"{dst} + {where}" if where else dst,
+                           "at": ", ".join(" + ".join(a) or "0" for a in reversed(at))})
+    text = comment(f"{tile.attr} = load {tensor_name(src)}{load.map}  tile {list(shape)} of {list(e.shape(src))}: by "
+                   f"TMA, {len(copies)} box{'es' if len(copies) > 1 else ''} of {list(m.box)}")
+    return {"kind": "tma", "comment": text, "map": m.param, "bar": bar, "copies": copies,
+            "bytes": math.prod(shape) * storage(src).bytes}
