@@ -139,7 +139,8 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
     gpu = checked.gpu
     kernels = tuple(
         KernelReport(r.name, r.function, r.file, r.grid, r.block, r.smem, r.tensor_cores, launch_estimate(built, r),
-                     figures.get(r.name, {}), None if gpu is None else _us(gpu.kernels_ms[r.name]))
+                     figures.get(r.name, {}), None if gpu is None else _us(gpu.kernels_ms[r.name]),
+                     tuple(m.tensor for m in r.maps))
         for r in built.kernels)
     return Report(built.program.name, HardwareUsed(built.hardware.name, built.hardware.arch), chosen.options.rank,
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),

@@ -114,6 +114,7 @@ class KernelReport:
     estimate: Mapping  # `cost.Estimate`'s fields
     nvcc: Mapping[str, Mapping]  # per architecture: ok and ptxas's figures; empty when not compiled
     measured_us: float | None = None
+    tma: tuple[str, ...] = ()  # the tensors whose loop tiles TMA copies (`backend.copies`), one map each
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ def summary(report: Report, out: Path) -> str:
         tail = k.estimate.get("combines")
         also = f" (and {tail['kernel']} in its launch, {tail['time_us']} us)" if tail else ""
         lines.append(f"  kernel {k.name}{also}: grid {'x'.join(map(str, k.grid))}, {k.block[0]} threads, "
-                     f"{k.smem_bytes} B shared{res}{', tensor cores' if k.tensor_cores else ''}; "
+                     f"{k.smem_bytes} B shared{res}{', tensor cores' if k.tensor_cores else ''}"
+                     f"{', TMA copies of ' + ', '.join(k.tma) if k.tma else ''}; "
                      f"estimated {k.estimate['time_us']} us ({k.estimate['bound']}){measured}")
     roof = report.roofline
     lines.append(f"  estimated {report.estimated_us} us; roofline floor {roof['floor_us']} us ({roof['bound']})"
