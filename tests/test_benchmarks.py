@@ -255,7 +255,8 @@ def prepared(tmp_path_factory):
 
 
 def test_prepare_writes_what_the_gpu_step_reads(prepared):
-    for name in ("case.json", "baseline.prism", "report.json", "launcher.py", "prism_runtime.py", "prism.cuh"):
+    for name in ("case.json", "baseline.prism", "report.json", "launcher.py", "prism_runtime.py", "cuda_plan.py",
+                 "prism.cuh"):
         assert (prepared / name).is_file(), name
     assert json.loads((prepared / "case.json").read_text()) == {"workload": "rmsnorm_mlp small",
                                                                 "program": "rmsnorm_mlp", "dims": "n=8,d=256",

@@ -11,12 +11,12 @@ box, issued by one thread, where cp.async had every thread copy 16 bytes at a ti
 arithmetic (at dh = 128, 8 copies per thread and iteration for attention's two tiles, and about 2 registers for
 each copy's addresses held across the loop). A loop tile qualifies where wgmma reads it from its swizzle
 (`launch.swizzled`): a matrix of 16-bit elements (its leading dims 1) whose columns are a multiple of 64, from a
-tensor of at most 5 dims whose rows are a multiple of 16 bytes (the map's strides). The swizzle stores 64
-columns (128 bytes) at a time, rows x 128 bytes each (`ctext.swizzled`): one box per 64 columns and per at most
-256 rows (a box dim's limit), each landing on a 1024-byte boundary, where the 128-byte swizzle TMA writes is the
-layout wgmma's descriptors read. Every staged tile of the kernel qualifies, or none is copied by TMA: one thread
-then issues a stage's boxes after `mbarrier.arrive.expect_tx` of their bytes at the stage's mbarrier, which
-every thread waits for in place of cp.async's groups.
+tensor of at most 5 dims whose rows are a multiple of 16 bytes (the map's strides), with at most 256 rows
+(a box dim's limit). The swizzle stores 64 columns (128 bytes) at a time, rows x 128 bytes each
+(`ctext.swizzled`): one box per 64 columns, each landing on a 1024-byte boundary (the rows a multiple of 8),
+where the 128-byte swizzle TMA writes is the layout wgmma's descriptors read. Every staged tile of the kernel
+qualifies, or none is copied by TMA: one thread then issues a stage's boxes after `mbarrier.arrive.expect_tx` of
+their bytes at the stage's mbarrier, which every thread waits for in place of cp.async's groups.
 """
 
 from __future__ import annotations
@@ -93,28 +93,23 @@ class TensorMap:
         return {"param": self.param, "tensor": self.tensor, "box": list(self.box)}
 
 
-def box_rows(c: Concrete, tile: Node) -> int | None:
-    """The rows of each box a loaded tile is copied in (all of them, or the most up to MAX_BOX that divide them
-    in multiples of 8, each box then starting on a 1024-byte boundary of the swizzle), or None where TMA cannot
-    copy it into wgmma's swizzle."""
+def boxed(c: Concrete, tile: Node) -> bool:
+    """Whether TMA can copy a loaded tile into wgmma's swizzle: a box of at most MAX_BOX rows per 64 columns."""
     if tile.op != "tile":
-        return None
+        return False
     src = c.kernel.inputs[c.kernel.load(tile.attr).source]
     shape, full = c.shape(tile), c.shape(src)
-    if (storage(src).bytes != 2 or len(shape) < 2 or len(full) > MAX_RANK or any(s != 1 for s in shape[:-2])
-            or shape[-1] % SWIZZLE_COLUMNS or full[-1] * 2 % 16):
-        return None
-    rows = shape[-2]
-    return rows if rows <= MAX_BOX else next((r for r in range(MAX_BOX, 7, -8) if rows % r == 0), None)
+    return (storage(src).bytes == 2 and len(shape) >= 2 and len(full) <= MAX_RANK and all(s == 1 for s in shape[:-2])
+            and shape[-2] <= MAX_BOX and shape[-2] % 8 == 0 and shape[-1] % SWIZZLE_COLUMNS == 0 and full[-1] * 2 % 16 == 0)
 
 
 def copied_by_tma(c: Concrete, staged: set[str], swizzled: frozenset[str], config) -> frozenset[str]:
     """The loop tiles TMA copies (`launch.layout`): every staged buffer where each is a swizzled tile it can copy
-    (`box_rows`), on an arch with TMA and wgmma and where `config.tma` allows; else none."""
+    (`boxed`), on an arch with TMA and wgmma and where `config.tma` allows; else none."""
     if not (config.tma and config.warpgroups and staged and staged <= swizzled):
         return frozenset()
     buffers = {b.name: b for b in plan(c.kernel).buffers}
-    if any(buffers[n].role != "tile" or box_rows(c, buffers[n].node) is None for n in staged):
+    if any(buffers[n].role != "tile" or not boxed(c, buffers[n].node) for n in staged):
         return frozenset()
     return frozenset(staged)
 
@@ -128,28 +123,24 @@ def tma_copies(e, tiles: list[Node], into: list[str], stages: int) -> tuple[list
 
 def _map(e, tile: Node) -> TensorMap:
     src = e.k.inputs[e.k.load(tile.attr).source]
-    box = (1,) * (len(e.shape(tile)) - 2) + (box_rows(e.c, tile), SWIZZLE_COLUMNS)
+    shape = e.shape(tile)
+    box = (1,) * (len(shape) - 2) + (shape[-2], SWIZZLE_COLUMNS)
     return TensorMap(f"tm_{ident(tile.attr)}", tensor_name(src), storage(src), box)
 
 
 def tma_step(e, tile: Node, m: TensorMap, dst: str, bar: str, it: str = "ahead") -> dict:
     """The copies of loop tile `tile` through map `m` at iteration `it` into `dst`, completing bytes of mbarrier
-    `bar`: one per box, the panels of 64 columns one after another as the swizzle lays them. Coordinates are
+    `bar`: one box per 64 columns, the panels one after another as the swizzle lays them. Coordinates are
     signed 32-bit, innermost dim first."""
     load = e.k.load(tile.attr)
     src = e.k.inputs[load.source]
     shape = e.shape(tile)
-    rows, cols, step = shape[-2], shape[-1], m.box[-2]
     begin = [[f"(int){t}" if t.startswith(e.blk) else t for t in at] for at in starts(e, tile, it)]
     copies = []
-    for panel in range(cols // SWIZZLE_COLUMNS):
-        for first in range(0, rows, step):
-            at = [list(s) for s in begin]
-            at[-2] += [str(first)] if first else []
-            at[-1] += [str(panel * SWIZZLE_COLUMNS)] if panel else []
-            where = (panel * rows + first) * SWIZZLE_COLUMNS
-            copies.append({"dst": f"{dst} + {where}" if where else dst,
-                           "at": ", ".join(" + ".join(a) or "0" for a in reversed(at))})
+    for panel in range(shape[-1] // SWIZZLE_COLUMNS):
+        at = begin[:-1] + [begin[-1] + ([str(panel * SWIZZLE_COLUMNS)] if panel else [])]
+        where = panel * shape[-2] * SWIZZLE_COLUMNS
+        copies.append({"dst": f"{dst} + {where}" if where else dst, "at": ", ".join(" + ".join(a) or "0" for a in reversed(at))})
     text = comment(f"{tile.attr} = load {tensor_name(src)}{load.map}  tile {list(shape)} of {list(e.shape(src))}: by "
                    f"TMA, {len(copies)} box{'es' if len(copies) > 1 else ''} of {list(m.box)}")
     return {"kind": "tma", "comment": text, "map": m.param, "bar": bar, "copies": copies,

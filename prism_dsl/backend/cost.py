@@ -125,9 +125,10 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   FlashAttention-3 copies them: 2% under its 661, since FlashAttention-3 gives the copies a producer warp of
   their own and the computing warpgroups the registers it frees (setmaxnreg), where here thread 0 of a
   computing warp issues them, after waiting for the stage's readers (who read it three iterations before, so
-  the wait seldom holds it). Read from the SASS (nvcc 13, sm_90a, attention at q = kv = 4096, dh = 128): the
-  loop holds 471 instructions with no LDGSTS (515 with cp.async), a warp issues at least 386 an iteration
-  (484 where it copies), and ptxas gives 145 registers (163).
+  the wait seldom holds it). Read from the SASS (nvcc 13, sm_90a, attention at q = kv = 4096, dh = 128, the
+  static report's kernel): its loop holds 468 instructions, 3 UTMALDG and no LDGSTS (518 with cp.async, 8
+  LDGSTS), a warp issues at least 384 an iteration (437 on those that copy; 413 and 487 with cp.async), and
+  ptxas gives 145 registers (164).
 - SOFTMAX_BESIDE = 0.5: read from the SASS of attention at dh = 128 (nvcc 13, sm_90a): of an iteration's
   34 MUFU.EX2 and 42 FFMA, which the PTX has all before p @ v's wait, ptxas issues 18 and 25 between the
   scores' wait and that one, and schedules the rest after it; the rescaling of the outputs must follow it.
