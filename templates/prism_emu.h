@@ -42,9 +42,9 @@
 //                      destination before the wait finds the NaN pattern.
 //   TMA                cp.async.bulk.tensor of a box of a tensor map (`tensor_map`): the box is read at the issue;
 //                      its destination holds the NaN pattern until a thread waits for the mbarrier phase whose
-//                      bytes it completes (mbarrier.arrive.expect_tx says how many a phase waits for), and there it
-//                      lands as both the threads and the async proxy see it, in the 128-byte swizzle where the map
-//                      has it. The mbarrier must be fenced for the async proxy first (fence.mbarrier_init); a box
+//                      bytes it completes (mbarrier.arrive.expect_tx says how many a phase waits for), or until
+//                      the next phase of that mbarrier begins, and there it lands as both the threads and the
+//                      async proxy see it, in the 128-byte swizzle where the map has it. The mbarrier must be fenced for the async proxy first (fence.mbarrier_init); a box
 //                      past the tensor's end, a phase completed without a copy's bytes, or more bytes than a phase
 //                      expects are errors.
 //
@@ -223,7 +223,7 @@ struct TensorMap {
     unsigned box[5] = {};
 };
 
-struct Bulk {  // one TMA copy in flight: the box read at the issue, written when a thread waits for its mbarrier
+struct Bulk {  // one TMA copy in flight: the box read at the issue, written where it lands (`land_bulks`)
     unsigned char* dst;
     std::vector<unsigned char> data;
     const void* bar;
@@ -831,9 +831,8 @@ inline Buffer* shared_buffer(Block* b, const void* p, size_t bytes) {
 }
 
 // cp.async.bulk.tensor (tile mode, the destination in this block's shared memory): the box of `map` at
-// coordinates at[0..n) (innermost first) is read now and written where the mbarrier's phase is waited for
-// (`land_bulks`); until then the destination is undefined (the NaN pattern), as the threads and the async proxy
-// see it. The box lands dim 0 fastest, in rows of box[0] elements; with the 128-byte swizzle byte o of it lands
+// coordinates at[0..n) (innermost first) is read now and written when it lands (`land_bulks`); until then the
+// destination is undefined (the NaN pattern), as the threads and the async proxy see it. The box lands dim 0 fastest, in rows of box[0] elements; with the 128-byte swizzle byte o of it lands
 // at o ^ (o >> 7 & 7) << 4 (address bits 4-6 XOR bits 7-9 of a 1024-byte aligned destination: wgmma's layout).
 inline void tma_load(void* dst, const TensorMap& map, void* bar, const int* at, int n, const char* file, int line) {
     Thread* t = self();
@@ -889,8 +888,9 @@ inline void tma_load(void* dst, const TensorMap& map, void* bar, const int* at, 
     release(&bulk->sync);
 }
 
-// The TMA copies that complete bytes of `bar`, landed now, oldest first (by a thread that waits for its phase):
-// their bytes written as the threads and the async proxy see them. Whether any was.
+// The TMA copies that complete bytes of `bar`, landed now, oldest first (by a thread that waits for their phase, or
+// before the next phase's first arrival or expected bytes: `settle_phase`): their bytes written as the threads and
+// the async proxy see them. Whether any was.
 inline bool land_bulks(Block* b, const void* bar) {
     bool any = false;
     for (;;) {

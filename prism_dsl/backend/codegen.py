@@ -80,7 +80,7 @@ class RenderedKernel:
     wgmma: bool = False  # its products run on wgmma: it compiles for sm_90a only
     combines: str | None = None  # the combining kernel it also runs (`render_launch`), by name
     tickets: int = 0  # with `combines`: its tiles, one counter each, zero before the first launch (the last parameter)
-    maps: tuple[TensorMap, ...] = ()  # the tensor maps of its TMA copies (`tma`), its first parameters
+    maps: tuple[TensorMap, ...] = ()  # the tensor maps of its TMA copies (`copies`), its first parameters
 
 
 @cache

@@ -100,7 +100,8 @@ def boxed(c: Concrete, tile: Node) -> bool:
     src = c.kernel.inputs[c.kernel.load(tile.attr).source]
     shape, full = c.shape(tile), c.shape(src)
     return (storage(src).bytes == 2 and len(shape) >= 2 and len(full) <= MAX_RANK and all(s == 1 for s in shape[:-2])
-            and shape[-2] <= MAX_BOX and shape[-2] % 8 == 0 and shape[-1] % SWIZZLE_COLUMNS == 0 and full[-1] * 2 % 16 == 0)
+            and shape[-2] <= MAX_BOX and shape[-2] % 8 == 0 and shape[-1] % SWIZZLE_COLUMNS == 0
+            and full[-1] * storage(src).bytes % 16 == 0)
 
 
 def copied_by_tma(c: Concrete, staged: set[str], swizzled: frozenset[str], config) -> frozenset[str]:

@@ -149,12 +149,12 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - VECTOR_REACH = 0.4: read from the SASS of "dot8" (nvcc 13, sm_90): its unrolled inner loop issues 32
   FFMA among 79-83 instructions (one HADD2.F32 conversion per 16-bit element, 8 LDS of which 4 are
   16-byte), so FFMA takes 0.4 of the issue slots; the shuffles that add the lanes' parts come after it.
-- REGISTERS_BASE = 64, REGISTERS_PER_COPY = 2 (none where TMA copies the loop's tiles): read from ptxas (nvcc 13, sm_90) over the programs of
-  programs/fused at decode and prefill shapes, 128 and 256 threads. The threads' passes over a tile have
-  their trip count in sight (templates/steps.j2), so nvcc unrolls the copies of the loop's tiles into the
-  main loop and keeps each one's addresses in registers across it: FlashDecoding's partial kernel at dh =
-  128 takes 168 registers at 128 threads (32 copies per thread and iteration) and 100 at 256 (16), the
-  gated MLP at n = 8 166 and 95 (40 and 20); about 2 a copy over the rest. It is a rough fit (from 1 to 3
+- REGISTERS_BASE = 64, REGISTERS_PER_COPY = 2 (none where TMA copies the loop's tiles): read from ptxas (nvcc
+  13, sm_90) over the programs of programs/fused at decode and prefill shapes, 128 and 256 threads. The
+  threads' passes over a tile have their trip count in sight (templates/steps.j2), so nvcc unrolls the
+  copies of the loop's tiles into the main loop and keeps each one's addresses in registers across it:
+  FlashDecoding's partial kernel at dh = 128 takes 168 registers at 128 threads (32 copies per thread and
+  iteration) and 100 at 256 (16), the gated MLP at n = 8 166 and 95 (40 and 20); about 2 a copy over the rest. It is a rough fit (from 1 to 3
   a copy; where the loop is short, nvcc unrolls it whole and keeps fewer), and ptxas's own count replaces
   it for the program that is built.
 It is meant to rank, not to predict to the microsecond; `roofline` gives the floor no program beats.

@@ -25,7 +25,7 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   take turns on the tensor cores (`pingpong`): one's products run while the other computes its softmax,
   and mbarriers take the place of the loop's block-wide barrier; with one stage more, the loads run
   `stages - 3` ahead. On sm_90a the loop tiles such a kernel reads by wgmma are copied by the tensor memory
-  accelerator where each is a box of its tensor (`tma`): one thread issues them, an mbarrier per stage
+  accelerator where each is a box of its tensor (`copies`): one thread issues them, an mbarrier per stage
   says when they have landed;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
   at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
@@ -49,7 +49,7 @@ from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_t
 from ..ir.ops import OPS, Kind
 from ..kernels.kernel import after_loop, in_loop, loop_varying, storage
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
-from ..kernels.sizes import call, compile_sizes, int_value
+from ..kernels.sizes import call, compile_sizes
 from .copies import copied_by_tma, copy_bytes
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
 
@@ -71,7 +71,7 @@ class CodegenConfig:
     pingpong: bool = True  # two warpgroups of online softmax take turns on the tensor cores where they can (`pingpong`)
     flight: int = 13636  # bytes an SM keeps in flight to cover the DRAM latency (`cost.for_hardware`; H100's here)
     one_launch: bool = True  # a split's combining kernel runs in the launch of the kernel it combines (`tails`)
-    tma: bool = True  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can (`tma`)
+    tma: bool = True  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can (`copies`)
 
     @property
     def warpgroups(self) -> bool:
@@ -96,7 +96,7 @@ class Layout:
     pingpong: bool = False  # two warpgroups take turns on the tensor cores; mbarriers pace the pipeline (`pingpong`)
     mbarriers: int = 0  # byte offset of the pipeline's mbarriers after every buffer: with `pingpong` a full and an
     # empty one per stage, with `tma` alone a full one
-    tma: frozenset[str] = frozenset()  # the loop tiles copied by TMA (`tma.copied_by_tma`): every staged one, or none
+    tma: frozenset[str] = frozenset()  # the loop tiles copied by TMA (`copies.copied_by_tma`): every staged one, or none
 
     @property
     def lead(self) -> int:
