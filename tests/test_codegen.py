@@ -73,12 +73,27 @@ def test_rendered_cuda_matches_the_golden_file(path):
     grid, loop = GOLDEN_PARAMS[path.stem]
     built, _ = build_of(path, grid, loop)
     for k in built.kernels:
-        golden = GOLDEN / path.stem / k.file
-        if os.environ.get("PRISM_REGEN_GOLDEN"):
-            golden.parent.mkdir(parents=True, exist_ok=True)
-            golden.write_text(k.source)
-        assert golden.is_file(), f"no golden file {golden}; run with PRISM_REGEN_GOLDEN=1 to write it"
-        assert k.source == golden.read_text(), f"{golden} differs; if the change is meant, PRISM_REGEN_GOLDEN=1"
+        check_golden(GOLDEN / path.stem / k.file, k.source)
+
+
+def check_golden(golden: Path, source: str) -> None:
+    """Generated code against its golden file (written instead where PRISM_REGEN_GOLDEN is set)."""
+    if os.environ.get("PRISM_REGEN_GOLDEN"):
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(source)
+    assert golden.is_file(), f"no golden file {golden}; run with PRISM_REGEN_GOLDEN=1 to write it"
+    assert source == golden.read_text(), f"{golden} differs; if the change is meant, PRISM_REGEN_GOLDEN=1"
+
+
+def test_rendered_tma_kernel_matches_the_golden_file():
+    """Attention at tiles wgmma takes (128 query rows on two warpgroups taking turns, 64-key tiles, dh = 64): its
+    loop tiles copied by TMA, one thread issuing each stage's boxes after the expect_tx of their bytes."""
+    program = load(ROOT / "programs/fused/attention.prism").program()
+    options = BuildOptions(dims={"b": 1, "h": 2, "q": 128, "kv": 256, "dh": 64}, grid={"gb": 1, "gh": 2, "gq": 1},
+                           loop={"F": 4}, archs=())
+    k = build(program, H100, options).kernels[0]
+    assert [m.tensor for m in k.maps] == ["K", "V"] and k.source.count("prism::tma_load(") == 4
+    check_golden(GOLDEN / "attention.tma" / k.file, k.source)
 
 
 def test_generated_code_names_the_program_and_uses_tensor_cores_where_tiles_allow():

@@ -97,7 +97,8 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
             lines.append("    over the limit as bounded; the code generated for it keeps less (below)")
         problems = []
         laid = layout(c, config)
-        pipeline = f"a {laid.stages}-stage cp.async pipeline" if laid.stages > 1 else "no pipeline"
+        pipeline = (f"a {laid.stages}-stage {'TMA' if laid.tma else 'cp.async'} pipeline" if laid.stages > 1
+                    else "no pipeline")
         pipeline += ", paced by mbarriers, the two warpgroups taking turns on the tensor cores" if laid.pingpong else ""
         flash = "".join(f", online softmax over {names.get(s, 's')} in registers ({f.warps} warps of {16 * f.tm} rows"
                         f"{', on wgmma' if f.wg else ''})"
