@@ -31,7 +31,8 @@ from ..kernels.kernel import storage
 from ..kernels.sizes import int_value
 from .ctext import address, comment, decompose, ident, tensor_name
 
-SWIZZLE_COLUMNS = 64  # 16-bit elements per 128-byte row of the swizzle: a box's inner dim
+SWIZZLE_BYTES = 128  # a row of wgmma's 128-byte swizzle, and a box's inner dim in bytes
+SWIZZLE_COLUMNS = SWIZZLE_BYTES // 2  # of 16-bit elements
 MAX_BOX = 256  # elements of a box along any dim
 MAX_RANK = 5
 

@@ -19,8 +19,8 @@ import ctypes
 import functools
 import math
 
-DTYPES = ("f16", "bf16", "f32", "f64")  # a tensor's storage dtype
-ITEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+ITEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}  # per storage dtype
+DTYPES = tuple(ITEM_BYTES)
 MAX_THREADS = 1024
 # CUtensorMapDataType of each storage dtype, and the encoding choices (cuda.h): the 128-byte swizzle wgmma reads
 # (CU_TENSOR_MAP_SWIZZLE_128B), L2 lines of 128 bytes (CU_TENSOR_MAP_L2_PROMOTION_L2_128B), no interleave, no fill

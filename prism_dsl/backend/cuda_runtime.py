@@ -376,12 +376,14 @@ class Launcher:
 
     def _maps_of(self, kernel: dict, ptrs: dict[str, int]) -> tuple[bytes, ...]:
         """The kernel's tensor maps (its first parameters) for the tensors at these addresses, encoded once each."""
-        key = (kernel["name"], *(ptrs[m["tensor"]] for m in kernel.get("maps", [])))
+        if not kernel.get("maps"):
+            return ()
+        key = (kernel["name"], *(ptrs[m["tensor"]] for m in kernel["maps"]))
         if key not in self._maps:
             spec, self._maps = self.plan["tensors"], self._maps if len(self._maps) < 64 else {}  # torch tensors come and go
             try:
                 self._maps[key] = tuple(_plan.encode_map(ptrs[m["tensor"]], spec[m["tensor"]]["dtype"],
-                                                         spec[m["tensor"]]["shape"], m["box"]) for m in kernel.get("maps", []))
+                                                         spec[m["tensor"]]["shape"], m["box"]) for m in kernel["maps"])
             except RuntimeError as err:
                 raise PlanError(f"kernel '{kernel['name']}': {err}") from None
         return self._maps[key]

@@ -42,6 +42,7 @@ from ..base.resources import data_dir
 from ..ir.nodes import DType
 from ..kernels.constraints import Concrete
 from .codegen import CTYPE, HEADER, RenderedKernel
+from .copies import SWIZZLE_BYTES
 from .cuda_runtime import STORAGE, from_bf16_bits, to_bf16_bits
 from .nvcc import write_sources
 
@@ -131,7 +132,7 @@ def _harness(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], sha
         n_inputs = len(k.args) - k.stores
         # the tensor maps of its TMA copies first, as the CUDA driver would encode them for these tensors
         casts = [f"prism::emu::tensor_map(a[{k.args.index(m.tensor)}], {STORAGE[m.dtype.value].itemsize}, "
-                 f"{{{', '.join(map(str, shapes[m.tensor]))}}}, {{{', '.join(map(str, m.box))}}}, 128)" for m in k.maps]
+                 f"{{{', '.join(map(str, shapes[m.tensor]))}}}, {{{', '.join(map(str, m.box))}}}, {SWIZZLE_BYTES})" for m in k.maps]
         casts += [f"({'const ' if i < n_inputs else ''}{CTYPE[dtypes[a]]}*)a[{i}]" for i, a in enumerate(k.args)]
         if k.tickets:  # a combining kernel in the launch: its tiles' counters, zero before it and after it
             lines.append(f"static unsigned tickets_{k.function}[{k.tickets}];")
