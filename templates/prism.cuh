@@ -593,7 +593,7 @@ struct WgmmaIn {
     int warp;  // this warp's place in its warpgroup
 };
 // A and B as the lanes' operands give them: A[16][16] (this warp's rows), then B[16][N].
-template <int N, bool Bf16, bool NMajorB> void wgmma_operands(const std::vector<WgmmaIn>& in, std::vector<float>& ab) {
+template <int N, bool Bf16, bool NMajorB> void wgmma_operands(const WgmmaIn* in, std::vector<float>& ab) {
     const WgmmaIn& f = in[0];
     ab.resize(16 * 16 + 16 * N);
     float* const A = ab.data();
@@ -633,8 +633,8 @@ inline void agree_in_warpgroup(const unsigned char* a, uint32_t a_lbo, uint32_t 
     const uintptr_t mine[7] = {reinterpret_cast<uintptr_t>(a), a_lbo, a_sbo, reinterpret_cast<uintptr_t>(b.p),
                                b.lbo, b.sbo, uintptr_t(shape)};
     auto& issues = block->wgmma_issues;
-    auto it = std::find_if(issues.begin(), issues.end(),
-                           [&](const WgmmaIssue& i) { return i.group == group && i.k == k; });
+    auto it = issues.begin();
+    while (it != issues.end() && !(it->group == group && it->k == k)) ++it;
     if (it == issues.end()) {
         WgmmaIssue issue{group, k, {}, rt().op_site, warp, 1};
         std::memcpy(issue.operands, mine, sizeof mine);
@@ -668,7 +668,7 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, v
                        f.warp);
     WgmmaFlight flight;
     flight.site = rt().op_site;
-    wgmma_operands<N, Bf16, NMajorB>(lanes, flight.operands);
+    wgmma_operands<N, Bf16, NMajorB>(lanes.data(), flight.operands);
     Warp& w = own_warp();
     Thread* const* const warp = &self()->block->threads[self()->linear / kWarp * kWarp];
     if (w.wgmma.size() == wgmma_grouped(w))  // the first wgmma of a batch
@@ -681,7 +681,7 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, v
     {
         std::vector<float> seen;  // the same elements as the async proxy sees them
         rt().async_view = true;
-        wgmma_operands<N, Bf16, NMajorB>(lanes, seen);
+        wgmma_operands<N, Bf16, NMajorB>(lanes.data(), seen);
         rt().async_view = false;
         for (size_t at = 0; at < seen.size(); ++at) {  // A (where in registers, the same both times), then B
             if (std::memcmp(&seen[at], &flight.operands[at], sizeof(float)) == 0) continue;
@@ -693,7 +693,13 @@ template <int N, bool Bf16, bool NMajorB> void wgmma_op(const void* const* in, v
                  in_a ? "A's" : "B's", row, col);
         }
     }
-    flight.read = [lanes](std::vector<float>& ab) { wgmma_operands<N, Bf16, NMajorB>(lanes, ab); };
+    flight.lanes.resize(sizeof(WgmmaIn) * kWarp);
+    std::memcpy(flight.lanes.data(), lanes.data(), flight.lanes.size());
+    flight.read = [](const unsigned char* issued, std::vector<float>& ab) {
+        WgmmaIn in[kWarp];
+        std::memcpy(in, issued, sizeof in);
+        wgmma_operands<N, Bf16, NMajorB>(in, ab);
+    };
     const float* const A = flight.operands.data();
     const float* const B = A + 16 * 16;
     flight.value.resize(kWarp * N / 2);
@@ -735,7 +741,7 @@ inline void wgmma_wait_op(const void* const* in, void* const*) {
         std::vector<float> again;
         for (size_t i = 0; i < count; ++i) {
             const WgmmaFlight& f = w.wgmma[i];
-            f.read(again);
+            f.read(f.lanes.data(), again);
             if (std::memcmp(again.data(), f.operands.data(), again.size() * sizeof(float)) != 0)
                 fail({f.site, rt().op_site}, "the operands of the wgmma issued at %s changed before the wgmma.wait_group "
                      "that completes it: shared memory (or A's registers) written while the tensor cores may still read it",

@@ -4,6 +4,8 @@ accesses), and the sampled check at large dims."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -646,11 +648,56 @@ def test_the_plain_build_is_optimized_only_for_a_long_run(monkeypatch, tmp_path)
                                 checked_against="input program", extra="all")
         assert check.passed, check.errors()
     assert asked == [False, True]
-    commands = []
+    commands, runtimes = [], []
     monkeypatch.setattr(emulate.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or
                         type("Done", (), {"returncode": 0, "stderr": ""})())
+    monkeypatch.setattr(emulate, "runtime_object", lambda cxx, flags, workdir: runtimes.append(flags) or
+                        workdir / "prism_emu.o")
     k = kernel("", {"A": "float*"}, 1)
     for sanitizer, optimize in ((None, False), (None, True), ("thread", False), ("address", True)):
         emulate.build([k], {"A": DType.F32}, {"A": (1,)}, tmp_path, sanitizer, optimize=optimize)
     levels = [[f for f in cmd if f.startswith("-O")] for cmd in commands]
     assert levels == [["-O0"], ["-O1"], ["-O1"], ["-O0"]]
+    assert runtimes == [cmd[1:cmd.index("-x")] for cmd in commands]  # the runtime is built with the kernels' flags
+
+
+def test_the_runtime_is_compiled_once_per_set_of_flags_and_checked_where_it_is_kept(monkeypatch, tmp_path, capsys):
+    """prism_emu.cc is compiled once per set of flags into the cache, and a later build links it from there (a
+    build compiles its kernels and harness only); an object that is not what its record says is compiled again,
+    with a warning; a cache that cannot be written costs the compile, nothing else; old objects are pruned."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(cache))
+    compiled = []
+    real = emulate.subprocess.run
+    monkeypatch.setattr(emulate.subprocess, "run", lambda cmd, **kw: compiled.extend(
+        c for c in ("harness.cpp", emulate.RUNTIME_DEFINITIONS) if c in cmd) or real(cmd, **kw))
+    k = kernel("    if (threadIdx.x == 0) g_A[0] = 1.0f;", {"A": "float*"}, 1)
+
+    def builds(name: str, sanitizer=None) -> list[str]:
+        compiled.clear()
+        (tmp_path / name).mkdir()
+        got = run(k, {"A": DType.F32}, {"A": (1,)}, {}, tmp_path / name, sanitizer=sanitizer)
+        assert got.finding is None and got.outputs["A"][0] == 1.0, got.finding
+        return list(compiled)
+
+    both = [emulate.RUNTIME_DEFINITIONS, "harness.cpp"]
+    assert builds("first") == both
+    assert builds("second") == ["harness.cpp"]  # linked from the cache
+    assert builds("third", "thread") == both  # other flags, another object
+    kept = cache / "emulation"
+    assert len(list(kept.glob("*.o"))) == len(list(kept.glob("*.json"))) == 2
+    for obj in kept.glob("*.o"):
+        data = bytearray(obj.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        obj.write_bytes(bytes(data))  # not the object the record names
+    assert builds("fourth") == both
+    assert "not the object its record names" in capsys.readouterr().err
+    assert builds("fifth") == ["harness.cpp"]  # stored again
+    for n in range(emulate.RUNTIME_OBJECTS_KEPT + 3):
+        (kept / f"{n:032x}.o").write_bytes(b"")
+    monkeypatch.setattr(emulate, "_compiler_identity", lambda cxx: ("another", "compiler"))
+    assert builds("sixth") == both
+    assert len(list(kept.glob("*.o"))) == emulate.RUNTIME_OBJECTS_KEPT
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "first" / "harness.cpp"))  # a file: no cache there
+    assert builds("seventh") == both
+    assert builds("eighth") == both

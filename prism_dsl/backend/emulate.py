@@ -3,7 +3,8 @@ would run them, without a GPU.
 
 Where it sits: after codegen, beside the nvcc compile check; the pipeline's emulate pass and `prismc verify`
 call it. The same `.cu` text the GPU would run is compiled by the host C++ compiler with `PRISM_CPU`
-defined (templates/prism.cuh, templates/prism_emu.h) into a standalone program: every CUDA thread of a
+defined (templates/prism.cuh, templates/prism_emu.h; the runtime, templates/prism_emu.cc, compiled once per
+set of flags and kept in the cache: `runtime_object`) into a standalone program: every CUDA thread of a
 block is a fiber, the blocks of a wave run interleaved, `__syncthreads()` is a real barrier, warp
 shuffles and tensor-core fragments are exchanges between the 32 lanes, `cp.async` data appears only at its
 wait, atomics round as the GPU's do, shared memory and outputs start as NaN. It runs in a child process, so
@@ -24,6 +25,8 @@ says which output elements those blocks write, so that exactly those are compare
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import itertools
 import os
 import re
@@ -36,7 +39,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..base import files
+from ..base import cache, files
 from ..base.errors import PrismError
 from ..base.resources import data_dir
 from ..ir.nodes import DType
@@ -46,7 +49,10 @@ from .copies import SWIZZLE_BYTES
 from .cuda_runtime import STORAGE, from_bf16_bits, to_bf16_bits
 from .nvcc import write_sources
 
-RUNTIME = "prism_emu.h"  # the emulation's runtime, beside prism.cuh in templates/
+RUNTIME = "prism_emu.h"  # the emulation's runtime, beside prism.cuh in templates/: what kernels see of it
+RUNTIME_DEFINITIONS = "prism_emu.cc"  # the rest of it, compiled once per set of flags (`runtime_object`)
+RUNTIME_OBJECTS_KEPT = 8  # in the cache: each set of flags (4) for this version of the runtime and the one before
+MAX_OBJECT_BYTES = 64 * files.MiB  # the runtime's object: 1-5 MB
 SANITIZERS = ("thread", "address")
 THREADS_PER_WAVE = 1024  # threads live at once (whole blocks): what an SM holds is 2048
 TIMEOUT = 600.0  # seconds one emulation may run
@@ -74,8 +80,8 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
-def runtime_source() -> str:
-    return (data_dir("templates", "templates") / RUNTIME).read_text()
+def runtime_source(name: str = RUNTIME) -> str:
+    return (data_dir("templates", "templates") / name).read_text()
 
 
 @dataclass(frozen=True)
@@ -174,11 +180,66 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     # -g1: line tables (what a sanitizer's report needs to name the generated .cu line), no variables' debug
     # information, which -g adds: the plain build of attention at the tests' dims took 2.1-2.4 s with -g and 2.0 s
     # with -g1, its ThreadSanitizer build 3.3 s and 2.3 s (g++, 2 cores)
-    cmd = [cxx, "-std=c++17", "-g1", *level, *_FLAGS[sanitizer], "-x", "c++", "harness.cpp", "-o", exe.name]
+    flags = ["-std=c++17", "-g1", *level, *_FLAGS[sanitizer]]
+    runtime = runtime_object(cxx, flags, workdir)
+    cmd = [cxx, *flags, "-x", "c++", "harness.cpp", "-x", "none", runtime.name, "-o", exe.name]
     done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     if done.returncode != 0:
         raise PrismError("the generated kernels do not compile for the CPU emulation:\n" + _compiler_errors(done.stderr))
     return exe
+
+
+def runtime_object(cxx: str, flags: Sequence[str], workdir: Path) -> Path:
+    """prism_emu.cc compiled with `flags` (those of the kernels it is linked with: the sanitizers instrument the
+    runtime's own copies of the kernels' data, cp.async's and TMA's, as they do the kernels' accesses), as
+    `workdir`/prism_emu.o. Compiling it takes longer than a build's kernels (2.4 s against about 1 s for fused
+    attention, g++ at -O0, 2 cores), so the object is kept in the user cache, keyed by the runtime's two
+    sources, the compiler and the flags, and checked there against the SHA-256 its record holds; a cache that
+    cannot keep it costs the compile, nothing else."""
+    text = runtime_source(RUNTIME_DEFINITIONS)
+    key = cache.digest("emulation runtime", runtime_source(), text, *_compiler_identity(cxx), *flags)
+    obj = workdir / "prism_emu.o"
+    stored = cache.cache_dir() / "emulation" / f"{key[:32]}.o"
+    record = cache.read("emulation", key, valid=lambda v: isinstance(v, dict) and isinstance(v.get("sha256"), str))
+    if record is not None:
+        with contextlib.suppress(OSError, ValueError):
+            data = files.read_regular(stored, MAX_OBJECT_BYTES)
+            if hashlib.sha256(data).hexdigest() == record["sha256"]:
+                obj.write_bytes(data)
+                return obj
+        cache.warn(stored, "not the object its record names; compiling the emulation's runtime again")
+    (workdir / RUNTIME_DEFINITIONS).write_text(text)
+    done = subprocess.run([cxx, *flags, "-c", "-x", "c++", RUNTIME_DEFINITIONS, "-o", obj.name], cwd=workdir,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PrismError("the emulation's runtime does not compile:\n" + _compiler_errors(done.stderr))
+    data = obj.read_bytes()
+    try:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        files.write_atomic(str(stored), lambda f: f.write(data))
+    except (OSError, PrismError) as e:
+        cache.unusable("write", str(e))
+    else:
+        cache.write("emulation", key, {"sha256": hashlib.sha256(data).hexdigest()})
+        _prune(stored.parent)
+    return obj
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_identity(cxx: str) -> tuple[str, str]:
+    """The compiler's path and what `--version` says: an object another compiler made is not linked."""
+    path = shutil.which(cxx) or cxx
+    done = subprocess.run([path, "--version"], capture_output=True, text=True)
+    return os.path.realpath(path), done.stdout
+
+
+def _prune(folder: Path) -> None:
+    """The newest RUNTIME_OBJECTS_KEPT objects kept, the rest removed with their records."""
+    with contextlib.suppress(OSError):
+        objects = sorted(folder.glob("*.o"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in objects[RUNTIME_OBJECTS_KEPT:]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".json").unlink(missing_ok=True)
 
 
 def _compiler_errors(stderr: str) -> str:

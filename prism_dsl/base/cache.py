@@ -11,6 +11,9 @@ ever written to the current directory. A cache may make the tool faster, never w
   again: no warning per entry;
 - a write goes to a temporary file (`.tmp-prismc-<pid>-...`) renamed into place; those left by a killed
   run are removed by a later write to the same directory.
+
+One kind of entry is not JSON: the emulation's compiled runtime (`backend.emulate.runtime_object`), an object
+file beside a record that holds its SHA-256, which every use checks.
 """
 
 from __future__ import annotations
