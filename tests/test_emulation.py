@@ -4,7 +4,7 @@ accesses), and the sampled check at large dims."""
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -661,43 +661,49 @@ def test_the_plain_build_is_optimized_only_for_a_long_run(monkeypatch, tmp_path)
     assert runtimes == [cmd[1:cmd.index("-x")] for cmd in commands]  # the runtime is built with the kernels' flags
 
 
-def test_the_runtime_is_compiled_once_per_set_of_flags_and_checked_where_it_is_kept(monkeypatch, tmp_path, capsys):
-    """prism_emu.cc is compiled once per set of flags into the cache, and a later build links it from there (a
-    build compiles its kernels and harness only); an object that is not what its record says is compiled again,
-    with a warning; a cache that cannot be written costs the compile, nothing else; old objects are pruned."""
+def test_the_runtime_is_compiled_once_per_set_of_flags_and_checked_where_it_is_kept(monkeypatch, tmp_path, capsys,
+                                                                                     request):
+    """prism_emu.cc is compiled once per set of flags into the cache, and a later build takes it from there; an
+    object that is not what its record says is compiled again, with a warning; a cache that cannot be written
+    costs the compile, nothing else; old objects are pruned. (The compiler is stood in for: every emulation
+    test links the real runtime.)"""
     cache = tmp_path / "cache"
     monkeypatch.setenv("PRISM_CACHE_DIR", str(cache))
     compiled = []
-    real = emulate.subprocess.run
-    monkeypatch.setattr(emulate.subprocess, "run", lambda cmd, **kw: compiled.extend(
-        c for c in ("harness.cpp", emulate.RUNTIME_DEFINITIONS) if c in cmd) or real(cmd, **kw))
-    k = kernel("    if (threadIdx.x == 0) g_A[0] = 1.0f;", {"A": "float*"}, 1)
 
-    def builds(name: str, sanitizer=None) -> list[str]:
+    def compiler(cmd, cwd=None, **kw):
+        if "-c" in cmd:  # the runtime: an "object" that says which flags made it
+            compiled.append(cmd)
+            (Path(cwd) / cmd[cmd.index("-o") + 1]).write_bytes(" ".join(cmd).encode())
+        return type("Done", (), {"returncode": 0, "stdout": "c++ 1.0", "stderr": ""})()
+
+    monkeypatch.setattr(emulate.subprocess, "run", compiler)
+    emulate._compiler_identity.cache_clear()
+    request.addfinalizer(emulate._compiler_identity.cache_clear)  # the stand-in's identity is not kept
+
+    def runtime(flags: list[str]) -> list[list[str]]:
         compiled.clear()
-        (tmp_path / name).mkdir()
-        got = run(k, {"A": DType.F32}, {"A": (1,)}, {}, tmp_path / name, sanitizer=sanitizer)
-        assert got.finding is None and got.outputs["A"][0] == 1.0, got.finding
-        return list(compiled)
+        work = tmp_path / f"build{len(list(tmp_path.glob('build*')))}"
+        work.mkdir()
+        obj = emulate.runtime_object("c++", flags, work)
+        assert obj == work / "prism_emu.o" and obj.read_bytes().decode().startswith(" ".join(["c++", *flags]))
+        return compiled[:]
 
-    both = [emulate.RUNTIME_DEFINITIONS, "harness.cpp"]
-    assert builds("first") == both
-    assert builds("second") == ["harness.cpp"]  # linked from the cache
-    assert builds("third", "thread") == both  # other flags, another object
+    plain, thread = ["-O0"], ["-O1", "-fsanitize=thread"]
+    assert len(runtime(plain)) == 1
+    assert runtime(plain) == []  # from the cache
+    assert len(runtime(thread)) == 1 and runtime(thread) == []  # other flags, another object
     kept = cache / "emulation"
     assert len(list(kept.glob("*.o"))) == len(list(kept.glob("*.json"))) == 2
     for obj in kept.glob("*.o"):
-        data = bytearray(obj.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        obj.write_bytes(bytes(data))  # not the object the record names
-    assert builds("fourth") == both
+        obj.write_bytes(obj.read_bytes() + b" and more")  # not the object the record names
+    assert len(runtime(plain)) == 1
     assert "not the object its record names" in capsys.readouterr().err
-    assert builds("fifth") == ["harness.cpp"]  # stored again
+    assert runtime(plain) == []  # stored again
     for n in range(emulate.RUNTIME_OBJECTS_KEPT + 3):
         (kept / f"{n:032x}.o").write_bytes(b"")
     monkeypatch.setattr(emulate, "_compiler_identity", lambda cxx: ("another", "compiler"))
-    assert builds("sixth") == both
+    assert len(runtime(plain)) == 1 and runtime(plain) == []
     assert len(list(kept.glob("*.o"))) == emulate.RUNTIME_OBJECTS_KEPT
-    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "first" / "harness.cpp"))  # a file: no cache there
-    assert builds("seventh") == both
-    assert builds("eighth") == both
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "build0" / "prism_emu.o"))  # a file: no cache there
+    assert len(runtime(plain)) == 1 and len(runtime(plain)) == 1
