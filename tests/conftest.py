@@ -11,9 +11,15 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """The tests never read or write the user's cache: a stale or foreign record must not decide a test."""
+    """The tests never read or write the user's cache: a stale or foreign record must not decide a test. The
+    workers of one run (pytest-xdist) share theirs, as processes of one user do: what one proved, searched or
+    compiled (the default rules' soundness verdicts, search checkpoints, the emulation's runtime) the others
+    reuse; every write is atomic, and a test that needs an empty cache makes its own."""
     old = os.environ.get("PRISM_CACHE_DIR")
-    os.environ["PRISM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent / "cache" if os.environ.get("PYTEST_XDIST_WORKER") else base / "cache"
+    shared.mkdir(exist_ok=True)
+    os.environ["PRISM_CACHE_DIR"] = str(shared)
     yield
     if old is None:
         del os.environ["PRISM_CACHE_DIR"]
