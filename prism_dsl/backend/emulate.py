@@ -51,19 +51,20 @@ from .nvcc import write_sources
 
 RUNTIME = "prism_emu.h"  # the emulation's runtime, beside prism.cuh in templates/: what kernels see of it
 RUNTIME_DEFINITIONS = "prism_emu.cc"  # the rest of it, compiled once per set of flags (`runtime_object`)
-RUNTIME_OBJECTS_KEPT = 8  # in the cache: each set of flags (4) for this version of the runtime and the one before
+RUNTIME_OBJECTS_KEPT = 6  # in the cache: each set of flags (3) for this version of the runtime and the one before
 MAX_OBJECT_BYTES = 64 * files.MiB  # the runtime's object: 1-5 MB
 SANITIZERS = ("thread", "address")
 THREADS_PER_WAVE = 1024  # threads live at once (whole blocks): what an SM holds is 2048
 TIMEOUT = 600.0  # seconds one emulation may run
-# The plain build is optimized (-O1) only where the caller says the run is long (`optimize`): at the tests'
-# dims g++ takes about a second more at -O1 than the run saves. ThreadSanitizer's build: -O1 (the two measured
-# about even: a faster build, a slower run).
+# The plain build is optimized (-O1): with the runtime compiled apart (`runtime_object`) g++ optimizes only the
+# kernels and their harness, which costs no more than it saves even at the tests' dims (1.0-1.6 s a check either
+# way), and saves a fifth at larger ones (fused rmsnorm_mlp, d=4096: 13.7 s against 17.6 s; 2 cores).
+# ThreadSanitizer's build: -O1 (the two measured about even: a faster build, a slower run).
 # AddressSanitizer with UBSan builds at -O0: g++ takes 2-3 times as long to compile UBSan's checks with the
 # optimizer on (15 s against 5 s for fused attention, 2 cores), more than the slower run costs at the dims
 # sanitizers run at, and nothing the sanitizers look for is optimized away.
 _FLAGS = {
-    None: [],
+    None: ["-O1"],
     "thread": ["-O1", "-fsanitize=thread"],
     "address": ["-O0", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
 }
@@ -165,9 +166,9 @@ def write_build(kernels: Sequence[RenderedKernel], directory: Path, header: str 
 
 
 def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: Mapping[str, tuple[int, ...]],
-          workdir: Path, sanitizer: str | None = None, header: str | None = None, optimize: bool = False) -> Path:
-    """Compile the kernels and their harness into an executable in `workdir` (under `sanitizer`; the plain
-    build with the optimizer where `optimize`)."""
+          workdir: Path, sanitizer: str | None = None, header: str | None = None) -> Path:
+    """Compile the kernels and their harness into an executable in `workdir` (under `sanitizer`), linked with
+    the runtime (`runtime_object`)."""
     cxx = compiler()
     if cxx is None:
         raise PrismError("no C++ compiler (g++ or clang++) for the CPU emulation; set CXX")
@@ -176,11 +177,10 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     write_build(kernels, workdir, header)
     (workdir / "harness.cpp").write_text(_harness(kernels, dtypes, shapes))
     exe = workdir / f"emulate-{sanitizer or 'plain'}"
-    level = ["-O1" if optimize else "-O0"] if sanitizer is None else []
     # -g1: line tables (what a sanitizer's report needs to name the generated .cu line), no variables' debug
     # information, which -g adds: the plain build of attention at the tests' dims took 2.1-2.4 s with -g and 2.0 s
     # with -g1, its ThreadSanitizer build 3.3 s and 2.3 s (g++, 2 cores)
-    flags = ["-std=c++17", "-g1", *level, *_FLAGS[sanitizer]]
+    flags = ["-std=c++17", "-g1", *_FLAGS[sanitizer]]
     runtime = runtime_object(cxx, flags, workdir)
     cmd = [cxx, *flags, "-x", "c++", "harness.cpp", "-x", "none", runtime.name, "-o", exe.name]
     done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
@@ -192,8 +192,8 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
 def runtime_object(cxx: str, flags: Sequence[str], workdir: Path) -> Path:
     """prism_emu.cc compiled with `flags` (those of the kernels it is linked with: the sanitizers instrument the
     runtime's own copies of the kernels' data, cp.async's and TMA's, as they do the kernels' accesses), as
-    `workdir`/prism_emu.o. Compiling it takes longer than a build's kernels (2.4 s against about 1 s for fused
-    attention, g++ at -O0, 2 cores), so the object is kept in the user cache, keyed by the runtime's two
+    `workdir`/prism_emu.o. Compiling it takes longer than a build's kernels (2.4 s against 0.9 s for fused
+    attention, g++ -O1, 2 cores; 3.0 s under ThreadSanitizer, 4.6 s under AddressSanitizer), so the object is kept in the user cache, keyed by the runtime's two
     sources, the compiler and the flags, and checked there against the SHA-256 its record holds; a cache that
     cannot keep it costs the compile, nothing else."""
     text = runtime_source(RUNTIME_DEFINITIONS)
@@ -256,20 +256,19 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
         inputs: Mapping[str, np.ndarray], workdir: Path | None = None, *, sanitizer: str | None = None,
         blocks: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
         feed: Mapping[str, np.ndarray] | None = None, header: str | None = None,
-        timeout: float = TIMEOUT, optimize: bool = False) -> Result:
+        timeout: float = TIMEOUT) -> Result:
     """Every tensor the kernels write, from the given inputs (float64 arrays of the program's inputs).
 
     `blocks`: per kernel name, the blocks to emulate (all of the grid when a kernel is not named).
     `feed`: tensors some kernels write, given instead: loaded just before the first kernel that reads them
     (a kernel whose producer ran only some blocks reads the reference's values instead).
-    `optimize`: the run is long enough to pay for the plain build's optimizer (`build`).
     Tensors a kernel writes start as NaN, so an element no block writes can never pass a check; those
     written with atomic adds start at zero."""
     blocks, feed = blocks or {}, feed or {}
     shapes = {**{n: np.shape(a) for n, a in inputs.items()}, **shapes}  # inputs' shapes from their arrays
     started = time.perf_counter()
     with files.temp_scratch("emulate") if workdir is None else contextlib.nullcontext(workdir) as workdir:
-        exe = build(kernels, dtypes, shapes, workdir, sanitizer, header, optimize)
+        exe = build(kernels, dtypes, shapes, workdir, sanitizer, header)
         names = _tensors(kernels)
         data = workdir / "data"
         data.mkdir(exist_ok=True)

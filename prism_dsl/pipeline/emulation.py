@@ -34,22 +34,16 @@ from .report import EmulationCheck
 # Emulated work (flops of the kernels plus the bytes their blocks load) above which the emulation samples
 # blocks: about 10 s of emulation on one core of a 2-core machine (benchmarks/emulation.py measures it).
 WHOLE_GRID_WORK = 2e9
-# Emulated work above which the plain build is optimized: below it g++'s -O1 costs more than it saves
-# (fused rmsnorm_mlp and attention on 2 cores: -O0 a second faster at 4e7, even at 1.4e8, -O1 2.5 s faster
-# at 6e8).
-OPTIMIZE_WORK = 1.4e8
 SAMPLED_EXTRA = 6  # blocks chosen at random per kernel, beyond the first and last along every axis
 
 
-def work(built, blocks: Mapping[str, list] | None = None) -> float:
-    """What emulating every block of every kernel costs, in the units of WHOLE_GRID_WORK; with `blocks` (per
-    kernel sampled, its blocks), what emulating those costs."""
+def work(built) -> float:
+    """What emulating every block of every kernel costs, in the units of WHOLE_GRID_WORK: the kernels' FLOPs
+    plus the bytes their blocks load."""
     total = 0.0
     for k in kernels_of(built.program):
-        c = built.concrete[k.name]
-        w = cost.kernel_work(c, built.hardware)
-        share = len(blocks[k.name]) / c.blocks() if blocks and k.name in blocks else 1.0
-        total += (w.flops + w.tensor_core_flops + w.l2) * share
+        w = cost.kernel_work(built.concrete[k.name], built.hardware)
+        total += w.flops + w.tensor_core_flops + w.l2
     return total
 
 
@@ -112,7 +106,7 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
     sms = built.hardware.sms
     launched = {name: [_launched(built.concrete[name], b, sms) for b in bs] for name, bs in blocks.items()}
     result = emulator.run(built.kernels, dtypes, shapes, inputs, sanitizer=sanitizer, blocks=launched, feed=values,
-                          header=header, optimize=work(built, blocks) > OPTIMIZE_WORK)
+                          header=header)
     sizes = sorted({k.block[0] for k in built.kernels})  # threads per block: several where kernels differ
     ran = {"threads_per_block": sizes[-1] if sizes else 0, "block_sizes": sizes, "sanitizer": sanitizer,
            "dims": {d.name: int(built.binding[d.symbol]) for d in built.source.dims},
