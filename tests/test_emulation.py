@@ -682,6 +682,11 @@ def test_the_runtime_is_compiled_once_per_set_of_flags_and_checked_where_it_is_k
     assert len(runtime(plain)) == 1
     assert "not the object its record names" in capsys.readouterr().err
     assert runtime(plain) == []  # stored again
+    named = {o.name for o in kept.glob("*.o")}
+    other = kept / (sorted(named)[0][:33] + "0" * 16 + ".o")
+    other.write_bytes(b"another process's object of the same runtime")  # stored at once with this one
+    assert runtime(plain) == []  # the record names its own object
+    other.unlink()
     for n in range(emulate.RUNTIME_OBJECTS_KEPT + 3):
         (kept / f"{n:032x}.o").write_bytes(b"")
     monkeypatch.setattr(emulate, "_compiler_identity", lambda cxx: ("another", "compiler"))

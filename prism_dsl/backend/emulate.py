@@ -193,36 +193,44 @@ def runtime_object(cxx: str, flags: Sequence[str], workdir: Path) -> Path:
     """prism_emu.cc compiled with `flags` (those of the kernels it is linked with: the sanitizers instrument the
     runtime's own copies of the kernels' data, cp.async's and TMA's, as they do the kernels' accesses), as
     `workdir`/prism_emu.o. Compiling it takes longer than a build's kernels (2.4 s against 0.9 s for fused
-    attention, g++ -O1, 2 cores; 3.0 s under ThreadSanitizer, 4.6 s under AddressSanitizer), so the object is kept in the user cache, keyed by the runtime's two
-    sources, the compiler and the flags, and checked there against the SHA-256 its record holds; a cache that
-    cannot keep it costs the compile, nothing else."""
+    attention, g++ -O1, 2 cores; 3.0 s under ThreadSanitizer, 4.6 s under AddressSanitizer), so the object is
+    kept in the user cache: a record keyed by the runtime's two sources, the compiler and the flags names the
+    object by its SHA-256, and the object is used only if its bytes have that digest. The object is stored
+    before its record, under a name of its own, so processes that compile it at once never pair one's record
+    with another's object. A cache that cannot keep it costs the compile, nothing else."""
     text = runtime_source(RUNTIME_DEFINITIONS)
     key = cache.digest("emulation runtime", runtime_source(), text, *_compiler_identity(cxx), *flags)
-    obj = workdir / "prism_emu.o"
-    stored = cache.cache_dir() / "emulation" / f"{key[:32]}.o"
-    record = cache.read("emulation", key, valid=lambda v: isinstance(v, dict) and isinstance(v.get("sha256"), str))
+    obj, folder = workdir / "prism_emu.o", cache.cache_dir() / "emulation"
+    record = cache.read("emulation", key, valid=lambda v: isinstance(v, dict) and isinstance(v.get("sha256"), str)
+                        and re.fullmatch(r"[0-9a-f]{64}", v["sha256"]) is not None)
     if record is not None:
+        stored = folder / _object_name(key, record["sha256"])
         with contextlib.suppress(OSError, ValueError):
             data = files.read_regular(stored, MAX_OBJECT_BYTES)
             if hashlib.sha256(data).hexdigest() == record["sha256"]:
                 obj.write_bytes(data)
                 return obj
-        cache.warn(stored, "not the object its record names; compiling the emulation's runtime again")
+        cache.warn(stored, "missing, or not the object its record names; compiling the emulation's runtime again")
     (workdir / RUNTIME_DEFINITIONS).write_text(text)
     done = subprocess.run([cxx, *flags, "-c", "-x", "c++", RUNTIME_DEFINITIONS, "-o", obj.name], cwd=workdir,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise PrismError("the emulation's runtime does not compile:\n" + _compiler_errors(done.stderr))
     data = obj.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
     try:
-        stored.parent.mkdir(parents=True, exist_ok=True)
-        files.write_atomic(str(stored), lambda f: f.write(data))
+        folder.mkdir(parents=True, exist_ok=True)
+        files.write_atomic(str(folder / _object_name(key, digest)), lambda f: f.write(data))
     except (OSError, PrismError) as e:
         cache.unusable("write", str(e))
     else:
-        cache.write("emulation", key, {"sha256": hashlib.sha256(data).hexdigest()})
-        _prune(stored.parent)
+        cache.write("emulation", key, {"sha256": digest})
+        _prune(folder)
     return obj
+
+
+def _object_name(key: str, digest: str) -> str:
+    return f"{key[:32]}-{digest[:16]}.o"
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,12 +242,15 @@ def _compiler_identity(cxx: str) -> tuple[str, str]:
 
 
 def _prune(folder: Path) -> None:
-    """The newest RUNTIME_OBJECTS_KEPT objects kept, the rest removed with their records."""
+    """The newest RUNTIME_OBJECTS_KEPT objects kept; the rest removed, with their records where no kept object
+    has the same key (`_object_name`)."""
     with contextlib.suppress(OSError):
         objects = sorted(folder.glob("*.o"), key=lambda p: p.stat().st_mtime, reverse=True)
+        kept = {o.name[:32] for o in objects[:RUNTIME_OBJECTS_KEPT]}
         for old in objects[RUNTIME_OBJECTS_KEPT:]:
             old.unlink(missing_ok=True)
-            old.with_suffix(".json").unlink(missing_ok=True)
+            if old.name[:32] not in kept:
+                (folder / f"{old.name[:32]}.json").unlink(missing_ok=True)
 
 
 def _compiler_errors(stderr: str) -> str:
