@@ -29,6 +29,7 @@
 #include <cstring>
 #include <type_traits>
 #include "prism_emu.h"
+static_assert(PRISM_EMU_INTERFACE == 2, "prism.cuh and prism_emu.h are of different versions of prismc");
 #define __global__
 #define __device__
 #define __forceinline__ inline

@@ -57,6 +57,10 @@
 // printed by the sanitizer; a death callback adds the emulated thread that was running.
 #pragma once
 
+// The interface prism.cuh's emulated forms are written against: raised when they must change with this header, so
+// that an output directory's prism.cuh from before is refused in words (`prismc verify`), not by a compile error.
+#define PRISM_EMU_INTERFACE 2
+
 #include <ucontext.h>
 
 #include <cstddef>

@@ -98,11 +98,21 @@ def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
     (lambda d: (d / "rmsnorm_matmul.cu").unlink(), "is missing"),
     (lambda d: (d / "rmsnorm_matmul.cu").write_text("this is not C++\n"), "do not compile for the CPU emulation"),
     (lambda d: (d / "rmsnorm_linear.prism").write_text("program ("), "rmsnorm_linear.prism:1:"),
+    (lambda d: _edit_header(d, "PRISM_EMU_INTERFACE == 2", "PRISM_EMU_INTERFACE == 1"),
+     "is from another version of prismc (its emulated forms are written for interface 1 of the emulation's"),
+    (lambda d: _edit_header(d, "static_assert(PRISM_EMU_INTERFACE == 2", "static_assert(true"),
+     "written for an interface from before version 2 of the emulation's runtime"),
 ])
 def test_verify_bad_directories_are_messages(capsys, out, setup, message):
     setup(out)
     code, _, err = prismc(capsys, "verify", out)
     assert code == 1 and message in err, err
+
+
+def _edit_header(directory: Path, old: str, new: str) -> None:
+    path = directory / "prism.cuh"
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
 
 
 def _edit_report(directory: Path, **changes) -> None:

@@ -85,6 +85,17 @@ def runtime_source(name: str = RUNTIME) -> str:
     return (data_dir("templates", "templates") / name).read_text()
 
 
+def interface_problem(header: str) -> str | None:
+    """Why a prism.cuh (an output directory's, say) cannot be built with this runtime, or None: its emulated
+    forms are written against the runtime's interface (`PRISM_EMU_INTERFACE` in prism_emu.h), which it names."""
+    want = re.search(r"#define PRISM_EMU_INTERFACE (\d+)", runtime_source())
+    have = re.search(r"PRISM_EMU_INTERFACE == (\d+)", header)
+    if want is None or (have is not None and have.group(1) == want.group(1)):
+        return None
+    of = f"interface {have.group(1)}" if have else "an interface from before version 2"
+    return f"its emulated forms are written for {of} of the emulation's runtime, which is at {want.group(1)} now"
+
+
 @dataclass(frozen=True)
 class Finding:
     """What the emulation or a sanitizer reported about the generated code."""

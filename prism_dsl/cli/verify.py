@@ -122,6 +122,8 @@ def _as_on_disk(built, directory: Path, report: dict):
     header = _text(directory / HEADER)
     if emulator.RUNTIME not in header:
         raise PrismError(f"'{directory / HEADER}' predates the thread-faithful emulation: compile the program again")
+    if why := emulator.interface_problem(header):
+        raise PrismError(f"'{directory / HEADER}' is from another version of prismc ({why}): compile the program again")
     # launched as compiled: the options the directory was written with (--threads, --no-wgmma, ...) decide
     # the block and its shared memory, which a build with the defaults may not share
     kernels = tuple(replace(k, source=_text(directory / k.file), block=tuple(r["block"]), smem=r["smem_bytes"])
