@@ -1,7 +1,8 @@
 // prism_emu.cc: the definitions of the emulation's runtime, declared in prism_emu.h. Compiled once per set of
 // compiler flags (plain, each sanitizer's) into an object that every emulation build with those flags links
 // (backend/emulate.py), so that a build compiles only its kernels and their harness. It must be compiled with the
-// flags of the kernels it is linked with: the structures of prism_emu.h differ under each sanitizer.
+// flags of the kernels it is linked with: the sanitizers must see the runtime's own accesses to the kernels'
+// memory (cp.async's and TMA's copies, a collective's exchange) as they see the kernels'.
 #include "prism_emu.h"
 
 #include <sys/mman.h>
