@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prism_dsl.backend import cost  # noqa: E402
-from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS, Ahead  # noqa: E402
+from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS, Ahead, device_target  # noqa: E402
 from prism_dsl.backend.launch import blocks_per_sm  # noqa: E402
 from prism_dsl.kernels.hardware import Hardware, for_device, hardware_names, load_hardware  # noqa: E402
 
@@ -301,10 +301,8 @@ def run() -> tuple[list[Point], list[Point], dict, dict, str]:
     context = dev.retain_primary_context()
     context.push()
     try:
-        major, minor = dev.compute_capability()
-        arch = f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-        module = SourceModule(SOURCE.read_text(), no_extern_c=True, arch=arch, options=NVCC_OPTIONS,
-                              include_dirs=[str(HEADERS)])
+        module = SourceModule(SOURCE.read_text(), no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(HEADERS)],
+                              **device_target(dev.compute_capability()))
         sms = dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
         optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         launch = probe_launch(drv, module)

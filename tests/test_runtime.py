@@ -492,7 +492,8 @@ class FakeDriver:
         return np.frombuffer(self.memory[ptr], dtype)
 
     def source_module(self, source, **options):
-        assert options["no_extern_c"] and options["arch"] == "sm_90a", options  # H100: wgmma needs the arch-specific target
+        # H100: wgmma needs the arch-specific target, named as -gencode names it (`cuda_runtime.device_target`)
+        assert options["no_extern_c"] and (options["arch"], options["code"]) == ("compute_90a", "sm_90a"), options
         if source == rt.SPIN_CU:
             return self.spin_module()
         assert Path(options["include_dirs"][0]).is_absolute(), "nvcc runs elsewhere: relative -I paths break"

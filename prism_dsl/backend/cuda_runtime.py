@@ -62,6 +62,15 @@ class KernelCompileError(RuntimeError):
         self.kernel, self.path, self.stderr = kernel, path, stderr
 
 
+def device_target(capability: tuple[int, int]) -> dict[str, str]:
+    """pycuda's `arch` and `code` for a device: the virtual and the real architecture named apart (nvcc's
+    `-arch compute_90a -code sm_90a`), the feature set `a` on sm_90 for wgmma. The shorthand `-arch sm_90a`
+    compiles the kernels alike, but pycuda also preprocesses each source with its options to key its cache,
+    and there nvcc 13 preprocesses for plain sm_90 too, where a wgmma kernel's `#error` stops it."""
+    sm = "%d%d%s" % (*capability, "a" if tuple(capability) == (9, 0) else "")
+    return {"arch": f"compute_{sm}", "code": f"sm_{sm}"}
+
+
 @functools.cache
 def gpu_status() -> tuple[bool, str]:
     """(True, device name) when a CUDA GPU can be driven through pycuda, else (False, why not)."""
@@ -258,28 +267,28 @@ class Launcher:
             from pycuda.compiler import SourceModule
 
             dev = drv.Device(self.device)
-            arch = "sm_%d%d%s" % (*dev.compute_capability(), "a" if dev.compute_capability() == (9, 0) else "")  # wgmma
+            target = device_target(dev.compute_capability())
             optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             modules: dict[Path, object] = {}
             functions = []
             for kernel in self.plan["kernels"]:
                 path = self.directory / kernel["file"]
                 if path not in modules:
-                    modules[path] = self._compile_file(SourceModule, drv, kernel["name"], path, arch)
+                    modules[path] = self._compile_file(SourceModule, drv, kernel["name"], path, target)
                 functions.append(self._function(drv, modules[path], kernel, optin))
-            spin = SourceModule(SPIN_CU, no_extern_c=True, options=NVCC_OPTIONS, arch=arch)
+            spin = SourceModule(SPIN_CU, no_extern_c=True, options=NVCC_OPTIONS, **target)
             self._modules, self._functions = [*modules.values(), spin], functions
             self._spin = spin.get_function("prism_spin")
             self._spin.prepare("q")
 
-    def _compile_file(self, SourceModule, drv, kernel: str, path: Path, arch: str):
+    def _compile_file(self, SourceModule, drv, kernel: str, path: Path, target: dict):
         try:
             source = path.read_text()
         except OSError as err:
             raise PlanError(f"kernel '{kernel}': cannot read {path}: {err.strerror}") from None
         try:
             return SourceModule(source, no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(path.parent)],
-                                arch=arch)
+                                **target)
         except drv.CompileError as err:
             raise KernelCompileError(kernel, path, err.stderr or str(err)) from None
 
