@@ -8,7 +8,7 @@ Each program of `programs/` is compiled with `prismc compile` (searched, `--time
 form of `programs/fused/` as written (`--search none`), at sizes drawn per program (causal attention with no
 more queries than keys), emulated plain and, for a second run of the searched programs, under a sanitizer
 drawn at random; `--options` adds one of `--threads 64/256`, `--stages 2/4`, `--no-wgmma`, `--no-tensor-cores`,
-`--no-pingpong`, `--no-tma`, `--no-split` to each run. A row passes when the exit code is 0 and the summary says
+`--no-pingpong`, `--tma`, `--no-split` to each run. A row passes when the exit code is 0 and the summary says
 "verified: yes"; a failing row prints the summary's last lines. The exit code is 1 when any row failed.
 """
 
@@ -55,7 +55,7 @@ LARGE = {  # tensor-core tiles
     "swiglu": dict(n=[64, 128, 256], d=[128, 256]),
 }
 OPTIONS = [[], ["--threads", "64"], ["--threads", "256"], ["--stages", "2"], ["--stages", "4"], ["--no-wgmma"],
-           ["--no-tensor-cores"], ["--no-pingpong"], ["--no-tma"], ["--no-split"]]
+           ["--no-tensor-cores"], ["--no-pingpong"], ["--tma"], ["--no-split"]]
 
 
 def runs(rng: random.Random, table: dict, source: Path, options: bool, only: str):

@@ -90,7 +90,7 @@ def test_rendered_tma_kernel_matches_the_golden_file():
     loop tiles copied by TMA, one thread issuing each stage's boxes after the expect_tx of their bytes."""
     program = load(ROOT / "programs/fused/attention.prism").program()
     options = BuildOptions(dims={"b": 1, "h": 2, "q": 128, "kv": 256, "dh": 64}, grid={"gb": 1, "gh": 2, "gq": 1},
-                           loop={"F": 4}, archs=())
+                           loop={"F": 4}, archs=(), codegen=CodegenConfig(tma=True))
     k = build(program, H100, options).kernels[0]
     assert [m.tensor for m in k.maps] == ["K", "V"] and k.source.count("prism::tma_load(") == 4
     check_golden(GOLDEN / "attention.tma" / k.file, k.source)
@@ -167,12 +167,12 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     pair shares A's descriptor, B is read N-major as stored or K-major where stored transposed, no ldmatrix;
     where both operands are pipelined loop tiles (3 stages), each iteration's batch stays in flight into the
     next. Where every loop tile is one wgmma reads (the gated pair, kmajor), TMA copies them, into the same
-    swizzle. The emulated code matches the float64 reference under ThreadSanitizer (the emulation itself
-    reports a descriptor that reads outside shared memory), and a copy written unswizzled (cp.async: --no-tma)
+    swizzle (--tma). The emulated code matches the float64 reference under ThreadSanitizer (the emulation itself
+    reports a descriptor that reads outside shared memory), and a copy written unswizzled (cp.async, the default)
     is caught, as is a stage refilled while a batch in flight still reads it, and code without the fences that
     hand the threads' writes and registers to the tensor cores."""
     out = tmp_path / "out"
-    assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(out), "--arch", "none",
+    assert main(["compile", str(write(WGMMA_PRODUCTS)), "--search", "none", "-o", str(out), "--arch", "none", "--tma",
                  "--sanitize", "thread", "--dims", "d=256", "--grid", "g1=2,g2=1,g3=2", "--loop", "F1=4,F2=4,F3=2"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["checked"]["emulation"]["passed"], report["checked"]
@@ -194,7 +194,8 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     assert all("wgmma" not in (sm80 / f"{n}.cu").read_text() for n in src)
     # one tile's copies written row-major (the chunk not XORed with the row): the products read other values
     program = load(write(WGMMA_PRODUCTS)).program()
-    options = BuildOptions(dims={"d": 256}, grid={"g1": 2, "g2": 1, "g3": 2}, loop={"F1": 4, "F2": 4, "F3": 2}, archs=())
+    options = BuildOptions(dims={"d": 256}, grid={"g1": 2, "g2": 1, "g3": 2}, loop={"F1": 4, "F2": 4, "F3": 2}, archs=(),
+                           codegen=CodegenConfig(tma=True))
     built = build(program, H100, options)
     copied = build(program, H100, replace(options, codegen=CodegenConfig(tma=False)))
     k = copied.kernels[2]
@@ -232,12 +233,12 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tma, 
     late, beside the next scores' softmax, and the last one after the loop (`launch.overlap`); p's
     fragments written before that batch's wait are reported. With 2 (causal here), each iteration waits
     for both batches. The two warpgroups of attention take turns on the tensor cores with a fourth stage
-    (`launch.takes_turns`), their tiles copied by TMA, and in step with --no-pingpong (here with --no-tma:
-    cp.async). Causal attention's key tile is RoPE'd before wgmma reads it: cp.async copies it."""
+    (`launch.takes_turns`), their tiles copied by TMA (--tma), and in step with --no-pingpong (here with
+    cp.async, the default). Causal attention's key tile is RoPE'd before wgmma reads it: cp.async copies it."""
     out = tmp_path / "out"
     assert main(["compile", str(ROOT / f"programs/fused/{name}.prism"), "--search", "none", "-o", str(out), "--arch",
                  "none", "--dims", dims, "--grid", grid, "--loop", loop, "--sanitize", sanitizer]
-                + ([] if turns or name != "attention" else ["--no-pingpong", "--no-tma"])) == 0
+                + (["--tma"] if tma else []) + ([] if turns or name != "attention" else ["--no-pingpong"])) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["checked"]["emulation"]["passed"], report["checked"]
     src = (out / f"{report['kernels'][0]['name']}.cu").read_text()
@@ -314,10 +315,10 @@ def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     be reading it: the emulation passes the code as generated, its tiles copied by TMA (one thread, after the
     stage's last readers have arrived at its empty mbarrier), and reports each barrier taken out, a copy
     whose bytes its stage does not wait for, and an mbarrier the TMA unit was not shown. With cp.async
-    (--no-tma) every thread copies, and the fence that hands the landed tiles to the tensor cores is needed."""
+    (the default) every thread copies, and the fence that hands the landed tiles to the tensor cores is needed."""
     program = load(ROOT / "programs/fused/attention.prism").program()
     options = BuildOptions(dims=parse_dims("b=1,h=1,q=128,kv=512,dh=64"), grid=parse_dims("gb=1,gh=1,gq=1"),
-                           loop=parse_dims("F=8"), archs=(), codegen=CodegenConfig(stages=4))
+                           loop=parse_dims("F=8"), archs=(), codegen=CodegenConfig(stages=4, tma=True))
     built = build(program, H100, options)
     k = built.kernels[0]
     assert "5-stage TMA pipeline paced by mbarriers" in k.source and "ahead = it + 2;" in k.source

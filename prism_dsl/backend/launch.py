@@ -71,7 +71,8 @@ class CodegenConfig:
     pingpong: bool = True  # two warpgroups of online softmax take turns on the tensor cores where they can (`pingpong`)
     flight: int = 13636  # bytes an SM keeps in flight to cover the DRAM latency (`cost.for_hardware`; H100's here)
     one_launch: bool = True  # a split's combining kernel runs in the launch of the kernel it combines (`tails`)
-    tma: bool = True  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can (`copies`)
+    tma: bool = False  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can
+    # (`copies`); off unless asked for (`prismc compile --tma`): on an H200 such kernels stopped at their first copy
 
     @property
     def warpgroups(self) -> bool:

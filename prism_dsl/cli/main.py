@@ -96,13 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop the search after this long and use the best proved program so far (default 60)")
     co.add_argument("--jobs", type=positive_int, default=None,
                     help="prover processes running at once (default: the machine's cores)")
-    co.add_argument("--max-kernels", type=positive_int, default=None,
-                    help="custom kernels per program the search may use (default 1; a split reduction's "
-                         "combining kernel is not counted)")
-    co.add_argument("--no-split", action="store_true",
-                    help="do not offer loop kernels split in two (FlashDecoding: partial results and a combining kernel)")
-    co.add_argument("--no-cache", action="store_true",
-                    help="neither read nor write the search checkpoint and tuning database")
+    co.add_argument("--max-kernels", type=positive_int, default=None, help="custom kernels per program the search may "
+                    "use (default 1; a split reduction's combining kernel is not counted)")
+    co.add_argument("--no-split", action="store_true", help="do not offer loop kernels split in two (FlashDecoding: "
+                    "partial results and a combining kernel)")
+    co.add_argument("--no-cache", action="store_true", help="neither read nor write the search checkpoint and tuning "
+                    "database")
     co.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
     co.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges to use (64 or F=64)")
     co.add_argument("--rank", choices=("model", "measure"), default="model",
@@ -122,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--no-wgmma", action="store_true", help="products on mma.sync (sm_80 and later), not wgmma (sm_90a)")
     co.add_argument("--no-pingpong", action="store_true", help="online softmax on two warpgroups in step, each "
                     "iteration behind a block-wide barrier, not taking turns on the tensor cores")
-    co.add_argument("--no-tma", action="store_true", help="loop tiles of kernels on wgmma copied by cp.async, not by TMA")
+    co.add_argument("--tma", action=argparse.BooleanOptionalAction, default=False, help="loop tiles of wgmma kernels "
+                    "copied by TMA, not cp.async (off by default: such kernels faulted at their first copy on an H200)")
     co.add_argument("--two-launches", action="store_true", help="a split's combining kernel in a launch of its own")
     co.add_argument("--seed", type=whole, default=0, help="seed for the random inputs of the checks (default 0)")
     co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
@@ -455,7 +455,7 @@ def cmd_compile(args) -> int:
     options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs,
                            emulate=not args.no_emulate, sanitize=args.sanitize, emulate_blocks=args.blocks, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores,
-                                                 stages=args.stages, wgmma=not args.no_wgmma, tma=not args.no_tma,
+                                                 stages=args.stages, wgmma=not args.no_wgmma, tma=args.tma,
                                                  pingpong=not args.no_pingpong, one_launch=not args.two_launches))
     report = compile_program(Request(program, Path(args.output), hardware, options, searching))
     sys.stdout.write(report.to_json() if args.json else summary(report, Path(args.output)) + "\n")
