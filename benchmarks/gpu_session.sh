@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# One sitting on a GPU machine, in the order that matters most when its time may run out: the decode
-# workloads (checked and timed, gpu_fused.py run), the model's memory and launch figures (gpu_probe.py), the
-# prefill workloads, the prefill workloads compiled without TMA where `prepare --dir out/gpu-notma` made
-# them, and the tests that need a GPU. Each step has a time limit and the whole a budget; a step cut short
+# One sitting on a GPU machine, in the order that matters most when its time may run out: one workload to see
+# the chain work, one TMA copy made four ways (tma_probe.py), the decode workloads (checked and timed,
+# gpu_fused.py run), the model's memory and launch figures (gpu_probe.py), the prefill workloads, the prefill
+# workloads compiled with TMA where `prepare --dir out/gpu-tma` made them, and the tests that need a GPU. Each step has a time limit and the whole a budget; a step cut short
 # keeps what it measured (each workload's gpu.json is written as soon as it is measured).
 #
 #     python benchmarks/gpu_fused.py prepare --hardware h200                                  # here first
-#     python benchmarks/gpu_fused.py prepare --hardware h200 --dir out/gpu-notma --only prefill --options="--no-tma"
+#     python benchmarks/gpu_fused.py prepare --hardware h200 --dir out/gpu-tma --only prefill --options="--tma"
 #     # copy the repository with out/ (and wheels of pycuda and lark in .whl/, if the GPU machine lacks them) there:
 #     benchmarks/gpu_session.sh [BUDGET_SECONDS [STEP...]]     # on the GPU machine, from anywhere
 #     # bring back $RESULTS/session.tar.gz; here: tar xzf it, then python benchmarks/gpu_fused.py table
 #
-# STEPs, in the order given (default: first decode probe prefill notma tests): first (one decode workload, to see
-# that the whole chain works before the rest), decode, probe, prefill, notma, tests. A workload measured by an
+# STEPs, in the order given (default: first tmacopy decode probe prefill tma tests): first (one decode workload, to
+# see that the whole chain works before the rest), tmacopy, decode, probe, prefill, tma, tests. A workload measured by an
 # earlier step or call (its gpu.json) is not measured again. RESULTS (default out/session) gets steps.txt
 # (each step's exit status and time) and session.tar.gz (every gpu.json, probe.json and each step's log,
 # under their paths in the repository).
@@ -22,10 +22,10 @@ cd "$(dirname "$0")/.."
 budget=${1:-540}
 shift $(( $# ? 1 : 0 ))
 steps=("$@")
-(( ${#steps[@]} )) || steps=(first decode probe prefill notma tests)
+(( ${#steps[@]} )) || steps=(first tmacopy decode probe prefill tma tests)
 for name in "${steps[@]}"; do
-    case $name in tests | first | decode | probe | prefill | notma) ;;
-        *) echo "unknown step '$name' (tests, first, decode, probe, prefill, notma)" >&2; exit 2 ;;
+    case $name in first | tmacopy | decode | probe | prefill | tma | tests) ;;
+        *) echo "unknown step '$name' (first, tmacopy, decode, probe, prefill, tma, tests)" >&2; exit 2 ;;
     esac
 done
 results=${RESULTS:-out/session}
@@ -59,13 +59,14 @@ for name in "${steps[@]}"; do
     case $name in
         tests) step tests 60 python3 -m pytest -q -p no:cacheprovider -m "gpu or nvcc" tests/test_runtime.py ;;
         first) step first 90 python3 benchmarks/gpu_fused.py run --only "rmsnorm_linear decode" ;;
+        tmacopy) step tmacopy 90 python3 benchmarks/tma_probe.py ;;
         decode) step decode 200 python3 benchmarks/gpu_fused.py run --only decode ;;
         probe) step probe 120 python3 benchmarks/gpu_probe.py --json out/probe.json ;;
         prefill) step prefill 240 python3 benchmarks/gpu_fused.py run --only prefill ;;
-        notma) [ -d out/gpu-notma ] && step notma 200 python3 benchmarks/gpu_fused.py run --dir out/gpu-notma \
-                   --results out/RESULTS-notma.md ;;
+        tma) [ -d out/gpu-tma ] && step tma 200 python3 benchmarks/gpu_fused.py run --dir out/gpu-tma \
+                 --results out/RESULTS-tma.md ;;
     esac
 done
 
-tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-notma.md out/gpu*/*/gpu.json 2>/dev/null)
+tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-tma.md out/gpu*/*/gpu.json 2>/dev/null)
 echo "session: $((SECONDS - begun)) s; $(tar tzf "$results/session.tar.gz" | grep -c gpu.json) workloads measured"
