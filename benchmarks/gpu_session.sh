@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One sitting on a GPU machine, in the order that matters most when its time may run out: one workload to see
-# the chain work, one TMA copy made four ways (tma_probe.py), the decode workloads (checked and timed,
+# the chain work, two TMA copies made four ways (tma_probe.py), the decode workloads (checked and timed,
 # gpu_fused.py run), the model's memory and launch figures (gpu_probe.py), the prefill workloads, the prefill
 # workloads compiled with TMA where `prepare --dir out/gpu-tma` made them, and the tests that need a GPU. Each step has a time limit and the whole a budget; a step cut short
 # keeps what it measured (each workload's gpu.json is written as soon as it is measured).

@@ -1,8 +1,9 @@
 """Where a TMA copy goes wrong on a GPU. On an H200 (2026-11-28) every generated kernel that copies its loop tiles by
 TMA (`prismc compile --tma`) stopped at its first copy (`cp.async.bulk.tensor`, UTMALDG in its SASS) with "an illegal
 instruction was encountered", while the same programs compiled for cp.async ran and matched the reference. This runs
-one TMA copy (benchmarks/tma_probe.cu, on prism.cuh's mbarrier and tma_load) in four ways, each in a process of its
-own since a fault ends its CUDA context:
+two TMA copies through two maps passed as the first parameters, as those kernels take them (benchmarks/tma_probe.cu,
+on prism.cuh's mbarrier and tma_load), in four ways, each in a process of its own since a fault ends its CUDA
+context:
 
     program   the reference way: nvcc builds a program that encodes the map on the host and launches with <<<>>>
     encode    no launch: the bytes `cuda_plan.encode_map` writes for an address beside the program's for the same one
@@ -37,7 +38,7 @@ from prism_dsl.backend.nvcc import nvcc_path  # noqa: E402
 SOURCE = Path(__file__).with_name("tma_probe.cu")
 TEMPLATES = ROOT / "templates"
 ROWS, COLS, ROW0, COL0 = 256, 512, 64, 128  # as the program's own check
-SMEM = 8192 + 64
+SMEM = 16384 + 64
 ADDRESS = 0x7F0000000000  # any 16-byte aligned address: encoding reads no memory
 VARIANTS = ("program", "encode", "runtime", "params")
 
@@ -65,8 +66,8 @@ def launch(how: str) -> str:
     context.push()
     try:
         host = tensor()
-        src, out = drv.to_device(host), drv.mem_alloc(64 * 64 * 2)
-        drv.memset_d16(out, 0xFFFF, 64 * 64)  # NaN: every element must be written
+        src, out = drv.to_device(host), drv.mem_alloc(128 * 64 * 2)
+        drv.memset_d16(out, 0xFFFF, 128 * 64)  # NaN: every element must be written
         tmap = cuda_plan.encode_map(int(src), "f16", [ROWS, COLS], [64, 64])
         source, target = SOURCE.read_text(), device_target(dev.compute_capability())
         if how == "runtime":
@@ -74,8 +75,9 @@ def launch(how: str) -> str:
 
             fn = SourceModule(source, no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(TEMPLATES)],
                               **target).get_function("tma_probe")
-            fn.prepare("%dsPii" % cuda_plan.MAP_BYTES)
-            fn.prepared_call((1, 1, 1), (128, 1, 1), tmap, int(out), np.int32(ROW0), np.int32(COL0), shared_size=SMEM)
+            fn.prepare("%ds" % cuda_plan.MAP_BYTES * 2 + "Pii")  # as the runtime packs a kernel's parameters
+            fn.prepared_call((1, 1, 1), (128, 1, 1), tmap, tmap, int(out), np.int32(ROW0), np.int32(COL0),
+                             shared_size=SMEM)
         else:
             from pycuda.compiler import compile as to_cubin
 
@@ -86,15 +88,15 @@ def launch(how: str) -> str:
                                ("cuModuleGetFunction", (ctypes.byref(fn), module, b"tma_probe"))):
                 if status := getattr(lib, call)(*args):
                     return f"{call}: CUresult {status}"
-            held = [ctypes.create_string_buffer(tmap, len(tmap)), ctypes.c_uint64(int(out)), ctypes.c_int(ROW0),
-                    ctypes.c_int(COL0)]
+            held = [ctypes.create_string_buffer(tmap, len(tmap)), ctypes.create_string_buffer(tmap, len(tmap)),
+                    ctypes.c_uint64(int(out)), ctypes.c_int(ROW0), ctypes.c_int(COL0)]
             params = (ctypes.c_void_p * len(held))(*(ctypes.addressof(h) for h in held))
             if status := lib.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, SMEM, None, params, None):
                 return f"cuLaunchKernel: CUresult {status}"
         drv.Context.synchronize()
-        got = drv.from_device(out, (64, 64), np.float16)
-        wrong = int(np.sum(got != host[ROW0:ROW0 + 64, COL0:COL0 + 64]))
-        return f"{wrong} of 4096 elements wrong"
+        got = drv.from_device(out, (128, 64), np.float16)
+        wrong = int(np.sum(got != host[ROW0:ROW0 + 128, COL0:COL0 + 64]))
+        return f"{wrong} of 8192 elements wrong"
     except Exception as err:  # pycuda's errors (a fault at the synchronize) derive from Exception alone
         return f"{type(err).__name__}: {err}"
     finally:

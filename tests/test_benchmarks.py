@@ -121,6 +121,29 @@ def test_the_probe_kernels_compile_and_stream_by_cp_async(tmp_path):
     assert "LDG" in chase  # the chain of loads is there, not folded away
 
 
+@pytest.mark.nvcc
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not on the PATH")
+def test_the_tma_probe_builds_both_ways_and_copies_by_tma(tmp_path):
+    """tma_probe.cu as a program of its own (the host encodes and launches) and as the kernel pycuda compiles:
+    two UTMALDG (one per map) at an mbarrier that counts their bytes. Without a GPU the script says so."""
+    done = subprocess.run([nvcc_path(), "-gencode=arch=compute_90a,code=sm_90a", *NVCC_OPTIONS, "-I",
+                           str(probe.HEADERS), "-DTMA_PROBE_MAIN", str(BENCHMARKS / "tma_probe.cu"), "-o",
+                           str(tmp_path / "tma_probe")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    cubin = tmp_path / "tma_probe.cubin"
+    done = subprocess.run([nvcc_path(), "-cubin", *NVCC_OPTIONS, "-I", str(probe.HEADERS),
+                           *(f"-{k}={v}" for k, v in cuda_runtime.device_target((9, 0)).items()),
+                           "-o", str(cubin), str(BENCHMARKS / "tma_probe.cu")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    if sass.available():
+        listing = sass.disassemble(cubin)
+        assert listing.count("UTMALDG.2D") == 2 and "SYNCS.ARRIVE.TRANS64" in listing
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "tma_probe.py")], capture_output=True, text=True,
+                          env={**os.environ, "PRISM_NO_GPU": "1"})
+    assert done.returncode == 1 and "needs a usable CUDA GPU: disabled by PRISM_NO_GPU" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 class ProbeDriver:
     """A stand-in for pycuda.driver that runs probe.cu's kernels in numpy, on a clock: each kernel takes
     KERNEL_MS, a memset MEMSET_MS and the spin SPIN_MS, so a time says which of them fell between its events."""
