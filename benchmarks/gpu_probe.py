@@ -1,7 +1,8 @@
 """Measures, on a GPU, the figures the cost model assumes about memory and launches, and prints each beside
 the model's own: what a kernel launch costs (alone, and back to back), how long one load from L2 and from
-device memory takes, what bandwidth B blocks reach with F bytes of copies in flight each, and what L2
-serves B blocks streaming a footprint that stays in it.
+device memory takes, what bandwidth B blocks reach with F bytes of copies in flight each, what L2 serves B
+blocks streaming a footprint that stays in it, and what one SM takes in with one block of 128, 256 or 512
+threads on it (whether the intake grows with the warps copying, as `cost.sm_intake` assumes).
 
     python benchmarks/gpu_probe.py [--hardware NAME] [--json FILE]     # needs a CUDA GPU and pycuda
 
@@ -16,7 +17,7 @@ until the host has queued the whole run before the GPU gets to it (`cuda_runtime
 host's time to issue the run is never counted: a launch "back to back" is the GPU's time per launch queued. The bandwidth table sets each measured figure beside `cost.reachable_bandwidth` at the same blocks
 and bytes in flight (the L2 table beside `cost.reachable_l2_bandwidth`), and the summary gives what the
 tables imply for the hardware file's constants (`bandwidth_gbs` with BANDWIDTH_REACH, `dram_latency_ns`,
-`l2_bandwidth_gbs`, SM_FILL_BYTES_PER_CLOCK, `launch_overhead_us`): the question it settles first is whether
+`l2_bandwidth_gbs`, WARP_FILL_BYTES_PER_CLOCK, `launch_overhead_us`): the question it settles first is whether
 half the SMs, each with deep pipelines, stream as fast as all of them. That decides attention at decode with 4096 keys,
 where the model prefers 64 blocks each reading all the keys (3 of 4 of them from L2) to 256 blocks and a
 combining kernel: the L2 figures say whether 64 SMs take in those bytes as fast as the model lets them.
@@ -53,11 +54,12 @@ L2_READ = 4 << 20  # bytes each block reads of it, from its own place (half of i
 
 @dataclass(frozen=True)
 class Point:
-    """One streaming measurement: `blocks` blocks of THREADS threads, `stages` tiles of `tile` bytes each."""
+    """One streaming measurement: `blocks` blocks of `threads` threads, `stages` tiles of `tile` bytes each."""
     blocks: int
     stages: int
     tile: int
     gbs: float  # measured, GB/s
+    threads: int = THREADS
 
     @property
     def flight(self) -> int:  # bytes one block keeps in flight: the tiles loaded ahead
@@ -76,39 +78,58 @@ def block_counts(sms: int) -> list[int]:
 
 
 def l2_configurations(sms: int) -> list[tuple[int, int, int]]:
-    """(blocks, stages, tile bytes) to stream from L2: the same blocks, with 32 and 64 KB in flight, enough
-    that L2's latency (a few hundred ns) does not bind before an SM's intake does."""
-    return [(b, s, t) for b in block_counts(sms) for s, t in ((3, 16384), (9, 8192))]
+    """(blocks, stages, tile bytes) to stream from L2: the same blocks and four per SM (the intake grows with
+    the warps on an SM: L2's own peak is reached only with many), with 32 and 64 KB in flight, enough that
+    L2's latency (a few hundred ns) does not bind before an SM's intake does."""
+    return [(b, s, t) for b in [*block_counts(sms), 4 * sms] for s, t in ((3, 16384), (9, 8192))]
+
+
+def thread_configurations(sms: int) -> list[tuple[int, int, int, int]]:
+    """(blocks, stages, tile bytes, threads): an eighth of the SMs, one block on each with 128 KB in flight, of
+    128 to 512 threads: whether one SM's intake grows with the warps copying into it (`cost.sm_intake`)."""
+    return [(max(1, sms // 8), 9, 16384, threads) for threads in (128, 256, 512)]
+
+
+def resident(point: Point, hardware: Hardware) -> int:
+    """Blocks resident on a busy SM, as `cost.estimate` counts them (`launch.blocks_per_sm`, at most the blocks
+    per SM launched)."""
+    fit = max(1, blocks_per_sm(point.stages * point.tile, point.threads, 0, hardware))
+    return min(fit, -(-point.blocks // hardware.sms))
 
 
 def per_sm_flight(point: Point, hardware: Hardware) -> tuple[int, float]:
-    """(busy SMs, bytes in flight per busy SM), as `cost.estimate` counts them: the blocks resident on an SM
-    (`launch.blocks_per_sm`, at most the blocks per SM launched) each with their flight."""
-    busy = min(point.blocks, hardware.sms)
-    fit = max(1, blocks_per_sm(point.stages * point.tile, THREADS, 0, hardware))
-    return busy, min(fit, -(-point.blocks // hardware.sms)) * point.flight
+    """(busy SMs, bytes in flight per busy SM): the blocks resident on an SM each with their flight."""
+    return min(point.blocks, hardware.sms), resident(point, hardware) * point.flight
+
+
+def warps(point: Point, hardware: Hardware) -> float:
+    """Warps resident on a busy SM."""
+    return resident(point, hardware) * point.threads / 32
 
 
 def model_gbs(point: Point, hardware: Hardware) -> float:
     busy, flight = per_sm_flight(point, hardware)
-    return cost.reachable_bandwidth(hardware, busy, flight) / 1e9
+    return cost.reachable_bandwidth(hardware, busy, flight, warps(point, hardware)) / 1e9
 
 
 def model_l2_gbs(point: Point, hardware: Hardware) -> float:
-    return cost.reachable_l2_bandwidth(hardware, min(point.blocks, hardware.sms)) / 1e9
+    return cost.reachable_l2_bandwidth(hardware, min(point.blocks, hardware.sms), warps(point, hardware)) / 1e9
 
 
-def summarize(points: list[Point], hardware: Hardware, l2: list[Point] = ()) -> dict:
+def summarize(points: list[Point], hardware: Hardware, l2: list[Point] = (), threads: list[Point] = ()) -> dict:
     """What the measurements say of the model's memory constants:
     - peak_gbs: the most any configuration streamed (the model: bandwidth_gbs * BANDWIDTH_REACH);
     - fill_bytes_per_clock: the most one SM took in, over configurations with at most half the SMs busy, in
-      bytes per clock at cost.CLOCK_GHZ (the model: SM_FILL_BYTES_PER_CLOCK);
+      bytes per clock at cost.CLOCK_GHZ (the model: `cost.sm_intake` of one block's warps);
     - latency_ns: busy * flight / bandwidth, the median over the configurations that stream under 60% of the
       peak and under 60% of that SM intake (where only the bytes in flight can bind; None when none does);
     - half_over_full: the most streamed with half the SMs over the most with all of them;
     from the `l2` points (a footprint that stays in L2), where given:
     - l2_peak_gbs: the most any configuration streamed (the model: l2_bandwidth_gbs);
-    - l2_fill_bytes_per_clock: as fill_bytes_per_clock, with no device memory behind it to bind first."""
+    - l2_fill_bytes_per_clock: as fill_bytes_per_clock, with no device memory behind it to bind first;
+    from the `threads` points (one block per SM, of more or fewer threads), where given:
+    - warp_fill_bytes_per_clock: per block size, one SM's intake over its warps (the model:
+      WARP_FILL_BYTES_PER_CLOCK while under SM_FILL_BYTES_PER_CLOCK)."""
     peak = max(p.gbs for p in points)
     half = [p for p in points if p.blocks <= hardware.sms // 2]
     fill = max((p.gbs / p.blocks for p in half), default=None)  # GB/s per SM
@@ -127,23 +148,29 @@ def summarize(points: list[Point], hardware: Hardware, l2: list[Point] = ()) -> 
         l2_fill = max((p.gbs / p.blocks for p in l2 if p.blocks <= hardware.sms // 2), default=None)
         summary |= {"l2_peak_gbs": round(max(p.gbs for p in l2), 1),
                     "l2_fill_bytes_per_clock": round(l2_fill / cost.CLOCK_GHZ, 1) if l2_fill is not None else None}
+    if threads:
+        summary["warp_fill_bytes_per_clock"] = {p.threads: round(p.gbs / p.blocks / cost.CLOCK_GHZ / (p.threads / 32), 2)
+                                                for p in threads}
     return summary
 
 
 def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, device: str,
-           l2: list[Point] = ()) -> str:
+           l2: list[Point] = (), threads: list[Point] = ()) -> str:
     """The tables and the summary as markdown."""
     lines = [f"# Probes on {device} (hardware file: {hardware.name})", "", *_table(points, model_gbs, hardware)]
     if l2:
         lines += ["", f"From L2 ({L2_FOOTPRINT >> 20} MB streamed over and over, {L2_READ >> 20} MB per block):", "",
                   *_table(l2, model_l2_gbs, hardware)]
-    s = summarize(points, hardware, l2)
-    model_fill = cost.SM_FILL_BYTES_PER_CLOCK
+    if threads:
+        lines += ["", "From device memory, one block per SM of more threads:", "", *_table(threads, model_gbs, hardware)]
+    s = summarize(points, hardware, l2, threads)
+    model_fill = (f"{cost.sm_intake(THREADS / 32):.1f} ({THREADS // 32} warps x WARP_FILL_BYTES_PER_CLOCK "
+                  f"{cost.WARP_FILL_BYTES_PER_CLOCK}, at most SM_FILL_BYTES_PER_CLOCK {cost.SM_FILL_BYTES_PER_CLOCK})")
     lines += ["", "| figure | measured | the model's |", "|---|---|---|",
               f"| streaming peak (GB/s) | {s['peak_gbs']} | {hardware.bandwidth_gbs * cost.BANDWIDTH_REACH:.0f} "
               f"(bandwidth_gbs {hardware.bandwidth_gbs:.0f} x BANDWIDTH_REACH {cost.BANDWIDTH_REACH}) |",
               f"| one SM's intake, at most half the SMs busy (bytes/clock at {cost.CLOCK_GHZ} GHz) | "
-              f"{s['fill_bytes_per_clock']} | {model_fill} (SM_FILL_BYTES_PER_CLOCK) |",
+              f"{s['fill_bytes_per_clock']} | {model_fill} |",
               f"| latency where the bytes in flight bind (ns) | {s['latency_ns']} | {hardware.dram_latency_ns} "
               f"(dram_latency_ns) |",
               f"| half the SMs over all of them, at best | {s['half_over_full']} | "
@@ -151,7 +178,10 @@ def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, d
               *([f"| streaming from L2, peak (GB/s) | {s['l2_peak_gbs']} | {hardware.l2_bandwidth_gbs:.0f} "
                  f"(l2_bandwidth_gbs) |",
                  f"| one SM's intake from L2, at most half the SMs busy (bytes/clock) | "
-                 f"{s['l2_fill_bytes_per_clock']} | {model_fill} (SM_FILL_BYTES_PER_CLOCK) |"] if l2 else []),
+                 f"{s['l2_fill_bytes_per_clock']} | {model_fill} |"] if l2 else []),
+              *([f"| one SM's intake per warp, one block of {n} threads on it (bytes/clock) | {fill} | "
+                 f"{min(cost.WARP_FILL_BYTES_PER_CLOCK, cost.SM_FILL_BYTES_PER_CLOCK / (n / 32)):.2f} |"
+                 for n, fill in s.get("warp_fill_bytes_per_clock", {}).items()]),
               f"| one load's latency from device memory, unloaded (ns) | {chase['dram_ns']:.0f} | |",
               f"| one load's latency from L2 (ns) | {chase['l2_ns']:.0f} | |",
               f"| a launch timed alone (us) | {launch['alone_us']:.2f} | {hardware.launch_overhead_us} "
@@ -165,7 +195,8 @@ def _table(points: list[Point], model, hardware: Hardware) -> list[str]:
              "|---|---|---|---|---|---|"]
     for p in points:
         m = model(p, hardware)
-        lines.append(f"| {p.blocks} | {p.stages} x {p.tile // 1024} KB | {p.flight // 1024} KB | {p.gbs:.0f} | {m:.0f} "
+        blocks = p.blocks if p.threads == THREADS else f"{p.blocks} of {p.threads} threads"
+        lines.append(f"| {blocks} | {p.stages} x {p.tile // 1024} KB | {p.flight // 1024} KB | {p.gbs:.0f} | {m:.0f} "
                      f"| {p.gbs / m:.2f} |")
     return lines
 
@@ -252,13 +283,16 @@ def block_xors(words: np.ndarray, blocks: int, start: int, count: int, wrap: int
     return np.where(end > wrap, inside ^ prefix[np.maximum(end - wrap, 0)], inside)
 
 
-def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False) -> list[Point]:
+def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False, threads: bool = False) -> list[Point]:
     """GB/s for each configuration: from device memory (each block its own stretch of STREAM_BYTES), or with
-    `l2` from L2 (stretches of L2_FOOTPRINT, L2_READ bytes per block, spread over it)."""
+    `l2` from L2 (stretches of L2_FOOTPRINT, L2_READ bytes per block, spread over it); with `threads` the
+    configurations of more threads per block."""
     words = np.random.default_rng(1).integers(0, 2**32, (L2_FOOTPRINT if l2 else STREAM_BYTES) // 4, dtype=np.uint32)
     src = drv.to_device(words)
     points = []
-    for blocks, stages, tile in (l2_configurations if l2 else configurations)(sms):
+    chosen = (thread_configurations(sms) if threads else
+              [(*c, THREADS) for c in (l2_configurations if l2 else configurations)(sms)])
+    for blocks, stages, tile, block_threads in chosen:
         if stages * tile > smem_optin:
             continue
         fn = module.get_function(f"probe_stream_{stages}")
@@ -274,7 +308,7 @@ def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False) -> li
             drv.memset_d32_async(out, 0, blocks)
 
         def launch():
-            fn.prepared_call((blocks, 1, 1), (THREADS, 1, 1), int(src), tiles, tile // 16, step // 16, wrap // 16,
+            fn.prepared_call((blocks, 1, 1), (block_threads, 1, 1), int(src), tiles, tile // 16, step // 16, wrap // 16,
                              int(out), shared_size=stages * tile)
 
         times = _events(drv, module, launch, 5, before)
@@ -287,12 +321,13 @@ def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False) -> li
             raise RuntimeError(f"the streaming kernel ({blocks} blocks, {stages} x {tile} bytes"
                                f"{', from L2' if l2 else ''}) did not read every "
                                f"byte: {int((got != want).sum())} of {blocks} blocks' XORs differ from the host's")
-        points.append(Point(blocks, stages, tile, blocks * tiles * tile / (statistics.median(times) * 1e-3) / 1e9))
+        points.append(Point(blocks, stages, tile, blocks * tiles * tile / (statistics.median(times) * 1e-3) / 1e9,
+                            block_threads))
     src.free()
     return points
 
 
-def run() -> tuple[list[Point], list[Point], dict, dict, str]:
+def run() -> tuple[list[Point], list[Point], list[Point], dict, dict, str]:
     import pycuda.driver as drv
     from pycuda.compiler import SourceModule
 
@@ -310,8 +345,10 @@ def run() -> tuple[list[Point], list[Point], dict, dict, str]:
                  "dram_ns": probe_chase(drv, module, 1 << 30, 100_000)}
         points = probe_stream(drv, module, sms, optin)
         l2 = probe_stream(drv, module, sms, optin, l2=True)
+        threads = probe_stream(drv, module, sms, optin, threads=True)
+        major, minor = dev.compute_capability()
         device = f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
-        return points, l2, launch, chase, device
+        return points, l2, threads, launch, chase, device
     finally:
         drv.Context.pop()
 
@@ -329,13 +366,14 @@ def main() -> int:
         print(f"gpu_probe.py needs a usable CUDA GPU: {name_or_reason}", file=sys.stderr)
         return 1
     hardware = load_hardware(args.hardware or for_device(name_or_reason) or "h100")
-    points, l2, launch, chase, device = run()
-    print(report(points, launch, chase, hardware, device, l2))
+    points, l2, threads, launch, chase, device = run()
+    print(report(points, launch, chase, hardware, device, l2, threads))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "launch": launch, "chase": chase,
                                                "stream": [asdict(p) for p in points],
                                                "l2_stream": [asdict(p) for p in l2],
-                                               "summary": summarize(points, hardware, l2)}, indent=2) + "\n")
+                                               "thread_stream": [asdict(p) for p in threads],
+                                               "summary": summarize(points, hardware, l2, threads)}, indent=2) + "\n")
     return 0
 
 

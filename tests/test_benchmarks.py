@@ -41,18 +41,22 @@ def test_the_probe_summary_gives_back_the_models_own_constants(name):
     points = [probe.Point(p.blocks, p.stages, p.tile, probe.model_gbs(p, hardware)) for p in points]
     l2 = [probe.Point(b, s, t, 0.0) for b, s, t in probe.l2_configurations(hardware.sms)]
     l2 = [probe.Point(p.blocks, p.stages, p.tile, probe.model_l2_gbs(p, hardware)) for p in l2]
-    summary = probe.summarize(points, hardware, l2)
+    threads = [probe.Point(b, s, t, 0.0, n) for b, s, t, n in probe.thread_configurations(hardware.sms)]
+    threads = [probe.Point(p.blocks, p.stages, p.tile, probe.model_gbs(p, hardware), p.threads) for p in threads]
+    summary = probe.summarize(points, hardware, l2, threads)
+    assert summary["warp_fill_bytes_per_clock"] == {n: pytest.approx(cost.WARP_FILL_BYTES_PER_CLOCK, abs=0.01)
+                                                    for n in (128, 256, 512)}
     assert summary["l2_peak_gbs"] == pytest.approx(hardware.l2_bandwidth_gbs, rel=1e-3)
-    assert summary["l2_fill_bytes_per_clock"] == pytest.approx(cost.SM_FILL_BYTES_PER_CLOCK, rel=1e-3)
+    assert summary["l2_fill_bytes_per_clock"] == pytest.approx(cost.sm_intake(probe.THREADS / 32), rel=1e-3)
     assert summary["peak_gbs"] == pytest.approx(hardware.bandwidth_gbs * cost.BANDWIDTH_REACH, rel=1e-3)
-    assert summary["fill_bytes_per_clock"] == pytest.approx(cost.SM_FILL_BYTES_PER_CLOCK, rel=1e-3)
+    assert summary["fill_bytes_per_clock"] == pytest.approx(cost.sm_intake(probe.THREADS / 32), rel=1e-3)
     assert summary["latency_ns"] == pytest.approx(hardware.dram_latency_ns, rel=1e-3)
     assert summary["half_over_full"] == pytest.approx(probe.model_half_over_full(hardware), rel=1e-3)
     # the configurations span every regime: some bound by the bytes in flight, some by the peak, some by few SMs
     regimes = {min(("peak", hardware.bandwidth_gbs * cost.BANDWIDTH_REACH),
                    ("latency", probe.per_sm_flight(p, hardware)[0] * probe.per_sm_flight(p, hardware)[1]
                     / hardware.dram_latency_ns),
-                   ("fill", min(p.blocks, hardware.sms) * cost.SM_FILL_BYTES_PER_CLOCK * cost.CLOCK_GHZ),
+                   ("fill", min(p.blocks, hardware.sms) * cost.sm_intake(probe.warps(p, hardware)) * cost.CLOCK_GHZ),
                    key=lambda r: r[1])[0] for p in points}
     assert regimes == {"peak", "latency", "fill"}
 
@@ -153,7 +157,7 @@ class ProbeDriver:
         MAX_DYNAMIC_SHARED_SIZE_BYTES = "max_dynamic_smem"
 
     def __init__(self):
-        self.memory, self.clock, self.launches = {}, 0.0, []
+        self.memory, self.clock, self.launches, self.blocks = {}, 0.0, [], []
         driver = self
 
         class Allocation(int):
@@ -209,6 +213,7 @@ class ProbeDriver:
                 if shared_size > 48 * 1024:
                     assert self.attributes.get("max_dynamic_smem", 0) >= shared_size, "no opt-in to the shared memory"
                 driver.launches.append((name, grid, shared_size))
+                driver.blocks.append(block)
                 getattr(driver, name.rstrip("0123456789").rstrip("_"))(grid, *args)
                 driver.clock += driver.SPIN_MS if name == "probe_spin" else driver.KERNEL_MS
         return Function()
@@ -256,6 +261,11 @@ def test_the_probe_drives_its_kernels_as_probe_cu_defines_them(monkeypatch):
         for p in points:  # the bytes streamed over one kernel's time: no spin, no memset in it
             tiles = probe.L2_READ // p.tile if l2 else probe.STREAM_BYTES // (p.blocks * p.tile)
             assert p.gbs == pytest.approx(p.blocks * tiles * p.tile / (drv.KERNEL_MS * 1e-3) / 1e9)
+    threads = probe.probe_stream(drv, drv, 8, 232448, threads=True)  # one block per SM, of more threads
+    runs += len(threads)
+    assert [(p.blocks, p.stages, p.tile, p.threads) for p in threads] == probe.thread_configurations(8)
+    sizes = [block for (name, _, _), block in zip(drv.launches, drv.blocks) if name.startswith("probe_stream")]
+    assert sizes[-18:] == [(n, 1, 1) for n in (128, 256, 512) for _ in range(6)]  # a warm-up and 5 timed, each
     assert {s for name, _, s in drv.launches if name == "probe_stream_17"} == {17 * 8192}
     names = [name for name, _, _ in drv.launches]
     streams = [i for i, name in enumerate(names) if name.startswith("probe_stream")]

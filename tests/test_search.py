@@ -93,12 +93,15 @@ def test_each_program_gets_one_fused_proved_kernel(name, library):
         for k, v in want.items():
             assert np.allclose(got[k], v, rtol=1e-9, atol=1e-9 * np.abs(v).max())
         assert out.search["proved_programs"] >= 1
-    # At the suite's dims (the checkpoint is reused: only ranking runs) the loop-fused form wins.
+    # At the suite's dims (the checkpoint is reused: only ranking runs) the loop-fused form wins; attention at
+    # decode (16 heads of one query) split over the keys (FlashDecoding, the combine in the same launch): one
+    # block per head would keep 16 SMs busy, and an SM takes in only what its warps copy (`cost.sm_intake`).
     out = optimize(src, library, H100, src.default_binding())
-    assert out.from_checkpoint and custom_kernels(out.best.program) == 1
+    assert out.from_checkpoint and custom_kernels(out.best.program) == (2 if "attention" in name else 1)
     text = print_program(out.best.program)
     if "attention" in name:
         assert "acc_softmax_out" in text and "acc_softmax_sum" in text and "exp" not in text  # online softmax
+        assert "acc_rescaled_sum" in text  # the pieces' states combined
     else:
         assert "acc_sum" in text  # the projections accumulate over the loop
 

@@ -20,7 +20,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         flight = per SM, the loop tiles of every resident block (as many iterations of them as the pipeline
                  loads ahead: stages - 1, stages - 2 with a wgmma batch in flight; one unpipelined); the
                  once-loaded tiles and stores count as one tile
-        fill   = busy * SM_FILL_BYTES_PER_CLOCK * clock: what the busy SMs can take in at all
+        fill   = busy * min(SM_FILL_BYTES_PER_CLOCK, warps * WARP_FILL_BYTES_PER_CLOCK) * clock: what the busy
+                 SMs can take in at all, with `warps` resident on each
         bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency, fill)
         t_mem  = max(dram / bw, l2 / min(l2 bandwidth, fill))
 
@@ -94,11 +95,17 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - launch_overhead_us (hardware file, 3.0), once per kernel: not a published H100 figure, but the usual order
   of one launch timed alone with CUDA events (a few microseconds). It decides between one kernel and two at
   decode, where the work itself takes a few microseconds; `--rank measure` replaces it with timings.
-- SM_FILL_BYTES_PER_CLOCK = 64: the bytes per clock one SM's L1 takes in from L2. A100's whitepaper gives
-  its L2 read bandwidth as 5120 bytes per clock for 108 SMs (47 each), so an SM's own path is at least that
-  and is taken here as 64: about 112 GB/s per SM at 1.75 GHz. It binds where few SMs are busy: 16 blocks
-  stream at most 1.8 TB/s, however many bytes each keeps in flight, while 132 SMs (14.8 TB/s) are bound by
-  the HBM and L2 figures instead.
+- SM_FILL_BYTES_PER_CLOCK = 64: the bytes per clock one SM's L1 takes in from L2 at most. A100's whitepaper
+  gives its L2 read bandwidth as 5120 bytes per clock for 108 SMs (47 each), so an SM's own path is at least
+  that and is taken here as 64: about 112 GB/s per SM at 1.75 GHz.
+- WARP_FILL_BYTES_PER_CLOCK = 3.7: what an SM takes in is bound first by the warps copying into it, measured
+  (`benchmarks/gpu_probe.py`, an H200, 2026-11-28): one block of 128 threads copying by `cp.async` as the
+  generated loops do took in 14.7 bytes per clock (19-26 GB/s), from device memory and from L2 alike,
+  however many bytes it kept in flight past 16-32 KB, while two such blocks per SM streamed 4.5 TB/s over
+  132 SMs. So the intake is taken per resident warp, 14.7 / 4, up to the SM's 64 (17 warps); that it grows
+  with a block's threads as with its blocks is the assumption the probe has not measured (128 threads). It
+  binds where few SMs are busy, or few warps on each: 64 blocks of 128 threads stream at most 1.65 TB/s,
+  however many bytes each keeps in flight, as measured (half the SMs, half the bandwidth).
 - MMA_SYNC_REACH = 0.5: `mma.sync` cannot issue fast enough to reach the sm_90 dense peak (989 TFLOP/s
   f16); FlashAttention-2, built on it, runs at 350-400 TFLOP/s on H100, FlashAttention-3 with `wgmma`
   at 600-750.
@@ -190,7 +197,8 @@ WMMA_REACH = 0.04
 SCALAR_REACH = 0.2
 VECTOR_REACH = 0.4
 SMEM_BYTES_PER_CLOCK = 128  # per SM
-SM_FILL_BYTES_PER_CLOCK = 64  # per SM, from L2 into its L1
+SM_FILL_BYTES_PER_CLOCK = 64  # per SM, from L2 into its L1, at most
+WARP_FILL_BYTES_PER_CLOCK = 3.7  # per warp resident on a busy SM: what its copies take in (measured, H200)
 CLOCK_GHZ = 1.75
 REGISTERS_BASE = 64  # registers per thread besides a register-tiled product's accumulators and fragments
 REGISTERS_PER_COPY = 2  # per 16-byte copy a thread issues per loop iteration: its addresses, held across the loop
@@ -329,7 +337,9 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     busy = min(blocks, hardware.sms)
     us = 1e6
     flight = math.ceil(resident / busy) * _bytes_in_flight(c, shape)
-    t_mem = max(dram / reachable_bandwidth(hardware, busy, flight), l2 / reachable_l2_bandwidth(hardware, busy)) * us
+    warps = math.ceil(resident / busy) * shape.threads / 32  # resident on a busy SM
+    t_mem = max(dram / reachable_bandwidth(hardware, busy, flight, warps),
+                l2 / reachable_l2_bandwidth(hardware, busy, warps)) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / (busy / hardware.sms)
     issued = (compiled or {}).get("issued")
     t_issue = _issue_seconds(c, shape, hardware, issued, occ) * us if issued else 0.0
@@ -369,15 +379,22 @@ def _product_warps(shape: Layout, warps: int) -> int:
     return min(warps, max(taken, default=warps))
 
 
-def reachable_bandwidth(hardware: Hardware, busy: int, flight: float) -> float:
-    """Bytes per second from device memory for `busy` SMs keeping `flight` bytes in flight each (the docstring's bw)."""
+def sm_intake(warps: float) -> float:
+    """Bytes per clock one busy SM takes in with `warps` warps resident on it (the docstring's fill, per SM)."""
+    return min(SM_FILL_BYTES_PER_CLOCK, warps * WARP_FILL_BYTES_PER_CLOCK)
+
+
+def reachable_bandwidth(hardware: Hardware, busy: int, flight: float, warps: float) -> float:
+    """Bytes per second from device memory for `busy` SMs keeping `flight` bytes in flight each, with `warps`
+    resident on each (the docstring's bw)."""
     return min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9),
-               busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9)
+               busy * sm_intake(warps) * CLOCK_GHZ * 1e9)
 
 
-def reachable_l2_bandwidth(hardware: Hardware, busy: int) -> float:
-    """Bytes per second L2 serves to `busy` SMs: its own bandwidth, or what those SMs take in (min(l2 bw, fill))."""
-    return min(hardware.l2_bandwidth_gbs * 1e9, busy * SM_FILL_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9)
+def reachable_l2_bandwidth(hardware: Hardware, busy: int, warps: float) -> float:
+    """Bytes per second L2 serves to `busy` SMs with `warps` resident on each: its own bandwidth, or what those
+    SMs take in (min(l2 bw, fill))."""
+    return min(hardware.l2_bandwidth_gbs * 1e9, busy * sm_intake(warps) * CLOCK_GHZ * 1e9)
 
 
 def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
