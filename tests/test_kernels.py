@@ -845,13 +845,14 @@ def test_a_causal_grid_runs_its_longest_query_tiles_first_across_the_heads(write
 
 
 def test_a_hardware_file_like_another_takes_the_figures_it_does_not_give(tmp_path, monkeypatch):
-    """The H200 is the H100 with other memory: its file names the H100's (`like`) and gives only what differs.
-    A file `like` itself is refused with its path."""
+    """The H200 is the H100 with other memory: its file names the H100's (`like`) and gives only what differs
+    (the bandwidth, and what a probe on an H200 measured). A file `like` itself is refused with its path."""
     from dataclasses import asdict
     from prism_dsl.kernels import hardware
 
     h100, h200 = asdict(load_hardware("h100")), asdict(load_hardware("h200"))
-    assert {k for k in h100 if h100[k] != h200[k]} == {"name", "bandwidth_gbs"} and h200["bandwidth_gbs"] == 4300.0
+    assert {k for k in h100 if h100[k] != h200[k]} == {"name", "bandwidth_gbs", "launch_overhead_us", "dram_latency_ns"}
+    assert (h200["bandwidth_gbs"], h200["launch_overhead_us"], h200["dram_latency_ns"]) == (4300.0, 2.7, 660)
     (tmp_path / "loop.toml").write_text('name = "Loop"\nlike = "loop"\n')
     monkeypatch.setattr(hardware, "HARDWARE_DIR", tmp_path)
     hardware.load_hardware.cache_clear()
