@@ -50,7 +50,7 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND for at most SECONDS, or w
 }
 
 if [ -d .whl ] && ! python3 -c "import pycuda, lark" 2>/dev/null; then
-    step wheels 60 python3 -m pip install -q --no-index --no-deps --no-compile --target out/site .whl/*.whl
+    step wheels 60 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target out/site .whl/*.whl
     export PYTHONPATH="$PYTHONPATH:$PWD/out/site"
 fi
 step machine 30 sh -c 'nvidia-smi; nvcc --version; python3 -c "import sys, torch, numpy, pycuda; \
