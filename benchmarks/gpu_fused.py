@@ -8,6 +8,7 @@ Two steps, so that the GPU machine needs neither the search nor its prover (eggl
                                            [--options="PRISMC OPTIONS"]                      # any machine
     python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME] [--again] [--results F]  # GPU, pycuda, torch
     python benchmarks/gpu_fused.py table [--dir out/gpu] [--results F]                        # any machine
+    ncu ... python benchmarks/gpu_fused.py profile [--dir out/gpu] [--only NAME]              # GPU, for a profiler
 
 `prepare` compiles every workload of `static_report.WORKLOADS` into DIR/<workload>/ (`prismc compile`: its
 kernels, launcher.py and report.json, tuned for the hardware file `--hardware` names, h100 by default, with
@@ -309,6 +310,34 @@ def run(args) -> int:
     return 1 if write_table(directory, Path(args.results)) or failed else 0
 
 
+def profile(args) -> int:
+    """Each prepared workload's kernels run once, ours alone (no timing, no spin, no PyTorch), checked against the
+    reference: what a profiler wrapping this command sees is the generated kernels and nothing else."""
+    from prism_dsl.backend.cuda_runtime import gpu_status
+
+    ok, why = gpu_status()
+    if not ok:
+        print(f"gpu_fused.py profile needs a usable CUDA GPU: {why}", file=sys.stderr)
+        return 1
+    failed = 0
+    for saved in sorted(Path(args.dir).glob("*/case.json")):
+        out, case = saved.parent, json.loads(saved.read_text())
+        name = case["workload"]
+        if args.only and args.only not in name:
+            continue
+        launcher, baseline, sets, reference, pairs = oracle(out, case["hardware"])
+        ours = launcher.prism_runtime.Launcher(launcher.PLAN, out, cast=True)
+        try:
+            got = ours(**sets[0])
+        finally:
+            ours.close()
+        checks = [check(got[mine], reference[theirs], rtol_of(baseline)) for mine, theirs in pairs]
+        failed += not all(c["passed"] for c in checks)
+        print(f"{name}: {'ok' if all(c['passed'] for c in checks) else 'WRONG'} "
+              f"(max rel err {max(c['max_rel_err'] for c in checks):.1e})", flush=True)
+    return 1 if failed else 0
+
+
 def write_table(directory: Path, results_md: Path) -> int:
     """`results_md` from every gpu.json under `directory`, in the workloads' order; 1 if one of ours failed."""
     saved = [directory / slug(name) / "gpu.json" for name, _, _ in WORKLOADS]
@@ -335,14 +364,15 @@ def main() -> int:
     go = sub.add_parser("run", help="check and time the prepared workloads (a CUDA GPU)")
     go.add_argument("--again", action="store_true", help="measure workloads that already have a gpu.json")
     tab = sub.add_parser("table", help="write benchmarks/RESULTS.md from the gpu.json files in DIR (any machine)")
-    for p in (pre, go, tab):
+    prof = sub.add_parser("profile", help="run each prepared workload's kernels once, for a profiler (a CUDA GPU)")
+    for p in (pre, go, tab, prof):
         p.add_argument("--dir", default=str(ROOT / "out" / "gpu"), help="where the compiled workloads are")
         p.add_argument("--only", help="workloads whose name contains this")
     for p in (go, tab):
         p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"), help="the table's file")
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        return {"prepare": prepare, "run": run,
+        return {"prepare": prepare, "run": run, "profile": profile,
                 "table": lambda a: write_table(Path(a.dir), Path(a.results))}[args.step](args)
     return 130
 

@@ -11,8 +11,9 @@
 #     benchmarks/gpu_session.sh [BUDGET_SECONDS [STEP...]]     # on the GPU machine, from anywhere
 #     # bring back $RESULTS/session.tar.gz; here: tar xzf it, then python benchmarks/gpu_fused.py table
 #
-# STEPs, in the order given (default: first tmacopy decode probe prefill tma tests): first (one decode workload, to
-# see that the whole chain works before the rest), tmacopy, decode, probe, prefill, tma, tests. A workload measured by an
+# STEPs, in the order given (default: first tmacopy decode probe profile prefill tma tests): first (one decode
+# workload, to see that the whole chain works before the rest), tmacopy, decode, probe, profile (Nsight Compute on
+# our decode kernels, each run once by `gpu_fused.py profile`: where their time goes), prefill, tma, tests. A workload measured by an
 # earlier step or call (its gpu.json) is not measured again. RESULTS (default out/session) gets steps.txt
 # (each step's exit status and time) and session.tar.gz (every gpu.json, probe.json and each step's log,
 # under their paths in the repository).
@@ -22,10 +23,10 @@ cd "$(dirname "$0")/.."
 budget=${1:-540}
 shift $(( $# ? 1 : 0 ))
 steps=("$@")
-(( ${#steps[@]} )) || steps=(first tmacopy decode probe prefill tma tests)
+(( ${#steps[@]} )) || steps=(first tmacopy decode probe profile prefill tma tests)
 for name in "${steps[@]}"; do
-    case $name in first | tmacopy | decode | probe | prefill | tma | tests) ;;
-        *) echo "unknown step '$name' (first, tmacopy, decode, probe, prefill, tma, tests)" >&2; exit 2 ;;
+    case $name in first | tmacopy | decode | probe | profile | prefill | tma | tests) ;;
+        *) echo "unknown step '$name' (first, tmacopy, decode, probe, profile, prefill, tma, tests)" >&2; exit 2 ;;
     esac
 done
 results=${RESULTS:-out/session}
@@ -62,6 +63,11 @@ for name in "${steps[@]}"; do
         tmacopy) step tmacopy 90 python3 benchmarks/tma_probe.py ;;
         decode) step decode 200 python3 benchmarks/gpu_fused.py run --only decode ;;
         probe) step probe 120 python3 benchmarks/gpu_probe.py --json out/probe.json ;;
+        profile) step profile 150 sh -c 'ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+            [ -n "$ncu" ] || { echo "no ncu (Nsight Compute) on this machine"; exit 1; }
+            exec "$ncu" --clock-control none --kernel-name regex:^prism_ --section SpeedOfLight \
+                --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+                python3 benchmarks/gpu_fused.py profile --only decode' ;;
         prefill) step prefill 240 python3 benchmarks/gpu_fused.py run --only prefill ;;
         tma) [ -d out/gpu-tma ] && step tma 200 python3 benchmarks/gpu_fused.py run --dir out/gpu-tma \
                  --results out/RESULTS-tma.md ;;

@@ -348,6 +348,39 @@ def test_the_gpu_step_records_a_failed_workload_and_stops_at_a_launch_failure(tm
     assert "never reached" not in err and "swiglu" not in err
 
 
+def test_the_profile_step_runs_our_kernels_once_and_checks_them(prepared, monkeypatch, capsys):
+    """`gpu_fused.py profile` (what a profiler wraps): each prepared workload's own launcher called once on its
+    first input set, no timing and no PyTorch, its outputs checked against the oracle."""
+    from types import SimpleNamespace
+
+    from prism_dsl.lang.check import load
+    from prism_dsl.semantics.blocks import evaluate
+
+    launcher, baseline, sets, reference, pairs = fused.oracle(prepared, "h100")
+    report = json.loads((prepared / "report.json").read_text())
+    chosen = load(prepared / f"{report['program']}.prism").program()
+    calls = []
+
+    class Launcher:  # the GPU runtime's: the chosen program in the block interpreter here
+        def __init__(self, plan, out, cast):
+            calls.append((out, cast))
+
+        def __call__(self, **inputs):
+            calls.append(sorted(inputs))
+            return evaluate(chosen, inputs, report["parameters"], "h100", smem=False)
+
+        def close(self):
+            calls.append("closed")
+    fake = SimpleNamespace(PLAN=launcher.PLAN, prism_runtime=SimpleNamespace(Launcher=Launcher))
+    monkeypatch.setattr(fused, "oracle", lambda out, hardware: (fake, baseline, sets, reference, pairs))
+    monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "a GPU"))
+    assert fused.profile(type("Args", (), {"dir": str(prepared.parent), "only": None})) == 0
+    assert calls == [(prepared, True), ["Wg", "Wu", "X"], "closed"]
+    assert "rmsnorm_mlp small: ok (max rel err" in capsys.readouterr().out
+    assert fused.profile(type("Args", (), {"dir": str(prepared.parent), "only": "attention"})) == 0
+    assert len(calls) == 3  # none of the others
+
+
 def test_the_results_table_names_every_implementation_and_every_failure():
     rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
             "torch eager": {"passed": True, "max_rel_err": 1e-3, "us": 40.0},
