@@ -148,6 +148,12 @@ def oracle(out: Path, hardware_name: str):
     return launcher, baseline, sets, reference, pairs
 
 
+def verdict(outputs: dict, reference: dict, pairs, rtol: float) -> dict:
+    """Every output of one implementation against the oracle: {"passed", "max_rel_err"} over all of them."""
+    checks = [check(outputs[mine], reference[theirs], rtol) for mine, theirs in pairs]
+    return {"passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks)}
+
+
 def run_case(out: Path) -> dict:
     import torch
 
@@ -160,8 +166,7 @@ def run_case(out: Path) -> dict:
     rows = {}
 
     def checked(outputs) -> dict:
-        checks = [check(outputs[mine], reference[theirs], rtol) for mine, theirs in pairs]
-        return {"passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks)}
+        return verdict(outputs, reference, pairs, rtol)
 
     ours = rt.Launcher(plan, out, cast=True)  # the directory's runtime; the f16 (bf16) values pass exactly
     try:
@@ -331,10 +336,9 @@ def profile(args) -> int:
             got = ours(**sets[0])
         finally:
             ours.close()
-        checks = [check(got[mine], reference[theirs], rtol_of(baseline)) for mine, theirs in pairs]
-        failed += not all(c["passed"] for c in checks)
-        print(f"{name}: {'ok' if all(c['passed'] for c in checks) else 'WRONG'} "
-              f"(max rel err {max(c['max_rel_err'] for c in checks):.1e})", flush=True)
+        found = verdict(got, reference, pairs, rtol_of(baseline))
+        failed += not found["passed"]
+        print(f"{name}: {'ok' if found['passed'] else 'WRONG'} (max rel err {found['max_rel_err']:.1e})", flush=True)
     return 1 if failed else 0
 
 
