@@ -336,8 +336,8 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     waves = math.ceil(blocks / resident)
     busy = min(blocks, hardware.sms)
     us = 1e6
-    flight = math.ceil(resident / busy) * _bytes_in_flight(c, shape)
-    warps = math.ceil(resident / busy) * shape.threads / 32  # resident on a busy SM
+    on_sm = math.ceil(resident / busy)  # blocks resident on a busy SM
+    flight, warps = on_sm * _bytes_in_flight(c, shape), on_sm * shape.threads / 32
     t_mem = max(dram / reachable_bandwidth(hardware, busy, flight, warps),
                 l2 / reachable_l2_bandwidth(hardware, busy, warps)) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / (busy / hardware.sms)
@@ -346,7 +346,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
     if tail == 1 and blocks > resident:  # equal blocks: the last wave's idle slots leave their SMs' math unused
         t_math, t_issue = (t * waves * resident / blocks for t in (t_math, t_issue))
-    overlaps = shape.stages > 1 or math.ceil(resident / busy) > 1
+    overlaps = shape.stages > 1 or on_sm > 1
     t_loop = 0.0 if shape.stages > 1 else waves * iterations(c) * hardware.iteration_latency_us
     terms = {"memory": t_mem, "math": t_math, "issue": t_issue, "loop": t_loop}
     bound = max(terms, key=terms.get)
