@@ -47,6 +47,7 @@ from ..lang.printer import format_number, node_text
 from .ctext import CTYPE, address, block_names, comment, decompose, ident, offset, tensor_name
 from .copies import TensorMap, load_step, tma_copies
 from .launch import CodegenConfig, dot_lanes, flash_values, layout, stage_elements
+from .row_parts import RowParts, held_in_registers
 from .tensor_steps import TensorCoreSteps, shared_operand
 
 __all__ = ["CTYPE", "CodegenConfig", "Emitter", "RenderedKernel", "comment", "ident", "render_kernel"]
@@ -97,7 +98,7 @@ def header_source() -> str:
 # -- one kernel -----------------------------------------------------------------------------------------
 
 
-class Emitter(TensorCoreSteps):
+class Emitter(TensorCoreSteps, RowParts):
     """One concrete kernel's code: `context` what the template renders it from, `render` the kernel alone
     (`tails.render_launch` renders two kernels in one launch from their contexts)."""
 
@@ -111,6 +112,7 @@ class Emitter(TensorCoreSteps):
         self.layout = layout(c, config)
         self.registers, self.threads, self.pad = self.layout.registers, self.layout.threads, self.layout.pads
         self.cname = {b.name: f"s_{ident(b.name)}" for b in self.plan.buffers}
+        self.held_in: dict[Node, str] = {}  # values a step holds in registers at the element it reads (`row_parts`)
         # the block's place in the grid: blockIdx, or the block a causal kernel's launch order takes
         self.blk = blk or ("blk_" if longest_first(self.k, dict(c.grid), config.sms) else "blockIdx.")
 
@@ -134,6 +136,8 @@ class Emitter(TensorCoreSteps):
 
     # reading a value at an index of the reader's index space (numpy broadcasting, right-aligned)
     def read(self, node: Node, idx: list[str]) -> str:
+        if node in self.held_in:
+            return self.held_in[node]
         place = self.plan.place[node]
         if place is Place.SMEM:
             return self.at(self.plan.buffer(node), idx)
@@ -321,6 +325,8 @@ class Emitter(TensorCoreSteps):
             return self.softmax_steps(x, done)
         if self.plan.place[x] is Place.FUSED:  # a product added straight into the running sum
             return [self.matmul(x.args[0], x.args[1], acc, self.cname[self.held(acc).name], True, self.describe(acc))]
+        if held_in_registers(acc):
+            return [self.row_parts(acc)]
         return [self.fold(acc, [lambda idx, a=a: self.read(a, idx) for a in acc.args])]
 
     def fold(self, acc: Node, reads: list, **names: str) -> dict:
@@ -434,7 +440,9 @@ class Emitter(TensorCoreSteps):
         flash = [st for st in _walk(loop_steps) if st["kind"] == "flash"]
         late = {o["v"][0] for st in flash if st["defer"] for o in st["outs"]}  # read through the stage before
         staged = [st | {"late": st["cname"] in late} for st in staged]
-        epilogue = [st | {"kind": "warp_mma_store"} for st in registers]
+        parts = [st for st in loop_steps if st["kind"] == "row_parts"]
+        epilogue = [self.row_parts_store(st) for st in parts]
+        epilogue += [st | {"kind": "warp_mma_store"} for st in registers]
         epilogue += [st | {"kind": "flash_store"} for st in flash]
         epilogue += self._merge([load_step(self, n) for n in post if n.op == "tile"])
         epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
@@ -463,7 +471,7 @@ class Emitter(TensorCoreSteps):
                "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary,
                "order": block_names(self.k, dict(c.grid), self.config.sms) if self.blk == "blk_" else [],
                "params": inputs + outputs, "inputs": inputs, "outputs": outputs, "phase": phase,
-               "registers": registers, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
+               "registers": registers, "parts": parts, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
                "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead, "maps": maps,
                "tma": by_tma, "tma_bytes": sum(st["bytes"] for st in by_tma),
                "pingpong": self.layout.pingpong, "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}

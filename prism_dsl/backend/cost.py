@@ -140,8 +140,8 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   34 MUFU.EX2 and 42 FFMA, which the PTX has all before p @ v's wait, ptxas issues 18 and 25 between the
   scores' wait and that one, and schedules the rest after it; the rescaling of the outputs must follow it.
 - The f32 work beside a batch in flight, read from the SASS of rmsnorm_linear at n = d = 4096 (nvcc 13,
-  sm_90a): its loop waits for the cp.async tiles and the block's barrier, issues the next copies, computes
-  the X tile's sum of squares (LDS.U16, FFMA, SHFL, one STS per row), passes a second barrier and issues its
+  sm_90a): its loop waits for the cp.async tiles and the block's barrier, issues the next copies, adds its
+  part of the X tile's squares into registers (4 LDS.128 and 32 FFMA a thread: `row_parts`) and issues its
   batch of 4 HGMMA, then waits with `WARPGROUP.DEPBAR.LE gsb0, 0x1`: the batch before is still running
   through all of it, so the tensor cores wait only where that work is the longer.
 - smem bandwidth: 128 bytes per clock per SM at 1.75 GHz (about 30 TB/s for the GPU); a warp tile of

@@ -14,7 +14,7 @@ attention, as FlashAttention computes it).
 Who reads which field of `Accumulator`: `ops` (name, operands, doc: the `acc_*` OpSpecs), `shapes` and
 the prover's size rules in `prove.egraph` (like, row), `semantics` (init, step, finish), the search
 (closed, combine, combining_only, operand_ops, like, row, online, linear), `kernels.fusion` (state, online,
-per_element, adds_products), `backend.codegen` (cuda_*), `backend.cost` (flops, like). A new
+reads_once, adds_products), `backend.codegen` (cuda_*), `backend.cost` (flops, like). A new
 accumulator is one row here plus its definition in rules/layout.rules, as long as its CUDA fold is one of
 the kinds `codegen` renders from these strings: per state element (`cuda_fold` lines), per row (a
 `cuda_reduce` of `cuda_term`, then `cuda_fold`), a matrix product (`like` "matmul": `cuda_fold` is the
@@ -115,6 +115,12 @@ class Accumulator:
     def per_element(self) -> bool:
         """Each state element folds the operands' elements at its own index, once each."""
         return not self.row and self.like != "matmul"
+
+    @property
+    def reads_once(self) -> bool:
+        """Each iteration reads every element of its operands once, in place: per element, or along its rows
+        outside online softmax (which keeps exp(s - max) in a buffer of its own)."""
+        return self.per_element or (self.row and not self.online)
 
     def advance(self, state: State | None, *operands) -> State:
         """The state after one more iteration (the first starts it from `init`)."""

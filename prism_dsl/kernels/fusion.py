@@ -5,7 +5,8 @@ body node, one placement:
 
 - `SMEM`: the value is computed by all the block's threads into a shared-memory buffer (loaded tiles,
   matrix products, reductions, row-wise ops, and element-wise values that a non-element-wise op reads);
-- `INLINE`: an element-wise value whose every user is element-wise too; it is never stored, each user
+- `INLINE`: an element-wise value whose every user is element-wise too, or an accumulator that reads each
+  element once (`Accumulator.reads_once`: RMSNorm's x * x into its row sum); it is never stored, each user
   evaluates it in registers at the element it needs (chains of unary and binary ops fuse this way); a
   transpose is always inline, a view whose readers swap two indices;
 - `STATE`: an accumulator: its running state lives in shared memory across the loop, and its value after
@@ -82,7 +83,7 @@ class Plan:
 
 
 # Users that read an element-wise value one element at a time, at most once per element they make
-# (and the accumulators that fold that way: `Accumulator.per_element`).
+# (and the accumulators that fold that way: `Accumulator.reads_once`).
 _ELEMENTWISE_USERS = {Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE}
 
 
@@ -125,7 +126,7 @@ def plan(kernel: Kernel) -> Plan:
             # A product operand made from 16-bit tiles is kept in a 16-bit buffer for tensor cores (even when
             # a transpose reads it); other values that only element-wise users read are evaluated in place.
             staged = _operand_dtype(kernel, n, users[n], stored, users)
-            inline = staged is None and all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "per_element")
+            inline = staged is None and all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "reads_once")
                                             for u in users[n])
             place[n] = Place.INLINE if inline else Place.SMEM
             if not inline:

@@ -22,6 +22,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
     float* const s_a4 = PRISM_SHARED_IN(float, 0, 32, 0, 2);  // state a4: [8, 1] f32, in use throughout
     half* const s_gt_stages = PRISM_SHARED_IN(half, 18944, 15360, 1, 1);  // tile gt: [64, 32] f16, 3 stages, in the loop
     float* const s_a8 = PRISM_SHARED_IN(float, 1152, 1024, 2, 2);  // state a8: [8, 32] f32, after the loop
+    real r_a4[1];  // rms = acc_rms_last(xt)  [8, 1]: this thread's part of its rows, in registers through the loop
+    for (int q = 0; q < 1; ++q) r_a4[q] = 0.0f;
 #if PRISM_TENSOR_CORES
     float r_a3[1][1][4] = {};  // up = acc_sum((xt @ ut))  [8, 32]: this warp's tiles, in registers through the loop
 #endif
@@ -96,24 +98,27 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
         half* const s_xt = s_xt_stages + it % 3 * 576;
         half* const s_ut = s_ut_stages + it % 3 * 2560;
         half* const s_gt = s_gt_stages + it % 3 * 2560;
-        // rms = acc_rms_last(xt)  [8, 1]
+        // rms = acc_rms_last(xt)  [8, 1]: this thread's part of 1 row, 8 threads a row, in registers through the loop
         {
-            const int lane = PRISM_TID % PRISM_WARP;
-            for (int row0 = 0; row0 < 8; row0 += kThreads / PRISM_WARP) {
-                const int row = row0 + PRISM_TID / PRISM_WARP;
+            const int l = PRISM_TID % 8;  // this thread's place in its rows
+            const int g = PRISM_TID / 8;  // its first row
+            PRISM_UNROLL
+            for (int q = 0; q < 1; ++q) {
+                const int row = g + q * 16;
+                if (row >= 8) break;
                 const int i0 = row;
-                real part = 0.0f;
-                for (int j0 = 0; j0 < 64; j0 += PRISM_WARP) {
-                    const int j = j0 + lane;
-                    part += prism::to_f(s_xt[i0 * 72 + j]) * prism::to_f(s_xt[i0 * 72 + j]);
-                }
-                part = prism::warp_sum(part);
-                if (lane == 0) {
-                    s_a4[row] += part;
+                PRISM_UNROLL
+                for (int s = 0; s < 1; ++s) {
+                    const int j8 = (l + s * 8) * 8;
+                    float v0[8];
+                    prism::load8(v0, s_xt + i0 * 72 + j8);
+                    PRISM_UNROLL
+                    for (int c = 0; c < 8; ++c) {
+                        r_a4[q] += v0[c] * v0[c];
+                    }
                 }
             }
         }
-        __syncthreads();
         #if PRISM_TENSOR_CORES
         // up = acc_sum((xt @ ut))  [8, 32]: mma.sync m16n8k16 (C^T), 1x2x2 warps, accumulators in registers
         // gate = acc_sum((xt @ gt))  [8, 32]: mma.sync m16n8k16 (C^T), 1x2x2 warps, accumulators in registers
@@ -159,6 +164,23 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
     __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
+    // rms = acc_rms_last(xt)  [8, 1]: the parts of each row added, into its state
+    {
+        const int l = PRISM_TID % 8;  // this thread's place in its rows
+        const int g = PRISM_TID / 8;  // its first row
+        PRISM_UNROLL
+        for (int q = 0; q < 1; ++q) {
+            real part = r_a4[q];
+            part += prism::shfl_xor(part, 4);
+            part += prism::shfl_xor(part, 2);
+            part += prism::shfl_xor(part, 1);
+            const int row = g + q * 16;
+            if (l == 0 && row < 8) {
+                s_a4[row] += part;
+            }
+        }
+    }
+    __syncthreads();
     #if PRISM_TENSOR_CORES
     // up = acc_sum((xt @ ut))  [8, 32]: the accumulators, from registers into s_a3
     for (int q = 0; q < 2; ++q) {

@@ -1,0 +1,108 @@
+"""Row folds held in registers through a kernel's loop: each thread's part of a row accumulator.
+
+Where it sits: a part of `codegen.Emitter` (a mixin, as `tensor_steps` is), for the accumulators that sum
+whole rows (`acc_sum_last`, `acc_mean_last`, `acc_rms_last`: `Accumulator.row`, outside online softmax,
+whose rows share the running max: `held_in_registers`). Summed each iteration by one warp per row (the
+lanes' sums added by five shuffles, the row's state in shared memory read, added to and written back, a
+barrier after it), an RMSNorm folded into a projection costs that on every iteration of its loop (at n = d =
+4096, 16 rows a warp, each its own chain of shuffles) while the products wait at the barrier.
+
+So each thread keeps its part of a few rows in registers for the whole loop ("row_parts"): it reads its
+elements of the iteration's tile, 8 at a time by one 16-byte load where every 16-bit tile the term reads
+allows it (`prism::load8`), and adds them into its parts; no shuffle, no shared memory written, no barrier.
+After the loop ("row_parts_store") the threads' parts of each row are added by shuffles once, and the sum
+goes into the row's state by the accumulator's own `cuda_fold` (`part` is the row's sum), so the state and
+what reads it after the loop are as before.
+
+Which elements a thread takes: `per` threads share a row (a power of two up to a warp, and no more than the
+row has 8-element groups, or elements), so `at_once` = threads / per rows are folded side by side, and a
+thread holds `parts` = ceil(rows / at_once) of them. Where per >= 8, the 8 lanes of a 16-byte load's quarter
+warp read adjacent groups of one row; below 8 they read the same group of 8 adjacent rows, which the
+padding or swizzle of 16-bit tiles (`fusion.ROW_PAD`, wgmma's 128-byte swizzle) puts in different banks.
+The lanes of a row are then `stride` = 1 or 8 apart, and the shuffles after the loop use those distances.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..ir.accumulators import ACCUMULATORS
+from ..ir.nodes import DType, Node
+from ..ir.ops import OPS, Kind
+from ..kernels.fusion import Place
+from .ctext import decompose
+
+VECTOR = 8  # 16-bit elements per 16-byte shared-memory load
+
+
+def held_in_registers(acc: Node) -> bool:
+    """Whether the loop folds `acc` into per-thread parts: a row sum outside online softmax (every such
+    accumulator of `ir.accumulators`; a row max would need its own fold and shuffles here)."""
+    a = ACCUMULATORS[acc.op]
+    return a.row and not a.online and a.cuda_reduce == "sum"
+
+
+class RowParts:
+    """The "row_parts" and "row_parts_store" steps of an `Emitter` (which gives shape, read, plan, cname...)."""
+
+    def row_parts(self, acc: Node) -> dict:
+        """One iteration's fold of `acc` into this thread's parts of its rows."""
+        a, x = ACCUMULATORS[acc.op], acc.args[0]
+        shape = self.shape(x)
+        rows, length = math.prod(shape[:-1]), shape[-1]
+        leaves = self._vector_leaves(x, length)
+        vec = VECTOR if leaves is not None else 1
+        units = length // vec
+        per = 1
+        while per * 2 <= min(32, units) and rows * per * 2 <= self.threads:
+            per *= 2
+        stride = 1 if per >= 8 else 8
+        at_once = self.threads // per
+        lines, idx = decompose("row", shape[:-1], "i")
+        vectors = []
+        for n, leaf in enumerate(leaves or []):
+            b = self.plan.buffer(leaf)
+            vectors.append({"name": f"v{n}", "at": f"{self.cname[b.name]} + {self.offset(b, idx + ['j8'])}"})
+        self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves or [])}
+        try:
+            term = a.cuda_term.format(*[self.read(arg, idx + ["j"]) for arg in acc.args])
+        finally:
+            self.held_in = {}
+        reg = "r_" + self.cname[self.held(acc).name].removeprefix("s_")
+        return {"kind": "row_parts", "comment": self.describe(acc), "r": reg, "rows": rows, "length": length,
+                "idx": lines, "per": per, "stride": stride, "at_once": at_once, "parts": -(-rows // at_once),
+                "vec": vec, "units": units, "passes": -(-units // per), "vectors": vectors,
+                "fold": f"{reg}[q] += {term};", "init": self.lit(0.0), "column": bool(re.search(r"\bj\b", term)),
+                "finish": [line.format(**{role: self.cname[b.name] for role, b in self.plan.state[acc].items()})
+                           for line in a.cuda_fold],
+                "barrier": False}  # it writes no shared memory
+
+    def _vector_leaves(self, x: Node, length: int) -> list[Node] | None:
+        """The 16-bit shared tiles (or values) the term of `x` reads along the row, when every read of the term
+        is at the element itself and 8 adjacent ones of each such buffer are one aligned 16-byte group: those
+        the fold reads by `load8`. None: the fold reads element by element."""
+        if length % VECTOR:
+            return None
+        leaves: list[Node] = []
+
+        def walk(n: Node) -> bool:
+            place = self.plan.place[n]
+            if place is Place.INLINE:
+                return n.op == "const" or (OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(m) for m in n.args))
+            if place is not Place.SMEM:
+                return False
+            b = self.plan.buffer(n)
+            if b.dtype in (DType.F16, DType.BF16) and self.shape(n)[-1] == length and n not in leaves:
+                leaves.append(n)
+            return True
+
+        return leaves if walk(x) and leaves else None
+
+    @staticmethod
+    def row_parts_store(st: dict) -> dict:
+        """After the loop: the parts of each row added across the threads that share it, into its state."""
+        per, stride = st["per"], st["stride"]
+        offsets = [stride * (per >> k) for k in range(1, per.bit_length())]
+        used = [line for line in st["idx"] if any(re.search(rf"\b{line.split()[2]}\b", f) for f in st["finish"])]
+        return st | {"kind": "row_parts_store", "offsets": offsets, "idx": used, "barrier": True}

@@ -1,0 +1,115 @@
+"""Row sums held in registers through a kernel's loop (prism_dsl/backend/row_parts.py): an RMSNorm folded
+into a projection sums its squares without shuffles, shared-memory writes or a barrier in the loop, adds
+the threads' parts once after it, and agrees with the reference at ragged and tensor-core-sized tiles."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from prism_dsl.backend import sass
+from test_codegen import H100, ROOT, BuildOptions, build, emulate, load, needs_cxx
+
+FUSED = ROOT / "programs/fused/rmsnorm_linear.prism"
+SEARCHED = ROOT / "programs/rmsnorm_linear.prism"  # the search's form: acc_mean_last(xt * xt)
+SEARCHED_FORM = """
+dims n = 8, d = 256
+program rmsnorm_linear(X: f16[n, d], W: f16[d, d]) {
+    kernel fused grid(x = gx) loop(F) {
+        xt = load X[:, loop]
+        wt = load W[loop, x]
+        store Y[:, x] = acc_sum(xt @ wt) / sqrt(acc_mean_last(xt * xt))
+    }
+    return Y
+}
+"""
+
+
+def loop_of(source: str) -> str:
+    """The kernel's main loop, from its first line to its end (a pipelined loop: the barrier after it)."""
+    start = source.index("for (int it = 0;")
+    end = source.find("__syncthreads();  // every thread is done with the loop's buffers", start)
+    return source[start:end if end > 0 else source.index("PRISM_PHASE(2)", start)]
+
+
+def test_the_loop_folds_each_threads_part_of_the_rows_and_adds_them_once_after_it(write):
+    """At n = 8 with 128 threads, 16 threads share a row, each reading 8 elements by one 16-byte load per
+    pass; the loop has one barrier (its top), no shuffle and no write to the sum's state; after it, 4
+    shuffles add a row's parts. The search's form, acc_mean_last(xt * xt), squares in place: no buffer of
+    squares."""
+    for path in (FUSED, write(SEARCHED_FORM)):
+        program = load(path).program()
+        options = BuildOptions(dims={"n": 8, "d": 4096}, grid={"gx": 256}, loop={"F": 8}, archs=())
+        source = build(program, H100, options).kernels[0].source
+        body = loop_of(source)
+        assert body.count("__syncthreads()") == 1 and "shfl" not in body and "warp_sum" not in body, body
+        assert re.search(r"r_a\d+\[q\] \+= \(?v0\[c\] \* v0\[c\]\)?;", body) and "prism::load8(v0, s_xt + " in body
+        assert "16 threads a row" in body and not re.search(r"s_a\d+\[row\] \+=", body)
+        after = source[source.index("PRISM_PHASE(2)"):]
+        assert [int(o) for o in re.findall(r"part \+= prism::shfl_xor\(part, (\d+)\)", after)] == [8, 4, 2, 1]
+        assert "value v" not in source  # x * x is never stored
+
+
+@needs_cxx
+@pytest.mark.parametrize("dims, grid, loop, sanitizer, expect", [
+    # 3 rows of 200 (8 of them at once, 16 threads a row over 25 groups of 8: a ragged last pass); one iteration,
+    # no pipeline: the barrier after the fold keeps the next iteration's tiles from its reads
+    ({"n": 3, "d": 200}, {"gx": 8}, {"F": 1}, "thread", ["if (row >= 3) break;", "if (j8 >= 200) break;", "load8"]),
+    # rows of 36 columns: no 16-byte groups, one element at a time, 32 threads a row
+    ({"n": 3, "d": 72}, {"gx": 4}, {"F": 2}, "address", ["32 threads a row", "if (j8 >= 36) break;", "scalar"]),
+    # 64 rows of a [64, 64] tile on 256 threads (the products' warps): 4 threads a row, 8 adjacent rows per
+    # quarter warp, shuffles 16 and 8 lanes apart
+    ({"n": 64, "d": 256}, {"gx": 2}, {"F": 4}, "thread", ["PRISM_TID / 8 % 4", "prism::shfl_xor(part, 16);"]),
+], ids=["ragged", "scalar", "down-rows"])
+def test_row_parts_agree_with_the_reference_under_the_sanitizers(dims, grid, loop, sanitizer, expect):
+    program = load(FUSED).program()
+    options = BuildOptions(dims=dims, grid=grid, loop=loop, archs=(), sanitize=sanitizer, emulate_blocks="all")
+    built = build(program, H100, options)
+    source = built.kernels[0].source
+    for text in expect:
+        assert text == "scalar" or text in source, text
+    assert ("prism::load8" in loop_of(source)) == ("scalar" not in expect)
+    check = emulate(built, options)
+    assert check.passed, check
+
+
+@needs_cxx
+def test_row_parts_read_wgmmas_swizzled_tile_and_agree_with_the_reference():
+    """At 128 rows the products run on wgmma, which reads x's tile in its 128-byte swizzle; the row sums read
+    the same tile 16 bytes at a time through the swizzle (2 threads a row, 8 rows per quarter warp)."""
+    from prism_dsl.backend.launch import CodegenConfig
+
+    program = load(FUSED).program()
+    options = BuildOptions(dims={"n": 128, "d": 512}, grid={"gx": 4}, loop={"F": 8}, archs=(), sanitize="address",
+                           codegen=CodegenConfig(wgmma=True), emulate_blocks="all")
+    built = build(program, H100, options)
+    kernel = built.kernels[0]
+    assert kernel.wgmma and "^ i0 % 8) * 8" in loop_of(kernel.source) and "prism::load8(v0" in loop_of(kernel.source)
+    check = emulate(built, options)
+    assert check.passed, check
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
+                    reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
+@pytest.mark.parametrize("dims, grid, loop", [
+    ({"n": 8, "d": 4096}, {"gx": 256}, {"F": 8}),
+    ({"n": 128, "d": 1024}, {"gx": 8}, {"F": 16}),
+], ids=["decode", "prefill"])
+def test_the_compiled_loop_sums_squares_from_16_byte_loads_with_no_shuffle_and_one_barrier(dims, grid, loop,
+                                                                                          tmp_path):
+    from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
+    from prism_dsl.backend.nvcc import kernel_arch, nvcc_path, write_sources
+
+    program = load(FUSED).program()
+    kernel = build(program, H100, BuildOptions(dims=dims, grid=grid, loop=loop, archs=())).kernels[0]
+    write_sources([kernel], tmp_path)
+    done = subprocess.run([nvcc_path(), "-cubin", f"-arch={kernel_arch(kernel, 'sm_90')}", *NVCC_OPTIONS,
+                           "-o", "k.cubin", kernel.file], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    listing = sass.disassemble(tmp_path / "k.cubin")
+    hot = sass.hot_loop(listing)
+    ops = sass.instructions(listing)[0][hot.start:hot.end + 1]
+    assert hot.counts["SHFL"] == 0 and hot.counts["STS"] == 0 and hot.counts["BAR"] == 1, hot.counts
+    assert hot.counts["FFMA"] >= 32 and ops.count("LDS.128") * 8 >= hot.counts["FFMA"], (ops, hot.counts)
+    assert "warning" not in done.stderr, done.stderr
