@@ -1,8 +1,10 @@
 """Measures, on a GPU, the figures the cost model assumes about memory and launches, and prints each beside
 the model's own: what a kernel launch costs (alone, and back to back), how long one load from L2 and from
 device memory takes, what bandwidth B blocks reach with F bytes of copies in flight each, what L2 serves B
-blocks streaming a footprint that stays in it, and what one SM takes in with one block of 128, 256 or 512
-threads on it (whether the intake grows with the warps copying, as `cost.sm_intake` assumes).
+blocks streaming a footprint that stays in it, what one SM takes in with one block of 128, 256 or 512
+threads on it (whether the intake grows with the warps copying, as `cost.sm_intake` assumes), and what
+bandwidth blocks reach that each read a strip of 32 to 512 bytes of every row of a matrix, as the decode
+projections read their weights (the model counts their bytes alone, whatever the strip's width).
 
     python benchmarks/gpu_probe.py [--hardware NAME] [--json FILE]     # needs a CUDA GPU and pycuda
 
@@ -50,6 +52,13 @@ STREAM_BYTES = 1 << 30  # far beyond L2: every byte comes from device memory
 SLOT = 256  # bytes between the links of a chase: one per L2 sector group, no two in a line
 L2_FOOTPRINT = 8 << 20  # streamed from L2: within one partition of the H100's (25 MB of 50) and the A100's 40 MB
 L2_READ = 4 << 20  # bytes each block reads of it, from its own place (half of it: the XORs are not all alike)
+# Strips: a block streams its columns of every row of a d = 4096 projection's f16 weights (8 KB rows), as the
+# decode projections' loops do, 16 KB tiles in 3 stages; 128 MB of rows, far beyond L2
+STRIP_ROW = 8192
+STRIP_ROWS = 16384
+STRIP_TILE = 16384
+STRIP_WIDTHS = (32, 64, 128, 256, 512)  # bytes of each row a block reads
+STRIP_BLOCKS = 256  # strips x ranges of rows: about two blocks per SM, as those kernels launch
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,30 @@ class Point:
     @property
     def flight(self) -> int:  # bytes one block keeps in flight: the tiles loaded ahead
         return (self.stages - 1) * self.tile
+
+
+@dataclass(frozen=True)
+class Strip:
+    """One strip measurement: `blocks` blocks, each reading `width` bytes of every row of its range of rows."""
+    width: int
+    blocks: int
+    gbs: float  # measured, GB/s
+
+
+def strip_layout(width: int, row: int = STRIP_ROW, rows: int = STRIP_ROWS, blocks: int = STRIP_BLOCKS,
+                 tile: int = STRIP_TILE) -> tuple[int, int, int, int]:
+    """(strips across a row, ranges of rows, rows a block reads, rows a tile) for strips `width` bytes wide: every
+    byte read once, by `blocks` blocks (fewer where the strips across a row are more than that)."""
+    strips = row // width
+    ranges = max(1, blocks // strips)
+    return strips, ranges, rows // ranges, tile // width
+
+
+def strip_xors(words: np.ndarray, width: int, **sizes) -> np.ndarray:
+    """The XOR of the words block b of `probe_strips` reads, for every b (b = range * strips + strip)."""
+    strips, ranges, rows, _ = strip_layout(width, **sizes)
+    tiles = words.reshape(ranges, rows, strips, width // 4)
+    return np.bitwise_xor.reduce(np.bitwise_xor.reduce(tiles, axis=3), axis=1).reshape(-1)
 
 
 def configurations(sms: int) -> list[tuple[int, int, int]]:
@@ -327,7 +360,46 @@ def probe_stream(drv, module, sms: int, smem_optin: int, l2: bool = False, threa
     return points
 
 
-def run() -> tuple[list[Point], list[Point], list[Point], dict, dict, str]:
+def probe_strips(drv, module) -> list[Strip]:
+    """GB/s of `probe_strips` at each strip width, every byte of STRIP_ROWS rows read once."""
+    words = np.random.default_rng(2).integers(0, 2**32, STRIP_ROWS * STRIP_ROW // 4, dtype=np.uint32)
+    src = drv.to_device(words)
+    fn = module.get_function("probe_strips")
+    fn.prepare("PiiiiP")
+    found = []
+    for width in STRIP_WIDTHS:
+        strips, ranges, rows, tile_rows = strip_layout(width)
+        blocks = strips * ranges
+        out = drv.mem_alloc(4 * blocks)
+
+        def before():
+            drv.memset_d32_async(out, 0, blocks)
+
+        def launch():
+            fn.prepared_call((blocks, 1, 1), (THREADS, 1, 1), int(src), STRIP_ROW // 16, width // 16, rows, tile_rows,
+                             int(out), shared_size=3 * STRIP_TILE)
+
+        times = _events(drv, module, launch, 5, before)
+        got = np.zeros(blocks, np.uint32)
+        drv.memcpy_dtoh(got, out)
+        out.free()
+        if not np.array_equal(got, strip_xors(words, width)):
+            raise RuntimeError(f"the strip kernel ({width} bytes a row) did not read every byte")
+        found.append(Strip(width, blocks, blocks * rows * width / (statistics.median(times) * 1e-3) / 1e9))
+    src.free()
+    return found
+
+
+def strip_table(strips: list[Strip]) -> list[str]:
+    widest = max(strips, key=lambda p: p.width)
+    lines = [f"Strips of {STRIP_ROW // 1024} KB rows (a d = 4096 projection's weights), {STRIP_TILE // 1024} KB tiles in "
+             f"3 stages, {THREADS} threads a block, every byte read once:", "",
+             "| bytes of each row a block reads | blocks | measured GB/s | over the widest |", "|---|---|---|---|"]
+    lines += [f"| {p.width} | {p.blocks} | {p.gbs:.0f} | {p.gbs / widest.gbs:.2f} |" for p in strips]
+    return lines
+
+
+def run() -> tuple[list[Point], list[Point], list[Point], list[Strip], dict, dict, str]:
     import pycuda.driver as drv
     from pycuda.compiler import SourceModule
 
@@ -346,9 +418,10 @@ def run() -> tuple[list[Point], list[Point], list[Point], dict, dict, str]:
         points = probe_stream(drv, module, sms, optin)
         l2 = probe_stream(drv, module, sms, optin, l2=True)
         threads = probe_stream(drv, module, sms, optin, threads=True)
+        strips = probe_strips(drv, module)
         major, minor = dev.compute_capability()
         device = f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
-        return points, l2, threads, launch, chase, device
+        return points, l2, threads, strips, launch, chase, device
     finally:
         drv.Context.pop()
 
@@ -366,13 +439,15 @@ def main() -> int:
         print(f"gpu_probe.py needs a usable CUDA GPU: {name_or_reason}", file=sys.stderr)
         return 1
     hardware = load_hardware(args.hardware or for_device(name_or_reason) or "h100")
-    points, l2, threads, launch, chase, device = run()
+    points, l2, threads, strips, launch, chase, device = run()
     print(report(points, launch, chase, hardware, device, l2, threads))
+    print("\n" + "\n".join(strip_table(strips)))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "launch": launch, "chase": chase,
                                                "stream": [asdict(p) for p in points],
                                                "l2_stream": [asdict(p) for p in l2],
                                                "thread_stream": [asdict(p) for p in threads],
+                                               "strips": [asdict(p) for p in strips],
                                                "summary": summarize(points, hardware, l2, threads)}, indent=2) + "\n")
     return 0
 

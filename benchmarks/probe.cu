@@ -1,7 +1,7 @@
 // Probes of the memory system and the launch path, read by benchmarks/gpu_probe.py on a GPU. Each answers
 // one of the cost model's assumptions (prism_dsl/backend/cost.py): what a launch costs, how long a load from
-// device memory takes, and what bandwidth B blocks reach with F bytes of copies in flight each, from device
-// memory and from L2.
+// device memory takes, what bandwidth B blocks reach with F bytes of copies in flight each, from device
+// memory and from L2, and whether strips of a few bytes per row stream as fast as whole tiles.
 
 #include "prism.cuh"  // the generated code's own copy primitives (templates/)
 
@@ -28,22 +28,16 @@ extern "C" __global__ void probe_chase(const unsigned* __restrict__ next, unsign
     *sink = at;
 }
 
-// Block b streams `tiles` tiles of `tile16` 16-byte units, from unit b * step16 onwards, wrapping around at
-// unit wrap16: each block its own stretch of a buffer far larger than L2 (step16 = tiles * tile16, wrap16
-// the whole buffer), or stretches of one footprint that stays in L2 (wrap16 that footprint), so that L2, not
-// device memory, serves every load. The tiles go through a ring of STAGES tiles in shared memory with
-// cp.async (prism.cuh's, as the generated loops use it): STAGES - 1 tiles in flight while one is read. Each
-// thread folds what it reads into an XOR, so every byte is used; the block's XOR goes to out[b], which the
-// host compares with the XOR of the same bytes.
-template <int STAGES>
-__device__ void stream(const uint4* __restrict__ src, long long tiles, int tile16, long long step16, long long wrap16,
-                       unsigned* out) {
+// A block streams `tiles` tiles of `tile16` 16-byte units, unit i of tile t at unit(t, i), through a ring of
+// STAGES tiles in shared memory with cp.async (prism.cuh's, as the generated loops use it): STAGES - 1 tiles in
+// flight while one is read. Each thread folds what it reads into an XOR, so every byte is used; the block's XOR
+// goes to out[b], which the host compares with the XOR of the same bytes.
+template <int STAGES, class Unit>
+__device__ void stream_tiles(Unit unit, long long tiles, int tile16, unsigned* out) {
     extern __shared__ uint4 ring[];
-    const long long first = blockIdx.x * step16;
     auto issue = [&](long long t) {
         uint4* slot = ring + (t % STAGES) * tile16;
-        const uint4* from = src + (first + t * tile16) % wrap16;  // step16 and wrap16 are whole tiles
-        for (int i = threadIdx.x; i < tile16; i += blockDim.x) prism::cp_async<1>(slot + i, from + i);
+        for (int i = threadIdx.x; i < tile16; i += blockDim.x) prism::cp_async<1>(slot + i, unit(t, i));
     };
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < tiles) issue(s);
@@ -64,6 +58,31 @@ __device__ void stream(const uint4* __restrict__ src, long long tiles, int tile1
     unsigned x = acc.x ^ acc.y ^ acc.z ^ acc.w;
     for (int o = 16; o > 0; o >>= 1) x ^= prism::shfl_xor(x, o);
     if ((threadIdx.x & 31) == 0) atomicXor(out + blockIdx.x, x);
+}
+
+// Block b streams `tiles` contiguous tiles from unit b * step16 onwards, wrapping around at unit wrap16: each
+// block its own stretch of a buffer far larger than L2 (step16 = tiles * tile16, wrap16 the whole buffer), or
+// stretches of one footprint that stays in L2 (wrap16 that footprint), so that L2, not device memory, serves
+// every load.
+template <int STAGES>
+__device__ void stream(const uint4* __restrict__ src, long long tiles, int tile16, long long step16, long long wrap16,
+                       unsigned* out) {
+    const long long first = blockIdx.x * step16;
+    stream_tiles<STAGES>([&](long long t, int i) { return src + (first + t * tile16) % wrap16 + i; },  // whole tiles
+                         tiles, tile16, out);
+}
+
+// A decode projection's loop streams a block's columns of every row of its weights (rows a whole row apart, a
+// few dozen bytes of each): block b streams the strip of `width16` units at column (b % strips) * width16 of a
+// row-major matrix whose rows are `row16` units long (strips = row16 / width16), over `rows` rows from row
+// (b / strips) * rows, `tile_rows` rows a tile, through a ring of 3 tiles: what bandwidth strips of 32 to 512
+// bytes a row reach beside whole tiles.
+extern "C" __global__ void probe_strips(const uint4* __restrict__ src, int row16, int width16, int rows, int tile_rows,
+                                        unsigned* out) {
+    const int strips = row16 / width16;
+    const long long row0 = (long long)(blockIdx.x / strips) * rows, col0 = blockIdx.x % strips * width16;
+    stream_tiles<3>([&](long long t, int i) { return src + (row0 + t * tile_rows + i / width16) * row16 + col0 + i % width16; },
+                    rows / tile_rows, tile_rows * width16, out);
 }
 
 #define PROBE_STREAM(S) \

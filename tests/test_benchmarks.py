@@ -100,6 +100,29 @@ def test_the_l2_probe_expects_the_xor_of_the_words_its_blocks_read():
         assert len(set(want)) == blocks  # distinct: a block that read the wrong place would be found
 
 
+def test_the_strip_probe_expects_the_xor_of_the_words_its_blocks_read():
+    """probe_strips's block b reads `width` bytes of every row of its range (b / strips) from column b % strips,
+    tile by tile, as probe.cu addresses its 16-byte units: the host's XORs are those of exactly those words,
+    and every word is read once."""
+    sizes = {"row": 256, "rows": 64, "blocks": 16, "tile": 512}
+    words = np.random.default_rng(0).integers(0, 2**32, 64 * 256 // 4, dtype=np.uint32)
+    units = words.reshape(-1, 4)
+    for width in (32, 64, 128, 256):
+        strips, ranges, rows, tile_rows = probe.strip_layout(width, **sizes)
+        row16, width16 = 256 // 16, width // 16
+        want, seen = [], []
+        for b in range(strips * ranges):
+            row0, col0 = b // strips * rows, b % strips * width16
+            read = [(row0 + t * tile_rows + i // width16) * row16 + col0 + i % width16
+                    for t in range(rows // tile_rows) for i in range(tile_rows * width16)]
+            want.append(np.bitwise_xor.reduce(units[read].reshape(-1)))
+            seen += read
+        assert sorted(seen) == list(range(len(units)))
+        assert list(probe.strip_xors(words, width, **sizes)) == want
+    table = probe.strip_table([probe.Strip(32, 256, 800.0), probe.Strip(512, 256, 3200.0)])
+    assert "| 32 | 256 | 800 | 0.25 |" in table and "| 512 | 256 | 3200 | 1.00 |" in table
+
+
 def test_the_probe_refuses_to_run_without_a_gpu():
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_probe.py")], capture_output=True, text=True,
                           env={**os.environ, "PRISM_NO_GPU": "1"})
@@ -121,6 +144,8 @@ def test_the_probe_kernels_compile_and_stream_by_cp_async(tmp_path):
     for stages in probe.STAGES:
         body = listing.split(f"Function : probe_stream_{stages}")[1].split("Function :")[0]
         assert "LDGSTS" in body and "LDGDEPBAR" in body, stages  # cp.async and its commit, no register round trip
+    strips = listing.split("Function : probe_strips")[1].split("Function :")[0]
+    assert "LDGSTS" in strips and "LDGDEPBAR" in strips
     chase = listing.split("Function : probe_chase")[1].split("Function :")[0]
     assert "LDG" in chase  # the chain of loads is there, not folded away
 
