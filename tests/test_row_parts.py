@@ -113,3 +113,21 @@ def test_the_compiled_loop_sums_squares_from_16_byte_loads_with_no_shuffle_and_o
     assert hot.counts["SHFL"] == 0 and hot.counts["STS"] == 0 and hot.counts["BAR"] == 1, hot.counts
     assert hot.counts["FFMA"] >= 32 and ops.count("LDS.128") * 8 >= hot.counts["FFMA"], (ops, hot.counts)
     assert "warning" not in done.stderr, done.stderr
+
+
+@needs_cxx
+@pytest.mark.parametrize("sanitizer", ["thread", "address"])
+def test_online_softmax_sums_its_row_in_registers_rescaled_each_iteration(sanitizer):
+    """FlashDecoding's partial kernel at one query: each thread rescales its part of the row sum by the
+    iteration's factor and adds its share of exp(s - max), with no shuffle and no barrier after it; the parts
+    are added once after the loop, into the sum the piece stores. Emulated against the reference."""
+    program = load(ROOT / "programs/fused/attention.decoding.prism").program()
+    options = BuildOptions(dims={"b": 1, "h": 2, "kv": 1024, "dh": 64}, grid={"gb": 1, "gh": 2, "S": 4},
+                           loop={"F": 4}, archs=(), sanitize=sanitizer, emulate_blocks="all")
+    built = build(program, H100, options)
+    source = next(k for k in built.kernels if k.name == "partial").source
+    body = loop_of(source)
+    assert re.search(r"r_a\d+\[q\] \*= s_a\d+_scale\[row\];", body) and "warp_sum" not in body
+    assert body.count("__syncthreads()") == 4  # the loop's top, and after the scores, the max and p
+    check = emulate(built, options)
+    assert check.passed, check

@@ -365,10 +365,10 @@ class Emitter(TensorCoreSteps, RowParts):
                            comment(f"online softmax over {name}: running row max, rescaling factor")),
                  self.elements(shape, lambda idx: [f"{p}[e] = prism::exp_({self.read(s, idx)} - {m}[{offset(idx[:-1] + ['0'], self.shape(g['m']))}]);"],
                                comment(f"p = exp({name} - running max)"))]
-        for acc in users:
-            if ACCUMULATORS[acc.op].online == "softmax":
-                reads = [lambda idx: self.at(g["p"], idx)] + [lambda idx, a=a: self.read(a, idx) for a in acc.args[1:]]
-                steps.append(self.fold(acc, reads, scale=scale))
+        p_at = [lambda idx: self.at(g["p"], idx)]
+        for acc in (u for u in users if ACCUMULATORS[u.op].online == "softmax"):  # a row sum: in registers (`row_parts`)
+            steps.append(self.row_parts(acc, p_at[0], scale) if ACCUMULATORS[acc.op].row else
+                         self.fold(acc, p_at + [lambda idx, a=a: self.read(a, idx) for a in acc.args[1:]], scale=scale))
         return steps
 
     def store_step(self, index: int) -> dict:

@@ -46,12 +46,15 @@ def held_in_registers(acc: Node) -> bool:
 class RowParts:
     """The "row_parts" and "row_parts_store" steps of an `Emitter` (which gives shape, read, plan, cname...)."""
 
-    def row_parts(self, acc: Node) -> dict:
-        """One iteration's fold of `acc` into this thread's parts of its rows."""
+    def row_parts(self, acc: Node, read=None, scale: str | None = None) -> dict:
+        """One iteration's fold of `acc` into this thread's parts of its rows. Online softmax's row sum passes
+        `read` (idx -> its term, exp(s - max) from the group's buffer) and `scale`, the buffer of each row's
+        rescaling factor this iteration: every part is rescaled by it first (the sum is linear in its
+        parts), and after the loop the parts' sum is the state (which starts at 0)."""
         a, x = ACCUMULATORS[acc.op], acc.args[0]
         shape = self.shape(x)
         rows, length = math.prod(shape[:-1]), shape[-1]
-        leaves = self._vector_leaves(x, length)
+        leaves = None if read else self._vector_leaves(x, length)
         vec = VECTOR if leaves is not None else 1
         units = length // vec
         per = 1
@@ -66,16 +69,18 @@ class RowParts:
             vectors.append({"name": f"v{n}", "at": f"{self.cname[b.name]} + {self.offset(b, idx + ['j8'])}"})
         self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves or [])}
         try:
-            term = a.cuda_term.format(*[self.read(arg, idx + ["j"]) for arg in acc.args])
+            term = read(idx + ["j"]) if read else a.cuda_term.format(*[self.read(arg, idx + ["j"]) for arg in acc.args])
         finally:
             self.held_in = {}
-        reg = "r_" + self.cname[self.held(acc).name].removeprefix("s_")
+        held = self.cname[self.held(acc).name]
+        reg = "r_" + held.removeprefix("s_")
+        finish = [f"{held}[row] += part;"] if scale else \
+            [line.format(**{role: self.cname[b.name] for role, b in self.plan.state[acc].items()}) for line in a.cuda_fold]
         return {"kind": "row_parts", "comment": self.describe(acc), "r": reg, "rows": rows, "length": length,
                 "idx": lines, "per": per, "stride": stride, "at_once": at_once, "parts": -(-rows // at_once),
                 "vec": vec, "units": units, "passes": -(-units // per), "vectors": vectors,
                 "fold": f"{reg}[q] += {term};", "init": self.lit(0.0), "column": bool(re.search(r"\bj\b", term)),
-                "finish": [line.format(**{role: self.cname[b.name] for role, b in self.plan.state[acc].items()})
-                           for line in a.cuda_fold],
+                "rescale": f"{reg}[q] *= {scale}[row];" if scale else "", "finish": finish,
                 "barrier": False}  # it writes no shared memory
 
     def _vector_leaves(self, x: Node, length: int) -> list[Node] | None:

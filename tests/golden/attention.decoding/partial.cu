@@ -36,6 +36,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     float* const s_a4 = PRISM_SHARED_IN(float, 384, 4, 0, 2);  // state a4: [1, 1, 1, 1] f32, in use throughout
     half* const s_vt_stages = PRISM_SHARED_IN(half, 5248, 4608, 1, 1);  // tile vt: [1, 1, 16, 64] f16, 2 stages, in the loop
     float* const s_a6 = PRISM_SHARED_IN(float, 512, 256, 0, 2);  // state a6: [1, 1, 1, 64] f32, in use throughout
+    real r_a4[1];  // acc_softmax_sum(s)  [1, 1, 1, 1]: this thread's part of its rows, in registers through the loop
+    for (int q = 0; q < 1; ++q) r_a4[q] = 0.0f;
 
     // acc_max_last: m starts at -real(INFINITY)
     if (const int e = PRISM_TID; e < 1) {
@@ -156,21 +158,26 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             s_a3_p[e] = prism::exp_(s_v2[i3] - s_a3_max[0]);
         }
         __syncthreads();
-        // acc_softmax_sum(s)  [1, 1, 1, 1]
+        // acc_softmax_sum(s)  [1, 1, 1, 1]: this thread's part of 1 row, 16 threads a row, in registers through the loop
         {
-            const int lane = PRISM_TID % PRISM_WARP;
-            if (const int row = PRISM_TID / PRISM_WARP; row < 1) {
-                real part = 0.0f;
-                if (const int j = lane; j < 16) {
-                    part += s_a3_p[j];
-                }
-                part = prism::warp_sum(part);
-                if (lane == 0) {
-                    s_a4[row] = s_a4[row] * s_a3_scale[row] + part;
+            const int l = PRISM_TID % 16;  // this thread's place in its rows
+            const int g = PRISM_TID / 16;  // its first row
+            PRISM_UNROLL
+            for (int q = 0; q < 1; ++q) {
+                const int row = g + q * 8;
+                if (row >= 1) break;
+                r_a4[q] *= s_a3_scale[row];  // what it holds, rescaled as the row's running max grew
+                PRISM_UNROLL
+                for (int s = 0; s < 1; ++s) {
+                    const int j8 = (l + s * 16) * 1;
+                    PRISM_UNROLL
+                    for (int c = 0; c < 1; ++c) {
+                        const int j = j8 + c;
+                        r_a4[q] += s_a3_p[j];
+                    }
                 }
             }
         }
-        __syncthreads();
         // acc_softmax_out(s, vt)  [1, 1, 1, 64]: 8 outputs per 4 lanes, 16-byte loads
         for (int u0 = 0; u0 < 8; u0 += kThreads / 4) {
             const int u = u0 + PRISM_TID / 4, e = (u < 8 ? u : 0) * 8;
@@ -203,6 +210,24 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
+    // acc_softmax_sum(s)  [1, 1, 1, 1]: the parts of each row added, into its state
+    {
+        const int l = PRISM_TID % 16;  // this thread's place in its rows
+        const int g = PRISM_TID / 16;  // its first row
+        PRISM_UNROLL
+        for (int q = 0; q < 1; ++q) {
+            real part = r_a4[q];
+            part += prism::shfl_xor(part, 8);
+            part += prism::shfl_xor(part, 4);
+            part += prism::shfl_xor(part, 2);
+            part += prism::shfl_xor(part, 1);
+            const int row = g + q * 8;
+            if (l == 0 && row < 1) {
+                s_a4[row] += part;
+            }
+        }
+    }
+    __syncthreads();
     // store M[z, x, y, :, :] = acc_max_last(s)  [1, 1, 1, 1]
     if (const int e = PRISM_TID; e < 1) {
         g_M[blockIdx.z * 1 * 2 + blockIdx.y * 1] = prism::from_f<float>(s_a3_max[0]);
