@@ -119,8 +119,9 @@ def test_the_compiled_loop_sums_squares_from_16_byte_loads_with_no_shuffle_and_o
 def test_online_softmax_sums_its_row_in_registers_rescaled_each_iteration():
     """FlashDecoding's partial kernel at one query: each thread rescales its part of the row sum by the
     iteration's factor and adds its share of exp(s - max), with no shuffle and no barrier after it; the parts
-    are added once after the loop, into the sum the piece stores. Emulated against the reference under
-    ThreadSanitizer (test_codegen's sixteen-stage combine runs the same kernel under each sanitizer)."""
+    are added once after the loop, into the sum the piece stores. The warp that finds a row's new max writes
+    its exp(s - max) too, with no barrier between. Emulated against the reference under ThreadSanitizer
+    (test_codegen's sixteen-stage combine runs the same kernel under each sanitizer)."""
     sanitizer = "thread"
     program = load(ROOT / "programs/fused/attention.decoding.prism").program()
     options = BuildOptions(dims={"b": 1, "h": 2, "kv": 1024, "dh": 64}, grid={"gb": 1, "gh": 2, "S": 4},
@@ -129,6 +130,7 @@ def test_online_softmax_sums_its_row_in_registers_rescaled_each_iteration():
     source = next(k for k in built.kernels if k.name == "partial").source
     body = loop_of(source)
     assert re.search(r"r_a\d+\[q\] \*= s_a\d+_scale\[row\];", body) and "warp_sum" not in body
-    assert body.count("__syncthreads()") == 4  # the loop's top, and after the scores, the max and p
+    assert re.search(r"s_a\d+_p\[j\] = prism::exp_\(s_v\d+\[j\] - part\);", body) and "p = exp(" not in body
+    assert body.count("__syncthreads()") == 3  # the loop's top, after the scores, and after the max and p
     check = emulate(built, options)
     assert check.passed, check

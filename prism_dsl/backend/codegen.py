@@ -359,12 +359,13 @@ class Emitter(TensorCoreSteps, RowParts):
         users = [u for u in self.plan.users[s] if u.op in ACCUMULATORS and ACCUMULATORS[u.op].online]
         done.update(users)
         name = self.names.get(s, "s")
-        steps = [self.rows(shape, lambda idx: self.read(s, idx), "max",
-                           [f"const real grown = prism::max_({m}[row], part);",
-                            f"{scale}[row] = prism::rescale({m}[row], grown);", f"{m}[row] = grown;"],
-                           comment(f"online softmax over {name}: running row max, rescaling factor")),
-                 self.elements(shape, lambda idx: [f"{p}[e] = prism::exp_({self.read(s, idx)} - {m}[{offset(idx[:-1] + ['0'], self.shape(g['m']))}]);"],
-                               comment(f"p = exp({name} - running max)"))]
+        # the row's warp folds the old max in (each lane reads it before the warp's max, a collective, orders
+        # them ahead of lane 0's write), then writes p = exp(s - new max) itself: no barrier between the two
+        step = self.rows(shape, lambda idx: self.read(s, idx), "max", [f"{scale}[row] = prism::rescale(old, part);",
+                         f"{m}[row] = part;"], comment(f"online softmax over {name}: running row max, rescaling factor, p"))
+        at = decompose("row", shape[:-1], "i")[1] + ["j"]
+        steps = [step | {"before": [f"const real old = {m}[row];"], "init": "old",
+                         "each": [f"{p}[{offset(at, shape)}] = prism::exp_({self.read(s, at)} - part);"]}]
         p_at = [lambda idx: self.at(g["p"], idx)]
         for acc in (u for u in users if ACCUMULATORS[u.op].online == "softmax"):  # a row sum: in registers (`row_parts`)
             steps.append(self.row_parts(acc, p_at[0], scale) if ACCUMULATORS[acc.op].row else

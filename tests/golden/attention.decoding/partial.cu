@@ -135,27 +135,24 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             }
         }
         __syncthreads();
-        // online softmax over s: running row max, rescaling factor
+        // online softmax over s: running row max, rescaling factor, p
         {
             const int lane = PRISM_TID % PRISM_WARP;
             if (const int row = PRISM_TID / PRISM_WARP; row < 1) {
-                real part = -real(INFINITY);
+                const real old = s_a3_max[row];
+                real part = old;
                 if (const int j = lane; j < 16) {
                     part = prism::max_(part, s_v2[j]);
                 }
                 part = prism::warp_max(part);
+                if (const int j = lane; j < 16) {
+                    s_a3_p[j] = prism::exp_(s_v2[j] - part);
+                }
                 if (lane == 0) {
-                    const real grown = prism::max_(s_a3_max[row], part);
-                    s_a3_scale[row] = prism::rescale(s_a3_max[row], grown);
-                    s_a3_max[row] = grown;
+                    s_a3_scale[row] = prism::rescale(old, part);
+                    s_a3_max[row] = part;
                 }
             }
-        }
-        __syncthreads();
-        // p = exp(s - running max)
-        if (const int e = PRISM_TID; e < 16) {
-            const int i3 = e;
-            s_a3_p[e] = prism::exp_(s_v2[i3] - s_a3_max[0]);
         }
         __syncthreads();
         // acc_softmax_sum(s)  [1, 1, 1, 1]: this thread's part of 1 row, 16 threads a row, in registers through the loop
