@@ -2,6 +2,11 @@
 kernel on tensor cores cannot avoid, made exactly, against the float64 reference (`compare.check`'s measure).
 
     python benchmarks/roundings.py            # the table in benchmarks/NOTES.md (a few seconds)
+    python benchmarks/roundings.py --program programs/qk_norm_attention.prism --dims b=1,h=16,q=4096,kv=4096,dh=128
+
+With `--program`, any program instead, at its dims: what rounding every product's operands to their storage
+types, and nothing else, costs each output on the compiler's check inputs (seed 0, as `prismc compile` and the
+GPU check take them), and the tolerance the checks then judge it at (`compare.Tolerance`).
 
 The RoPE'd queries and keys go to the tensor cores in the storage type, and so do online softmax's
 probabilities; the output is stored in it. Everything else is float64 here. Inputs are the compiler's own
@@ -22,7 +27,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prism_dsl.backend.compare import check, tolerance  # noqa: E402
+from prism_dsl.backend.compare import Tolerance, check, tolerance  # noqa: E402
+from prism_dsl.cli.values import parse_dims  # noqa: E402
+from prism_dsl.pipeline.build import rtol_of  # noqa: E402
+from prism_dsl.semantics.blocks import evaluate  # noqa: E402
 from prism_dsl.ir.nodes import DType  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
 from prism_dsl.semantics.reference import bind_dims, quantize, random_inputs, rotate_half  # noqa: E402
@@ -54,10 +62,27 @@ def errors(dtype: DType, shape: dict, seeds: int, scratch: Path) -> list[float]:
     return out
 
 
+def program_roundings(path: str, dims: dict) -> None:
+    """Per output of the program in `path`: the roundings' own error and the tolerance it is judged at."""
+    program = load(Path(path)).program()
+    inputs = random_inputs(program, bind_dims(program, dims), 0)
+    exact = evaluate(program, inputs)
+    tol = Tolerance(rtol_of(program), lambda: evaluate(program, inputs, rounded=True))
+    for name in exact:
+        e = tol.rounding(name, exact[name])
+        print(f"{program.name} {name}: rounding its products' operands alone {e:.2e}; judged at "
+              f"{max(tol.base, 2 * e):.2e} (base {tol.base:g})", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=30)
+    ap.add_argument("--program", help="a .prism file: its own roundings instead of the table")
+    ap.add_argument("--dims", type=parse_dims, default={}, help="sizes for --program, e.g. q=4096,kv=4096")
     args = ap.parse_args()
+    if args.program:
+        program_roundings(args.program, args.dims)
+        return 0
     print(f"| causal attention, dims | bf16: median / max (tolerance {tolerance({'bf16'}):.3g}) | "
           f"f16: median / max (tolerance {tolerance({'f16'}):.3g}) |")
     print("|---|---|---|")

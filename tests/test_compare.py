@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from prism_dsl.backend.compare import check, tolerance
+from prism_dsl.backend.compare import Tolerance, check, tolerance
+from prism_dsl.lang.check import load
+from prism_dsl.semantics.blocks import evaluate
+from prism_dsl.semantics.reference import bind_dims, quantize, random_inputs
+from prism_dsl.ir.nodes import DType
+from prism_dsl.cli.main import main
+from test_codegen import ROOT, needs_cxx
 
 
 def test_check_passes_within_tolerance_and_fails_beyond():
@@ -83,3 +91,80 @@ def test_check_takes_torch_tensors_bf16_included():
         assert check(torch.tensor(ref, dtype=dtype), ref, rtol=1e-12)["passed"]  # these values are exact in each
     result = check(torch.tensor([1.0, -2.5, 3.5], dtype=torch.float64), ref)
     assert not result["passed"] and result["first_wrong"] == {"index": [2], "got": 3.5, "expected": 3.25}
+
+
+def _never():
+    raise AssertionError("the rounded reference is made only for an output that misses the base tolerance")
+
+
+def test_an_output_within_the_base_tolerance_never_asks_for_the_rounded_reference():
+    ref = np.linspace(1, 2, 100)
+    result = Tolerance(1e-2, _never).judge("O", ref * 1.005, ref)
+    assert result["passed"] and result["rtol"] == 1e-2 and "rounding" not in result
+
+
+def test_an_output_that_rounding_alone_moves_past_the_tolerance_is_judged_at_twice_the_roundings_error():
+    ref = np.ones(100)  # |ref| + rms(ref) = 2: a relative error is half the change
+    rounded = ref + 0.03 * (np.arange(100) == 3)  # the roundings alone: 1.5e-2, past 1e-2
+    tol = Tolerance(1e-2, lambda: {"O": rounded})
+    result = tol.judge("O", ref + 0.04 * (np.arange(100) == 50), ref)  # 2e-2, on another element
+    assert result["passed"] and result["rounding"] == pytest.approx(0.015) and result["rtol"] == pytest.approx(0.03)
+    wrong = tol.judge("O", ref + 0.2 * (np.arange(100) == 50), ref)  # a bug, not a rounding
+    assert not wrong["passed"] and wrong["rtol"] == pytest.approx(0.03) and "exceeds 0.03" in wrong["reason"]
+
+
+def test_roundings_within_the_base_tolerance_widen_nothing_and_nan_never_passes():
+    ref = np.ones(100)
+    result = Tolerance(1e-2, lambda: {"O": ref * 1.001}).judge("O", ref * 1.05, ref)
+    assert not result["passed"] and result["rtol"] == 1e-2 and result["rounding"] == pytest.approx(5e-4)
+    poison = ref.copy()
+    poison[7] = np.nan
+    assert not Tolerance(1e-2, lambda: {"O": ref * 1.5}).judge("O", poison, ref)["passed"]
+    assert not Tolerance(1e-2).judge("O", ref * 1.05, ref)["passed"]  # no rounded reference: the base alone
+
+
+def test_a_mask_limits_the_roundings_error_to_the_elements_compared():
+    ref = np.ones(100)
+    rounded = ref + 0.1 * (np.arange(100) == 90)  # far off, but outside the mask
+    mask = np.arange(100) < 50
+    result = Tolerance(1e-2, lambda: {"O": rounded}).judge("O", np.where(mask, ref + 0.03, ref), ref, mask)
+    assert not result["passed"] and result["rounding"] == 0.0 and result["rtol"] == 1e-2
+
+
+def test_the_rounded_reference_rounds_every_products_operands_to_their_storage_types_and_nothing_else(tmp_path):
+    """Program as written and custom kernel alike (the block interpreter applies the same rule)."""
+    path = tmp_path / "p.prism"
+    path.write_text("dims n = 8, d = 16\n\nprogram p(X: f16[n, d], W: f16[d, d]) {\n"
+                    "    Y = rms_norm(X) * 3.0 @ W + X\n    return Y\n}\n")
+    program = load(path).program()
+    inputs = random_inputs(program, bind_dims(program, {}), 0)
+    x, w = inputs["X"], inputs["W"]
+    normed = x / np.sqrt(np.mean(x * x, -1, keepdims=True)) * 3.0
+    assert np.allclose(evaluate(program, inputs)["Y"], normed @ w + x, rtol=1e-12)
+    got = evaluate(program, inputs, rounded=True)["Y"]
+    assert np.allclose(got, quantize(normed, DType.F16) @ w + x, rtol=1e-12)  # W and X: stored f16 already
+    assert not np.allclose(got, normed @ w + x, rtol=1e-6)
+    fused = load("programs/fused/rmsnorm_linear.prism").program()
+    inputs = random_inputs(fused, bind_dims(fused, {"n": 8, "d": 64}), 0)
+    exact, rounded = evaluate(fused, inputs)["Y"], evaluate(fused, inputs, rounded=True)["Y"]
+    assert np.array_equal(exact, rounded) or check(rounded, exact)["max_rel_err"] < 1e-3
+
+
+@needs_cxx
+def test_a_kernel_on_tensor_cores_is_held_to_the_roundings_it_cannot_avoid(tmp_path, capsys):
+    """Causal attention with RoPE whose scores are sharpened (x4 where the program divides by sqrt(128)): the
+    RoPE'd queries and keys go to the products in f16, and that alone moves the output past 1e-2. The kernel's
+    error is the roundings' own (it rounds where they do), so it passes at twice theirs; compile and verify
+    both say why the tolerance is wider."""
+    text = (ROOT / "programs/fused/causal_attention.prism").read_text()
+    path = tmp_path / "sharp.prism"
+    path.write_text(text.replace("/ sqrt(128)", "* 4.0"))
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "--search", "none", "-o", str(out), "--arch", "none",
+                 "--dims", "h=2,q=128,kv=128,dh=64"]) == 0
+    assert "twice the" in capsys.readouterr().out
+    o = json.loads((out / "report.json").read_text())["checked"]["emulation"]["outputs"]["O"]
+    assert o["passed"] and o["rounding"] > 1e-2 and o["rtol"] == pytest.approx(2 * o["rounding"])
+    assert o["max_rel_err"] == pytest.approx(o["rounding"], rel=0.1)
+    assert main(["verify", str(out)]) == 0
+    assert "within" in capsys.readouterr().out

@@ -23,8 +23,8 @@ from ..kernels.hardware import load_hardware
 from ..kernels.kernel import kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
-from ..pipeline.build import BuildOptions, build, check_inputs, plan_of, reference_outputs, rtol_of
-from ..pipeline.report import EmulationCheck
+from ..pipeline.build import BuildOptions, build, check_inputs, plan_of, reference_outputs, tolerance_of
+from ..pipeline.report import EmulationCheck, widened
 from ..semantics.reference import check_sizes
 
 def _well_formed(report) -> list[str]:
@@ -94,7 +94,7 @@ def verify(args) -> int:
     check_sizes(program, built.binding)  # the float64 reference must fit in memory
     inputs = check_inputs(built, args.seed)
     check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
-                            rtol=rtol_of(built.reference), checked_against=f"program in {source}",
+                            rtol=tolerance_of(built, inputs), checked_against=f"program in {source}",
                             sanitizer=args.sanitize, extra=args.blocks, header=header)
     print(_summary(check, directory, built, on_disk))
     return 0 if check.passed else 1
@@ -145,7 +145,7 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool) -> st
         against = o.get("against", "reference")
         state = "agrees" if o["passed"] else "DIFFERS"
         line = f"  {tensor} ({o['elements']} elements, kernel {writer.get(tensor, '?')}): {state} with the {against}, " \
-               f"max rel err {o['max_rel_err']:.2e}"
+               f"max rel err {o['max_rel_err']:.2e}" + widened(o, check.rtol)
         if not o["passed"] and o.get("first_wrong"):
             w = o["first_wrong"]
             line += f"; first wrong element {tensor}{w['index']} = {w['got']:.6g}, expected {w['expected']:.6g}"

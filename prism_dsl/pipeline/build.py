@@ -190,17 +190,18 @@ def pricing(built: Build, nvcc: NvccCheck | Skipped | None, archs: tuple[str, ..
 # -- emulate and measure ----------------------------------------------------------------------------------
 
 
-def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray], rounded: bool = False) -> dict[str, np.ndarray]:
     """The float64 oracle: the input program (custom kernels through the block interpreter, with the
     parameters the rendered code uses when it is the program built), its outputs under the built program's
-    names (paired by name, else by position: `prove.prover.pair_outputs`)."""
+    names (paired by name, else by position: `prove.prover.pair_outputs`). `rounded`: with its products'
+    operands rounded to their storage types (`reference.evaluate_nodes`), for `tolerance_of`."""
     hardware = built.hardware.name.lower()
     if built.reference is built.source:
         own = {s.name for s in free_symbols(built.source)}
         # the build's own parameters: it has held its kernels to the shared memory their generated code takes
         return evaluate(built.source, inputs, {k: v for k, v in built.params.items() if k in own}, hardware,
-                        smem=False)
-    values = evaluate(built.reference, inputs, {}, hardware)
+                        smem=False, rounded=rounded)
+    values = evaluate(built.reference, inputs, {}, hardware, rounded=rounded)
     return {mine: values[theirs] for mine, theirs in pair_outputs(built.source, built.reference)}
 
 
@@ -211,6 +212,12 @@ def rtol_of(program: Program) -> float:
                                                                          if n.dtype is not None})
 
 
+def tolerance_of(built: Tuned, inputs: Mapping[str, np.ndarray]) -> compare.Tolerance:
+    """The checks' tolerance for `built` on `inputs`: `rtol_of` its input program, widened for an output that
+    the roundings of its products alone move further (`compare.Tolerance`)."""
+    return compare.Tolerance(rtol_of(built.reference), lambda: reference_outputs(built, inputs, rounded=True))
+
+
 def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
     return random_inputs(built.source, bind_dims(built.source, dims_of(built)), seed)
 
@@ -218,9 +225,9 @@ def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
 def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int) -> dict:
     """A check's common fields: every output of `got` against the reference on `inputs`."""
     ref = reference_outputs(built, inputs)
-    rtol = rtol_of(built.reference)
-    outputs = {name: compare.check(got[name], ref[name], rtol) for name, _ in built.program.outputs}
-    return {"passed": all(o["passed"] for o in outputs.values()), "rtol": rtol, "seed": seed,
+    tolerance = tolerance_of(built, inputs)
+    outputs = {name: tolerance.judge(name, got[name], ref[name]) for name, _ in built.program.outputs}
+    return {"passed": all(o["passed"] for o in outputs.values()), "rtol": tolerance.base, "seed": seed,
             "checked_against": CHECKED_AGAINST, "outputs": outputs}
 
 
@@ -228,7 +235,7 @@ def check_emulated(built: Build, seed: int, sanitizer: str | None = None, extra:
     """The generated code in the thread-faithful emulation, against the input program's reference."""
     inputs = check_inputs(built, seed)
     return emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=seed,
-                           rtol=rtol_of(built.reference), checked_against=CHECKED_AGAINST, sanitizer=sanitizer,
+                           rtol=tolerance_of(built, inputs), checked_against=CHECKED_AGAINST, sanitizer=sanitizer,
                            extra=extra)
 
 

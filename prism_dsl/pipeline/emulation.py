@@ -92,10 +92,13 @@ def stored_values(built, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
 
 
 def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *, seed: int,
-          rtol: float, checked_against: str, sanitizer: str | None = None, extra: str | int = "auto",
+          rtol: float | compare.Tolerance, checked_against: str, sanitizer: str | None = None, extra: str | int = "auto",
           header: str | None = None) -> EmulationCheck:
     """The built kernels (their runtime `plan`: `build.plan_of`) emulated on `inputs`; the program's outputs
-    compared with `reference`."""
+    compared with `reference` at `rtol` (a `compare.Tolerance` may widen it for an output: `build.tolerance_of`),
+    what one kernel passes to another with the block interpreter's values at the base tolerance."""
+    tolerance = rtol if isinstance(rtol, compare.Tolerance) else compare.Tolerance(rtol)
+    rtol = tolerance.base
     dtypes = {n: DTYPES[t["dtype"]] for n, t in plan["tensors"].items()}
     shapes = {n: tuple(t["shape"]) for n, t in plan["tensors"].items()}
     blocks = choose_blocks(built, extra, seed)
@@ -117,9 +120,9 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
     masks = _written(built, blocks)
     compared = {}
     for name in outputs:
-        compared[name] = _compare(result.outputs[name], reference[name], masks.get(name), rtol)
+        compared[name] = _compare(result.outputs[name], reference[name], masks.get(name), tolerance, name)
     for name in [n for n in values if n not in outputs]:  # sampled: what kernels pass on, against the block interpreter
-        compared[name] = _compare(result.outputs[name], values[name], masks.get(name), rtol) | {
+        compared[name] = _compare(result.outputs[name], values[name], masks.get(name), compare.Tolerance(rtol), name) | {
             "against": "block interpreter"}
     return EmulationCheck(all(o["passed"] for o in compared.values()), rtol, seed, checked_against, compared, ran)
 
@@ -141,9 +144,10 @@ def _written(built, blocks: Mapping[str, list]) -> dict[str, np.ndarray]:
     return masks
 
 
-def _compare(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None, rtol: float) -> dict:
-    """`compare.check` over the elements `mask` selects (all when None): the others take the reference's
+def _compare(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None, tolerance: compare.Tolerance,
+             name: str) -> dict:
+    """`tolerance.judge` over the elements `mask` selects (all when None): the others take the reference's
     values, so that they neither pass nor fail anything, and `elements` says how many were compared."""
     ref = np.asarray(ref, dtype=np.float64)
     got = np.asarray(got, dtype=np.float64) if mask is None else np.where(mask, got, ref)
-    return compare.check(got, ref, rtol) | {"elements": int(ref.size if mask is None else mask.sum())}
+    return tolerance.judge(name, got, ref, mask) | {"elements": int(ref.size if mask is None else mask.sum())}

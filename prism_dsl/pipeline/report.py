@@ -36,12 +36,21 @@ class Check:
     rtol: float
     seed: int
     checked_against: str  # "input program": never the program the search chose
-    outputs: Mapping[str, Mapping]  # per output: passed, max_rel_err, max_abs_err, nan, worst_index, reason
+    outputs: Mapping[str, Mapping]  # per output: passed, max_rel_err, max_abs_err, nan, worst_index, reason, rtol
 
     def errors(self) -> str:
-        """Per output its max relative error, and for one that failed, why (`compare.check`'s reason)."""
-        return ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" + (f": {v['reason']}" if v.get("reason") else "")
-                         for o, v in self.outputs.items())
+        """Per output its max relative error, the tolerance where it was widened (`compare.Tolerance`), and for
+        one that failed, why (`compare.check`'s reason)."""
+        return ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" + widened(v, self.rtol)
+                         + (f": {v['reason']}" if v.get("reason") else "") for o, v in self.outputs.items())
+
+
+def widened(output: Mapping, rtol: float) -> str:
+    """For an output judged at a wider tolerance than `rtol`, the words that say so and why; else ""."""
+    if output.get("rtol", rtol) <= rtol:
+        return ""
+    return (f" within {output['rtol']:.2e}, twice the {output['rounding']:.2e} that rounding its products' operands "
+            f"to their storage types alone makes")
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,9 @@ def _slices(full: tuple[int, ...], tile: tuple[int, ...], tmap: TileMap, grid: M
     return tuple(out)
 
 
-def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
-    """Every output of the concrete kernel `c` for the given input arrays."""
+def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False) -> list[np.ndarray]:
+    """Every output of the concrete kernel `c` for the given input arrays (`rounded`: as
+    `reference.evaluate_nodes` takes it, for the products of the kernel's body)."""
     k = c.kernel
     body = k.body()
     accs = [n for n in body if OPS[n.op].kind is Kind.ACCUMULATE]
@@ -60,7 +61,7 @@ def run_kernel(c: Concrete, operands: list[np.ndarray]) -> list[np.ndarray]:
         if n.op == "causal":
             return _causal(c, n, values[n.args[0]], block, i, n in after)
         if n.op != "tile":
-            return apply(n, [values[a] for a in n.args])
+            return apply(n, [values[a] for a in n.args], rounded)
         load = tiles[n.attr]
         src = operands[load.source]
         return src[_slices(src.shape, c.shape(n), load.map, grid, block, i)]
@@ -127,7 +128,8 @@ class KernelRunner:
     given params by symbol name, valid defaults for the rest) and runs it once for all its outputs."""
 
     def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], hardware: str,
-                 prefer: str = "fill", concrete: Mapping[str, Concrete] | None = None, smem: bool = True):
+                 prefer: str = "fill", concrete: Mapping[str, Concrete] | None = None, smem: bool = True,
+                 rounded: bool = False):
         """`concrete`: the kernels already instantiated (as a build tuned them), used as they are. `smem`
         False: given every parameter, the kernels are held to every limit but the shared-memory bound (the
         interpreter keeps tiles in arrays; a build has checked what its generated code takes instead)."""
@@ -139,25 +141,29 @@ class KernelRunner:
             concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in values.items()}}, hw,
                                            generated=(lambda c: 0) if given else None)
         self.concrete = dict(concrete)
+        self.rounded = rounded
         self.results: dict[int, list[np.ndarray]] = {}
 
     def __call__(self, node: Node, operands: list[np.ndarray]) -> np.ndarray:
         kernel, index = node.attr
         if id(kernel) not in self.results:
-            self.results[id(kernel)] = run_kernel(self.concrete[kernel.name], operands)
+            self.results[id(kernel)] = run_kernel(self.concrete[kernel.name], operands, self.rounded)
         return self.results[id(kernel)][index]
 
 
 def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
-             hardware: str = "h100", prefer: str = "fill", smem: bool = True) -> dict[str, np.ndarray]:
+             hardware: str = "h100", prefer: str = "fill", smem: bool = True,
+             rounded: bool = False) -> dict[str, np.ndarray]:
     """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
 
     Kernel-level ops run in the reference semantics (`reference.apply`); custom kernels run in this
     block-level interpreter with the grid sizes and loop ranges in `params` (by symbol name), and valid
-    choices for the ones not given (see `kernels.params.complete`); `smem` as `KernelRunner` takes it."""
+    choices for the ones not given (see `kernels.params.complete`); `smem` as `KernelRunner` takes it;
+    `rounded` as `reference.evaluate_nodes` takes it."""
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
     kernels = None
     if any(n.op == "kernel" for n in program.nodes()):
-        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, hardware, prefer, smem=smem)
-    values = evaluate_nodes([n for _, n in program.outputs], env, kernels)
+        kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, hardware, prefer, smem=smem,
+                               rounded=rounded)
+    values = evaluate_nodes([n for _, n in program.outputs], env, kernels, rounded)
     return {name: values[node] for name, node in program.outputs}

@@ -2,7 +2,8 @@
 
 Every operator's meaning is one entry of `NUMPY`. Inputs of any float dtype are cast to float64 and every
 operation runs in float64; storage dtypes only decide how random inputs are rounded (`quantize`), so that
-inputs saved as f16 and re-read give the same result. Sizes come from a binding of the dim symbols: the
+inputs saved as f16 and re-read give the same result (and, asked for, how a product's operands are rounded:
+`evaluate_nodes`'s `rounded`). Sizes come from a binding of the dim symbols: the
 defaults, `--dims` overrides, and whatever the given input arrays fix. A whole program is evaluated by
 `blocks.evaluate`, which runs custom kernels in the block interpreter and everything else here.
 """
@@ -140,18 +141,25 @@ def concrete_shape(shape, binding: Binding) -> tuple[int, ...]:
     return tuple(int(s.xreplace(binding)) if isinstance(s, sympy.Basic) else int(s) for s in shape)
 
 
-def apply(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    """One node's value from its operands' values, in float64."""
+def apply(node: Node, args: list[np.ndarray], rounded: bool = False) -> np.ndarray:
+    """One node's value from its operands' values, in float64. `rounded`: a product's operands are first
+    rounded to their storage dtypes, as tensor cores take them (`evaluate_nodes`)."""
     if node.op == "const":
         return np.float64(node.attr)
+    if rounded and node.op == "matmul":
+        args = [quantize(np.asarray(a, dtype=np.float64), n.dtype) for a, n in zip(args, node.args)]
     extra = node.attr if OPS[node.op].kind in (Kind.SPLIT, Kind.CONCAT, Kind.TRANSPOSE) else ((node.attr,) if node.attr is not None else ())
     return np.asarray(NUMPY[node.op](*args, *extra), dtype=np.float64)
 
 
-def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=None) -> dict[Node, np.ndarray]:
+def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=None,
+                   rounded: bool = False) -> dict[Node, np.ndarray]:
     """Evaluate `roots` given values for the leaves in `env` (inputs); every node computed once, in float64.
 
-    Outputs of custom kernels are computed by `kernels(node, operand values)` (the block interpreter)."""
+    Outputs of custom kernels are computed by `kernels(node, operand values)` (the block interpreter).
+    `rounded`: the operands of every product are rounded to their storage dtypes first, the roundings no
+    kernel on tensor cores can avoid; everything else stays float64. It is not the oracle: the checks
+    measure against it only how far those roundings alone move an output (`backend.compare.Tolerance`)."""
     values: dict[Node, np.ndarray] = dict(env)
     with np.errstate(all="ignore"):  # inf/nan are results to report, not exceptions
         for root in roots:
@@ -161,7 +169,7 @@ def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=No
                 if node.op == "input":
                     raise KeyError(f"no value for input '{node.attr}'")
                 args = [values[a] for a in node.args]
-                values[node] = kernels(node, args) if node.op == "kernel" else apply(node, args)
+                values[node] = kernels(node, args) if node.op == "kernel" else apply(node, args, rounded)
     return values
 
 
