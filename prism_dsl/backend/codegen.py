@@ -269,31 +269,6 @@ class Emitter(TensorCoreSteps, RowParts):
 
         return self.elements(self.shape(node), body, self.describe(node))
 
-    def rowwise(self, node: Node, dst: str) -> dict:
-        x, shape = node.args[0], self.shape(node)
-        length = shape[-1]
-        lines, idx = decompose("row", shape[:-1], "i")
-        xj = self.read(x, idx + ["j"])
-        out = f"{dst}[row * {length} + j]"
-        eps = f" + {self.read(node.args[1], idx)}" if node.op in ("rms_norm_eps", "layer_norm") else ""
-        if node.op in ("rms_norm", "rms_norm_eps"):
-            body = [f"real ss = {self.lit(0.0)};", f"for (int j = 0; j < {length}; ++j) {{ const real v = {xj}; ss += v * v; }}",
-                    f"const real inv = real(1) / prism::sqrt_(ss / real({length}){eps});",
-                    f"for (int j = 0; j < {length}; ++j) {out} = {xj} * inv;"]
-        elif node.op == "layer_norm":  # the mean first, then the variance around it (no cancellation)
-            body = [f"real mu = {self.lit(0.0)}, ss = {self.lit(0.0)};",
-                    f"for (int j = 0; j < {length}; ++j) mu += {xj};", f"mu /= real({length});",
-                    f"for (int j = 0; j < {length}; ++j) {{ const real v = {xj} - mu; ss += v * v; }}",
-                    f"const real inv = real(1) / prism::sqrt_(ss / real({length}){eps});",
-                    f"for (int j = 0; j < {length}; ++j) {out} = ({xj} - mu) * inv;"]
-        else:  # softmax, the stable form
-            body = [f"real mx = -real(INFINITY), sum = {self.lit(0.0)};",
-                    f"for (int j = 0; j < {length}; ++j) mx = prism::max_(mx, {xj});",
-                    f"for (int j = 0; j < {length}; ++j) sum += prism::exp_({xj} - mx);",
-                    f"for (int j = 0; j < {length}; ++j) {out} = prism::exp_({xj} - mx) / sum;"]
-        return {"kind": "serial_rows", "comment": self.describe(node), "rows": math.prod(shape[:-1]),
-                "idx": lines, "body": body}
-
     def rows(self, x_shape, read_row, reduce: str, finish: list[str], text: str) -> dict:
         """A row reduction: `read_row(idx)` gives the term for element (row..., j)."""
         lines, idx = decompose("row", x_shape[:-1], "i")

@@ -20,6 +20,12 @@ thread holds `parts` = ceil(rows / at_once) of them. Where per >= 8, the 8 lanes
 warp read adjacent groups of one row; below 8 they read the same group of 8 adjacent rows, which the
 padding or swizzle of 16-bit tiles (`fusion.ROW_PAD`, wgmma's 128-byte swizzle) puts in different banks.
 The lanes of a row are then `stride` = 1 or 8 apart, and the shuffles after the loop use those distances.
+
+A row-wise op of a tile (rms_norm, layer_norm, softmax: "row_groups") takes its rows the same way: `per`
+threads a row, each reading its 8-element groups by 16-byte loads, a pass over the row for each statistic
+(the max, the sum of squares...), its lanes' parts added by shuffles, then the pass that writes the row. One
+thread a row, reading its row element by element as it once did, sent all 32 lanes of a warp into the same
+bank on every element (rows 128 elements apart), 32-way conflicts in both its reads and its writes.
 """
 
 from __future__ import annotations
@@ -104,6 +110,48 @@ class RowParts:
 
         return leaves if walk(x) and leaves else None
 
+    def rowwise(self, node: Node, dst: str) -> dict:
+        """A row-wise op of the tile `node` into the f32 buffer `dst`, row by row ("row_groups"): `per` threads a
+        row (as many as the row has 8-element groups, or elements, up to a warp), a pass per statistic, each
+        reduced over the row's lanes by shuffles, then the pass that writes. Every thread runs the same passes
+        and shuffles (a row past the last reads row 0 and writes nothing), so each shuffle sees the whole warp."""
+        x, shape = node.args[0], self.shape(node)
+        rows, length = math.prod(shape[:-1]), shape[-1]
+        leaves = self._vector_leaves(x, length)
+        vec = VECTOR if leaves is not None else 1
+        units = length // vec
+        per = 1
+        while per * 2 <= min(32, units):
+            per *= 2
+        stride, at_once = (1 if per >= 8 else 8), self.threads // per
+        lines, idx = decompose("row", shape[:-1], "i")
+        self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves or [])}
+        try:
+            xj = self.read(x, idx + ["j"])
+        finally:
+            self.held_in = {}
+        eps = f" + {self.read(node.args[1], idx)}" if node.op in ("rms_norm_eps", "layer_norm") else ""
+        inv = f"const real inv = real(1) / prism::sqrt_(ss / real({length}){eps});"
+        if node.op in ("rms_norm", "rms_norm_eps"):
+            passes = [_pass("ss", self.lit(0.0), [f"const real v = {xj};", "ss += v * v;"], "sum", [inv])]
+            write = f"{xj} * inv"
+        elif node.op == "layer_norm":  # the mean first, then the variance around it (no cancellation)
+            passes = [_pass("mu", self.lit(0.0), [f"mu += {xj};"], "sum", [f"mu /= real({length});"]),
+                      _pass("ss", self.lit(0.0), [f"const real v = {xj} - mu;", "ss += v * v;"], "sum", [inv])]
+            write = f"({xj} - mu) * inv"
+        else:  # softmax, the stable form
+            passes = [_pass("mx", "-real(INFINITY)", [f"mx = prism::max_(mx, {xj});"], "max", []),
+                      _pass("sum", self.lit(0.0), [f"sum += prism::exp_({xj} - mx);"], "sum", [])]
+            write = f"prism::exp_({xj} - mx) / sum"
+        vectors = [{"name": f"v{n}", "at": f"{self.cname[self.plan.buffer(leaf).name]} + "
+                                          f"{self.offset(self.plan.buffer(leaf), idx + ['j8'])}"}
+                   for n, leaf in enumerate(leaves or [])]
+        return {"kind": "row_groups", "comment": self.describe(node), "rows": rows, "length": length, "idx": lines,
+                "per": per, "stride": stride, "at_once": at_once, "parts": -(-rows // at_once), "vec": vec,
+                "units": units, "sweeps": -(-units // per), "vectors": vectors, "passes": passes,
+                "offsets": [stride * (per >> k) for k in range(1, per.bit_length())],
+                "write": _pass("", "", [f"{dst}[row * {length} + j] = {write};"], "sum", [])}
+
     @staticmethod
     def row_parts_store(st: dict) -> dict:
         """After the loop: the parts of each row added across the threads that share it, into its state."""
@@ -111,3 +159,12 @@ class RowParts:
         offsets = [stride * (per >> k) for k in range(1, per.bit_length())]
         used = [line for line in st["idx"] if any(re.search(rf"\b{line.split()[2]}\b", f) for f in st["finish"])]
         return st | {"kind": "row_parts_store", "offsets": offsets, "idx": used, "barrier": True}
+
+
+def _pass(var: str, init: str, body: list[str], reduce: str, after: list[str]) -> dict:
+    """One pass of a "row_groups" step over its row: `body` folds each element into `var`, the row's lanes'
+    values of it are combined by `reduce` ("sum" or "max"), then `after` runs on every lane."""
+    fold = f"{var} += prism::shfl_xor({var}, {{}});" if reduce == "sum" else \
+        f"{var} = prism::max_({var}, prism::shfl_xor({var}, {{}}));"
+    return {"var": var, "init": init, "body": body, "fold": fold, "after": after,
+            "column": any(re.search(r"\bj\b", line) for line in body)}
