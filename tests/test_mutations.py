@@ -88,11 +88,13 @@ def drop_block_index(src: str, grid) -> str | None:
 
 def skip_warp_reduction(src: str, grid) -> str | None:
     """A warp's sum; a shuffle that adds the threads' parts of a row sum after the loop (`row_parts`); in
-    online softmax in registers, a shuffle of the row sums over a row's 4 lanes; or, where there is none of
-    those, a warp's max (online softmax's running max only guards exp against overflow, so skipping it
+    online softmax in registers, a shuffle of the row sums over a row's 4 lanes; a shuffle that adds a row's
+    lanes' parts in a row-wise op (`row_parts.rowwise`: rms_norm's sum of squares, softmax's sum); or, where
+    there is none of those, a warp's max (online softmax's running max only guards exp against overflow, so skipping it
     changes nothing the check can see at these sizes, and it is the last resort)."""
     for pattern in (r"^\s*part = prism::warp_sum\(part\);\n", r"^\s*part \+= prism::shfl_xor\(part, \d+\);\n",
-                    r"^\s*sum \+= prism::shfl_xor\(sum, 2\);\n", r"^\s*part = prism::warp_max\(part\);\n"):
+                    r"^\s*sum \+= prism::shfl_xor\(sum, 2\);\n", r"^\s*(ss|sum) \+= prism::shfl_xor\(\1, \d+\);\n",
+                    r"^\s*part = prism::warp_max\(part\);\n"):
         new = re.sub(pattern, "", src, count=1, flags=re.M)
         if new != src:
             return new

@@ -134,3 +134,85 @@ def test_online_softmax_sums_its_row_in_registers_rescaled_each_iteration():
     assert body.count("__syncthreads()") == 3  # the loop's top, after the scores, and after the max and p
     check = emulate(built, options)
     assert check.passed, check
+
+
+ROWWISE = """
+dims n = 96, d = 128
+program rows(X: f16[n, d]) {
+    A = rms_norm(X)
+    B = softmax(X)
+    C = layer_norm(X, 0.00001)
+    D = rms_norm(X, 0.001)
+    return A, B, C, D
+}
+"""
+
+
+@needs_cxx
+@pytest.mark.parametrize("dims, blocks, sanitizer, expect", [
+    # 12 rows a block of 128 threads: 16 lanes a row over its 16 groups of 8, 8 rows at once, so the second
+    # round of rows is half past the last (those lanes read row 0, take part in the shuffles, write nothing)
+    ({"n": 96, "d": 128}, 8, "thread", ["16 threads a row, 8 elements a load", "for (int q = 0; q < 2; ++q)",
+                                        "const bool live = g + q * 8 < 12;", "load8"]),
+    # 3 rows of 200 a block: 25 groups of 8 for 16 lanes, the second sweep cut short
+    ({"n": 6, "d": 200}, 2, "address", ["16 threads a row", "if (j8 >= 200) break;", "g + q * 8 < 3", "load8"]),
+    # 5 rows of 36 a block: no 16-byte groups, element by element, 32 lanes a row, 4 rows at once
+    ({"n": 5, "d": 36}, 1, "address", ["32 threads a row", "if (j8 >= 36) break;", "g + q * 4 < 5"]),
+], ids=["rows-past-the-last", "ragged", "scalar"])
+def test_row_wise_ops_take_a_row_by_a_group_of_threads_and_agree_with_the_reference(write, dims, blocks, sanitizer,
+                                                                                    expect):
+    """rms_norm, softmax, layer_norm and rms_norm with an epsilon, each a kernel of its own: every pass over a row
+    is shared by its lanes, their parts added by shuffles (`row_parts.rowwise`), and the rows stored 16 bytes
+    a thread where they are multiples of 8 elements."""
+    program = load(write(ROWWISE)).program()
+    options = BuildOptions(dims=dims, params={f"gx_{o}": blocks for o in "ABCD"}, archs=(), sanitize=sanitizer,
+                           emulate_blocks="all")
+    built = build(program, H100, options)
+    assert len(built.kernels) == 4, [k.name for k in built.kernels]
+    for kernel in built.kernels:
+        for text in expect:
+            assert text in kernel.source, (kernel.name, text)
+        assert ("load8" in kernel.source) == ("load8" in expect), kernel.name
+        assert ("prism::store16" in kernel.source) == (dims["d"] % 8 == 0), kernel.name
+        assert "prism::shfl_xor(" in kernel.source, kernel.name
+    check = emulate(built, options)
+    assert check.passed, check
+
+
+@needs_cxx
+def test_the_emulation_refuses_a_16_byte_store_that_is_not_16_byte_aligned(write, tmp_path, capsys):
+    """A store16 moved by one element (as a kernel whose rows were not multiples of 8 would make it) is
+    stopped with the line and thread, where the GPU would fault."""
+    from prism_dsl.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["compile", str(write(ROWWISE)), "--search", "none", "-o", str(out), "--arch", "none",
+                 "--dims", "n=8,d=64", "--no-emulate"]) == 0
+    cu = next(out.glob("rms_norm_A*.cu"))
+    text = cu.read_text()
+    assert text.count("prism::store16(g_A + ") == 1
+    cu.write_text(text.replace("prism::store16(g_A + ", "prism::store16(g_A + 1 + "))
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 1
+    said = capsys.readouterr().out
+    assert "a 16-byte global store to" in said and "must be 16-byte aligned" in said and cu.name in said, said
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
+                    reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
+def test_the_compiled_rms_norm_reads_and_writes_16_bytes_at_a_time(write, tmp_path):
+    """The queries' RMSNorm ahead of attention at prefill (rows of 128): its SASS reads the tile by LDS.128,
+    adds a row's lanes by shuffles, and stores by STG.E.128, with no 16-bit shared load or global store."""
+    from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
+    from prism_dsl.backend.nvcc import kernel_arch, nvcc_path, write_sources
+
+    program = load(write("dims b = 1, h = 16, q = 4096, dh = 128\nprogram norm(Q: f16[b, h, q, dh]) {\n"
+                         "    O = rms_norm(Q)\n    return O\n}\n")).program()
+    kernel = build(program, H100, BuildOptions(archs=())).kernels[0]
+    write_sources([kernel], tmp_path)
+    done = subprocess.run([nvcc_path(), "-cubin", f"-arch={kernel_arch(kernel, 'sm_90')}", *NVCC_OPTIONS,
+                           "-o", "k.cubin", kernel.file], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    ops = sass.instructions(sass.disassemble(tmp_path / "k.cubin"))[0]
+    assert "LDS.U16" not in ops and "STG.E.U16" not in ops, sorted(set(ops))
+    assert ops.count("LDS.128") >= 2 and ops.count("SHFL.BFLY") >= 4 and ops.count("STG.E.128") >= 1, sorted(set(ops))

@@ -356,17 +356,27 @@ class Emitter(TensorCoreSteps, RowParts):
         ctype = CTYPE[stored_dtype(self.k, index)]
         atomic = store.add and any(g > 1 and a not in store.map.axes() for a, g in grid.items())
 
+        def where(idx) -> str:
+            return address([([f"{self.blk}{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else [])
+                            + ([i] if i != "0" else []) for t, dm, i in zip(tile, store.map.dims, idx)], out)
+
         def body(idx):
-            where = address([([f"{self.blk}{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else [])
-                             + ([i] if i != "0" else []) for t, dm, i in zip(tile, store.map.dims, idx)], out)
             v = self.read(store.value, idx)
             if atomic:
-                return [f"prism::atomic_add(&{name}[{where}], {v});"]
-            return [f"{name}[{where}] = prism::from_f<{ctype}>({v});"]
+                return [f"prism::atomic_add(&{name}[{where(idx)}], {v});"]
+            return [f"{name}[{where(idx)}] = prism::from_f<{ctype}>({v});"]
 
         op = "+=" if store.add else "="
         text = comment(f"store {store.name}{store.map} {op} {self.describe(store.value)}")
-        return self.elements(tile, body, text)
+        vec = 16 // stored_dtype(self.k, index).bytes  # elements a 16-byte store writes
+        if atomic or not self.config.vector_loads or tile[-1] % vec or out[-1] % vec:
+            return self.elements(tile, body, text)
+        # vec adjacent elements of a row by one 16-byte store: the row's start, the tile's and each group's are
+        # multiples of vec, and the runtime's tensors are 16-byte aligned (`cuda_runtime`, ALIGNMENT)
+        lines, idx = decompose("e", tile, "i")
+        column = idx[:-1] + [f"({idx[-1]} + c)"]
+        return {"kind": "store16", "comment": text, "units": math.prod(tile) // vec, "vec": vec, "idx": lines,
+                "value": self.read(store.value, column), "at": f"{name} + {where(idx)}"}
 
     # the whole kernel
     def render(self) -> RenderedKernel:

@@ -235,10 +235,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         g_L[blockIdx.z * 1 * 2 + blockIdx.y * 1] = prism::from_f<float>(s_a4[0]);
     }
     __syncthreads();
-    // store P[z, x, y, :, :] = acc_softmax_out(s, vt)  [1, 1, 1, 64]
-    if (const int e = PRISM_TID; e < 64) {
+    // store P[z, x, y, :, :] = acc_softmax_out(s, vt)  [1, 1, 1, 64]: 4 elements a thread, one 16-byte store
+    if (const int u = PRISM_TID; u < 16) {
+        const int e = u * 4;
         const int i4 = e;
-        g_P[blockIdx.z * 1 * 128 + blockIdx.y * 1 * 64 + i4] = prism::from_f<float>(s_a6[i4]);
+        real v[4];
+        PRISM_UNROLL
+        for (int c = 0; c < 4; ++c) v[c] = s_a6[(i4 + c)];
+        prism::store16(g_P + blockIdx.z * 1 * 128 + blockIdx.y * 1 * 64 + i4, v);
     }
     // kernel combine in this launch: the last of a tile's 4 blocks to finish its piece combines the tile's
     // pieces, which every other block of the tile has stored by then (its ticket counts them; `prism::last_of`)
@@ -337,10 +341,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         __syncthreads();  // every thread is done with the loop's buffers
         PRISM_PHASE(5);  // after the loop: its buffers are free from here
 
-        // store O[x, y, :, :] = (acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt))  [1, 1, 1, 1, 64]
-        if (const int e = PRISM_TID; e < 64) {
+        // store O[x, y, :, :] = (acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt))  [1, 1, 1, 1, 64]: 8 elements a thread, one 16-byte store
+        if (const int u = PRISM_TID; u < 8) {
+            const int e = u * 8;
             const int i3 = e;
-            g_O[tile_y * 1 * 64 + i3] = prism::from_f<half>((s_a2[i3] / s_a4[0]));
+            real v[8];
+            PRISM_UNROLL
+            for (int c = 0; c < 8; ++c) v[c] = (s_a2[(i3 + c)] / s_a4[0]);
+            prism::store16(g_O + tile_y * 1 * 64 + i3, v);
         }
     }
 }

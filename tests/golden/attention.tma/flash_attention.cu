@@ -201,11 +201,15 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
     #endif
     prism::fence_async_shared();
     __syncthreads();
-    // store O[x, y, z, :] = (o / l)  [1, 1, 128, 64]
-    for (int e0 = 0; e0 < 8192; e0 += kThreads) {
-        const int e = e0 + PRISM_TID;
+    // store O[x, y, z, :] = (o / l)  [1, 1, 128, 64]: 8 elements a thread, one 16-byte store
+    for (int u0 = 0; u0 < 1024; u0 += kThreads) {
+        const int u = u0 + PRISM_TID;
+        const int e = u * 8;
         const int i2 = e / 64;
         const int i3 = e % 64;
-        g_O[blockIdx.y * 1 * 8192 + i2 * 64 + i3] = prism::from_f<half>((s_a4[i2 * 64 + i3] / s_a5[i2]));
+        real v[8];
+        PRISM_UNROLL
+        for (int c = 0; c < 8; ++c) v[c] = (s_a4[i2 * 64 + (i3 + c)] / s_a5[i2]);
+        prism::store16(g_O + blockIdx.y * 1 * 8192 + i2 * 64 + i3, v);
     }
 }

@@ -287,11 +287,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     }
     #endif
     __syncthreads();
-    // store O[:, y, x, :] = (o / l)  [1, 1, 32, 64]
-    for (int e0 = 0; e0 < 2048; e0 += kThreads) {
-        const int e = e0 + PRISM_TID;
+    // store O[:, y, x, :] = (o / l)  [1, 1, 32, 64]: 8 elements a thread, one 16-byte store
+    for (int u0 = 0; u0 < 256; u0 += kThreads) {
+        const int u = u0 + PRISM_TID;
+        const int e = u * 8;
         const int i2 = e / 64;
         const int i3 = e % 64;
-        g_O[blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3] = prism::from_f<half>((s_a14[i2 * 64 + i3] / s_a15[i2]));
+        real v[8];
+        PRISM_UNROLL
+        for (int c = 0; c < 8; ++c) v[c] = (s_a14[i2 * 64 + (i3 + c)] / s_a15[i2]);
+        prism::store16(g_O + blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3, v);
     }
 }

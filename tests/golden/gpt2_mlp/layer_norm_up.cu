@@ -233,11 +233,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     }
     #endif
     __syncthreads();
-    // store H[:, x] = gelu_tanh(((acc - (m * cw)) / sqrt(((q - (m * m)) + 1e-05))))  [8, 64]
-    for (int e0 = 0; e0 < 512; e0 += kThreads) {
-        const int e = e0 + PRISM_TID;
+    // store H[:, x] = gelu_tanh(((acc - (m * cw)) / sqrt(((q - (m * m)) + 1e-05))))  [8, 64]: 8 elements a thread, one 16-byte store
+    if (const int u = PRISM_TID; u < 64) {
+        const int e = u * 8;
         const int i0 = e / 64;
         const int i1 = e % 64;
-        g_H[i0 * 512 + blockIdx.x * 64 + i1] = prism::from_f<half>(prism::gelu_tanh_(((s_a3[i0 * 64 + i1] - ((s_a4[i0] / real(256)) * s_a6[i1])) / prism::sqrt_((((s_a10[i0] / real(256)) - ((s_a4[i0] / real(256)) * (s_a4[i0] / real(256)))) + 1e-05f)))));
+        real v[8];
+        PRISM_UNROLL
+        for (int c = 0; c < 8; ++c) v[c] = prism::gelu_tanh_(((s_a3[i0 * 64 + (i1 + c)] - ((s_a4[i0] / real(256)) * s_a6[(i1 + c)])) / prism::sqrt_((((s_a10[i0] / real(256)) - ((s_a4[i0] / real(256)) * (s_a4[i0] / real(256)))) + 1e-05f))));
+        prism::store16(g_H + i0 * 512 + blockIdx.x * 64 + i1, v);
     }
 }

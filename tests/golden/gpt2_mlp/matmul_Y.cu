@@ -123,11 +123,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
     }
     #endif
     __syncthreads();
-    // store Y[y, x] = acc_sum((h_0 @ w2_1))  [8, 64]
-    for (int e0 = 0; e0 < 512; e0 += kThreads) {
-        const int e = e0 + PRISM_TID;
+    // store Y[y, x] = acc_sum((h_0 @ w2_1))  [8, 64]: 8 elements a thread, one 16-byte store
+    if (const int u = PRISM_TID; u < 64) {
+        const int e = u * 8;
         const int i0 = e / 64;
         const int i1 = e % 64;
-        g_Y[i0 * 256 + blockIdx.x * 64 + i1] = prism::from_f<half>(s_a3[i0 * 64 + i1]);
+        real v[8];
+        PRISM_UNROLL
+        for (int c = 0; c < 8; ++c) v[c] = s_a3[i0 * 64 + (i1 + c)];
+        prism::store16(g_Y + i0 * 256 + blockIdx.x * 64 + i1, v);
     }
 }

@@ -171,11 +171,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
     }
     #endif
     __syncthreads();
-    // store Y[:, x] = (acc / rms)  [8, 32]
-    for (int e0 = 0; e0 < 256; e0 += kThreads) {
-        const int e = e0 + PRISM_TID;
+    // store Y[:, x] = (acc / rms)  [8, 32]: 8 elements a thread, one 16-byte store
+    if (const int u = PRISM_TID; u < 32) {
+        const int e = u * 8;
         const int i0 = e / 32;
         const int i1 = e % 32;
-        g_Y[i0 * 256 + blockIdx.x * 32 + i1] = prism::from_f<half>((s_a3[i0 * 32 + i1] / prism::sqrt_(s_a4[i0] / real(256))));
+        real v[8];
+        PRISM_UNROLL
+        for (int c = 0; c < 8; ++c) v[c] = (s_a3[i0 * 32 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256)));
+        prism::store16(g_Y + i0 * 256 + blockIdx.x * 32 + i1, v);
     }
 }
