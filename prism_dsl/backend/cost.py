@@ -220,6 +220,7 @@ class Estimate:
     priced: str = "structure"  # from what: "structure" (launch.layout), "ptxas" (and its registers), "sass" (and issue)
     registers: int = 0  # per thread, for the blocks per SM: the model's guess, or ptxas's count where priced from it
     launched_by: str | None = None  # the kernel in whose launch it runs (a combining kernel: `tails`); None: its own
+    warps: int = 0  # warps resident on a busy SM (`tuning.tune` prefers more between equal estimates)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -356,7 +357,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     if body < overhead:
         bound = "launch"
     return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(overhead + body, 3),
-                    bound, "sass" if issued else "ptxas" if compiled else "structure", regs)
+                    bound, "sass" if issued else "ptxas" if compiled else "structure", regs, warps=int(warps))
 
 
 def _issue_seconds(c: Concrete, shape: Layout, hardware: Hardware, issued: Mapping, occ: int) -> float:

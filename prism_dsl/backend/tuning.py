@@ -84,7 +84,10 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     the one that keeps more SMs busy (the model's bandwidth is a ceiling it reaches with few SMs as with
     many, which the hardware does not promise), then the one that reads fewer bytes through L2 (larger
     tiles: each operand fragment feeds more products, which a model bound by the tensor-core rate alone
-    does not see). Kernels that share a parameter are tuned together; the rest one at a time. Every
+    does not see), then the one that keeps more warps resident on each busy SM (smaller blocks, more of
+    them at once: a kernel that loads its tiles, computes, then stores overlaps those phases only across
+    the blocks an SM holds, and an SM took in data at a rate that grew with its warps, as measured with
+    `benchmarks/gpu_probe.py`; where the bandwidth's ceiling binds, the model sees neither). Kernels that share a parameter are tuned together; the rest one at a time. Every
     combination of candidate values is tried when there are at most MAX_CANDIDATES of them; beyond that, a
     descent from the best of a few starts (every parameter at its smallest, middle or largest candidate)
     that changes one or two parameters at a time while the estimate improves. Raises ValueError when a
@@ -113,10 +116,10 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
                 concretes[key] = fits(k, {**binding, **{syms[i]: values[i] for i in mine}}, hardware, config)
             return concretes[key]
 
-        def time_of(values: tuple[int, ...]) -> tuple[float, int, int]:
-            """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2): the
-            order parameters are ranked by."""
-            total, busy, l2 = 0.0, 0, 0
+        def time_of(values: tuple[int, ...]) -> tuple[float, int, int, int]:
+            """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2, minus the
+            warps they keep resident on a busy SM): the order parameters are ranked by."""
+            total, busy, l2, warps = 0.0, 0, 0, 0
             for k, mine in own:
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
@@ -126,11 +129,12 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
                             f = by_name[firsts[k.name]]
                             first = concrete(f, values, [i for i in mine if syms[i] in f.symbols()])
                         e = priced(c, first, hardware, config)
-                        memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes)
+                        memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes, e.warps)
                     else:
-                        memo[key] = (math.inf, 0, 0)
+                        memo[key] = (math.inf, 0, 0, 0)
                 total, busy, l2 = total + memo[key][0], busy + memo[key][1], l2 + memo[key][2]
-            return round(total, 3), -busy, l2
+                warps += memo[key][3]
+            return round(total, 3), -busy, l2, -warps
 
         if math.prod(len(c) for c in cands) <= MAX_CANDIDATES:
             best = min(itertools.product(*cands), key=time_of)  # the first of equal ranks: deterministic
