@@ -322,13 +322,17 @@ def test_prismc_compile_prices_the_chosen_program_from_its_compiled_code_and_say
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
-@pytest.mark.parametrize("name, dims, threads", [
-    ("attention.decoding", {"b": 2, "h": 8, "q": 1, "dh": 128, "kv": 32768}, 128),
-    ("attention.decoding", {"b": 2, "h": 8, "q": 1, "dh": 128, "kv": 32768}, 256),
-    ("swiglu", {"n": 8, "d": 4096}, 128),
-    ("attention", {"b": 1, "h": 16, "q": 4096, "kv": 4096, "dh": 128}, 256),
-], ids=["flash-decoding-128", "flash-decoding-256", "swiglu-decode", "attention-prefill"])
-def test_the_models_registers_are_near_what_ptxas_gives(name, dims, threads):
+@pytest.mark.parametrize("name, dims, params, threads", [
+    ("attention.decoding", {"b": 2, "h": 8, "q": 1, "dh": 128, "kv": 32768}, {}, 128),
+    ("attention.decoding", {"b": 2, "h": 8, "q": 1, "dh": 128, "kv": 32768}, {}, 256),
+    ("swiglu", {"n": 8, "d": 4096}, {"F": 4, "gx": 256}, 128),  # 40 copies a thread and iteration
+    pytest.param("swiglu", {"n": 8, "d": 4096}, {"F": 16, "gx": 256}, 128, marks=pytest.mark.xfail(
+        strict=True, reason="10 copies a thread: the model says 100 registers, ptxas 56. It over-counts short "
+                            "copy loops; shared memory (3 blocks per SM) binds before registers there")),
+    ("attention", {"b": 1, "h": 16, "q": 4096, "kv": 4096, "dh": 128}, {}, 256),
+], ids=["flash-decoding-128", "flash-decoding-256", "swiglu-decode", "swiglu-decode-short-copies",
+        "attention-prefill"])
+def test_the_models_registers_are_near_what_ptxas_gives(name, dims, params, threads):
     """The model's guess of registers per thread (`cost.REGISTERS_BASE`, the products' accumulators and
     fragments, `REGISTERS_PER_COPY` per copy of the loop's tiles) against ptxas's count, within 1.6x either
     way: the blocks per SM it decides must not be far off for the candidates the search never compiles."""
@@ -336,7 +340,7 @@ def test_the_models_registers_are_near_what_ptxas_gives(name, dims, threads):
     from prism_dsl.pipeline.build import compile_check
 
     program = load(ROOT / "programs" / "fused" / f"{name}.prism").program()
-    built = build(program, H100, BuildOptions(dims=dims, codegen=CodegenConfig(threads=threads)))
+    built = build(program, H100, BuildOptions(dims=dims, params=params, codegen=CodegenConfig(threads=threads)))
     _, figures = compile_check(built.kernels, ("sm_90",))
     estimates = {e.kernel: e for e in built.estimates}
     for k in built.kernels:  # a launch that also combines its pieces: the first kernel's guess (the more registers)

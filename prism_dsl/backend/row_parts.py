@@ -24,8 +24,9 @@ The lanes of a row are then `stride` = 1 or 8 apart, and the shuffles after the 
 A row-wise op of a tile (rms_norm, layer_norm, softmax: "row_groups") takes its rows the same way: `per`
 threads a row, each reading its 8-element groups by 16-byte loads, a pass over the row for each statistic
 (the max, the sum of squares...), its lanes' parts added by shuffles, then the pass that writes the row. One
-thread a row, reading its row element by element as it once did, sent all 32 lanes of a warp into the same
-bank on every element (rows 128 elements apart), 32-way conflicts in both its reads and its writes.
+thread a row, as it once was, read its row element by element (a padded 16-bit tile of rows of 128: lanes 4
+banks apart, 4-way conflicts) and wrote it to an f32 buffer of rows of 128 words (every lane in one bank,
+32-way conflicts).
 """
 
 from __future__ import annotations
