@@ -216,3 +216,40 @@ def test_the_compiled_rms_norm_reads_and_writes_16_bytes_at_a_time(write, tmp_pa
     ops = sass.instructions(sass.disassemble(tmp_path / "k.cubin"))[0]
     assert "LDS.U16" not in ops and "STG.E.U16" not in ops, sorted(set(ops))
     assert ops.count("LDS.128") >= 2 and ops.count("SHFL.BFLY") >= 4 and ops.count("STG.E.128") >= 1, sorted(set(ops))
+
+
+GAINED = """
+dims n = 8, d = 512, e = 256
+program gained(X: f16[n, d], G: f16[d], W: f16[d, e]) {
+    kernel fused grid(x = gx) loop(F) {
+        xt = load X[:, loop]
+        gt = load G[loop]
+        wt = load W[loop, x]
+        store Y[:, x] = acc_sum(gt * xt @ wt) / sqrt(acc_mean_last(xt * xt) + 1e-05)
+    }
+    return Y
+}
+"""
+
+
+@needs_cxx
+@pytest.mark.parametrize("dims, loop, sanitizer, vector", [
+    ({"n": 8, "d": 512, "e": 256}, {"F": 2}, "thread", True),  # rows of 256: 8 elements a thread
+    ({"n": 3, "d": 96, "e": 64}, {"F": 2}, "address", True),  # 3 rows of 48: 18 groups of 8 for 128 threads
+    ({"n": 3, "d": 36, "e": 64}, {"F": 3}, "address", False),  # rows of 12: no 16-byte groups
+], ids=["wide", "ragged", "scalar"])
+def test_an_element_wise_value_takes_8_elements_a_thread_from_16_byte_loads(write, dims, loop, sanitizer, vector):
+    """A gain applied to x's tile in the loop (llama's QKV projection): both 16-bit tiles read 16 bytes at a time
+    (the gain's [d] tile broadcast over the rows) and the 16-bit result stored 16 bytes at a time, where the
+    rows are multiples of 8; element by element where they are not. The emulation agrees under a sanitizer."""
+    program = load(write(GAINED)).program()
+    options = BuildOptions(dims=dims, grid={"gx": 2}, loop=loop, archs=(), sanitize=sanitizer, emulate_blocks="all")
+    built = build(program, H100, options)
+    body = loop_of(built.kernels[0].source)
+    step = body[body.index("// (gt * xt)"):]
+    step = step[:step.index("__syncthreads()")]
+    assert ("8 elements a thread, 16-byte loads" in step) == vector, step
+    if vector:
+        assert "prism::load8(v0, s_gt + i1);" in step and "prism::store16(s_v" in step, step
+    check = emulate(built, options)
+    assert check.passed, check

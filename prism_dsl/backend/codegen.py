@@ -212,6 +212,8 @@ class Emitter(TensorCoreSteps, RowParts):
         b = self.plan.buffer(node)
         shape, dst, kind = self.shape(node), self.cname[b.name], OPS[node.op].kind
         if kind in (Kind.UNARY, Kind.BINARY, Kind.MASK) or OPS[node.op].per_element:
+            if (vector := self.vector_elements(node, shape, dst, b)) is not None:
+                return vector
             if b.dtype in (DType.F32, DType.F64):
                 return self.elements(shape, lambda idx: [f"{dst}[e] = {self.value(node, idx)};"], self.describe(node))
             # kept in 16 bits, rows padded, for the tensor-core products that read it (`fusion.plan`)

@@ -90,10 +90,11 @@ class RowParts:
                 "rescale": f"{reg}[q] *= {scale}[row];" if scale else "", "finish": finish,
                 "barrier": False}  # it writes no shared memory
 
-    def _vector_leaves(self, x: Node, length: int) -> list[Node] | None:
+    def _vector_leaves(self, x: Node, length: int, own: bool = False) -> list[Node] | None:
         """The 16-bit shared tiles (or values) the term of `x` reads along the row, when every read of the term
         is at the element itself and 8 adjacent ones of each such buffer are one aligned 16-byte group: those
-        the fold reads by `load8`. None: the fold reads element by element."""
+        the fold reads by `load8`. None: the fold reads element by element. `own`: `x` is the element-wise
+        value being computed into its own buffer, so its operands are the term."""
         if length % VECTOR:
             return None
         leaves: list[Node] = []
@@ -109,7 +110,30 @@ class RowParts:
                 leaves.append(n)
             return True
 
-        return leaves if walk(x) and leaves else None
+        whole = (OPS[x.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(a) for a in x.args)) if own else walk(x)
+        return leaves if whole and leaves else None
+
+    def vector_elements(self, node: Node, shape: tuple[int, ...], dst: str, b) -> dict | None:
+        """An element-wise value computed into its buffer `b` (`dst`) 8 adjacent elements of a row a thread
+        ("elements8"), where every 16-bit tile it reads along the row is read at the element itself: each such
+        tile by one 16-byte load (`load8`), and a 16-bit buffer written by one 16-byte store (`store16`), an f32
+        one by 8 adjacent writes. None where that does not hold (the element-at-a-time form then)."""
+        leaves = self._vector_leaves(node, shape[-1], own=True) if self.config.vector_loads else None
+        if leaves is None:
+            return None
+        lines, idx = decompose("e", shape, "i")
+        self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves)}
+        try:
+            value = self.value(node, idx[:-1] + [f"({idx[-1]} + c)"])
+        finally:
+            self.held_in = {}
+        vectors = [{"name": f"v{n}", "at": f"{self.cname[self.plan.buffer(leaf).name]} + "
+                                          f"{self.offset(self.plan.buffer(leaf), idx)}"} for n, leaf in enumerate(leaves)]
+        wide = b.dtype in (DType.F32, DType.F64)
+        store = (f"for (int c = 0; c < {VECTOR}; ++c) {dst}[e + c] = w[c];" if wide
+                 else f"prism::store16({dst} + {self.offset(b, idx, shape)}, w);")
+        return {"kind": "elements8", "comment": self.describe(node), "units": math.prod(shape) // VECTOR,
+                "idx": lines, "vectors": vectors, "value": value, "store": store}
 
     def rowwise(self, node: Node, dst: str) -> dict:
         """A row-wise op of the tile `node` into the f32 buffer `dst`, row by row ("row_groups"): `per` threads a
