@@ -707,7 +707,7 @@ def test_an_element_wise_product_operand_is_kept_in_16_bits_for_tensor_cores(wri
     assert report["checked"]["emulation"]["passed"], report["checked"]
     source = (out / "k.cu").read_text()
     name = f"s_{staged[0].name}"
-    assert f"{name}[i0 * 136 + i1] = prism::from_f<half>(" in source
+    assert f"prism::store16({name} + i0 * 136 + i1, w);" in source  # 8 elements a thread, padded rows
     assert f"prism::ldmatrix<4>(fa[i], {name} + " in source
 
 
