@@ -10,6 +10,7 @@ import pytest
 
 from prism_dsl.backend import sass
 from test_codegen import H100, ROOT, BuildOptions, build, emulate, load, needs_cxx
+from test_kernels import GAIN_BEFORE_PRODUCT
 
 FUSED = ROOT / "programs/fused/rmsnorm_linear.prism"
 SEARCHED = ROOT / "programs/rmsnorm_linear.prism"  # the search's form: acc_mean_last(xt * xt)
@@ -218,18 +219,6 @@ def test_the_compiled_rms_norm_reads_and_writes_16_bytes_at_a_time(write, tmp_pa
     assert ops.count("LDS.128") >= 2 and ops.count("SHFL.BFLY") >= 4 and ops.count("STG.E.128") >= 1, sorted(set(ops))
 
 
-GAINED = """
-dims n = 8, d = 512, e = 256
-program gained(X: f16[n, d], G: f16[d], W: f16[d, e]) {
-    kernel fused grid(x = gx) loop(F) {
-        xt = load X[:, loop]
-        gt = load G[loop]
-        wt = load W[loop, x]
-        store Y[:, x] = acc_sum(gt * xt @ wt) / sqrt(acc_mean_last(xt * xt) + 1e-05)
-    }
-    return Y
-}
-"""
 
 
 @needs_cxx
@@ -242,7 +231,7 @@ def test_an_element_wise_value_takes_8_elements_a_thread_from_16_byte_loads(writ
     """A gain applied to x's tile in the loop (llama's QKV projection): both 16-bit tiles read 16 bytes at a time
     (the gain's [d] tile broadcast over the rows) and the 16-bit result stored 16 bytes at a time, where the
     rows are multiples of 8; element by element where they are not. The emulation agrees under a sanitizer."""
-    program = load(write(GAINED)).program()
+    program = load(write(GAIN_BEFORE_PRODUCT)).program()
     options = BuildOptions(dims=dims, grid={"gx": 2}, loop=loop, archs=(), sanitize=sanitizer, emulate_blocks="all")
     built = build(program, H100, options)
     body = loop_of(built.kernels[0].source)
