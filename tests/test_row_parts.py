@@ -242,3 +242,24 @@ def test_an_element_wise_value_takes_8_elements_a_thread_from_16_byte_loads(writ
         assert "prism::load8(v0, s_gt + i1);" in step and "prism::store16(s_v" in step, step
     check = emulate(built, options)
     assert check.passed, check
+
+
+@needs_cxx
+@pytest.mark.parametrize("dh, sanitizer, vector", [(48, "address", True), (128, "thread", True), (40, "address", False)],
+                         ids=["dh48", "dh128", "half-row-of-20"])
+def test_rope_reads_its_partner_half_as_a_16_byte_group(dh, sanitizer, vector):
+    """Causal attention's RoPE of the query and key tiles, 8 elements a thread: x, the two tables and x's
+    partner group half a row away (a whole 16-byte group where the half row is a multiple of 8), each by one
+    16-byte load (at dh = 48 too: half rows of 24 are 3 groups); at dh = 40 (half rows of 20, so a group would
+    straddle the halves) element by element. The emulation agrees under a sanitizer."""
+    program = load(ROOT / "programs/fused/causal_attention.prism").program()
+    options = BuildOptions(dims={"b": 1, "h": 1, "q": 64, "kv": 64, "dh": dh}, archs=(), sanitize=sanitizer,
+                           emulate_blocks="all")
+    built = build(program, H100, options)
+    source = built.kernels[0].source
+    half = dh // 2
+    partner = f"prism::load8(p0, s_kt + i2 * {dh + 8} + (i3 < {half} ? i3 + {half} : i3 - {half}));"
+    assert (partner in loop_of(source)) == vector, source
+    assert ("((i3 + c) < %d ? -p0[c] : p0[c])" % half in source) == vector
+    check = emulate(built, options)
+    assert check.passed, check

@@ -113,6 +113,7 @@ class Emitter(TensorCoreSteps, RowParts):
         self.registers, self.threads, self.pad = self.layout.registers, self.layout.threads, self.layout.pads
         self.cname = {b.name: f"s_{ident(b.name)}" for b in self.plan.buffers}
         self.held_in: dict[Node, str] = {}  # values a step holds in registers at the element it reads (`row_parts`)
+        self.held_partner: dict[Node, str] = {}  # and at RoPE's partner element, half a row away (`row_parts.vectored`)
         # the block's place in the grid: blockIdx, or the block a causal kernel's launch order takes
         self.blk = blk or ("blk_" if longest_first(self.k, dict(c.grid), config.sms) else "blockIdx.")
 
@@ -159,7 +160,8 @@ class Emitter(TensorCoreSteps, RowParts):
         if node.op == "rope":  # x * c + rotate_half(x) * s, one element: its partner half a row away
             (x, c, s), j = node.args, idx[-1]
             half = self.shape(x)[-1] // 2
-            low, high = self.read(x, idx[:-1] + [f"({j} + {half})"]), self.read(x, idx[:-1] + [f"({j} - {half})"])
+            low, high = (self.held_partner[x],) * 2 if x in self.held_partner else \
+                (self.read(x, idx[:-1] + [f"({j} + {half})"]), self.read(x, idx[:-1] + [f"({j} - {half})"]))
             return f"({self.read(x, idx)} * {self.read(c, idx)} + ({j} < {half} ? -{low} : {high}) * {self.read(s, idx)})"
         if node.op == "causal":
             (row, rows), (col, cols) = self.place(node, -2), self.place(node, -1)
@@ -375,10 +377,11 @@ class Emitter(TensorCoreSteps, RowParts):
             return self.elements(tile, body, text)
         # vec adjacent elements of a row by one 16-byte store: the row's start, the tile's and each group's are
         # multiples of vec, and the runtime's tensors are 16-byte aligned (`cuda_runtime`, ALIGNMENT)
+        found = self.vectored(store.value, tile, own=False) if vec == 8 else None
         lines, idx = decompose("e", tile, "i")
-        column = idx[:-1] + [f"({idx[-1]} + c)"]
+        vectors, value = found[2:] if found else ([], self.read(store.value, idx[:-1] + [f"({idx[-1]} + c)"]))
         return {"kind": "store16", "comment": text, "units": math.prod(tile) // vec, "vec": vec, "idx": lines,
-                "value": self.read(store.value, column), "at": f"{name} + {where(idx)}"}
+                "vectors": vectors, "value": value, "at": f"{name} + {where(idx)}"}
 
     # the whole kernel
     def render(self) -> RenderedKernel:

@@ -90,19 +90,32 @@ class RowParts:
                 "rescale": f"{reg}[q] *= {scale}[row];" if scale else "", "finish": finish,
                 "barrier": False}  # it writes no shared memory
 
-    def _vector_leaves(self, x: Node, length: int, own: bool = False) -> list[Node] | None:
+    def _vector_leaves(self, x: Node, length: int, own: bool = False,
+                       partners: list[Node] | None = None) -> list[Node] | None:
         """The 16-bit shared tiles (or values) the term of `x` reads along the row, when every read of the term
         is at the element itself and 8 adjacent ones of each such buffer are one aligned 16-byte group: those
         the fold reads by `load8`. None: the fold reads element by element. `own`: `x` is the element-wise
-        value being computed into its own buffer, so its operands are the term."""
+        value being computed into its own buffer, so its operands are the term. `partners`, where given,
+        takes RoPE's rotated operand too (its partner half a row away is a whole 16-byte group as well, where
+        the half row is a multiple of 8): the tiles whose partner groups are read (`held_partner`)."""
         if length % VECTOR:
             return None
         leaves: list[Node] = []
 
+        def rope(n: Node) -> bool:
+            x = n.args[0]
+            if partners is None or length // 2 % VECTOR or self.plan.place[x] is not Place.SMEM:
+                return False
+            if self.plan.buffer(x).dtype not in (DType.F16, DType.BF16) or self.shape(x)[-1] != length:
+                return False
+            partners.append(x)
+            return all(walk(m) for m in n.args)
+
         def walk(n: Node) -> bool:
             place = self.plan.place[n]
             if place is Place.INLINE:
-                return n.op == "const" or (OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(m) for m in n.args))
+                return n.op == "const" or (OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(m) for m in n.args)
+                                           or n.op == "rope" and rope(n))
             if place is not Place.SMEM:
                 return False
             b = self.plan.buffer(n)
@@ -110,25 +123,41 @@ class RowParts:
                 leaves.append(n)
             return True
 
-        whole = (OPS[x.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(a) for a in x.args)) if own else walk(x)
-        return leaves if whole and leaves else None
+        top = OPS[x.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(a) for a in x.args) or x.op == "rope" and rope(x)
+        return leaves if (top if own else walk(x)) and leaves else None
 
-    def vector_elements(self, node: Node, shape: tuple[int, ...], dst: str, b) -> dict | None:
-        """An element-wise value computed into its buffer `b` (`dst`) 8 adjacent elements of a row a thread
-        ("elements8"), where every 16-bit tile it reads along the row is read at the element itself: each such
-        tile by one 16-byte load (`load8`), and a 16-bit buffer written by one 16-byte store (`store16`), an f32
-        one by 8 adjacent writes. None where that does not hold (the element-at-a-time form then)."""
-        leaves = self._vector_leaves(node, shape[-1], own=True) if self.config.vector_loads else None
+    def vectored(self, node: Node, shape: tuple[int, ...], own: bool) -> tuple[list[str], list[str], list[dict], str] | None:
+        """`node`'s value at 8 adjacent elements of a row (`c` the element within them), where every 16-bit tile
+        it reads along the row is read at the element itself (RoPE's partner group too): (the lines that place
+        the first element `e`, its indices, the 16-byte loads, the value). None where that does not hold."""
+        partners: list[Node] = []
+        leaves = self._vector_leaves(node, shape[-1], own, partners) if self.config.vector_loads else None
         if leaves is None:
             return None
         lines, idx = decompose("e", shape, "i")
-        self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves)}
-        try:
-            value = self.value(node, idx[:-1] + [f"({idx[-1]} + c)"])
-        finally:
-            self.held_in = {}
+        half, last = shape[-1] // 2, idx[-1]
         vectors = [{"name": f"v{n}", "at": f"{self.cname[self.plan.buffer(leaf).name]} + "
                                           f"{self.offset(self.plan.buffer(leaf), idx)}"} for n, leaf in enumerate(leaves)]
+        other = idx[:-1] + [f"({last} < {half} ? {last} + {half} : {last} - {half})"]  # the partner group's first
+        vectors += [{"name": f"p{n}", "at": f"{self.cname[self.plan.buffer(x).name]} + {self.offset(self.plan.buffer(x), other)}"}
+                    for n, x in enumerate(dict.fromkeys(partners))]
+        self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves)}
+        self.held_partner = {x: f"p{n}[c]" for n, x in enumerate(dict.fromkeys(partners))}
+        try:
+            value = self.read(node, idx[:-1] + [f"({last} + c)"]) if not own else \
+                self.value(node, idx[:-1] + [f"({last} + c)"])
+        finally:
+            self.held_in, self.held_partner = {}, {}
+        return lines, idx, vectors, value
+
+    def vector_elements(self, node: Node, shape: tuple[int, ...], dst: str, b) -> dict | None:
+        """An element-wise value computed into its buffer `b` (`dst`) 8 adjacent elements of a row a thread
+        ("elements8", `vectored`): a 16-bit buffer written by one 16-byte store (`store16`), an f32 one by 8
+        adjacent writes. None where `vectored` is (the element-at-a-time form then)."""
+        found = self.vectored(node, shape, own=True)
+        if found is None:
+            return None
+        lines, idx, vectors, value = found
         wide = b.dtype in (DType.F32, DType.F64)
         store = (f"for (int c = 0; c < {VECTOR}; ++c) {dst}[e + c] = w[c];" if wide
                  else f"prism::store16({dst} + {self.offset(b, idx, shape)}, w);")

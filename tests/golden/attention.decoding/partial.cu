@@ -239,10 +239,10 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     if (const int u = PRISM_TID; u < 16) {
         const int e = u * 4;
         const int i4 = e;
-        real v[4];
+        real w[4];
         PRISM_UNROLL
-        for (int c = 0; c < 4; ++c) v[c] = s_a6[(i4 + c)];
-        prism::store16(g_P + blockIdx.z * 1 * 128 + blockIdx.y * 1 * 64 + i4, v);
+        for (int c = 0; c < 4; ++c) w[c] = s_a6[(i4 + c)];
+        prism::store16(g_P + blockIdx.z * 1 * 128 + blockIdx.y * 1 * 64 + i4, w);
     }
     // kernel combine in this launch: the last of a tile's 4 blocks to finish its piece combines the tile's
     // pieces, which every other block of the tile has stored by then (its ticket counts them; `prism::last_of`)
@@ -345,10 +345,10 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         if (const int u = PRISM_TID; u < 8) {
             const int e = u * 8;
             const int i3 = e;
-            real v[8];
+            real w[8];
             PRISM_UNROLL
-            for (int c = 0; c < 8; ++c) v[c] = (s_a2[(i3 + c)] / s_a4[0]);
-            prism::store16(g_O + tile_y * 1 * 64 + i3, v);
+            for (int c = 0; c < 8; ++c) w[c] = (s_a2[(i3 + c)] / s_a4[0]);
+            prism::store16(g_O + tile_y * 1 * 64 + i3, w);
         }
     }
 }

@@ -196,9 +196,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
         const int e = u * 8;
         const int i2 = e / 64;
         const int i3 = e % 64;
-        real v[8];
+        real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) v[c] = (s_a4[i2 * 64 + (i3 + c)] / s_a5[i2]);
-        prism::store16(g_O + blockIdx.y * 1 * 2048 + i2 * 64 + i3, v);
+        for (int c = 0; c < 8; ++c) w[c] = (s_a4[i2 * 64 + (i3 + c)] / s_a5[i2]);
+        prism::store16(g_O + blockIdx.y * 1 * 2048 + i2 * 64 + i3, w);
     }
 }

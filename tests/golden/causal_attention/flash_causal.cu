@@ -70,12 +70,24 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     prism::cp_async_wait_all();
     __syncthreads();
 
-    // (rope(qt, cqt, sqt) / 11.313708498984761)  [1, 1, 32, 64]
-    for (int e0 = 0; e0 < 2048; e0 += kThreads) {
-        const int e = e0 + PRISM_TID;
+    // (rope(qt, cqt, sqt) / 11.313708498984761)  [1, 1, 32, 64]: 8 elements a thread, 16-byte loads
+    for (int u0 = 0; u0 < 256; u0 += kThreads) {
+        const int u = u0 + PRISM_TID;
+        const int e = u * 8;
         const int i2 = e / 64;
         const int i3 = e % 64;
-        s_v5[i2 * 72 + i3] = prism::from_f<half>(((prism::to_f(s_qt[i2 * 72 + i3]) * prism::to_f(s_cqt[i2 * 72 + i3]) + (i3 < 32 ? -prism::to_f(s_qt[i2 * 72 + (i3 + 32)]) : prism::to_f(s_qt[i2 * 72 + (i3 - 32)])) * prism::to_f(s_sqt[i2 * 72 + i3])) / 11.313708498984761f));
+        float v0[8];
+        prism::load8(v0, s_qt + i2 * 72 + i3);
+        float v1[8];
+        prism::load8(v1, s_cqt + i2 * 72 + i3);
+        float v2[8];
+        prism::load8(v2, s_sqt + i2 * 72 + i3);
+        float p0[8];
+        prism::load8(p0, s_qt + i2 * 72 + (i3 < 32 ? i3 + 32 : i3 - 32));
+        real w[8];
+        PRISM_UNROLL
+        for (int c = 0; c < 8; ++c) w[c] = ((v0[c] * v1[c] + ((i3 + c) < 32 ? -p0[c] : p0[c]) * v2[c]) / 11.313708498984761f);
+        prism::store16(s_v5 + i2 * 72 + i3, w);
     }
     __syncthreads();
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
@@ -162,12 +174,24 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         half* const s_ckt = s_ckt_stages + it % 3 * 2304;
         half* const s_skt = s_skt_stages + it % 3 * 2304;
         half* const s_vt = s_vt_stages + it % 3 * 2304;
-        // rope(kt, ckt, skt)  [1, 1, 32, 64]
-        for (int e0 = 0; e0 < 2048; e0 += kThreads) {
-            const int e = e0 + PRISM_TID;
+        // rope(kt, ckt, skt)  [1, 1, 32, 64]: 8 elements a thread, 16-byte loads
+        for (int u0 = 0; u0 < 256; u0 += kThreads) {
+            const int u = u0 + PRISM_TID;
+            const int e = u * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
-            s_v9[i2 * 72 + i3] = prism::from_f<half>((prism::to_f(s_kt[i2 * 72 + i3]) * prism::to_f(s_ckt[i2 * 72 + i3]) + (i3 < 32 ? -prism::to_f(s_kt[i2 * 72 + (i3 + 32)]) : prism::to_f(s_kt[i2 * 72 + (i3 - 32)])) * prism::to_f(s_skt[i2 * 72 + i3])));
+            float v0[8];
+            prism::load8(v0, s_kt + i2 * 72 + i3);
+            float v1[8];
+            prism::load8(v1, s_ckt + i2 * 72 + i3);
+            float v2[8];
+            prism::load8(v2, s_skt + i2 * 72 + i3);
+            float p0[8];
+            prism::load8(p0, s_kt + i2 * 72 + (i3 < 32 ? i3 + 32 : i3 - 32));
+            real w[8];
+            PRISM_UNROLL
+            for (int c = 0; c < 8; ++c) w[c] = (v0[c] * v1[c] + ((i3 + c) < 32 ? -p0[c] : p0[c]) * v2[c]);
+            prism::store16(s_v9 + i2 * 72 + i3, w);
         }
         __syncthreads();
         #if PRISM_TENSOR_CORES
@@ -293,9 +317,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         const int e = u * 8;
         const int i2 = e / 64;
         const int i3 = e % 64;
-        real v[8];
+        real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) v[c] = (s_a14[i2 * 64 + (i3 + c)] / s_a15[i2]);
-        prism::store16(g_O + blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3, v);
+        for (int c = 0; c < 8; ++c) w[c] = (s_a14[i2 * 64 + (i3 + c)] / s_a15[i2]);
+        prism::store16(g_O + blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3, w);
     }
 }

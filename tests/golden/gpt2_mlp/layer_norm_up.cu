@@ -238,9 +238,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         const int e = u * 8;
         const int i0 = e / 64;
         const int i1 = e % 64;
-        real v[8];
+        real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) v[c] = prism::gelu_tanh_(((s_a3[i0 * 64 + (i1 + c)] - ((s_a4[i0] / real(256)) * s_a6[(i1 + c)])) / prism::sqrt_((((s_a10[i0] / real(256)) - ((s_a4[i0] / real(256)) * (s_a4[i0] / real(256)))) + 1e-05f))));
-        prism::store16(g_H + i0 * 512 + blockIdx.x * 64 + i1, v);
+        for (int c = 0; c < 8; ++c) w[c] = prism::gelu_tanh_(((s_a3[i0 * 64 + (i1 + c)] - ((s_a4[i0] / real(256)) * s_a6[(i1 + c)])) / prism::sqrt_((((s_a10[i0] / real(256)) - ((s_a4[i0] / real(256)) * (s_a4[i0] / real(256)))) + 1e-05f))));
+        prism::store16(g_H + i0 * 512 + blockIdx.x * 64 + i1, w);
     }
 }

@@ -128,9 +128,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
         const int e = u * 8;
         const int i0 = e / 64;
         const int i1 = e % 64;
-        real v[8];
+        real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) v[c] = s_a3[i0 * 64 + (i1 + c)];
-        prism::store16(g_Y + i0 * 256 + blockIdx.x * 64 + i1, v);
+        for (int c = 0; c < 8; ++c) w[c] = s_a3[i0 * 64 + (i1 + c)];
+        prism::store16(g_Y + i0 * 256 + blockIdx.x * 64 + i1, w);
     }
 }

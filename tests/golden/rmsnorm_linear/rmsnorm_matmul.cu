@@ -176,9 +176,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
         const int e = u * 8;
         const int i0 = e / 32;
         const int i1 = e % 32;
-        real v[8];
+        real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) v[c] = (s_a3[i0 * 32 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256)));
-        prism::store16(g_Y + i0 * 256 + blockIdx.x * 32 + i1, v);
+        for (int c = 0; c < 8; ++c) w[c] = (s_a3[i0 * 32 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256)));
+        prism::store16(g_Y + i0 * 256 + blockIdx.x * 32 + i1, w);
     }
 }

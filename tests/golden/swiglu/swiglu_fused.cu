@@ -191,9 +191,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
         const int e = u * 8;
         const int i0 = e / 32;
         const int i1 = e % 32;
-        real v[8];
+        real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) v[c] = (prism::silu_(s_a3[i0 * 32 + (i1 + c)]) * s_a7[i0 * 32 + (i1 + c)]);
-        prism::store16(g_Y + i0 * 256 + blockIdx.x * 32 + i1, v);
+        for (int c = 0; c < 8; ++c) w[c] = (prism::silu_(s_a3[i0 * 32 + (i1 + c)]) * s_a7[i0 * 32 + (i1 + c)]);
+        prism::store16(g_Y + i0 * 256 + blockIdx.x * 32 + i1, w);
     }
 }
