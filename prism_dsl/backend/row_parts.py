@@ -123,10 +123,15 @@ class RowParts:
                 leaves.append(n)
             return True
 
-        top = OPS[x.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(a) for a in x.args) or x.op == "rope" and rope(x)
-        return leaves if (top if own else walk(x)) and leaves else None
+        if own:  # the operands of the value computed
+            whole = (OPS[x.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(a) for a in x.args)
+                     or x.op == "rope" and rope(x))
+        else:
+            whole = walk(x)
+        return leaves if whole and leaves else None
 
-    def vectored(self, node: Node, shape: tuple[int, ...], own: bool) -> tuple[list[str], list[str], list[dict], str] | None:
+    def vectored(self, node: Node, shape: tuple[int, ...],
+                 own: bool) -> tuple[list[str], list[str], list[dict], str] | None:
         """`node`'s value at 8 adjacent elements of a row (`c` the element within them), where every 16-bit tile
         it reads along the row is read at the element itself (RoPE's partner group too): (the lines that place
         the first element `e`, its indices, the 16-byte loads, the value). None where that does not hold."""
@@ -136,13 +141,15 @@ class RowParts:
             return None
         lines, idx = decompose("e", shape, "i")
         half, last = shape[-1] // 2, idx[-1]
-        vectors = [{"name": f"v{n}", "at": f"{self.cname[self.plan.buffer(leaf).name]} + "
-                                          f"{self.offset(self.plan.buffer(leaf), idx)}"} for n, leaf in enumerate(leaves)]
         other = idx[:-1] + [f"({last} < {half} ? {last} + {half} : {last} - {half})"]  # the partner group's first
-        vectors += [{"name": f"p{n}", "at": f"{self.cname[self.plan.buffer(x).name]} + {self.offset(self.plan.buffer(x), other)}"}
-                    for n, x in enumerate(dict.fromkeys(partners))]
+        partners = list(dict.fromkeys(partners))
+
+        def at(n: Node, where: list[str]) -> str:
+            return f"{self.cname[self.plan.buffer(n).name]} + {self.offset(self.plan.buffer(n), where)}"
+        vectors = [{"name": f"v{n}", "at": at(leaf, idx)} for n, leaf in enumerate(leaves)]
+        vectors += [{"name": f"p{n}", "at": at(x, other)} for n, x in enumerate(partners)]
         self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves)}
-        self.held_partner = {x: f"p{n}[c]" for n, x in enumerate(dict.fromkeys(partners))}
+        self.held_partner = {x: f"p{n}[c]" for n, x in enumerate(partners)}
         try:
             value = self.read(node, idx[:-1] + [f"({last} + c)"]) if not own else \
                 self.value(node, idx[:-1] + [f"({last} + c)"])
