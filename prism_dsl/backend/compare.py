@@ -77,7 +77,8 @@ class Tolerance:
     A kernel on tensor cores rounds every operand of a product to its storage type, computed ones included (a
     normalised query, RoPE'd keys, softmax's probabilities). How far that moves an output depends on the
     program: with unit-RMS queries and no 1/sqrt(dh) scale, rounding the queries to f16 moves attention over
-    4096 keys by 1.1e-2 (`compare.check`'s measure), past `base`, whatever the kernel. `rounded()` gives the
+    4096 keys by 1.6e-2 (`check`'s measure, 16 heads of 4096 queries: `benchmarks/roundings.py --program`),
+    past `base`, whatever the kernel. `rounded()` gives the
     float64 reference with exactly those roundings and nothing else (`reference.evaluate_nodes`' `rounded`),
     and `rounding` its error, e. An output that misses `base` is judged again at max(base, 2e): the kernel's
     own roundings are of the same size but fall on values the search may have rearranged (an operand scaled
