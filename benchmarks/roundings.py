@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prism_dsl.backend.compare import Tolerance, check, tolerance  # noqa: E402
+from prism_dsl.base.errors import PrismError  # noqa: E402
 from prism_dsl.cli.values import parse_dims  # noqa: E402
 from prism_dsl.pipeline.build import rtol_of  # noqa: E402
 from prism_dsl.semantics.blocks import evaluate  # noqa: E402
@@ -81,7 +82,11 @@ def main() -> int:
     ap.add_argument("--dims", type=parse_dims, default={}, help="sizes for --program, e.g. q=4096,kv=4096")
     args = ap.parse_args()
     if args.program:
-        program_roundings(args.program, args.dims)
+        try:
+            program_roundings(args.program, args.dims)
+        except PrismError as err:  # a missing or malformed file, a dim the program lacks: said, not a traceback
+            print(f"roundings.py: {err}", file=sys.stderr)
+            return 2
         return 0
     print(f"| causal attention, dims | bf16: median / max (tolerance {tolerance({'bf16'}):.3g}) | "
           f"f16: median / max (tolerance {tolerance({'f16'}):.3g}) |")

@@ -493,14 +493,14 @@ template <class T> __device__ __forceinline__ void load8(float (&out)[8], const 
 #endif
 }
 
-// N adjacent elements of global memory written from N values, one 16-byte store (STG.128): `p` must be 16-byte
-// aligned, as the GPU requires of a vector store (the emulation says where it is not).
+// N adjacent elements written from N values by one 16-byte store (STG.128 to global memory, STS.128 to shared):
+// `p` must be 16-byte aligned, as the GPU requires of a vector store (the emulation says where it is not).
 template <class T, class R, int N> __device__ __forceinline__ void store16(T* p, const R (&v)[N] PRISM_AT) {
     static_assert(N * sizeof(T) == 16, "store16 writes 16 bytes");
 #if defined(PRISM_CPU)
     if (reinterpret_cast<uintptr_t>(p) % 16)
-        emu::fail({{at_file, at_line, "store16"}}, "a 16-byte global store to %p in %s: the address must be 16-byte "
-                  "aligned", static_cast<const void*>(p), emu::who(emu::self()).c_str());
+        emu::fail({{at_file, at_line, "store16"}}, "a 16-byte store to %p in %s: the address must be 16-byte aligned",
+                  static_cast<const void*>(p), emu::who(emu::self()).c_str());
     for (int i = 0; i < N; ++i) p[i] = from_f<T>(v[i]);
 #else
     alignas(16) T e[N];

@@ -561,3 +561,6 @@ def test_roundings_says_what_rounding_a_programs_products_operands_alone_costs()
     e = float(re.search(r"qk_norm_attention O: rounding its products' operands alone (\S+);", done.stdout).group(1))
     assert 1e-5 < e < 1e-2 and f"judged at {max(1e-2, 2 * e):.2e} (base 0.01)" in done.stdout
     assert roundings.SHAPES  # the table's shapes are still there
+    missing = subprocess.run([sys.executable, str(BENCHMARKS / "roundings.py"), "--program", "no/such.prism"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr

@@ -196,7 +196,7 @@ def test_the_emulation_refuses_a_16_byte_store_that_is_not_16_byte_aligned(write
     capsys.readouterr()
     assert main(["verify", str(out)]) == 1
     said = capsys.readouterr().out
-    assert "a 16-byte global store to" in said and "must be 16-byte aligned" in said and cu.name in said, said
+    assert "a 16-byte store to" in said and "must be 16-byte aligned" in said and cu.name in said, said
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
