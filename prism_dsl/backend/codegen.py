@@ -380,8 +380,9 @@ class Emitter(TensorCoreSteps, RowParts):
         found = self.vectored(store.value, tile, own=False) if vec == 8 else None
         lines, idx = decompose("e", tile, "i")
         vectors, value = found[2:] if found else ([], self.read(store.value, idx[:-1] + [f"({idx[-1]} + c)"]))
-        return {"kind": "store16", "comment": text, "units": math.prod(tile) // vec, "vec": vec, "idx": lines,
-                "vectors": vectors, "value": value, "at": f"{name} + {where(idx)}"}
+        return {"kind": "vector_elements", "comment": f"{text}: {vec} elements a thread, one 16-byte store",
+                "units": math.prod(tile) // vec, "vec": vec, "idx": lines, "vectors": vectors, "value": value,
+                "store": f"prism::store16({name} + {where(idx)}, w);"}
 
     # the whole kernel
     def render(self) -> RenderedKernel:

@@ -70,10 +70,7 @@ class RowParts:
         stride = 1 if per >= 8 else 8
         at_once = self.threads // per
         lines, idx = decompose("row", shape[:-1], "i")
-        vectors = []
-        for n, leaf in enumerate(leaves or []):
-            b = self.plan.buffer(leaf)
-            vectors.append({"name": f"v{n}", "at": f"{self.cname[b.name]} + {self.offset(b, idx + ['j8'])}"})
+        vectors = self._loads(leaves or [], idx + ["j8"])
         self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves or [])}
         try:
             term = read(idx + ["j"]) if read else a.cuda_term.format(*[self.read(arg, idx + ["j"]) for arg in acc.args])
@@ -130,6 +127,11 @@ class RowParts:
             whole = walk(x)
         return leaves if whole and leaves else None
 
+    def _loads(self, tiles: list[Node], idx: list[str], prefix: str = "v") -> list[dict]:
+        """The 16-byte loads (`load8`, into `{prefix}{n}`) of each 16-bit tile's 8 elements from index `idx`."""
+        return [{"name": f"{prefix}{n}", "at": f"{self.cname[self.plan.buffer(t).name]} + "
+                                               f"{self.offset(self.plan.buffer(t), idx)}"} for n, t in enumerate(tiles)]
+
     def vectored(self, node: Node, shape: tuple[int, ...],
                  own: bool) -> tuple[list[str], list[str], list[dict], str] | None:
         """`node`'s value at 8 adjacent elements of a row (`c` the element within them), where every 16-bit tile
@@ -143,11 +145,7 @@ class RowParts:
         half, last = shape[-1] // 2, idx[-1]
         other = idx[:-1] + [f"({last} < {half} ? {last} + {half} : {last} - {half})"]  # the partner group's first
         partners = list(dict.fromkeys(partners))
-
-        def at(n: Node, where: list[str]) -> str:
-            return f"{self.cname[self.plan.buffer(n).name]} + {self.offset(self.plan.buffer(n), where)}"
-        vectors = [{"name": f"v{n}", "at": at(leaf, idx)} for n, leaf in enumerate(leaves)]
-        vectors += [{"name": f"p{n}", "at": at(x, other)} for n, x in enumerate(partners)]
+        vectors = self._loads(leaves, idx) + self._loads(partners, other, "p")
         self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves)}
         self.held_partner = {x: f"p{n}[c]" for n, x in enumerate(partners)}
         try:
@@ -159,7 +157,7 @@ class RowParts:
 
     def vector_elements(self, node: Node, shape: tuple[int, ...], dst: str, b) -> dict | None:
         """An element-wise value computed into its buffer `b` (`dst`) 8 adjacent elements of a row a thread
-        ("elements8", `vectored`): a 16-bit buffer written by one 16-byte store (`store16`), an f32 one by 8
+        ("vector_elements", `vectored`): a 16-bit buffer written by one 16-byte store (`store16`), an f32 one by 8
         adjacent writes. None where `vectored` is (the element-at-a-time form then)."""
         found = self.vectored(node, shape, own=True)
         if found is None:
@@ -168,8 +166,9 @@ class RowParts:
         wide = b.dtype in (DType.F32, DType.F64)
         store = (f"for (int c = 0; c < {VECTOR}; ++c) {dst}[e + c] = w[c];" if wide
                  else f"prism::store16({dst} + {self.offset(b, idx, shape)}, w);")
-        return {"kind": "elements8", "comment": self.describe(node), "units": math.prod(shape) // VECTOR,
-                "idx": lines, "vectors": vectors, "value": value, "store": store}
+        return {"kind": "vector_elements", "comment": f"{self.describe(node)}: 8 elements a thread, 16-byte loads",
+                "units": math.prod(shape) // VECTOR, "vec": VECTOR, "idx": lines, "vectors": vectors, "value": value,
+                "store": store}
 
     def rowwise(self, node: Node, dst: str) -> dict:
         """A row-wise op of the tile `node` into the f32 buffer `dst`, row by row ("row_groups"): `per` threads a
@@ -194,24 +193,22 @@ class RowParts:
         eps = f" + {self.read(node.args[1], idx)}" if node.op in ("rms_norm_eps", "layer_norm") else ""
         inv = f"const real inv = real(1) / prism::sqrt_(ss / real({length}){eps});"
         if node.op in ("rms_norm", "rms_norm_eps"):
-            passes = [_pass("ss", self.lit(0.0), [f"const real v = {xj};", "ss += v * v;"], "sum", [inv])]
+            passes = [_pass("ss", self.lit(0.0), [f"const real v = {xj};", "ss += v * v;"], "sum", (inv,))]
             write = f"{xj} * inv"
         elif node.op == "layer_norm":  # the mean first, then the variance around it (no cancellation)
-            passes = [_pass("mu", self.lit(0.0), [f"mu += {xj};"], "sum", [f"mu /= real({length});"]),
-                      _pass("ss", self.lit(0.0), [f"const real v = {xj} - mu;", "ss += v * v;"], "sum", [inv])]
+            passes = [_pass("mu", self.lit(0.0), [f"mu += {xj};"], "sum", (f"mu /= real({length});",)),
+                      _pass("ss", self.lit(0.0), [f"const real v = {xj} - mu;", "ss += v * v;"], "sum", (inv,))]
             write = f"({xj} - mu) * inv"
         else:  # softmax, the stable form
-            passes = [_pass("mx", "-real(INFINITY)", [f"mx = prism::max_(mx, {xj});"], "max", []),
-                      _pass("sum", self.lit(0.0), [f"sum += prism::exp_({xj} - mx);"], "sum", [])]
+            passes = [_pass("mx", "-real(INFINITY)", [f"mx = prism::max_(mx, {xj});"], "max"),
+                      _pass("sum", self.lit(0.0), [f"sum += prism::exp_({xj} - mx);"], "sum")]
             write = f"prism::exp_({xj} - mx) / sum"
-        vectors = [{"name": f"v{n}", "at": f"{self.cname[self.plan.buffer(leaf).name]} + "
-                                          f"{self.offset(self.plan.buffer(leaf), idx + ['j8'])}"}
-                   for n, leaf in enumerate(leaves or [])]
+        vectors = self._loads(leaves or [], idx + ["j8"])
         return {"kind": "row_groups", "comment": self.describe(node), "rows": rows, "length": length, "idx": lines,
                 "per": per, "stride": stride, "at_once": at_once, "parts": -(-rows // at_once), "vec": vec,
                 "units": units, "sweeps": -(-units // per), "vectors": vectors, "passes": passes,
                 "offsets": [stride * (per >> k) for k in range(1, per.bit_length())],
-                "write": _pass("", "", [f"{dst}[row * {length} + j] = {write};"], "sum", [])}
+                "write": _pass("", "", [f"{dst}[row * {length} + j] = {write};"])}
 
     @staticmethod
     def row_parts_store(st: dict) -> dict:
@@ -222,10 +219,11 @@ class RowParts:
         return st | {"kind": "row_parts_store", "offsets": offsets, "idx": used, "barrier": True}
 
 
-def _pass(var: str, init: str, body: list[str], reduce: str, after: list[str]) -> dict:
+def _pass(var: str, init: str, body: list[str], reduce: str | None = None, after: tuple[str, ...] = ()) -> dict:
     """One pass of a "row_groups" step over its row: `body` folds each element into `var`, the row's lanes'
-    values of it are combined by `reduce` ("sum" or "max"), then `after` runs on every lane."""
-    fold = f"{var} += prism::shfl_xor({var}, {{}});" if reduce == "sum" else \
-        f"{var} = prism::max_({var}, prism::shfl_xor({var}, {{}}));"
+    values of it are combined by `reduce` ("sum" or "max"), then `after` runs on every lane (the pass that
+    writes: `body` alone)."""
+    fold = {"sum": f"{var} += prism::shfl_xor({var}, {{}});", None: "",
+            "max": f"{var} = prism::max_({var}, prism::shfl_xor({var}, {{}}));"}[reduce]
     return {"var": var, "init": init, "body": body, "fold": fold, "after": after,
             "column": any(re.search(r"\bj\b", line) for line in body)}
