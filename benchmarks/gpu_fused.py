@@ -159,7 +159,7 @@ def verdict(outputs: dict, reference: dict, pairs, tol: Tolerance) -> dict:
     all of them ("rounding": the roundings' own error where it was needed)."""
     checks = [tol.judge(theirs, outputs[mine], reference[theirs]) for mine, theirs in pairs]
     return {"passed": all(c["passed"] for c in checks), "max_rel_err": max(c["max_rel_err"] for c in checks),
-            "rtol": max(c["rtol"] for c in checks), "rounding": max((c.get("rounding", 0.0) for c in checks))}
+            "rtol": max(c["rtol"] for c in checks), "rounding": max(c.get("rounding", 0.0) for c in checks)}
 
 
 def run_case(out: Path) -> dict:
