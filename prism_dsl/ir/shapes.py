@@ -7,6 +7,7 @@ people. Sizes are SymPy expressions; two sizes agree only if they are equal for 
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import sympy
@@ -204,8 +205,21 @@ def _rope(x: Shape, shape: Shape) -> None:
         raise ShapeError(f"its tables must broadcast to the shape of x, {fmt_shape(x)}; together they make {fmt_shape(shape)}")
 
 
+_BUILT: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (op, args, params) -> node, while it lives
+
+
 def build(op: str, args: Sequence[Node], params: Sequence[int] = ()) -> Node:
-    """The node for `op(args, params)` with its inferred type; reductions store the normalized dim."""
+    """The node for `op(args, params)` with its inferred type; reductions store the normalized dim. Nodes are
+    interned, so one built before from the same operands is that node: its shape is not inferred again (the
+    search builds the same terms many times)."""
+    key = (op, tuple(args), tuple(params))
+    node = _BUILT.get(key)
+    if node is None:
+        node = _BUILT[key] = _build(op, args, params)
+    return node
+
+
+def _build(op: str, args: Sequence[Node], params: Sequence[int]) -> Node:
     dtype, shape = infer(op, args, params)
     attr = None
     if OPS[op].kind is Kind.REDUCE:

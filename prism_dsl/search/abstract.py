@@ -50,6 +50,8 @@ class InputGraph:
     _products: dict[str, list[tuple[str, ...]]] = field(default_factory=dict, repr=False)
     _extracted: dict = field(default_factory=dict, repr=False)
     _below: dict = field(default_factory=dict, repr=False)  # `below`'s answers, by its arguments
+    _built: dict = field(default_factory=dict, repr=False)  # terms made, by extraction key and leaf terms
+    _ops: dict = field(default_factory=dict, repr=False)  # per term, the ops in it (`_ops_in`)
 
     def lookup(self, node: Node, memo: dict[Node, str | None] | None = None) -> str | None:
         """The e-class of `node`'s term, or None when the e-graph does not hold it."""
@@ -111,6 +113,13 @@ class InputGraph:
         `max_ops` ops: the loop values a kernel over these tiles can compute."""
         cost, make = self._builder(leaves)
         out = {}
+        reads: dict[Node, bool] = {t: True for t in leaves.values()}
+
+        def reads_leaf(n: Node) -> bool:
+            if n not in reads:
+                reads[n] = any(reads_leaf(a) for a in n.args)
+            return reads[n]
+
         for c in sorted(cost, key=lambda c: (cost[c], c)):
             if cost[c] > max_ops * max(EXTRACT_COST.values()):
                 continue
@@ -118,13 +127,20 @@ class InputGraph:
                 term = make(c)
             except (PrismError, ShapeError):
                 continue
-            walked = set(term.walk())
             # A computed leaf's own ops count too (inputs and tiles do not): a loop value over a pre-defined
             # kernel's result is no longer than the input program's own values (`generate.loop_ops`).
-            ops = {m for m in walked if m.op not in ("const", "input", "tile")}
-            if walked & set(leaves.values()) and len(ops) <= max_ops:
+            if reads_leaf(term) and len(self._ops_in(term)) <= max_ops:
                 out[c] = term
         return out
+
+    def _ops_in(self, term: Node) -> frozenset[Node]:
+        """The distinct ops of `term` (literals, inputs and tiles are not ops), remembered per sub-term: the
+        search asks for the same sub-terms' ops many times."""
+        ops = self._ops.get(term)
+        if ops is None:
+            own = frozenset() if term.op in ("const", "input", "tile") else frozenset((term,))
+            ops = self._ops[term] = own.union(*(self._ops_in(a) for a in term.args))
+        return ops
 
     def below(self, goals: list[str], partners: frozenset = frozenset()) -> frozenset[str]:
         """The e-classes reachable from the goals through element-wise e-nodes (and the goals), and the left
@@ -157,7 +173,9 @@ class InputGraph:
         if key not in self._extracted:
             self._extracted[key] = self._costs(leaves)
         cost, choice = self._extracted[key]
-        built: dict[str, Node] = {}
+        # the terms depend on the leaves' terms as well as their e-classes; nodes are interned, so equal
+        # leaves are the same objects
+        built: dict[str, Node] = self._built.setdefault((key, tuple(leaves[c] for c in sorted(leaves))), {})
 
         def make(c: str) -> Node:
             if c in leaves:
@@ -195,15 +213,17 @@ class InputGraph:
         for kids, c in numbers:
             if c not in cost:
                 cost[c], choice[c] = 1.0, ("Num", kids)
-        inf = math.inf
+        inf, parents, get = math.inf, self._parents, cost.get
         while todo:  # relax upward from what is buildable until nothing gets cheaper
             nxt = []
             for k in todo:
-                for c, node, own, operands, elementwise in self._parents.get(k, ()):
+                for c, node, own, operands, elementwise in parents.get(k, ()):
                     if within is not None and (c not in within or not elementwise):
                         continue
-                    total = own + sum(cost.get(kid, inf) for kid in operands)
-                    if total < cost.get(c, inf) - 1e-9:
+                    total = own
+                    for kid in operands:  # the hottest loop of the search: no generator
+                        total += get(kid, inf)
+                    if total < get(c, inf) - 1e-9:
                         cost[c], choice[c] = total, node
                         nxt.append(c)
             todo = nxt
