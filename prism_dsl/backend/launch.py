@@ -298,6 +298,24 @@ def buffer_shapes(c: Concrete) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def least_smem(kernel, binding) -> int | None:
+    """Bytes of shared memory that every layout of `kernel` at `binding` takes at least (None where a dim is
+    unbound): its loaded tiles as stored, without padding or alignment; the largest of them, and the loop's
+    tiles together, which are all in use in each iteration (`lifetimes`: one class or two stacked). The
+    tuner passes over a choice above the limit without laying it out (most of those it tries that do not fit)."""
+    flat = call(_buffer_dims(kernel), binding, None)
+    if flat is None:
+        return None
+    varying, i, largest, together = loop_varying(kernel), 0, 0, 0
+    for b in plan(kernel).buffers:
+        size = int(math.prod(flat[i:i + len(b.shape)])) * b.dtype.bytes
+        i += len(b.shape)
+        if b.role == "tile":
+            largest = max(largest, size)
+            together += size if b.node in varying else 0
+    return max(largest, together)
+
+
 SWIZZLE_ATOM = 1024  # bytes: 8 rows of 128 bytes, the 128-byte swizzle's repeating pattern
 
 

@@ -20,7 +20,7 @@ from ..kernels.hardware import Hardware
 from ..kernels.kernel import Kernel, free_symbols, kernels_of
 from ..kernels.params import candidates, choose
 from .cost import Estimate, estimate, for_hardware
-from .launch import CodegenConfig, layout
+from .launch import CodegenConfig, layout, least_smem
 from .tails import joins, pairs, tail_config
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
@@ -74,6 +74,8 @@ def fits(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: Hardware
     """The kernel instantiated for the code `config` asks for, or None where a constraint fails (`generated`)."""
     if not valid(kernel, binding, hardware, smem=False):
         return None
+    if (least := least_smem(kernel, binding)) is not None and least > hardware.smem_per_block:
+        return None  # over the limit however it is laid out: `instantiate` would lay it out to find that
     c = instantiate(kernel, binding, hardware, generated(config))
     return None if isinstance(c, list) else c
 
@@ -104,17 +106,36 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
         # a kernel's estimate depends on its own parameters, and a combining kernel's on its first kernel's too
         own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()
                     or k.name in firsts and s in by_name[firsts[k.name]].symbols()]) for k in group]
+        # (a first kernel whose parameters are all given is in no group: it takes none of `syms`)
+        mine_only = {k.name: [i for i, s in enumerate(syms) if s in k.symbols()] for k in by_name.values()}
         memo: dict = {}
         concretes: dict = {}
+        prices: dict = {}
 
-        def concrete(k: Kernel, values: tuple[int, ...], mine: list[int]) -> Concrete | None:
-            """`k` instantiated at `values` of the parameters `mine` (the rest as bound), once: a combining
-            kernel's first kernel is asked for again at every value of the combining kernel's own parameters
-            (its `mine`: its own), and its layout is kept with the concrete kernel (`launch.layout`)."""
+        def concrete(k: Kernel, values: tuple[int, ...]) -> Concrete | None:
+            """`k` instantiated at `values` of its own parameters (the rest as bound), once: a combining kernel
+            is asked for again at every value of its first kernel's parameters, and the first at every value of
+            the combining kernel's, and the layout is kept with the concrete kernel (`launch.layout`)."""
+            mine = mine_only[k.name]
             key = (k.name, tuple(values[i] for i in mine))
             if key not in concretes:
                 concretes[key] = fits(k, {**binding, **{syms[i]: values[i] for i in mine}}, hardware, config)
             return concretes[key]
+
+        def price(k: Kernel, values: tuple[int, ...]) -> tuple:
+            """(time, SMs kept busy, L2 bytes, warps) of `k` at `values`. A combining kernel's estimate depends
+            on its first kernel only through whether it runs in that kernel's launch and on how many threads
+            (`priced`), so it is worked out once per value of those and of its own parameters, not once per
+            value of every parameter of the first kernel."""
+            if (c := concrete(k, values)) is None:
+                return math.inf, 0, 0, 0
+            first = concrete(by_name[firsts[k.name]], values) if k.name in firsts else None
+            tail = layout(first, config).threads if first is not None and joins(first, c, config) else None
+            key = (k.name, tuple(values[i] for i in mine_only[k.name]), tail)
+            if key not in prices:
+                e = priced(c, first if tail else None, hardware, config)
+                prices[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes, e.warps)
+            return prices[key]
 
         def time_of(values: tuple[int, ...]) -> tuple[float, int, int, int]:
             """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2, minus the
@@ -123,15 +144,7 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
             for k, mine in own:
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
-                    if (c := concrete(k, values, mine)) is not None:
-                        first = None
-                        if k.name in firsts:  # at its own parameters' values (those of `mine` in its symbols)
-                            f = by_name[firsts[k.name]]
-                            first = concrete(f, values, [i for i in mine if syms[i] in f.symbols()])
-                        e = priced(c, first, hardware, config)
-                        memo[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes, e.warps)
-                    else:
-                        memo[key] = (math.inf, 0, 0, 0)
+                    memo[key] = price(k, values)
                 total, busy, l2 = total + memo[key][0], busy + memo[key][1], l2 + memo[key][2]
                 warps += memo[key][3]
             return round(total, 3), -busy, l2, -warps
