@@ -3,20 +3,21 @@ use at once share bytes, and the symbolic bound the shared-memory constraint tak
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import sympy
 
-from prism_dsl.backend.launch import CodegenConfig, layout
-from prism_dsl.kernels.constraints import instantiate_program, shared_memory
+from prism_dsl.backend.launch import CodegenConfig, layout, least_smem
+from prism_dsl.kernels.constraints import instantiate, instantiate_program, shared_memory, valid
 from prism_dsl.kernels.fusion import plan
 from prism_dsl.kernels.hardware import load_hardware
 from prism_dsl.kernels.kernel import kernels_of
 from prism_dsl.kernels.lifetimes import AFTER, BEFORE, LOOP, arrange, in_use, lifetimes
 from prism_dsl.lang.check import load
 from prism_dsl.kernels.lower import lower
-from prism_dsl.kernels.params import choose
+from prism_dsl.kernels.params import candidates, choose
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_hardware("h100")
@@ -93,3 +94,28 @@ def test_the_generated_layout_never_needs_more_than_the_constraint_allows(path):
                                and laid.offsets[y] < laid.offsets[x] + laid.sizes[x])
                     assert x == y or not (meet and overlap), (c.kernel.name, x, y)
         assert isinstance(sympy.sympify(shared_memory(c.kernel)), sympy.Expr)
+
+
+@pytest.mark.parametrize("path", FUSED, ids=lambda p: p.stem)
+def test_the_least_shared_memory_the_tuner_passes_over_by_is_never_more_than_a_layout_takes(path):
+    """`launch.least_smem` lets the tuner pass over a choice without laying it out: it must never exceed what
+    any layout of it takes, or a choice that fits would be lost. Every choice of the tuner's candidates (up
+    to 200 a kernel, spread over them), laid out for the default code, without tensor cores, unpipelined and
+    without wgmma."""
+    program = load(path).program()
+    dims = program.default_binding()
+    configs = (CodegenConfig(), CodegenConfig(tensor_cores=False), CodegenConfig(stages=1), CodegenConfig(wgmma=False))
+    for k in kernels_of(program):
+        syms = sorted((s for s in k.symbols() if s not in dims), key=str)
+        choices = list(itertools.product(*(candidates(program, s, dims) for s in syms)))
+        tried = 0
+        for values in choices[::max(1, len(choices) // 200)]:
+            binding = {**dims, **dict(zip(syms, values))}
+            if not valid(k, binding, H100, smem=False):
+                continue
+            c = instantiate(k, binding, H100, lambda _: 0)  # laid out below, whatever it takes
+            least = least_smem(k, binding)
+            for config in configs:
+                assert least <= layout(c, config).smem, (k.name, values, config)
+            tried += 1
+        assert tried, k.name
