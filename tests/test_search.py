@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -317,7 +319,7 @@ def test_search_is_deterministic(library):
     assert [print_program(p) for p in a.proved] == [print_program(p) for p in b.proved]
 
 
-def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_path):
+def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_path, capsys):
     src = program("rmsnorm_linear")
     binding = bind_dims(src, dict(n=4, d=64))
     first = optimize(src, library, H100, binding)
@@ -336,11 +338,14 @@ def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_pat
     assert again.from_checkpoint
     assert print_program(again.best.program) == print_program(first.best.program)
     assert again.best.params == first.best.params
-    # New dims: the checkpoint is reused, only tuning runs.
+    # New dims: the checkpoint is reused, only tuning runs, and a terminal's status line says how far it is.
     with monkeypatch.context() as m:
         m.setattr("prism_dsl.pipeline.optimize.search", no_search)
-        other = optimize(src, library, H100, bind_dims(src, dict(n=8, d=128)))
+        m.setattr(sys.stderr, "isatty", lambda: True)
+        other = optimize(src, library, H100, bind_dims(src, dict(n=8, d=128)), progress=True)
     assert other.from_checkpoint
+    line = capsys.readouterr().err
+    assert re.search(r"\r\x1b\[2Ktuning: 0 of [1-9][0-9]* programs; [0-9.]+ s", line) and line.endswith("\r\x1b[2K"), line
     # Other rules: the checkpoint no longer applies.
     extra = tmp_path / "extra.rules"
     extra.write_text("ruleset algebra {\n    rule mul_one_right: a * 1 => a\n}\n")

@@ -173,12 +173,19 @@ class Progress:
         self.last = 0.0
 
     def __call__(self, phase: str, stats: Stats) -> None:
+        self._line(f"search: {phase}; {stats.candidates} candidates, {stats.proofs} proofs, {stats.proved} proved")
+
+    def tuning(self, done: int, total: int) -> None:
+        """While the proved programs are tuned (seconds each where the model tries thousands of parameter
+        choices, and the line would otherwise be still)."""
+        self._line(f"tuning: {done} of {total} programs")
+
+    def _line(self, text: str) -> None:
         now = time.perf_counter()
         if not self.enabled or now - self.last < 0.2:
             return
         self.last = now
-        print(f"\r\x1b[2Ksearch: {phase}; {stats.candidates} candidates, {stats.proofs} proofs, "
-              f"{stats.proved} proved; {now - self.started:.1f} s", end="", file=sys.stderr, flush=True)
+        print(f"\r\x1b[2K{text}; {now - self.started:.1f} s", end="", file=sys.stderr, flush=True)
 
     def done(self) -> None:
         if self.enabled:
@@ -195,6 +202,7 @@ class Choosing:
     measure: Measure | None = None
     device: str = ""
     use_cache: bool = True
+    show: Progress | None = None  # the status line, told how far the tuning is
 
 
 def optimize(program: Program, library: Library, hardware: Hardware, binding: dict, *, config: SearchConfig = SearchConfig(),
@@ -212,19 +220,22 @@ def optimize(program: Program, library: Library, hardware: Hardware, binding: di
     started = time.perf_counter()
     key = checkpoint_key(program, library, config)
     jobs = jobs or default_jobs()
-    how = Choosing(binding, hardware, codegen, measure, device, use_cache)
-    chosen = _from_checkpoint(program, library, key, how, jobs) if use_cache else None
+    show = Progress(progress, started)
+    how = Choosing(binding, hardware, codegen, measure, device, use_cache, show)
+    try:
+        chosen = _from_checkpoint(program, library, key, how, jobs) if use_cache else None
+    finally:
+        show.done()
     if chosen is None:
-        show = Progress(progress, started)
         deadline = started + time_limit if time_limit else None
         try:
             result = search(program, library, hardware, config, jobs=jobs, deadline=deadline, progress=show,
                             stop_event=stop_event)
+            if result.complete and not result.stats.errors and use_cache:  # a crashed proof would lose a program
+                save_checkpoint(key, result)
+            ranked, info = _choose(program, result.proved, how, None)
         finally:
             show.done()
-        if result.complete and not result.stats.errors and use_cache:  # a crashed proof would lose a program
-            save_checkpoint(key, result)
-        ranked, info = _choose(program, result.proved, how, None)
         chosen = ranked, {"from_checkpoint": False, "complete": result.complete, "stopped": result.stopped,
                           "jobs": jobs, **result.stats.as_dict(), "seconds": round(result.seconds, 3),
                           "input_egraph": result.input_egraph, "reproved": 0, **info}
@@ -267,7 +278,12 @@ def _choose(program: Program, proved: list[Program], how: Choosing,
     """Every program that fits these dims ranked, the chosen one first, with what report.json says of it.
     `proved` are proved already when `prover` is None; else `prover` proves those to be timed and the
     chosen one, and the answer is why not when one of them is not proved."""
-    ranked = [r for r in (rank(p, how.binding, how.hardware, how.codegen) for p in proved) if r is not None]
+    ranked = []
+    for i, p in enumerate(proved):
+        if how.show is not None:
+            how.show.tuning(i, len(proved))
+        if (r := rank(p, how.binding, how.hardware, how.codegen)) is not None:
+            ranked.append(r)
     unfit = len(proved) - len(ranked)
     for r in ranked:
         r.proved = prover is None
