@@ -95,8 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
                     help="stop the search after this long and use the best proved program so far (default 60)")
     co.add_argument("--jobs", type=positive_int, default=None,
-                    help="prover processes, and processes tuning the proved programs, running at once "
-                    "(default: the machine's cores)")
+                    help="prover processes running at once (default: the machine's cores)")
     co.add_argument("--max-kernels", type=positive_int, default=None, help="custom kernels per program the search may "
                     "use (default 1; a split reduction's combining kernel is not counted)")
     co.add_argument("--no-split", action="store_true", help="do not offer loop kernels split in two (FlashDecoding: "
