@@ -291,8 +291,15 @@ def _buffer_dims(kernel) -> tuple:
 
 def buffer_shapes(c: Concrete) -> dict[str, tuple[int, ...]]:
     """The plan's buffers' shapes at this binding, by name (the cost model lays out thousands of choices)."""
-    flat, out, i = call(_buffer_dims(c.kernel), c.binding, None), {}, 0
-    for b in plan(c.kernel).buffers:
+    return _shapes_at(c.kernel, c.binding)
+
+
+def _shapes_at(kernel, binding) -> dict[str, tuple[int, ...]] | None:
+    """`buffer_shapes` of a kernel at a binding, before it is a concrete kernel; None where a dim is unbound."""
+    flat, out, i = call(_buffer_dims(kernel), binding, None), {}, 0
+    if flat is None:
+        return None
+    for b in plan(kernel).buffers:
         out[b.name] = tuple(int(v) for v in flat[i:i + len(b.shape)])
         i += len(b.shape)
     return out
@@ -303,13 +310,11 @@ def least_smem(kernel, binding) -> int | None:
     unbound): its loaded tiles as stored, without padding or alignment; the largest of them, and the loop's
     tiles together, which are all in use in each iteration (`lifetimes`: one class or two stacked). The
     tuner passes over a choice above the limit without laying it out (most of those it tries that do not fit)."""
-    flat = call(_buffer_dims(kernel), binding, None)
-    if flat is None:
+    if (dims := _shapes_at(kernel, binding)) is None:
         return None
-    varying, i, largest, together = loop_varying(kernel), 0, 0, 0
+    varying, largest, together = loop_varying(kernel), 0, 0
     for b in plan(kernel).buffers:
-        size = int(math.prod(flat[i:i + len(b.shape)])) * b.dtype.bytes
-        i += len(b.shape)
+        size = math.prod(dims[b.name]) * b.dtype.bytes
         if b.role == "tile":
             largest = max(largest, size)
             together += size if b.node in varying else 0
