@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -629,3 +630,67 @@ def test_compile_no_split(library, tmp_path, capsys):
     again = optimize(src, library, H100, bind_dims(src, BINDINGS["attention"][1]),
                      config=SearchConfig(split_reductions=False))
     assert again.from_checkpoint and again.search["proved_programs"] == report["search"]["proved_programs"]
+
+
+def test_forked_rankers_give_the_ranking_one_process_gives(library, monkeypatch, capsys):
+    """`--jobs 2` tunes the proved programs in two forked processes (`optimize._rankers`): the same programs,
+    parameters and estimates, in the same order, as one process, and the same warnings, printed by this one.
+    (A test runner's own threads would make it rank in one process, as it must with other threads running;
+    they are out of this child's way.)"""
+    from prism_dsl.pipeline import optimize as opt
+
+    src = program("swiglu")
+    binding = bind_dims(src, dict(n=8, d=128))
+    optimize(src, library, H100, bind_dims(src, dict(n=4, d=64)), jobs=1)  # the checkpoint
+    one = optimize(src, library, H100, binding, jobs=1, use_cache=True)
+    shutil.rmtree(Path(os.environ["PRISM_CACHE_DIR"]) / "tuning")  # tuned again, not read back
+    pools = []
+    rankers = opt._rankers
+
+    @contextlib.contextmanager
+    def spy(programs, how, jobs):
+        with rankers(programs, how, jobs) as futures:
+            pools.append(futures)
+            yield futures
+
+    monkeypatch.setattr(opt.threading, "active_count", lambda: 1)
+    monkeypatch.setattr(opt, "_rankers", spy)
+    two = optimize(src, library, H100, binding, jobs=2)
+    assert pools and None not in pools and two.from_checkpoint
+
+    def ranking(outcome):
+        return [(print_program(r.program), r.params, r.estimated_us, r.busy, r.as_written) for r in outcome.ranked]
+
+    assert ranking(two) == ranking(one)
+    # What the forked processes warn of is printed here, once each: every tuning entry broken.
+    capsys.readouterr()
+    entries = sorted((Path(os.environ["PRISM_CACHE_DIR"]) / "tuning").rglob("*.json"))
+    for entry in entries:
+        entry.write_text("{")
+    assert entries and ranking(optimize(src, library, H100, binding, jobs=2)) == ranking(one)
+    err = capsys.readouterr().err
+    assert all(err.count(f"ignoring cache entry {entry}:") == 1 for entry in entries), err
+    # A program whose tuning raises in a forked process is ranked again in this one.
+    parent, real = os.getpid(), opt.rank
+
+    def raising_there(p, *rest):
+        if os.getpid() != parent:
+            raise RuntimeError("only in a forked ranker")
+        return real(p, *rest)
+
+    monkeypatch.setattr(opt, "rank", raising_there)
+    shutil.rmtree(Path(os.environ["PRISM_CACHE_DIR"]) / "tuning")
+    assert ranking(optimize(src, library, H100, binding, jobs=2)) == ranking(one)
+    monkeypatch.setattr(opt, "rank", real)
+    # A forked process that dies breaks the pool: what it had not given back is ranked in this one.
+    monkeypatch.setattr(opt, "_rank_forked", _die)
+    shutil.rmtree(Path(os.environ["PRISM_CACHE_DIR"]) / "tuning")
+    assert ranking(optimize(src, library, H100, binding, jobs=2)) == ranking(one)
+    monkeypatch.setattr(opt.threading, "active_count", lambda: 3)
+    with opt._rankers([src, src], opt.Choosing(binding, H100), 2) as futures:
+        assert futures is None  # other threads: one process ranks
+
+
+def _die(i: int) -> None:
+    """A forked ranker that dies (pickled by name, as the real one is)."""
+    os._exit(3)

@@ -34,7 +34,7 @@ from .files import (MAX_TEXT_BYTES, NotRegularFile, TooLarge, describe, read_reg
 MAX_RECORD_BYTES = MAX_TEXT_BYTES  # a search checkpoint of thousands of programs stays far below
 MAX_NESTING = 64  # records are a few levels deep; json's parser recurses once per level
 
-_warned: set[str] = set()
+_said: dict[str, str] = {}  # each warning printed, by what it is about (an entry's path, a directory): once each
 _off: dict[str, set[str]] = {}  # per cache directory: "read", "write", what failed there, not tried again
 _swept: set[Path] = set()  # directories whose abandoned temporary files were removed
 _TMP = re.compile(scratch_pattern(r"\.tmp-").pattern + r"\.json")  # `.tmp-prismc-<pid>-XXXXXXXX.json`
@@ -179,9 +179,24 @@ def remove(kind: str, key: str) -> None:
 
 
 def warn(path: Path, why: str) -> None:
-    if str(path) not in _warned:
-        _warned.add(str(path))
-        print(f"prismc: warning: ignoring cache entry {path}: {why}", file=sys.stderr)
+    _say(str(path), f"prismc: warning: ignoring cache entry {path}: {why}")
+
+
+def _say(about: str, message: str) -> None:
+    if about not in _said:
+        _said[about] = message
+        print(message, file=sys.stderr)
+
+
+def said() -> dict[str, str]:
+    """The warnings printed so far in this process, by what each is about: for `relay`."""
+    return dict(_said)
+
+
+def relay(reports: dict[str, str]) -> None:
+    """Warnings another process gave (a forked one: `said` there), printed here as if given here: once each."""
+    for about, message in reports.items():
+        _say(about, message)
 
 
 def unusable(what: str, why: str) -> None:
@@ -192,5 +207,5 @@ def unusable(what: str, why: str) -> None:
     off.update(("read", "write") if what == "read" else ("write",))
     if first:
         doing = "read" if what == "read" else "written"
-        print(f"prismc: warning: the cache directory {cache_dir()} cannot be {doing} ({why}); "
-              f"going on without {'it' if what == 'read' else 'saving results'}", file=sys.stderr)
+        _say(str(cache_dir()), f"prismc: warning: the cache directory {cache_dir()} cannot be {doing} ({why}); "
+             f"going on without {'it' if what == 'read' else 'saving results'}")

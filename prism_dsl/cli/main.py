@@ -38,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="check .prism programs, or .rules axioms (syntax, shapes, soundness)")
     c.add_argument("files", nargs="+", metavar="FILE")
-    c.add_argument("--no-default-rules", action="store_true",
-                   help="check .rules files on their own, not beside the default library")
+    c.add_argument("--no-default-rules", action="store_true", help="check .rules files on their own, not beside the default library")
     c.set_defaults(run=cmd_check)
 
     pv = sub.add_parser(
@@ -94,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'full': search fused programs (default); 'none': compile the program as written")
     co.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
                     help="stop the search after this long and use the best proved program so far (default 60)")
-    co.add_argument("--jobs", type=positive_int, default=None,
-                    help="prover processes running at once (default: the machine's cores)")
+    co.add_argument("--jobs", type=positive_int, default=None, help="processes proving, and then tuning the proved "
+                    "programs, at once (default: the machine's cores)")
     co.add_argument("--max-kernels", type=positive_int, default=None, help="custom kernels per program the search may "
                     "use (default 1; a split reduction's combining kernel is not counted)")
     co.add_argument("--no-split", action="store_true", help="do not offer loop kernels split in two (FlashDecoding: "

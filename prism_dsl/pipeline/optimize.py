@@ -21,10 +21,16 @@ and ignored (`cache`), and what it held is computed again.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import multiprocessing
+import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -233,7 +239,8 @@ def optimize(program: Program, library: Library, hardware: Hardware, binding: di
                             stop_event=stop_event)
             if result.complete and not result.stats.errors and use_cache:  # a crashed proof would lose a program
                 save_checkpoint(key, result)
-            ranked, info = _choose(program, result.proved, how, None)
+            with _rankers([*result.proved, program], how, jobs) as futures:
+                ranked, info = _choose(program, result.proved, how, None, futures)
         finally:
             show.done()
         chosen = ranked, {"from_checkpoint": False, "complete": result.complete, "stopped": result.stopped,
@@ -253,14 +260,17 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
     Proving every saved program would cost more than the rest of a recompile (25 proofs of up to 1.4 s
     each for attention): only what can reach the user or the GPU is proved, without a GPU one proof in
     one egglog process. That process starts (most of a second) while the checkpoint is read and its
-    programs are ranked, so that the proof waits for little."""
+    programs are ranked, so that the proof waits for little (after the rankers are forked: `_rankers`)."""
     if not has_checkpoint(key):
         return None
     prover = Prover(program, library, 1 if how.measure is None else jobs)
     try:
-        prover.warm(1 if how.measure is None else jobs)
         saved = load_checkpoint(program, key)
-        chosen = None if saved is None else _choose(program, saved[0], how, prover)
+        chosen = None
+        if saved is not None:
+            with _rankers([*saved[0], program], how, jobs) as futures:
+                prover.warm(1 if how.measure is None else jobs)
+                chosen = _choose(program, saved[0], how, prover, futures)
     finally:
         prover.close()
     if saved is None:
@@ -273,21 +283,24 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
                     "reproved": sum(r.proved and not r.as_written for r in ranked)}
 
 
-def _choose(program: Program, proved: list[Program], how: Choosing,
-            prover: Prover | None) -> tuple[list[Ranked], dict] | str:
+def _choose(program: Program, proved: list[Program], how: Choosing, prover: Prover | None,
+            futures: list[Future] | None = None) -> tuple[list[Ranked], dict] | str:
     """Every program that fits these dims ranked, the chosen one first, with what report.json says of it.
     `proved` are proved already when `prover` is None; else `prover` proves those to be timed and the
-    chosen one, and the answer is why not when one of them is not proved."""
-    ranked = []
-    for i, p in enumerate(proved):
-        if how.show is not None:
-            how.show.tuning(i, len(proved))
-        if (r := rank(p, how.binding, how.hardware, how.codegen)) is not None:
-            ranked.append(r)
+    chosen one, and the answer is why not when one of them is not proved. `futures`: `_rankers` of `proved`
+    and then `program`, which rank them in forked processes."""
+    ranks: list[Ranked | None] = []
+    if how.show is not None:
+        how.show.tuning(0, len(proved))
+    for i, r in enumerate(_ranked(futures, [*proved, program], how)):  # in order, as each is done
+        if how.show is not None and i < len(proved):
+            how.show.tuning(i + 1, len(proved))
+        ranks.append(r)
+    ranked = [r for r in ranks[:-1] if r is not None]
     unfit = len(proved) - len(ranked)
     for r in ranked:
         r.proved = prover is None
-    written = rank(program, how.binding, how.hardware, how.codegen)
+    written = ranks[-1]
     if written is not None:
         written.as_written = written.proved = True  # the input itself
         ranked.append(written)
@@ -311,6 +324,71 @@ def _choose(program: Program, proved: list[Program], how: Choosing,
     info["proved_programs"] = len(proved)
     info["no_parameters_at_these_dims"] = unfit
     return ranked, info
+
+
+_FORKED: tuple | None = None  # (programs, how) for the forked rankers, set before they are forked
+_AGAIN = "again"  # a forked ranker's answer when `rank` raised there: ranked again in the parent
+
+
+@contextlib.contextmanager
+def _rankers(programs: list[Program], how: Choosing, jobs: int):
+    """Futures of `rank` of each of `programs` (as `_rank_forked` gives it), in up to `jobs` processes forked
+    here, or None where one process ranks them: fewer than two programs or jobs, a platform other than Linux
+    (macOS forks, but its system libraries are not safe in a forked child), or another thread running, which
+    a fork could leave holding a lock in the child (the checkpoint's prover starts its egglog session only
+    after this). Each program's tuning is independent and seconds long where the model tries thousands of
+    parameter choices; the processes share the tuning database as separate runs do (every write atomic)."""
+    global _FORKED
+    if jobs < 2 or len(programs) < 2 or not sys.platform.startswith("linux") or threading.active_count() > 1:
+        yield None
+        return
+    _FORKED = (programs, how)
+    pool = ProcessPoolExecutor(min(jobs, len(programs)), multiprocessing.get_context("fork"),
+                               initializer=_ignore_interrupt)
+    try:  # with fork, the first submit forks every process, before the pool starts its own thread
+        yield [pool.submit(_rank_forked, i) for i in range(len(programs))]
+    except BaseException:  # Ctrl-C, say: the rankers (which ignore it) stop now, not after their programs
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _FORKED = None
+
+
+def _ranked(futures, programs: list[Program], how: Choosing):
+    """Each program's `rank`, in order: from its future, with the warnings its process gave (`cache.relay`), or
+    here where there is none, where the forked process died (the pool is then broken: what it had not given
+    back is ranked here), or where `rank` raised there (here it raises, or not, as one process would)."""
+    for i, p in enumerate(programs):
+        got: object = _AGAIN
+        if futures is not None:
+            with contextlib.suppress(BrokenProcessPool):
+                got, reports = futures[i].result()
+                cache.relay(reports)
+        if got == _AGAIN:
+            got = rank(p, how.binding, how.hardware, how.codegen)
+        yield Ranked(p, *got) if isinstance(got, tuple) else got
+
+
+def _ignore_interrupt() -> None:
+    """In a forked ranker: Ctrl-C is the parent's to handle, not each process's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:
+    """In a forked ranker: `rank` of the i-th program `_rankers` was given, as (params, estimate, busy), or
+    `_AGAIN`; and the warnings it gave (`cache.said`), which the parent prints, its stderr not being the
+    parent's `sys.stderr` (a test's captured one, say)."""
+    programs, how = _FORKED
+    before = cache.said()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            r = rank(programs[i], how.binding, how.hardware, how.codegen)
+    except Exception:  # raised again, or not, where the parent ranks it
+        return _AGAIN, {}
+    reports = {about: message for about, message in cache.said().items() if about not in before}
+    return (None if r is None else (r.params, r.estimated_us, r.busy)), reports
 
 
 def _confirm(ranked: list[Ranked], prover: Prover | None) -> str | None:
