@@ -4,9 +4,12 @@ the compiled code does, read from its SASS (sm_90a): the hot loop's instruction 
 LDGSTS, UTMALDG, FFMA, LDS, BAR, and all its instructions), the fewest instructions a warp issues per
 iteration of it (`sass.issued`: on any iteration, and on one that copies tiles ahead), registers, spills,
 shared memory, blocks per SM, the cost model's estimate and the roofline floor. No GPU is needed; nvcc and
-cuobjdump are (cuobjdump from the `sass` extra: pip install -e ".[sass]").
+cuobjdump are (cuobjdump from the `sass` extra: pip install -e ".[sass]"). With `--banks`, a last column gives each
+kernel's shared-memory wavefronts a block, counted in the emulation over the first and last block along every
+grid axis (`prism_dsl.backend.banks`, as `prismc verify --banks`), against the same accesses without a bank
+conflict, and its worst place; that takes minutes a prefill workload (each block emulated, every thread).
 
-    python benchmarks/static_report.py [--only NAME] [--time-limit SECONDS]
+    python benchmarks/static_report.py [--only NAME] [--time-limit SECONDS] [--banks]
 
 Prints a markdown table (the one in benchmarks/NOTES.md) and the machine it ran on, then which of the static
 targets each workload meets.
@@ -91,6 +94,22 @@ def kernel_rows(out: Path, report: dict) -> list[tuple[str, dict]]:
     return rows
 
 
+def wavefronts(out: Path) -> dict[str, str]:
+    """Per kernel of the program compiled into `out`, its shared-memory wavefronts a block as the table gives them."""
+    from prism_dsl.cli.verify import from_directory
+    from prism_dsl.pipeline import emulation
+    from prism_dsl.pipeline.build import check_inputs, plan_of
+
+    built, header, _, _ = from_directory(out)
+    counted = emulation.wavefronts(built, plan_of(built), check_inputs(built, 0), seed=0, header=header)
+    text = {}
+    for name, w in counted.items():
+        worst = w.conflicted[0] if w.conflicted else None
+        text[name] = (f"{w.per_block:,.0f} ({w.over_ideal:.2f}x" +
+                      (f"; {worst.where} {worst.wavefronts / worst.ideal:.1f}x)" if worst else ")"))
+    return text
+
+
 def targets(name: str, report: dict, kernels: list[dict], sms: int) -> str:
     """The static targets for one workload, as a table row. At decode: a block per SM (the program's largest
     launch), and a global load (async or not) per 16 FFMA in the hot loop of a kernel whose products run off
@@ -121,6 +140,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="workloads whose name contains this")
     parser.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
+    parser.add_argument("--banks", action="store_true", help="count shared-memory wavefronts in the emulation too")
     args = parser.parse_args()
     if nvcc_path() is None or not sass.available():
         print("needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')", file=sys.stderr)
@@ -129,8 +149,8 @@ def main() -> int:
           f"SASS for sm_90a by {Path(sass.tool()).name}; model: H100 (no GPU ran)")
     print("| workload | program | kernel | grid x threads | hot loop HMMA / HGMMA / LDSM / LDGSTS / UTMALDG / FFMA / LDS / BAR / all | "
           "issued per iteration / copying ahead | HMMA per LDSM | registers | spills | shared | blocks/SM | model us | "
-          "program model us | floor us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "program model us | floor us |" + (" shared wavefronts a block (x conflict-free; worst place) |" if args.banks else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.banks else ""))
     summary, sms = [], load_hardware("h100").sms
     for name, program, dims in WORKLOADS:
         if args.only and args.only not in name:
@@ -146,8 +166,11 @@ def main() -> int:
             report = json.loads(done.stdout)
             head = f"| {name} ({dims}) | {len(report['kernels'])} launch(es) | "
             rows = kernel_rows(out, report)
+            counted = wavefronts(out) if args.banks else {}
             for i, (row, _) in enumerate(rows):
                 tail = f" | {report['estimated_us']:.1f} | {report['roofline']['floor_us']:.1f} |" if i == 0 else " | | |"
+                if args.banks:
+                    tail += f" {counted.get(report['kernels'][i]['name'], '-')} |"
                 print((head if i == 0 else "| | | ") + row + tail)
             summary.append(targets(name, report, [facts for _, facts in rows], sms))
     print("\n| workload | model / floor | static targets |\n|---|---|---|")

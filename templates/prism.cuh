@@ -401,6 +401,11 @@ inline float b16_to_f(uint16_t bits, bool bf16) {
 
 template <int N, bool Trans> void ldmatrix_op(const void* const* in, void* const* out) {
     uint16_t m[N][8][8];
+#if defined(PRISM_BANKS)
+    const void* rows[8 * N];
+    for (int i = 0; i < 8 * N; ++i) rows[i] = *static_cast<const void* const*>(in[i]);
+    banks::rows(rows, 8 * N, rt().op_site.file, rt().op_site.line);
+#endif
     for (int j = 0; j < N; ++j)
         for (int row = 0; row < 8; ++row) {
             const void* p = *static_cast<const void* const*>(in[8 * j + row]);

@@ -119,6 +119,7 @@ static void entry() {
     Thread* t = self();
     acquire(&r.launch_sync);
     r.launch->fn(r.launch->args);
+    PRISM_BANKS_DO(sync(t, true));
     {
         Quiet quiet;
         finish_checks(t);
@@ -228,6 +229,7 @@ void fence_proxy_async() {
 // -- barriers and warp collectives ----------------------------------------------------------------------------------
 void barrier(const char* file, int line) {
     Thread* t = self();
+    PRISM_BANKS_DO(sync(t, false));
     Block* b;
     char* sync;
     bool wait;
@@ -277,6 +279,7 @@ bool barrier_or(bool vote, const char* file, int line) {
 void collective(const char* what, unsigned mask, const char* file, int line, const void* in, void* out,
                 void (*op)(const void* const*, void* const*)) {
     Thread* t = self();
+    PRISM_BANKS_DO(sync(t, false));
     Warp* w;
     char* sync;
     bool wait;
@@ -318,7 +321,9 @@ void collective(const char* what, unsigned mask, const char* file, int line, con
         {
             Quiet quiet;  // lanes' registers pass between fibers unseen; the op shows its memory accesses (Visible)
             rt().op_site = w->site;
+            PRISM_BANKS_DO(quiet(true));
             w->op(w->in, w->out);
+            PRISM_BANKS_DO(quiet(false));
             w->arrived = 0;
             ++w->generation;
             const int first = t->linear - t->linear % kWarp;
@@ -346,6 +351,7 @@ void cp_async(void* dst, const void* src, int size, const char* file, int line) 
         if (in_shared(t->block, src, size))
             fail({here}, "cp.async in %s reads shared memory at %p; its source is global memory", who(t).c_str(), src);
         c.seq = t->issued++;
+        PRISM_BANKS_DO(copy(dst, size, file, line));
         c.dst = static_cast<unsigned char*>(dst);
         c.size = size;
         c.site = here;
@@ -619,6 +625,7 @@ static bool land_bulks(Block* b, const void* bar) {
 void mbarrier_wait(void* bar, unsigned parity, const char* file, int line) {
     Thread* t = self();
     const Site here{file, line, "mbarrier.try_wait.parity"};
+    PRISM_BANKS_DO(sync(t, false));
     for (;;) {
         char* sync;
         bool done;
@@ -671,6 +678,7 @@ void named_barrier(int id, int count, bool wait, const char* file, int line) {
     char* sync;
     bool blocked;
     const Site here{file, line, wait ? "bar.sync" : "bar.arrive"};
+    PRISM_BANKS_DO(sync(t, false));
     {
         Quiet quiet;
         b = t->block;
@@ -823,6 +831,7 @@ static void run_wave(const std::vector<prism_dim3>& blocks) {
             fail({issue.site}, "block (%u,%u,%u) ends with wgmma %zu of warpgroup %d issued by %d of its 4 warps "
                  "(warp %d first): the warps of a warpgroup issue each wgmma together", b->idx.x, b->idx.y, b->idx.z,
                  issue.k, issue.group, issue.warps, issue.warp);
+        PRISM_BANKS_DO(block_done(b));
         for (Buffer& buf : b->buffers) std::free(buf.base);
         delete b;
     }
@@ -852,6 +861,7 @@ static void launch(const Launch& L, std::vector<prism_dim3> blocks, size_t per_w
     for (size_t i = 0; i < blocks.size(); i += per_wave)
         run_wave(std::vector<prism_dim3>(blocks.begin() + i, blocks.begin() + std::min(blocks.size(), i + per_wave)));
     acquire(&r.done_sync);
+    PRISM_BANKS_DO(launch_done(L));
     r.launch = nullptr;
 }
 

@@ -401,6 +401,21 @@ void defer();
 // -- named barriers: bar.sync (arrive and wait) and bar.arrive (arrive only), an id 1-15 and a thread count ----
 void named_barrier(int id, int count, bool wait, const char* file, int line);
 
+// -- the count of shared-memory wavefronts (the "banks" build: prism_banks.cc) -----------------------------------------
+#if defined(PRISM_BANKS)
+namespace banks {
+void sync(Thread* t, bool done);  // t reaches a barrier, a warp collective or an mbarrier wait (done: its end)
+void quiet(bool on);  // a collective's exchange runs: its accesses are the runtime's
+void copy(const void* dst, int size, const char* file, int line);  // a cp.async's write of shared memory
+void rows(const void* const* row, int n, const char* file, int line);  // ldmatrix's n row addresses, 8 a matrix
+void block_done(const Block* b);
+void launch_done(const Launch& L);
+}  // namespace banks
+#define PRISM_BANKS_DO(call) banks::call
+#else
+#define PRISM_BANKS_DO(call) ((void)0)
+#endif
+
 // -- the scheduler ------------------------------------------------------------------------------------------------
 
 }  // namespace emu

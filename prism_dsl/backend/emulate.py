@@ -51,6 +51,7 @@ from .nvcc import write_sources
 
 RUNTIME = "prism_emu.h"  # the emulation's runtime, beside prism.cuh in templates/: what kernels see of it
 RUNTIME_DEFINITIONS = "prism_emu.cc"  # the rest of it, compiled once per set of flags (`runtime_object`)
+RUNTIME_BANKS = "prism_banks.cc"  # with it, in the "banks" build: the count of shared-memory wavefronts (`banks`)
 RUNTIME_OBJECTS_KEPT = 6  # in the cache: each set of flags (3) for this version of the runtime and the one before
 MAX_OBJECT_BYTES = 64 * files.MiB  # the runtime's object: 1-5 MB
 SANITIZERS = ("thread", "address")
@@ -67,6 +68,14 @@ _FLAGS = {
     None: ["-O1"],
     "thread": ["-O1", "-fsanitize=thread"],
     "address": ["-O0", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
+    "banks": ["-O1", "-DPRISM_BANKS"],
+}
+# The "banks" build's kernels (not its runtime): every load and store an outlined call, which prism_banks.cc takes.
+_INSTRUMENT = {
+    "g++": ["-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0", "--param",
+            "asan-stack=0", "--param", "asan-globals=0"],
+    "clang++": ["-fsanitize=kernel-address", "-mllvm", "-asan-instrumentation-with-call-threshold=0", "-mllvm",
+                "-asan-stack=0", "-mllvm", "-asan-globals=0"],
 }
 _ENV = {  # each sanitizer stops at its first report, with an exit status of its own
     "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:history_size=4:report_signal_unsafe=0",
@@ -128,6 +137,7 @@ class Result:
     finding: Finding | None
     seconds: float  # compiling and running
     blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # per kernel: (blocks emulated, grid's blocks)
+    log: str = ""  # what the emulation printed on stdout (the "banks" build's counts)
 
 
 # -- building ------------------------------------------------------------------------------------------------------
@@ -193,7 +203,8 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     # with -g1, its ThreadSanitizer build 3.3 s and 2.3 s (g++, 2 cores)
     flags = ["-std=c++17", "-g1", *_FLAGS[sanitizer]]
     runtime = runtime_object(cxx, flags, workdir)
-    cmd = [cxx, *flags, "-x", "c++", "harness.cpp", "-x", "none", runtime.name, "-o", exe.name]
+    extra = _INSTRUMENT["clang++" if "clang" in _compiler_identity(cxx)[1] else "g++"] if sanitizer == "banks" else []
+    cmd = [cxx, *flags, *extra, "-x", "c++", "harness.cpp", "-x", "none", runtime.name, "-o", exe.name]
     done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     if done.returncode != 0:
         raise PrismError("the generated kernels do not compile for the CPU emulation:\n" + _compiler_errors(done.stderr))
@@ -210,7 +221,10 @@ def runtime_object(cxx: str, flags: Sequence[str], workdir: Path) -> Path:
     before its record, under a name of its own, so processes that compile it at once never pair one's record
     with another's object. A cache that cannot keep it costs the compile, nothing else."""
     text = runtime_source(RUNTIME_DEFINITIONS)
-    key = cache.digest("emulation runtime", runtime_source(), text, *_compiler_identity(cxx), *flags)
+    banks = "-DPRISM_BANKS" in flags  # prism_banks.cc, which includes prism_emu.cc
+    unit = RUNTIME_BANKS if banks else RUNTIME_DEFINITIONS
+    key = cache.digest("emulation runtime", runtime_source(), text, *([runtime_source(unit)] if banks else []),
+                       *_compiler_identity(cxx), *flags)
     obj, folder = workdir / "prism_emu.o", cache.cache_dir() / "emulation"
     record = cache.read("emulation", key, valid=lambda v: isinstance(v, dict) and isinstance(v.get("sha256"), str)
                         and re.fullmatch(r"[0-9a-f]{64}", v["sha256"]) is not None)
@@ -223,7 +237,9 @@ def runtime_object(cxx: str, flags: Sequence[str], workdir: Path) -> Path:
                 return obj
         cache.warn(stored, "missing, or not the object its record names; compiling the emulation's runtime again")
     (workdir / RUNTIME_DEFINITIONS).write_text(text)
-    done = subprocess.run([cxx, *flags, "-c", "-x", "c++", RUNTIME_DEFINITIONS, "-o", obj.name], cwd=workdir,
+    if banks:
+        (workdir / unit).write_text(runtime_source(unit))
+    done = subprocess.run([cxx, *flags, "-c", "-x", "c++", unit, "-o", obj.name], cwd=workdir,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise PrismError("the emulation's runtime does not compile:\n" + _compiler_errors(done.stderr))
@@ -318,28 +334,29 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
             for name in _written_by(k):
                 commands.append(f"save {names.index(name)} {data / f'out-{name}'}")
         (workdir / "commands.txt").write_text("\n".join(commands) + "\n")
-        finding = _execute(exe, workdir, kernels, timeout)
+        finding, log = _execute(exe, workdir, kernels, timeout)
         counts = {k.name: (len(blocks[k.name]) if k.name in blocks else int(np.prod(k.grid)), int(np.prod(k.grid)))
                   for k in kernels}
         outputs = {} if finding else {
             name: from_storage(np.fromfile(data / f"out-{name}", dtype=STORAGE[dtypes[name].value]).reshape(shapes[name]),
                                dtypes[name])
             for k in kernels for name in _written_by(k)}
-        return Result(outputs, finding, round(time.perf_counter() - started, 3), counts)
+        return Result(outputs, finding, round(time.perf_counter() - started, 3), counts, log)
 
 
-def _execute(exe: Path, workdir: Path, kernels: Sequence[RenderedKernel], timeout: float) -> Finding | None:
+def _execute(exe: Path, workdir: Path, kernels: Sequence[RenderedKernel], timeout: float) -> tuple[Finding | None, str]:
+    """What the emulation found (None: nothing), and what it printed on stdout."""
     env = {**os.environ, **_ENV}
     try:
         done = subprocess.run([str(exe), "commands.txt"], cwd=workdir, capture_output=True, text=True,
                               timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return Finding("timeout", None, f"the emulation did not finish in {timeout:g} s")
+        return Finding("timeout", None, f"the emulation did not finish in {timeout:g} s"), ""
     if done.returncode == 0:
-        return None
+        return None, done.stdout
     if done.returncode == 2 and "prism-emulation: harness:" in done.stderr:
         raise PrismError("the emulation harness failed: " + done.stderr.strip().splitlines()[-1])
-    return parse_finding(done.stderr, done.returncode, kernels)
+    return parse_finding(done.stderr, done.returncode, kernels), done.stdout
 
 
 # -- what went wrong, from the child's stderr -----------------------------------------------------------------------

@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes, with --dims")
     ve.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges, with --dims")
     _emulation_options(ve)
+    ve.add_argument("--banks", action="store_true", help="also count the shared-memory wavefronts (bank conflicts)")
     ve.add_argument("--seed", type=whole, default=0, help="seed for the random inputs and sampled blocks (default 0)")
     ve.set_defaults(run=cmd_verify)
 
@@ -155,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _emulation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sanitize", choices=("thread", "address"), default=None,
                    help="emulate under ThreadSanitizer (races) or AddressSanitizer with UBSan (bad accesses)")
-    p.add_argument("--emulate-blocks", dest="blocks", type=emulate_blocks, default="auto", metavar="all|auto|N",
-                   help="blocks to emulate: 'all', every block; N, the first and last along every grid axis and N "
-                        "more at random per kernel; 'auto' (default), all where that is quick, else a sample")
+    p.add_argument("--emulate-blocks", dest="blocks", type=emulate_blocks, default="auto", metavar="all|auto|N", help="blocks "
+                   "to emulate: 'all'; N, the first and last along every grid axis and N more at random per kernel; "
+                   "'auto' (default), all where that is quick, else a sample (--banks: the first and last)")
 
 
 def _program_options(p: argparse.ArgumentParser) -> None:

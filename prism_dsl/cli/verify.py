@@ -6,7 +6,9 @@ on random inputs, and every output element is compared with the float64 referenc
 (`PROGRAM.prism`, the program as compiled; its custom kernels run in the block interpreter). With `--dims`
 (or `--grid`/`--loop`), the `.cu` files cannot be used (every size is a constant in them): the kernels are
 generated again from the program in DIR at those sizes, and the summary says so. `--sanitize thread` or
-`--sanitize address` runs the sanitizer build. Exit 0 when everything agrees, 1 otherwise.
+`--sanitize address` runs the sanitizer build. `--banks` then counts each kernel's shared-memory wavefronts in the
+emulation (`backend.banks`: bank conflicts, and where they are), over the first and last block along every grid
+axis unless `--emulate-blocks` says otherwise. Exit 0 when everything agrees, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -78,26 +80,53 @@ def _text(path: Path) -> str:
 
 def verify(args) -> int:
     directory = Path(args.directory)
+    built, header, on_disk, source = from_directory(directory, args.dims, args.grid, args.loop)
+    check_sizes(built.source, built.binding)  # the float64 reference must fit in memory
+    inputs = check_inputs(built, args.seed)
+    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
+                            rtol=tolerance_of(built, inputs), checked_against=f"program in {source}",
+                            sanitizer=args.sanitize, extra=args.blocks, header=header)
+    print(_summary(check, directory, built, on_disk))
+    if args.banks and check.passed:
+        counted = emulation.wavefronts(built, plan_of(built), inputs, seed=args.seed, header=header,
+                                       extra=0 if args.blocks == "auto" else args.blocks)
+        print(_banks(counted, built))
+    return 0 if check.passed else 1
+
+
+def _banks(counted: dict, built) -> str:
+    """The kernels' shared-memory wavefronts (`backend.banks`) and their worst places, in words."""
+    lines = ["  shared memory, counted in the emulation (wavefronts: 128 bytes a clock per SM):"]
+    for k in built.kernels:
+        w = counted.get(k.name)
+        if w is None:
+            continue
+        lines.append(f"    {k.name}: {w.per_block:,.0f} wavefronts a block ({w.blocks} emulated), "
+                     f"{w.over_ideal:.2f}x conflict-free")
+        lines += [f"      {p.where}: {p.wavefronts / p.ideal:.1f}x, {p.wavefronts:,} wavefronts where "
+                  f"{p.ideal:,} would do" for p in w.conflicted[:3]]
+    return "\n".join(lines)
+
+
+def from_directory(directory: Path, dims: dict | None = None, grid: dict | None = None, loop: dict | None = None):
+    """The build of the program an output directory holds: (build, its prism.cuh or None, whether the kernels
+    are the .cu files on disk, the program's file). At other `dims` (or with `grid`/`loop`) the kernels are
+    generated again from its program."""
+    dims, grid, loop = dims or {}, grid or {}, loop or {}
     report = read_report(directory)
     name = report["program"]
     source = directory / f"{name}.prism"
     program = load(source).program(name)
     hardware = load_hardware(report["hardware"]["name"])
     compiled_dims = report["dims"]
-    on_disk = (not args.dims or {**compiled_dims, **args.dims} == compiled_dims) and not args.grid and not args.loop
-    options = BuildOptions(dims={**compiled_dims, **args.dims}, grid=args.grid, loop=args.loop,
+    on_disk = (not dims or {**compiled_dims, **dims} == compiled_dims) and not grid and not loop
+    options = BuildOptions(dims={**compiled_dims, **dims}, grid=grid, loop=loop,
                            params=report["parameters"] if on_disk else {}, archs=(), codegen=_codegen(report))
     built = build(program, hardware, options)
     header = None
     if on_disk:
         built, header = _as_on_disk(built, directory, report)
-    check_sizes(program, built.binding)  # the float64 reference must fit in memory
-    inputs = check_inputs(built, args.seed)
-    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
-                            rtol=tolerance_of(built, inputs), checked_against=f"program in {source}",
-                            sanitizer=args.sanitize, extra=args.blocks, header=header)
-    print(_summary(check, directory, built, on_disk))
-    return 0 if check.passed else 1
+    return built, header, on_disk, source
 
 
 def _codegen(report: dict) -> CodegenConfig:

@@ -239,6 +239,12 @@ def check_emulated(built: Build, seed: int, sanitizer: str | None = None, extra:
                            extra=extra)
 
 
+def shared_wavefronts(built: Build, seed: int = 0, extra: str | int = 0) -> dict:
+    """Per kernel, its shared-memory wavefronts in the emulation (`backend.banks.Wavefronts`), over the blocks
+    `emulation.wavefronts` samples."""
+    return emulation.wavefronts(built, plan_of(built), check_inputs(built, seed), seed=seed, extra=extra)
+
+
 def emulate(built: Build, options: BuildOptions) -> EmulationCheck | Skipped | None:
     """The CPU emulation's check, or why it was skipped; None when not asked for."""
     if not options.emulate:

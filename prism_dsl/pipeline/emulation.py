@@ -22,7 +22,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..backend import compare, cost
+from ..backend import banks, compare, cost
 from ..backend import emulate as emulator
 from ..ir.nodes import DTYPES
 from ..kernels.kernel import kernels_of
@@ -99,15 +99,8 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
     what one kernel passes to another with the block interpreter's values at the base tolerance."""
     tolerance = rtol if isinstance(rtol, compare.Tolerance) else compare.Tolerance(rtol)
     rtol = tolerance.base
-    dtypes = {n: DTYPES[t["dtype"]] for n, t in plan["tensors"].items()}
-    shapes = {n: tuple(t["shape"]) for n, t in plan["tensors"].items()}
-    blocks = choose_blocks(built, extra, seed)
+    dtypes, shapes, blocks, launched, values = _setup(built, plan, inputs, extra, seed)
     outputs = {name for name, _ in built.program.outputs}
-    # sampled, each kernel reads what the others store from the block interpreter (`run` loads only what a
-    # kernel reads, after its producer's output was saved)
-    values = stored_values(built, inputs) if blocks else {}
-    sms = built.hardware.sms
-    launched = {name: [_launched(built.concrete[name], b, sms) for b in bs] for name, bs in blocks.items()}
     result = emulator.run(built.kernels, dtypes, shapes, inputs, sanitizer=sanitizer, blocks=launched, feed=values,
                           header=header)
     sizes = sorted({k.block[0] for k in built.kernels})  # threads per block: several where kernels differ
@@ -125,6 +118,28 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
         compared[name] = _compare(result.outputs[name], values[name], masks.get(name), compare.Tolerance(rtol), name) | {
             "against": "block interpreter"}
     return EmulationCheck(all(o["passed"] for o in compared.values()), rtol, seed, checked_against, compared, ran)
+
+
+def wavefronts(built, plan: Mapping, inputs: Mapping[str, np.ndarray], *, seed: int, extra: str | int = 0,
+               header: str | None = None) -> dict[str, banks.Wavefronts]:
+    """The built kernels' shared-memory wavefronts (`backend.banks`), per kernel, over the blocks `choose_blocks`
+    gives for `extra` (by default the first and last along every grid axis: the work of a causal loop's
+    shortest and longest blocks, say), each kernel fed as `check` feeds it."""
+    dtypes, shapes, _, launched, values = _setup(built, plan, inputs, extra, seed)
+    return banks.count(built.kernels, dtypes, shapes, inputs, blocks=launched, feed=values, header=header)
+
+
+def _setup(built, plan: Mapping, inputs: Mapping[str, np.ndarray], extra: str | int, seed: int):
+    """The tensors' types and shapes (from `plan`), the grid blocks chosen per kernel, the launch's blocks that
+    compute them, and the values fed to kernels: sampled, each kernel reads what the others store from the block
+    interpreter (`run` loads only what a kernel reads, after its producer's output was saved)."""
+    dtypes = {n: DTYPES[t["dtype"]] for n, t in plan["tensors"].items()}
+    shapes = {n: tuple(t["shape"]) for n, t in plan["tensors"].items()}
+    blocks = choose_blocks(built, extra, seed)
+    values = stored_values(built, inputs) if blocks else {}
+    sms = built.hardware.sms
+    launched = {name: [_launched(built.concrete[name], b, sms) for b in bs] for name, bs in blocks.items()}
+    return dtypes, shapes, blocks, launched, values
 
 
 def _launched(c, block: tuple[int, int, int], sms: int) -> tuple[int, int, int]:
