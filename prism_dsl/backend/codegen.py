@@ -129,7 +129,8 @@ class Emitter(TensorCoreSteps, RowParts):
 
     def offset(self, b: Buffer, idx: list[str], shape=None) -> str:
         """Where element `idx` of buffer b sits: row-major with its padding, or in wgmma's swizzle."""
-        return offset(idx, shape or self.shape(b), self.pad[b.name], b.name in self.layout.swizzled)
+        return offset(idx, shape or self.shape(b), self.pad[b.name], b.name in self.layout.swizzled,
+                      b.name in self.layout.xor_rows)
 
     def at(self, b: Buffer, idx: list[str]) -> str:
         ref = f"{self.cname[b.name]}[{self.offset(b, idx)}]"

@@ -161,13 +161,15 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   threads' passes over a tile have their trip count in sight (templates/steps.j2), so nvcc unrolls the
   copies of the loop's tiles into the main loop and keeps each one's addresses in registers across it:
   FlashDecoding's partial kernel at dh = 128 takes 168 registers at 128 threads (32 copies per thread and
-  iteration) and 100 at 256 (16), the gated MLP at n = 8 166 and 95 (40 and 20); about 2 a copy over the rest. It is a rough fit (from 1 to 3
-  a copy; where the loop is short, nvcc unrolls it whole and keeps fewer), and ptxas's own count replaces
-  it for the program that is built. It over-counts where a thread issues few copies: the gated MLP at n = 8
-  with 10 copies (16 loop steps of [256, 16] tiles) takes 56 registers against the guess of 100, and
-  rmsnorm_linear with 6, 56 against 88. A fit of base and slope over those kernels and the prefill ones
-  does no better (the copies do not decide the rest of a kernel's registers), so the constants stay. There,
-  shared memory decides the blocks per SM before registers do.
+  iteration) and 100 at 256 (16); about 2 a copy over the rest. It is a rough fit (from 1 to 3 a copy; where
+  the loop is short, nvcc unrolls it whole and keeps fewer), and ptxas's own count replaces it for the program
+  that is built. Copies into tiles whose rows' 16-byte chunks are permuted (`launch.xor_rows`: rows of 32 or
+  64 bytes) are not counted: ptxas computes their addresses in the loop rather than holding them. The gated
+  MLP at n = 8 with 40 such copies a thread (4 loop steps of [1024, 16] tiles) took 166 registers with the
+  rows in order and takes 72 with them permuted (the guess: 80); with 10 (16 steps of [256, 16]), 56 and 64
+  (the guess: 80, where it said 100 before). A fit of base and slope over those kernels and the prefill ones
+  does no better (the copies do not decide the rest of a kernel's registers), so the constants stay. Shared
+  memory mostly decides the blocks per SM before registers do.
 It is meant to rank, not to predict to the microsecond; `roofline` gives the floor no program beats.
 """
 
@@ -332,8 +334,8 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
                       for t in shape.registers.values()] + [0])
                + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0)
-               + (REGISTERS_PER_COPY * -(-iteration_bytes(c) // (16 * shape.threads)) if c.loop > 1 and not shape.tma
-                  else 0))
+               + (REGISTERS_PER_COPY * -(-iteration_bytes(c, shape.xor_rows) // (16 * shape.threads))
+                  if c.loop > 1 and not shape.tma else 0))
     if compiled and compiled.get("registers"):  # what ptxas gave it, in place of the estimate
         regs = compiled["registers"]
     occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))

@@ -83,20 +83,34 @@ def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
     return " + ".join(terms) or "0"
 
 
-def offset(idx: list[str], shape: tuple[int, ...], pad: int = 0, swizzle: bool = False) -> str:
+def offset(idx: list[str], shape: tuple[int, ...], pad: int = 0, swizzle: bool = False, xor: bool = False) -> str:
     """Row-major offset of index expressions `idx` (aligned to the right of `shape`; size-1 dims
     broadcast and read index 0), in a buffer whose rows have `pad` elements more (`Buffer.pad`); or, with
-    `swizzle`, in wgmma's 128-byte swizzle of a 16-bit matrix (`swizzled`)."""
+    `swizzle`, in wgmma's 128-byte swizzle of a 16-bit matrix (`swizzled`); or, with `xor`, with each row's
+    16-byte chunks permuted (`xor_column`: rows of 16 or 32 16-bit elements)."""
     rank = len(shape)
     idx = list(idx[len(idx) - rank:]) if len(idx) >= rank else ["0"] * (rank - len(idx)) + list(idx)
     if swizzle:
         return swizzled(idx[-2], idx[-1], shape[-2], shape[-1])
+    if xor and idx[-2] != "0":  # row 0's chunks stay where they are
+        idx = idx[:-1] + [xor_column(idx[-2], idx[-1], shape[-1])]
     terms = []
     for i, size, stride in zip(idx, shape, _strides(shape[:-1] + (shape[-1] + pad,) if shape else shape)):
         if size == 1 or i == "0":
             continue
         terms.append(i if stride == 1 else f"{i} * {stride}")
     return " + ".join(terms) or "0"
+
+
+def xor_column(row: str, col: str, cols: int) -> str:
+    """Where column `col` of row `row` sits in a row of `cols` 16-bit elements (16 or 32: rows of 32 or 64 bytes)
+    whose 16-byte chunks are permuted by the row: chunk c at c ^ (row / L) % C, C the row's chunks and L the
+    rows of a 128-byte line (`launch.xor_rows`). The 8 rows an ldmatrix reads, and the rows a quarter warp's
+    16-byte copies fill, then fall on distinct banks without padding; a chunk's 8 elements stay together."""
+    chunks, lines = cols // 8, 64 // cols
+    c = col if col.isidentifier() or col.isdigit() else f"({col})"
+    r = row if row.isidentifier() or row.isdigit() else f"({row})"
+    return f"({c} ^ {r} / {lines} % {chunks} * 8)" if lines > 1 else f"({c} ^ {r} % {chunks} * 8)"
 
 
 def swizzled(row: str, col: str, rows: int, cols: int) -> str:

@@ -9,7 +9,8 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   suitable shape (`mma_shape`);
 - which buffers wgmma reads (`swizzled`): stored in its 128-byte swizzle, unpadded, every buffer of such a
   kernel then starting on a 1024-byte atom; where another product would read one as padded rows, or the
-  atoms' alignment overflows shared memory, the kernel keeps `mma.sync` instead;
+  atoms' alignment overflows shared memory, the kernel keeps `mma.sync` instead; which loaded tiles of
+  rows of 32 or 64 bytes have their 16-byte chunks permuted by row instead of padded (`xor_rows`);
 - the threads per block: the configured count, or more where a register-tiled product needs more warps;
 - the stages of the loop's copy pipeline: with every loop tile copied by 16-byte `cp.async`, the loads of
   iteration `it + stages - 1` are issued while iteration `it` computes, each loop tile then having `stages`
@@ -98,6 +99,7 @@ class Layout:
     mbarriers: int = 0  # byte offset of the pipeline's mbarriers after every buffer: with `pingpong` a full and an
     # empty one per stage, with `tma` alone a full one
     tma: frozenset[str] = frozenset()  # the loop tiles copied by TMA (`copies.copied_by_tma`): every staged one, or none
+    xor_rows: frozenset[str] = frozenset()  # loaded tiles with each row's 16-byte chunks permuted (`xor_rows`; no padding)
 
     @property
     def lead(self) -> int:
@@ -242,6 +244,21 @@ def swizzled(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Fl
     return frozenset(p.buffer(x).name for _, xs in _wgmma_products(c, registers, flash_of) for x in xs)
 
 
+def xor_rows(c: Concrete, buffers: list[Buffer], dims: dict, registers: dict[Node, Tiling],
+             flash_of: dict[Node, Flash]) -> frozenset[str]:
+    """The loaded 16-bit tiles with rows of 16 or 32 elements (32 or 64 bytes), stored unpadded with each row's
+    16-byte chunks permuted (`ctext.xor_column`): an ldmatrix's 8 rows and a quarter warp's 16-byte copies then
+    fall on distinct banks, where padded 64-byte rows took 2-way conflicts in those copies and unpadded 32-byte
+    rows in those ldmatrix (counted: `backend.banks`). Not where wmma reads one: its loads take a row stride."""
+    p = plan(c.kernel)
+    tiled = {acc.args[0] for acc in registers} | {scores_product(s, p) for s in flash_of}
+    wmma = {p.buffer(x).name for n in c.kernel.body() if n.op == "matmul" and n not in tiled
+            and uses_tensor_cores(n.args[0], n.args[1], p, c.shape)
+            for x in (n.args[0], stored_operand(n.args[1])[0]) if p.place.get(x) is Place.SMEM}
+    return frozenset(b.name for b in buffers if b.role == "tile" and b.dtype.bytes == 2 and len(dims[b.name]) >= 2
+                     and dims[b.name][-1] in (16, 32) and b.name not in wmma)
+
+
 def _only_wgmma_reads(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash]) -> bool:
     """Whether no product other than those on wgmma reads a swizzled buffer (element reads are fine: they go
     through the same address arithmetic; ldmatrix and wmma assume padded rows)."""
@@ -350,7 +367,8 @@ def _layout(c: Concrete, config: CodegenConfig) -> Layout:
     if swizzle and not _only_wgmma_reads(c, registers, flash_of):  # another product reads a tile as padded rows
         return layout(c, replace(config, wgmma=False))
     dims = buffer_shapes(c)
-    pads = {b.name: 0 if b.name in swizzle else _pad(b, dims[b.name]) for b in buffers}
+    xor = xor_rows(c, buffers, dims, registers, flash_of)
+    pads = {b.name: 0 if b.name in swizzle or b.name in xor else _pad(b, dims[b.name]) for b in buffers}
     size = {b.name: _size(b, dims[b.name], pads[b.name]) for b in buffers}
     staged = {b.name for b in buffers if b.role == "tile" and b.node in varying}
     names = [b.name for b in buffers]
@@ -378,7 +396,7 @@ def _layout(c: Concrete, config: CodegenConfig) -> Layout:
     sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
     return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
                   {n: live[n] for n in names}, in_flight(c, registers, flash_of, stages, staged),
-                  overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong or tma else 0, tma)
+                  overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong or tma else 0, tma, xor)
 
 
 def tile_bytes(c: Concrete) -> list[tuple[Node, int]]:
@@ -388,10 +406,10 @@ def tile_bytes(c: Concrete) -> list[tuple[Node, int]]:
             if (n := k.tile_node(load.tile)) is not None]
 
 
-def iteration_bytes(c: Concrete) -> int:
-    """The bytes a block's loop tiles bring from device memory on each iteration (0 without any)."""
-    varying = loop_varying(c.kernel)
-    return sum(b for n, b in tile_bytes(c) if n in varying)
+def iteration_bytes(c: Concrete, but: frozenset[str] = frozenset()) -> int:
+    """The bytes a block's loop tiles (less the buffers named in `but`) bring from device memory each iteration."""
+    varying, p = loop_varying(c.kernel), plan(c.kernel)
+    return sum(b for n, b in tile_bytes(c) if n in varying and p.buffer(n).name not in but)
 
 
 def deepened(step: int, loop: int, config: CodegenConfig) -> int:

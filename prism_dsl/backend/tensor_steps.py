@@ -57,7 +57,13 @@ class TensorCoreSteps:
         the operand transposed ("bt": rows are the product's columns)."""
         tile, transposed = stored_operand(b)
         buf = self.plan.buffer(tile)
-        return {"b": self.cname[buf.name], "ldb": self.shape(tile)[-1] + self.pad[buf.name], "bt": transposed}
+        return {"b": self.cname[buf.name], "ldb": self.shape(tile)[-1] + self.pad[buf.name], "bt": transposed,
+                "xb": self._xor(buf, self.shape(tile)[-1])}
+
+    def _xor(self, buf, cols: int) -> int:
+        """The row length of a tile whose rows' 16-byte chunks are permuted (`launch.xor_rows`), else 0: the
+        template's ldmatrix addresses permute them as `ctext.xor_column` does."""
+        return cols if buf.name in self.layout.xor_rows else 0
 
     def warp_mma(self, acc: Node, dst: str, text: str) -> dict:
         """acc += a @ b into registers, each warp its own tiles (see `warp_mma`); `dst` its state after the loop."""
@@ -67,7 +73,7 @@ class TensorCoreSteps:
         product = {"comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst, "in_flight": self.layout.in_flight,
                    "every_warp": self.threads == 32 * self.registers[acc].warps,
                    "a": self.cname[ba.name], "ab": CTYPE[ba.dtype], "lda": self.shape(a)[-1] + self.pad[ba.name],
-                   **self._right(b)}
+                   "xa": self._xor(ba, self.shape(a)[-1]), **self._right(b)}
         return {"kind": "warp_mma", **product, "products": [product]}
 
     def flash(self, s: Node) -> dict:
@@ -77,9 +83,9 @@ class TensorCoreSteps:
         f, (q, kt), users = self.layout.flash[s], m.args, self.plan.users[s]
         reg = "f_" + ident(self.plan.buffer(s).name)
 
-        def tile(n: Node) -> tuple[str, int]:
+        def tile(n: Node) -> tuple[str, int, int]:
             b = self.plan.buffer(n)
-            return self.cname[b.name], self.shape(n)[-1] + self.pad[b.name]
+            return self.cname[b.name], self.shape(n)[-1] + self.pad[b.name], self._xor(b, self.shape(n)[-1])
         outs = [{"r": f"{reg}_o{j}", "v": tile(u.args[1]), "c": self.cname[self.held(u).name], **self._stage_of(u.args[1])}
                 for j, u in enumerate(u for u in users if ACCUMULATORS[u.op].like == "matmul")]
         sums = [self.cname[self.held(u).name] for u in users if ACCUMULATORS[u.op].row and u.op != RUNNING_MAX]
@@ -87,7 +93,7 @@ class TensorCoreSteps:
         text = comment(f"online softmax over {self.describe(s)}, folded by "
                        + ", ".join(self.names.get(u, u.op) for u in users))
         right = self._right(kt)
-        return {"kind": "flash", "comment": text, "f": f, "r": reg, "q": tile(q), "k": (right["b"], right["ldb"]),
+        return {"kind": "flash", "comment": text, "f": f, "r": reg, "q": tile(q), "k": (right["b"], right["ldb"], right["xb"]),
                 "kt": right["bt"], "causal": self.causal_fragment(s) if s is not m else None,
                 "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
                 "m": self.cname[self.plan.groups[s]["m"].name], "defer": self.layout.overlap and f.wg and bool(outs),

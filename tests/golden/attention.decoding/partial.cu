@@ -69,7 +69,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             const int e = v * 8;
             const int i2 = e / 16;
             const int i3 = e % 16;
-            prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + i3, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + ahead * 16 + i3);
+            prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + ahead * 16 + i3);
         }
         // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
         {
@@ -92,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 const int e = v * 8;
                 const int i2 = e / 16;
                 const int i3 = e % 16;
-                prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + i3, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + ahead * 16 + i3);
+                prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + ahead * 16 + i3);
             }
             // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
             {
@@ -115,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 for (int k0 = 0; k0 < 64; k0 += 16) {
                     const int k = k0 + PRISM_TID % 16;
                     float w[8];
-                    prism::load8(w, s_kt + k * 16 + i3);
+                    prism::load8(w, s_kt + k * 16 + (i3 ^ k / 4 % 2 * 8));
                     const real x = prism::to_f(s_qt[k]);
                     PRISM_UNROLL
                     for (int c = 0; c < 8; ++c) part[c] += x * w[c];
