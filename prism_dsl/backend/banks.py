@@ -9,6 +9,7 @@ its lanes do at one place in the code between two synchronisations; a thread's a
 serves them, wgmma's operands and TMA's copies not at all. A phase of lanes (128 bytes) takes one wavefront
 conflict-free, and as many as the most distinct words one bank holds otherwise.
 
+The build takes g++'s kernel-address instrumentation (clang's flags are given too, but have not been run here).
 The counts are of the accesses the host compiler leaves: where nvcc keeps a value in a register that g++ reads
 again (a row's scale read once per element), they are over; they are exact for the explicit primitives (ldmatrix,
 load8, store16, cp.async). `static_report.py` prints them per kernel; the tests hold the generated kernels to them.

@@ -15,7 +15,7 @@ block and between blocks) or AddressSanitizer with UndefinedBehaviorSanitizer (`
 and misaligned accesses, each shared buffer a separate allocation). What either finds, and what the
 emulation itself finds (a divergent barrier or warp collective, a misaligned tensor-core or async-copy
 address, copies never waited for), comes back as a `Finding` with the kernel, the generated `.cu` lines and
-the threads involved.
+the threads involved. A fourth build, `"banks"`, counts the kernels' shared-memory wavefronts (`banks`).
 
 At large dims, emulating every block is too slow on a CPU: `sample_blocks` picks the first and last block
 along every grid axis and some at random (all blocks along axes whose results are summed), and `written`
@@ -52,7 +52,7 @@ from .nvcc import write_sources
 RUNTIME = "prism_emu.h"  # the emulation's runtime, beside prism.cuh in templates/: what kernels see of it
 RUNTIME_DEFINITIONS = "prism_emu.cc"  # the rest of it, compiled once per set of flags (`runtime_object`)
 RUNTIME_BANKS = "prism_banks.cc"  # with it, in the "banks" build: the count of shared-memory wavefronts (`banks`)
-RUNTIME_OBJECTS_KEPT = 6  # in the cache: each set of flags (3) for this version of the runtime and the one before
+RUNTIME_OBJECTS_KEPT = 8  # in the cache: each set of flags (4) for this version of the runtime and the one before
 MAX_OBJECT_BYTES = 64 * files.MiB  # the runtime's object: 1-5 MB
 SANITIZERS = ("thread", "address")
 THREADS_PER_WAVE = 1024  # threads live at once (whole blocks): what an SM holds is 2048
