@@ -146,7 +146,7 @@ def test_verify_banks_prints_the_count(tmp_path, capsys):
     assert main(["compile", str(ROOT / "programs" / "fused" / "rmsnorm_linear.prism"), "--search", "none",
                  "--dims", "n=8,d=256", "-o", str(out), "--arch", "none", "--no-emulate"]) == 0
     capsys.readouterr()
-    assert main(["verify", str(out), "--banks"]) == 0
+    assert main(["verify", str(out), "--banks", "--emulate-blocks", "0"]) == 0
     text = capsys.readouterr().out
     assert "verified: yes" in text
     m = re.search(r"rmsnorm_matmul: ([\d,]+) wavefronts a block \((\d+) emulated\), ([\d.]+)x conflict-free", text)
