@@ -44,7 +44,7 @@ from ..kernels.lifetimes import AFTER, in_use
 from ..kernels.position import causal_loop, longest_first, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
-from .ctext import CTYPE, address, block_names, comment, decompose, ident, offset, tensor_name
+from .ctext import CTYPE, address, block_names, comment, decompose, ident, offset, tensor_name, xor_column
 from .copies import TensorMap, load_step, tma_copies
 from .launch import CodegenConfig, dot_lanes, flash_values, layout, stage_elements
 from .row_parts import RowParts, held_in_registers
@@ -87,8 +87,10 @@ class RenderedKernel:
 @cache
 def template_env() -> jinja2.Environment:
     """The Jinja environment of `templates/`: kernels here, the launcher in `pipeline`."""
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                              keep_trailing_newline=True, autoescape=False)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.globals["xor_column"] = xor_column  # steps.j2's ldmatrix addresses permute a tile's rows as `offset` does
+    return env
 
 
 def header_source() -> str:

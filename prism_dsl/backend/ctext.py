@@ -110,7 +110,7 @@ def xor_column(row: str, col: str, cols: int) -> str:
     chunks, lines = cols // 8, 64 // cols
     c = col if col.isidentifier() or col.isdigit() else f"({col})"
     r = row if row.isidentifier() or row.isdigit() else f"({row})"
-    return f"({c} ^ {r} / {lines} % {chunks} * 8)" if lines > 1 else f"({c} ^ {r} % {chunks} * 8)"
+    return f"({c} ^ {r} / {lines} % {chunks} * 8)"
 
 
 def swizzled(row: str, col: str, rows: int, cols: int) -> str:
