@@ -3,6 +3,11 @@ the chosen program, and the time to re-instantiate from the checkpoint at other 
 
     python benchmarks/search_suite.py            # prints a Markdown table (paste it into NOTES.md)
     python benchmarks/search_suite.py --only attention   # the programs whose name contains it, no decoding table
+    python benchmarks/search_suite.py --jobs-compare     # the recompile tuned in one process and in two, twice each
+
+`--jobs-compare` searches each program at its default dims, then recompiles it from the checkpoint at the other
+dims with `jobs=1` and `jobs=2` in turn (twice each, the tuning database emptied before each, so every proved
+program is tuned again), checks the two rankings are the same figure for figure, and prints the seconds.
 
 Uses a fresh cache directory, so the first compile of each program searches.
 """
@@ -36,8 +41,12 @@ DECODING = [dict(b=1, h=8, q=1, kv=8192, dh=128), dict(b=1, h=8, q=1, kv=32768, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="programs whose name contains this (and no decoding table)")
-    only = parser.parse_args().only
+    parser.add_argument("--jobs-compare", action="store_true", help="time the recompile in one process and in two")
+    args = parser.parse_args()
+    only = args.only
     os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")
+    if args.jobs_compare:
+        return jobs_compare(only)
     from prism_dsl.lang.check import load
     from prism_dsl.kernels.hardware import load_hardware
     from prism_dsl.kernels.kernel import kernels_of
@@ -97,6 +106,39 @@ def _split(program) -> bool:
     from prism_dsl.kernels.kernel import kernels_of
 
     return any(k.name.endswith("_combine") for k in kernels_of(program))
+
+
+
+def jobs_compare(only: str | None) -> None:
+    """The recompile at the other dims, tuned in one process and in two (`optimize._rankers`), twice each."""
+    import shutil
+
+    from prism_dsl.kernels.hardware import load_hardware
+    from prism_dsl.lang.check import load
+    from prism_dsl.lang.printer import print_program
+    from prism_dsl.pipeline.optimize import optimize
+    from prism_dsl.prove.rules import load_library
+    from prism_dsl.semantics.reference import bind_dims
+
+    library, hardware = load_library([], defaults=True), load_hardware("h100")
+    tuning = Path(os.environ["PRISM_CACHE_DIR"]) / "tuning"
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    print("\n| program | recompile, one process (s) | two processes (s) |\n|---|---|---|")
+    for name, other in PROGRAMS.items():
+        if only and only not in name:
+            continue
+        program = load(ROOT / "programs" / f"{name}.prism").program()
+        optimize(program, library, hardware, program.default_binding(), time_limit=600)
+        seconds, rankings = {1: [], 2: []}, set()
+        for jobs in (1, 2, 1, 2):
+            shutil.rmtree(tuning, ignore_errors=True)
+            start = time.perf_counter()
+            out = optimize(program, library, hardware, bind_dims(program, other), jobs=jobs)
+            seconds[jobs].append(time.perf_counter() - start)
+            rankings.add(tuple((print_program(r.program), tuple(sorted(r.params.items())), r.estimated_us, r.busy)
+                               for r in out.ranked))
+        assert len(rankings) == 1, f"{name}: the rankings differ"
+        print(f"| {name} | {', '.join(f'{t:.1f}' for t in seconds[1])} | {', '.join(f'{t:.1f}' for t in seconds[2])} |")
 
 
 if __name__ == "__main__":
