@@ -307,13 +307,14 @@ def test_prismc_compile_prices_the_chosen_program_from_its_compiled_code_and_say
 
     path = str(ROOT / "programs/fused/rmsnorm_linear.prism")
     common = [path, "--search", "none", "--dims", "n=8,d=512", "--no-emulate"]
-    assert main(["compile", *common, "--arch", "sm_90", "-o", str(tmp_path / "a")]) == 0
+    assert main(["compile", *common, "--arch", "sm_90,sm_80", "-o", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "estimates priced from the compiled code (sm_90: ptxas's registers" in out
     report = json.loads((tmp_path / "a" / "report.json").read_text())
     kernel = report["kernels"][0]
     assert kernel["estimate"]["priced"] == "sass" and report["priced"].startswith("the compiled code")
     assert kernel["nvcc"]["sm_90"]["issued"]["loop"] > 0
+    assert kernel["nvcc"]["sm_80"]["ok"] and "issued" not in kernel["nvcc"]["sm_80"]  # SASS read for the priced arch only
     assert main(["compile", *common, "--arch", "none", "-o", str(tmp_path / "b")]) == 0
     assert "priced from the code's structure: no architecture compiled (--arch none)" in capsys.readouterr().out
     assert main(["compile", *common, "--arch", "sm_80", "-o", str(tmp_path / "c")]) == 0

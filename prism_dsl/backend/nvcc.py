@@ -54,11 +54,14 @@ def ptxas_figures(text: str) -> dict:
     return figures
 
 
-def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[str, ...]) -> dict[str, dict[str, dict]]:
+def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[str, ...],
+               read: tuple[str, ...] | None = None) -> dict[str, dict[str, dict]]:
     """Compile every kernel for every arch (`nvcc -cubin -Xptxas -v`); per kernel and arch: ok, the ptxas
     figures, nvcc's messages when it failed, and `issued` (`sass.Issued` as a dict, None where the SASS's
-    loops do not match the source's) where cuobjdump is there."""
-    read = available()
+    loops do not match the source's) where cuobjdump is there, for the archs in `read` (all when None: reading
+    one cubin's SASS takes most of a second, as long as compiling it, so the pipeline reads only the arch it
+    prices for)."""
+    read = tuple(archs if read is None else read) if available() else ()
     nvcc = nvcc_path()
     if nvcc is None:
         raise PrismError("nvcc is not on the PATH")
@@ -72,7 +75,7 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
         result = {"ok": done.returncode == 0, **ptxas_figures(done.stderr)}
         if done.returncode != 0:
             result["stderr"] = done.stderr[-4000:]
-        elif read:
+        elif arch in read:
             found = issued(disassemble(workdir / cubin), k.source)
             result["issued"] = None if found is None else found.as_dict()
         return k.name, arch, result

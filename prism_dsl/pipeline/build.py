@@ -146,15 +146,16 @@ def plan_of(built: Build) -> dict:
 # -- compile-check -----------------------------------------------------------------------------------------
 
 
-def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...]) -> tuple[NvccCheck | Skipped | None,
-                                                                                      dict[str, dict[str, dict]]]:
-    """nvcc's verdict and its figures per kernel and arch; a kernel nvcc rejects is an error."""
+def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...], priced: str | None = None
+                  ) -> tuple[NvccCheck | Skipped | None, dict[str, dict[str, dict]]]:
+    """nvcc's verdict and its figures per kernel and arch, the SASS read for `priced` (the arch the estimates are
+    priced for; every arch when None); a kernel nvcc rejects is an error."""
     if not archs:
         return None, {}
     if not nvcc_path():
         return Skipped("nvcc is not on the PATH"), {}
     with files.temp_scratch("nvcc") as workdir:
-        figures = nvcc_check(kernels, workdir, archs)
+        figures = nvcc_check(kernels, workdir, archs, None if priced is None else (priced,))
     bad = [(f"{k} ({a})", r["stderr"]) for k, per in figures.items() for a, r in per.items() if not r["ok"]]
     if bad:
         raise PrismError(f"nvcc rejected the generated code for {', '.join(w for w, _ in bad)}:\n{bad[0][1]}")

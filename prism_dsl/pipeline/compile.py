@@ -76,7 +76,7 @@ def compile_program(request: Request) -> Report:
     tuned = tune(lowered, chosen.program, request.hardware, chosen.options, request.program)
     built = render(tuned, chosen.options.codegen)
     seconds = round(time.perf_counter() - started, 3)
-    nvcc, figures = compile_check(built.kernels, chosen.options.archs)
+    nvcc, figures = compile_check(built.kernels, chosen.options.archs, built.hardware.arch)
     built = price(built, figures, chosen.options.codegen)
     checked = Checked(emulate(built, chosen.options),
                       measure(built, chosen.options.seed) if chosen.options.rank == "measure" else None)
