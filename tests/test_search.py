@@ -30,6 +30,7 @@ from prism_dsl.semantics.blocks import evaluate
 from prism_dsl.semantics.reference import bind_dims, random_inputs
 from prism_dsl.prove.rules import load_library
 from prism_dsl.prove.soundness import check_library
+from prism_dsl.search.checkpoint import checkpoint_key, save_checkpoint
 from prism_dsl.search.config import Rejection, SearchConfig
 from prism_dsl.search.driver import search
 from prism_dsl.search.generate import loop_ops
@@ -58,14 +59,46 @@ def verdicts():
     return Path(os.environ["PRISM_CACHE_DIR"]) / "sound"
 
 
+@pytest.fixture(scope="module")
+def searched_before(tmp_path_factory):
+    """The search checkpoints that this module's tests have saved so far in this process."""
+    return tmp_path_factory.mktemp("searched")
+
+
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch, verdicts):
-    """A fresh cache per test (no checkpoint or tuning record carries over), holding only the default
-    rules' soundness verdicts, as a second run of prismc would (their checking is tested in
-    test_trust_soundness.py; here it would cost every command seconds)."""
-    shutil.copytree(verdicts, tmp_path / "cache" / "sound")
-    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+def cache_dir(request, tmp_path, monkeypatch, verdicts, searched_before):
+    """A fresh cache per test (no tuning record carries over), holding the default rules' soundness verdicts,
+    as a second run of prismc would (their checking is tested in test_trust_soundness.py; here it would cost
+    every command seconds), and the searches earlier tests finished (a search takes 5-10 s, and most of these
+    tests search the same few programs): what they find is what a search would find, and the programs are
+    proved again where chosen (`optimize._from_checkpoint`). A test marked `fresh` starts with no search and
+    leaves none."""
+    cache = tmp_path / "cache"
+    shutil.copytree(verdicts, cache / "sound")
+    fresh = request.node.get_closest_marker("fresh") is not None
+    if not fresh:
+        shutil.copytree(searched_before, cache / "search")
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(cache))
+    yield cache
+    if not fresh:
+        for entry in (cache / "search").glob("*.json"):
+            if not (searched_before / entry.name).exists():
+                shutil.copy(entry, searched_before / entry.name)
+
+
+_SEARCHES: dict = {}
+
+
+def searched(src, library, config: SearchConfig = SearchConfig()):
+    """`search(src, library, H100, config, jobs=2)`, run once in this process, and saved as its checkpoint for the
+    tests after it (`cache_dir`): for tests that read what a search finds, not how it runs."""
+    key = checkpoint_key(src, library, config)
+    if key not in _SEARCHES:
+        _SEARCHES[key] = search(src, library, H100, config, jobs=2)
+    result = _SEARCHES[key]
+    if result.complete and not result.stats.errors:
+        save_checkpoint(key, result)
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +311,7 @@ def test_pruning_loses_nothing(library):
     """With expression-guided pruning off (small limits), every proved program is also found with it on."""
     src = program("rmsnorm_linear")
     small = dict(max_kernels=1, max_predefined=0, max_accumulators=2, max_block_ops=4)
-    on = search(src, library, H100, SearchConfig(**small), jobs=2)
+    on = searched(src, library, SearchConfig(**small))
     off = search(src, library, H100, SearchConfig(**small, expression_pruning=False), jobs=2)
     assert on.complete and off.complete
     found_on = {print_program(p) for p in on.proved}
@@ -295,7 +328,7 @@ def test_a_crashing_prover_is_an_error_not_a_failed_proof(library, monkeypatch):
 
     src = program("rmsnorm_linear")
     config = SearchConfig(max_kernels=1, max_predefined=0, max_accumulators=2, max_block_ops=4)
-    clean = search(src, library, H100, config, jobs=2)
+    clean = searched(src, library, config)
     assert len(clean.proved) >= 2 and not clean.stats.errors
     victim, real = print_program(clean.proved[0]), Prover.prove
 
@@ -315,11 +348,12 @@ def test_a_crashing_prover_is_an_error_not_a_failed_proof(library, monkeypatch):
 
 def test_search_is_deterministic(library):
     src = program("swiglu")
-    a = search(src, library, H100, jobs=2)
+    a = searched(src, library)  # jobs=2
     b = search(src, library, H100, jobs=1)
     assert [print_program(p) for p in a.proved] == [print_program(p) for p in b.proved]
 
 
+@pytest.mark.fresh
 def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_path, capsys):
     src = program("rmsnorm_linear")
     binding = bind_dims(src, dict(n=4, d=64))
@@ -354,6 +388,7 @@ def test_checkpoint_and_tuning_database_are_reused(library, monkeypatch, tmp_pat
     assert not changed.from_checkpoint
 
 
+@pytest.mark.fresh
 def test_corrupt_cache_entries_are_reported_once_and_ignored(library, cache_dir, capsys):
     src = program("rmsnorm_linear")
     binding = bind_dims(src, dict(n=4, d=64))
@@ -377,7 +412,7 @@ def test_time_limit_and_interruption_return_the_best_so_far(library):
     out = optimize(src, library, H100, binding, stop_event=stop, use_cache=False)
     assert out.best.as_written and not out.search["complete"] and out.search["stopped"] == "interrupted"
     # A limit that lets some proofs finish: whatever is returned was proved.
-    cut = search(src, library, H100, jobs=2, deadline=None)
+    cut = searched(src, library)
     assert cut.complete and cut.proved
     calls = []
 
@@ -561,7 +596,7 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
 
     src = program("attention")
     dims = BINDINGS["attention"][0]
-    result = search(src, library, H100, jobs=2)
+    result = searched(src, library)
     splits = [p for p in result.proved if custom_kernels(p) == 2]
     assert splits and len(splits) < len(result.proved)
     inputs = random_inputs(src, bind_dims(src, dims), seed=5)
@@ -598,7 +633,7 @@ def test_split_only_where_pieces_combine(library):
     from prism_dsl.kernels.params import complete
 
     src = program("rmsnorm_linear")
-    found = search(src, library, H100, jobs=2).proved
+    found = searched(src, library).proved
     splits = [p for p in found if custom_kernels(p) == 2]
     # The fused kernel splits too: each piece's mean of squares (or root mean square) is combined by the
     # same accumulator over the pieces (equal pieces: the mean of means is the mean); the kernel that
@@ -615,7 +650,7 @@ def test_split_only_where_pieces_combine(library):
         pieces = kernels_of(p)[0].grid[-1][1].name
         got = evaluate(p, inputs, params=complete(p, bind_dims(p, dims), {pieces: 4}, H100, prefer="split"))["Y"]
         assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
-    off = search(program("attention"), library, H100, SearchConfig(split_reductions=False), jobs=2)
+    off = searched(program("attention"), library, SearchConfig(split_reductions=False))
     assert off.proved and all(custom_kernels(p) == 1 for p in off.proved)
 
 
