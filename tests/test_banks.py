@@ -141,13 +141,50 @@ def test_permuted_rows_keep_chunks_whole_and_spread_them_over_the_banks(cols):
         assert len(groups(at(first + i, c) for i in range(per_line) for c in range(0, cols, 8))) == 8
 
 
-def test_verify_banks_prints_the_count(tmp_path, capsys):
-    out = tmp_path / "o"
-    assert main(["compile", str(ROOT / "programs" / "fused" / "rmsnorm_linear.prism"), "--search", "none",
-                 "--dims", "n=8,d=256", "-o", str(out), "--arch", "none", "--no-emulate"]) == 0
-    capsys.readouterr()
-    assert main(["verify", str(out), "--banks", "--emulate-blocks", "0"]) == 0
+def test_the_model_prices_the_counted_wavefronts_as_a_floor():
+    """A block's wavefronts (`compiled["wavefronts"]`) take the busy SMs' shared memory one a clock each: a count
+    far below the kernel's other terms changes nothing, one above them decides its time (bound "shared")."""
+    from prism_dsl.backend.cost import CLOCK_GHZ, estimate
+    from prism_dsl.pipeline.build import BuildOptions, build
+    from test_codegen import H100, load
+
+    program = load(ROOT / "programs/fused/rmsnorm_linear.prism").program()
+    built = build(program, H100, BuildOptions(dims={"n": 8, "d": 4096}, archs=()))
+    c = built.concrete[built.kernels[0].name]
+    plain = estimate(c, H100)
+    few = estimate(c, H100, compiled={"wavefronts": 100})
+    assert (few.time_us, few.bound, few.priced, few.wavefronts) == (plain.time_us, plain.bound, "structure", 100)
+    clocks = c.blocks() / (min(c.blocks(), H100.sms) * CLOCK_GHZ * 1e3)  # us a wavefront of every block takes
+    assert few.shared_us == pytest.approx(100 * clocks, abs=1e-3)
+    many = estimate(c, H100, compiled={"wavefronts": 1e6})
+    assert many.bound == "shared" and many.shared_us == pytest.approx(1e6 * clocks, rel=1e-5)
+    assert many.time_us == pytest.approx(H100.launch_overhead_us + many.shared_us, rel=1e-3)
+
+
+def test_compile_and_verify_banks_count_and_price_the_wavefronts(tmp_path, capsys):
+    """`prismc compile --banks` counts each kernel's wavefronts after its check, prices them (report.json's
+    `shared` and the estimate's `wavefronts` and `shared_us`) and says so; without the emulation it says why
+    not. `prismc verify --banks` prints the same count and what the model makes of it."""
+    import json
+
+    fused = str(ROOT / "programs" / "fused" / "rmsnorm_linear.prism")
+    common = ["compile", fused, "--search", "none", "--dims", "n=8,d=256", "--arch", "none", "--banks"]
+    assert main([*common, "-o", str(tmp_path / "o")]) == 0
+    text = capsys.readouterr().out
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    kernel = report["kernels"][0]
+    assert kernel["shared"]["blocks"] == 2 and kernel["shared"]["wavefronts"] >= kernel["shared"]["conflict_free"] > 0
+    assert kernel["estimate"]["wavefronts"] == kernel["shared"]["wavefronts"] / 2 and kernel["estimate"]["shared_us"] > 0
+    assert "shared-memory wavefronts counted in the emulation" in report["priced"] and report["banks"] is None
+    assert re.search(r"rmsnorm_matmul: .*, [\d,]+ shared-memory wavefronts a block \([\d.]+x conflict-free, [\d.]+ us\)",
+                     text), text
+    assert main([*common, "-o", str(tmp_path / "n"), "--no-emulate"]) == 0
+    assert "shared-memory count (--banks): skipped (the emulation did not run)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "n" / "report.json").read_text())["kernels"][0]["shared"] is None
+    assert main(["verify", str(tmp_path / "n"), "--banks", "--emulate-blocks", "0"]) == 0
     text = capsys.readouterr().out
     assert "verified: yes" in text
-    m = re.search(r"rmsnorm_matmul: ([\d,]+) wavefronts a block \((\d+) emulated\), ([\d.]+)x conflict-free", text)
-    assert m and int(m.group(2)) >= 2 and float(m.group(3)) >= 1.0, text
+    m = re.search(r"rmsnorm_matmul: ([\d,]+) wavefronts a block \((\d+) emulated\), ([\d.]+)x conflict-free; "
+                  r"([\d.]+) us of the busy SMs' shared memory, against an estimate of ([\d.]+) us", text)
+    assert m and int(m.group(2)) >= 2 and float(m.group(3)) >= 1.0 and 0 < float(m.group(4)) < float(m.group(5)), text
+    assert int(m.group(1).replace(",", "")) == kernel["estimate"]["wavefronts"]  # the same blocks, the same count

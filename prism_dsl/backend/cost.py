@@ -87,6 +87,13 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     search ranks by the code's structure (it cannot compile every candidate); the chosen program is priced
     again from its compiled code, and `Estimate.priced` says which was done.
 
+    From the emulation's count of shared-memory wavefronts (`compiled["wavefronts"]`: per block, bank conflicts
+    included, `backend.banks`; `prismc compile --banks`), the time the busy SMs' shared memory takes to serve
+    them, one wavefront (128 bytes) per clock per SM (SMEM_BYTES_PER_CLOCK), is a floor beside the issue floor:
+        t_shared = blocks * wavefronts / (busy * clock)
+    and the phases take max(t_math, t_issue, t_shared), idle slots counted as for t_math. It is low: the count
+    leaves out wgmma's operands (the math prices them against the same bandwidth) and TMA's copies.
+
 The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - BANDWIDTH_REACH = 0.9: streaming kernels (cuBLAS GEMV, FlashDecoding) reach 75-90% of the 3.35 TB/s
   HBM3 peak; the hardware file's `bandwidth_gbs` is the measured copy bandwidth.
@@ -222,11 +229,13 @@ class Estimate:
     flops: int
     tensor_core_flops: int
     time_us: float
-    bound: str  # "memory", "math", "issue", "loop" or "launch": the term that decided
+    bound: str  # "memory", "math", "issue", "shared", "loop" or "launch": the term that decided
     priced: str = "structure"  # from what: "structure" (launch.layout), "ptxas" (and its registers), "sass" (and issue)
     registers: int = 0  # per thread, for the blocks per SM: the model's guess, or ptxas's count where priced from it
     launched_by: str | None = None  # the kernel in whose launch it runs (a combining kernel: `tails`); None: its own
     warps: int = 0  # warps resident on a busy SM (`tuning.tune` prefers more between equal estimates)
+    wavefronts: float = 0.0  # shared-memory wavefronts a block, counted in the emulation (0: not counted)
+    shared_us: float = 0.0  # the time the busy SMs' shared memory takes to serve them (t_shared)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -324,7 +333,8 @@ def _node_flops(n: Node, shape, p: Plan, registered=frozenset(), flash: bool = F
 def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: CodegenConfig | None = None,
              compiled: Mapping | None = None, launched: bool = True) -> Estimate:
     """The kernel's estimated time, priced from the code's structure, or from `compiled` where given (the
-    compile check's figures for the hardware's arch: ptxas's `registers`, and `issued` from the SASS).
+    compile check's figures for the hardware's arch: ptxas's `registers`, and `issued` from the SASS; and
+    `wavefronts`, a block's shared-memory wavefronts counted in the emulation).
     `launched` False: the kernel runs in another's launch (`tails`), which pays the launch overhead."""
     config = config or for_hardware(CodegenConfig(threads=threads), hardware)
     shape = layout(c, config)
@@ -350,20 +360,23 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / (busy / hardware.sms)
     issued = (compiled or {}).get("issued")
     t_issue = _issue_seconds(c, shape, hardware, issued, occ) * us if issued else 0.0
+    wavefronts = float((compiled or {}).get("wavefronts") or 0.0)
+    t_shared = blocks * wavefronts * 128 / (busy * SMEM_BYTES_PER_CLOCK * CLOCK_GHZ * 1e9) * us
     tail = stretch(c.shape, c.kernel, dict(c.grid), c.loop, resident, hardware.sms)  # unequal blocks, as launched
     if tail == 1 and blocks > resident:  # equal blocks: the last wave's idle slots leave their SMs' math unused
-        t_math, t_issue = (t * waves * resident / blocks for t in (t_math, t_issue))
+        t_math, t_issue, t_shared = (t * waves * resident / blocks for t in (t_math, t_issue, t_shared))
     overlaps = shape.stages > 1 or on_sm > 1
     t_loop = 0.0 if shape.stages > 1 else waves * iterations(c) * hardware.iteration_latency_us
-    terms = {"memory": t_mem, "math": t_math, "issue": t_issue, "loop": t_loop}
+    terms = {"memory": t_mem, "math": t_math, "issue": t_issue, "shared": t_shared, "loop": t_loop}
     bound = max(terms, key=terms.get)
-    compute = max(t_math, t_issue)
+    compute = max(t_math, t_issue, t_shared)
     body = (max(t_mem, compute) if overlaps else t_mem + compute) * tail + t_loop
     overhead = hardware.launch_overhead_us if launched else 0.0
     if body < overhead:
         bound = "launch"
-    return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(overhead + body, 3),
-                    bound, "sass" if issued else "ptxas" if compiled else "structure", regs, warps=int(warps))
+    return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(overhead + body, 3), bound,
+                    "sass" if issued else "ptxas" if compiled and compiled.get("registers") else "structure", regs,
+                    warps=int(warps), wavefronts=round(wavefronts, 1), shared_us=round(t_shared, 3))
 
 
 def _issue_seconds(c: Concrete, shape: Layout, hardware: Hardware, issued: Mapping, occ: int) -> float:

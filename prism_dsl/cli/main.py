@@ -138,7 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes, with --dims")
     ve.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges, with --dims")
     _emulation_options(ve)
-    ve.add_argument("--banks", action="store_true", help="also count the shared-memory wavefronts (bank conflicts)")
     ve.add_argument("--seed", type=whole, default=0, help="seed for the random inputs and sampled blocks (default 0)")
     ve.set_defaults(run=cmd_verify)
 
@@ -159,6 +158,7 @@ def _emulation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-blocks", dest="blocks", type=emulate_blocks, default="auto", metavar="all|auto|N", help="blocks "
                    "to emulate: 'all'; N, the first and last along every grid axis and N more at random per kernel; "
                    "'auto' (default), all where that is quick, else a sample (--banks: the first and last)")
+    p.add_argument("--banks", action="store_true", help="also count the shared-memory wavefronts (bank conflicts) and price them")
 
 
 def _program_options(p: argparse.ArgumentParser) -> None:
@@ -452,7 +452,7 @@ def cmd_compile(args) -> int:
         limits = {} if args.max_kernels is None else {"max_kernels": args.max_kernels}
         searching = Searching(SearchConfig(**limits, split_reductions=not args.no_split), args.time_limit, args.jobs,
                               use_cache=not args.no_cache, progress=not args.json)
-    options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs,
+    options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs, banks=args.banks,
                            emulate=not args.no_emulate, sanitize=args.sanitize, emulate_blocks=args.blocks, seed=args.seed,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores,
                                                  stages=args.stages, wgmma=not args.no_wgmma, tma=args.tma,

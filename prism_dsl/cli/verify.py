@@ -25,7 +25,7 @@ from ..kernels.hardware import load_hardware
 from ..kernels.kernel import kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
-from ..pipeline.build import BuildOptions, build, check_inputs, plan_of, reference_outputs, tolerance_of
+from ..pipeline.build import BuildOptions, build, check_inputs, plan_of, price, reference_outputs, tolerance_of
 from ..pipeline.report import EmulationCheck, widened
 from ..semantics.reference import check_sizes
 
@@ -90,19 +90,32 @@ def verify(args) -> int:
     if args.banks and check.passed:
         counted = emulation.wavefronts(built, plan_of(built), inputs, seed=args.seed, header=header,
                                        extra=0 if args.blocks == "auto" else args.blocks)
-        print(_banks(counted, built))
+        print(_banks(counted, _priced(built, directory, on_disk, counted)))
     return 0 if check.passed else 1
 
 
+def _priced(built, directory: Path, on_disk: bool, counted: dict):
+    """`built` priced again with the wavefronts `counted`, and with the compile check's figures report.json holds
+    for the kernels on disk (ptxas's registers, the SASS's instructions), as `prismc compile --banks` prices them."""
+    report = read_report(directory)
+    figures = {k.get("name"): k.get("nvcc") for k in report["kernels"]} if on_disk else {}
+    figures = {name: per for name, per in figures.items() if isinstance(per, dict)}
+    return price(built, figures, _codegen(report), counted)
+
+
 def _banks(counted: dict, built) -> str:
-    """The kernels' shared-memory wavefronts (`backend.banks`) and their worst places, in words."""
+    """The kernels' shared-memory wavefronts (`backend.banks`) and their worst places, in words, and what the cost
+    model makes of them (`cost.estimate`: one wavefront a clock per SM, a floor beside the others)."""
     lines = ["  shared memory, counted in the emulation (wavefronts: 128 bytes a clock per SM):"]
+    estimates = {e.kernel: e for e in built.estimates}
     for k in built.kernels:
         w = counted.get(k.name)
         if w is None:
             continue
+        e = estimates[k.name]
         lines.append(f"    {k.name}: {w.per_block:,.0f} wavefronts a block ({w.blocks} emulated), "
-                     f"{w.over_ideal:.2f}x conflict-free")
+                     f"{w.over_ideal:.2f}x conflict-free; {e.shared_us} us of the busy SMs' shared memory, against "
+                     f"an estimate of {e.time_us} us ({e.bound}, priced from {e.priced})")
         lines += [f"      {p.where}: {p.wavefronts / p.ideal:.1f}x, {p.wavefronts:,} wavefronts where "
                   f"{p.ideal:,} would do" for p in w.conflicted[:3]]
     return "\n".join(lines)

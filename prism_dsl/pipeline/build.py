@@ -9,6 +9,8 @@
     price          each kernel's estimate again from its compiled code for the hardware's arch (`cost.estimate`)
     emulate        the generated code run as C++ on the CPU, every output compared with the float64
                    reference (`backend.emulate`)
+    count banks    with `banks`, each kernel's shared-memory wavefronts counted in the emulation
+                   (`backend.banks`), and the estimates priced again with them (price)
     measure        on the GPU: run, compared the same way, timed (`cuda_runtime`)
 
 The numeric checks compare with the float64 reference of the *input program* (`Tuned.reference`), never
@@ -24,7 +26,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..backend import compare, cost, cuda_runtime, sass, tuning
+from ..backend import banks, compare, cost, cuda_runtime, sass, tuning
 from ..backend import emulate as emulator
 from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel
 from ..backend.cost import Estimate
@@ -60,6 +62,7 @@ class BuildOptions:
     sanitize: str | None = None  # the emulation under a sanitizer: "thread" or "address"
     emulate_blocks: str | int = "auto"  # "all"; "auto": all when quick, else sampled; N: sampled, N at random per kernel
     seed: int = 0
+    banks: bool = False  # count the shared-memory wavefronts in the emulation, and price them (`count_banks`)
     codegen: CodegenConfig = CodegenConfig()
 
 
@@ -162,11 +165,15 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...], pri
     return NvccCheck(tuple(archs), tuple(k.name for k in kernels if k.wgmma)), figures
 
 
-def price(built: Build, figures: Mapping[str, Mapping], config: CodegenConfig) -> Build:
+def price(built: Build, figures: Mapping[str, Mapping], config: CodegenConfig,
+          counted: Mapping[str, banks.Wavefronts] | None = None) -> Build:
     """`built` with each kernel's estimate priced again, from its compiled code where the compile check has figures
-    for the hardware's arch (`cost.estimate`'s `compiled`), else from its structure as before."""
+    for the hardware's arch (`cost.estimate`'s `compiled`), else from its structure as before; and from the
+    shared-memory wavefronts `counted` in the emulation (`count_banks`), where given."""
     config, arch = cost.for_hardware(config, built.hardware), built.hardware.arch
     compiled = {name: per[arch] for name, per in figures.items() if arch in per}
+    for name, w in (counted or {}).items():
+        compiled[name] = {**compiled.get(name, {}), "wavefronts": w.per_block}
     estimates = tuning.estimates(built.program, built.concrete, built.hardware, config, compiled)
     return replace(built, estimates=tuple(estimates))
 
@@ -178,14 +185,16 @@ def pricing(built: Build, nvcc: NvccCheck | Skipped | None, archs: tuple[str, ..
     arch, kinds = built.hardware.arch, [e.priced for e in own]
     tails = [e.kernel for e in built.estimates if e.launched_by is not None]
     aside = f" ({', '.join(tails)}, run in another kernel's launch: from its structure)" if tails else ""
+    counted = ("; shared-memory wavefronts counted in the emulation" if any(e.wavefronts for e in own) else "")
     if all(k == "sass" for k in kinds):
-        return f"the compiled code ({arch}: ptxas's registers, the instructions in its SASS)" + aside
+        return f"the compiled code ({arch}: ptxas's registers, the instructions in its SASS)" + aside + counted
     why = ("no architecture compiled (--arch none)" if nvcc is None else nvcc.skipped if isinstance(nvcc, Skipped)
            else f"{arch}, the hardware's architecture, not among --arch" if arch not in archs
            else "cuobjdump not found (pip install 'prism-dsl[sass]')" if not sass.available()
            else "the SASS's loops not matched to the source's main loop for "
            + ", ".join(e.kernel for e in own if e.priced != "sass"))
-    return "the code's structure" + (", registers from ptxas" if "ptxas" in kinds else "") + f": {why}" + aside
+    return ("the code's structure" + (", registers from ptxas" if "ptxas" in kinds else "") + f": {why}" + aside
+            + counted)
 
 
 # -- emulate and measure ----------------------------------------------------------------------------------
@@ -238,6 +247,18 @@ def check_emulated(built: Build, seed: int, sanitizer: str | None = None, extra:
     return emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=seed,
                            rtol=tolerance_of(built, inputs), checked_against=CHECKED_AGAINST, sanitizer=sanitizer,
                            extra=extra)
+
+
+def count_banks(built: Build, options: BuildOptions, checked) -> dict | Skipped | None:
+    """The shared-memory count `options.banks` asks for (`shared_wavefronts`: the first and last block along
+    every grid axis, or the blocks `emulate_blocks` names), or why it was skipped; None when not asked for."""
+    if not options.banks:
+        return None
+    if not isinstance(checked, EmulationCheck):
+        return Skipped("the emulation did not run" + (f" ({checked.skipped})" if isinstance(checked, Skipped) else ""))
+    if not checked.passed:
+        return Skipped("the emulation's check failed")
+    return shared_wavefronts(built, options.seed, 0 if options.emulate_blocks == "auto" else options.emulate_blocks)
 
 
 def shared_wavefronts(built: Build, seed: int = 0, extra: str | int = 0) -> dict:

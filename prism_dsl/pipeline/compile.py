@@ -4,7 +4,7 @@
                    GPU), ranked (`optimize`); not run when compiling the program as written
     choose         the program to build: the fastest found, or the input as written
     lower          pre-defined kernels for every op outside custom kernels (`kernels.lower`)
-    tune, render, compile-check, price, emulate, measure          (`build`)
+    tune, render, compile-check, price, emulate, count banks, measure          (`build`)
     write          every file, report.json last, into the output directory, replaced whole (`output`)
 
 Nothing is written before the last pass, and the output is checked before the first, so that minutes of
@@ -30,7 +30,8 @@ from ..prove.rules import load_library
 from ..prove.soundness import check_library
 from ..search.config import SearchConfig
 from ..semantics.reference import bind_dims
-from .build import Build, BuildOptions, compile_check, dims_of, emulate, measure, price, pricing, render, tune
+from .build import (Build, BuildOptions, compile_check, count_banks, dims_of, emulate, measure, price, pricing, render,
+                    tune)
 from .optimize import TOP, Outcome, gpu_timer, optimize
 from .output import check_output, contents, write
 from .report import Alternative, Checked, HardwareUsed, KernelReport, NvccCheck, Report, Searched, Skipped
@@ -80,8 +81,11 @@ def compile_program(request: Request) -> Report:
     built = price(built, figures, chosen.options.codegen)
     checked = Checked(emulate(built, chosen.options),
                       measure(built, chosen.options.seed) if chosen.options.rank == "measure" else None)
+    counted = count_banks(built, chosen.options, checked.emulation)
+    if isinstance(counted, dict):
+        built = price(built, figures, chosen.options.codegen, counted)
     texts = contents(built, {} if chosen.searched is None else {chosen.searched.best: print_program(chosen.program)})
-    report = _report(chosen, built, seconds, nvcc, figures, checked, (*texts, "report.json"))
+    report = _report(chosen, built, seconds, nvcc, figures, checked, (*texts, "report.json"), counted)
     write(request.output, {**texts, "report.json": report.to_json()})
     return report
 
@@ -135,18 +139,20 @@ def choose(request: Request, outcome: Outcome | None) -> Choice:
 
 
 def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skipped | None, figures: Mapping,
-            checked: Checked, files: tuple[str, ...]) -> Report:
+            checked: Checked, files: tuple[str, ...], counted: dict | Skipped | None = None) -> Report:
     gpu = checked.gpu
+    shared = counted if isinstance(counted, dict) else {}
     kernels = tuple(
         KernelReport(r.name, r.function, r.file, r.grid, r.block, r.smem, r.tensor_cores, launch_estimate(built, r),
                      figures.get(r.name, {}), None if gpu is None else _us(gpu.kernels_ms[r.name]),
-                     tuple(m.tensor for m in r.maps))
+                     tuple(m.tensor for m in r.maps), shared[r.name].as_dict() if r.name in shared else None)
         for r in built.kernels)
     return Report(built.program.name, HardwareUsed(built.hardware.name, built.hardware.arch), chosen.options.rank,
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
                   roofline.roofline(built.reference, bind_dims(built.reference, dims_of(built)), built.hardware),
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
-                  chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs))
+                  chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
+                  counted if isinstance(counted, Skipped) else None)
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

@@ -124,6 +124,7 @@ class KernelReport:
     nvcc: Mapping[str, Mapping]  # per architecture: ok and ptxas's figures; empty when not compiled
     measured_us: float | None = None
     tma: tuple[str, ...] = ()  # the tensors whose loop tiles TMA copies (`backend.copies`), one map each
+    shared: Mapping | None = None  # its shared-memory wavefronts counted in the emulation (`--banks`; `banks.Wavefronts`)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ class Report:
     searched: Searched | None = None  # None: compiled as written
     codegen: Mapping | None = None  # the code generator's options (`CodegenConfig`: --threads, --stages, ...)
     priced: str = "the code's structure"  # what the estimates were priced from (`build.pricing`)
+    banks: Skipped | None = None  # why the count `--banks` asked for did not run
 
     @property
     def verified(self) -> bool:
@@ -203,6 +205,9 @@ def summary(report: Report, out: Path) -> str:
         nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})
         res = f", {nv['registers']} registers, {nv['spill_stores']} B spilled" if nv else ""
         res += ", its wgmma serialized by ptxas" if nv.get("wgmma_serialized") else ""
+        if k.shared:
+            res += (f", {k.shared['wavefronts'] / max(1, k.shared['blocks']):,.0f} shared-memory wavefronts a block "
+                    f"({k.shared['over_conflict_free']:.2f}x conflict-free, {k.estimate.get('shared_us', 0.0)} us)")
         measured = f", measured {k.measured_us} us{_host(gpu.kernels_ms[k.name])}" if k.measured_us is not None else ""
         tail = k.estimate.get("combines")
         also = f" (and {tail['kernel']} in its launch, {tail['time_us']} us)" if tail else ""
@@ -215,6 +220,8 @@ def summary(report: Report, out: Path) -> str:
                  + (f"; measured {report.measured_us} us{_host(gpu.timing_ms)}" if report.measured_us is not None
                     else ""))
     lines.append(f"    estimates priced from {report.priced}")
+    if report.banks is not None:
+        lines.append(f"  shared-memory count (--banks): skipped ({report.banks.skipped})")
     checks = {"nvcc": report.nvcc, "emulation": report.checked.emulation, "gpu": report.checked.gpu}
     for name, c in ((n, c) for n, c in checks.items() if c is not None):
         if isinstance(c, Skipped):
