@@ -7,7 +7,8 @@ shared memory, blocks per SM, the cost model's estimate and the roofline floor. 
 cuobjdump are (cuobjdump from the `sass` extra: pip install -e ".[sass]"). With `--banks`, a last column gives each
 kernel's shared-memory wavefronts a block, counted in the emulation over the first and last block along every
 grid axis (`prism_dsl.backend.banks`, as `prismc verify --banks`), against the same accesses without a bank
-conflict, and its worst place; that takes minutes a prefill workload (each block emulated, every thread).
+conflict, the time the cost model gives them (t_shared, a floor the estimates in the other columns do not
+include), and its worst place; that takes minutes a prefill workload (each block emulated, every thread).
 
     python benchmarks/static_report.py [--only NAME] [--time-limit SECONDS] [--banks]
 
@@ -95,17 +96,19 @@ def kernel_rows(out: Path, report: dict) -> list[tuple[str, dict]]:
 
 
 def wavefronts(out: Path) -> dict[str, str]:
-    """Per kernel of the program compiled into `out`, its shared-memory wavefronts a block as the table gives them."""
-    from prism_dsl.cli.verify import from_directory
+    """Per kernel of the program compiled into `out`, its shared-memory wavefronts a block as the table gives them,
+    with the time the model gives them (`cost.estimate`'s t_shared, as `prismc verify --banks` prices them)."""
+    from prism_dsl.cli.verify import from_directory, priced_with
     from prism_dsl.pipeline import emulation
     from prism_dsl.pipeline.build import check_inputs, plan_of
 
-    built, header, _, _ = from_directory(out)
+    built, header, on_disk, _ = from_directory(out)
     counted = emulation.wavefronts(built, plan_of(built), check_inputs(built, 0), seed=0, header=header)
+    shared_us = {e.kernel: e.shared_us for e in priced_with(built, out, on_disk, counted).estimates}
     text = {}
     for name, w in counted.items():
         worst = w.conflicted[0] if w.conflicted else None
-        text[name] = (f"{w.per_block:,.0f} ({w.over_ideal:.2f}x" +
+        text[name] = (f"{w.per_block:,.0f} ({w.over_ideal:.2f}x, {shared_us[name]:.1f} us" +
                       (f"; {worst.where} {worst.wavefronts / worst.ideal:.1f}x)" if worst else ")"))
     return text
 
@@ -149,7 +152,8 @@ def main() -> int:
           f"SASS for sm_90a by {Path(sass.tool()).name}; model: H100 (no GPU ran)")
     print("| workload | program | kernel | grid x threads | hot loop HMMA / HGMMA / LDSM / LDGSTS / UTMALDG / FFMA / LDS / BAR / all | "
           "issued per iteration / copying ahead | HMMA per LDSM | registers | spills | shared | blocks/SM | model us | "
-          "program model us | floor us |" + (" shared wavefronts a block (x conflict-free; worst place) |" if args.banks else ""))
+          "program model us | floor us |" + (" shared wavefronts a block (x conflict-free, us; worst place) |" if args.banks
+                                             else ""))
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.banks else ""))
     summary, sms = [], load_hardware("h100").sms
     for name, program, dims in WORKLOADS:

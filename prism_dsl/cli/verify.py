@@ -90,11 +90,11 @@ def verify(args) -> int:
     if args.banks and check.passed:
         counted = emulation.wavefronts(built, plan_of(built), inputs, seed=args.seed, header=header,
                                        extra=0 if args.blocks == "auto" else args.blocks)
-        print(_banks(counted, _priced(built, directory, on_disk, counted)))
+        print(_banks(counted, priced_with(built, directory, on_disk, counted)))
     return 0 if check.passed else 1
 
 
-def _priced(built, directory: Path, on_disk: bool, counted: dict):
+def priced_with(built, directory: Path, on_disk: bool, counted: dict):
     """`built` priced again with the wavefronts `counted`, and with the compile check's figures report.json holds
     for the kernels on disk (ptxas's registers, the SASS's instructions), as `prismc compile --banks` prices them."""
     report = read_report(directory)

@@ -4,7 +4,7 @@
                    GPU), ranked (`optimize`); not run when compiling the program as written
     choose         the program to build: the fastest found, or the input as written
     lower          pre-defined kernels for every op outside custom kernels (`kernels.lower`)
-    tune, render, compile-check, price, emulate, count banks, measure          (`build`)
+    tune, render, compile-check, price, emulate, measure, count banks          (`build`)
     write          every file, report.json last, into the output directory, replaced whole (`output`)
 
 Nothing is written before the last pass, and the output is checked before the first, so that minutes of
