@@ -108,12 +108,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         half* const s_vt = s_vt_stages + it % 2 * 1152;
         // s = (qt @ kt)  [1, 1, 1, 16]: 8 outputs per 16 lanes, 16-byte loads
         for (int u0 = 0; u0 < 2; u0 += kThreads / 16) {
-            const int u = u0 + PRISM_TID / PRISM_WARP * 2 + PRISM_TID % 2, e = (u < 2 ? u : 0) * 8;
+            const int u = u0 + PRISM_TID / 16, e = (u < 2 ? u : 0) * 8;
             const int i3 = e;
             real part[8] = {};
             if (u < 2) {
                 for (int k0 = 0; k0 < 64; k0 += 16) {
-                    const int k = k0 + PRISM_TID % PRISM_WARP / 2;
+                    const int k = k0 + PRISM_TID % 16;
                     float w[8];
                     prism::load8(w, s_kt + k * 16 + (i3 ^ k / 4 % 2 * 8));
                     const real x = prism::to_f(s_qt[k]);
@@ -124,8 +124,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             PRISM_UNROLL
             for (int c = 0; c < 8; ++c)
                 PRISM_UNROLL
-                for (int o = 16; o >= 2; o >>= 1) part[c] += prism::shfl_xor(part[c], o);
-            if (u < 2 && PRISM_TID % PRISM_WARP < 2) {
+                for (int o = 8; o > 0; o >>= 1) part[c] += prism::shfl_xor(part[c], o);
+            if (u < 2 && PRISM_TID % 16 == 0) {
                 const int e8 = e;
                 PRISM_UNROLL
                 for (int c = 0; c < 8; ++c) {
