@@ -60,9 +60,12 @@ def verdicts():
 
 
 @pytest.fixture(scope="module")
-def searched_before(tmp_path_factory):
-    """The search checkpoints that this module's tests have saved so far in this process."""
-    return tmp_path_factory.mktemp("searched")
+def searched_before():
+    """The search checkpoints that this module's tests have saved so far, beside the session's cache: shared by
+    the test run's processes (pytest-xdist's workers), as that cache is (tests/conftest.py)."""
+    store = Path(os.environ["PRISM_CACHE_DIR"]).parent / "searched"
+    store.mkdir(exist_ok=True)
+    return store
 
 
 @pytest.fixture(autouse=True)
@@ -77,13 +80,15 @@ def cache_dir(request, tmp_path, monkeypatch, verdicts, searched_before):
     shutil.copytree(verdicts, cache / "sound")
     fresh = request.node.get_closest_marker("fresh") is not None
     if not fresh:
-        shutil.copytree(searched_before, cache / "search")
+        shutil.copytree(searched_before, cache / "search", ignore=shutil.ignore_patterns(".*"))  # not one half-copied
     monkeypatch.setenv("PRISM_CACHE_DIR", str(cache))
     yield cache
     if not fresh:
         for entry in (cache / "search").glob("*.json"):
-            if not (searched_before / entry.name).exists():
-                shutil.copy(entry, searched_before / entry.name)
+            if not (searched_before / entry.name).exists():  # whole or not at all: another process may read it
+                part = searched_before / f".{entry.name}.{os.getpid()}"
+                shutil.copy(entry, part)
+                os.replace(part, searched_before / entry.name)
 
 
 _SEARCHES: dict = {}
