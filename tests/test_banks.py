@@ -100,9 +100,9 @@ def test_a_tile_without_its_padding_shows_its_conflicts():
 @pytest.mark.parametrize("path", FUSED, ids=lambda p: p.stem)
 def test_every_hand_written_kernel_is_counted(path):
     """Every kernel of programs/fused at the golden files' parameters, counted over its whole grid: no copy into
-    a tile, no ldmatrix from one and no 16-byte load of a dot product's (`dot8`) takes more than its conflict-free
-    wavefronts (rows of 128 bytes or more
-    padded, of 32 or 64 bytes with their chunks permuted: `launch.xor_rows`), and the whole kernel at most 1.3x
+    a tile, no ldmatrix from one and no dot product's 16-byte load of one (`dot8`) takes more than its
+    conflict-free wavefronts (rows of 128 bytes or more padded, of 32 or 64 bytes with their chunks permuted:
+    `launch.xor_rows`), and the whole kernel at most 1.3x
     (today 1.05-1.25x: writing accumulators back to shared memory once a block, 4-way, and reading them)."""
     built, _ = build_of(path, *GOLDEN_PARAMS[path.stem])
     counted = shared_wavefronts(built, extra="all")
@@ -133,8 +133,8 @@ program dot(Q: f16[1, d], K: f16[d, m]) {{
 def test_a_dot_product_reading_8_columns_a_load_is_free_of_conflicts_at_every_lane_count(write, d, m, lanes):
     """One query row against a tile of keys (`dot8`, the product off the tensor cores at decode) with 2 to 32 lanes
     sharing each 8 outputs: a quarter warp's 16-byte loads of the padded tile fall on 8 distinct bank groups (a
-    group's lanes adjacent from 8 lanes up, spread over the warp below; the other way round, 4 and 2 lanes took
-    1.4x, 16 lanes 1.4x)."""
+    group's lanes adjacent from 8 lanes up, spread over the warp below: with adjacent lanes at every count, 4 and 2
+    lanes took 1.43x and 1.44x their conflict-free wavefronts; with spread lanes at every count, 16 took 1.44x)."""
     from prism_dsl.lang.check import load
     from prism_dsl.pipeline.build import BuildOptions, build
     from test_codegen import H100
