@@ -221,4 +221,5 @@ def test_compile_and_verify_banks_count_and_price_the_wavefronts(tmp_path, capsy
     m = re.search(r"rmsnorm_matmul: ([\d,]+) wavefronts a block \((\d+) emulated\), ([\d.]+)x conflict-free; "
                   r"([\d.]+) us of the busy SMs' shared memory, against an estimate of ([\d.]+) us", text)
     assert m and int(m.group(2)) >= 2 and float(m.group(3)) >= 1.0 and 0 < float(m.group(4)) < float(m.group(5)), text
-    assert int(m.group(1).replace(",", "")) == kernel["estimate"]["wavefronts"]  # the same blocks, the same count
+    # the same blocks, the same count (printed to the wavefront, kept to a tenth)
+    assert int(m.group(1).replace(",", "")) == pytest.approx(kernel["estimate"]["wavefronts"], abs=0.5)
