@@ -150,6 +150,10 @@ def test_the_fewest_instructions_a_warp_issues_skip_what_a_branch_jumps_over_and
     assert sass.fewest(SKIPPING.replace("@P3 BRA 0x68", "@!PT BRA 0x68")) == 11  # never taken, never issued
     # a branch that always jumps: what it jumps over is not on any path
     assert sass.fewest(SKIPPING.replace("@P3 BRA 0x68", "BRA 0x68")) == 10
+    # a branch that also tests a predicate of its own (`@!P0 BRA P1, target`, `BRA !P1, target`) may fall through
+    for form in ("@!P0 BRA P1, 0x68", "BRA !P1, 0x68", "@P3 BRA !UP0, 0x68"):
+        assert sass.fewest(SKIPPING.replace("@P3 BRA 0x68", form), hot.start, hot.end) == 8, form
+    assert sass.fewest(SKIPPING.replace("@P3 BRA 0x68", "BRA PT, 0x68")) == 10  # always taken
 
 
 @pytest.mark.parametrize("n, barriers, expected", [

@@ -41,7 +41,8 @@ _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*
 NEVER = "NEVER"  # the opcode recorded for an instruction predicated on !PT (alignment filler: never runs)
 EXIT_SOME = "EXIT.IF"  # the opcode recorded for a predicated EXIT (`loops` looks for the unconditional one)
 IF = ".IF"  # appended to the opcode of a predicated branch: it may fall through
-_TARGET = re.compile(r"^\s*(0x[0-9a-f]+)")
+# a branch's target, after the predicate it may also test (`@!P0 BRA P1, 0x4280`: taken where P0 is false and P1 true)
+_TARGET = re.compile(r"^\s*(!?U?P\w+\s*,\s*)?(0x[0-9a-f]+)")
 _PRODUCTS = ("HMMA", "HGMMA")  # the tensor-core instructions a loop's every iteration issues
 COPIES = ("LDGSTS", "UTMALDG")  # async copies into shared memory: cp.async, and TMA's (cp.async.bulk.tensor)
 
@@ -88,8 +89,8 @@ def instructions(sass: str) -> tuple[list[str], list[int], list[tuple[int, int]]
             if op == "EXIT" and m.group(2):  # some threads leave here: not the kernel's end
                 op = EXIT_SOME
             if op.startswith("BRA") and (t := _TARGET.match(m.group(4))):
-                branches.append((len(ops), int(t.group(1), 16)))
-                op += IF if m.group(2) not in (None, "@PT") else ""
+                branches.append((len(ops), int(t.group(2), 16)))
+                op += IF if m.group(2) not in (None, "@PT") or t.group(1) and not t.group(1).startswith("PT") else ""
             ops.append(op)
             where.append(int(m.group(1), 16))
     return ops, where, branches
