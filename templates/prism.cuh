@@ -172,6 +172,14 @@ template <class R> __device__ __forceinline__ R rescale(R old_max, R new_max) {
     return old_max == -R(INFINITY) ? R(0) : exp_(old_max - new_max);
 }
 
+// Online softmax in registers moves a row's running max lazily: only where the row's new scores pass the max its
+// exps are taken from by more than kLazyMax (8 ln 2), so that every exp stays under 2^8, far inside f16's and
+// bf16's range, and the outputs keep their scale on most iterations (their rescaling, 64 or more FMUL a thread
+// an iteration, is skipped: the lazy rescaling of FlashAttention-4). The sums and outputs are both taken against
+// the same max, so their quotient is the softmax's; a stored running max (acc_max_last) is kept exact instead.
+constexpr float kLazyMax = 5.545177444479562f;
+template <class R> __device__ __forceinline__ bool moves(R old_max, R row_max) { return row_max > old_max + R(kLazyMax); }
+
 // Online softmax's exp(x - m) over a row of f32 scores held in registers as one FFMA and one MUFU.EX2 (GPU):
 // 2^(x log2(e) - ml), with ml = exp_shift(m) once per row (0 where m is -inf: every x is then -inf, and its
 // exp 0). ex2.approx is within 2 ulp of 2^y; the emulation takes the exact power of two of the same fma.

@@ -13,7 +13,9 @@ its own shape in templates/steps.j2 and its own layout decision in `launch`:
   exp and every state in registers
   and `p @ v` fed to the next mma from registers (`warp_mma.Flash`, FlashAttention-2's dataflow), the
   states written after the loop ("flash_store"); on wgmma with `launch.overlap`, `p @ v` runs one iteration
-  late ("defer"), beside the next iteration's softmax, the last one after the loop ("flash_tail").
+  late ("defer"), beside the next iteration's softmax, the last one after the loop ("flash_tail"). The
+  running max moves only where a row's scores pass it by more than `prism::kLazyMax` ("lazy"), so the
+  outputs are rescaled only then, unless the max is itself stored (`acc_max_last`: it must be exact).
 
 An "mma" step keeps the plain form of its work beside it (`plain`), the path for GPUs without tensor
 cores. "warp_mma" and "flash" have none: their states are written only after the loop, in bytes the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from ..ir.accumulators import ACCUMULATORS, RUNNING_MAX
 from ..ir.nodes import Node
+from ..kernels.fusion import Plan
 from .ctext import CTYPE, comment, ident
 from .launch import mma_shape, scores_product, stage_elements, stored_operand, uses_tensor_cores
 
@@ -97,6 +100,7 @@ class TensorCoreSteps:
                 "kt": right["bt"], "causal": self.causal_fragment(s) if s is not m else None,
                 "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
                 "m": self.cname[self.plan.groups[s]["m"].name], "defer": self.layout.overlap and f.wg and bool(outs),
+                "lazy": lazy_max(s, self.plan, {st.value for st in self.c.kernel.stores}),
                 "every_warp": self.threads == 32 * f.warps, "turns": self.layout.stages if self.layout.pingpong else 0}
 
     def _stage_of(self, v: Node) -> dict:
@@ -109,6 +113,18 @@ class TensorCoreSteps:
         bound = "loop_end" if self.loop_end() else str(self.c.loop)
         return {"prev": f"{base} + (it + {stages - 1}) % {stages} * {stride}",
                 "last": f"{base} + ({bound} - 1) % {stages} * {stride}"}
+
+
+def lazy_max(s: Node, p: Plan, stored: set[Node]) -> bool:
+    """Whether online softmax over `s` in registers may move its running max lazily (`prism::kLazyMax`). Its
+    outputs and sum are then taken against a max up to kLazyMax under the true one, which only their quotient
+    does not see: so no running max folds s (acc_max_last: its value must be exact), and each output and the
+    sum are read only by divisions of an output by the sum, never stored or read otherwise."""
+    folds = p.users[s]
+    if any(u.op == RUNNING_MAX or u in stored for u in folds):
+        return False
+    return all(r.op == "div" and r.args[0] in folds and r.args[1] in folds and ACCUMULATORS[r.args[0].op].like == "matmul"
+               and ACCUMULATORS[r.args[1].op].row for u in folds for r in p.users[u])
 
 
 def shared_operand(steps: list[dict]) -> list[dict]:

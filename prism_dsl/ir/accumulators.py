@@ -9,7 +9,9 @@ rules/layout.rules, so the numeric check of that file tests these folds against 
 
 The online-softmax accumulators keep a running row max `m` and rescale what they have summed so far by
 `exp(m_old - m_new)` whenever it grows, so no `exp` ever sees a positive argument (numerically safe
-attention, as FlashAttention computes it).
+attention, as FlashAttention computes it). The code generated for online softmax in registers may let the max
+lag a little behind (`backend.tensor_steps.lazy_max`: exps up to 2^8) where only the quotient of an output by
+its sum is read, which does not depend on the max taken; these definitions are the exact ones.
 
 Who reads which field of `Accumulator`: `ops` (name, operands, doc: the `acc_*` OpSpecs), `shapes` and
 the prover's size rules in `prove.egraph` (like, row), `semantics` (init, step, finish), the search

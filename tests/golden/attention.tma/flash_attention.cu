@@ -121,7 +121,8 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
                     for (int j = 0; j < 8; ++j) mx = prism::max_(mx, prism::max_(sc[i][j][2 * h], sc[i][j][2 * h + 1]));
                     mx = prism::max_(mx, prism::shfl_xor(mx, 1));  // the row's 4 lanes
                     mx = prism::max_(mx, prism::shfl_xor(mx, 2));
-                    const real grown = prism::max_(f_v2_m[i][h], mx), scale = prism::rescale(f_v2_m[i][h], grown);
+                    const bool moves = prism::moves(f_v2_m[i][h], mx);  // by more than kLazyMax: else the max stays
+                    const real grown = moves ? mx : f_v2_m[i][h], scale = moves ? prism::rescale(f_v2_m[i][h], mx) : real(1);
                     f_v2_m[i][h] = grown;
                     const real shift = prism::exp_shift(grown);
                     real part = real(0);
@@ -138,10 +139,12 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
             prism::wgmma_wait<0>(reinterpret_cast<float (&)[32]>(f_v2_o0[0]));  // p @ v of iteration it - 1 has landed
             prism::wgmma_hold(f_v2_p);  // and no longer reads p: this iteration's may be written
             if (it > 0) prism::mbarrier_arrive(&empty[(it - 1) % 4]);  // nor the stage of iteration it - 1
-            PRISM_UNROLL
-            for (int h = 0; h < 2; ++h)  // the outputs so far, to this iteration's max
+            if (rescale[0][0] != real(1) || rescale[0][1] != real(1)) {  // the outputs so far, to this iteration's max (where a row's max moved: seldom)
                 PRISM_UNROLL
-                for (int j = 0; j < 8; ++j) f_v2_o0[0][j][2 * h] *= rescale[0][h], f_v2_o0[0][j][2 * h + 1] *= rescale[0][h];
+                for (int h = 0; h < 2; ++h)
+                    PRISM_UNROLL
+                    for (int j = 0; j < 8; ++j) f_v2_o0[0][j][2 * h] *= rescale[0][h], f_v2_o0[0][j][2 * h + 1] *= rescale[0][h];
+            }
             PRISM_UNROLL
             for (int kk = 0; kk < 4; ++kk) {  // p's A fragments, for the next iteration's p @ v
                 const float* const lo = sc[0][2 * kk];

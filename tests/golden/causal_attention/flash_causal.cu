@@ -239,7 +239,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                     for (int j = 0; j < 4; ++j) mx = prism::max_(mx, prism::max_(sc[i][j][2 * h], sc[i][j][2 * h + 1]));
                     mx = prism::max_(mx, prism::shfl_xor(mx, 1));  // the row's 4 lanes
                     mx = prism::max_(mx, prism::shfl_xor(mx, 2));
-                    const real grown = prism::max_(f_v12_m[i][h], mx), scale = prism::rescale(f_v12_m[i][h], grown);
+                    const bool moves = prism::moves(f_v12_m[i][h], mx);  // by more than kLazyMax: else the max stays
+                    const real grown = moves ? mx : f_v12_m[i][h], scale = moves ? prism::rescale(f_v12_m[i][h], mx) : real(1);
                     f_v12_m[i][h] = grown;
                     const real shift = prism::exp_shift(grown);
                     real part = real(0);
@@ -250,8 +251,10 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                         part += sc[i][j][2 * h] + sc[i][j][2 * h + 1];
                     }
                     f_v12_l[i][h] = f_v12_l[i][h] * scale + part;
-                    PRISM_UNROLL
-                    for (int j = 0; j < 8; ++j) f_v12_o0[i][j][2 * h] *= scale, f_v12_o0[i][j][2 * h + 1] *= scale;
+                    if (moves) {  // the outputs so far, to the row's new max
+                        PRISM_UNROLL
+                        for (int j = 0; j < 8; ++j) f_v12_o0[i][j][2 * h] *= scale, f_v12_o0[i][j][2 * h + 1] *= scale;
+                    }
                 }
             PRISM_UNROLL
             for (int kk = 0; kk < 2; ++kk) {  // p @ v, k step over s's columns 16 kk ...
