@@ -839,6 +839,18 @@ __device__ __forceinline__ WgmmaDesc wgmma_desc(const void* p, uint32_t lbo, uin
 #endif
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) past the one `d` describes, with the same strides: its
+// start address moved. A shared-memory address fits the 14-bit field whole (under 256 KB, in 16-byte units), so
+// nothing carries out of it: one 32-bit add, where a descriptor made anew from an address takes about five
+// uniform-datapath instructions. A loop's k steps take their operands' descriptors so from one made per iteration.
+__device__ __forceinline__ WgmmaDesc wgmma_desc_plus(WgmmaDesc d, uint32_t bytes) {
+#if defined(PRISM_CPU)
+    return {d.p + bytes, d.lbo, d.sbo};
+#else
+    return uint64_t(static_cast<uint32_t>(d >> 32)) << 32 | (static_cast<uint32_t>(d) + (bytes >> 4));
+#endif
+}
+
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T: d += a b over the warpgroup, B N-major (as stored, rows of k)
 // or K-major (stored as its transpose). N is 64, 128 or 256. A is a descriptor, or this warp's 16 rows of the
 // 64 in registers, in mma.sync's A layout (4 .b32): so the probabilities of online softmax, computed in

@@ -93,19 +93,23 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
             float sc[1][8][4] = {};  // s: rows wr + 16 i + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1)
             float rescale[1][2];  // each row's factor to the grown max, applied once p @ v of iteration it - 1 has landed
             prism::named_sync(1 + PRISM_TID / 128, 256);  // this warpgroup's turn on the tensor cores
+            // the descriptors of q (the warpgroup's 64 rows) and kt at k = 0; each k step's is one add on
+            const prism::WgmmaDesc qd = prism::wgmma_desc(s_qt + wr / 64 * 4096, 16, 1024);
+            const prism::WgmmaDesc kd = prism::wgmma_desc(s_kt, 8192, 1024);  // kt as stored: N-major
             prism::wgmma_fence();
             PRISM_UNROLL
             for (int kk = 0; kk < 64; kk += 16)  // q: the warpgroup's 64 rows, columns kk ...
                 prism::wgmma<64, half, true>(reinterpret_cast<float (&)[32]>(sc[0]),
-                    prism::wgmma_desc(s_qt + kk / 64 * 8192 + wr / 64 * 4096 + kk % 64, 16, 1024),
-                    prism::wgmma_desc(s_kt + kk * 64, 8192, 1024));  // kt as stored: N-major
+                    prism::wgmma_desc_plus(qd, (kk / 64 * 8192 + kk % 64) * sizeof(half)),
+                    prism::wgmma_desc_plus(kd, kk * 64 * sizeof(half)));
             prism::wgmma_commit();
             if (it > 0) {  // p @ v of iteration it - 1, from its stage (refilled only after every thread's empty arrival), beside this softmax
+                const prism::WgmmaDesc vd0 = prism::wgmma_desc(s_vt_stages + (it + 3) % 4 * 4096, 8192, 1024);
                 prism::wgmma_fence();
                 PRISM_UNROLL
                 for (int kk = 0; kk < 4; ++kk) {
                     prism::wgmma<64, half, true>(reinterpret_cast<float (&)[32]>(f_v2_o0[0]), f_v2_p[kk],
-                                                              prism::wgmma_desc(s_vt_stages + (it + 3) % 4 * 4096 + kk * 1024, 8192, 1024));
+                                                              prism::wgmma_desc_plus(vd0, kk * 1024 * sizeof(half)));
                 }
                 prism::wgmma_commit();
             } else
