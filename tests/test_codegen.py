@@ -549,8 +549,9 @@ def test_offsets_into_tensors_past_an_ints_range_are_64_bit(monkeypatch):
     program = load(ROOT / "programs/fused/attention.decoding.prism").program()
     options = BuildOptions(dims={"b": 64, "h": 8, "q": 1, "kv": 131072, "dh": 128}, archs=(), emulate=False)
     partial = next(k for k in build(program, H100, options).kernels if k.name == "partial").source
-    assert "g_K + (long long)(blockIdx.x * 1) * 134217728 + (long long)(blockIdx.y * 1) * 16777216" in partial
-    assert "g_V + (long long)(blockIdx.x * 1) * 134217728" in partial
+    # the first iteration's element, then the iteration's step on it (`copies.load_step`), each widened
+    assert "g_K + ((long long)(blockIdx.x * 1) * 134217728 + (long long)(blockIdx.y * 1) * 16777216" in partial
+    assert "g_V + ((long long)(blockIdx.x * 1) * 134217728" in partial and "+ (long long)(ahead * 16) * 128);" in partial
     assert "g_Q + blockIdx.x * 1 * 1024 + " in partial and "g_M[blockIdx" in partial  # small: int
     if compiler():
         monkeypatch.setattr(ctext, "INT_MAX", 100)

@@ -56,26 +56,31 @@ def vector_width(c: Concrete, tile: Node, config) -> int:
     return n // plan(c.kernel).buffer(tile).dtype.bytes if n else 1
 
 
-def starts(e, tile: Node, it: str) -> list[list[str]]:
+def starts(e, tile: Node, it: str) -> tuple[list[list[str]], list[list[str]]]:
     """Per dim of the tensor a loaded tile comes from, the C terms of where the block's tile starts at loop
-    iteration `it` (`e`: the kernel's `codegen.Emitter`): its block's slice along a grid axis, its iteration's."""
+    iteration `it` (`e`: the kernel's `codegen.Emitter`): its block's slice along a grid axis; and apart, the
+    iteration's."""
     load, grid = e.k.load(tile.attr), dict(e.c.grid)
-    return [([f"{e.blk}{dm.axis} * {size // grid[dm.axis]}"] if dm.axis else []) + ([f"{it} * {t}"] if dm.loop else [])
-            for size, t, dm in zip(e.shape(e.k.inputs[load.source]), e.shape(tile), load.map.dims)]
+    dims = list(zip(e.shape(e.k.inputs[load.source]), e.shape(tile), load.map.dims))
+    return ([[f"{e.blk}{dm.axis} * {size // grid[dm.axis]}"] if dm.axis else [] for size, _, dm in dims],
+            [[f"{it} * {t}"] if dm.loop else [] for _, t, dm in dims])
 
 
 def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     """The loaded tile copied in by the block's threads: at loop iteration `it` (a C expression), into `dst` (its
-    buffer by default)."""
+    buffer by default). Each copy's source is its thread's element of the first iteration's tile, then the
+    iteration's step on it (`step`, "0" for a tile loaded once): nvcc keeps the first as a pointer through the
+    loop, so an iteration's copy adds one term to it rather than computing its whole address again."""
     load = e.k.load(tile.attr)
     src = e.k.inputs[load.source]
     full, shape, b = e.shape(src), e.shape(tile), e.plan.buffer(tile)
     lines, idx = decompose("e", shape, "i")
-    parts = [at + ([i] if i != "0" else []) for at, i in zip(starts(e, tile, it), idx)]
+    at, step = starts(e, tile, it)
+    parts = [a + ([i] if i != "0" else []) for a, i in zip(at, idx)]
     text = comment(f"{tile.attr} = load {tensor_name(src)}{load.map}  tile {list(shape)} of {list(full)}")
     return {"kind": "load", "comment": text, "n": math.prod(shape), "idx": lines, "vec": vector_width(e.c, tile, e.config),
             "cp": copy_bytes(e.c, tile, e.config) > 0, "dst": dst or e.cname[b.name], "at": e.offset(b, idx, shape),
-            "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full)}
+            "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full), "step": address(step, full)}
 
 
 # -- TMA -----------------------------------------------------------------------------------------------------------
@@ -137,7 +142,7 @@ def tma_step(e, tile: Node, m: TensorMap, dst: str, bar: str, it: str = "ahead")
     load = e.k.load(tile.attr)
     src = e.k.inputs[load.source]
     shape = e.shape(tile)
-    begin = [[f"(int){t}" if t.startswith(e.blk) else t for t in at] for at in starts(e, tile, it)]
+    begin = [[f"(int){t}" if t.startswith(e.blk) else t for t in a + s] for a, s in zip(*starts(e, tile, it))]
     copies = []
     for panel in range(shape[-1] // SWIZZLE_COLUMNS):
         at = begin[:-1] + [begin[-1] + ([str(panel * SWIZZLE_COLUMNS)] if panel else [])]

@@ -69,7 +69,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             const int e = v * 8;
             const int i2 = e / 16;
             const int i3 = e % 16;
-            prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + ahead * 16 + i3);
+            prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + i3) + ahead * 16);
         }
         // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
         {
@@ -77,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::cp_async<8>(s_vt_stages + ahead % 2 * 1152 + i2 * 72 + i3, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + ahead * 16 + i2) * 64 + i3);
+            prism::cp_async<8>(s_vt_stages + ahead % 2 * 1152 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + i2) * 64 + i3) + ahead * 16 * 64);
         }
         prism::cp_async_commit();
     }
@@ -92,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 const int e = v * 8;
                 const int i2 = e / 16;
                 const int i3 = e % 16;
-                prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + ahead * 16 + i3);
+                prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + i3) + ahead * 16);
             }
             // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
             {
@@ -100,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_vt_stages + ahead % 2 * 1152 + i2 * 72 + i3, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + ahead * 16 + i2) * 64 + i3);
+                prism::cp_async<8>(s_vt_stages + ahead % 2 * 1152 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + i2) * 64 + i3) + ahead * 16 * 64);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
@@ -285,17 +285,17 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         for (int ahead = 0; ahead < 3; ++ahead) {
             // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
             if (const int e = PRISM_TID; e < 1) {
-                prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + ahead * 1 * 2 + tile_x * 1 * 2 + tile_y * 1);
+                prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
             }
             // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
             if (const int v = PRISM_TID; v < 16) {
                 const int e = v * 4;
                 const int i4 = e;
-                prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + ahead * 1 * 128 + tile_x * 1 * 128 + tile_y * 1 * 64 + i4);
+                prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + (tile_x * 1 * 128 + tile_y * 1 * 64 + i4) + ahead * 1 * 128);
             }
             // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
             if (const int e = PRISM_TID; e < 1) {
-                prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + ahead * 1 * 2 + tile_x * 1 * 2 + tile_y * 1);
+                prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
             }
             prism::cp_async_commit();
         }
@@ -306,17 +306,17 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             if (const int ahead = it + 3; ahead < 4) {
                 // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
                 if (const int e = PRISM_TID; e < 1) {
-                    prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + ahead * 1 * 2 + tile_x * 1 * 2 + tile_y * 1);
+                    prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
                 }
                 // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
                 if (const int v = PRISM_TID; v < 16) {
                     const int e = v * 4;
                     const int i4 = e;
-                    prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + ahead * 1 * 128 + tile_x * 1 * 128 + tile_y * 1 * 64 + i4);
+                    prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + (tile_x * 1 * 128 + tile_y * 1 * 64 + i4) + ahead * 1 * 128);
                 }
                 // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
                 if (const int e = PRISM_TID; e < 1) {
-                    prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + ahead * 1 * 2 + tile_x * 1 * 2 + tile_y * 1);
+                    prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
                 }
             }
             prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

@@ -49,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + ahead * 64 + i3);
+            prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + ahead * 64);
         }
         // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
         for (int v0 = 0; v0 < 512; v0 += kThreads) {
@@ -57,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (ahead * 64 + i2) * 64 + i3);
+            prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 64 * 64);
         }
         prism::cp_async_commit();
     }
@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_K + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + ahead * 64 + i3);
+                prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + ahead * 64);
             }
             // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
             for (int v0 = 0; v0 < 512; v0 += kThreads) {
@@ -80,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_V + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (ahead * 64 + i2) * 64 + i3);
+                prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 64 * 64);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

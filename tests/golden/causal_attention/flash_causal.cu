@@ -102,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_K + blockIdx.y * 1 * 8192 + (ahead * 32 + i2) * 64 + i3);
+                prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 32 * 64);
             }
             // ckt = load CK[loop, :]  tile [32, 64] of [128, 64]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -110,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_CK + (ahead * 32 + i0) * 64 + i1);
+                prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_CK + (i0 * 64 + i1) + ahead * 32 * 64);
             }
             // skt = load SK[loop, :]  tile [32, 64] of [128, 64]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_SK + (ahead * 32 + i0) * 64 + i1);
+                prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_SK + (i0 * 64 + i1) + ahead * 32 * 64);
             }
             // vt = load V[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -126,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_V + blockIdx.y * 1 * 8192 + (ahead * 32 + i2) * 64 + i3);
+                prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 32 * 64);
             }
         }
         prism::cp_async_commit();
@@ -142,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_K + blockIdx.y * 1 * 8192 + (ahead * 32 + i2) * 64 + i3);
+                prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 32 * 64);
             }
             // ckt = load CK[loop, :]  tile [32, 64] of [128, 64]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -150,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_CK + (ahead * 32 + i0) * 64 + i1);
+                prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_CK + (i0 * 64 + i1) + ahead * 32 * 64);
             }
             // skt = load SK[loop, :]  tile [32, 64] of [128, 64]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -158,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_SK + (ahead * 32 + i0) * 64 + i1);
+                prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_SK + (i0 * 64 + i1) + ahead * 32 * 64);
             }
             // vt = load V[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -166,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_V + blockIdx.y * 1 * 8192 + (ahead * 32 + i2) * 64 + i3);
+                prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 32 * 64);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

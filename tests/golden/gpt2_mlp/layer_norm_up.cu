@@ -51,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
+            prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
         }
         // wt = load W1[loop, x]  tile [64, 64] of [256, 512]
         for (int v0 = 0; v0 < 512; v0 += kThreads) {
@@ -59,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1, g_W1 + (ahead * 64 + i0) * 512 + blockIdx.x * 64 + i1);
+            prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + ahead * 64 * 512);
         }
         prism::cp_async_commit();
     }
@@ -73,7 +73,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
+                prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
             }
             // wt = load W1[loop, x]  tile [64, 64] of [256, 512]
             for (int v0 = 0; v0 < 512; v0 += kThreads) {
@@ -81,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1, g_W1 + (ahead * 64 + i0) * 512 + blockIdx.x * 64 + i1);
+                prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + ahead * 64 * 512);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

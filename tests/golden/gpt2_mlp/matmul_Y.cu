@@ -30,7 +30,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
             const int e = v * 8;
             const int i0 = e / 128;
             const int i1 = e % 128;
-            prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + (blockIdx.y * 8 + i0) * 512 + ahead * 128 + i1);
+            prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + ((blockIdx.y * 8 + i0) * 512 + i1) + ahead * 128);
         }
         // w2_1 = load W2[loop, x]  tile [128, 64] of [512, 256]
         for (int v0 = 0; v0 < 1024; v0 += kThreads) {
@@ -38,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1, g_W2 + (ahead * 128 + i0) * 256 + blockIdx.x * 64 + i1);
+            prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + ahead * 128 * 256);
         }
         prism::cp_async_commit();
     }
@@ -53,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
                 const int e = v * 8;
                 const int i0 = e / 128;
                 const int i1 = e % 128;
-                prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + (blockIdx.y * 8 + i0) * 512 + ahead * 128 + i1);
+                prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + ((blockIdx.y * 8 + i0) * 512 + i1) + ahead * 128);
             }
             // w2_1 = load W2[loop, x]  tile [128, 64] of [512, 256]
             for (int v0 = 0; v0 < 1024; v0 += kThreads) {
@@ -61,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1, g_W2 + (ahead * 128 + i0) * 256 + blockIdx.x * 64 + i1);
+                prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + ahead * 128 * 256);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

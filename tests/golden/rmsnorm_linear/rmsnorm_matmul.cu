@@ -38,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_xt_stages + ahead % 4 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
+            prism::cp_async<8>(s_xt_stages + ahead % 4 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
         }
         // wt = load W[loop, x]  tile [64, 32] of [256, 256]
         for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -46,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
-            prism::cp_async<8>(s_wt_stages + ahead % 4 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_W + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+            prism::cp_async<8>(s_wt_stages + ahead % 4 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_W + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
         }
         prism::cp_async_commit();
     }
@@ -60,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_xt_stages + ahead % 4 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
+                prism::cp_async<8>(s_xt_stages + ahead % 4 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
             }
             // wt = load W[loop, x]  tile [64, 32] of [256, 256]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -68,7 +68,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
                 const int e = v * 8;
                 const int i0 = e / 32;
                 const int i1 = e % 32;
-                prism::cp_async<8>(s_wt_stages + ahead % 4 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_W + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+                prism::cp_async<8>(s_wt_stages + ahead % 4 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_W + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

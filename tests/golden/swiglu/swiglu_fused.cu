@@ -36,7 +36,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
+            prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
         }
         // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
         for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -44,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
-            prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wg + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+            prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
         }
         // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
         for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -52,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
             const int e = v * 8;
             const int i0 = e / 32;
             const int i1 = e % 32;
-            prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wu + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+            prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
         }
         prism::cp_async_commit();
     }
@@ -66,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + i0 * 256 + ahead * 64 + i1);
+                prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
             }
             // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -74,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
                 const int e = v * 8;
                 const int i0 = e / 32;
                 const int i1 = e % 32;
-                prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wg + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+                prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
             }
             // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
             for (int v0 = 0; v0 < 256; v0 += kThreads) {
@@ -82,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
                 const int e = v * 8;
                 const int i0 = e / 32;
                 const int i1 = e % 32;
-                prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wu + (ahead * 64 + i0) * 256 + blockIdx.x * 32 + i1);
+                prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
