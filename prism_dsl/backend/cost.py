@@ -166,17 +166,17 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - REGISTERS_BASE = 64, REGISTERS_PER_COPY = 2 (none where TMA copies the loop's tiles): read from ptxas (nvcc
   13, sm_90) over the programs of programs/fused at decode and prefill shapes, 128 and 256 threads. The
   threads' passes over a tile have their trip count in sight (templates/steps.j2), so nvcc unrolls the
-  copies of the loop's tiles into the main loop and keeps each one's addresses in registers across it:
-  FlashDecoding's partial kernel at dh = 128 takes 168 registers at 128 threads (32 copies per thread and
-  iteration) and 100 at 256 (16); about 2 a copy over the rest. It is a rough fit (from 1 to 3 a copy; where
-  the loop is short, nvcc unrolls it whole and keeps fewer), and ptxas's own count replaces it for the program
-  that is built. Copies into tiles whose rows' 16-byte chunks are permuted (`launch.xor_rows`: rows of 32 or
-  64 bytes) are not counted: ptxas computes their addresses in the loop rather than holding them. The gated
-  MLP at n = 8 with 40 such copies a thread (4 loop steps of [1024, 16] tiles) took 166 registers with the
-  rows in order and takes 72 with them permuted (the guess: 80); with 10 (16 steps of [256, 16]), 56 and 64
-  (the guess: 80, where it said 100 before). A fit of base and slope over those kernels and the prefill ones
-  does no better (the copies do not decide the rest of a kernel's registers), so the constants stay. Shared
-  memory mostly decides the blocks per SM before registers do.
+  copies of the loop's tiles into the main loop and keeps each one's source, a 64-bit pointer to its first
+  iteration's element (`copies.load_step`), across it: two registers a copy. Over the 19 kernels of the static
+  report (benchmarks/NOTES.md, 2026-11-29) the guess is 2 to 52 over ptxas's count (FlashDecoding's partial
+  kernel at dh = 128, 16 copies a thread at 128 threads: 80, the guess 96). ptxas's own count replaces it for
+  the program that is built. Copies into tiles whose rows' 16-byte chunks are permuted (`launch.xor_rows`: rows
+  of 32 or 64 bytes) are not counted: ptxas computes their addresses in the loop rather than holding them. The
+  gated MLP at n = 8 with 40 such copies a thread (4 loop steps of [1024, 16] tiles) took 166 registers with the
+  rows in order and 72 with them permuted (the guess: 80); with 10 (16 steps of [256, 16]), 56 and 64 (the
+  guess: 80). A fit of base and slope over those kernels and the prefill ones does no better (the copies do
+  not decide the rest of a kernel's registers), so the constants stay. Shared memory mostly decides the
+  blocks per SM before registers do.
 It is meant to rank, not to predict to the microsecond; `roofline` gives the floor no program beats.
 """
 
