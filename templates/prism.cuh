@@ -218,6 +218,25 @@ template <class R> __device__ __forceinline__ R shfl_xor(R v, int lane_mask PRIS
 #endif
 }
 
+#if defined(PRISM_CPU)
+template <class R> void first_lane_op(const void* const* in, void* const* out) {
+    for (int l = 0; l < emu::kWarp; ++l) *static_cast<R*>(out[l]) = *static_cast<const R*>(in[0]);
+}
+#endif
+
+// v as lane 0 of the warp holds it (__shfl_sync from lane 0, the whole warp converged): for a value every lane
+// holds alike (the warp's or warpgroup's index), so that nvcc keeps it, and what is made from it, in uniform
+// registers: a wgmma descriptor built from a warpgroup's row then takes no move into them at each use.
+template <class R> __device__ __forceinline__ R warp_uniform(R v PRISM_AT) {
+#if defined(PRISM_CPU)
+    R out;
+    emu::collective("__shfl_sync", 0xFFFFFFFFu, at_file, at_line, &v, &out, first_lane_op<R>);
+    return out;
+#else
+    return __shfl_sync(0xffffffffu, v, 0);
+#endif
+}
+
 template <class R> __device__ __forceinline__ R warp_sum(R v PRISM_AT) {
     for (int offset = 16; offset > 0; offset >>= 1) v += shfl_xor(v, offset PRISM_HERE);
     return v;

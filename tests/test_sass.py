@@ -99,6 +99,11 @@ def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(na
     if wgmma:
         assert hot["HGMMA"] > 0 and hot["HMMA"] == hot["LDSM"] == 0, hot
         assert "serialized" not in done.stderr and "WARPGROUP.DEPBAR.LE gsb0, 0x1" in listing
+        # each wgmma's descriptors made in uniform registers (`prism::warp_uniform`, `wgmma_desc_plus`): not
+        # moved into them one by one (R2UR), as they were from a warpgroup index nvcc took to differ by thread
+        ops, _, _ = sass.instructions(listing)
+        loop = sass.hot_loop(listing)
+        assert sum(op.startswith("R2UR") for op in ops[loop.start: loop.end + 1]) <= 2
     if tma:
         assert hot["LDGSTS"] == 0 and hot["UTMALDG"] > 0, hot
         assert "SYNCS.ARRIVE.TRANS64 RZ" in listing and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in listing  # expect_tx, wait

@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
         #if PRISM_WGMMA
         // online softmax over s = (qt @ kt)  [1, 1, 128, 64], folded by o, l: wgmma, 2 warpgroups of 64 rows (16 a warp), s and p in registers
         {  // every warp of the block (no branch around wgmma: ptxas would serialize the batches)
-            const int wr = PRISM_TID / PRISM_WARP * 16;
+            const int wr = prism::warp_uniform(PRISM_TID / PRISM_WARP) * 16;  // uniform: q's descriptors
             float sc[1][8][4] = {};  // s: rows wr + 16 i + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1)
             float rescale[1][2];  // each row's factor to the grown max, applied once p @ v of iteration it - 1 has landed
             prism::named_sync(1 + PRISM_TID / 128, 256);  // this warpgroup's turn on the tensor cores
