@@ -24,6 +24,9 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
     float* const s_a4_max = PRISM_SHARED_IN(float, 16384, 512, 2, 2);  // scratch a4_max: [1, 1, 128, 1] f32, after the loop
     float* const s_a4 = PRISM_SHARED_IN(float, 17408, 32768, 2, 2);  // state a4: [1, 1, 128, 64] f32, after the loop
     float* const s_a5 = PRISM_SHARED_IN(float, 50176, 512, 2, 2);  // state a5: [1, 1, 128, 1] f32, after the loop
+    // this thread's warpgroup, from lane 0 (`prism::warp_uniform`): nvcc keeps it in a uniform register through the
+    // loop, and the wgmma descriptors made from it
+    const int warpgroup = prism::warp_uniform(PRISM_TID / 128);
     // the pipeline's mbarriers: full[s] completes when the TMA copies into stage s have landed (the bytes the issuing
     // thread expects), empty[s] when every thread's p @ v has read it
     uint64_t* const full = PRISM_SHARED(uint64_t, 81920, 64);
@@ -89,12 +92,11 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
         #if PRISM_WGMMA
         // online softmax over s = (qt @ kt)  [1, 1, 128, 64], folded by o, l: wgmma, 2 warpgroups of 64 rows (16 a warp), s and p in registers
         {  // every warp of the block (no branch around wgmma: ptxas would serialize the batches)
-            const int wr = prism::warp_uniform(PRISM_TID / PRISM_WARP) * 16;  // uniform: q's descriptors
-            float sc[1][8][4] = {};  // s: rows wr + 16 i + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1)
+            float sc[1][8][4] = {};  // s: rows wr + 16 i + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1), wr = warp * 16
             float rescale[1][2];  // each row's factor to the grown max, applied once p @ v of iteration it - 1 has landed
             prism::named_sync(1 + PRISM_TID / 128, 256);  // this warpgroup's turn on the tensor cores
             // the descriptors of q (the warpgroup's 64 rows) and kt at k = 0; each k step's is one add on
-            const prism::WgmmaDesc qd = prism::wgmma_desc(s_qt + wr / 64 * 4096, 16, 1024);
+            const prism::WgmmaDesc qd = prism::wgmma_desc(s_qt + warpgroup * 4096, 16, 1024);
             const prism::WgmmaDesc kd = prism::wgmma_desc(s_kt, 8192, 1024);  // kt as stored: N-major
             prism::wgmma_fence();
             PRISM_UNROLL

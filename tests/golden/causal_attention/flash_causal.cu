@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         // online softmax over s = causal(((rope(qt, cqt, sqt) / 11.313708498984761) @ transpose(rope(kt, ckt, skt), -1, -2)))  [1, 1, 32, 32], folded by o, l: mma.sync m16n8k16, 2 warps of 16 rows, s and p in registers
         if (PRISM_TID / PRISM_WARP < 2) {
             const int lane = PRISM_TID % PRISM_WARP, wr = PRISM_TID / PRISM_WARP * 16;
-            float sc[1][4][4] = {};  // s: rows wr + 16 i + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1)
+            float sc[1][4][4] = {};  // s: rows wr + 16 i + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1), wr = warp * 16
             PRISM_UNROLL
             for (int kk = 0; kk < 64; kk += 16) {
                 uint32_t fa[1][4];
