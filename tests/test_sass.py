@@ -103,7 +103,7 @@ def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(na
         # moved into them one by one (R2UR), as they were from a warpgroup index nvcc took to differ by thread
         ops, _, _ = sass.instructions(listing)
         loop = sass.hot_loop(listing)
-        assert sum(op.startswith("R2UR") for op in ops[loop.start: loop.end + 1]) <= 2
+        assert sum(op.startswith("R2UR") for op in ops[loop.start: loop.end + 1]) <= 1
     if tma:
         assert hot["LDGSTS"] == 0 and hot["UTMALDG"] > 0, hot
         assert "SYNCS.ARRIVE.TRANS64 RZ" in listing and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in listing  # expect_tx, wait

@@ -81,7 +81,7 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     thread index; online softmax's rescaling factor, an exp except where the old max is -inf, and the
     arrival that frees the stage before, `if (it > 0)`, both skipped only on the first iteration; the
     outputs' rescaling, only where a row's max moved by over `prism::kLazyMax`): at dh = 128, attention at
-    prefill issues at least 325 of the 430 instructions in its loop (282 on iterations that copy nothing).
+    prefill issues at least 312 of the 417 instructions in its loop (269 on iterations that copy nothing).
     It binds only where every path through the loop issues more than the products and copies take.
     The phases take max(t_math, t_issue) for the math, the last wave's idle slots counted as for t_math. The
     search ranks by the code's structure (it cannot compile every candidate); the chosen program is priced
@@ -140,9 +140,9 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   their own and the computing warpgroups the registers it frees (setmaxnreg), where here thread 0 of a
   computing warp issues them, after waiting for the stage's readers (who read it three iterations before, so
   the wait seldom holds it). Read from the SASS (nvcc 13, sm_90a, attention at q = kv = 4096, dh = 128, the
-  static report's kernel): its loop holds 445 instructions, 3 UTMALDG and no LDGSTS (430 with cp.async, 8
-  LDGSTS), a warp issues at least 284 an iteration (340 on those that copy; 282 and 325 with cp.async), and
-  ptxas gives 138 registers (153).
+  static report's kernel): its loop holds 434 instructions, 3 UTMALDG and no LDGSTS (417 with cp.async, 8
+  LDGSTS), a warp issues at least 273 an iteration (329 on those that copy; 269 and 312 with cp.async), and
+  ptxas gives 138 registers (154).
 - SOFTMAX_BESIDE = 0.5: read from the SASS of attention at dh = 128 (nvcc 13, sm_90a): of an iteration's
   34 MUFU.EX2 and 42 FFMA, which the PTX has all before p @ v's wait, ptxas issues 18 and 25 between the
   scores' wait and that one, and schedules the rest after it; the rescaling of the outputs must follow it.
