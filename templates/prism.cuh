@@ -864,7 +864,7 @@ __device__ __forceinline__ WgmmaDesc wgmma_desc(const void* p, uint32_t lbo, uin
 // uniform-datapath instructions. A loop's k steps take their operands' descriptors so from one made per iteration.
 __device__ __forceinline__ WgmmaDesc wgmma_desc_plus(WgmmaDesc d, uint32_t bytes) {
 #if defined(PRISM_CPU)
-    return {d.p + bytes, d.lbo, d.sbo};
+    return {d.p + (bytes & ~15u), d.lbo, d.sbo};  // the field counts 16-byte units: the GPU drops the rest too
 #else
     return uint64_t(static_cast<uint32_t>(d >> 32)) << 32 | (static_cast<uint32_t>(d) + (bytes >> 4));
 #endif
