@@ -11,9 +11,11 @@
 #     benchmarks/gpu_session.sh [BUDGET_SECONDS [STEP...]]     # on the GPU machine, from anywhere
 #     # bring back $RESULTS/session.tar.gz; here: tar xzf it, then python benchmarks/gpu_fused.py table
 #
-# STEPs, in the order given (default: first tmacopy decode probe profile prefill tma tests): first (one decode
-# workload, to see that the whole chain works before the rest), tmacopy, decode, probe, profile (Nsight Compute on
-# our decode kernels, each run once by `gpu_fused.py profile`: where their time goes), prefill, tma, tests. A workload measured by an
+# STEPs, in the order given (default: first tmacopy decode probe profile prefill profile-prefill tma tests): first
+# (one decode workload, to see that the whole chain works before the rest), tmacopy, decode, probe, profile (Nsight
+# Compute on our decode kernels, each run once by `gpu_fused.py profile`: where their time goes), prefill,
+# profile-prefill (the same on the prefill kernels: whether the tensor pipes or L2 bound them), tma, tests. A
+# workload measured by an
 # earlier step or call (its gpu.json) is not measured again. RESULTS (default out/session) gets steps.txt
 # (each step's exit status and time) and session.tar.gz (every gpu.json, probe.json and each step's log,
 # under their paths in the repository).
@@ -23,10 +25,11 @@ cd "$(dirname "$0")/.."
 budget=${1:-540}
 shift $(( $# ? 1 : 0 ))
 steps=("$@")
-(( ${#steps[@]} )) || steps=(first tmacopy decode probe profile prefill tma tests)
+(( ${#steps[@]} )) || steps=(first tmacopy decode probe profile prefill profile-prefill tma tests)
 for name in "${steps[@]}"; do
-    case $name in first | tmacopy | decode | probe | profile | prefill | tma | tests) ;;
-        *) echo "unknown step '$name' (first, tmacopy, decode, probe, profile, prefill, tma, tests)" >&2; exit 2 ;;
+    case $name in first | tmacopy | decode | probe | profile | prefill | profile-prefill | tma | tests) ;;
+        *) echo "unknown step '$name' (first, tmacopy, decode, probe, profile, prefill, profile-prefill, tma, tests)" >&2
+           exit 2 ;;
     esac
 done
 results=${RESULTS:-out/session}
@@ -56,6 +59,12 @@ if [ -d .whl ] && ! python3 -c "import pycuda, lark" 2>/dev/null; then
 fi
 step machine 30 sh -c 'nvidia-smi; nvcc --version; python3 -c "import sys, torch, numpy, pycuda; \
 print(sys.version); print(torch.__version__, numpy.__version__, pycuda.VERSION_TEXT)"'
+# Nsight Compute on the kernels of the workloads whose name holds $1, each run once (`gpu_fused.py profile`)
+profiled='ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    [ -n "$ncu" ] || { echo "no ncu (Nsight Compute) on this machine"; exit 1; }
+    exec "$ncu" --clock-control none --kernel-name regex:^prism_ --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        python3 benchmarks/gpu_fused.py profile --only'
 for name in "${steps[@]}"; do
     case $name in
         tests) step tests 60 python3 -m pytest -q -p no:cacheprovider -m "gpu or nvcc" tests/test_runtime.py ;;
@@ -63,12 +72,9 @@ for name in "${steps[@]}"; do
         tmacopy) step tmacopy 90 python3 benchmarks/tma_probe.py ;;
         decode) step decode 200 python3 benchmarks/gpu_fused.py run --only decode ;;
         probe) step probe 120 python3 benchmarks/gpu_probe.py --json out/probe.json ;;
-        profile) step profile 150 sh -c 'ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-            [ -n "$ncu" ] || { echo "no ncu (Nsight Compute) on this machine"; exit 1; }
-            exec "$ncu" --clock-control none --kernel-name regex:^prism_ --section SpeedOfLight \
-                --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-                python3 benchmarks/gpu_fused.py profile --only decode' ;;
+        profile) step profile 150 sh -c "$profiled decode" ;;
         prefill) step prefill 240 python3 benchmarks/gpu_fused.py run --only prefill ;;
+        profile-prefill) step profile-prefill 150 sh -c "$profiled prefill" ;;
         tma) [ -d out/gpu-tma ] && step tma 200 python3 benchmarks/gpu_fused.py run --dir out/gpu-tma \
                  --results out/RESULTS-tma.md ;;
     esac
