@@ -2,7 +2,7 @@
 the model's own: what a kernel launch costs (alone, and back to back), how long one load from L2 and from
 device memory takes, what bandwidth B blocks reach with F bytes of copies in flight each, what L2 serves B
 blocks streaming a footprint that stays in it, what one SM takes in with one block of 128, 256 or 512
-threads on it (whether the intake grows with the warps copying, as `cost.sm_intake` assumes), and what
+threads on it (whether the intake grows with the warps copying, as `intake.sm_intake` assumes), and what
 bandwidth blocks reach that each read a strip of 32 to 512 bytes of every row of a matrix, as the decode
 projections read their weights (the model counts their bytes alone, whatever the strip's width).
 
@@ -16,8 +16,8 @@ the generated loops do, and the XOR of everything it read is checked against the
 a figure is only printed for a kernel that read every byte. Every run (the launches, the chases, the
 streams) is timed between two CUDA events with a spinning kernel queued before the first and lengthened
 until the host has queued the whole run before the GPU gets to it (`cuda_runtime.Ahead`), so that the
-host's time to issue the run is never counted: a launch "back to back" is the GPU's time per launch queued. The bandwidth table sets each measured figure beside `cost.reachable_bandwidth` at the same blocks
-and bytes in flight (the L2 table beside `cost.reachable_l2_bandwidth`), and the summary gives what the
+host's time to issue the run is never counted: a launch "back to back" is the GPU's time per launch queued. The bandwidth table sets each measured figure beside `intake.reachable_bandwidth` at the same blocks
+and bytes in flight (the L2 table beside `intake.reachable_l2_bandwidth`), and the summary gives what the
 tables imply for the hardware file's constants (`bandwidth_gbs` with BANDWIDTH_REACH, `dram_latency_ns`,
 `l2_bandwidth_gbs`, WARP_FILL_BYTES_PER_CLOCK, `launch_overhead_us`): the question it settles first is whether
 half the SMs, each with deep pipelines, stream as fast as all of them. That decides attention at decode with 4096 keys,
@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prism_dsl.backend import cost  # noqa: E402
+from prism_dsl.backend import intake  # noqa: E402
 from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS, Ahead, device_target  # noqa: E402
 from prism_dsl.backend.launch import blocks_per_sm  # noqa: E402
 from prism_dsl.kernels.hardware import Hardware, for_device, hardware_names, load_hardware  # noqa: E402
@@ -119,7 +119,7 @@ def l2_configurations(sms: int) -> list[tuple[int, int, int]]:
 
 def thread_configurations(sms: int) -> list[tuple[int, int, int, int]]:
     """(blocks, stages, tile bytes, threads): an eighth of the SMs, one block on each with 128 KB in flight, of
-    128 to 512 threads: whether one SM's intake grows with the warps copying into it (`cost.sm_intake`)."""
+    128 to 512 threads: whether one SM's intake grows with the warps copying into it (`intake.sm_intake`)."""
     return [(max(1, sms // 8), 9, 16384, threads) for threads in (128, 256, 512)]
 
 
@@ -142,18 +142,18 @@ def warps(point: Point, hardware: Hardware) -> float:
 
 def model_gbs(point: Point, hardware: Hardware) -> float:
     busy, flight = per_sm_flight(point, hardware)
-    return cost.reachable_bandwidth(hardware, busy, flight, warps(point, hardware)) / 1e9
+    return intake.reachable_bandwidth(hardware, busy, flight, warps(point, hardware)) / 1e9
 
 
 def model_l2_gbs(point: Point, hardware: Hardware) -> float:
-    return cost.reachable_l2_bandwidth(hardware, min(point.blocks, hardware.sms), warps(point, hardware)) / 1e9
+    return intake.reachable_l2_bandwidth(hardware, min(point.blocks, hardware.sms), warps(point, hardware)) / 1e9
 
 
 def summarize(points: list[Point], hardware: Hardware, l2: list[Point] = (), threads: list[Point] = ()) -> dict:
     """What the measurements say of the model's memory constants:
     - peak_gbs: the most any configuration streamed (the model: bandwidth_gbs * BANDWIDTH_REACH);
     - fill_bytes_per_clock: the most one SM took in, over configurations with at most half the SMs busy, in
-      bytes per clock at cost.CLOCK_GHZ (the model: `cost.sm_intake` of one block's warps);
+      bytes per clock at intake.CLOCK_GHZ (the model: `intake.sm_intake` of one block's warps);
     - latency_ns: busy * flight / bandwidth, the median over the configurations that stream under 60% of the
       peak and under 60% of that SM intake (where only the bytes in flight can bind; None when none does);
     - half_over_full: the most streamed with half the SMs over the most with all of them;
@@ -174,15 +174,15 @@ def summarize(points: list[Point], hardware: Hardware, l2: list[Point] = (), thr
     halves = [p.gbs for p in points if p.blocks == hardware.sms // 2]
     fulls = [p.gbs for p in points if p.blocks == hardware.sms]
     summary = {"peak_gbs": round(peak, 1),
-               "fill_bytes_per_clock": round(fill / cost.CLOCK_GHZ, 1) if fill is not None else None,
+               "fill_bytes_per_clock": round(fill / intake.CLOCK_GHZ, 1) if fill is not None else None,
                "latency_ns": round(statistics.median(bound), 1) if bound else None,
                "half_over_full": round(max(halves) / max(fulls), 3) if halves and fulls else None}
     if l2:
         l2_fill = max((p.gbs / p.blocks for p in l2 if p.blocks <= hardware.sms // 2), default=None)
         summary |= {"l2_peak_gbs": round(max(p.gbs for p in l2), 1),
-                    "l2_fill_bytes_per_clock": round(l2_fill / cost.CLOCK_GHZ, 1) if l2_fill is not None else None}
+                    "l2_fill_bytes_per_clock": round(l2_fill / intake.CLOCK_GHZ, 1) if l2_fill is not None else None}
     if threads:
-        summary["warp_fill_bytes_per_clock"] = {p.threads: round(p.gbs / p.blocks / cost.CLOCK_GHZ / (p.threads / 32), 2)
+        summary["warp_fill_bytes_per_clock"] = {p.threads: round(p.gbs / p.blocks / intake.CLOCK_GHZ / (p.threads / 32), 2)
                                                 for p in threads}
     return summary
 
@@ -197,12 +197,12 @@ def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, d
     if threads:
         lines += ["", "From device memory, one block per SM of more threads:", "", *_table(threads, model_gbs, hardware)]
     s = summarize(points, hardware, l2, threads)
-    model_fill = (f"{cost.sm_intake(THREADS / 32):.1f} ({THREADS // 32} warps x WARP_FILL_BYTES_PER_CLOCK "
-                  f"{cost.WARP_FILL_BYTES_PER_CLOCK}, at most SM_FILL_BYTES_PER_CLOCK {cost.SM_FILL_BYTES_PER_CLOCK})")
+    model_fill = (f"{intake.sm_intake(THREADS / 32):.1f} ({THREADS // 32} warps x WARP_FILL_BYTES_PER_CLOCK "
+                  f"{intake.WARP_FILL_BYTES_PER_CLOCK}, at most SM_FILL_BYTES_PER_CLOCK {intake.SM_FILL_BYTES_PER_CLOCK})")
     lines += ["", "| figure | measured | the model's |", "|---|---|---|",
-              f"| streaming peak (GB/s) | {s['peak_gbs']} | {hardware.bandwidth_gbs * cost.BANDWIDTH_REACH:.0f} "
-              f"(bandwidth_gbs {hardware.bandwidth_gbs:.0f} x BANDWIDTH_REACH {cost.BANDWIDTH_REACH}) |",
-              f"| one SM's intake, at most half the SMs busy (bytes/clock at {cost.CLOCK_GHZ} GHz) | "
+              f"| streaming peak (GB/s) | {s['peak_gbs']} | {hardware.bandwidth_gbs * intake.BANDWIDTH_REACH:.0f} "
+              f"(bandwidth_gbs {hardware.bandwidth_gbs:.0f} x BANDWIDTH_REACH {intake.BANDWIDTH_REACH}) |",
+              f"| one SM's intake, at most half the SMs busy (bytes/clock at {intake.CLOCK_GHZ} GHz) | "
               f"{s['fill_bytes_per_clock']} | {model_fill} |",
               f"| latency where the bytes in flight bind (ns) | {s['latency_ns']} | {hardware.dram_latency_ns} "
               f"(dram_latency_ns) |",
@@ -213,7 +213,7 @@ def report(points: list[Point], launch: dict, chase: dict, hardware: Hardware, d
                  f"| one SM's intake from L2, at most half the SMs busy (bytes/clock) | "
                  f"{s['l2_fill_bytes_per_clock']} | {model_fill} |"] if l2 else []),
               *([f"| one SM's intake per warp, one block of {n} threads on it (bytes/clock) | {fill} | "
-                 f"{min(cost.WARP_FILL_BYTES_PER_CLOCK, cost.SM_FILL_BYTES_PER_CLOCK / (n / 32)):.2f} |"
+                 f"{min(intake.WARP_FILL_BYTES_PER_CLOCK, intake.SM_FILL_BYTES_PER_CLOCK / (n / 32)):.2f} |"
                  for n, fill in s.get("warp_fill_bytes_per_clock", {}).items()]),
               f"| one load's latency from device memory, unloaded (ns) | {chase['dram_ns']:.0f} | |",
               f"| one load's latency from L2 (ns) | {chase['l2_ns']:.0f} | |",

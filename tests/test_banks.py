@@ -178,7 +178,8 @@ def test_permuted_rows_keep_chunks_whole_and_spread_them_over_the_banks(cols):
 def test_the_model_prices_the_counted_wavefronts_as_a_floor():
     """A block's wavefronts (`compiled["wavefronts"]`) take the busy SMs' shared memory one a clock each: a count
     far below the kernel's other terms changes nothing, one above them decides its time (bound "shared")."""
-    from prism_dsl.backend.cost import CLOCK_GHZ, estimate
+    from prism_dsl.backend.cost import estimate
+    from prism_dsl.backend.intake import CLOCK_GHZ
     from prism_dsl.pipeline.build import BuildOptions, build
     from test_codegen import H100, load
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl.backend import cost, cuda_runtime, sass
+from prism_dsl.backend import cuda_runtime, intake, sass
 from prism_dsl.backend.compare import check
 from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
 from prism_dsl.backend.nvcc import nvcc_path
@@ -45,19 +45,19 @@ def test_the_probe_summary_gives_back_the_models_own_constants(name):
     threads = [probe.Point(b, s, t, 0.0, n) for b, s, t, n in probe.thread_configurations(hardware.sms)]
     threads = [probe.Point(p.blocks, p.stages, p.tile, probe.model_gbs(p, hardware), p.threads) for p in threads]
     summary = probe.summarize(points, hardware, l2, threads)
-    assert summary["warp_fill_bytes_per_clock"] == {n: pytest.approx(cost.WARP_FILL_BYTES_PER_CLOCK, abs=0.01)
+    assert summary["warp_fill_bytes_per_clock"] == {n: pytest.approx(intake.WARP_FILL_BYTES_PER_CLOCK, abs=0.01)
                                                     for n in (128, 256, 512)}
     assert summary["l2_peak_gbs"] == pytest.approx(hardware.l2_bandwidth_gbs, rel=1e-3)
-    assert summary["l2_fill_bytes_per_clock"] == pytest.approx(cost.sm_intake(probe.THREADS / 32), rel=1e-3)
-    assert summary["peak_gbs"] == pytest.approx(hardware.bandwidth_gbs * cost.BANDWIDTH_REACH, rel=1e-3)
-    assert summary["fill_bytes_per_clock"] == pytest.approx(cost.sm_intake(probe.THREADS / 32), rel=1e-3)
+    assert summary["l2_fill_bytes_per_clock"] == pytest.approx(intake.sm_intake(probe.THREADS / 32), rel=1e-3)
+    assert summary["peak_gbs"] == pytest.approx(hardware.bandwidth_gbs * intake.BANDWIDTH_REACH, rel=1e-3)
+    assert summary["fill_bytes_per_clock"] == pytest.approx(intake.sm_intake(probe.THREADS / 32), rel=1e-3)
     assert summary["latency_ns"] == pytest.approx(hardware.dram_latency_ns, rel=1e-3)
     assert summary["half_over_full"] == pytest.approx(probe.model_half_over_full(hardware), rel=1e-3)
     # the configurations span every regime: some bound by the bytes in flight, some by the peak, some by few SMs
-    regimes = {min(("peak", hardware.bandwidth_gbs * cost.BANDWIDTH_REACH),
+    regimes = {min(("peak", hardware.bandwidth_gbs * intake.BANDWIDTH_REACH),
                    ("latency", probe.per_sm_flight(p, hardware)[0] * probe.per_sm_flight(p, hardware)[1]
                     / hardware.dram_latency_ns),
-                   ("fill", min(p.blocks, hardware.sms) * cost.sm_intake(probe.warps(p, hardware)) * cost.CLOCK_GHZ),
+                   ("fill", min(p.blocks, hardware.sms) * intake.sm_intake(probe.warps(p, hardware)) * intake.CLOCK_GHZ),
                    key=lambda r: r[1])[0] for p in points}
     assert regimes == {"peak", "latency", "fill"}
 
@@ -75,10 +75,10 @@ def test_the_probe_summary_reads_a_slower_machine_as_slower():
           probe.l2_configurations(hardware.sms)]
     summary = probe.summarize(slow, hardware, l2)
     assert summary["peak_gbs"] == 2000.0
-    assert summary["fill_bytes_per_clock"] == pytest.approx(56.0 / cost.CLOCK_GHZ, rel=1e-3)
+    assert summary["fill_bytes_per_clock"] == pytest.approx(56.0 / intake.CLOCK_GHZ, rel=1e-3)
     assert summary["latency_ns"] == pytest.approx(1200.0, rel=1e-3)
     assert summary["l2_peak_gbs"] == 5500.0
-    assert summary["l2_fill_bytes_per_clock"] == pytest.approx(45.0 / cost.CLOCK_GHZ, rel=1e-3)
+    assert summary["l2_fill_bytes_per_clock"] == pytest.approx(45.0 / intake.CLOCK_GHZ, rel=1e-3)
     table = probe.report(slow, {"alone_us": 4.0, "back_to_back_us": 2.0}, {"l2_ns": 250.0, "dram_ns": 700.0},
                          hardware, "a test device", l2)
     assert "| 1200.0 | 600 (dram_latency_ns) |" in table and "a test device" in table

@@ -184,9 +184,9 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     assert src["gated"].count("prism::wgmma<128, half, true>") == 2 and src["gated"].count("WgmmaDesc da") == 1
     assert src["kmajor"].count("prism::wgmma<64, half, false>") == 1
     assert all(k["block"][0] == 256 for k in report["kernels"])
-    # in flight: the gated pair (loop tiles only, 4 iterations: 3 stages); not gain * x (computed in the loop)
-    # nor kmajor (2 iterations: 2 stages)
-    assert "wgmma_wait<1>" in src["gated"] and "mbarrier_wait(&full[it % 3], it / 3 % 2);  // this iteration's" in src["gated"]
+    # in flight: the gated pair (loop tiles only, 4 iterations: 4 stages, the batch's one besides); not gain * x
+    # (computed in the loop) nor kmajor (2 iterations: 2 stages)
+    assert "wgmma_wait<1>" in src["gated"] and "mbarrier_wait(&full[it % 4], it / 4 % 2);  // this iteration's" in src["gated"]
     assert "wgmma_wait<1>" not in src["gain"] + src["kmajor"]
     assert "tma_load(" in src["gated"] and "tma_load(" in src["kmajor"] and "tma_load(" not in src["gain"]
     sm80 = tmp_path / "sm80"  # --no-wgmma: the same products on mma.sync, for sm_80 and later
@@ -203,10 +203,14 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     wrong = k.source.replace("(i1 / 8 % 8 ^ i0 % 8) * 8", "i1 / 8 % 8 * 8", 1)
     assert wrong != k.source and "prism::cp_async<8>(s_vt" in k.source
     assert not emulate(replace(copied, kernels=copied.kernels[:2] + (replace(k, source=wrong),)), options).passed
-    # two batches left in flight where the pipeline refills the stage of the older one
-    k = built.kernels[1]
+    # two batches left in flight where the pipeline refills the stage of the older one (8 iterations: with the
+    # copies two ahead, the 4 stages come round to the older batch's from the fourth)
+    longer = replace(options, dims={"d": 512}, loop={"F1": 4, "F2": 8, "F3": 2})
+    deep = build(program, H100, longer)
+    k = deep.kernels[1]
+    assert "4-stage TMA pipeline" in k.source and "ahead = it + 2;" in k.source
     wrong = k.source.replace("wgmma_wait<1>", "wgmma_wait<2>")
-    found = emulate(replace(built, kernels=(built.kernels[0], replace(k, source=wrong), built.kernels[2])), options)
+    found = emulate(replace(deep, kernels=(deep.kernels[0], replace(k, source=wrong), deep.kernels[2])), longer)
     assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
     # the fences removed: gain * x, stored by the threads, read by a wgmma with no fence.proxy.async since; a
     # batch with no wgmma.fence before it
@@ -233,7 +237,7 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tma, 
     sanitizer against the float64 reference. With 3 stages (attention here), p @ v runs one iteration
     late, beside the next scores' softmax, and the last one after the loop (`launch.overlap`); p's
     fragments written before that batch's wait are reported. With 2 (causal here), each iteration waits
-    for both batches. The two warpgroups of attention take turns on the tensor cores with a fourth stage
+    for both batches. The two warpgroups of attention take turns on the tensor cores with a stage more
     (`launch.takes_turns`), their tiles copied by TMA (--tma), and in step with --no-pingpong (here with
     cp.async, the default). Causal attention's key tile is RoPE'd before wgmma reads it: cp.async copies it."""
     out = tmp_path / "out"
@@ -248,7 +252,7 @@ def test_online_softmax_on_wgmma(name, dims, grid, loop, sanitizer, turns, tma, 
     late = name == "attention"
     p = r"f_\w+_p\[kk\]" if late else r"pa\[kk\]"
     assert len(re.findall(r"prism::wgmma<\d+, half, true>\(reinterpret_cast<float \(&\)\[\d+\]>\(f_\w+\[0\]\), " + p, src)) == 1 + late
-    assert ("wgmma_wait<1>" in src) == late and (f"{3 + turns} stages" in src) == late
+    assert ("wgmma_wait<1>" in src) == late and ("4 stages" in src) == late  # as many as the 4 iterations
     assert ("named_sync(1 + PRISM_TID / 128, 256)" in src) == turns and ("mbarrier_wait(&full" in src) == turns
     assert ("prism::tma_load(" in src) == tma and ("cp_async<8>(s_kt_stages" in src) != tma
     assert ("K-major" in src) == (name == "causal_attention")
@@ -319,7 +323,7 @@ def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     (the default) every thread copies, and the fence that hands the landed tiles to the tensor cores is needed."""
     program = load(ROOT / "programs/fused/attention.prism").program()
     options = BuildOptions(dims=parse_dims("b=1,h=1,q=128,kv=512,dh=64"), grid=parse_dims("gb=1,gh=1,gq=1"),
-                           loop=parse_dims("F=8"), archs=(), codegen=CodegenConfig(stages=4, tma=True))
+                           loop=parse_dims("F=8"), archs=(), codegen=CodegenConfig(tma=True))
     built = build(program, H100, options)
     k = built.kernels[0]
     assert "5-stage TMA pipeline paced by mbarriers" in k.source and "ahead = it + 2;" in k.source
@@ -349,7 +353,7 @@ def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     assert "bar.sync) for arrivals that never come" in found(r"if \(PRISM_TID / 128 == 1\) prism::named_arrive", "if (0) prism::named_arrive")
     assert "a bar.arrive no bar.sync waited for" in found(r"if \(PRISM_TID / 128 == 0\) prism::named_sync", "if (0) prism::named_sync")
     # cp.async: the tiles landed at the mbarrier, read by wgmma with no fence.proxy.async after them
-    copied = build(program, H100, replace(options, codegen=CodegenConfig(stages=4, tma=False)))
+    copied = build(program, H100, replace(options, codegen=CodegenConfig(tma=False)))
     assert "5-stage cp.async pipeline paced by mbarriers" in copied.kernels[0].source and emulate(copied, options).passed
     landed = re.escape("prism::fence_async_shared();  // and wgmma sees them")
     assert "since the last fence.proxy.async" in found(landed, "", within=copied)
@@ -551,7 +555,8 @@ def test_offsets_into_tensors_past_an_ints_range_are_64_bit(monkeypatch):
     partial = next(k for k in build(program, H100, options).kernels if k.name == "partial").source
     # the first iteration's element, then the iteration's step on it (`copies.load_step`), each widened
     assert "g_K + ((long long)(blockIdx.x * 1) * 134217728 + (long long)(blockIdx.y * 1) * 16777216" in partial
-    assert "g_V + ((long long)(blockIdx.x * 1) * 134217728" in partial and "+ (long long)(ahead * 16) * 128);" in partial
+    assert "g_V + ((long long)(blockIdx.x * 1) * 134217728" in partial
+    assert re.search(r"\+ \(long long\)\(ahead \* \d+\) \* 128\);", partial)
     assert "g_Q + blockIdx.x * 1 * 1024 + " in partial and "g_M[blockIdx" in partial  # small: int
     if compiler():
         monkeypatch.setattr(ctext, "INT_MAX", 100)
@@ -735,8 +740,9 @@ def test_cost_model_ranks_a_grid_that_fills_the_sms_above_one_that_leaves_them_i
 
 def test_two_warpgroups_taking_turns_hide_one_softmax_behind_the_other_products():
     """Attention at prefill with 128 query rows a block (two warpgroups): they take turns on the tensor cores
-    with a fourth stage, so the copies still run one iteration ahead, and the model prices one's softmax
-    beside the other's products. One warpgroup, --stages 2 or --no-pingpong: in step, as before."""
+    with two stages more than --stages (the later warpgroup may read the stage of two iterations before), so
+    the copies still run two iterations ahead, and the model prices one's softmax beside the other's
+    products. One warpgroup, --stages 2 or --no-pingpong: in step, as before."""
     from prism_dsl.backend.cost import for_hardware
     from prism_dsl.backend.launch import layout
 
@@ -751,9 +757,9 @@ def test_two_warpgroups_taking_turns_hide_one_softmax_behind_the_other_products(
         config = for_hardware(CodegenConfig(**options), H100)
         return layout(c, config), estimate(c, H100, config=config).time_us
     (turns, t_turns), (step, t_step) = shaped(kernel(32)), shaped(kernel(32), pingpong=False)
-    assert turns.pingpong and turns.threads == 256 and (turns.stages, turns.lead) == (4, 1)
-    assert not step.pingpong and step.overlap and (step.stages, step.lead) == (3, 1)
-    assert turns.mbarriers >= turns.smem - 64 and turns.smem > step.smem + 32768  # a stage of kt and vt more
+    assert turns.pingpong and turns.threads == 256 and (turns.stages, turns.lead) == (5, 2)
+    assert not step.pingpong and step.overlap and (step.stages, step.lead) == (4, 2)
+    assert turns.mbarriers >= turns.smem - 16 * turns.stages and turns.smem > step.smem + 32768  # a stage of kt and vt more
     assert t_turns < 0.8 * t_step
     assert not shaped(kernel(32), stages=2)[0].pingpong and not shaped(kernel(64))[0].pingpong  # one warpgroup
 
@@ -768,6 +774,41 @@ program normed(X: f16[n, d], W: f16[d, d]) {
     return Y
 }
 """
+
+
+def test_a_batch_in_flight_holds_a_stage_more_so_the_copies_run_two_iterations_ahead(write):
+    """A projection at prefill on wgmma: each iteration's batch still reads its stage through the next, so the
+    pipeline gets a stage more than --stages (4 for the default 3) and the copies run two iterations ahead, as
+    in any loop at 3 stages. Not where shared memory lacks the stage, nor where it would leave fewer blocks
+    per SM, nor at --stages 2 (no batch in flight). The model's pipeline floor (`intake.pipeline_seconds`)
+    halves with the lead, and one iteration ahead leaves the kernel waiting for its tiles."""
+    from dataclasses import replace as changed
+    from prism_dsl.backend.cost import for_hardware
+    from prism_dsl.backend.intake import pipeline_seconds
+    from prism_dsl.backend.launch import layout
+
+    program = load(write(NORMED.replace("EXTRA", ""))).program()
+    syms = {s.name: s for s in [*free_symbols(program), *program.default_binding()]}
+
+    def kernel(gx, gy):
+        return instantiate_program(program, {**program.default_binding(), syms["gx"]: gx, syms["gy"]: gy,
+                                             syms["F"]: 64}, H100)["fused"]
+    c, config = kernel(16, 32), for_hardware(CodegenConfig(), H100)  # 128 x 256 tiles, 48 KB an iteration
+    deep, two = layout(c, config), layout(c, changed(config, stages=2))
+    short = layout(c, changed(config, smem_limit=170 * 1024))  # 3 stages fit, 4 do not
+    assert deep.in_flight and (deep.stages, deep.lead) == (4, 2)
+    assert short.in_flight and (short.stages, short.lead) == (3, 1)
+    assert not two.in_flight and (two.stages, two.lead) == (2, 1)
+    small = kernel(32, 64)  # 64 x 128 tiles: 3 stages leave 3 blocks per SM by shared memory, 4 would leave 2
+    kept = layout(small, config)
+    assert (kept.stages, kept.lead) == (3, 1) and H100.smem_per_sm // kept.smem == 3
+
+    def floor(shape):
+        return pipeline_seconds(c, shape, H100, 1, shape.threads / 32, 64)
+    assert floor(short) == pytest.approx(2 * floor(deep)) and floor(two) == pytest.approx(floor(short))
+    at = {shape.stages: estimate(c, H100, config=changed(config, smem_limit=limit))
+          for shape, limit in ((deep, config.smem_limit), (short, 170 * 1024))}
+    assert at[4].bound == "math" and at[3].bound == "memory" and at[3].time_us > 1.3 * at[4].time_us
 
 
 def test_an_iterations_f32_work_runs_beside_the_wgmma_batch_left_in_flight(write):
@@ -791,9 +832,12 @@ def test_an_iterations_f32_work_runs_beside_the_wgmma_batch_left_in_flight(write
     after = (work.flops - work.looped) / f32_us  # the division after the loop
     first = work.looped / f32_us / 64  # the first of 64 iterations has no batch beside it
     assert t_rms - t_plain <= (after + first) * 4 * 132 / 512 * 1.001  # 512 blocks in 4 waves of 132
-    (waited, _, t_rms2, _), (_, _, t_plain2, _) = priced(" / acc_rms_last(xt)", stages=2), priced("", stages=2)
+    (waited, _, _, c2), (plain2, _, _, c3) = priced(" / acc_rms_last(xt)", stages=2), priced("", stages=2)
     assert not waited.in_flight
-    assert t_rms2 - t_plain2 > after + work.looped / f32_us * 0.9
+
+    def math_us(cc, shape, w):  # (the estimates themselves wait for the tiles one iteration ahead: memory-bound)
+        return _math_seconds(cc, shape, H100, w.flops, w.tensor_core_flops, 1, w.vector, w.looped) * 1e6
+    assert math_us(c2, waited, work) - math_us(c3, plain2, plain) > after + work.looped / f32_us * 0.9
     # f32 work longer than the products is the longer of the two: it counts whole, less what the batches hide
     more = 10**15
     alone = _math_seconds(c, flying, H100, work.flops + more, work.tensor_core_flops, 1, work.vector, work.looped + more)

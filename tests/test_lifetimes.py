@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import sympy
 
-from prism_dsl.backend.launch import CodegenConfig, layout, least_smem
+from prism_dsl.backend.launch import CodegenConfig, layout
+from prism_dsl.kernels.fusion import least_smem
 from prism_dsl.kernels.constraints import instantiate, instantiate_program, shared_memory, valid
 from prism_dsl.kernels.fusion import plan
 from prism_dsl.kernels.hardware import load_hardware
@@ -98,7 +99,7 @@ def test_the_generated_layout_never_needs_more_than_the_constraint_allows(path):
 
 @pytest.mark.parametrize("path", FUSED, ids=lambda p: p.stem)
 def test_the_least_shared_memory_the_tuner_passes_over_by_is_never_more_than_a_layout_takes(path):
-    """`launch.least_smem` lets the tuner pass over a choice without laying it out: it must never exceed what
+    """`fusion.least_smem` lets the tuner pass over a choice without laying it out: it must never exceed what
     any layout of it takes, or a choice that fits would be lost. Every choice of the tuner's candidates (up
     to 200 a kernel, spread over them), laid out for the default code, without tensor cores, unpipelined and
     without wgmma."""

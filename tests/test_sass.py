@@ -270,7 +270,7 @@ def test_the_model_prices_a_kernel_from_its_compiled_code_where_it_has_it():
     plain = estimate(c, H100)
     assert plain.priced == "structure" and plain.bound != "issue"
     ptxas = estimate(c, H100, compiled={"registers": 40})
-    assert (ptxas.priced, ptxas.registers) == ("ptxas", 40) and plain.registers > 64  # the base and the products'
+    assert (ptxas.priced, ptxas.registers) == ("ptxas", 40) and plain.registers > 32  # the base, the products', the copies'
     busy = estimate(c, H100, compiled={"registers": 40, "issued": {"loop": 0, "once": 10}})
     assert (busy.priced, busy.time_us) == ("sass", plain.time_us)  # a floor far below: nothing changes
     slow = estimate(c, H100, compiled={"registers": 40, "issued": {"loop": 1e5, "once": 0}})

@@ -136,7 +136,7 @@ def test_each_program_gets_one_fused_proved_kernel(name, library):
         assert out.search["proved_programs"] >= 1
     # At the suite's dims (the checkpoint is reused: only ranking runs) the loop-fused form wins; attention at
     # decode (16 heads of one query) split over the keys (FlashDecoding, the combine in the same launch): one
-    # block per head would keep 16 SMs busy, and an SM takes in only what its warps copy (`cost.sm_intake`).
+    # block per head would keep 16 SMs busy, and an SM takes in only what its warps copy (`intake.sm_intake`).
     out = optimize(src, library, H100, src.default_binding())
     assert out.from_checkpoint and custom_kernels(out.best.program) == (2 if "attention" in name else 1)
     text = print_program(out.best.program)

@@ -3,7 +3,8 @@
 Takes concrete custom kernels (`kernels.constraints.Concrete`) of a lowered program. Gives:
 
 - `codegen`: CUDA C per kernel through the Jinja templates (`RenderedKernel`), and those templates;
-- `cost`: the cost model: an `Estimate` per kernel, kernel parameters tuned by it;
+- `cost`: the cost model: an `Estimate` per kernel, kernel parameters tuned by it; `intake`, its memory side (what
+  the SMs take in, and a pipeline's own floor);
 - `roofline`: a program's floor, the time no program computing it beats;
 - `nvcc`: the generated code compiled by nvcc for each architecture, with ptxas's figures;
 - `emulate`: the generated code compiled as C++ and run on the CPU, where there is no GPU;

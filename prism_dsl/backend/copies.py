@@ -22,6 +22,7 @@ their bytes at the stage's mbarrier, which every thread waits for in place of cp
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from ..ir.nodes import DType, Node
@@ -29,7 +30,7 @@ from ..kernels.constraints import Concrete
 from ..kernels.fusion import plan
 from ..kernels.kernel import storage
 from ..kernels.sizes import int_value
-from .ctext import address, comment, decompose, ident, tensor_name
+from .ctext import INT_MAX, address, comment, decompose, ident, tensor_name
 
 SWIZZLE_BYTES = 128  # a row of wgmma's 128-byte swizzle, and a box's inner dim in bytes
 SWIZZLE_COLUMNS = SWIZZLE_BYTES // 2  # of 16-bit elements
@@ -78,9 +79,49 @@ def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     at, step = starts(e, tile, it)
     parts = [a + ([i] if i != "0" else []) for a, i in zip(at, idx)]
     text = comment(f"{tile.attr} = load {tensor_name(src)}{load.map}  tile {list(shape)} of {list(full)}")
-    return {"kind": "load", "comment": text, "n": math.prod(shape), "idx": lines, "vec": vector_width(e.c, tile, e.config),
-            "cp": copy_bytes(e.c, tile, e.config) > 0, "dst": dst or e.cname[b.name], "at": e.offset(b, idx, shape),
-            "src": f"g_{ident(tensor_name(src))}", "offset": address(parts, full), "step": address(step, full)}
+    vec, cp, at_c = vector_width(e.c, tile, e.config), copy_bytes(e.c, tile, e.config) > 0, e.offset(b, idx, shape)
+    return {"kind": "load", "comment": text, "n": math.prod(shape), "idx": lines, "vec": vec, "cp": cp,
+            "dst": dst or e.cname[b.name], "at": at_c, "src": f"g_{ident(tensor_name(src))}",
+            "offset": address(parts, full), "step": address(step, full),
+            "apart": apart(shape, full, vec, e.threads, at_c) if cp and vec > 1 else None}
+
+
+_INDEX_ARITHMETIC = re.compile(r"^[0-9i\s+\-*/%^()]+$")
+
+
+def apart(shape: tuple[int, ...], full: tuple[int, ...], vec: int, threads: int, at: str) -> dict | None:
+    """Where a thread's copies of a tile are a fixed distance apart, at both ends: {"copies": n, "src": elements
+    between two in the tensor, "dst": in the shared buffer (`at`, the C offset of indices i0, i1, ...)}. Each
+    thread then makes n copies, the k-th at its first's addresses plus k times those, so nvcc keeps one source
+    pointer and one shared offset a tile and folds each copy's distance into the instruction, rather than
+    holding or computing an address a copy. None where the threads' copies do not all fall so (a pass over
+    the tile that carries into another dim, or a swizzle that differs from one copy to the next)."""
+    units, step = math.prod(shape) // vec, threads * vec
+    if units % threads or units // threads < 2 or not _INDEX_ARITHMETIC.match(at):
+        return None
+    copies, strides = units // threads, [math.prod(full[d + 1:]) for d in range(len(full))]
+    inner = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    offset = compile(at.replace("/", "//"), "<at>", "eval")
+
+    def index(flat: int) -> list[int]:
+        return [flat // inner[d] % shape[d] for d in range(len(shape))]
+
+    def place(flat: int) -> tuple[int, int]:
+        i = index(flat)
+        return (sum(x * s for x, s in zip(i, strides)),
+                eval(offset, {"__builtins__": {}}, {f"i{d}": x for d, x in enumerate(i)}))
+    apart_by = None
+    for first in range(0, step, vec):
+        src0, dst0 = place(first)
+        for k in range(1, copies):
+            src, dst = place(first + k * step)
+            if apart_by is None:
+                apart_by = (src - src0, dst - dst0)
+            if (src - src0, dst - dst0) != (k * apart_by[0], k * apart_by[1]):
+                return None
+    if (copies - 1) * apart_by[0] > INT_MAX:
+        return None
+    return {"copies": copies, "src": apart_by[0], "dst": apart_by[1]}
 
 
 # -- TMA -----------------------------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     math   = per block and iteration, each product by the path that runs it (below), every other op one
              f32 operation per element (row-wise ops three)
     occ    = blocks resident per SM: by shared memory (`layout.smem`), threads, registers (an estimate:
-             REGISTERS_BASE plus every register-tiled product's accumulators and one's fragments, and
-             REGISTERS_PER_COPY for each 16-byte copy a thread issues per iteration of the loop) and the
-             block limit
+             REGISTERS_BASE plus every register-tiled product's accumulators and one's fragments, and what a
+             thread holds for its copies of the loop's tiles: REGISTERS_PER_TILE, or REGISTERS_PER_COPY a
+             copy) and the block limit
     resident = min(blocks, SMs * occ);  waves = ceil(blocks / resident);  busy = min(blocks, SMs)
 
     Memory, by Little's law: the bandwidth a kernel reaches is the bytes it keeps in flight over the
@@ -23,7 +23,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         fill   = busy * min(SM_FILL_BYTES_PER_CLOCK, warps * WARP_FILL_BYTES_PER_CLOCK) * clock: what the busy
                  SMs can take in at all, with `warps` resident on each
         bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency, fill)
-        t_mem  = max(dram / bw, l2 / min(l2 bandwidth, fill))
+        t_pipe = a pipelined loop's floor: each iteration's tiles land a latency and their own transfer
+                 through the SM's intake after they were issued, `lead` iterations ahead (`intake`)
+        t_mem  = max(dram / bw, l2 / min(l2 bandwidth, fill), t_pipe)
 
     Math, per path (each a rate for the whole GPU, scaled by busy / SMs):
         register-tiled mma.sync   min(peak * MMA_SYNC_REACH * min(1, warps * occ / SUBPARTITIONS),
@@ -95,24 +97,11 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     leaves out wgmma's operands (the math prices them against the same bandwidth) and TMA's copies.
 
 The constants, and what anchors them (H100 SXM; read every figure as +-30%):
-- BANDWIDTH_REACH = 0.9: streaming kernels (cuBLAS GEMV, FlashDecoding) reach 75-90% of the 3.35 TB/s
-  HBM3 peak; the hardware file's `bandwidth_gbs` is the measured copy bandwidth.
-- dram_latency_ns (hardware file, H100 600): loaded DRAM latency on Hopper in microbenchmark studies is
-  roughly 500-700 ns; 3.35 TB/s over 600 ns needs about 2 MB in flight, 15 KB per SM.
+- BANDWIDTH_REACH, dram_latency_ns (hardware file): `intake`'s docstring.
 - launch_overhead_us (hardware file, 3.0), once per kernel: not a published H100 figure, but the usual order
   of one launch timed alone with CUDA events (a few microseconds). It decides between one kernel and two at
   decode, where the work itself takes a few microseconds; `--rank measure` replaces it with timings.
-- SM_FILL_BYTES_PER_CLOCK = 64: the bytes per clock one SM's L1 takes in from L2 at most. A100's whitepaper
-  gives its L2 read bandwidth as 5120 bytes per clock for 108 SMs (47 each), so an SM's own path is at least
-  that and is taken here as 64: about 112 GB/s per SM at 1.75 GHz.
-- WARP_FILL_BYTES_PER_CLOCK = 3.7: what an SM takes in is bound first by the warps copying into it, measured
-  (`benchmarks/gpu_probe.py`, an H200, 2026-11-28): one block of 128 threads copying by `cp.async` as the
-  generated loops do took in 14.7 bytes per clock (19-26 GB/s), from device memory and from L2 alike,
-  however many bytes it kept in flight past 16-32 KB, while two such blocks per SM streamed 4.5 TB/s over
-  132 SMs. So the intake is taken per resident warp, 14.7 / 4, up to the SM's 64 (17 warps); that it grows
-  with a block's threads as with its blocks is the assumption the probe has not measured (128 threads). It
-  binds where few SMs are busy, or few warps on each: 64 blocks of 128 threads stream at most 1.65 TB/s,
-  however many bytes each keeps in flight, as measured (half the SMs, half the bandwidth).
+- SM_FILL_BYTES_PER_CLOCK, WARP_FILL_BYTES_PER_CLOCK (what an SM takes in), CLOCK_GHZ: `intake`'s docstring.
 - MMA_SYNC_REACH = 0.5: `mma.sync` cannot issue fast enough to reach the sm_90 dense peak (989 TFLOP/s
   f16); FlashAttention-2, built on it, runs at 350-400 TFLOP/s on H100, FlashAttention-3 with `wgmma`
   at 600-750.
@@ -163,20 +152,20 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - VECTOR_REACH = 0.4: read from the SASS of "dot8" (nvcc 13, sm_90): its unrolled inner loop issues 32
   FFMA among 79-83 instructions (one HADD2.F32 conversion per 16-bit element, 8 LDS of which 4 are
   16-byte), so FFMA takes 0.4 of the issue slots; the shuffles that add the lanes' parts come after it.
-- REGISTERS_BASE = 64, REGISTERS_PER_COPY = 2 (none where TMA copies the loop's tiles): read from ptxas (nvcc
-  13, sm_90) over the programs of programs/fused at decode and prefill shapes, 128 and 256 threads. The
-  threads' passes over a tile have their trip count in sight (templates/steps.j2), so nvcc unrolls the
-  copies of the loop's tiles into the main loop and keeps each one's source, a 64-bit pointer to its first
-  iteration's element (`copies.load_step`), across it: two registers a copy. Over the 19 kernels of the static
-  report (benchmarks/NOTES.md, 2026-11-29) the guess is 2 to 52 over ptxas's count (FlashDecoding's partial
-  kernel at dh = 128, 16 copies a thread at 128 threads: 80, the guess 96). ptxas's own count replaces it for
-  the program that is built. Copies into tiles whose rows' 16-byte chunks are permuted (`launch.xor_rows`: rows
-  of 32 or 64 bytes) are not counted: ptxas computes their addresses in the loop rather than holding them. The
-  gated MLP at n = 8 with 40 such copies a thread (4 loop steps of [1024, 16] tiles) took 166 registers with the
-  rows in order and 72 with them permuted (the guess: 80); with 10 (16 steps of [256, 16]), 56 and 64 (the
-  guess: 80). A fit of base and slope over those kernels and the prefill ones does no better (the copies do
-  not decide the rest of a kernel's registers), so the constants stay. Shared memory mostly decides the
-  blocks per SM before registers do.
+- REGISTERS_BASE = 32, REGISTERS_PER_TILE = 3, REGISTERS_PER_COPY = 2 (none where TMA copies the loop's tiles):
+  read from ptxas (nvcc 13, sm_90) over the kernels of the static report (benchmarks/NOTES.md, 2026-11-29,
+  "Copies two iterations ahead"). The threads' passes over a tile have their trip count in sight
+  (templates/steps.j2), so nvcc unrolls the copies of the loop's tiles into the main loop. Where a thread's
+  copies of a tile fall a fixed distance apart (`copies.apart`: nearly every tile), they are written as its
+  first copy's addresses plus k times that distance, and nvcc holds one 64-bit source pointer and one shared
+  offset a tile across the loop: three registers. Other tiles' copies each keep their own source pointer: two a
+  copy. Copies into tiles whose rows' 16-byte chunks are permuted (`launch.xor_rows`: rows of 32 or 64 bytes)
+  are not counted: ptxas computes their addresses in the loop rather than holding them. A kernel with no
+  product and no loop tiles takes 28-34 (RMSNorm and RoPE at prefill), so the base. Over the 16 kernels of that
+  report the guess is 0.81 to 1.27 of ptxas's count (gpt2_mlp's second product at decode: 38 against 47;
+  swiglu at decode: 51 against 40); before the copies were written apart it was 2 to 52 registers over (a
+  pointer a copy, and a base of 64). ptxas's own count replaces it for the program that is built. Shared
+  memory mostly decides the blocks per SM before registers do.
 It is meant to rank, not to predict to the microsecond; `roofline` gives the floor no program beats.
 """
 
@@ -187,8 +176,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple
 
-from .launch import (CodegenConfig, Layout, blocks_per_sm, dot_lanes, iteration_bytes, layout, tile_bytes,
-                     uses_tensor_cores)
+from .intake import CLOCK_GHZ, bytes_in_flight, pipeline_seconds, reachable_bandwidth, reachable_l2_bandwidth
+from .copies import apart, copy_bytes
+from .launch import CodegenConfig, Layout, blocks_per_sm, dot_lanes, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
 from ..ir.nodes import DType, Node
@@ -198,7 +188,6 @@ from ..kernels.position import mean_iterations, stretch
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
 from ..ir.ops import OPS, Kind
 
-BANDWIDTH_REACH = 0.9
 MMA_SYNC_REACH = 0.5
 WGMMA_REACH = 0.65
 WGMMA_LONE = 0.75  # the share of WGMMA_REACH one warpgroup per SM keeps busy
@@ -210,11 +199,9 @@ WMMA_REACH = 0.04
 SCALAR_REACH = 0.2
 VECTOR_REACH = 0.4
 SMEM_BYTES_PER_CLOCK = 128  # per SM
-SM_FILL_BYTES_PER_CLOCK = 64  # per SM, from L2 into its L1, at most
-WARP_FILL_BYTES_PER_CLOCK = 3.7  # per warp resident on a busy SM: what its copies take in (measured, H200)
-CLOCK_GHZ = 1.75
-REGISTERS_BASE = 64  # registers per thread besides a register-tiled product's accumulators and fragments
-REGISTERS_PER_COPY = 2  # per 16-byte copy a thread issues per loop iteration: its addresses, held across the loop
+REGISTERS_BASE = 32  # registers per thread besides a register-tiled product's accumulators and fragments
+REGISTERS_PER_COPY = 2  # per copy a thread issues per loop iteration where they are not evenly apart: its source
+REGISTERS_PER_TILE = 3  # per loop tile whose copies are: one source pointer and one shared offset
 SUBPARTITIONS = 4  # warp schedulers (and tensor-core units) per SM: one warp keeps at most one busy
 
 
@@ -344,8 +331,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
                       for t in shape.registers.values()] + [0])
                + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0)
-               + (REGISTERS_PER_COPY * -(-iteration_bytes(c, shape.xor_rows) // (16 * shape.threads))
-                  if c.loop > 1 and not shape.tma else 0))
+               + _copy_registers(c, shape, config))
     if compiled and compiled.get("registers"):  # what ptxas gave it, in place of the estimate
         regs = compiled["registers"]
     occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
@@ -354,9 +340,10 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     busy = min(blocks, hardware.sms)
     us = 1e6
     on_sm = math.ceil(resident / busy)  # blocks resident on a busy SM
-    flight, warps = on_sm * _bytes_in_flight(c, shape), on_sm * shape.threads / 32
+    flight, warps = on_sm * bytes_in_flight(c, shape), on_sm * shape.threads / 32
     t_mem = max(dram / reachable_bandwidth(hardware, busy, flight, warps),
-                l2 / reachable_l2_bandwidth(hardware, busy, warps)) * us
+                l2 / reachable_l2_bandwidth(hardware, busy, warps),
+                pipeline_seconds(c, shape, hardware, on_sm, warps, iterations(c))) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / (busy / hardware.sms)
     issued = (compiled or {}).get("issued")
     t_issue = _issue_seconds(c, shape, hardware, issued, occ) * us if issued else 0.0
@@ -379,6 +366,25 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
                     warps=int(warps), wavefronts=round(wavefronts, 1), shared_us=round(t_shared, 3))
 
 
+def _copy_registers(c: Concrete, shape: Layout, config: CodegenConfig) -> int:
+    """What a thread holds across the loop for its copies of the loop's tiles: REGISTERS_PER_TILE for a tile whose
+    copies fall a fixed distance apart (one source pointer, one shared offset: `copies.apart`, here at the source
+    end), REGISTERS_PER_COPY for each copy of another; nothing for tiles whose rows' 16-byte chunks are permuted
+    (`launch.xor_rows`: ptxas computes their addresses in the loop) or that TMA copies."""
+    if c.loop <= 1 or shape.tma:
+        return 0
+    k, p, varying, total = c.kernel, plan(c.kernel), loop_varying(c.kernel), 0
+    for load in k.loads:
+        n = k.tile_node(load.tile)
+        if n is None or n not in varying or p.buffer(n).name in shape.xor_rows:
+            continue
+        vec = max(1, copy_bytes(c, n, config) // p.buffer(n).dtype.bytes)
+        tile, full = c.shape(n), c.shape(k.inputs[load.source])
+        spaced = apart(tile, full, vec, shape.threads, "0")
+        total += REGISTERS_PER_TILE if spaced else REGISTERS_PER_COPY * -(-math.prod(tile) // (vec * shape.threads))
+    return total
+
+
 def _issue_seconds(c: Concrete, shape: Layout, hardware: Hardware, issued: Mapping, occ: int) -> float:
     """Seconds the busy SMs take to issue what every warp of the launch issues (`sass.Issued`'s fields), one
     instruction per clock per warp scheduler that has a warp (t_issue in the docstring)."""
@@ -397,32 +403,6 @@ def _product_warps(shape: Layout, warps: int) -> int:
     of them where the kernel has none, or where one takes every warp."""
     taken = [t.wm * t.wn * t.wk for t in shape.registers.values()] + [f.warps for f in shape.flash.values()]
     return min(warps, max(taken, default=warps))
-
-
-def sm_intake(warps: float) -> float:
-    """Bytes per clock one busy SM takes in with `warps` warps resident on it (the docstring's fill, per SM)."""
-    return min(SM_FILL_BYTES_PER_CLOCK, warps * WARP_FILL_BYTES_PER_CLOCK)
-
-
-def reachable_bandwidth(hardware: Hardware, busy: int, flight: float, warps: float) -> float:
-    """Bytes per second from device memory for `busy` SMs keeping `flight` bytes in flight each, with `warps`
-    resident on each (the docstring's bw)."""
-    return min(hardware.bandwidth_gbs * 1e9 * BANDWIDTH_REACH, busy * flight / (hardware.dram_latency_ns * 1e-9),
-               busy * sm_intake(warps) * CLOCK_GHZ * 1e9)
-
-
-def reachable_l2_bandwidth(hardware: Hardware, busy: int, warps: float) -> float:
-    """Bytes per second L2 serves to `busy` SMs with `warps` resident on each: its own bandwidth, or what those
-    SMs take in (min(l2 bw, fill))."""
-    return min(hardware.l2_bandwidth_gbs * 1e9, busy * sm_intake(warps) * CLOCK_GHZ * 1e9)
-
-
-def _bytes_in_flight(c: Concrete, shape: Layout) -> int:
-    """Bytes one block has in flight from device memory: its loop tiles for the iterations the pipeline loads
-    ahead (one when unpipelined), or its largest other tile when it has no loop tiles."""
-    per_iteration = iteration_bytes(c)
-    return max(1, per_iteration * max(1, shape.lead) if per_iteration
-               else max((b for _, b in tile_bytes(c)), default=16))
 
 
 def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,
@@ -497,4 +477,5 @@ def for_hardware(codegen: CodegenConfig | None, hardware: Hardware) -> CodegenCo
     memory a block may fill, its arch (wgmma on sm_90 only), its SMs, and the bytes an SM keeps in flight to
     stream its share of the bandwidth over the DRAM latency (`launch.deepened`; H100: 13.6 KB)."""
     return replace(codegen or CodegenConfig(), smem_limit=hardware.smem_per_block, arch=hardware.arch, sms=hardware.sms,
-                   flight=round(hardware.bandwidth_gbs * hardware.dram_latency_ns / hardware.sms))
+                   flight=round(hardware.bandwidth_gbs * hardware.dram_latency_ns / hardware.sms),
+                   smem_per_sm=hardware.smem_per_sm)

@@ -19,13 +19,14 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   for that to cover the memory latency (FlashDecoding's combining loop: a max, a sum and a row per piece)
   goes deeper, up to `MAX_STAGES` and its own length, until the iterations ahead hold the bytes an SM needs
   in flight (`CodegenConfig.flight`, Little's law: `deepened`), but for loops with products on warpgroups,
-  which keep the configured depth (their tiles are large, and 2 stages drain each batch). Where wgmma products read only
-  loop tiles, each iteration's batch stays in flight into the next (`in_flight`), and online softmax on
-  wgmma runs `p @ v` one iteration late, beside the next iteration's softmax (`overlap`); the loads then
-  run `stages - 2` iterations ahead. Where that online softmax is the whole loop on two warpgroups, they
-  take turns on the tensor cores (`pingpong`): one's products run while the other computes its softmax,
-  and mbarriers take the place of the loop's block-wide barrier; with one stage more, the loads run
-  `stages - 3` ahead. On sm_90a the loop tiles such a kernel reads by wgmma are copied by the tensor memory
+  whose tiles are large. Where wgmma products read only loop tiles, each iteration's batch stays in flight
+  into the next (`in_flight`), and online softmax on wgmma runs `p @ v` one iteration late, beside the next
+  iteration's softmax (`overlap`); the loads then run `stages - 2` iterations ahead. Where that online softmax
+  is the whole loop on two warpgroups, they take turns on the tensor cores (`pingpong`): one's products run
+  while the other computes its softmax, and mbarriers take the place of the loop's block-wide barrier; the
+  loads then run `stages - 3` ahead. Each of those holds a stage more than the config asks for, so that the
+  loads still run `CodegenConfig.stages - 1` ahead, where shared memory holds the stage without fewer blocks
+  per SM (`held_by_batches`: a tile's latency and transfer take longer than an iteration's products). On sm_90a the loop tiles such a kernel reads by wgmma are copied by the tensor memory
   accelerator where each is a box of its tensor (`copies`): one thread issues them, an mbarrier per stage
   says when they have landed;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
@@ -39,18 +40,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import cache
-
-import sympy
 
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
-from ..kernels.fusion import ALIGN, Buffer, Place, Plan, compute_dtype, matrix_transpose, plan
+from ..kernels.fusion import ALIGN, Buffer, Place, Plan, buffer_shapes, compute_dtype, matrix_transpose, plan
 from ..ir.ops import OPS, Kind
 from ..kernels.kernel import after_loop, in_loop, loop_varying, storage
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
-from ..kernels.sizes import call, compile_sizes
 from .copies import copied_by_tma, copy_bytes
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
 
@@ -71,6 +68,7 @@ class CodegenConfig:
     sms: int = 132  # the target GPU's SMs (`Hardware.sms`): whether blocks wait for a slot (`position.longest_first`)
     pingpong: bool = True  # two warpgroups of online softmax take turns on the tensor cores where they can (`pingpong`)
     flight: int = 13636  # bytes an SM keeps in flight to cover the DRAM latency (`cost.for_hardware`; H100's here)
+    smem_per_sm: int = 233472  # the hardware's (`cost.for_hardware`): a deeper pipeline keeps the blocks per SM
     one_launch: bool = True  # a split's combining kernel runs in the launch of the kernel it combines (`tails`)
     tma: bool = False  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can
     # (`copies`); off unless asked for (`prismc compile --tma`): on an H200 such kernels stopped at their first copy
@@ -299,45 +297,6 @@ def _pad(b: Buffer, shape: tuple[int, ...]) -> int:
     return b.pad if b.pad and row >= 64 and row % 32 == 0 else 0
 
 
-@cache
-def _buffer_dims(kernel) -> tuple:
-    """Every plan buffer's dims in order, one compiled function of the binding (`sizes.compile_sizes`)."""
-    exprs = [sympy.sympify(s) for b in plan(kernel).buffers for s in b.shape]
-    return compile_sizes(exprs, lambda sources: "(" + "".join(f"{x}, " for x in sources) + ")")
-
-
-def buffer_shapes(c: Concrete) -> dict[str, tuple[int, ...]]:
-    """The plan's buffers' shapes at this binding, by name (the cost model lays out thousands of choices)."""
-    return _shapes_at(c.kernel, c.binding)
-
-
-def _shapes_at(kernel, binding) -> dict[str, tuple[int, ...]] | None:
-    """`buffer_shapes` of a kernel at a binding, before it is a concrete kernel; None where a dim is unbound."""
-    flat, out, i = call(_buffer_dims(kernel), binding, None), {}, 0
-    if flat is None:
-        return None
-    for b in plan(kernel).buffers:
-        out[b.name] = tuple(int(v) for v in flat[i:i + len(b.shape)])
-        i += len(b.shape)
-    return out
-
-
-def least_smem(kernel, binding) -> int | None:
-    """Bytes of shared memory that every layout of `kernel` at `binding` takes at least (None where a dim is
-    unbound): its loaded tiles as stored, without padding or alignment; the largest of them, and the loop's
-    tiles together, which are all in use in each iteration (`lifetimes`: one class or two stacked). The
-    tuner passes over a choice above the limit without laying it out (most of those it tries that do not fit)."""
-    if (dims := _shapes_at(kernel, binding)) is None:
-        return None
-    varying, largest, together = loop_varying(kernel), 0, 0
-    for b in plan(kernel).buffers:
-        size = math.prod(dims[b.name]) * b.dtype.bytes
-        if b.role == "tile":
-            largest = max(largest, size)
-            together += size if b.node in varying else 0
-    return max(largest, together)
-
-
 SWIZZLE_ATOM = 1024  # bytes: 8 rows of 128 bytes, the 128-byte swizzle's repeating pattern
 
 
@@ -381,16 +340,24 @@ def _layout(c: Concrete, config: CodegenConfig) -> Layout:
             most = max(most, deepened(iteration_bytes(c), c.loop, config))
     align = SWIZZLE_ATOM if swizzle else ALIGN  # every buffer, so the swizzled ones start on an atom
     by_tma = copied_by_tma(c, staged, swizzle, config)
-    for stages in range(most, 0, -1):  # as many as fit
-        taken = {n: _aligned(size[n], align) * (stages if n in staged else 1) for n in names}
-        offsets, smem = arrange(names, taken, live)
-        pingpong = turns and stages >= PINGPONG_STAGES
-        tma = by_tma if stages > 1 else frozenset()
-        mbarriers = _aligned(smem, 16)
-        if pingpong or tma:
-            smem = mbarriers + (16 if pingpong else 8) * stages  # a full (and, taking turns, an empty) one per stage
-        if smem <= config.smem_limit:
-            break
+
+    def fit(top: int) -> tuple:
+        for stages in range(top, 0, -1):  # as many as fit
+            taken = {n: _aligned(size[n], align) * (stages if n in staged else 1) for n in names}
+            offsets, smem = arrange(names, taken, live)
+            pingpong = turns and stages >= PINGPONG_STAGES
+            tma = by_tma if stages > 1 else frozenset()
+            mbarriers = _aligned(smem, 16)
+            if pingpong or tma:
+                smem = mbarriers + (16 if pingpong else 8) * stages  # a full (and, taking turns, an empty) one per stage
+            if smem <= config.smem_limit:
+                break
+        return stages, taken, offsets, smem, pingpong, tma, mbarriers
+    stages, taken, offsets, smem, pingpong, tma, mbarriers = fit(most)
+    if most > 1 and (held := held_by_batches(c, registers, flash_of, staged, threads, config)):
+        deeper = fit(min(most + held, c.loop))  # only where it leaves as many blocks per SM
+        if deeper[0] > stages and config.smem_per_sm // deeper[3] >= config.smem_per_sm // smem:
+            stages, taken, offsets, smem, pingpong, tma, mbarriers = deeper
     if swizzle and smem > config.smem_limit:  # the atoms' alignment costs what the limit lacks: no wgmma
         return layout(c, replace(config, wgmma=False))
     sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
@@ -441,6 +408,17 @@ def takes_turns(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node,
     own = flash_values(p, flash_of) | set(p.users[s])
     return all(n in own or n.op == "tile" or OPS[n.op].kind is not Kind.ACCUMULATE
                and (n not in varying or p.place.get(n) is not Place.SMEM) for n in in_loop(body, after))
+
+
+def held_by_batches(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash], staged: set[str],
+                    threads: int, config: CodegenConfig) -> int:
+    """The stages a pipeline at the configured depth gets besides, so that its copies still run `config.stages
+    - 1` iterations ahead where a wgmma batch reads the stage of the iteration before (`in_flight`, `overlap`): 1
+    there, 0 elsewhere (taking turns adds its own). Loads one iteration ahead wait for their tiles every
+    iteration where a tile's latency and transfer exceed an iteration's products (`intake.pipeline_seconds`:
+    48 KB at 8 warps' intake and 600 ns, 1.5 us, against about 1 us for 4.2 MFLOP of wgmma on one SM)."""
+    return int(config.stages >= 3 and (in_flight(c, registers, flash_of, 3, staged)
+                                       or overlap(c, flash_of, 3, staged, threads)))
 
 
 def in_flight(c: Concrete, registers: dict[Node, Tiling], flash_of: dict[Node, Flash], stages: int,

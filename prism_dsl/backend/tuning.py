@@ -20,7 +20,8 @@ from ..kernels.hardware import Hardware
 from ..kernels.kernel import Kernel, free_symbols, kernels_of
 from ..kernels.params import candidates, choose
 from .cost import Estimate, estimate, for_hardware
-from .launch import CodegenConfig, layout, least_smem
+from ..kernels.fusion import least_smem
+from .launch import CodegenConfig, layout
 from .tails import joins, pairs, tail_config
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters

@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     _emulation_options(co)
     co.add_argument("--threads", type=positive_int, default=128, help="threads per block (default 128)")
     co.add_argument("--stages", type=positive_int, default=3,
-                    help="cp.async pipeline depth of kernel loops (default 3; 1: no pipeline); loops of small "
-                    "tiles go deeper, up to 16, to keep the memory latency covered")
+                    help="pipeline depth: copies run STAGES - 1 iterations ahead (default 3; 1: none); loops of "
+                    "small tiles go deeper (up to 16), loops on wgmma hold the stages their batches read besides")
     co.add_argument("--no-tensor-cores", action="store_true", help="plain matrix products only")
     co.add_argument("--no-wgmma", action="store_true", help="products on mma.sync (sm_80 and later), not wgmma (sm_90a)")
     co.add_argument("--no-pingpong", action="store_true", help="online softmax on two warpgroups in step, each "

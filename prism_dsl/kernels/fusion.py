@@ -23,6 +23,7 @@ scores share one running row max, one rescaling factor per row and one tile of e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
@@ -31,7 +32,8 @@ import sympy
 
 from ..ir.accumulators import ACCUMULATORS, ONLINE_SOFTMAX
 from ..ir.nodes import DType, Node
-from .kernel import Kernel, fresh_name, storage
+from .kernel import Kernel, fresh_name, loop_varying, storage
+from .sizes import call, compile_sizes
 from ..ir.ops import OPS, Kind
 
 ALIGN = 128  # bytes: shared-memory buffers start at multiples of this (tensor-core loads need 32)
@@ -207,3 +209,46 @@ def _state_buffers(n: Node, i: int, add, real: DType, groups, softmax_scores) ->
             return add(f"a{i}", n.shape, real, n, "state")
         return add(f"a{i}_max" if role == "m" else f"a{i}_{role}", n.shape, real, None, "state")
     return {role: shared[role] if role in shared else own(role) for role in acc.state}
+
+
+# -- the buffers' shapes at a binding ---------------------------------------------------------------------------
+
+
+@cache
+def _buffer_dims(kernel) -> tuple:
+    """Every plan buffer's dims in order, one compiled function of the binding (`sizes.compile_sizes`)."""
+    exprs = [sympy.sympify(s) for b in plan(kernel).buffers for s in b.shape]
+    return compile_sizes(exprs, lambda sources: "(" + "".join(f"{x}, " for x in sources) + ")")
+
+
+def buffer_shapes(c) -> dict[str, tuple[int, ...]]:
+    """The plan's buffers' shapes at this binding, by name (the cost model lays out thousands of choices)."""
+    return _shapes_at(c.kernel, c.binding)
+
+
+def _shapes_at(kernel, binding) -> dict[str, tuple[int, ...]] | None:
+    """`buffer_shapes` of a kernel at a binding, before it is a concrete kernel; None where a dim is unbound."""
+    flat, out, i = call(_buffer_dims(kernel), binding, None), {}, 0
+    if flat is None:
+        return None
+    for b in plan(kernel).buffers:
+        out[b.name] = tuple(int(v) for v in flat[i:i + len(b.shape)])
+        i += len(b.shape)
+    return out
+
+
+def least_smem(kernel, binding) -> int | None:
+    """Bytes of shared memory that every layout of `kernel` at `binding` takes at least (None where a dim is
+    unbound): its loaded tiles as stored, without padding or alignment; the largest of them, and the loop's
+    tiles together, which are all in use in each iteration (`lifetimes`: one class or two stacked). The
+    tuner passes over a choice above the limit without laying it out (most of those it tries that do not fit);
+    the back end's `launch.layout` adds padding, alignment and stages."""
+    if (dims := _shapes_at(kernel, binding)) is None:
+        return None
+    varying, largest, together = loop_varying(kernel), 0, 0
+    for b in plan(kernel).buffers:
+        size = math.prod(dims[b.name]) * b.dtype.bytes
+        if b.role == "tile":
+            largest = max(largest, size)
+            together += size if b.node in varying else 0
+    return max(largest, together)

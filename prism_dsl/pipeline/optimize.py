@@ -74,6 +74,7 @@ class Ranked:
     params: dict[str, int]
     estimated_us: float
     busy: int = 0  # the SMs its kernels keep busy, on average over its time: between equal estimates, more first
+    work: int = 0  # the flops its kernels do (f32 and tensor cores): then, between those, fewer first
     measured: Measurement | None = None
     as_written: bool = False
     proved: bool = False  # proved equal to the input in this run (by the search or again), or the input itself
@@ -92,7 +93,8 @@ class Outcome:
 
 
 # What the cost model's estimates come from: its code, and what it reads (the hardware files), nothing else.
-MODEL_CODE = ("ir", "kernels", "backend/cost.py", "backend/launch.py", "backend/warp_mma.py")
+MODEL_CODE = ("ir", "kernels", "backend/cost.py", "backend/intake.py", "backend/launch.py", "backend/copies.py",
+              "backend/warp_mma.py")
 
 
 def _dims(binding: dict) -> str:
@@ -123,15 +125,16 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     key = tuning_key(program, binding, hardware, codegen)
     hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware, codegen), "tuning entry", "tuning")
     if hit is not None:
-        return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"])
+        return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"], hit["work"])
     try:
         params, _, estimates = tuning.parameters(lowered, binding, {}, hardware, codegen)
     except PrismError:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
     us = sum(e.time_us for e in estimates)
     busy = round(sum(e.time_us * min(e.blocks, hardware.sms) for e in estimates) / us)  # a kernel at a time
-    cache.write("tuning", key, {"params": params, "us": us, "busy": busy})
-    return Ranked(program, params, us, busy)
+    work = sum(e.flops + e.tensor_core_flops for e in estimates)
+    cache.write("tuning", key, {"params": params, "us": us, "busy": busy, "work": work})
+    return Ranked(program, params, us, busy, work)
 
 
 def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry: str, redo: str):
@@ -148,7 +151,7 @@ def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware, co
     """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
     parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
     kernel meets its constraints for the code `codegen` asks for (`tuning.fits`); its time a finite positive number;
-    its busy SMs a whole number from 1 to the hardware's SMs."""
+    its busy SMs a whole number from 1 to the hardware's SMs; its work a whole number."""
     if not isinstance(hit, dict) or not isinstance(hit.get("params"), dict):
         return "no parameters"
     params, us = hit["params"], hit.get("us")
@@ -156,6 +159,8 @@ def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware, co
         return f"the time {clip(repr(us))} is not a finite positive number"
     if not is_count(hit.get("busy")) or not 1 <= hit["busy"] <= hardware.sms:
         return f"the busy SMs {clip(repr(hit.get('busy')))} are not a whole number from 1 to {hardware.sms}"
+    if not is_count(hit.get("work")):
+        return f"the work {clip(repr(hit.get('work')))} is not a whole number"
     symbols = {s.name: s for s in free_symbols(lowered)}
     if set(params) != set(symbols):
         return f"parameters {clip(repr(sorted(params)))} are not the program's ({', '.join(symbols) or 'none'})"
@@ -309,9 +314,11 @@ def _choose(program: Program, proved: list[Program], how: Choosing, prover: Prov
                          f"nor in any of the {len(proved)} proved programs")
     info: dict = {"as_written_fits": written is not None}  # False: its pre-defined kernels cannot run here
     # Between equal estimates, the one that keeps more SMs busy (as `tuning.tune` does: the model's bandwidth
-    # is a ceiling it reaches with few SMs as with many, which the hardware does not promise), then the
-    # program as written; stable: search order breaks the remaining ties.
-    ranked.sort(key=lambda r: (round(r.estimated_us, 3), -r.busy, not r.as_written))
+    # is a ceiling it reaches with few SMs as with many, which the hardware does not promise), then the one
+    # that does less work (where memory or a pipeline's latency binds, the flops beside it are not free on a
+    # GPU that runs other work, and they are what the model knows least), then the program as written;
+    # stable: search order breaks the remaining ties.
+    ranked.sort(key=lambda r: (round(r.estimated_us, 3), -r.busy, r.work, not r.as_written))
     if how.measure is not None:
         if problem := _confirm(_to_measure(ranked), prover):
             return problem
@@ -388,7 +395,7 @@ def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:
     except Exception:  # raised again, or not, where the parent ranks it
         return _AGAIN, {}
     reports = {about: message for about, message in cache.said().items() if about not in before}
-    return (None if r is None else (r.params, r.estimated_us, r.busy)), reports
+    return (None if r is None else (r.params, r.estimated_us, r.busy, r.work)), reports
 
 
 def _confirm(ranked: list[Ranked], prover: Prover | None) -> str | None:

@@ -25,7 +25,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
     unsigned* __restrict__ prism_tickets)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
-    constexpr int kThreads = PRISM_NT(128);
+    [[maybe_unused]] constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(9856);
     half* const s_qt = PRISM_SHARED_IN(half, 0, 144, 0, 1);  // tile qt: [1, 1, 1, 64] f16, before and in the loop
     half* const s_kt_stages = PRISM_SHARED_IN(half, 768, 4096, 1, 1);  // tile kt: [1, 1, 64, 16] f16, 2 stages, in the loop
@@ -252,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         [[maybe_unused]] const int tile_x = blockIdx.x;
         [[maybe_unused]] const int tile_y = blockIdx.y;
         using real = float;  // arithmetic type; tensors keep their storage type
-        constexpr int kThreads = PRISM_NT(128);
+        [[maybe_unused]] constexpr int kThreads = PRISM_NT(128);
         PRISM_SMEM(2816);
         float* const s_mt_stages = PRISM_SHARED_IN(float, 768, 512, 4, 4);  // tile mt: [1, 1, 1, 1, 1] f32, 4 stages, in the loop
         float* const s_pt_stages = PRISM_SHARED_IN(float, 1280, 1024, 4, 4);  // tile pt: [1, 1, 1, 1, 64] f32, 4 stages, in the loop

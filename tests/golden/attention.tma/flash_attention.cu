@@ -16,7 +16,7 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
     half* __restrict__ g_O)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
-    constexpr int kThreads = PRISM_NT(256);
+    [[maybe_unused]] constexpr int kThreads = PRISM_NT(256);
     PRISM_SMEM(81984);
     half* const s_qt = PRISM_SHARED_IN(half, 0, 16384, 0, 1);  // tile qt: [1, 1, 128, 64] f16, before and in the loop
     half* const s_kt_stages = PRISM_SHARED_IN(half, 16384, 32768, 1, 1);  // tile kt: [1, 1, 64, 64] f16, 4 stages, in the loop
@@ -47,12 +47,13 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
 #endif
 
     // qt = load Q[x, y, z, :]  tile [1, 1, 128, 64] of [1, 2, 128, 64]
-    for (int v0 = 0; v0 < 1024; v0 += kThreads) {
-        const int v = v0 + PRISM_TID;
-        const int e = v * 8;
+    {
+        const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 2048 elements on, 2048 in the buffer
         const int i2 = e / 64;
         const int i3 = e % 64;
-        prism::cp_async<8>(s_qt + i2 * 64 + (i3 / 8 % 8 ^ i2 % 8) * 8 + i3 % 8, g_Q + blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 128 + i2) * 64 + i3);
+        PRISM_UNROLL
+        for (int k = 0; k < 4; ++k)
+            prism::cp_async<8>(s_qt + i2 * 64 + (i3 / 8 % 8 ^ i2 % 8) * 8 + i3 % 8 + k * 2048, g_Q + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 128 + i2) * 64 + i3) + k * 2048);
     }
     prism::cp_async_wait_all();
     prism::fence_async_shared();

@@ -14,7 +14,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
     half* __restrict__ g_O)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
-    constexpr int kThreads = PRISM_NT(128);
+    [[maybe_unused]] constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(41472);
     half* const s_qt = PRISM_SHARED_IN(half, 0, 4608, 0, 1);  // tile qt: [1, 1, 32, 64] f16, before and in the loop
     half* const s_kt_stages = PRISM_SHARED_IN(half, 4608, 18432, 1, 1);  // tile kt: [1, 1, 64, 64] f16, 2 stages, in the loop
@@ -30,12 +30,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
 #endif
 
     // qt = load Q[x, y, z, :]  tile [1, 1, 32, 64] of [1, 2, 32, 64]
-    for (int v0 = 0; v0 < 256; v0 += kThreads) {
-        const int v = v0 + PRISM_TID;
-        const int e = v * 8;
+    {
+        const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
         const int i2 = e / 64;
         const int i3 = e % 64;
-        prism::cp_async<8>(s_qt + i2 * 72 + i3, g_Q + blockIdx.x * 1 * 4096 + blockIdx.y * 1 * 2048 + (blockIdx.z * 32 + i2) * 64 + i3);
+        PRISM_UNROLL
+        for (int k = 0; k < 2; ++k)
+            prism::cp_async<8>(s_qt + i2 * 72 + i3 + k * 1152, g_Q + (blockIdx.x * 1 * 4096 + blockIdx.y * 1 * 2048 + (blockIdx.z * 32 + i2) * 64 + i3) + k * 1024);
     }
     prism::cp_async_wait_all();
     __syncthreads();
@@ -44,20 +45,22 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
     // the loop's tiles: a 2-stage cp.async pipeline, iteration it + 1 in flight while it computes
     for (int ahead = 0; ahead < 1; ++ahead) {
         // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 128]
-        for (int v0 = 0; v0 < 512; v0 += kThreads) {
-            const int v = v0 + PRISM_TID;
-            const int e = v * 8;
+        {
+            const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 2048 elements on, 1152 in the buffer
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + ahead * 64);
+            PRISM_UNROLL
+            for (int k = 0; k < 4; ++k)
+                prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + k * 2048 + ahead * 64);
         }
         // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
-        for (int v0 = 0; v0 < 512; v0 += kThreads) {
-            const int v = v0 + PRISM_TID;
-            const int e = v * 8;
+        {
+            const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 64 * 64);
+            PRISM_UNROLL
+            for (int k = 0; k < 4; ++k)
+                prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 64 * 64);
         }
         prism::cp_async_commit();
     }
@@ -67,20 +70,22 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 1; ahead < 2) {
             // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 128]
-            for (int v0 = 0; v0 < 512; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 2048 elements on, 1152 in the buffer
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + ahead * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 4; ++k)
+                    prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + k * 2048 + ahead * 64);
             }
             // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
-            for (int v0 = 0; v0 < 512; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 64 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 4; ++k)
+                    prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 64 * 64);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

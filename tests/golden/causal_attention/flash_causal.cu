@@ -22,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     half* __restrict__ g_O)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
-    constexpr int kThreads = PRISM_NT(128);
+    [[maybe_unused]] constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(64512);
     half* const s_qt = PRISM_SHARED_IN(half, 4608, 4608, 0, 0);  // tile qt: [1, 1, 32, 64] f16, before the loop
     half* const s_cqt = PRISM_SHARED_IN(half, 9216, 4608, 0, 0);  // tile cqt: [32, 64] f16, before the loop
@@ -44,28 +44,31 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
 #endif
 
     // qt = load Q[:, y, x, :]  tile [1, 1, 32, 64] of [1, 2, 64, 64]
-    for (int v0 = 0; v0 < 256; v0 += kThreads) {
-        const int v = v0 + PRISM_TID;
-        const int e = v * 8;
+    {
+        const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
         const int i2 = e / 64;
         const int i3 = e % 64;
-        prism::cp_async<8>(s_qt + i2 * 72 + i3, g_Q + blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3);
+        PRISM_UNROLL
+        for (int k = 0; k < 2; ++k)
+            prism::cp_async<8>(s_qt + i2 * 72 + i3 + k * 1152, g_Q + (blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3) + k * 1024);
     }
     // cqt = load CQ[x, :]  tile [32, 64] of [64, 64]
-    for (int v0 = 0; v0 < 256; v0 += kThreads) {
-        const int v = v0 + PRISM_TID;
-        const int e = v * 8;
+    {
+        const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
         const int i0 = e / 64;
         const int i1 = e % 64;
-        prism::cp_async<8>(s_cqt + i0 * 72 + i1, g_CQ + (blockIdx.x * 32 + i0) * 64 + i1);
+        PRISM_UNROLL
+        for (int k = 0; k < 2; ++k)
+            prism::cp_async<8>(s_cqt + i0 * 72 + i1 + k * 1152, g_CQ + ((blockIdx.x * 32 + i0) * 64 + i1) + k * 1024);
     }
     // sqt = load SQ[x, :]  tile [32, 64] of [64, 64]
-    for (int v0 = 0; v0 < 256; v0 += kThreads) {
-        const int v = v0 + PRISM_TID;
-        const int e = v * 8;
+    {
+        const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
         const int i0 = e / 64;
         const int i1 = e % 64;
-        prism::cp_async<8>(s_sqt + i0 * 72 + i1, g_SQ + (blockIdx.x * 32 + i0) * 64 + i1);
+        PRISM_UNROLL
+        for (int k = 0; k < 2; ++k)
+            prism::cp_async<8>(s_sqt + i0 * 72 + i1 + k * 1152, g_SQ + ((blockIdx.x * 32 + i0) * 64 + i1) + k * 1024);
     }
     prism::cp_async_wait_all();
     __syncthreads();
@@ -97,36 +100,40 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     for (int ahead = 0; ahead < 2; ++ahead) {
         if (ahead < loop_end) {
             // kt = load K[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 32 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
             }
             // ckt = load CK[loop, :]  tile [32, 64] of [128, 64]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_CK + (i0 * 64 + i1) + ahead * 32 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1 + k * 1152, g_CK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
             }
             // skt = load SK[loop, :]  tile [32, 64] of [128, 64]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_SK + (i0 * 64 + i1) + ahead * 32 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1 + k * 1152, g_SK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
             }
             // vt = load V[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 32 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
             }
         }
         prism::cp_async_commit();
@@ -137,36 +144,40 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < loop_end) {
             // kt = load K[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 32 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
             }
             // ckt = load CK[loop, :]  tile [32, 64] of [128, 64]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_CK + (i0 * 64 + i1) + ahead * 32 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1 + k * 1152, g_CK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
             }
             // skt = load SK[loop, :]  tile [32, 64] of [128, 64]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1, g_SK + (i0 * 64 + i1) + ahead * 32 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1 + k * 1152, g_SK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
             }
             // vt = load V[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + ahead * 32 * 64);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

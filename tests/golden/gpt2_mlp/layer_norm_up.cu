@@ -12,7 +12,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     half* __restrict__ g_H)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
-    constexpr int kThreads = PRISM_NT(128);
+    [[maybe_unused]] constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(31872);
     half* const s_xt_stages = PRISM_SHARED_IN(half, 512, 3456, 1, 1);  // tile xt: [8, 64] f16, 3 stages, in the loop
     half* const s_wt_stages = PRISM_SHARED_IN(half, 3968, 27648, 1, 1);  // tile wt: [64, 64] f16, 3 stages, in the loop
@@ -54,12 +54,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
             prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
         }
         // wt = load W1[loop, x]  tile [64, 64] of [256, 512]
-        for (int v0 = 0; v0 < 512; v0 += kThreads) {
-            const int v = v0 + PRISM_TID;
-            const int e = v * 8;
+        {
+            const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 8192 elements on, 1152 in the buffer
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + ahead * 64 * 512);
+            PRISM_UNROLL
+            for (int k = 0; k < 4; ++k)
+                prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1 + k * 1152, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + k * 8192 + ahead * 64 * 512);
         }
         prism::cp_async_commit();
     }
@@ -76,12 +77,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
                 prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
             }
             // wt = load W1[loop, x]  tile [64, 64] of [256, 512]
-            for (int v0 = 0; v0 < 512; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 8192 elements on, 1152 in the buffer
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + ahead * 64 * 512);
+                PRISM_UNROLL
+                for (int k = 0; k < 4; ++k)
+                    prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1 + k * 1152, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + k * 8192 + ahead * 64 * 512);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

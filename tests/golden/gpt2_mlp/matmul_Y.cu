@@ -12,7 +12,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
     half* __restrict__ g_Y)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
-    constexpr int kThreads = PRISM_NT(128);
+    [[maybe_unused]] constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(61824);
     half* const s_h_0_stages = PRISM_SHARED_IN(half, 0, 6528, 1, 1);  // tile h_0: [8, 128] f16, 3 stages, in the loop
     half* const s_w2_1_stages = PRISM_SHARED_IN(half, 6528, 55296, 1, 1);  // tile w2_1: [128, 64] f16, 3 stages, in the loop
@@ -33,12 +33,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
             prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + ((blockIdx.y * 8 + i0) * 512 + i1) + ahead * 128);
         }
         // w2_1 = load W2[loop, x]  tile [128, 64] of [512, 256]
-        for (int v0 = 0; v0 < 1024; v0 += kThreads) {
-            const int v = v0 + PRISM_TID;
-            const int e = v * 8;
+        {
+            const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 4096 elements on, 1152 in the buffer
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + ahead * 128 * 256);
+            PRISM_UNROLL
+            for (int k = 0; k < 8; ++k)
+                prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1 + k * 1152, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + k * 4096 + ahead * 128 * 256);
         }
         prism::cp_async_commit();
     }
@@ -56,12 +57,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
                 prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + ((blockIdx.y * 8 + i0) * 512 + i1) + ahead * 128);
             }
             // w2_1 = load W2[loop, x]  tile [128, 64] of [512, 256]
-            for (int v0 = 0; v0 < 1024; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 4096 elements on, 1152 in the buffer
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + ahead * 128 * 256);
+                PRISM_UNROLL
+                for (int k = 0; k < 8; ++k)
+                    prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1 + k * 1152, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + k * 4096 + ahead * 128 * 256);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups

@@ -14,7 +14,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
     half* __restrict__ g_Y)
 {
     using real = float;  // arithmetic type; tensors keep their storage type
-    constexpr int kThreads = PRISM_NT(128);
+    [[maybe_unused]] constexpr int kThreads = PRISM_NT(128);
     PRISM_SMEM(28160);
     half* const s_xt_stages = PRISM_SHARED_IN(half, 128, 3456, 1, 1);  // tile xt: [8, 64] f16, 3 stages, in the loop
     half* const s_ut_stages = PRISM_SHARED_IN(half, 3584, 12288, 1, 1);  // tile ut: [64, 32] f16, 3 stages, in the loop
@@ -48,20 +48,22 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
             prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
         }
         // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
-        for (int v0 = 0; v0 < 256; v0 += kThreads) {
-            const int v = v0 + PRISM_TID;
-            const int e = v * 8;
+        {
+            const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 8192 elements on, 1024 in the buffer
             const int i0 = e / 32;
             const int i1 = e % 32;
-            prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
+            PRISM_UNROLL
+            for (int k = 0; k < 2; ++k)
+                prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
         }
         // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
-        for (int v0 = 0; v0 < 256; v0 += kThreads) {
-            const int v = v0 + PRISM_TID;
-            const int e = v * 8;
+        {
+            const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 8192 elements on, 1024 in the buffer
             const int i0 = e / 32;
             const int i1 = e % 32;
-            prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
+            PRISM_UNROLL
+            for (int k = 0; k < 2; ++k)
+                prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
         }
         prism::cp_async_commit();
     }
@@ -78,20 +80,22 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
                 prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
             }
             // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 8192 elements on, 1024 in the buffer
                 const int i0 = e / 32;
                 const int i1 = e % 32;
-                prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
             }
             // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
-            for (int v0 = 0; v0 < 256; v0 += kThreads) {
-                const int v = v0 + PRISM_TID;
-                const int e = v * 8;
+            {
+                const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 8192 elements on, 1024 in the buffer
                 const int i0 = e / 32;
                 const int i1 = e % 32;
-                prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8), g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + ahead * 64 * 256);
+                PRISM_UNROLL
+                for (int k = 0; k < 2; ++k)
+                    prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
