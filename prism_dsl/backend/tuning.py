@@ -20,11 +20,13 @@ from ..kernels.hardware import Hardware
 from ..kernels.kernel import Kernel, free_symbols, kernels_of
 from ..kernels.params import candidates, choose
 from .cost import Estimate, estimate, for_hardware
+from .intake import SM_FILL_BYTES_PER_CLOCK, WARP_FILL_BYTES_PER_CLOCK
 from ..kernels.fusion import least_smem
 from .launch import CodegenConfig, layout
 from .tails import joins, pairs, tail_config
 
 MAX_CANDIDATES = 4096  # per group of kernels that share parameters
+INTAKE_WARPS = SM_FILL_BYTES_PER_CLOCK / WARP_FILL_BYTES_PER_CLOCK  # the warps whose copies fill an SM's intake
 
 
 def parameters(program: Program, dims: Mapping[sympy.Symbol, int], given: Mapping[str, int], hardware: Hardware,
@@ -124,31 +126,35 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
             return concretes[key]
 
         def price(k: Kernel, values: tuple[int, ...]) -> tuple:
-            """(time, SMs kept busy, L2 bytes, warps) of `k` at `values`. A combining kernel's estimate depends
+            """(time, SMs kept busy, L2 bytes, warps, loop iterations) of `k` at `values`. A combining kernel's estimate depends
             on its first kernel only through whether it runs in that kernel's launch and on how many threads
             (`priced`), so it is worked out once per value of those and of its own parameters, not once per
             value of every parameter of the first kernel."""
             if (c := concrete(k, values)) is None:
-                return math.inf, 0, 0, 0
+                return math.inf, 0, 0, 0, 0
             first = concrete(by_name[firsts[k.name]], values) if k.name in firsts else None
             tail = layout(first, config).threads if first is not None and joins(first, c, config) else None
             key = (k.name, tuple(values[i] for i in mine_only[k.name]), tail)
             if key not in prices:
                 e = priced(c, first if tail else None, hardware, config)
-                prices[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes, e.warps)
+                prices[key] = (e.time_us, min(e.blocks, hardware.sms), e.l2_bytes, min(e.warps, INTAKE_WARPS),
+                               e.blocks * c.loop)
             return prices[key]
 
-        def time_of(values: tuple[int, ...]) -> tuple[float, int, int, int]:
+        def time_of(values: tuple[int, ...]) -> tuple[float, int, int, float, int]:
             """(estimated time, minus the SMs its kernels keep busy, the bytes they read through L2, minus the
-            warps they keep resident on a busy SM): the order parameters are ranked by."""
-            total, busy, l2, warps = 0.0, 0, 0, 0
+            warps they keep resident on a busy SM up to those whose intake fills it, the loop iterations of all
+            their blocks): the order parameters are ranked by. Past that many warps, smaller tiles only add
+            iterations, each with its barriers and bookkeeping, which a model priced from the code's structure
+            does not see."""
+            total, busy, l2, warps, steps = 0.0, 0, 0, 0.0, 0
             for k, mine in own:
                 key = (k.name, tuple(values[i] for i in mine))
                 if key not in memo:
                     memo[key] = price(k, values)
                 total, busy, l2 = total + memo[key][0], busy + memo[key][1], l2 + memo[key][2]
-                warps += memo[key][3]
-            return round(total, 3), -busy, l2, -warps
+                warps, steps = warps + memo[key][3], steps + memo[key][4]
+            return round(total, 3), -busy, l2, -warps, steps
 
         if math.prod(len(c) for c in cands) <= MAX_CANDIDATES:
             best = min(itertools.product(*cands), key=time_of)  # the first of equal ranks: deterministic
