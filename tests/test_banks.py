@@ -97,13 +97,32 @@ def test_a_tile_without_its_padding_shows_its_conflicts():
     assert bare.wavefronts > padded.wavefronts and bare.ideal == padded.ideal
 
 
+@pytest.mark.parametrize("name, wide, bare", [("rmsnorm_linear", 36, 32), ("attention", 72, 64)])
+def test_accumulators_written_back_from_registers_fall_on_distinct_banks(name, wide, bare):
+    """After the loop the register-tiled products (rmsnorm_linear's, mma.sync's transposed layout: a lane a
+    float of rows 0, 2, 4, 6) and online softmax's outputs (attention's, the accumulators' layout: a lane 2
+    floats of one of 4 rows a half warp) go to their f32 states with rows padded (`launch.written_back`: 32 to
+    36 and 64 to 72 floats), so that the lanes of each write fall on distinct banks; unpadded, 4 share each."""
+    built, _ = build_of(ROOT / "programs" / "fused" / f"{name}.prism", *GOLDEN_PARAMS[name])
+    k = built.kernels[0]
+    back = [i + 1 for i, line in enumerate(k.source.splitlines()) if re.search(r"\bc\[0\] \+?= d\[0\]", line)]
+    assert back and f") * {wide} + " in k.source
+    where = {f"{k.file}:{n}" for n in back}
+    padded = shared_wavefronts(built, extra="all")[k.name]
+    assert not where & {p.where for p in padded.conflicted}, padded.conflicted[:4]
+    source = re.sub(rf"\b{wide}\b", str(bare), k.source)  # the stride back to the rows' length, reads and writes
+    unpadded = shared_wavefronts(replace(built, kernels=(replace(k, source=source),) + built.kernels[1:]), extra="all")
+    worst = [p for p in unpadded[k.name].conflicted if p.where in where]
+    assert worst and all(p.wavefronts == 4 * p.ideal for p in worst), worst
+
+
 @pytest.mark.parametrize("path", FUSED, ids=lambda p: p.stem)
 def test_every_hand_written_kernel_is_counted(path):
     """Every kernel of programs/fused at the golden files' parameters, counted over its whole grid: no copy into
     a tile, no ldmatrix from one and no dot product's 16-byte load of one (`dot8`) takes more than its
     conflict-free wavefronts (rows of 128 bytes or more padded, of 32 or 64 bytes with their chunks permuted:
     `launch.xor_rows`), and the whole kernel at most 1.3x
-    (today 1.05-1.25x: writing accumulators back to shared memory once a block, 4-way, and reading them)."""
+    (reading the accumulators back, and the row sums' shuffles' words)."""
     built, _ = build_of(path, *GOLDEN_PARAMS[path.stem])
     counted = shared_wavefronts(built, extra="all")
     for k in built.kernels:

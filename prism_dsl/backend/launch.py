@@ -328,6 +328,7 @@ def _layout(c: Concrete, config: CodegenConfig) -> Layout:
     dims = buffer_shapes(c)
     xor = xor_rows(c, buffers, dims, registers, flash_of)
     pads = {b.name: 0 if b.name in swizzle or b.name in xor else _pad(b, dims[b.name]) for b in buffers}
+    pads |= written_back(p, registers, flash_of, dims)
     size = {b.name: _size(b, dims[b.name], pads[b.name]) for b in buffers}
     staged = {b.name for b in buffers if b.role == "tile" and b.node in varying}
     names = [b.name for b in buffers]
@@ -454,6 +455,25 @@ def written_after(p: Plan, registers: dict[Node, Tiling], flash_of: dict[Node, F
     buffers used before and in it): those of register-tiled products, and online softmax's in registers."""
     accs = list(registers) + [u for s in flash_of for u in p.users[s] if u in p.state]
     return {b.name for acc in accs for b in p.state[acc].values()}
+
+
+def written_back(p: Plan, registers: dict[Node, Tiling], flash_of: dict[Node, Flash], dims: dict) -> dict[str, int]:
+    """Elements after each row of the f32 states that register-tiled products and online softmax write from
+    registers after the loop, so that those writes fall on distinct banks. A warp writes 8 rows at a time: in
+    the accumulators' layout each lane 2 adjacent floats of one row (a half warp, 4 rows of 32 bytes, one
+    wavefront where rows are 8 banks apart: a row stride of 8 or 24 floats modulo 32, 8 floats padding rows
+    that are a multiple of 16); transposed ("nm"), each lane 1 float of rows 0, 2, 4, 6 (one wavefront where
+    those are 8 banks apart: a stride of 4 or 12 modulo 16). Rows under 32 floats are left alone, whose readers
+    may take a quarter warp across rows."""
+    accs = [(acc, t.orient) for acc, t in registers.items()] + [
+        (u, "mn") for s in flash_of for u in p.users[s] if u in p.state and ACCUMULATORS[u.op].like == "matmul"]
+    pads = {}
+    for acc, orient in accs:
+        b = p.state[acc][ACCUMULATORS[acc.op].state[-1]]
+        shape = dims[b.name]
+        if b.dtype.bytes == 4 and len(shape) >= 2 and math.prod(shape[:-1]) > 1 and shape[-1] >= 32:
+            pads[b.name] = 4 if orient == "nm" else 8 if shape[-1] % 32 in (0, 16) else 0
+    return pads
 
 
 def _size(b: Buffer, shape: tuple[int, ...], pad: int) -> int:

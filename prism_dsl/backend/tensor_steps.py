@@ -73,7 +73,9 @@ class TensorCoreSteps:
         a, b = acc.args[0].args
         ba = self.plan.buffer(a)
         self.tensor_core_steps += 1
+        held = self.held(acc)
         product = {"comment": text, "t": self.registers[acc], "acc": "r_" + dst[2:], "c": dst, "in_flight": self.layout.in_flight,
+                   "ldc": self.shape(acc)[-1] + self.pad[held.name],
                    "every_warp": self.threads == 32 * self.registers[acc].warps,
                    "a": self.cname[ba.name], "ab": CTYPE[ba.dtype], "lda": self.shape(a)[-1] + self.pad[ba.name],
                    "xa": self._xor(ba, self.shape(a)[-1]), **self._right(b)}
@@ -89,7 +91,8 @@ class TensorCoreSteps:
         def tile(n: Node) -> tuple[str, int, int]:
             b = self.plan.buffer(n)
             return self.cname[b.name], self.shape(n)[-1] + self.pad[b.name], self._xor(b, self.shape(n)[-1])
-        outs = [{"r": f"{reg}_o{j}", "v": tile(u.args[1]), "c": self.cname[self.held(u).name], **self._stage_of(u.args[1])}
+        outs = [{"r": f"{reg}_o{j}", "v": tile(u.args[1]), "c": self.cname[self.held(u).name],
+                 "ldc": self.shape(u)[-1] + self.pad[self.held(u).name], **self._stage_of(u.args[1])}
                 for j, u in enumerate(u for u in users if ACCUMULATORS[u.op].like == "matmul")]
         sums = [self.cname[self.held(u).name] for u in users if ACCUMULATORS[u.op].row and u.op != RUNNING_MAX]
         self.tensor_core_steps += 1

@@ -22,8 +22,8 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
     half* const s_kt_stages = PRISM_SHARED_IN(half, 16384, 32768, 1, 1);  // tile kt: [1, 1, 64, 64] f16, 4 stages, in the loop
     half* const s_vt_stages = PRISM_SHARED_IN(half, 49152, 32768, 1, 1);  // tile vt: [1, 1, 64, 64] f16, 4 stages, in the loop
     float* const s_a4_max = PRISM_SHARED_IN(float, 16384, 512, 2, 2);  // scratch a4_max: [1, 1, 128, 1] f32, after the loop
-    float* const s_a4 = PRISM_SHARED_IN(float, 17408, 32768, 2, 2);  // state a4: [1, 1, 128, 64] f32, after the loop
-    float* const s_a5 = PRISM_SHARED_IN(float, 50176, 512, 2, 2);  // state a5: [1, 1, 128, 1] f32, after the loop
+    float* const s_a4 = PRISM_SHARED_IN(float, 17408, 36864, 2, 2);  // state a4: [1, 1, 128, 64] f32, after the loop
+    float* const s_a5 = PRISM_SHARED_IN(float, 54272, 512, 2, 2);  // state a5: [1, 1, 128, 1] f32, after the loop
     // this thread's warpgroup, from lane 0 (`prism::warp_uniform`): nvcc keeps it in a uniform register through the
     // loop, and the wgmma descriptors made from it
     const int warpgroup = prism::warp_uniform(PRISM_TID / 128);
@@ -204,8 +204,8 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
             PRISM_UNROLL
             for (int j = 0; j < 8; ++j) {
                 const float* const d = f_v2_o0[i][j];
-                float* const c = s_a4 + (wr + i * 16 + lane / 4) * 64 + j * 8 + lane % 4 * 2;
-                c[0] = d[0], c[1] = d[1], c[8 * 64] = d[2], c[8 * 64 + 1] = d[3];
+                float* const c = s_a4 + (wr + i * 16 + lane / 4) * 72 + j * 8 + lane % 4 * 2;
+                c[0] = d[0], c[1] = d[1], c[8 * 72] = d[2], c[8 * 72 + 1] = d[3];
             }
     }
     #endif
@@ -219,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
         const int i3 = e % 64;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = (s_a4[i2 * 64 + (i3 + c)] / s_a5[i2]);
+        for (int c = 0; c < 8; ++c) w[c] = (s_a4[i2 * 72 + (i3 + c)] / s_a5[i2]);
         prism::store16(g_O + blockIdx.y * 1 * 8192 + i2 * 64 + i3, w);
     }
 }

@@ -20,8 +20,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
     half* const s_kt_stages = PRISM_SHARED_IN(half, 4608, 18432, 1, 1);  // tile kt: [1, 1, 64, 64] f16, 2 stages, in the loop
     half* const s_vt_stages = PRISM_SHARED_IN(half, 23040, 18432, 1, 1);  // tile vt: [1, 1, 64, 64] f16, 2 stages, in the loop
     float* const s_a4_max = PRISM_SHARED_IN(float, 4608, 128, 2, 2);  // scratch a4_max: [1, 1, 32, 1] f32, after the loop
-    float* const s_a4 = PRISM_SHARED_IN(float, 4736, 8192, 2, 2);  // state a4: [1, 1, 32, 64] f32, after the loop
-    float* const s_a5 = PRISM_SHARED_IN(float, 12928, 128, 2, 2);  // state a5: [1, 1, 32, 1] f32, after the loop
+    float* const s_a4 = PRISM_SHARED_IN(float, 4736, 9216, 2, 2);  // state a4: [1, 1, 32, 64] f32, after the loop
+    float* const s_a5 = PRISM_SHARED_IN(float, 13952, 128, 2, 2);  // state a5: [1, 1, 32, 1] f32, after the loop
 #if PRISM_TENSOR_CORES
     // online softmax over s = (qt @ kt)  [1, 1, 32, 64], folded by o, l: this warp's rows, in registers through the loop
     float f_v2_m[1][2], f_v2_l[1][2] = {};  // running row max; this thread's part of the row sums
@@ -192,8 +192,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
             PRISM_UNROLL
             for (int j = 0; j < 8; ++j) {
                 const float* const d = f_v2_o0[i][j];
-                float* const c = s_a4 + (wr + i * 16 + lane / 4) * 64 + j * 8 + lane % 4 * 2;
-                c[0] = d[0], c[1] = d[1], c[8 * 64] = d[2], c[8 * 64 + 1] = d[3];
+                float* const c = s_a4 + (wr + i * 16 + lane / 4) * 72 + j * 8 + lane % 4 * 2;
+                c[0] = d[0], c[1] = d[1], c[8 * 72] = d[2], c[8 * 72 + 1] = d[3];
             }
     }
     #endif
@@ -206,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
         const int i3 = e % 64;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = (s_a4[i2 * 64 + (i3 + c)] / s_a5[i2]);
+        for (int c = 0; c < 8; ++c) w[c] = (s_a4[i2 * 72 + (i3 + c)] / s_a5[i2]);
         prism::store16(g_O + blockIdx.y * 1 * 2048 + i2 * 64 + i3, w);
     }
 }

@@ -34,8 +34,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     half* const s_v9 = PRISM_SHARED_IN(half, 46080, 4608, 1, 1);  // value v9: [1, 1, 32, 64] f16, in the loop
     half* const s_vt_stages = PRISM_SHARED_IN(half, 50688, 13824, 1, 1);  // tile vt: [1, 1, 32, 64] f16, 3 stages, in the loop
     float* const s_a14_max = PRISM_SHARED_IN(float, 4608, 128, 2, 2);  // scratch a14_max: [1, 1, 32, 1] f32, after the loop
-    float* const s_a14 = PRISM_SHARED_IN(float, 4736, 8192, 2, 2);  // state a14: [1, 1, 32, 64] f32, after the loop
-    float* const s_a15 = PRISM_SHARED_IN(float, 12928, 128, 2, 2);  // state a15: [1, 1, 32, 1] f32, after the loop
+    float* const s_a14 = PRISM_SHARED_IN(float, 4736, 9216, 2, 2);  // state a14: [1, 1, 32, 64] f32, after the loop
+    float* const s_a15 = PRISM_SHARED_IN(float, 13952, 128, 2, 2);  // state a15: [1, 1, 32, 1] f32, after the loop
 #if PRISM_TENSOR_CORES
     // online softmax over s = causal(((rope(qt, cqt, sqt) / 11.313708498984761) @ transpose(rope(kt, ckt, skt), -1, -2)))  [1, 1, 32, 32], folded by o, l: this warp's rows, in registers through the loop
     float f_v12_m[1][2], f_v12_l[1][2] = {};  // running row max; this thread's part of the row sums
@@ -319,8 +319,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
             PRISM_UNROLL
             for (int j = 0; j < 8; ++j) {
                 const float* const d = f_v12_o0[i][j];
-                float* const c = s_a14 + (wr + i * 16 + lane / 4) * 64 + j * 8 + lane % 4 * 2;
-                c[0] = d[0], c[1] = d[1], c[8 * 64] = d[2], c[8 * 64 + 1] = d[3];
+                float* const c = s_a14 + (wr + i * 16 + lane / 4) * 72 + j * 8 + lane % 4 * 2;
+                c[0] = d[0], c[1] = d[1], c[8 * 72] = d[2], c[8 * 72 + 1] = d[3];
             }
     }
     #endif
@@ -333,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         const int i3 = e % 64;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = (s_a14[i2 * 64 + (i3 + c)] / s_a15[i2]);
+        for (int c = 0; c < 8; ++c) w[c] = (s_a14[i2 * 72 + (i3 + c)] / s_a15[i2]);
         prism::store16(g_O + blockIdx.y * 1 * 4096 + (blockIdx.x * 32 + i2) * 64 + i3, w);
     }
 }

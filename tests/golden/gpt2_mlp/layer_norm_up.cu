@@ -16,7 +16,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     PRISM_SMEM(31872);
     half* const s_xt_stages = PRISM_SHARED_IN(half, 512, 3456, 1, 1);  // tile xt: [8, 64] f16, 3 stages, in the loop
     half* const s_wt_stages = PRISM_SHARED_IN(half, 3968, 27648, 1, 1);  // tile wt: [64, 64] f16, 3 stages, in the loop
-    float* const s_a3 = PRISM_SHARED_IN(float, 512, 2048, 2, 2);  // state a3: [8, 64] f32, after the loop
+    float* const s_a3 = PRISM_SHARED_IN(float, 512, 2176, 2, 2);  // state a3: [8, 64] f32, after the loop
     float* const s_a4 = PRISM_SHARED_IN(float, 0, 32, 0, 2);  // state a4: [8, 1] f32, in use throughout
     float* const s_v5 = PRISM_SHARED_IN(float, 31616, 256, 1, 1);  // value v5: [1, 64] f32, in the loop
     float* const s_a6 = PRISM_SHARED_IN(float, 128, 256, 0, 2);  // state a6: [1, 64] f32, in use throughout
@@ -226,8 +226,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
                     PRISM_UNROLL
                     for (int j = 0; j < 1; ++j) {
                         float* const d = r_a3[i][j];
-                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 64 + wc + i * 16 + lane / 4;
-                        c[0] = d[0], c[64] = d[1], c[8] = d[2], c[64 + 8] = d[3];
+                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 68 + wc + i * 16 + lane / 4;
+                        c[0] = d[0], c[68] = d[1], c[8] = d[2], c[68 + 8] = d[3];
                     }
             }
         }
@@ -242,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         const int i1 = e % 64;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = prism::gelu_tanh_(((s_a3[i0 * 64 + (i1 + c)] - ((s_a4[i0] / real(256)) * s_a6[(i1 + c)])) / prism::sqrt_((((s_a10[i0] / real(256)) - ((s_a4[i0] / real(256)) * (s_a4[i0] / real(256)))) + 1e-05f))));
+        for (int c = 0; c < 8; ++c) w[c] = prism::gelu_tanh_(((s_a3[i0 * 68 + (i1 + c)] - ((s_a4[i0] / real(256)) * s_a6[(i1 + c)])) / prism::sqrt_((((s_a10[i0] / real(256)) - ((s_a4[i0] / real(256)) * (s_a4[i0] / real(256)))) + 1e-05f))));
         prism::store16(g_H + i0 * 512 + blockIdx.x * 64 + i1, w);
     }
 }

@@ -16,7 +16,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
     PRISM_SMEM(61824);
     half* const s_h_0_stages = PRISM_SHARED_IN(half, 0, 6528, 1, 1);  // tile h_0: [8, 128] f16, 3 stages, in the loop
     half* const s_w2_1_stages = PRISM_SHARED_IN(half, 6528, 55296, 1, 1);  // tile w2_1: [128, 64] f16, 3 stages, in the loop
-    float* const s_a3 = PRISM_SHARED_IN(float, 0, 2048, 2, 2);  // state a3: [8, 64] f32, after the loop
+    float* const s_a3 = PRISM_SHARED_IN(float, 0, 2176, 2, 2);  // state a3: [8, 64] f32, after the loop
 #if PRISM_TENSOR_CORES
     float r_a3[1][1][4] = {};  // acc_sum((h_0 @ w2_1))  [8, 64]: this warp's tiles, in registers through the loop
 #endif
@@ -116,8 +116,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
                     PRISM_UNROLL
                     for (int j = 0; j < 1; ++j) {
                         float* const d = r_a3[i][j];
-                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 64 + wc + i * 16 + lane / 4;
-                        c[0] = d[0], c[64] = d[1], c[8] = d[2], c[64 + 8] = d[3];
+                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 68 + wc + i * 16 + lane / 4;
+                        c[0] = d[0], c[68] = d[1], c[8] = d[2], c[68 + 8] = d[3];
                     }
             }
         }
@@ -132,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
         const int i1 = e % 64;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = s_a3[i0 * 64 + (i1 + c)];
+        for (int c = 0; c < 8; ++c) w[c] = s_a3[i0 * 68 + (i1 + c)];
         prism::store16(g_Y + i0 * 256 + blockIdx.x * 64 + i1, w);
     }
 }

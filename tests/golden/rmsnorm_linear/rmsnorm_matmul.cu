@@ -16,7 +16,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
     PRISM_SMEM(21120);
     half* const s_xt_stages = PRISM_SHARED_IN(half, 128, 4608, 1, 1);  // tile xt: [8, 64] f16, 4 stages, in the loop
     half* const s_wt_stages = PRISM_SHARED_IN(half, 4736, 16384, 1, 1);  // tile wt: [64, 32] f16, 4 stages, in the loop
-    float* const s_a3 = PRISM_SHARED_IN(float, 128, 1024, 2, 2);  // state a3: [8, 32] f32, after the loop
+    float* const s_a3 = PRISM_SHARED_IN(float, 128, 1152, 2, 2);  // state a3: [8, 32] f32, after the loop
     float* const s_a4 = PRISM_SHARED_IN(float, 0, 32, 0, 2);  // state a4: [8, 1] f32, in use throughout
     real r_a4[1];  // rms = acc_rms_last(xt)  [8, 1]: this thread's part of its rows, in registers through the loop
     for (int q = 0; q < 1; ++q) r_a4[q] = 0.0f;
@@ -161,11 +161,11 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
                     PRISM_UNROLL
                     for (int j = 0; j < 1; ++j) {
                         float* const d = r_a3[i][j];
-                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 32 + wc + i * 16 + lane / 4;
+                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 36 + wc + i * 16 + lane / 4;
                         if (q == 0)
-                            c[0] = d[0], c[32] = d[1], c[8] = d[2], c[32 + 8] = d[3];
+                            c[0] = d[0], c[36] = d[1], c[8] = d[2], c[36 + 8] = d[3];
                         else
-                            c[0] += d[0], c[32] += d[1], c[8] += d[2], c[32 + 8] += d[3];
+                            c[0] += d[0], c[36] += d[1], c[8] += d[2], c[36 + 8] += d[3];
                     }
             }
         }
@@ -180,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
         const int i1 = e % 32;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = (s_a3[i0 * 32 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256)));
+        for (int c = 0; c < 8; ++c) w[c] = (s_a3[i0 * 36 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256)));
         prism::store16(g_Y + i0 * 256 + blockIdx.x * 32 + i1, w);
     }
 }

@@ -18,10 +18,10 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
     PRISM_SMEM(28160);
     half* const s_xt_stages = PRISM_SHARED_IN(half, 128, 3456, 1, 1);  // tile xt: [8, 64] f16, 3 stages, in the loop
     half* const s_ut_stages = PRISM_SHARED_IN(half, 3584, 12288, 1, 1);  // tile ut: [64, 32] f16, 3 stages, in the loop
-    float* const s_a3 = PRISM_SHARED_IN(float, 128, 1024, 2, 2);  // state a3: [8, 32] f32, after the loop
+    float* const s_a3 = PRISM_SHARED_IN(float, 128, 1152, 2, 2);  // state a3: [8, 32] f32, after the loop
     float* const s_a4 = PRISM_SHARED_IN(float, 0, 32, 0, 2);  // state a4: [8, 1] f32, in use throughout
     half* const s_gt_stages = PRISM_SHARED_IN(half, 15872, 12288, 1, 1);  // tile gt: [64, 32] f16, 3 stages, in the loop
-    float* const s_a8 = PRISM_SHARED_IN(float, 1152, 1024, 2, 2);  // state a8: [8, 32] f32, after the loop
+    float* const s_a8 = PRISM_SHARED_IN(float, 1280, 1152, 2, 2);  // state a8: [8, 32] f32, after the loop
     real r_a4[1];  // rms = acc_rms_last(xt)  [8, 1]: this thread's part of its rows, in registers through the loop
     for (int q = 0; q < 1; ++q) r_a4[q] = 0.0f;
 #if PRISM_TENSOR_CORES
@@ -199,11 +199,11 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
                     PRISM_UNROLL
                     for (int j = 0; j < 1; ++j) {
                         float* const d = r_a3[i][j];
-                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 32 + wc + i * 16 + lane / 4;
+                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 36 + wc + i * 16 + lane / 4;
                         if (q == 0)
-                            c[0] = d[0], c[32] = d[1], c[8] = d[2], c[32 + 8] = d[3];
+                            c[0] = d[0], c[36] = d[1], c[8] = d[2], c[36 + 8] = d[3];
                         else
-                            c[0] += d[0], c[32] += d[1], c[8] += d[2], c[32 + 8] += d[3];
+                            c[0] += d[0], c[36] += d[1], c[8] += d[2], c[36 + 8] += d[3];
                     }
             }
         }
@@ -225,11 +225,11 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
                     PRISM_UNROLL
                     for (int j = 0; j < 1; ++j) {
                         float* const d = r_a8[i][j];
-                        float* const c = s_a8 + (wr + j * 8 + lane % 4 * 2) * 32 + wc + i * 16 + lane / 4;
+                        float* const c = s_a8 + (wr + j * 8 + lane % 4 * 2) * 36 + wc + i * 16 + lane / 4;
                         if (q == 0)
-                            c[0] = d[0], c[32] = d[1], c[8] = d[2], c[32 + 8] = d[3];
+                            c[0] = d[0], c[36] = d[1], c[8] = d[2], c[36 + 8] = d[3];
                         else
-                            c[0] += d[0], c[32] += d[1], c[8] += d[2], c[32 + 8] += d[3];
+                            c[0] += d[0], c[36] += d[1], c[8] += d[2], c[36 + 8] += d[3];
                     }
             }
         }
@@ -244,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(
         const int i1 = e % 32;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = ((s_a3[i0 * 32 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256))) * (s_a8[i0 * 32 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256))));
+        for (int c = 0; c < 8; ++c) w[c] = ((s_a3[i0 * 36 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256))) * (s_a8[i0 * 36 + (i1 + c)] / prism::sqrt_(s_a4[i0] / real(256))));
         prism::store16(g_Y + i0 * 256 + blockIdx.x * 32 + i1, w);
     }
 }

@@ -18,9 +18,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
     PRISM_SMEM(28032);
     half* const s_xt_stages = PRISM_SHARED_IN(half, 0, 3456, 1, 1);  // tile xt: [8, 64] f16, 3 stages, in the loop
     half* const s_gt_stages = PRISM_SHARED_IN(half, 3456, 12288, 1, 1);  // tile gt: [64, 32] f16, 3 stages, in the loop
-    float* const s_a3 = PRISM_SHARED_IN(float, 0, 1024, 2, 2);  // state a3: [8, 32] f32, after the loop
+    float* const s_a3 = PRISM_SHARED_IN(float, 0, 1152, 2, 2);  // state a3: [8, 32] f32, after the loop
     half* const s_ut_stages = PRISM_SHARED_IN(half, 15744, 12288, 1, 1);  // tile ut: [64, 32] f16, 3 stages, in the loop
-    float* const s_a7 = PRISM_SHARED_IN(float, 1024, 1024, 2, 2);  // state a7: [8, 32] f32, after the loop
+    float* const s_a7 = PRISM_SHARED_IN(float, 1152, 1152, 2, 2);  // state a7: [8, 32] f32, after the loop
 #if PRISM_TENSOR_CORES
     float r_a3[1][1][4] = {};  // gate = acc_sum((xt @ gt))  [8, 32]: this warp's tiles, in registers through the loop
 #endif
@@ -152,11 +152,11 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
                     PRISM_UNROLL
                     for (int j = 0; j < 1; ++j) {
                         float* const d = r_a3[i][j];
-                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 32 + wc + i * 16 + lane / 4;
+                        float* const c = s_a3 + (wr + j * 8 + lane % 4 * 2) * 36 + wc + i * 16 + lane / 4;
                         if (q == 0)
-                            c[0] = d[0], c[32] = d[1], c[8] = d[2], c[32 + 8] = d[3];
+                            c[0] = d[0], c[36] = d[1], c[8] = d[2], c[36 + 8] = d[3];
                         else
-                            c[0] += d[0], c[32] += d[1], c[8] += d[2], c[32 + 8] += d[3];
+                            c[0] += d[0], c[36] += d[1], c[8] += d[2], c[36 + 8] += d[3];
                     }
             }
         }
@@ -178,11 +178,11 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
                     PRISM_UNROLL
                     for (int j = 0; j < 1; ++j) {
                         float* const d = r_a7[i][j];
-                        float* const c = s_a7 + (wr + j * 8 + lane % 4 * 2) * 32 + wc + i * 16 + lane / 4;
+                        float* const c = s_a7 + (wr + j * 8 + lane % 4 * 2) * 36 + wc + i * 16 + lane / 4;
                         if (q == 0)
-                            c[0] = d[0], c[32] = d[1], c[8] = d[2], c[32 + 8] = d[3];
+                            c[0] = d[0], c[36] = d[1], c[8] = d[2], c[36 + 8] = d[3];
                         else
-                            c[0] += d[0], c[32] += d[1], c[8] += d[2], c[32 + 8] += d[3];
+                            c[0] += d[0], c[36] += d[1], c[8] += d[2], c[36 + 8] += d[3];
                     }
             }
         }
@@ -197,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
         const int i1 = e % 32;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = (prism::silu_(s_a3[i0 * 32 + (i1 + c)]) * s_a7[i0 * 32 + (i1 + c)]);
+        for (int c = 0; c < 8; ++c) w[c] = (prism::silu_(s_a3[i0 * 36 + (i1 + c)]) * s_a7[i0 * 36 + (i1 + c)]);
         prism::store16(g_Y + i0 * 256 + blockIdx.x * 32 + i1, w);
     }
 }
