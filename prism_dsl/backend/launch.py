@@ -26,9 +26,9 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   while the other computes its softmax, and mbarriers take the place of the loop's block-wide barrier; the
   loads then run `stages - 3` ahead. Each of those holds a stage more than the config asks for, so that the
   loads still run `CodegenConfig.stages - 1` ahead, where shared memory holds the stage without fewer blocks
-  per SM (`held_by_batches`: a tile's latency and transfer take longer than an iteration's products). On sm_90a the loop tiles such a kernel reads by wgmma are copied by the tensor memory
-  accelerator where each is a box of its tensor (`copies`): one thread issues them, an mbarrier per stage
-  says when they have landed;
+  per SM (`held_by_batches`: a tile's latency and transfer take longer than an iteration's products). On
+  sm_90a the loop tiles such a kernel reads by wgmma are copied by the tensor memory accelerator where each
+  is a box of its tensor (`copies`): one thread issues them, an mbarrier per stage says when they have landed;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
   at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
   scores, their exp or its rescaling factors, and it and register-tiled products write their state only
