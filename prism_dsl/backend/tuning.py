@@ -19,9 +19,9 @@ from ..kernels.constraints import Concrete, instantiate, instantiate_program, va
 from ..kernels.hardware import Hardware
 from ..kernels.kernel import Kernel, free_symbols, kernels_of
 from ..kernels.params import candidates, choose
+from ..kernels.fusion import least_smem
 from .cost import Estimate, estimate, for_hardware
 from .intake import SM_FILL_BYTES_PER_CLOCK, WARP_FILL_BYTES_PER_CLOCK
-from ..kernels.fusion import least_smem
 from .launch import CodegenConfig, layout
 from .tails import joins, pairs, tail_config
 
@@ -126,10 +126,10 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
             return concretes[key]
 
         def price(k: Kernel, values: tuple[int, ...]) -> tuple:
-            """(time, SMs kept busy, L2 bytes, warps, loop iterations) of `k` at `values`. A combining kernel's estimate depends
-            on its first kernel only through whether it runs in that kernel's launch and on how many threads
-            (`priced`), so it is worked out once per value of those and of its own parameters, not once per
-            value of every parameter of the first kernel."""
+            """(time, SMs kept busy, L2 bytes, warps up to INTAKE_WARPS, loop iterations) of `k` at `values`. A
+            combining kernel's estimate depends on its first kernel only through whether it runs in that kernel's
+            launch and on how many threads (`priced`), so it is worked out once per value of those and of its own
+            parameters, not once per value of every parameter of the first kernel."""
             if (c := concrete(k, values)) is None:
                 return math.inf, 0, 0, 0, 0
             first = concrete(by_name[firsts[k.name]], values) if k.name in firsts else None
