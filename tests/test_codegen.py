@@ -571,19 +571,19 @@ def test_a_threads_copies_fall_a_fixed_distance_apart_where_the_tile_allows():
     """`copies.apart`: a thread's copies of a tile, one pass of the block's threads apart, written as its first
     copy's addresses plus k times one distance at each end; not where a pass carries into another dim, the
     swizzle differs from one copy to the next, or the threads do not all make the same number."""
-    from prism_dsl.backend.copies import apart
+    from prism_dsl.backend.copies import Apart, apart
 
     swizzled = "i0 * 64 + (i1 / 8 % 8 ^ i0 % 8) * 8 + i1 % 8"  # a [rows, 64] tile in wgmma's 128-byte swizzle
     # 128 x 64 of a 4096-wide tensor, 256 threads of 8: a pass is 32 rows
-    assert apart((128, 64), (4096, 4096), 8, 256, swizzled) == {"copies": 4, "src": 32 * 4096, "dst": 32 * 64}
-    assert apart((128, 64), (4096, 4096), 8, 256, "i0 * 72 + i1") == {"copies": 4, "src": 32 * 4096, "dst": 32 * 72}
+    assert apart((128, 64), (4096, 4096), 8, 256, swizzled) == Apart(4, 32 * 4096, 32 * 64)
+    assert apart((128, 64), (4096, 4096), 8, 256, "i0 * 72 + i1") == Apart(4, 32 * 4096, 32 * 72)
     # 4 rows a pass: the swizzle's row % 8 differs between a thread's copies
     assert apart((16, 64), (4096, 4096), 8, 32, swizzled) is None
-    assert apart((16, 64), (4096, 4096), 8, 32, "i0 * 64 + i1") == {"copies": 4, "src": 4 * 4096, "dst": 256}
+    assert apart((16, 64), (4096, 4096), 8, 32, "i0 * 64 + i1") == Apart(4, 4 * 4096, 256)
     # half rows of 2048 in passes of 1024: the third copy carries into the tile's next row, which is not the
     # tensor's next 1024 elements (whole rows are: there the carry changes nothing)
     assert apart((2, 2048), (8, 4096), 8, 128, "i0 * 2048 + i1") is None
-    assert apart((2, 4096), (8, 4096), 8, 256, "i0 * 4096 + i1") == {"copies": 4, "src": 2048, "dst": 2048}
+    assert apart((2, 4096), (8, 4096), 8, 256, "i0 * 4096 + i1") == Apart(4, 2048, 2048)
     # 3 copies' worth for 2 threads' passes: not every thread makes the same number
     assert apart((24, 64), (4096, 64), 8, 128, "i0 * 64 + i1") is None
     assert apart((8, 64), (4096, 64), 8, 64, "i0 * 64 + i1") is None  # one copy a thread: nothing apart

@@ -24,6 +24,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cache
+from typing import NamedTuple
+
+import numpy as np
 
 from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
@@ -83,19 +87,28 @@ def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     return {"kind": "load", "comment": text, "n": math.prod(shape), "idx": lines, "vec": vec, "cp": cp,
             "dst": dst or e.cname[b.name], "at": at_c, "src": f"g_{ident(tensor_name(src))}",
             "offset": address(parts, full), "step": address(step, full),
-            "apart": apart(shape, full, vec, e.threads, at_c) if cp and vec > 1 else None}
+            "apart": apart(tuple(shape), tuple(full), vec, e.threads, at_c) if cp and vec > 1 else None}
 
 
 _INDEX_ARITHMETIC = re.compile(r"^[0-9i\s+\-*/%^()]+$")
 
 
-def apart(shape: tuple[int, ...], full: tuple[int, ...], vec: int, threads: int, at: str) -> dict | None:
-    """Where a thread's copies of a tile are a fixed distance apart, at both ends: {"copies": n, "src": elements
-    between two in the tensor, "dst": in the shared buffer (`at`, the C offset of indices i0, i1, ...)}. Each
-    thread then makes n copies, the k-th at its first's addresses plus k times those, so nvcc keeps one source
-    pointer and one shared offset a tile and folds each copy's distance into the instruction, rather than
-    holding or computing an address a copy. None where the threads' copies do not all fall so (a pass over
-    the tile that carries into another dim, or a swizzle that differs from one copy to the next)."""
+class Apart(NamedTuple):
+    """A thread's `copies` copies of a tile, each `src` elements on in the tensor and `dst` in the shared buffer."""
+    copies: int
+    src: int
+    dst: int
+
+
+@cache
+def apart(shape: tuple[int, ...], full: tuple[int, ...], vec: int, threads: int, at: str) -> Apart | None:
+    """Where a thread's copies of a tile are a fixed distance apart at both ends (`at`: the C offset in the
+    shared buffer of indices i0, i1, ...). Each thread then makes n copies, the k-th at its first's addresses
+    plus k times those, so nvcc keeps one source pointer and one shared offset a tile and folds each copy's
+    distance into the instruction, rather than holding or computing an address a copy. None where the threads'
+    copies do not all fall so (a pass over the tile that carries into another dim, or a swizzle that differs
+    from one copy to the next). Worked out for every thread's first copy at once (the cost model asks for each
+    candidate's tiles), once per shape."""
     units, step = math.prod(shape) // vec, threads * vec
     if units % threads or units // threads < 2 or not _INDEX_ARITHMETIC.match(at):
         return None
@@ -103,25 +116,19 @@ def apart(shape: tuple[int, ...], full: tuple[int, ...], vec: int, threads: int,
     inner = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     offset = compile(at.replace("/", "//"), "<at>", "eval")
 
-    def index(flat: int) -> list[int]:
-        return [flat // inner[d] % shape[d] for d in range(len(shape))]
-
-    def place(flat: int) -> tuple[int, int]:
-        i = index(flat)
-        return (sum(x * s for x, s in zip(i, strides)),
-                eval(offset, {"__builtins__": {}}, {f"i{d}": x for d, x in enumerate(i)}))
-    apart_by = None
-    for first in range(0, step, vec):
-        src0, dst0 = place(first)
-        for k in range(1, copies):
-            src, dst = place(first + k * step)
-            if apart_by is None:
-                apart_by = (src - src0, dst - dst0)
-            if (src - src0, dst - dst0) != (k * apart_by[0], k * apart_by[1]):
-                return None
-    if (copies - 1) * apart_by[0] > INT_MAX:
-        return None
-    return {"copies": copies, "src": apart_by[0], "dst": apart_by[1]}
+    def place(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        i = [flat // inner[d] % shape[d] for d in range(len(shape))]
+        dst = eval(offset, {"__builtins__": {}}, {f"i{d}": x for d, x in enumerate(i)})
+        return sum(x * s for x, s in zip(i, strides)), np.broadcast_to(dst, flat.shape)
+    first = np.arange(0, step, vec, dtype=np.int64)
+    src0, dst0 = place(first)
+    src1, dst1 = place(first + step)
+    by = (int(src1[0] - src0[0]), int(dst1[0] - dst0[0]))
+    for k in range(1, copies):
+        src, dst = place(first + k * step)
+        if (src - src0 != k * by[0]).any() or (dst - dst0 != k * by[1]).any():
+            return None
+    return Apart(copies, *by) if (copies - 1) * by[0] <= INT_MAX else None
 
 
 # -- TMA -----------------------------------------------------------------------------------------------------------

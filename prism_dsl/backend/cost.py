@@ -177,7 +177,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple
 
 from .intake import CLOCK_GHZ, bytes_in_flight, pipeline_seconds, reachable_bandwidth, reachable_l2_bandwidth
-from .copies import apart, copy_bytes
+from .copies import apart, vector_width
 from .launch import CodegenConfig, Layout, blocks_per_sm, dot_lanes, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
@@ -378,9 +378,9 @@ def _copy_registers(c: Concrete, shape: Layout, config: CodegenConfig) -> int:
         n = k.tile_node(load.tile)
         if n is None or n not in varying or p.buffer(n).name in shape.xor_rows:
             continue
-        vec = max(1, copy_bytes(c, n, config) // p.buffer(n).dtype.bytes)
+        vec = vector_width(c, n, config)
         tile, full = c.shape(n), c.shape(k.inputs[load.source])
-        spaced = apart(tile, full, vec, shape.threads, "0")
+        spaced = apart(tuple(tile), tuple(full), vec, shape.threads, "0")
         total += REGISTERS_PER_TILE if spaced else REGISTERS_PER_COPY * -(-math.prod(tile) // (vec * shape.threads))
     return total
 
