@@ -4,9 +4,11 @@ kernel on tensor cores cannot avoid, made exactly, against the float64 reference
     python benchmarks/roundings.py            # the table in benchmarks/NOTES.md (a few seconds)
     python benchmarks/roundings.py --program programs/qk_norm_attention.prism --dims b=1,h=16,q=4096,kv=4096,dh=128
 
-With `--program`, any program instead, at its dims: what rounding every product's operands to their storage
-types, and nothing else, costs each output on the compiler's check inputs (seed 0, as `prismc compile` and the
-GPU check take them), and the tolerance the checks then judge it at (`compare.Tolerance`).
+With `--program`, any program instead, at its dims, compiled as written (each operator outside a custom kernel
+a kernel of its own, `kernels.lower`): what its kernels' roundings, and nothing else, cost each output on the
+compiler's check inputs (seed 0, as `prismc compile` and the GPU check take them): every product's operands and
+every tensor a kernel stores rounded to their storage types; and the tolerance the checks then judge it at
+(`compare.Tolerance`). A program the search fuses differently is measured on its own form by `prismc compile`.
 
 The RoPE'd queries and keys go to the tensor cores in the storage type, and so do online softmax's
 probabilities; the output is stored in it. Everything else is float64 here. Inputs are the compiler's own
@@ -33,6 +35,7 @@ from prism_dsl.cli.values import parse_dims  # noqa: E402
 from prism_dsl.pipeline.build import rtol_of  # noqa: E402
 from prism_dsl.semantics.blocks import evaluate  # noqa: E402
 from prism_dsl.ir.nodes import DType  # noqa: E402
+from prism_dsl.kernels.lower import lower  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
 from prism_dsl.semantics.reference import bind_dims, quantize, random_inputs, rotate_half  # noqa: E402
 
@@ -68,10 +71,10 @@ def program_roundings(path: str, dims: dict) -> None:
     program = load(Path(path)).program()
     inputs = random_inputs(program, bind_dims(program, dims), 0)
     exact = evaluate(program, inputs)
-    tol = Tolerance(rtol_of(program), lambda: evaluate(program, inputs, rounded=True))
+    tol = Tolerance(rtol_of(program), lambda: evaluate(lower(program), inputs, rounded=True))
     for name in exact:
         e = tol.rounding(name, exact[name])
-        print(f"{program.name} {name}: rounding its products' operands alone {e:.2e}; judged at "
+        print(f"{program.name} {name}: its kernels' roundings alone {e:.2e}; judged at "
               f"{max(tol.base, 2 * e):.2e} (base {tol.base:g})", flush=True)
 
 

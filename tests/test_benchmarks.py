@@ -552,14 +552,15 @@ def test_the_results_table_lists_the_workloads_whose_tolerance_was_widened():
     assert "- attention decode: rounding" not in text
 
 
-def test_roundings_says_what_rounding_a_programs_products_operands_alone_costs():
+def test_roundings_says_what_a_programs_own_roundings_alone_cost_as_written():
     roundings = script("roundings")
     done = subprocess.run([sys.executable, str(BENCHMARKS / "roundings.py"), "--program",
                            str(BENCHMARKS.parent / "programs/qk_norm_attention.prism"), "--dims", "q=8,kv=64"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    e = float(re.search(r"qk_norm_attention O: rounding its products' operands alone (\S+);", done.stdout).group(1))
-    assert 1e-5 < e < 1e-2 and f"judged at {max(1e-2, 2 * e):.2e} (base 0.01)" in done.stdout
+    e = float(re.search(r"qk_norm_attention O: its kernels' roundings alone (\S+);", done.stdout).group(1))
+    # as written, the unscaled scores of unit-RMS queries go to device memory in f16 between two kernels
+    assert 1e-2 < e < 5e-2 and f"judged at {max(1e-2, 2 * e):.2e} (base 0.01)" in done.stdout
     assert roundings.SHAPES  # the table's shapes are still there
     missing = subprocess.run([sys.executable, str(BENCHMARKS / "roundings.py"), "--program", "no/such.prism"],
                              capture_output=True, text=True, timeout=60)

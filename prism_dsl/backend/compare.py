@@ -71,35 +71,46 @@ def check(got, ref, rtol: float = RTOL) -> dict:
 
 
 class Tolerance:
-    """A program's tolerance, per output: `base` (`tolerance` of its storage types), or, for an output whose
-    products cannot be made on tensor cores within it, twice what their rounding alone costs.
+    """A program's tolerance, per output: `base` (`tolerance` of its storage types), or, for an output that its
+    kernels' own roundings move further than that, twice what those roundings alone cost.
 
-    A kernel on tensor cores rounds every operand of a product to its storage type, computed ones included (a
-    normalised query, RoPE'd keys, softmax's probabilities). How far that moves an output depends on the
-    program: with unit-RMS queries and no 1/sqrt(dh) scale, rounding the queries to f16 moves attention over
-    4096 keys by 1.6e-2 (`check`'s measure, 16 heads of 4096 queries: `benchmarks/roundings.py --program`),
-    past `base`, whatever the kernel. `rounded()` gives the
-    float64 reference with exactly those roundings and nothing else (`reference.evaluate_nodes`' `rounded`),
-    and `rounding` its error, e. An output that misses `base` is judged again at max(base, 2e): the kernel's
-    own roundings are of the same size but fall on values the search may have rearranged (an operand scaled
-    before the product or after it, softmax's probabilities before or after normalising), so they are equally
-    large but not the same, and the worst of a tensor's elements varies with which ones fall where. The
-    rounded reference (a second evaluation) is made only when an output misses `base`, so a program whose
-    outputs meet it pays nothing. NaN, infinities and shapes are never widened."""
+    A kernel rounds two kinds of values to 16 bits that the float64 reference does not: the operands of a
+    product on tensor cores, computed ones included (a normalised query, RoPE'd keys, softmax's
+    probabilities), and every tensor it stores for another kernel to read (attention's scores where the
+    product and the softmax are two kernels; f32 partial states excepted, `kernels.kernel.stored_dtype`). How
+    far that moves an output depends on the program: with unit-RMS queries and no 1/sqrt(dh) scale, rounding
+    the queries to f16 moves attention over 4096 keys by 1.6e-2 (`check`'s measure, 16 heads of 4096
+    queries: `benchmarks/roundings.py --program`), past `base`, whatever the kernel; scores of 128-wide heads
+    stored in f16 between two kernels move it by about as much. `rounded()` gives the built program evaluated
+    with exactly those roundings and nothing else (the block interpreter's `rounded`), `exact()` the same
+    program without them (None: the reference itself, where the program built is the input program), and
+    `rounding` the error of the one against the other, e. Measured within one program, e is a rounding's
+    effect only, never a difference between the program built and the input program, which the check
+    itself judges. An output that misses `base` is judged again at max(base, 2e): the kernel computes in
+    f32 with its own order of operations and its own exp, so its roundings are of the same size but not
+    bit for bit the same, and the worst of a tensor's elements varies with which ones fall where. The
+    rounded values (a second evaluation, a third with `exact`) are made only when an output misses `base`,
+    so a program whose outputs meet it pays nothing. NaN, infinities and shapes are never widened."""
 
-    def __init__(self, base: float, rounded: Callable[[], Mapping[str, np.ndarray]] | None = None):
+    def __init__(self, base: float, rounded: Callable[[], Mapping[str, np.ndarray]] | None = None,
+                 exact: Callable[[], Mapping[str, np.ndarray]] | None = None):
         self.base = base
         self._rounded = rounded
+        self._exact = exact
         self._values: Mapping[str, np.ndarray] | None = None
+        self._baseline: Mapping[str, np.ndarray] | None = None
 
     def rounding(self, name: str, ref, mask: np.ndarray | None = None) -> float | None:
-        """The rounded reference's max relative error on output `name` (over `mask`), or None without one."""
+        """The rounded values' max relative error on output `name` (over `mask`) against the same program's
+        unrounded ones (`ref` where there is no `exact`), or None without rounded values."""
         if self._rounded is None:
             return None
         if self._values is None:
             self._values = self._rounded()
+        if self._exact is not None and self._baseline is None:
+            self._baseline = self._exact()
         rounded = np.asarray(self._values[name], dtype=np.float64)
-        ref = np.asarray(ref, dtype=np.float64)
+        ref = np.asarray(ref if self._baseline is None else self._baseline[name], dtype=np.float64)
         return check(rounded if mask is None else np.where(mask, rounded, ref), ref, self.base)["max_rel_err"]
 
     def judge(self, name: str, got, ref, mask: np.ndarray | None = None) -> dict:

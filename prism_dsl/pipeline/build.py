@@ -200,18 +200,17 @@ def pricing(built: Build, nvcc: NvccCheck | Skipped | None, archs: tuple[str, ..
 # -- emulate and measure ----------------------------------------------------------------------------------
 
 
-def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray], rounded: bool = False) -> dict[str, np.ndarray]:
+def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The float64 oracle: the input program (custom kernels through the block interpreter, with the
     parameters the rendered code uses when it is the program built), its outputs under the built program's
-    names (paired by name, else by position: `prove.prover.pair_outputs`). `rounded`: with its products'
-    operands rounded to their storage types (`reference.evaluate_nodes`), for `tolerance_of`."""
+    names (paired by name, else by position: `prove.prover.pair_outputs`)."""
     hardware = built.hardware.name.lower()
     if built.reference is built.source:
         own = {s.name for s in free_symbols(built.source)}
         # the build's own parameters: it has held its kernels to the shared memory their generated code takes
         return evaluate(built.source, inputs, {k: v for k, v in built.params.items() if k in own}, hardware,
-                        smem=False, rounded=rounded)
-    values = evaluate(built.reference, inputs, {}, hardware, rounded=rounded)
+                        smem=False)
+    values = evaluate(built.reference, inputs, {}, hardware)
     return {mine: values[theirs] for mine, theirs in pair_outputs(built.source, built.reference)}
 
 
@@ -224,8 +223,11 @@ def rtol_of(program: Program) -> float:
 
 def tolerance_of(built: Tuned, inputs: Mapping[str, np.ndarray]) -> compare.Tolerance:
     """The checks' tolerance for `built` on `inputs`: `rtol_of` its input program, widened for an output that
-    the roundings of its products alone move further (`compare.Tolerance`)."""
-    return compare.Tolerance(rtol_of(built.reference), lambda: reference_outputs(built, inputs, rounded=True))
+    the roundings its kernels make (products' operands, stored tensors) alone move further, measured within the
+    program built (`compare.Tolerance`)."""
+    exact = None if built.reference is built.source else (lambda: emulation.stored_values(built, inputs))
+    return compare.Tolerance(rtol_of(built.reference), lambda: emulation.stored_values(built, inputs, rounded=True),
+                             exact)
 
 
 def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:

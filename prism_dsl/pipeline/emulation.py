@@ -76,13 +76,14 @@ def _pieces(first, tiles: list[tuple[int, int, int]]) -> list[tuple[int, int, in
     return [tuple(p if i == at else t for i, t in enumerate(tile)) for tile in tiles for p in range(pieces)]
 
 
-def stored_values(built, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every tensor a kernel of the built program stores, by name, in the block interpreter (float64)."""
+def stored_values(built, inputs: Mapping[str, np.ndarray], rounded: bool = False) -> dict[str, np.ndarray]:
+    """Every tensor a kernel of the built program stores, by name, in the block interpreter (float64;
+    `rounded`: with the roundings its kernels make, as `blocks.run_kernel` takes it)."""
     program = built.program
     runner = KernelRunner(program, bind_dims(program, inputs=inputs), dict(built.params), built.hardware.name.lower(),
-                          concrete=built.concrete)
+                          concrete=built.concrete, rounded=rounded)
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
-    evaluate_nodes([n for _, n in program.outputs], env, runner)
+    evaluate_nodes([n for _, n in program.outputs], env, runner, rounded)
     values = {}
     for k in kernels_of(program):
         for i, store in enumerate(k.stores):

@@ -49,8 +49,8 @@ def widened(output: Mapping, rtol: float) -> str:
     """For an output judged at a wider tolerance than `rtol`, the words that say so and why; else ""."""
     if output.get("rtol", rtol) <= rtol:
         return ""
-    return (f" (tolerance {output['rtol']:.2e}: twice the {output['rounding']:.2e} that rounding its products' "
-            f"operands to their storage types alone makes)")
+    return (f" (tolerance {output['rtol']:.2e}: twice the {output['rounding']:.2e} that its kernels' own roundings "
+            f"alone make, of products' operands and stored tensors to their storage types)")
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program
 from ..kernels.constraints import Concrete, instantiate_program
 from ..kernels.hardware import load_hardware
-from ..kernels.kernel import TileMap, after_loop, free_symbols
+from ..kernels.kernel import TileMap, after_loop, free_symbols, stored_dtype
 from ..kernels.params import complete
 from ..kernels.position import causal_loop, loop_end, placed, start, whole
 from ..ir.ops import OPS, Kind
-from .reference import apply, bind_dims, evaluate_nodes
+from .reference import apply, bind_dims, evaluate_nodes, quantize
 
 
 def _slices(full: tuple[int, ...], tile: tuple[int, ...], tmap: TileMap, grid: Mapping[str, int],
@@ -43,7 +43,8 @@ def _slices(full: tuple[int, ...], tile: tuple[int, ...], tmap: TileMap, grid: M
 
 def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False) -> list[np.ndarray]:
     """Every output of the concrete kernel `c` for the given input arrays (`rounded`: as
-    `reference.evaluate_nodes` takes it, for the products of the kernel's body)."""
+    `reference.evaluate_nodes` takes it, for the products of the kernel's body, and each output rounded to
+    the type the kernel stores it in, `kernels.kernel.stored_dtype`)."""
     k = c.kernel
     body = k.body()
     accs = [n for n in body if OPS[n.op].kind is Kind.ACCUMULATE]
@@ -83,7 +84,7 @@ def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False) -
                 values[n] = value(n, values, block, 0)
             for out, store in zip(outs, k.stores):
                 _write(out, values[store.value], store, block)
-    return outs
+    return [quantize(o, stored_dtype(k, i)) for i, o in enumerate(outs)] if rounded else outs
 
 
 def _causal(c: Concrete, n: Node, x: np.ndarray, block: Mapping[str, int], i: int, after: bool):
