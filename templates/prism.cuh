@@ -167,25 +167,6 @@ __device__ __forceinline__ int causal_end(int last, int step, int loop) {
     return last < 0 ? 1 : (last / step + 1 < loop ? last / step + 1 : loop);
 }
 
-// Which stage of an S-stage pipeline a loop's iteration `it` uses, carried from one iteration to the next
-// (`next` at the end of each): `at` = it % S, `lap` = it / S % 2, the phase a stage's mbarrier completes in.
-// Written out, it % S and it / S divide by S each iteration where S is not a power of two (a multiply-high
-// and shifts apiece, a dozen instructions a use); carried, each is a compare and a select.
-template <int S> struct Ring {
-    int at = 0, lap = 0;
-    static constexpr bool kPow2 = (S & (S - 1)) == 0;  // then a mask: one instruction, no compare
-    __device__ __forceinline__ int plus(int n) const {  // (it + n) % S, 0 <= n < S
-        return kPow2 ? (at + n) & (S - 1) : at + n < S ? at + n : at + n - S;
-    }
-    __device__ __forceinline__ int lap_plus(int n) const { return at + n < S ? lap : lap ^ 1; }  // (it + n) / S % 2
-    __device__ __forceinline__ void next() {
-        if (kPow2)
-            at = (at + 1) & (S - 1), lap ^= at == 0;
-        else if (++at == S)
-            at = 0, lap ^= 1;
-    }
-};
-
 // exp(old - new) for a running max that grew from `old` to `new`; 0 when nothing was seen yet.
 template <class R> __device__ __forceinline__ R rescale(R old_max, R new_max) {
     return old_max == -R(INFINITY) ? R(0) : exp_(old_max - new_max);

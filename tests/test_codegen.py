@@ -186,7 +186,7 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     assert all(k["block"][0] == 256 for k in report["kernels"])
     # in flight: the gated pair (loop tiles only, 4 iterations: 4 stages, the batch's one besides); not gain * x
     # (computed in the loop) nor kmajor (2 iterations: 2 stages)
-    assert "wgmma_wait<1>" in src["gated"] and "mbarrier_wait(&full[ring.at], ring.lap);  // this iteration's" in src["gated"]
+    assert "wgmma_wait<1>" in src["gated"] and "mbarrier_wait(&full[it % 4], it / 4 % 2);  // this iteration's" in src["gated"]
     assert "wgmma_wait<1>" not in src["gain"] + src["kmajor"]
     assert "tma_load(" in src["gated"] and "tma_load(" in src["kmajor"] and "tma_load(" not in src["gain"]
     sm80 = tmp_path / "sm80"  # --no-wgmma: the same products on mma.sync, for sm_80 and later
@@ -340,14 +340,14 @@ def test_warpgroups_taking_turns_are_paced_by_their_barriers():
         return result.finding["message"]
     # a stage refilled before the other warpgroup's p @ v of it has landed
     assert "changed before the wgmma.wait_group" in found(r"prism::mbarrier_wait\(&empty", "if (0) prism::mbarrier_wait(&empty")
-    give_back = "if (it > 0) prism::mbarrier_arrive(&empty[ring.plus(4)]);"
+    give_back = "if (it > 0) prism::mbarrier_arrive(&empty[(it - 1) % 5]);"
     assert "changed before the wgmma.wait_group" in found(  # the stage given back when p @ v is issued, not landed
         re.escape(give_back), ";", r"(prism::named_arrive\(2 - PRISM_TID / 128, 256\);)", r"\1 " + give_back)
     assert "for arrivals that never come" in found(re.escape(give_back), ";")  # nor ever
     # a stage read before its copies have landed (the last ones never do: nothing waits for them)
     assert "never landed" in found(r"prism::mbarrier_wait\(&full", "if (0) prism::mbarrier_wait(&full")
     # the stage's bytes not expected: its phase completes at the issuing thread's arrival, before they land
-    assert "mbarrier.expect_tx" in found(r"prism::mbarrier_expect_tx\((&full\[fill\]), \d+\)", r"prism::mbarrier_arrive(\1)")
+    assert "mbarrier.expect_tx" in found(r"prism::mbarrier_expect_tx\((&full\[ahead % 5\]), \d+\)", r"prism::mbarrier_arrive(\1)")
     assert "not made visible to the async proxy" in found(re.escape("prism::mbarrier_init_fence();"), "")
     # warpgroup 0's first turn never given, and warpgroup 1's last never taken
     assert "bar.sync) for arrivals that never come" in found(r"if \(PRISM_TID / 128 == 1\) prism::named_arrive", "if (0) prism::named_arrive")

@@ -312,24 +312,6 @@ def test_warp_sum_exchanges_between_lanes(tmp_path):
     assert list(got.outputs["Y"]) == [x[:32].sum()] * 32 + [x[32:].sum()] * 32
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3, 4, 5, 7, 16])
-def test_a_pipelines_stage_ring_counts_as_it_modulo_its_stages(stages, tmp_path):
-    """`prism::Ring<S>`, carried through a loop as the generated pipelines carry it: at each iteration `at`,
-    `lap`, `plus(n)` and `lap_plus(n)` are it % S, it / S % 2, (it + n) % S and (it + n) / S % 2, for every
-    n < S, over several laps (a power of two masks, others compare)."""
-    body = f"""    prism::Ring<{stages}> ring;
-    for (int it = 0; it < 40; ++it, ring.next())
-        for (int n = 0; n < {stages}; ++n) {{
-            float* const row = g_Y + (it * {stages} + n) * 4;
-            row[0] = ring.at, row[1] = ring.lap, row[2] = ring.plus(n), row[3] = ring.lap_plus(n);
-        }}"""
-    k = kernel(body, {"X": "const float*", "Y": "float*"}, 1, threads=1)
-    got = run(k, F32_TYPES, {"X": (1,), "Y": (40, stages, 4)}, {"X": np.zeros(1)}, tmp_path).outputs["Y"]
-    it, n = np.meshgrid(np.arange(40), np.arange(stages), indexing="ij")
-    want = np.stack([it % stages, it // stages % 2, (it + n) % stages, (it + n) // stages % 2], axis=-1)
-    assert np.array_equal(got, want)
-
-
 def test_a_max_is_nan_where_either_operand_is(tmp_path):
     """As the float64 reference's maximum: a NaN read from memory never written (the emulation starts outputs
     and shared memory as NaN) must not be dropped by a max, whichever side it comes in on."""

@@ -725,7 +725,7 @@ def test_causal_attention_runs_rope_the_mask_and_online_softmax_on_tensor_cores(
     assert p.buffer(scaled).dtype is DType.F16 and p.buffer(ropes[1]).dtype is DType.F16  # the products' operands
     c = instantiate(k, binding(b=1, h=2, q=128, kv=128, dh=64, gq=2, gh=2, F=4), H100)
     src = render_kernel(c, load(REPO / "programs" / "fused" / "causal_attention.prism").program()).source
-    loop = src.index("for (int it = 0; it < loop_end; ++it")
+    loop = src.index("for (int it = 0; it < loop_end; ++it)")
     assert "const int loop_end = prism::causal_end((int)blockIdx.x * 64 + 63, 32, 4);" in src
     assert src.index("// (rope(qt, cqt, sqt) / 11.313708498984761)") < loop < src.index("// rope(kt, ckt, skt)")
     assert "s and p in registers" in src and "sc[i][j][e] = -INFINITY;" in src

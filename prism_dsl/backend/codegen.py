@@ -416,8 +416,8 @@ class Emitter(TensorCoreSteps, RowParts):
         stages = self.layout.stages
         staged = [{"cname": self.cname[self.plan.buffer(n).name], "ctype": CTYPE[self.plan.buffer(n).dtype],
                    "stride": stage_elements(self.layout, self.plan.buffer(n))} for n in loop_tiles] if stages > 1 else []
-        into = [f"{st['cname']}_stages + fill * {st['stride']}" for st in staged]  # fill: iteration ahead's stage
-        by_tma, maps = tma_copies(self, loop_tiles, into) if self.layout.tma else ([], ())
+        into = [f"{st['cname']}_stages + ahead % {stages} * {st['stride']}" for st in staged]
+        by_tma, maps = tma_copies(self, loop_tiles, into, stages) if self.layout.tma else ([], ())
         ahead = [] if by_tma else self._merge([load_step(self, n, "ahead", dst) for n, dst in zip(loop_tiles, into)])
         loop_steps = [] if staged else self._merge([load_step(self, n) for n in loop_tiles])
         done: set = set()

@@ -169,12 +169,11 @@ def copied_by_tma(c: Concrete, staged: set[str], swizzled: frozenset[str], confi
     return frozenset(staged)
 
 
-def tma_copies(e, tiles: list[Node], into: list[str]) -> tuple[list[dict], tuple[TensorMap, ...]]:
+def tma_copies(e, tiles: list[Node], into: list[str], stages: int) -> tuple[list[dict], tuple[TensorMap, ...]]:
     """The TMA copies of a pipelined loop's tiles into their stages (`into`, by tile: C expressions of iteration
-    `ahead` and its stage `fill`), completing bytes of that stage's mbarrier `full[fill]`, and the tensor map of
-    each."""
+    `ahead`), completing bytes of the stage's mbarrier `full[ahead % stages]`, and the tensor map of each."""
     maps = tuple(_map(e, n) for n in tiles)
-    return [tma_step(e, n, m, dst, "&full[fill]") for n, m, dst in zip(tiles, maps, into)], maps
+    return [tma_step(e, n, m, dst, f"&full[ahead % {stages}]") for n, m, dst in zip(tiles, maps, into)], maps
 
 
 def _map(e, tile: Node) -> TensorMap:

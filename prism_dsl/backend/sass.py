@@ -137,7 +137,7 @@ class Issued:
         return {"loop": self.loop, "once": self.once, "copying": max(self.copying, self.loop), "spare": self.spare}
 
 
-_MAIN_LOOP = re.compile(r"for \(int it = 0; it < (\w+); \+\+it(?:, ring\.next\(\))?\) \{")  # with a pipeline's stage counter
+_MAIN_LOOP = re.compile(r"for \(int it = 0; it < (\w+); \+\+it\) \{")
 _SOURCE_BARRIERS = re.compile(r"__syncthreads\(\)|prism::named_(?:sync|arrive)\(")
 
 

@@ -114,7 +114,7 @@ class TensorCoreSteps:
         b, stages = self.plan.buffer(v), self.layout.stages
         base, stride = self.cname[b.name] + "_stages", stage_elements(self.layout, b)
         bound = "loop_end" if self.loop_end() else str(self.c.loop)
-        return {"prev": f"{base} + ring.plus({stages - 1}) * {stride}",
+        return {"prev": f"{base} + (it + {stages - 1}) % {stages} * {stride}",
                 "last": f"{base} + ({bound} - 1) % {stages} * {stride}"}
 
 

@@ -62,16 +62,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
 
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 2-stage cp.async pipeline, iteration it + 1 in flight while it computes
-    prism::Ring<2> ring;  // the main loop's iteration it uses stage ring.at = it % 2
     for (int ahead = 0; ahead < 1; ++ahead) {
-        const int fill = ahead;  // its stage
         // kt = load K[x, y, :, z*loop]  tile [1, 1, 64, 16] of [1, 2, 64, 128]
         {
             const int v = PRISM_TID;
             const int e = v * 8;
             const int i2 = e / 16;
             const int i3 = e % 16;
-            prism::cp_async<8>(s_kt_stages + fill * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + i3) + ahead * 16);
+            prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + i3) + ahead * 16);
         }
         // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
         {
@@ -79,23 +77,22 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             const int e = v * 8;
             const int i2 = e / 64;
             const int i3 = e % 64;
-            prism::cp_async<8>(s_vt_stages + fill * 1152 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + i2) * 64 + i3) + ahead * 16 * 64);
+            prism::cp_async<8>(s_vt_stages + ahead % 2 * 1152 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + i2) * 64 + i3) + ahead * 16 * 64);
         }
         prism::cp_async_commit();
     }
 
-    for (int it = 0; it < 2; ++it, ring.next()) {
+    for (int it = 0; it < 2; ++it) {
         prism::cp_async_wait<0>();  // this iteration's tiles have landed
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 1; ahead < 2) {
-            const int fill = ring.plus(1);  // its stage
             // kt = load K[x, y, :, z*loop]  tile [1, 1, 64, 16] of [1, 2, 64, 128]
             {
                 const int v = PRISM_TID;
                 const int e = v * 8;
                 const int i2 = e / 16;
                 const int i3 = e % 16;
-                prism::cp_async<8>(s_kt_stages + fill * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + i3) + ahead * 16);
+                prism::cp_async<8>(s_kt_stages + ahead % 2 * 1024 + i2 * 16 + (i3 ^ i2 / 4 % 2 * 8), g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + blockIdx.z * 32 + i3) + ahead * 16);
             }
             // vt = load V[x, y, z*loop, :]  tile [1, 1, 16, 64] of [1, 2, 128, 64]
             {
@@ -103,12 +100,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 const int e = v * 8;
                 const int i2 = e / 64;
                 const int i3 = e % 64;
-                prism::cp_async<8>(s_vt_stages + fill * 1152 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + i2) * 64 + i3) + ahead * 16 * 64);
+                prism::cp_async<8>(s_vt_stages + ahead % 2 * 1152 + i2 * 72 + i3, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + (blockIdx.z * 32 + i2) * 64 + i3) + ahead * 16 * 64);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
-        half* const s_kt = s_kt_stages + ring.at * 1024;
-        half* const s_vt = s_vt_stages + ring.at * 1152;
+        half* const s_kt = s_kt_stages + it % 2 * 1024;
+        half* const s_vt = s_vt_stages + it % 2 * 1152;
         // s = (qt @ kt)  [1, 1, 1, 16]: 8 outputs per 16 lanes, 16-byte loads
         for (int u0 = 0; u0 < 2; u0 += kThreads / 16) {
             const int u = u0 + PRISM_TID / 16, e = (u < 2 ? u : 0) * 8;
@@ -285,50 +282,47 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
 
         PRISM_PHASE(4);  // the loop: buffers used only before it are free from here
         // the loop's tiles: a 4-stage cp.async pipeline, iteration it + 3 in flight while it computes
-        prism::Ring<4> ring;  // the main loop's iteration it uses stage ring.at = it % 4
         for (int ahead = 0; ahead < 3; ++ahead) {
-            const int fill = ahead;  // its stage
             // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
             if (const int e = PRISM_TID; e < 1) {
-                prism::cp_async<1>(s_mt_stages + fill * 32 + 0, g_M + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
+                prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
             }
             // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
             if (const int v = PRISM_TID; v < 16) {
                 const int e = v * 4;
                 const int i4 = e;
-                prism::cp_async<4>(s_pt_stages + fill * 64 + i4, g_P + (tile_x * 1 * 128 + tile_y * 1 * 64 + i4) + ahead * 1 * 128);
+                prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + (tile_x * 1 * 128 + tile_y * 1 * 64 + i4) + ahead * 1 * 128);
             }
             // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
             if (const int e = PRISM_TID; e < 1) {
-                prism::cp_async<1>(s_lt_stages + fill * 32 + 0, g_L + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
+                prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
             }
             prism::cp_async_commit();
         }
 
-        for (int it = 0; it < 4; ++it, ring.next()) {
+        for (int it = 0; it < 4; ++it) {
             prism::cp_async_wait<2>();  // this iteration's tiles have landed
             __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
             if (const int ahead = it + 3; ahead < 4) {
-                const int fill = ring.plus(3);  // its stage
                 // mt = load M[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
                 if (const int e = PRISM_TID; e < 1) {
-                    prism::cp_async<1>(s_mt_stages + fill * 32 + 0, g_M + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
+                    prism::cp_async<1>(s_mt_stages + ahead % 4 * 32 + 0, g_M + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
                 }
                 // pt = load P[loop, x, y, :, :]  tile [1, 1, 1, 1, 64] of [4, 1, 2, 1, 64]
                 if (const int v = PRISM_TID; v < 16) {
                     const int e = v * 4;
                     const int i4 = e;
-                    prism::cp_async<4>(s_pt_stages + fill * 64 + i4, g_P + (tile_x * 1 * 128 + tile_y * 1 * 64 + i4) + ahead * 1 * 128);
+                    prism::cp_async<4>(s_pt_stages + ahead % 4 * 64 + i4, g_P + (tile_x * 1 * 128 + tile_y * 1 * 64 + i4) + ahead * 1 * 128);
                 }
                 // lt = load L[loop, x, y, :, :]  tile [1, 1, 1, 1, 1] of [4, 1, 2, 1, 1]
                 if (const int e = PRISM_TID; e < 1) {
-                    prism::cp_async<1>(s_lt_stages + fill * 32 + 0, g_L + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
+                    prism::cp_async<1>(s_lt_stages + ahead % 4 * 32 + 0, g_L + (tile_x * 1 * 2 + tile_y * 1) + ahead * 1 * 2);
                 }
             }
             prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
-            float* const s_mt = s_mt_stages + ring.at * 32;
-            float* const s_pt = s_pt_stages + ring.at * 64;
-            float* const s_lt = s_lt_stages + ring.at * 32;
+            float* const s_mt = s_mt_stages + it % 4 * 32;
+            float* const s_pt = s_pt_stages + it % 4 * 64;
+            float* const s_lt = s_lt_stages + it % 4 * 32;
             // acc_rescaled_sum(mt, pt)  [1, 1, 1, 1, 64]
             if (const int e = PRISM_TID; e < 64) {
                 const int i4 = e;

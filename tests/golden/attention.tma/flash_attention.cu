@@ -64,35 +64,32 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
     // computes. The two warpgroups take turns on the tensor cores (named barriers 1 and 2): one's batch runs while
     // the other computes its softmax, so the later one may still read the stage of iteration it - 2 (p @ v runs one
     // iteration late): a stage is refilled once every thread has arrived at its empty mbarrier
-    prism::Ring<4> ring;  // the main loop's iteration it uses stage ring.at = it % 4
     for (int ahead = 0; ahead < 1; ++ahead) {
-        const int fill = ahead;  // its stage
         if (PRISM_TID == 0) {  // one thread issues the stage's copies
-            prism::mbarrier_expect_tx(&full[fill], 16384);
+            prism::mbarrier_expect_tx(&full[ahead % 4], 16384);
             // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 256]: by TMA, 1 box of [1, 1, 64, 64]
-            prism::tma_load(s_kt_stages + fill * 4096, tm_kt, &full[fill], {ahead * 64, 0, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
+            prism::tma_load(s_kt_stages + ahead % 4 * 4096, tm_kt, &full[ahead % 4], {ahead * 64, 0, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
             // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 256, 64]: by TMA, 1 box of [1, 1, 64, 64]
-            prism::tma_load(s_vt_stages + fill * 4096, tm_vt, &full[fill], {0, ahead * 64, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
+            prism::tma_load(s_vt_stages + ahead % 4 * 4096, tm_vt, &full[ahead % 4], {0, ahead * 64, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
         }
     }
     if (PRISM_TID / 128 == 1) prism::named_arrive(1, 256);  // the first turn is warpgroup 0's
 
-    for (int it = 0; it < 4; ++it, ring.next()) {
-        prism::mbarrier_wait(&full[ring.at], ring.lap);  // this iteration's tiles have landed
+    for (int it = 0; it < 4; ++it) {
+        prism::mbarrier_wait(&full[it % 4], it / 4 % 2);  // this iteration's tiles have landed
         if (const int ahead = it + 1; ahead < 4) {
-            const int fill = ring.plus(1);  // its stage
             if (PRISM_TID == 0) {  // one thread issues the stage's copies
                 // the stage's last reader, iteration ahead - 4: its p @ v has landed in every thread
-                prism::mbarrier_wait(&empty[fill], ring.lap_plus(1) ^ 1);
-                prism::mbarrier_expect_tx(&full[fill], 16384);
+                prism::mbarrier_wait(&empty[ahead % 4], (ahead / 4 + 1) % 2);
+                prism::mbarrier_expect_tx(&full[ahead % 4], 16384);
                 // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 256]: by TMA, 1 box of [1, 1, 64, 64]
-                prism::tma_load(s_kt_stages + fill * 4096, tm_kt, &full[fill], {ahead * 64, 0, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
+                prism::tma_load(s_kt_stages + ahead % 4 * 4096, tm_kt, &full[ahead % 4], {ahead * 64, 0, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
                 // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 256, 64]: by TMA, 1 box of [1, 1, 64, 64]
-                prism::tma_load(s_vt_stages + fill * 4096, tm_vt, &full[fill], {0, ahead * 64, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
+                prism::tma_load(s_vt_stages + ahead % 4 * 4096, tm_vt, &full[ahead % 4], {0, ahead * 64, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
             }
         }
-        half* const s_kt = s_kt_stages + ring.at * 4096;
-        [[maybe_unused]] half* const s_vt = s_vt_stages + ring.at * 4096;
+        half* const s_kt = s_kt_stages + it % 4 * 4096;
+        [[maybe_unused]] half* const s_vt = s_vt_stages + it % 4 * 4096;
         #if PRISM_WGMMA
         // online softmax over s = (qt @ kt)  [1, 1, 128, 64], folded by o, l: wgmma, 2 warpgroups of 64 rows (16 a warp), s and p in registers
         {  // every warp of the block (no branch around wgmma: ptxas would serialize the batches)
@@ -110,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
                     prism::wgmma_desc_plus(kd, kk * 64 * sizeof(half)));
             prism::wgmma_commit();
             if (it > 0) {  // p @ v of iteration it - 1, from its stage (refilled only after every thread's empty arrival), beside this softmax
-                const prism::WgmmaDesc vd0 = prism::wgmma_desc(s_vt_stages + ring.plus(3) * 4096, 8192, 1024);
+                const prism::WgmmaDesc vd0 = prism::wgmma_desc(s_vt_stages + (it + 3) % 4 * 4096, 8192, 1024);
                 prism::wgmma_fence();
                 PRISM_UNROLL
                 for (int kk = 0; kk < 4; ++kk) {
@@ -148,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
             prism::wgmma_hold(reinterpret_cast<float (&)[32]>(sc[0]));  // in the PTX, the exps come before the wait
             prism::wgmma_wait<0>(reinterpret_cast<float (&)[32]>(f_v2_o0[0]));  // p @ v of iteration it - 1 has landed
             prism::wgmma_hold(f_v2_p);  // and no longer reads p: this iteration's may be written
-            if (it > 0) prism::mbarrier_arrive(&empty[ring.plus(3)]);  // nor the stage of iteration it - 1
+            if (it > 0) prism::mbarrier_arrive(&empty[(it - 1) % 4]);  // nor the stage of iteration it - 1
             if (rescale[0][0] != real(1) || rescale[0][1] != real(1)) {  // the outputs so far, to this iteration's max (where a row's max moved: seldom)
                 PRISM_UNROLL
                 for (int h = 0; h < 2; ++h)

@@ -43,9 +43,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
 
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 2-stage cp.async pipeline, iteration it + 1 in flight while it computes
-    prism::Ring<2> ring;  // the main loop's iteration it uses stage ring.at = it % 2
     for (int ahead = 0; ahead < 1; ++ahead) {
-        const int fill = ahead;  // its stage
         // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 128]
         {
             const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 2048 elements on, 1152 in the buffer
@@ -53,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
             const int i3 = e % 64;
             PRISM_UNROLL
             for (int k = 0; k < 4; ++k)
-                prism::cp_async<8>(s_kt_stages + fill * 4608 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + k * 2048 + ahead * 64);
+                prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + k * 2048 + ahead * 64);
         }
         // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
         {
@@ -62,16 +60,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
             const int i3 = e % 64;
             PRISM_UNROLL
             for (int k = 0; k < 4; ++k)
-                prism::cp_async<8>(s_vt_stages + fill * 4608 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 64 * 64);
+                prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 64 * 64);
         }
         prism::cp_async_commit();
     }
 
-    for (int it = 0; it < 2; ++it, ring.next()) {
+    for (int it = 0; it < 2; ++it) {
         prism::cp_async_wait<0>();  // this iteration's tiles have landed
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 1; ahead < 2) {
-            const int fill = ring.plus(1);  // its stage
             // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 128]
             {
                 const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 2048 elements on, 1152 in the buffer
@@ -79,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
                 const int i3 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 4; ++k)
-                    prism::cp_async<8>(s_kt_stages + fill * 4608 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + k * 2048 + ahead * 64);
+                    prism::cp_async<8>(s_kt_stages + ahead % 2 * 4608 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 128 + i3) + k * 2048 + ahead * 64);
             }
             // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 128, 64]
             {
@@ -88,12 +85,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(
                 const int i3 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 4; ++k)
-                    prism::cp_async<8>(s_vt_stages + fill * 4608 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 64 * 64);
+                    prism::cp_async<8>(s_vt_stages + ahead % 2 * 4608 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.x * 1 * 16384 + blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 64 * 64);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
-        half* const s_kt = s_kt_stages + ring.at * 4608;
-        half* const s_vt = s_vt_stages + ring.at * 4608;
+        half* const s_kt = s_kt_stages + it % 2 * 4608;
+        half* const s_vt = s_vt_stages + it % 2 * 4608;
         #if PRISM_TENSOR_CORES
         // online softmax over s = (qt @ kt)  [1, 1, 32, 64], folded by o, l: mma.sync m16n8k16, 2 warps of 16 rows, s and p in registers
         if (PRISM_TID / PRISM_WARP < 2) {

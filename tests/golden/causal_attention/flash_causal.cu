@@ -97,9 +97,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
     // the key tiles past this block's last row are masked whole: the loop stops before them
     const int loop_end = prism::causal_end((int)blockIdx.x * 32 + 95, 32, 4);
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
-    prism::Ring<3> ring;  // the main loop's iteration it uses stage ring.at = it % 3
     for (int ahead = 0; ahead < 2; ++ahead) {
-        const int fill = ahead;  // its stage
         if (ahead < loop_end) {
             // kt = load K[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
             {
@@ -108,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int i3 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_kt_stages + fill * 2304 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
+                    prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
             }
             // ckt = load CK[loop, :]  tile [32, 64] of [128, 64]
             {
@@ -117,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int i1 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_ckt_stages + fill * 2304 + i0 * 72 + i1 + k * 1152, g_CK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
+                    prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1 + k * 1152, g_CK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
             }
             // skt = load SK[loop, :]  tile [32, 64] of [128, 64]
             {
@@ -126,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int i1 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_skt_stages + fill * 2304 + i0 * 72 + i1 + k * 1152, g_SK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
+                    prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1 + k * 1152, g_SK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
             }
             // vt = load V[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
             {
@@ -135,17 +133,16 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int i3 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_vt_stages + fill * 2304 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
+                    prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
             }
         }
         prism::cp_async_commit();
     }
 
-    for (int it = 0; it < loop_end; ++it, ring.next()) {
+    for (int it = 0; it < loop_end; ++it) {
         prism::cp_async_wait<1>();  // this iteration's tiles have landed
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < loop_end) {
-            const int fill = ring.plus(2);  // its stage
             // kt = load K[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
             {
                 const int e = PRISM_TID * 8;  // this thread's first copy; the k-th is 1024 elements on, 1152 in the buffer
@@ -153,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int i3 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_kt_stages + fill * 2304 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
+                    prism::cp_async<8>(s_kt_stages + ahead % 3 * 2304 + i2 * 72 + i3 + k * 1152, g_K + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
             }
             // ckt = load CK[loop, :]  tile [32, 64] of [128, 64]
             {
@@ -162,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int i1 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_ckt_stages + fill * 2304 + i0 * 72 + i1 + k * 1152, g_CK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
+                    prism::cp_async<8>(s_ckt_stages + ahead % 3 * 2304 + i0 * 72 + i1 + k * 1152, g_CK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
             }
             // skt = load SK[loop, :]  tile [32, 64] of [128, 64]
             {
@@ -171,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int i1 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_skt_stages + fill * 2304 + i0 * 72 + i1 + k * 1152, g_SK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
+                    prism::cp_async<8>(s_skt_stages + ahead % 3 * 2304 + i0 * 72 + i1 + k * 1152, g_SK + (i0 * 64 + i1) + k * 1024 + ahead * 32 * 64);
             }
             // vt = load V[:, y, loop, :]  tile [1, 1, 32, 64] of [1, 2, 128, 64]
             {
@@ -180,14 +177,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
                 const int i3 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_vt_stages + fill * 2304 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
+                    prism::cp_async<8>(s_vt_stages + ahead % 3 * 2304 + i2 * 72 + i3 + k * 1152, g_V + (blockIdx.y * 1 * 8192 + i2 * 64 + i3) + k * 1024 + ahead * 32 * 64);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
-        half* const s_kt = s_kt_stages + ring.at * 2304;
-        half* const s_ckt = s_ckt_stages + ring.at * 2304;
-        half* const s_skt = s_skt_stages + ring.at * 2304;
-        half* const s_vt = s_vt_stages + ring.at * 2304;
+        half* const s_kt = s_kt_stages + it % 3 * 2304;
+        half* const s_ckt = s_ckt_stages + it % 3 * 2304;
+        half* const s_skt = s_skt_stages + it % 3 * 2304;
+        half* const s_vt = s_vt_stages + it % 3 * 2304;
         // rope(kt, ckt, skt)  [1, 1, 32, 64]: 8 elements a thread, 16-byte loads
         for (int u0 = 0; u0 < 256; u0 += kThreads) {
             const int u = u0 + PRISM_TID;

@@ -45,15 +45,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
 
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
-    prism::Ring<3> ring;  // the main loop's iteration it uses stage ring.at = it % 3
     for (int ahead = 0; ahead < 2; ++ahead) {
-        const int fill = ahead;  // its stage
         // xt = load X[:, loop]  tile [8, 64] of [8, 256]
         if (const int v = PRISM_TID; v < 64) {
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_xt_stages + fill * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
+            prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
         }
         // wt = load W1[loop, x]  tile [64, 64] of [256, 512]
         {
@@ -62,22 +60,21 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
             const int i1 = e % 64;
             PRISM_UNROLL
             for (int k = 0; k < 4; ++k)
-                prism::cp_async<8>(s_wt_stages + fill * 4608 + i0 * 72 + i1 + k * 1152, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + k * 8192 + ahead * 64 * 512);
+                prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1 + k * 1152, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + k * 8192 + ahead * 64 * 512);
         }
         prism::cp_async_commit();
     }
 
-    for (int it = 0; it < 4; ++it, ring.next()) {
+    for (int it = 0; it < 4; ++it) {
         prism::cp_async_wait<1>();  // this iteration's tiles have landed
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
-            const int fill = ring.plus(2);  // its stage
             // xt = load X[:, loop]  tile [8, 64] of [8, 256]
             if (const int v = PRISM_TID; v < 64) {
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_xt_stages + fill * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
+                prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
             }
             // wt = load W1[loop, x]  tile [64, 64] of [256, 512]
             {
@@ -86,12 +83,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
                 const int i1 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 4; ++k)
-                    prism::cp_async<8>(s_wt_stages + fill * 4608 + i0 * 72 + i1 + k * 1152, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + k * 8192 + ahead * 64 * 512);
+                    prism::cp_async<8>(s_wt_stages + ahead % 3 * 4608 + i0 * 72 + i1 + k * 1152, g_W1 + (i0 * 512 + blockIdx.x * 64 + i1) + k * 8192 + ahead * 64 * 512);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
-        half* const s_xt = s_xt_stages + ring.at * 576;
-        half* const s_wt = s_wt_stages + ring.at * 4608;
+        half* const s_xt = s_xt_stages + it % 3 * 576;
+        half* const s_wt = s_wt_stages + it % 3 * 4608;
         // m = acc_mean_last(xt)  [8, 1]: this thread's part of 1 row, 8 threads a row, in registers through the loop
         {
             const int l = PRISM_TID % 8;  // this thread's place in its rows

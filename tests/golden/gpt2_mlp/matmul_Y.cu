@@ -23,16 +23,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
 
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
-    prism::Ring<3> ring;  // the main loop's iteration it uses stage ring.at = it % 3
     for (int ahead = 0; ahead < 2; ++ahead) {
-        const int fill = ahead;  // its stage
         // h_0 = load H[y, loop]  tile [8, 128] of [8, 512]
         {
             const int v = PRISM_TID;
             const int e = v * 8;
             const int i0 = e / 128;
             const int i1 = e % 128;
-            prism::cp_async<8>(s_h_0_stages + fill * 1088 + i0 * 136 + i1, g_H + ((blockIdx.y * 8 + i0) * 512 + i1) + ahead * 128);
+            prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + ((blockIdx.y * 8 + i0) * 512 + i1) + ahead * 128);
         }
         // w2_1 = load W2[loop, x]  tile [128, 64] of [512, 256]
         {
@@ -41,23 +39,22 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
             const int i1 = e % 64;
             PRISM_UNROLL
             for (int k = 0; k < 8; ++k)
-                prism::cp_async<8>(s_w2_1_stages + fill * 9216 + i0 * 72 + i1 + k * 1152, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + k * 4096 + ahead * 128 * 256);
+                prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1 + k * 1152, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + k * 4096 + ahead * 128 * 256);
         }
         prism::cp_async_commit();
     }
 
-    for (int it = 0; it < 4; ++it, ring.next()) {
+    for (int it = 0; it < 4; ++it) {
         prism::cp_async_wait<1>();  // this iteration's tiles have landed
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
-            const int fill = ring.plus(2);  // its stage
             // h_0 = load H[y, loop]  tile [8, 128] of [8, 512]
             {
                 const int v = PRISM_TID;
                 const int e = v * 8;
                 const int i0 = e / 128;
                 const int i1 = e % 128;
-                prism::cp_async<8>(s_h_0_stages + fill * 1088 + i0 * 136 + i1, g_H + ((blockIdx.y * 8 + i0) * 512 + i1) + ahead * 128);
+                prism::cp_async<8>(s_h_0_stages + ahead % 3 * 1088 + i0 * 136 + i1, g_H + ((blockIdx.y * 8 + i0) * 512 + i1) + ahead * 128);
             }
             // w2_1 = load W2[loop, x]  tile [128, 64] of [512, 256]
             {
@@ -66,12 +63,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(
                 const int i1 = e % 64;
                 PRISM_UNROLL
                 for (int k = 0; k < 8; ++k)
-                    prism::cp_async<8>(s_w2_1_stages + fill * 9216 + i0 * 72 + i1 + k * 1152, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + k * 4096 + ahead * 128 * 256);
+                    prism::cp_async<8>(s_w2_1_stages + ahead % 3 * 9216 + i0 * 72 + i1 + k * 1152, g_W2 + (i0 * 256 + blockIdx.x * 64 + i1) + k * 4096 + ahead * 128 * 256);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
-        half* const s_h_0 = s_h_0_stages + ring.at * 1088;
-        half* const s_w2_1 = s_w2_1_stages + ring.at * 9216;
+        half* const s_h_0 = s_h_0_stages + it % 3 * 1088;
+        half* const s_w2_1 = s_w2_1_stages + it % 3 * 9216;
         #if PRISM_TENSOR_CORES
         // acc_sum((h_0 @ w2_1))  [8, 64]: mma.sync m16n8k16 (C^T), 1x4 warps, accumulators in registers
         if (PRISM_TID / PRISM_WARP < 4) {

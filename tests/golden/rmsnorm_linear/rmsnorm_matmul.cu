@@ -32,15 +32,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
 
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 4-stage cp.async pipeline, iteration it + 3 in flight while it computes
-    prism::Ring<4> ring;  // the main loop's iteration it uses stage ring.at = it % 4
     for (int ahead = 0; ahead < 3; ++ahead) {
-        const int fill = ahead;  // its stage
         // xt = load X[:, loop]  tile [8, 64] of [8, 256]
         if (const int v = PRISM_TID; v < 64) {
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_xt_stages + fill * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
+            prism::cp_async<8>(s_xt_stages + ahead % 4 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
         }
         // wt = load W[loop, x]  tile [64, 32] of [256, 256]
         {
@@ -49,22 +47,21 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
             const int i1 = e % 32;
             PRISM_UNROLL
             for (int k = 0; k < 2; ++k)
-                prism::cp_async<8>(s_wt_stages + fill * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_W + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
+                prism::cp_async<8>(s_wt_stages + ahead % 4 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_W + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
         }
         prism::cp_async_commit();
     }
 
-    for (int it = 0; it < 4; ++it, ring.next()) {
+    for (int it = 0; it < 4; ++it) {
         prism::cp_async_wait<2>();  // this iteration's tiles have landed
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 3; ahead < 4) {
-            const int fill = ring.plus(3);  // its stage
             // xt = load X[:, loop]  tile [8, 64] of [8, 256]
             if (const int v = PRISM_TID; v < 64) {
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_xt_stages + fill * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
+                prism::cp_async<8>(s_xt_stages + ahead % 4 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
             }
             // wt = load W[loop, x]  tile [64, 32] of [256, 256]
             {
@@ -73,12 +70,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(
                 const int i1 = e % 32;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_wt_stages + fill * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_W + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
+                    prism::cp_async<8>(s_wt_stages + ahead % 4 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_W + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
-        half* const s_xt = s_xt_stages + ring.at * 576;
-        half* const s_wt = s_wt_stages + ring.at * 2048;
+        half* const s_xt = s_xt_stages + it % 4 * 576;
+        half* const s_wt = s_wt_stages + it % 4 * 2048;
         // rms = acc_rms_last(xt)  [8, 1]: this thread's part of 1 row, 8 threads a row, in registers through the loop
         {
             const int l = PRISM_TID % 8;  // this thread's place in its rows

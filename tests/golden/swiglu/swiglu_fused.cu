@@ -30,15 +30,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
 
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 3-stage cp.async pipeline, iteration it + 2 in flight while it computes
-    prism::Ring<3> ring;  // the main loop's iteration it uses stage ring.at = it % 3
     for (int ahead = 0; ahead < 2; ++ahead) {
-        const int fill = ahead;  // its stage
         // xt = load X[:, loop]  tile [8, 64] of [8, 256]
         if (const int v = PRISM_TID; v < 64) {
             const int e = v * 8;
             const int i0 = e / 64;
             const int i1 = e % 64;
-            prism::cp_async<8>(s_xt_stages + fill * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
+            prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
         }
         // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
         {
@@ -47,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
             const int i1 = e % 32;
             PRISM_UNROLL
             for (int k = 0; k < 2; ++k)
-                prism::cp_async<8>(s_gt_stages + fill * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
+                prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
         }
         // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
         {
@@ -56,22 +54,21 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
             const int i1 = e % 32;
             PRISM_UNROLL
             for (int k = 0; k < 2; ++k)
-                prism::cp_async<8>(s_ut_stages + fill * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
+                prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
         }
         prism::cp_async_commit();
     }
 
-    for (int it = 0; it < 4; ++it, ring.next()) {
+    for (int it = 0; it < 4; ++it) {
         prism::cp_async_wait<1>();  // this iteration's tiles have landed
         __syncthreads();  // and every thread is done with iteration it - 1: its stage may be refilled
         if (const int ahead = it + 2; ahead < 4) {
-            const int fill = ring.plus(2);  // its stage
             // xt = load X[:, loop]  tile [8, 64] of [8, 256]
             if (const int v = PRISM_TID; v < 64) {
                 const int e = v * 8;
                 const int i0 = e / 64;
                 const int i1 = e % 64;
-                prism::cp_async<8>(s_xt_stages + fill * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
+                prism::cp_async<8>(s_xt_stages + ahead % 3 * 576 + i0 * 72 + i1, g_X + (i0 * 256 + i1) + ahead * 64);
             }
             // gt = load Wg[loop, x]  tile [64, 32] of [256, 256]
             {
@@ -80,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
                 const int i1 = e % 32;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_gt_stages + fill * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
+                    prism::cp_async<8>(s_gt_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wg + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
             }
             // ut = load Wu[loop, x]  tile [64, 32] of [256, 256]
             {
@@ -89,13 +86,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
                 const int i1 = e % 32;
                 PRISM_UNROLL
                 for (int k = 0; k < 2; ++k)
-                    prism::cp_async<8>(s_ut_stages + fill * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
+                    prism::cp_async<8>(s_ut_stages + ahead % 3 * 2048 + i0 * 32 + (i1 ^ i0 / 2 % 4 * 8) + k * 1024, g_Wu + (i0 * 256 + blockIdx.x * 32 + i1) + k * 8192 + ahead * 64 * 256);
             }
         }
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
-        half* const s_xt = s_xt_stages + ring.at * 576;
-        half* const s_gt = s_gt_stages + ring.at * 2048;
-        half* const s_ut = s_ut_stages + ring.at * 2048;
+        half* const s_xt = s_xt_stages + it % 3 * 576;
+        half* const s_gt = s_gt_stages + it % 3 * 2048;
+        half* const s_ut = s_ut_stages + it % 3 * 2048;
         #if PRISM_TENSOR_CORES
         // gate = acc_sum((xt @ gt))  [8, 32]: mma.sync m16n8k16 (C^T), 1x2x2 warps, accumulators in registers
         // up = acc_sum((xt @ ut))  [8, 32]: mma.sync m16n8k16 (C^T), 1x2x2 warps, accumulators in registers
