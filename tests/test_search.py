@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -728,6 +731,36 @@ def test_forked_rankers_give_the_ranking_one_process_gives(library, monkeypatch,
     monkeypatch.setattr(opt.threading, "active_count", lambda: 3)
     with opt._rankers([src, src], opt.Choosing(binding, H100), 2) as futures:
         assert futures is None  # other threads: one process ranks
+
+
+def test_an_error_while_the_rankers_run_stops_them_at_once(monkeypatch):
+    """An error in this process while forked rankers tune (the input program refused by its own ranking, say, or
+    Ctrl-C) stops every ranker and is raised, never a wait: the handler `prismc` sets for SIGTERM (raise
+    SystemExit), which a fork inherits, does not keep a ranker alive."""
+    from prism_dsl.pipeline import optimize as opt
+    src = load(ROOT / "programs" / "rmsnorm_linear.prism").program()
+    binding = bind_dims(src, {"n": 64, "d": 512})
+    monkeypatch.setattr(opt, "rank", lambda *a: time.sleep(60))  # rankers busy far past the test
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    def too_long(signum, frame):
+        raise TimeoutError("the rankers were not stopped")
+
+    old_term, old_alarm = signal.signal(signal.SIGTERM, stop), signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(30)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(ValueError, match="refused here"):
+            with opt._rankers([src, src, src], opt.Choosing(binding, H100), 2) as futures:
+                assert futures is not None
+                time.sleep(0.5)  # every ranker inside `rank`
+                raise ValueError("refused here")
+        assert time.perf_counter() - started < 20 and not multiprocessing.active_children()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGALRM, old_alarm)
 
 
 def _die(i: int) -> None:

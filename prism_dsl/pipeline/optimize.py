@@ -354,9 +354,9 @@ def _rankers(programs: list[Program], how: Choosing, jobs: int):
                                initializer=_ignore_interrupt)
     try:  # with fork, the first submit forks every process, before the pool starts its own thread
         yield [pool.submit(_rank_forked, i) for i in range(len(programs))]
-    except BaseException:  # Ctrl-C, say: the rankers (which ignore it) stop now, not after their programs
+    except BaseException:  # Ctrl-C, or an error here: the rankers (which ignore Ctrl-C) stop now, not after their programs
         for process in list((getattr(pool, "_processes", None) or {}).values()):
-            process.terminate()
+            process.kill()  # SIGKILL: nothing of it runs on, whatever lock of the pool's queues it holds
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -379,8 +379,12 @@ def _ranked(futures, programs: list[Program], how: Choosing):
 
 
 def _ignore_interrupt() -> None:
-    """In a forked ranker: Ctrl-C is the parent's to handle, not each process's."""
+    """In a forked ranker: Ctrl-C is the parent's to handle, not each process's; SIGTERM ends it at once. The
+    handler the command line sets (`cli.main`: SIGTERM raises SystemExit) would otherwise come with the fork:
+    raised inside `rank`, the pool's worker catches it as the task's error and waits for the next task, on a
+    queue whose lock a ranker killed with it may hold, and the parent's shutdown waits for that worker forever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:
