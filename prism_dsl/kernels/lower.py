@@ -32,6 +32,15 @@ from ..base.errors import PrismError
 _ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed inside their user's kernel
 
 
+def check_outputs(program: Program) -> None:
+    """What `lower` refuses in a program that `lang.check` accepts (`prismc run` evaluates it), said where the
+    program is declared, before a search: an output that is an input itself, which no kernel computes."""
+    for name, node in program.outputs:
+        if node.op == "input":
+            raise PrismError(f"program '{program.name}': output '{name}' is input '{node.attr}' itself: there is "
+                             "nothing to compute; return values the program computes", program.loc)
+
+
 def lower(program: Program) -> Program:
     """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused
     into its element-wise user's). A program with nothing left outside kernels comes back as it is."""
@@ -41,9 +50,7 @@ def lower(program: Program) -> Program:
         for a in n.args:
             users[a].append(n)
     outputs = {id(node): name for name, node in reversed(program.outputs)}
-    for name, node in program.outputs:
-        if node.op == "input":
-            raise PrismError(f"output '{name}' is input '{node.attr}' itself: there is nothing to compute")
+    check_outputs(program)
 
     def materialized(n: Node) -> bool:
         if n.op in ("input", "const", "kernel"):
