@@ -416,16 +416,23 @@ def test_a_program_undefined_on_the_random_inputs_says_so(capsys, tmp_path):
     assert code == 1 and "DIFFERS with the reference, max rel err inf; the reference itself holds NaN" in out
 
 
-def test_compile_refuses_an_output_that_is_an_input_where_the_program_is_declared_before_any_search(
-        capsys, tmp_path, monkeypatch):
-    """`prismc run` evaluates such a program; no kernel computes it. Said at once, with the program's place, and
-    before the search (which used to run first, and hang where its forked rankers were stopped)."""
+@pytest.mark.parametrize("params, body, message", [
+    ("X: f32[n, d]", "    Y = X + 1\n    return X, Y\n", "output 'X' is input 'X' itself: there is nothing to compute"),
+    ("s: f32[], X: f32[n, d]", "    Y = X * s\n    return Y\n",
+     "input 's' has no dims, which kernels cannot load; declare it f32[1], which broadcasts the same way"),
+], ids=["input-returned", "no-dims"])
+def test_compile_refuses_what_no_kernel_takes_where_the_program_is_declared_before_any_search(
+        params, body, message, capsys, tmp_path, monkeypatch):
+    """`prismc run` evaluates such a program; the kernels cannot take it (an output no kernel computes, an input
+    of rank 0 whose tile no map addresses). Said at once, with the program's place, before the search (which
+    used to run first: then a traceback from the code generator, or a hang where its forked rankers were
+    stopped)."""
     from prism_dsl.pipeline import compile as driver
     path = tmp_path / "p.prism"
-    path.write_text("dims n = 8, d = 16\nprogram p(X: f32[n, d]) {\n    Y = X + 1\n    return X, Y\n}\n")
+    path.write_text(f"dims n = 8, d = 16\nprogram p({params}) {{\n{body}}}\n")
     monkeypatch.setattr(driver, "search", lambda *a: pytest.fail("searched"))
     assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--arch", "none"]) == 1
     err = capsys.readouterr().err
-    assert "p.prism:2:9: program 'p': output 'X' is input 'X' itself: there is nothing to compute" in err
+    assert f"p.prism:2:9: program 'p': {message}" in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
     assert main(["run", str(path), "--out", str(tmp_path / "y.npz")]) == 0  # a program all the same

@@ -32,13 +32,19 @@ from ..base.errors import PrismError
 _ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed inside their user's kernel
 
 
-def check_outputs(program: Program) -> None:
-    """What `lower` refuses in a program that `lang.check` accepts (`prismc run` evaluates it), said where the
-    program is declared, before a search: an output that is an input itself, which no kernel computes."""
+def check_compilable(program: Program) -> None:
+    """What the kernels cannot take in a program that `lang.check` accepts (`prismc run` evaluates it), said
+    where the program is declared, before a search: an output that is an input itself, which no kernel computes,
+    and an input of no dims (`f32[]`), whose tile no kernel's maps can address (one of shape [1] broadcasts
+    alike: x * s is the same for s of shape [] and [1] where x has a dim)."""
     for name, node in program.outputs:
         if node.op == "input":
             raise PrismError(f"program '{program.name}': output '{name}' is input '{node.attr}' itself: there is "
                              "nothing to compute; return values the program computes", program.loc)
+    for node in program.inputs:
+        if not node.shape:
+            raise PrismError(f"program '{program.name}': input '{node.attr}' has no dims, which kernels cannot load; "
+                             f"declare it {node.dtype.value}[1], which broadcasts the same way", program.loc)
 
 
 def lower(program: Program) -> Program:
@@ -50,7 +56,7 @@ def lower(program: Program) -> Program:
         for a in n.args:
             users[a].append(n)
     outputs = {id(node): name for name, node in reversed(program.outputs)}
-    check_outputs(program)
+    check_compilable(program)
 
     def materialized(n: Node) -> bool:
         if n.op in ("input", "const", "kernel"):

@@ -24,7 +24,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware, for_device, load_hardware
 from ..kernels.kernel import kernels_of
-from ..kernels.lower import check_outputs, lower
+from ..kernels.lower import check_compilable, lower
 from ..lang.printer import print_program
 from ..prove.rules import load_library
 from ..prove.soundness import check_library
@@ -70,7 +70,7 @@ def compile_program(request: Request) -> Report:
     if request.options.rank == "measure":
         check_device(request.hardware)
     check_output(request.output)
-    check_outputs(request.program)  # before minutes of search
+    check_compilable(request.program)  # before minutes of search
     outcome = search(request)
     chosen = choose(request, outcome)
     started = time.perf_counter()
