@@ -436,3 +436,16 @@ def test_compile_refuses_what_no_kernel_takes_where_the_program_is_declared_befo
     assert f"p.prism:2:9: program 'p': {message}" in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
     assert main(["run", str(path), "--out", str(tmp_path / "y.npz")]) == 0  # a program all the same
+
+
+def test_a_grid_size_written_in_the_program_that_does_not_divide_its_dim_is_said_at_the_load(capsys, tmp_path):
+    """`prismc check` cannot know (`--dims` may rebind n to a multiple of 3); compile says where the tile is."""
+    path = tmp_path / "p.prism"
+    path.write_text("dims n = 8, d = 64\nprogram p(X: f32[n, d]) {\n    kernel k grid(x = 3) {\n"
+                    "        xt = load X[x, :]\n        store Y[x, :] = xt\n    }\n    return Y\n}\n")
+    assert main(["check", str(path)]) == 0
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--arch", "none"]) == 1
+    err = capsys.readouterr().err
+    assert ("p.prism:4:9: the kernel parameters are not valid: kernel 'k': tile 'xt' splits dim 0 of size n by grid "
+            "axis x (3): n/3 = 8/3 is not a whole number") in err and "Traceback" not in err
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--arch", "none", "--dims", "n=9"]) == 0

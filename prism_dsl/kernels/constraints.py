@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 
 import sympy
 
-from ..base.errors import PrismError
+from ..base.errors import Diagnostic, Loc, PrismError
 from ..ir.nodes import Node, Program
 from .fusion import ALIGN, plan
 from .hardware import Hardware
@@ -219,15 +219,23 @@ def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: H
 def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware,
                         generated: Callable[[Concrete], int] | None = None) -> dict[str, Concrete]:
     """Every kernel instantiated (`generated` as `instantiate` takes it); raises one PrismError listing every
-    violated constraint."""
+    violated constraint, each where the program writes the kernel (`_written_at`) if it does."""
     out: dict[str, Concrete] = {}
-    problems: list[str] = []
+    problems: list[Diagnostic] = []
     for k in kernels_of(program):
         c = instantiate(k, binding, hardware, generated)
         if isinstance(c, list):
-            problems += c
+            problems += [Diagnostic(_written_at(program, k, p), f"the kernel parameters are not valid: {p}") for p in c]
         else:
             out[k.name] = c
     if problems:
-        raise PrismError("the kernel parameters are not valid:\n  " + "\n  ".join(problems))
+        raise PrismError(problems)
     return out
+
+
+def _written_at(program: Program, kernel: Kernel, problem: str) -> Loc | None:
+    """Where the program writes what `problem` is about: the load of the tile it names, else the kernel's first
+    store; None for a kernel the program does not write (a pre-defined one, `lower`)."""
+    tiles = [n for n in kernel.body() if n.op == "tile" and f"tile '{n.attr}'" in problem]
+    stores = [n for n in program.nodes() if n.op == "kernel" and n.attr[0] is kernel]
+    return next((program.locs[n] for n in [*tiles, *stores] if n in program.locs), None)
