@@ -940,7 +940,9 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
 @pytest.mark.parametrize("argv,message", [
     (["--rank", "measure"], "--rank measure needs a usable CUDA GPU"),
     (["--grid", "x=3"], "is not a whole number"),
-    (["--arch", "volta"], "--arch: expected names like sm_90"),
+    (["--arch", "volta"], "--arch: expected names like sm_90 or sm_80, or none, got 'volta'"),
+    (["--arch", ""], "--arch: expected names like sm_90 or sm_80, or none, got ''"),
+    (["--arch", "sm_90,"], "--arch: expected names like sm_90 or sm_80, or none, got ''"),
     (["--threads", "100"], "--threads must be a multiple of 32"),
     (["--hardware", "b200"], "unknown hardware 'b200'"),
 ])

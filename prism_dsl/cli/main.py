@@ -436,10 +436,10 @@ def cmd_compile(args) -> int:
 
     if args.threads % 32 or args.threads > 1024:
         raise PrismError(f"--threads must be a multiple of 32 up to 1024, got {args.threads}")
-    archs = tuple(a for a in args.arch.split(",") if a and a != "none")
-    bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}a?", a)]
-    if bad:
-        raise PrismError(f"--arch: expected names like sm_90 or sm_80, got {', '.join(bad)}")
+    archs = tuple(a.strip() for a in args.arch.split(",") if a.strip() != "none")
+    bad = [repr(a) for a in archs if not re.fullmatch(r"sm_\d{2,3}a?", a)]
+    if bad or not args.arch.strip():
+        raise PrismError(f"--arch: expected names like sm_90 or sm_80, or none, got {', '.join(bad) or repr(args.arch)}")
     hardware = load_hardware(args.hardware)
     program = load(args.file).program(args.program)
     searching = None
