@@ -420,11 +420,13 @@ def test_a_program_undefined_on_the_random_inputs_says_so(capsys, tmp_path):
     ("X: f32[n, d]", "    Y = X + 1\n    return X, Y\n", "output 'X' is input 'X' itself: there is nothing to compute"),
     ("s: f32[], X: f32[n, d]", "    Y = X * s\n    return Y\n",
      "input 's' has no dims, which kernels cannot load; declare it f32[1], which broadcasts the same way"),
-], ids=["input-returned", "no-dims"])
+    ("X: f32[n, d]", "    Y = X + 1\n    Z = Y\n    return Y, Z\n",
+     "output 'Z' is the value of output 'Y', which its kernel stores once; return each value once"),
+], ids=["input-returned", "no-dims", "returned-twice"])
 def test_compile_refuses_what_no_kernel_takes_where_the_program_is_declared_before_any_search(
         params, body, message, capsys, tmp_path, monkeypatch):
     """`prismc run` evaluates such a program; the kernels cannot take it (an output no kernel computes, an input
-    of rank 0 whose tile no map addresses). Said at once, with the program's place, before the search (which
+    of rank 0 whose tile no map addresses, a value returned under two names). Said at once, with the program's place, before the search (which
     used to run first: then a traceback from the code generator, or a hang where its forked rankers were
     stopped)."""
     from prism_dsl.pipeline import compile as driver

@@ -35,12 +35,15 @@ _ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed 
 def check_compilable(program: Program) -> None:
     """What the kernels cannot take in a program that `lang.check` accepts (`prismc run` evaluates it), said
     where the program is declared, before a search: an output that is an input itself, which no kernel computes,
-    and an input of no dims (`f32[]`), whose tile no kernel's maps can address (one of shape [1] broadcasts
+    one that is another output's value again, and an input of no dims (`f32[]`), whose tile no kernel's maps can address (one of shape [1] broadcasts
     alike: x * s is the same for s of shape [] and [1] where x has a dim)."""
-    for name, node in program.outputs:
+    for i, (name, node) in enumerate(program.outputs):
         if node.op == "input":
             raise PrismError(f"program '{program.name}': output '{name}' is input '{node.attr}' itself: there is "
                              "nothing to compute; return values the program computes", program.loc)
+        if same := next((n for n, v in program.outputs[:i] if v is node), None):  # interned: equal values, one node
+            raise PrismError(f"program '{program.name}': output '{name}' is the value of output '{same}', which its "
+                             "kernel stores once; return each value once", program.loc)
     for node in program.inputs:
         if not node.shape:
             raise PrismError(f"program '{program.name}': input '{node.attr}' has no dims, which kernels cannot load; "

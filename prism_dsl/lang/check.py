@@ -220,8 +220,6 @@ class Checker:
                 self.errors.error(loc, f"cannot return undefined name '{name}'{suggest(name, env)}")
             elif any(name == n for n, _ in outputs):
                 self.errors.error(loc, f"'{name}' is returned twice")
-            elif same := next((n for n, v in outputs if v is env[name]), None):  # interned: equal values are one node
-                self.errors.error(loc, f"'{name}' is the value of '{same}', returned already: return each value once")
             elif isinstance(env[name], Node):
                 if env[name].op == "const":
                     self.errors.error(loc, f"'{name}' is a constant; a program returns tensors")
