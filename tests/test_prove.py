@@ -223,6 +223,20 @@ def test_float_overflow_is_not_taken_for_an_unsound_axiom(tmp_path):
     assert proof.proved and proof.numeric_gap < 1e-9
 
 
+@pytest.mark.parametrize("lhs, rhs", [
+    ("(A * 1e-200) * 1e-200", "(A * 1e-300) * 1e-300"),  # each folded to A * 0 they were one term
+    ("(A * 1e200) * 1e200", "(A * 1e300) * 1e300"),  # and to A * inf
+    ("(A * 1e-200) * 1e-200", "A * 0"),
+], ids=["underflow", "overflow", "underflow-to-zero"])
+def test_constants_fold_only_where_float64_holds_the_result(tmp_path, lhs, rhs):
+    """The two sides differ (A = 1e300 tells them apart); the standard-normal inputs of the numeric guard do
+    not, so only the folding stands between these pairs and a false proof. Folding within range still proves."""
+    a, b = programs(tmp_path, lhs, rhs)
+    assert not prove(a, b, DEFAULT).proved
+    a, b = programs(tmp_path, "(A * 2) * 3 - B * (0 * 1e-200)", "A * 6 - B * 0")
+    assert prove(a, b, DEFAULT).proved
+
+
 def test_tensors_deeper_than_the_e_graph_tracks_are_refused(tmp_path):
     shape = "f32[k, 1, 1, 1, 1, 1, 1, 1, 1, 1]"
     a, b = programs(tmp_path, "sum(A / C, 0)", "sum(A, 0) / C", header="dims k = 3\n",

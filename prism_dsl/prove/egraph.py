@@ -6,7 +6,11 @@ The generated program has three parts, all derived from data:
 - the `shapes` ruleset: for every term, `(size t i)` for i = -1 .. -MAX_RANK, propagated by one rule
   family per operator kind; sizes beyond a tensor's rank are 1 (the broadcasting view of `patterns`);
 - the `fold` ruleset: arithmetic on two literals is a literal (evaluation, not an axiom: without it
-  `-1 * (-1 * x)` would open an endless tower of distinct terms);
+  `-1 * (-1 * x)` would open an endless tower of distinct terms), where float64 gives the real result to
+  its precision: a result is folded only inside the normal range (`FOLD_RANGE`), so that no product of
+  two nonzero constants becomes 0 or inf (1e-200 * 1e-200 is not 0: folded, it made `(X * 1e-200) *
+  1e-200` and `(X * 1e-300) * 1e-300` one term, `X * 0`), and a zero operand folds a product or quotient
+  to 0;
 - one egglog ruleset per `.rules` ruleset, each rule a `rewrite` whose conditions are `:when` queries
   over `size` (a condition holds only where it holds for every binding of the symbolic sizes; see
   `conditions`). Every emitted rule is preceded by a comment naming its source rule and file:line.
@@ -42,6 +46,7 @@ MAX_ALTERNATIVES = MAX_RANK ** MAX_SHAPE_INEQUALITIES
 
 # Constant folding: the egglog f64 primitive of each binary op, and of negation.
 FOLDS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+FOLD_RANGE = ("1e-300", "1e300")  # the magnitudes a folded nonzero result must lie between (float64's normal range)
 
 
 def constructor(op: str) -> str:
@@ -205,10 +210,20 @@ def shape_rules() -> str:
 
 
 def fold_rules() -> str:
+    """The `fold` ruleset: a result folded only where float64 holds it (the docstring's range); 0 * b, a * 0
+    and 0 / b are 0 (b nonzero: a literal is finite, the parser refuses what is not)."""
+    lo, hi = FOLD_RANGE
     out = [f"(rewrite (Neg (Num a)) (Num (neg a)) :ruleset {FOLD})"]
     for op, prim in FOLDS.items():
-        guard = " :when ((!= b 0.0))" if op == "div" else ""
-        out.append(f"(rewrite ({constructor(op)} (Num a) (Num b)) (Num ({prim} a b)){guard} :ruleset {FOLD})")
+        r = f"({prim} a b)"
+        ranged = f"(< (abs {r}) {hi})" + (f" (> (abs {r}) {lo})" if op in ("mul", "div") else "")
+        nonzero = " (!= a 0.0) (!= b 0.0)" if op in ("mul", "div") else ""
+        out.append(f"(rewrite ({constructor(op)} (Num a) (Num b)) (Num {r}) :when ({ranged}{nonzero}) "
+                   f":ruleset {FOLD})")
+    mul, div = constructor("mul"), constructor("div")
+    out += [f"(rewrite ({mul} (Num 0.0) (Num b)) (Num 0.0) :ruleset {FOLD})",
+            f"(rewrite ({mul} (Num a) (Num 0.0)) (Num 0.0) :ruleset {FOLD})",
+            f"(rewrite ({div} (Num 0.0) (Num b)) (Num 0.0) :when ((!= b 0.0)) :ruleset {FOLD})"]
     return "\n".join(out) + "\n"
 
 
