@@ -46,6 +46,9 @@ FALSE_SOMEWHERE = [
     # relative difference 1e-9 |a|: above the tolerance only where |a| > 100
     ("tiny_square", "a + square(a) * 0.000000001 => a", "sides differ"),
     ("relu_shifted", "relu(a - 100) => a * 0", "sides differ"),
+    # false only past 1e3, and only under 1e-4: values from 1e-8 to 1e8 are drawn
+    ("relu_far", "relu(a - 5000) => a * 0", "sides differ"),
+    ("tanh_steep", "tanh(a * 100000) => a / sqrt(a * a)", "sides differ"),
     # an exp that overflows at large values must not hide a difference at values a little smaller
     ("hidden_by_exp", "exp(-a) * 0 + relu(a - 100) => a * 0", "sides differ"),
     # true where the last dim has 1 element; every size from 2 to 5 is excluded, so only sizes above 5 show it
@@ -84,9 +87,10 @@ def test_every_dim_down_to_the_deepest_is_compared():
     "exp(a + b) => exp(a) * exp(b)",  # overflows and underflows at large values: never taken for a difference
     "sigmoid(a) => 1 / (1 + exp(-a))",
     "softmax(x) => exp(x) / sum(exp(x), -1)",
-    "a * (b - c) => a * b - a * c",  # cancels at 1e3: the tolerance follows the values' scale
+    "a * (b - c) => a * b - a * c",  # cancels at 1e8: the tolerance follows the values' scale
+    "sqrt(square(a)) => relu(a) + relu(-a)",  # 1e-16 and 1e16 squared: no underflow, no overflow
 ])
-def test_true_rules_survive_values_up_to_1e3(tmp_path, text):
+def test_true_rules_survive_values_from_1e_8_to_1e8(tmp_path, text):
     soundness.check_library(load_library([rules_file(tmp_path, f"r: {text}")]), use_cache=False)
 
 

@@ -34,10 +34,12 @@ SAMPLE_MAX_ELEMENTS = 4096  # per tensor
 DIM_WEIGHTS = (5, 4, 3, 2, 2, 2, 2, 2, 2)  # the last dims matter most (matmul and row-wise ops treat them apart)
 
 # Value draws, each at every instance whose values are compared: standard normal (or 0.5 .. 2 where a
-# domain says so), magnitudes spread over 1e-3 .. 1e3 within one tensor, all large, all small, all positive;
-# signs at random except where a domain says positive.
+# domain says so), magnitudes spread over 1e-3 .. 1e3 within one tensor, all large, all small, all positive,
+# and far beyond those both ways, log-uniform (a rule wrong only past a threshold, relu(a - 5000) => a * 0, or
+# only near 0, tanh(a * 1e5) => a / sqrt(a * a), passed the others); signs at random except where a domain
+# says positive.
 MAGNITUDES = {"normal": (0.5, 2.0), "wide": (1e-3, 1e3), "large": (1e2, 1e3), "small": (1e-3, 1e-2),
-              "positive": (0.5, 2.0)}
+              "positive": (0.5, 2.0), "huge": (1e3, 1e8), "tiny": (1e-8, 1e-3)}
 DRAW_KINDS = tuple(MAGNITUDES)
 
 
@@ -341,7 +343,7 @@ def draw_values(inst: Instance, domains: dict[str, str], rng: np.random.Generato
             values[v] = rng.standard_normal(shape)
             continue
         low, high = MAGNITUDES[kind]
-        if kind == "wide":  # log-uniform: every magnitude in between as likely
+        if kind in ("wide", "huge", "tiny"):  # log-uniform: every magnitude in between as likely
             magnitude = 10.0 ** rng.uniform(np.log10(low), np.log10(high), shape)
         else:
             magnitude = rng.uniform(low, high, shape)

@@ -66,7 +66,8 @@ def check_numerically(rule: Rule) -> str | None:
         # Splits need size-1 dims (where the pieces go), which `for_values` avoids: rules over splits
         # compare values at every instance found, with two kinds of draw each (the kinds in turn).
         if rule.count_vars:
-            plan = [(inst, kind) for k, inst in enumerate(found) for kind in ("normal", DRAW_KINDS[1 + k % 4])]
+            plan = [(inst, kind) for k, inst in enumerate(found)
+                    for kind in ("normal", DRAW_KINDS[1 + k % (len(DRAW_KINDS) - 1)])]
         else:
             plan = [(inst, kind) for inst in for_values(rule, found) for kind in DRAW_KINDS]
         for inst, kind in plan:
