@@ -4,7 +4,7 @@ and values for its variables. `soundness` compares both sides there with float64
 
 The draws are wide on purpose, since a rule that is false only somewhere is still false: sizes from 1 up
 to 64 (primes among them, at most two large dims per instance and a cap on elements), every dim down to
-the deepest the prover tracks for dim variables, and values at magnitudes from 1e-3 to 1e3 of both signs
+the deepest the prover tracks for dim variables, and values at magnitudes from 1e-8 to 1e8 of both signs
 where the operators' domains allow. Every draw is seeded by the rule's name (`rule_seed`), so a verdict
 is the same on every run.
 """
