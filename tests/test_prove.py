@@ -131,6 +131,10 @@ def test_signature_and_shape_mismatches_are_user_errors(tmp_path):
     x, y = programs(tmp_path, "sum(A, -1)", "A")
     proof = prove(x, y, DEFAULT)
     assert not proof.proved and "shape" in proof.reason
+    (tmp_path / "h.prism").write_text(HEADER + "program h(" + SIGNATURE.replace("A: f32", "A: f16") + ") {\n"
+                                      "    Y = A + B\n    return Y\n}\n")
+    with pytest.raises(PrismError, match="input 'A' is f32 in 'a' but f16 in 'h'"):
+        prove(a, load(tmp_path / "h.prism").program(), DEFAULT)
 
 
 def test_a_proof_of_numerically_different_programs_is_refused(tmp_path):

@@ -34,7 +34,7 @@ _ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed 
 
 def check_compilable(program: Program) -> None:
     """What the kernels cannot take in a program that `lang.check` accepts (`prismc run` evaluates it), said
-    where the program is declared, before a search: an output that is an input itself, which no kernel computes,
+    where the program (or the input) is declared, before a search: an output that is an input itself, which no kernel computes,
     one that is another output's value again, and an input of no dims (`f32[]`), whose tile no kernel's maps can address (one of shape [1] broadcasts
     alike: x * s is the same for s of shape [] and [1] where x has a dim)."""
     for i, (name, node) in enumerate(program.outputs):
@@ -47,7 +47,8 @@ def check_compilable(program: Program) -> None:
     for node in program.inputs:
         if not node.shape:
             raise PrismError(f"program '{program.name}': input '{node.attr}' has no dims, which kernels cannot load; "
-                             f"declare it {node.dtype.value}[1], which broadcasts the same way", program.loc)
+                             f"declare it {node.dtype.value}[1], which broadcasts the same way",
+                             program.locs.get(node, program.loc))
 
 
 def lower(program: Program) -> Program:

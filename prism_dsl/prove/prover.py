@@ -72,7 +72,8 @@ def pair_outputs(a: Program, b: Program) -> list[tuple[str, str]]:
 
 
 def check_signatures(a: Program, b: Program) -> None:
-    """Both programs must read the same inputs, with the same symbolic shapes."""
+    """Both programs must read the same inputs, with the same symbolic shapes and storage types (inputs are
+    rounded to theirs: X * 2 of an f16 X is not X * 2 of an f32 X)."""
     ins_a = {n.attr: n for n in a.inputs}
     ins_b = {n.attr: n for n in b.inputs}
     if set(ins_a) != set(ins_b):
@@ -85,6 +86,10 @@ def check_signatures(a: Program, b: Program) -> None:
             raise PrismError(
                 f"input '{name}' has shape {fmt_shape(node.shape)} in '{a.name}' but {fmt_shape(other.shape)} "
                 f"in '{b.name}' ({b.locs.get(other, b.loc)})", a.locs.get(node, a.loc))
+        if node.dtype is not other.dtype:
+            raise PrismError(
+                f"input '{name}' is {node.dtype.value} in '{a.name}' but {other.dtype.value} in '{b.name}' "
+                f"({b.locs.get(other, b.loc)}); programs are compared on the same inputs", a.locs.get(node, a.loc))
 
 
 def check_ranks(program: Program) -> None:
