@@ -113,6 +113,16 @@ def test_run_with_inputs_matches_reference(capsys, tmp_path):
     np.testing.assert_allclose(result["Y"], (x / np.sqrt((x * x).mean(-1, keepdims=True))) @ w, rtol=1e-12)
 
 
+def test_run_rounds_given_inputs_to_their_storage_types(capsys, tmp_path):
+    """X and W are f16: float64 values given for them are what a GPU would store, rounded to f16."""
+    rng = np.random.default_rng(1)
+    given = {"X": rng.standard_normal((3, 5)), "W": rng.standard_normal((5, 5)) + 1e-7}
+    np.savez(tmp_path / "in.npz", **given)
+    assert prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")[0] == 0
+    stored = {k: v.astype(np.float16).astype(np.float64) for k, v in given.items()}
+    np.testing.assert_array_equal(outputs(tmp_path / "out.npz")["Y"], evaluate(load(RMSNORM).program(), stored)["Y"])
+
+
 def test_run_random_inputs_follow_the_seed(capsys, tmp_path):
     runs = {}
     for name, seed in [("a", 7), ("b", 7), ("c", 8)]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..base import files
 from ..base.errors import PrismError
-from ..semantics.reference import MAX_ELEMENTS, NUMPY_MAX_DIMS
+from ..semantics.reference import MAX_ELEMENTS, NUMPY_MAX_DIMS, quantize
 from ..lang.syntax import clip
 
 # Compression methods zipfile reads (stored, deflated, bzip2, lzma); numpy.savez writes the first two.
@@ -29,7 +29,8 @@ _ZIP_ERRORS = (OSError, EOFError, ValueError, RuntimeError, NotImplementedError,
 
 
 def read_npz(path: str, program, vet=None) -> dict[str, np.ndarray]:
-    """The program's inputs from a .npz archive, by input name.
+    """The program's inputs from a .npz archive, by input name, in float64 rounded to each input's storage type
+    as a GPU stores them (an f16 input holds no 1.0000001; random inputs are rounded so too).
 
     Only the members the program reads are read, and each only after its header: dtype and shape are
     checked (numbers only; the stored size must be what the header says) and handed to `vet` (the shapes
@@ -49,7 +50,9 @@ def read_npz(path: str, program, vet=None) -> dict[str, np.ndarray]:
             headers = {name: _npz_header(path, archive, info) for name, info in members.items()}
             if vet is not None:  # zero-stride views: the shapes and dtypes, no data
                 vet({name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in headers.items()})
-            return {name: _npz_array(path, archive, info, headers[name]) for name, info in members.items()}
+            dtypes = {n.attr: n.dtype for n in program.inputs}
+            return {name: quantize(_npz_array(path, archive, info, headers[name]).astype(np.float64), dtypes[name])
+                    for name, info in members.items()}
 
 
 def _npz_members(path: str, archive: zipfile.ZipFile, wanted) -> dict[str, zipfile.ZipInfo]:
