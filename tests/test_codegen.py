@@ -994,8 +994,13 @@ def test_bench_needs_a_gpu(capsys, monkeypatch):
 
     gpu_status.cache_clear()
     code = main(["bench", str(ROOT / "programs/rmsnorm_linear.prism")])
-    gpu_status.cache_clear()
     assert code == 1 and "prismc bench needs a usable CUDA GPU: disabled by PRISM_NO_GPU" in capsys.readouterr().err
+    # the user's own mistakes come first: they need no GPU to be found
+    assert main(["bench", str(ROOT / "programs/rmsnorm_linear.prism"), "--dims", "zz=3"]) == 1
+    assert "has no dim 'zz'" in capsys.readouterr().err
+    assert main(["bench", str(ROOT / "programs/no_such.prism")]) == 1
+    assert "cannot read file" in capsys.readouterr().err
+    gpu_status.cache_clear()
 
 
 # -- names from user text ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..lang.check import load
 from ..base.errors import PrismError
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import kernels_of
-from ..semantics.reference import bind_dims, random_inputs
+from ..semantics.reference import bind_dims, check_sizes, random_inputs
 
 # How each op of a program runs in PyTorch (x: tensors; attr: a reduction's dim).
 TORCH = {
@@ -114,17 +114,18 @@ def time_torch(call, arg_sets: list, repeat: int, batch: int = 1, warmup: int = 
 
 
 def bench(args) -> int:
+    hardware = load_hardware(args.hardware)  # the user's files and flags first: they need no GPU to be wrong
+    program = load(args.file).program(args.program)
+    baseline = load(args.baseline).program() if args.baseline else program
+    if kernels_of(baseline):
+        raise PrismError(f"'{program.name}' has custom kernels; give --baseline with the program as written")
+    check_sizes(baseline, bind_dims(baseline, dict(args.dims)))
     ok, why = cuda_runtime.gpu_status()
     if not ok:
         raise PrismError(f"prismc bench needs a usable CUDA GPU: {why}")
     import torch
 
-    hardware = load_hardware(args.hardware)
     check_device(hardware, "prismc bench")  # a GPU the kernels made for `hardware` can run on
-    program = load(args.file).program(args.program)
-    baseline = load(args.baseline).program() if args.baseline else program
-    if kernels_of(baseline):
-        raise PrismError(f"'{program.name}' has custom kernels; give --baseline with the program as written")
     options = BuildOptions(dims=args.dims, rank="measure", emulate=False, archs=())
     built = build(program, hardware, options, baseline)  # checked against the program as written
     binding = bind_dims(baseline, dict(args.dims))
