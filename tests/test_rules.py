@@ -106,6 +106,10 @@ BAD_RULES = [
     ("rule r: sum(a, i) => exp(i)", "2:30: 'i' is a dim on the left; here it is used as a tensor"),
     ("rule r: a * b => b * a if i != j", "'i' is not a dim variable of the left side"),
     ("rule r: a * b => b * a if size(a, -1) == shape(b)", "a condition compares a size with a size or an integer"),
+    ("rule r: a * b => b * a if size(a, -1) == -3", "2:31: a size is at least 1: this condition never holds"),
+    ("rule r: a * b => b * a if 0 != size(a, -1)", "2:31: a size is at least 1: this condition always holds"),
+    ("rule r: sum(a, i) => sum(a, i) * 1 if i != i", "compares an operand with itself: it never holds"),
+    ("rule r: a * b => b * a if shape(a) == shape(a)", "compares an operand with itself: it always holds"),
 ]
 
 

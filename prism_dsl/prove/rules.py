@@ -425,6 +425,13 @@ def _check_condition(c: Condition, vars: _Vars, errors: Collector) -> None:
     literal_dim = {kinds[0], kinds[1]} == {"dim", "size"} and (isinstance(c.lhs, Lit) or isinstance(c.rhs, Lit))
     if kinds[0] != kinds[1] and not literal_dim:  # `i != -1` compares a dim variable with a literal dim
         errors.error(c.loc, "a condition compares a size with a size or an integer, a shape with a shape, or a dim with a dim")
+    elif kinds == ["size", "size"] and any(isinstance(o, Lit) and o.value < 1 for o in (c.lhs, c.rhs)):
+        never = c.op == "=="
+        errors.error(c.loc, f"a size is at least 1: this condition {'never' if never else 'always'} holds"
+                            + ("; the rule could never apply" if never else "; leave it out"))
+    elif c.lhs == c.rhs:  # `i != i`, `shape(a) == shape(a)`
+        errors.error(c.loc, f"a condition compares an operand with itself: it {'always' if c.op == '==' else 'never'}"
+                            " holds")
 
 
 def _operand_kind(o: Operand, vars: _Vars, loc: Loc, errors: Collector) -> str | None:
