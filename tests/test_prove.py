@@ -277,3 +277,9 @@ def test_checking_a_rules_file_finds_clashes_with_the_default_library(capsys, tm
     assert main(["check", str(mine)]) == 1
     assert "mine.rules:3:10: duplicate rule name 'matmul_assoc'" in capsys.readouterr().err
     assert main(["check", "--no-default-rules", str(mine)]) == 0
+
+
+def test_a_rules_file_given_as_a_program_is_said_to_be_one(capsys):
+    assert main(["prove", str(REPO / "rules" / "algebra.rules"), str(REPO / "programs" / "rmsnorm_linear.prism")]) == 1
+    err = capsys.readouterr().err
+    assert "algebra.rules: a .rules file holds axioms, not programs" in err and "--rules" in err

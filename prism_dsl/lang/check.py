@@ -60,6 +60,9 @@ def load(path: str | Path, text: str | None = None) -> Source:
                 prog = Checker(scope, errors).program(item)
                 if prog is not None:
                     programs[item.name] = prog
+    if errors and Path(path).suffix == ".rules":  # read as a program by mistake
+        errors.error(Loc(str(path)), "a .rules file holds axioms, not programs: commands read programs from .prism "
+                                     "files, and `prismc prove` takes rules with --rules")
     errors.raise_if_any()
     dims = tuple(Dim(dim_symbol(d.name), d.value) for d in scope.dims.values())
     return Source(str(path), dims, programs)
