@@ -34,9 +34,10 @@ _ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed 
 
 def check_compilable(program: Program) -> None:
     """What the kernels cannot take in a program that `lang.check` accepts (`prismc run` evaluates it), said
-    where the program (or the input) is declared, before a search: an output that is an input itself, which no kernel computes,
-    one that is another output's value again, and an input of no dims (`f32[]`), whose tile no kernel's maps can address (one of shape [1] broadcasts
-    alike: x * s is the same for s of shape [] and [1] where x has a dim)."""
+    where the program (or the input) is declared, before a search: an output that is an input itself, which
+    no kernel computes; one that is another output's value again, which its kernel stores once; an input of no
+    dims (`f32[]`), whose tile no kernel's maps can address (one of shape [1] broadcasts alike: x * s is the
+    same for s of shape [] and [1] where x has a dim)."""
     for i, (name, node) in enumerate(program.outputs):
         if node.op == "input":
             raise PrismError(f"program '{program.name}': output '{name}' is input '{node.attr}' itself: there is "
