@@ -439,7 +439,7 @@ def cmd_compile(args) -> int:
     archs = tuple(a.strip() for a in args.arch.split(",") if a.strip() != "none")
     bad = [repr(a) for a in archs if not re.fullmatch(r"sm_\d{2,3}a?", a)]
     if bad or not args.arch.strip():
-        raise PrismError(f"--arch: expected names like sm_90 or sm_80, or none, got {', '.join(bad) or repr(args.arch)}")
+        raise PrismError(f"--arch: expected names like sm_90 or sm_80, or none, got {', '.join(bad) or repr('')}")
     hardware = load_hardware(args.hardware)
     program = load(args.file).program(args.program)
     searching = None

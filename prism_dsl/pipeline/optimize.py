@@ -354,7 +354,7 @@ def _rankers(programs: list[Program], how: Choosing, jobs: int):
                                initializer=_ignore_interrupt)
     try:  # with fork, the first submit forks every process, before the pool starts its own thread
         yield [pool.submit(_rank_forked, i) for i in range(len(programs))]
-    except BaseException:  # Ctrl-C, or an error here: the rankers (which ignore Ctrl-C) stop now, not after their programs
+    except BaseException:  # Ctrl-C, or an error here: the rankers (they ignore Ctrl-C) stop now, not later
         for process in list((getattr(pool, "_processes", None) or {}).values()):
             process.kill()  # SIGKILL: nothing of it runs on, whatever lock of the pool's queues it holds
         raise
