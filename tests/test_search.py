@@ -178,6 +178,22 @@ def test_a_search_that_cannot_start_compiles_the_program_as_written_and_says_why
     assert "(the program as written: nothing faster was found)" in out
 
 
+def test_no_cache_neither_reads_nor_writes_the_checkpoint_or_the_tuning_database(tmp_path, capsys, monkeypatch):
+    """Damaged entries of every kind are not even read (no warning), and nothing is written beside them."""
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["compile", str(ROOT / "programs" / "swiglu.prism"), "--dims", "n=4,d=64", "--arch", "none", "--no-emulate"]
+    assert main([*argv, "-o", str(tmp_path / "a")]) == 0
+    entries = sorted(p for p in (tmp_path / "cache").rglob("*.json") if p.parent.name in ("tuning", "search"))
+    assert any(p.parent.name == "tuning" for p in entries)
+    for p in entries:
+        p.write_text("junk")
+    capsys.readouterr()
+    assert main([*argv, "-o", str(tmp_path / "b"), "--no-cache"]) == 0
+    assert "ignoring cache entry" not in capsys.readouterr().err
+    after = sorted(p for p in (tmp_path / "cache").rglob("*.json") if p.parent.name in ("tuning", "search"))
+    assert after == entries and all(p.read_text() == "junk" for p in after)
+
+
 def test_lora_reaches_one_kernel_with_the_adapter_product_after_the_loop(library):
     """X @ W + (X @ A) @ B: the base product and the adapter's first product accumulated in the same loop,
     the adapter's second product after it (B loaded for it), equal to the reference in the interpreter."""

@@ -118,12 +118,15 @@ def measured_key(program: Program, binding: dict, hardware: Hardware, device: st
                         json.dumps(sorted(params.items())), json.dumps(sorted(vars(codegen).items())))
 
 
-def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig) -> Ranked | None:
+def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig,
+         use_cache: bool = True) -> Ranked | None:
     """Parameters and estimated time for one program at these dims, from the tuning database when it has
-    a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again."""
+    a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again. `use_cache`
+    False (`--no-cache`): the database is neither read nor written."""
     lowered = lower(program)
     key = tuning_key(program, binding, hardware, codegen)
-    hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware, codegen), "tuning entry", "tuning")
+    hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware, codegen), "tuning entry",
+                  "tuning") if use_cache else None
     if hit is not None:
         return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"], hit["work"])
     try:
@@ -133,7 +136,8 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     us = sum(e.time_us for e in estimates)
     busy = round(sum(e.time_us * min(e.blocks, hardware.sms) for e in estimates) / us)  # a kernel at a time
     work = sum(e.flops + e.tensor_core_flops for e in estimates)
-    cache.write("tuning", key, {"params": params, "us": us, "busy": busy, "work": work})
+    if use_cache:
+        cache.write("tuning", key, {"params": params, "us": us, "busy": busy, "work": work})
     return Ranked(program, params, us, busy, work)
 
 
@@ -374,7 +378,7 @@ def _ranked(futures, programs: list[Program], how: Choosing):
                 got, reports = futures[i].result()
                 cache.relay(reports)
         if got == _AGAIN:
-            got = rank(p, how.binding, how.hardware, how.codegen)
+            got = rank(p, how.binding, how.hardware, how.codegen, how.use_cache)
         yield Ranked(p, *got) if isinstance(got, tuple) else got
 
 
@@ -395,7 +399,7 @@ def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:
     before = cache.said()
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            r = rank(programs[i], how.binding, how.hardware, how.codegen)
+            r = rank(programs[i], how.binding, how.hardware, how.codegen, how.use_cache)
     except Exception:  # raised again, or not, where the parent ranks it
         return _AGAIN, {}
     reports = {about: message for about, message in cache.said().items() if about not in before}
