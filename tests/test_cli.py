@@ -461,3 +461,21 @@ def test_a_grid_size_written_in_the_program_that_does_not_divide_its_dim_is_said
     assert ("p.prism:4:9: the kernel parameters are not valid: kernel 'k': tile 'xt' splits dim 0 of size n by grid "
             "axis x (3): n/3 = 8/3 is not a whole number") in err and "Traceback" not in err
     assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--arch", "none", "--dims", "n=9"]) == 0
+
+
+@pytest.mark.skipif(not emulate.compiler(), reason="no C++ compiler (g++ or clang++) to emulate the generated code")
+def test_report_json_is_standard_json_when_an_error_is_infinite(capsys, tmp_path):
+    """sqrt of negative inputs: the reference is NaN there, the error infinite. JSON has no Infinity or NaN: the
+    report says "inf" (a strict parser, as in a browser, reads it)."""
+    path = tmp_path / "p.prism"
+    path.write_text("dims n = 4, d = 64\nprogram p(X: f16[n, d], W: f16[d, d]) {\n    Y = sqrt(X) @ W\n    return Y\n}\n")
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--arch", "none", "--search", "none",
+                 "--json"]) == 1
+    text = capsys.readouterr().out
+    assert text == (tmp_path / "out" / "report.json").read_text()
+
+    def refuse(constant):
+        raise ValueError(f"not standard JSON: {constant}")
+
+    report = json.loads(text, parse_constant=refuse)
+    assert report["checked"]["emulation"]["outputs"]["Y"]["max_rel_err"] == "inf"

@@ -13,6 +13,7 @@ Three words, three meanings:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
@@ -186,9 +187,22 @@ class Report:
         return self.proved and self.checked.passed
 
     def to_json(self) -> str:
+        """Standard JSON, which has no infinity or NaN: an error that is one (the output of sqrt(X) on negative
+        inputs) is written as the string "inf", "-inf" or "nan"."""
         fields = asdict(self)
         searched = fields.pop("searched") or {}
-        return json.dumps({**fields, **searched, "verified": self.verified}, indent=2) + "\n"
+        return json.dumps(_finite({**fields, **searched, "verified": self.verified}), indent=2, allow_nan=False) + "\n"
+
+
+def _finite(value):
+    """`value` with every float that JSON cannot hold replaced by its name (`Report.to_json`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _host(timing: Mapping) -> str:
