@@ -479,3 +479,21 @@ def test_report_json_is_standard_json_when_an_error_is_infinite(capsys, tmp_path
 
     report = json.loads(text, parse_constant=refuse)
     assert report["checked"]["emulation"]["outputs"]["Y"]["max_rel_err"] == "inf"
+
+
+def test_an_output_place_that_cannot_be_written_is_said_before_any_work(capsys, tmp_path, monkeypatch):
+    """A read-only file system (or a directory without write permission): refused at once, not after the search."""
+    import errno
+
+    from prism_dsl.pipeline import compile as driver
+    from prism_dsl.pipeline import output
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(output.tempfile, "mkdtemp", read_only)
+    monkeypatch.setattr(driver, "search", lambda *a: pytest.fail("searched"))
+    assert main(["compile", RMSNORM, "-o", str(tmp_path / "ro" / "out"), "--arch", "none"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write to '{tmp_path / 'ro' / 'out'}'" in err and "read-only" in err.lower()
+    assert "Traceback" not in err and not (tmp_path / "ro").exists()

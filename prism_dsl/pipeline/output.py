@@ -49,6 +49,10 @@ def check_output(out: Path) -> None:
         probe = probe.parent
     if not os.path.isdir(probe):
         raise PrismError(f"cannot write to '{shown}': '{probe}' is not a directory")
+    try:  # where `write` makes its scratch directory (or the directories above it): a read-only place is said now
+        os.rmdir(tempfile.mkdtemp(prefix=files.scratch_prefix(f".{out.name}."), dir=probe))
+    except OSError as e:
+        raise PrismError(f"cannot write to '{shown}': {files.describe(e)}") from None
     here, target = Path.cwd().resolve(), out.resolve()
     if target == here or target in here.parents:
         raise PrismError(f"cannot write to '{shown}': it holds the current directory, and prismc replaces its "
