@@ -17,7 +17,7 @@ from pathlib import Path
 from ..prove.egglog_runner import Limits
 from ..base.files import check_writable, write_bytes
 from ..base.errors import PrismError
-from .values import emulate_blocks, parse_dims, parse_loop, positive_int, seconds, whole
+from .values import emulate_blocks, jobs, parse_dims, parse_loop, positive_int, seconds, whole
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
 
@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'full': search fused programs (default); 'none': compile the program as written")
     co.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
                     help="stop the search after this long and use the best proved program so far (default 60)")
-    co.add_argument("--jobs", type=positive_int, default=None, help="processes proving, and then tuning the proved "
-                    "programs, at once (default: the machine's cores)")
+    co.add_argument("--jobs", type=jobs, default=None, help="processes proving, and then tuning the proved "
+                    "programs, at once (default and most: the machine's cores)")
     co.add_argument("--max-kernels", type=positive_int, default=None, help="custom kernels per program the search may "
                     "use (default 1; a split reduction's combining kernel is not counted)")
     co.add_argument("--no-split", action="store_true", help="do not offer loop kernels split in two (FlashDecoding: "

@@ -50,6 +50,14 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def jobs(text: str) -> int:
+    """--jobs: a positive integer, taken as at most the machine's cores (`default_jobs`): each prover process
+    holds about half a gigabyte, and more of them than cores only wait for one another."""
+    from ..search.driver import default_jobs
+
+    return min(positive_int(text), default_jobs())
+
+
 def whole(text: str) -> int:
     if not _is_int(text):
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
