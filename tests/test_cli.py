@@ -507,3 +507,13 @@ def test_jobs_are_at_most_the_machines_cores():
     args = build_parser().parse_args(["compile", RMSNORM, "-o", "out", "--jobs", "1000"])
     assert args.jobs == default_jobs()
     assert build_parser().parse_args(["compile", RMSNORM, "-o", "out", "--jobs", "1"]).jobs == 1
+
+
+def test_a_program_named_best_keeps_its_compiled_form_beside_the_search_choice(capsys, tmp_path):
+    path = tmp_path / "best.prism"
+    path.write_text((PROGRAMS / "swiglu.prism").read_text().replace("program swiglu", "program best"))
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "-o", str(out), "--arch", "none", "--dims", "n=4,d=64", "--no-emulate"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["best"] == "best_found.prism" and {"best.prism", "best_found.prism"} <= set(report["files"])
+    assert "kernel " in (out / "best.prism").read_text()  # the program compiled, its kernels written out

@@ -134,7 +134,8 @@ def choose(request: Request, outcome: Outcome | None) -> Choice:
                     None if r.measured is None else r.measured.note, True if r.proved else None,
                     print_program(r.program, with_dims=False))
         for i, r in enumerate(outcome.ranked[:TOP]))
-    searched = Searched("best.prism", best.as_written, alternatives[0].kernels, outcome.search,
+    file = "best.prism" if request.program.name != "best" else "best_found.prism"  # not the compiled best.prism
+    searched = Searched(file, best.as_written, alternatives[0].kernels, outcome.search,
                         outcome.search["search_seconds"], alternatives)
     return Choice(best.program, replace(request.options, params=best.params), best.proved, searched)
 
