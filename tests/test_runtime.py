@@ -202,7 +202,8 @@ def f16(*shape):
     ({"X": f16(8, 64), "w": f16(8, 64)}, "unknown input 'w' (did you mean 'W'?)"),
     ({"X": f16(8, 63), "W": f16(8, 64)}, "input 'X' has shape (8, 63); the program expects (8, 64)"),
     ({"X": f16(8, 64), "W": np.ones((8, 64), np.float32)},
-     "input 'W' is float32; the program stores it as f16: pass float16, or any float array with cast=True"),
+     "input 'W' is float32; the program stores it as f16: pass float16, or any float array with cast=True (a "
+     "launcher's get_launcher(cast=True))"),
     ({"X": f16(8, 64), "W": np.ones((8, 64), np.int32)},
      "input 'W' is int32; the program expects real floating-point data (f16)"),
     ({"X": f16(8, 64), "W": "abc"}, "input 'W' is a str, not an array of numbers"),
@@ -342,6 +343,9 @@ def test_rendered_launcher_imports_and_refuses_cleanly_without_gpu(no_gpu, tmp_p
     assert module.PLAN == make_plan()
     with pytest.raises(module.GpuUnavailable, match="disabled by PRISM_NO_GPU"):
         module.run(X=f16(8, 64), W=f16(8, 64))
+    # other float dtypes, converted on the way in: the launcher the message names
+    assert module.get_launcher(cast=True).cast and not module.get_launcher().cast
+    assert module.get_launcher(cast=True) is module.get_launcher(cast=True)
 
 
 def test_rendered_launcher_script_exits_1_with_the_reason(tmp_path):

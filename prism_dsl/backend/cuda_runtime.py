@@ -206,7 +206,7 @@ def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
     if value.dtype != HOST[dtype] and not cast:
         wanted = "float32 (rounded to bf16 on the way in)" if dtype == "bf16" else str(HOST[dtype])
         raise PlanError(f"input '{name}' is {value.dtype}; the program stores it as {dtype}: "
-                        f"pass {wanted}, or any float array with cast=True")
+                        f"pass {wanted}, or any float array with cast=True (a launcher's get_launcher(cast=True))")
     return to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
 
 
@@ -221,7 +221,7 @@ def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
     if t.dtype != want:
         if not cast or not t.is_floating_point():
             raise PlanError(f"input '{name}' is {t.dtype}; the program stores it as {dtype}: pass {want}, "
-                            "or any float tensor with cast=True (one copy)")
+                            "or any float tensor with cast=True (a launcher's get_launcher(cast=True); one copy)")
         t = t.to(want)
     if not t.is_contiguous():
         raise PlanError(f"tensor '{name}' is not contiguous; pass {name}.contiguous()")
