@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,15 +167,21 @@ def test_attention_whose_scores_are_stored_in_f16_is_judged_at_what_storing_them
     """128-wide heads, no 1/sqrt(dh): scores of about +-30 stored in f16 between two kernels move the output
     by 1.05e-2 whatever the kernels (the program as written, op by op); the emulation's error is exactly
     that, and it passes at twice it, where a check that rounded only the products' operands failed it."""
-    path = tmp_path / "gqa.prism"
-    path.write_text((ROOT / "programs/gqa.prism").read_text())
+    widened(tmp_path, capsys, (ROOT / "programs/gqa.prism").read_text(), "g=1,s=8,dh=128,kv=128", "stored tensors")
+
+
+def widened(tmp_path, capsys, text: str, dims: str, says: str) -> Path:
+    """Compile `text` as written at `dims`; its output O passes at twice its own roundings' error, which is the
+    kernels' error (to 10%), and the summary says `says`. The output directory."""
+    path = tmp_path / "p.prism"
+    path.write_text(text)
     out = tmp_path / "out"
-    assert main(["compile", str(path), "--search", "none", "-o", str(out), "--arch", "none",
-                 "--dims", "g=1,s=8,dh=128,kv=128"]) == 0
-    assert "stored tensors" in capsys.readouterr().out
+    assert main(["compile", str(path), "--search", "none", "-o", str(out), "--arch", "none", "--dims", dims]) == 0
+    assert says in capsys.readouterr().out
     o = json.loads((out / "report.json").read_text())["checked"]["emulation"]["outputs"]["O"]
     assert o["passed"] and o["rounding"] > 1e-2 and o["rtol"] == pytest.approx(2 * o["rounding"])
     assert o["max_rel_err"] == pytest.approx(o["rounding"], rel=0.1)
+    return out
 
 
 def test_the_rounded_reference_rounds_every_products_operands_to_their_storage_types_and_nothing_else(tmp_path):
@@ -203,15 +210,7 @@ def test_a_kernel_on_tensor_cores_is_held_to_the_roundings_it_cannot_avoid(tmp_p
     RoPE'd queries and keys go to the products in f16, and that alone moves the output past 1e-2. The kernel's
     error is the roundings' own (it rounds where they do), so it passes at twice theirs; compile and verify
     both say why the tolerance is wider."""
-    text = (ROOT / "programs/fused/causal_attention.prism").read_text()
-    path = tmp_path / "sharp.prism"
-    path.write_text(text.replace("/ sqrt(128)", "* 4.0"))
-    out = tmp_path / "out"
-    assert main(["compile", str(path), "--search", "none", "-o", str(out), "--arch", "none",
-                 "--dims", "h=2,q=128,kv=128,dh=64"]) == 0
-    assert "twice the" in capsys.readouterr().out
-    o = json.loads((out / "report.json").read_text())["checked"]["emulation"]["outputs"]["O"]
-    assert o["passed"] and o["rounding"] > 1e-2 and o["rtol"] == pytest.approx(2 * o["rounding"])
-    assert o["max_rel_err"] == pytest.approx(o["rounding"], rel=0.1)
+    text = (ROOT / "programs/fused/causal_attention.prism").read_text().replace("/ sqrt(128)", "* 4.0")
+    out = widened(tmp_path, capsys, text, "h=2,q=128,kv=128,dh=64", "twice the")
     assert main(["verify", str(out)]) == 0
     assert "(tolerance " in capsys.readouterr().out
