@@ -517,3 +517,10 @@ def test_a_program_named_best_keeps_its_compiled_form_beside_the_search_choice(c
     report = json.loads((out / "report.json").read_text())
     assert report["best"] == "best_found.prism" and {"best.prism", "best_found.prism"} <= set(report["files"])
     assert "kernel " in (out / "best.prism").read_text()  # the program compiled, its kernels written out
+
+
+def test_show_to_dash_writes_to_stdout(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = prismc(capsys, "show", PROGRAMS / "fused" / "rmsnorm_linear.prism", "--dims", "n=4,d=256",
+                          "-o", "-")
+    assert code == 0 and out.startswith("program rmsnorm_linear") and not (tmp_path / "-").exists()

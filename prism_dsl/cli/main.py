@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _program_options(sh)
     _kernel_options(sh)
     sh.add_argument("--format", choices=("text", "dot", "svg", "png"), default="text", help="default: text")
-    sh.add_argument("-o", "--output", metavar="FILE", help="write the picture (or text) here instead of stdout")
+    sh.add_argument("-o", "--output", metavar="FILE", help="write the picture (or text) here instead of stdout ('-')")
     sh.set_defaults(run=cmd_show)
 
     co = sub.add_parser("compile", help="superoptimize a program: search fused kernels, prove, tune, render CUDA C",
@@ -481,10 +481,10 @@ def cmd_show(args) -> int:
     from .show import render
 
     program = load(args.file).program(args.program)
-    if args.output:
+    if args.output not in (None, "-"):
         check_writable(args.output)
     text, ok, note = render(program, args.dims, args.grid, args.loop, args.hardware, args.format)
-    if args.output:
+    if args.output not in (None, "-"):
         write_bytes(args.output, text if isinstance(text, bytes) else text.encode())
         print(f"{program.name}: {args.format} -> {args.output}")
     elif isinstance(text, bytes):
