@@ -288,9 +288,10 @@ def test_run_failing_save_inputs_leaves_no_output(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     ([], "required: COMMAND"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["compile", RMSNORM, "-o", "out", "--jobs", "x"], "(see 'prismc compile --help')"),
     (["check"], "required: FILE"),
     (["run", RMSNORM], "required: --out"),
-    (["run", RMSNORM, "--out", "x.npz", "--seed", "x"], "expected a non-negative integer, got 'x'"),
+    (["run", RMSNORM, "--out", "x.npz", "--seed", "x"], "expected a non-negative integer, got 'x'\n(see 'prismc run --help')"),
     (["run", RMSNORM, "--out", "x.npz", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["run", RMSNORM, "--out", "x.npz", "--inputs", "in.npz", "--seed", "3"], "not allowed with argument --inputs"),
     (["run", RMSNORM, "--out", "x.npz", "--seed", "-5"], "expected a non-negative integer, got '-5'"),

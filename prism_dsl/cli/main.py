@@ -28,7 +28,7 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print and exit; keep control in main()
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog}: {message}\n(see '{self.prog} --help')")  # a command's own page
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        print(f"{e}\n(see 'prismc --help')", file=sys.stderr)
+        print(e, file=sys.stderr)
         return EXIT_USAGE
     except SystemExit as e:  # --help
         return int(e.code or 0)
