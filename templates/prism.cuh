@@ -167,10 +167,15 @@ __device__ __forceinline__ int causal_end(int last, int step, int loop) {
     return last < 0 ? 1 : (last / step + 1 < loop ? last / step + 1 : loop);
 }
 
-// exp(old - new) for a running max that grew from `old` to `new`; 0 when nothing was seen yet.
-template <class R> __device__ __forceinline__ R rescale(R old_max, R new_max) {
-    return old_max == -R(INFINITY) ? R(0) : exp_(old_max - new_max);
+// exp(a - b), 0 where a is -inf: a score a causal mask removed, or a running max that has seen nothing yet. Where
+// every score of a row so far was masked (a key tile or a split's piece wholly past the row's last key), b is -inf
+// too and exp(a - b) would be NaN: online softmax's terms and rescalings go through this (ir/accumulators.py).
+template <class R> __device__ __forceinline__ R exp_minus(R a, R b) {
+    return a == -R(INFINITY) ? R(0) : exp_(a - b);
 }
+
+// exp(old - new) for a running max that grew from `old` to `new`; 0 when nothing was seen yet.
+template <class R> __device__ __forceinline__ R rescale(R old_max, R new_max) { return exp_minus(old_max, new_max); }
 
 // Online softmax in registers moves a row's running max lazily: only where the row's new scores pass the max its
 // exps are taken from by more than kLazyMax (8 ln 2), so that every exp stays under 2^8, far inside f16's and

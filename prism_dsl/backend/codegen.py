@@ -347,7 +347,7 @@ class Emitter(TensorCoreSteps, RowParts):
                          f"{m}[row] = part;"], comment(f"online softmax over {name}: running row max, rescaling factor, p"))
         at = decompose("row", shape[:-1], "i")[1] + ["j"]
         steps = [step | {"before": [f"const real old = {m}[row];"], "init": "old",
-                         "each": [f"{p}[{offset(at, shape)}] = prism::exp_({self.read(s, at)} - part);"]}]
+                         "each": [f"{p}[{offset(at, shape)}] = prism::exp_minus({self.read(s, at)}, part);"]}]
         p_at = [lambda idx: self.at(g["p"], idx)]
         for acc in (u for u in users if ACCUMULATORS[u.op].online == "softmax"):  # a row sum: in registers (`row_parts`)
             steps.append(self.row_parts(acc, p_at[0], scale) if ACCUMULATORS[acc.op].row else

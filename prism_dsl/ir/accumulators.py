@@ -41,28 +41,34 @@ def _row(f):
 _rowsum, _rowmax = _row(np.sum), _row(np.max)
 
 
-def _rescale(m_old: np.ndarray, m_new: np.ndarray) -> np.ndarray:
-    """exp(m_old - m_new), with 0 where nothing was seen yet (m_old = -inf)."""
+def _exp_minus(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """exp(a - b), with 0 where a is -inf: a running max that has seen nothing yet, or a score a causal mask
+    removed. Where a row's every score so far was masked (a key tile, or a split's piece, wholly past its last
+    key), b is -inf too and exp(a - b) would be NaN; the row then holds 0 (sum and output), and its running max
+    -inf, until a score reaches it (`prism::exp_minus`)."""
     with np.errstate(invalid="ignore"):
-        return np.where(np.isneginf(m_old), 0.0, np.exp(m_old - m_new))
+        return np.where(np.isneginf(a), 0.0, np.exp(a - b))
+
+
+_rescale = _exp_minus  # exp(m_old - m_new): what was folded so far, to the grown max
 
 
 def _softmax_sum_step(state: State, s: np.ndarray) -> State:
     m, l = state
     m_new = np.maximum(m, _rowmax(s))
-    return m_new, l * _rescale(m, m_new) + _rowsum(np.exp(s - m_new))
+    return m_new, l * _rescale(m, m_new) + _rowsum(_exp_minus(s, m_new))
 
 
 def _softmax_out_step(state: State, s: np.ndarray, v: np.ndarray) -> State:
     m, o = state
     m_new = np.maximum(m, _rowmax(s))
-    return m_new, o * _rescale(m, m_new) + np.matmul(np.exp(s - m_new), v)
+    return m_new, o * _rescale(m, m_new) + np.matmul(_exp_minus(s, m_new), v)
 
 
 def _rescaled_step(state: State, m: np.ndarray, x: np.ndarray) -> State:
     big, acc = state
     big_new = np.maximum(big, m)
-    return big_new, acc * _rescale(big, big_new) + np.exp(m - big_new) * x
+    return big_new, acc * _rescale(big, big_new) + _exp_minus(m, big_new) * x
 
 
 def _last(shape):
@@ -172,7 +178,7 @@ ACCUMULATORS: dict[str, Accumulator] = {
                     lambda m, x: (np.full(np.broadcast_shapes(m, x), -np.inf), np.zeros(np.broadcast_shapes(m, x))),
                     _rescaled_step, lambda st: st[1], lambda b, m, x: x, combining_only=True, state=("m", "acc"),
                     cuda_fold=("const real mv = {0}, mo = {m}[e], mn = prism::max_(mo, mv);",
-                               "{acc}[e] = {acc}[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * {1};",
+                               "{acc}[e] = {acc}[e] * prism::rescale(mo, mn) + prism::exp_minus(mv, mn) * {1};",
                                "{m}[e] = mn;")),
     )
 }

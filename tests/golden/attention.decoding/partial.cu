@@ -146,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 }
                 part = prism::warp_max(part);
                 if (const int j = lane; j < 16) {
-                    s_a3_p[j] = prism::exp_(s_v2[j] - part);
+                    s_a3_p[j] = prism::exp_minus(s_v2[j], part);
                 }
                 if (lane == 0) {
                     s_a3_scale[row] = prism::rescale(old, part);
@@ -327,14 +327,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
             if (const int e = PRISM_TID; e < 64) {
                 const int i4 = e;
                 const real mv = s_mt[0], mo = s_a2_max[e], mn = prism::max_(mo, mv);
-                s_a2[e] = s_a2[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_pt[i4];
+                s_a2[e] = s_a2[e] * prism::rescale(mo, mn) + prism::exp_minus(mv, mn) * s_pt[i4];
                 s_a2_max[e] = mn;
             }
             __syncthreads();
             // acc_rescaled_sum(mt, lt)  [1, 1, 1, 1, 1]
             if (const int e = PRISM_TID; e < 1) {
                 const real mv = s_mt[0], mo = s_a4_max[e], mn = prism::max_(mo, mv);
-                s_a4[e] = s_a4[e] * prism::rescale(mo, mn) + prism::exp_(mv - mn) * s_lt[0];
+                s_a4[e] = s_a4[e] * prism::rescale(mo, mn) + prism::exp_minus(mv, mn) * s_lt[0];
                 s_a4_max[e] = mn;
             }
         }
