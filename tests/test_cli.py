@@ -289,6 +289,8 @@ def test_run_failing_save_inputs_leaves_no_output(capsys, tmp_path):
     ([], "required: COMMAND"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["compile", RMSNORM, "-o", "out", "--jobs", "x"], "(see 'prismc compile --help')"),
+    (["compile", RMSNORM, "-o", "out", "--grid", "x=4", "--grid", "x=8"], "argument --grid: 'x' given twice"),
+    (["run", RMSNORM, "--out", "x.npz", "--loop", "4", "--loop", "8"], "every kernel's loop range given twice"),
     (["check"], "required: FILE"),
     (["run", RMSNORM], "required: --out"),
     (["run", RMSNORM, "--out", "x.npz", "--seed", "x"], "expected a non-negative integer, got 'x'\n(see 'prismc run --help')"),
@@ -525,3 +527,13 @@ def test_show_to_dash_writes_to_stdout(capsys, tmp_path, monkeypatch):
     code, out, _ = prismc(capsys, "show", PROGRAMS / "fused" / "rmsnorm_linear.prism", "--dims", "n=4,d=256",
                           "-o", "-")
     assert code == 0 and out.startswith("program rmsnorm_linear") and not (tmp_path / "-").exists()
+
+
+def test_repeated_size_flags_are_merged():
+    """`--grid x=4 --grid z=2` is `--grid x=4,z=2`: a repeated flag kept only its last value."""
+    from prism_dsl.cli.main import build_parser
+
+    args = build_parser().parse_args(["compile", RMSNORM, "-o", "out", "--grid", "x=4", "--grid", "gz=2",
+                                      "--dims", "n=3", "--dims", "d=5", "--loop", "F=2", "--loop", "G=4"])
+    assert args.grid == {"x": 4, "gz": 2} and args.dims == {"n": 3, "d": 5} and args.loop == {"F": 2, "G": 4}
+    assert build_parser().parse_args(["compile", RMSNORM, "-o", "out"]).grid == {}

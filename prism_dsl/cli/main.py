@@ -17,7 +17,7 @@ from pathlib import Path
 from ..prove.egglog_runner import Limits
 from ..base.files import check_writable, write_bytes
 from ..base.errors import PrismError
-from .values import emulate_blocks, jobs, parse_dims, parse_loop, positive_int, seconds, whole
+from .values import Merged, emulate_blocks, jobs, parse_dims, parse_loop, positive_int, seconds, whole
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
 
@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "partial results and a combining kernel)")
     co.add_argument("--no-cache", action="store_true", help="neither read nor write the search checkpoint and tuning "
                     "database")
-    co.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
-    co.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges to use (64 or F=64)")
+    co.add_argument("--grid", type=parse_dims, action=Merged, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
+    co.add_argument("--loop", type=parse_loop, action=Merged, default={}, metavar="N", help="loop ranges to use (64 or F=64)")
     co.add_argument("--rank", choices=("model", "measure"), default="model",
                     help="how launch parameters and programs are ranked: 'model', by the cost model (default); "
                          "'measure', run, checked and timed on the GPU")
@@ -133,10 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "output element with the float64 reference of the program in the directory. "
                                     "Exit 0 when all agree, 1 otherwise.")
     ve.add_argument("directory", metavar="DIR")
-    ve.add_argument("--dims", type=parse_dims, default={},
+    ve.add_argument("--dims", type=parse_dims, action=Merged, default={},
                     help="other sizes (the kernels are then generated again from the directory's program)")
-    ve.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N", help="grid sizes, with --dims")
-    ve.add_argument("--loop", type=parse_loop, default={}, metavar="N", help="loop ranges, with --dims")
+    ve.add_argument("--grid", type=parse_dims, action=Merged, default={}, metavar="AXIS=N", help="grid sizes, with --dims")
+    ve.add_argument("--loop", type=parse_loop, action=Merged, default={}, metavar="N", help="loop ranges, with --dims")
     _emulation_options(ve)
     ve.add_argument("--seed", type=whole, default=0, help="seed for the random inputs and sampled blocks (default 0)")
     ve.set_defaults(run=cmd_verify)
@@ -164,13 +164,13 @@ def _emulation_options(p: argparse.ArgumentParser) -> None:
 def _program_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--program", help="which program of the file (needed when it has several)")
-    p.add_argument("--dims", type=parse_dims, default={}, help="sizes, e.g. n=16,d=1024")
+    p.add_argument("--dims", type=parse_dims, action=Merged, default={}, help="sizes, e.g. n=16,d=1024")
 
 
 def _kernel_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grid", type=parse_dims, default={}, metavar="AXIS=N",
+    p.add_argument("--grid", type=parse_dims, action=Merged, default={}, metavar="AXIS=N",
                    help="grid sizes of custom kernels: by axis (x=96) or by symbol (gx=96); the rest are chosen")
-    p.add_argument("--loop", type=parse_loop, default={}, metavar="N",
+    p.add_argument("--loop", type=parse_loop, action=Merged, default={}, metavar="N",
                    help="loop range of every custom kernel (64), or by symbol (F=64)")
     _hardware(p)
     _gone(p, "--target", "use --hardware NAME")

@@ -24,6 +24,18 @@ def parse_dims(text: str) -> dict[str, int]:
     return out
 
 
+class Merged(argparse.Action):
+    """`--grid x=4 --grid z=2` as `--grid x=4,z=2` (each flag's NAME=INT pairs merged; a name given twice is
+    refused), where a repeated flag would otherwise keep only its last value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        had = dict(getattr(namespace, self.dest, None) or {})
+        if twice := sorted(set(had) & set(values)):
+            what = "every kernel's loop range" if twice == [""] else ", ".join(repr(t) for t in twice)
+            raise argparse.ArgumentError(self, f"{what} given twice")
+        setattr(namespace, self.dest, {**had, **values})
+
+
 def parse_loop(text: str) -> dict[str, int]:
     """`64` (every kernel's loop) or `F=64[,G=8]` (named loop symbols)."""
     if _is_int(text.strip()):
