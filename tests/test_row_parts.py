@@ -131,7 +131,7 @@ def test_online_softmax_sums_its_row_in_registers_rescaled_each_iteration():
     source = next(k for k in built.kernels if k.name == "partial").source
     body = loop_of(source)
     assert re.search(r"r_a\d+\[q\] \*= s_a\d+_scale\[row\];", body) and "warp_sum" not in body
-    assert re.search(r"s_a\d+_p\[j\] = prism::exp_\(s_v\d+\[j\] - part\);", body) and "p = exp(" not in body
+    assert re.search(r"s_a\d+_p\[j\] = prism::exp_minus\(s_v\d+\[j\], part\);", body) and "p = exp(" not in body
     assert body.count("__syncthreads()") == 3  # the loop's top, after the scores, and after the max and p
     check = emulate(built, options)
     assert check.passed, check
