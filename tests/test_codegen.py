@@ -567,6 +567,63 @@ def test_offsets_into_tensors_past_an_ints_range_are_64_bit(monkeypatch):
         assert check.passed, check
 
 
+SUM_OF_SQUARES = """dims d = 8589934592
+program sumsq(X: f32[1, d]) {
+    kernel k grid(y = 256) loop(4096) {
+        xt = load X[:, y*loop]
+        store Y[:, :] += acc_sum_last(xt * xt)
+    }
+    return Y
+}
+"""
+
+
+def test_a_dim_past_an_ints_range_is_indexed_in_64_bit_before_each_product(monkeypatch):
+    """A vector of 2^33 elements: a block's start along it (`blockIdx.y * 33554432`) and a loop step
+    (`ahead * 8192`) wrap in 32 bits (block 128 read block 0's elements again) however their sum is cast
+    after, so each is widened before its own product; a causal mask's positions along such a dim likewise.
+    Emulated at small dims with every dim taken as past the range."""
+    from prism_dsl.backend import codegen, ctext
+    from prism_dsl.backend.ctext import address
+
+    assert address([["blockIdx.y * 33554432", "i1"]], (2**33,)) == "(long long)blockIdx.y * 33554432 + (long long)i1"
+    assert address([["b"], ["t * 4", "j"]], (2, 2**32)) == "(long long)(b) * 4294967296 + (long long)t * 4 + (long long)j"
+    program = load("sumsq.prism", SUM_OF_SQUARES).program()
+    source = build(program, H100, BuildOptions(archs=(), emulate=False)).kernels[0].source
+    assert "g_X + ((long long)blockIdx.y * 33554432 + (long long)i1) + k * 512 + (long long)ahead * 8192);" in source
+    if compiler():
+        for module in (ctext, codegen):
+            monkeypatch.setattr(module, "INT_MAX", 7)
+        program = load(ROOT / "programs/fused/causal_attention.prism").program()
+        small = BuildOptions(dims={"b": 1, "h": 2, "q": 64, "kv": 64, "dh": 64}, archs=())
+        built = build(program, H100, small)
+        assert "(long long)blockIdx" in built.kernels[0].source or "(long long)blk_" in built.kernels[0].source
+        check = emulate(built, small)
+        assert check.passed, check
+
+
+def test_a_tile_past_an_ints_range_of_elements_is_refused_where_it_is_stored():
+    """A block's threads walk a tile by one flat int index: an outer product whose block computes 57344 x 57344
+    elements (the grid pinned to one block) is refused at its store, not rendered to wrap."""
+    text = """dims n = 57344, m = 57344
+program outer(A: f16[n, 1], B: f16[1, m]) {
+    kernel k grid(x = gx) {
+        at = load A[x, :]
+        bt = load B[:, :]
+        store Y[x, :] = at * bt
+    }
+    return Y
+}
+"""
+    from prism_dsl.base.errors import PrismError
+
+    program = load("outer.prism", text).program()
+    gx = next(s for s in free_symbols(program) if s.name == "gx")
+    with pytest.raises(PrismError) as e:
+        instantiate_program(program, {**program.default_binding(), gx: 1}, H100)
+    assert "elements of one block's tile (m*n/gx) is 3288334336, above the limit of 2147483647" in str(e.value)
+
+
 def test_a_threads_copies_fall_a_fixed_distance_apart_where_the_tile_allows():
     """`copies.apart`: a thread's copies of a tile, one pass of the block's threads apart, written as its first
     copy's addresses plus k times one distance at each end; not where a pass carries into another dim, the

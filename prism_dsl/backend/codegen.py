@@ -44,7 +44,7 @@ from ..kernels.lifetimes import AFTER, in_use
 from ..kernels.position import causal_loop, longest_first, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
-from .ctext import CTYPE, address, block_names, comment, decompose, ident, offset, tensor_name, xor_column
+from .ctext import CTYPE, INT_MAX, address, block_names, comment, decompose, ident, offset, tensor_name, xor_column
 from .copies import TensorMap, load_step, tma_copies
 from .launch import CodegenConfig, dot_lanes, flash_values, layout, stage_elements
 from .row_parts import RowParts, held_in_registers
@@ -179,7 +179,9 @@ class Emitter(TensorCoreSteps, RowParts):
             return "", self.shape(node)[dim]
         full, dm = whole(self.shape, self.k, o), o.dm
         piece = full // dict(self.c.grid)[dm.axis] if dm.axis else full
-        parts = ([f"(int){self.blk}{dm.axis} * {piece}"] if dm.axis else []) + ([f"it * {piece // self.c.loop}"] if dm.loop else [])
+        wide = "(long long)" if full - 1 > INT_MAX else ""  # signed, as the masks' offsets are; 64-bit past an int
+        parts = (([f"{wide or '(int)'}{self.blk}{dm.axis} * {piece}"] if dm.axis else [])
+                 + ([f"{wide}it * {piece // self.c.loop}"] if dm.loop else []))
         return "".join(f" + {p}" for p in parts), full
 
     def loop_end(self) -> str | None:

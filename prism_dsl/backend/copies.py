@@ -148,14 +148,15 @@ class TensorMap:
 
 
 def boxed(c: Concrete, tile: Node) -> bool:
-    """Whether TMA can copy a loaded tile into wgmma's swizzle: a box of at most MAX_BOX rows per 64 columns."""
+    """Whether TMA can copy a loaded tile into wgmma's swizzle: a box of at most MAX_BOX rows per 64 columns, in a
+    tensor whose every dim its signed 32-bit coordinates reach."""
     if tile.op != "tile":
         return False
     src = c.kernel.inputs[c.kernel.load(tile.attr).source]
     shape, full = c.shape(tile), c.shape(src)
     return (storage(src).bytes == 2 and len(shape) >= 2 and len(full) <= MAX_RANK and all(s == 1 for s in shape[:-2])
             and shape[-2] <= MAX_BOX and shape[-2] % 8 == 0 and shape[-1] % SWIZZLE_COLUMNS == 0
-            and full[-1] * storage(src).bytes % 16 == 0)
+            and full[-1] * storage(src).bytes % 16 == 0 and max(full) - 1 <= INT_MAX)
 
 
 def copied_by_tma(c: Concrete, staged: set[str], swizzled: frozenset[str], config) -> frozenset[str]:

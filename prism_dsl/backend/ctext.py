@@ -12,11 +12,11 @@ import math
 import re
 
 from ..ir.nodes import DType, Node
+from ..kernels.constraints import INT_MAX
 from ..kernels.kernel import Kernel
 from ..kernels.position import launch_order, longest_first
 
 CTYPE = {DType.F16: "half", DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.F64: "double"}
-INT_MAX = 2**31 - 1  # the largest offset the generated code computes in int
 
 
 def ident(text: str) -> str:
@@ -70,12 +70,18 @@ def decompose(var: str, shape: tuple[int, ...], prefix: str) -> tuple[list[str],
 def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
     """Row-major offset in a tensor of `shape` whose index in each dim is the sum of that dim's `parts`: in int
     arithmetic, or in 64-bit where the tensor has more elements than an int counts (a long-context key cache:
-    b = 64, h = 8, kv = 131072, dh = 128 is 2^33), each dim's index widened before it meets its stride."""
+    b = 64, h = 8, kv = 131072, dh = 128 is 2^33), each dim's index widened before it meets its stride. In a
+    dim that an int cannot index (a vector of 2^33 elements), each part is widened before its own product:
+    `blockIdx.y * 33554432` wraps in 32 bits at block 128 however its sum is cast after."""
     wide = math.prod(shape) - 1 > INT_MAX  # the last element's offset
     terms = []
-    for p, stride in zip(parts, _strides(shape)):
+    for p, size, stride in zip(parts, shape, _strides(shape)):
         if p and stride:
             term = " + ".join(p)
+            if size - 1 > INT_MAX:
+                term = " + ".join(f"(long long){x}" for x in p)
+                terms.append(term if stride == 1 else f"({term}) * {stride}")
+                continue
             if wide:
                 terms.append(f"(long long)({term})" + ("" if stride == 1 else f" * {stride}"))
                 continue

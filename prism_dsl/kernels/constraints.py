@@ -1,8 +1,9 @@
 """Constraints on a kernel's symbols, and instantiation: binding every symbol for a GPU.
 
 Each kernel brings conditions, as data (`Constraint`): grid sizes and the loop range at least 1, grid
-axes within the hardware's limits, every split tile dim a whole number, and the shared memory that the
-fusion plan allocates within the hardware's per-block limit. `instantiate` checks them all and returns a
+axes within the hardware's limits, every split tile dim a whole number, every tile a block computes within
+what the generated code counts in an int (INT_MAX elements), and the shared memory that the fusion plan
+allocates within the hardware's per-block limit. `instantiate` checks them all and returns a
 `Concrete` kernel or every violation in words; `valid` answers the same question compiled, for tuning.
 The shared-memory bound holds however the code is generated; the backend, which knows what its layout
 keeps in registers, may instead have the kernel's generated shared memory checked (`instantiate`'s
@@ -78,7 +79,7 @@ def _positive(e: sympy.Expr) -> bool:
 class Constraint:
     """One condition on the symbols, as data: `what` in words, and how to test it under an assignment."""
 
-    kind: str  # "divides", "smem", "grid", "positive"
+    kind: str  # "divides", "smem", "grid", "elements", "positive"
     expr: sympy.Expr  # for "divides": the quotient that must be an integer; else the value to bound
     limit: int | None
     what: str
@@ -94,6 +95,9 @@ class Constraint:
         if self.kind == "positive":
             return None if v >= 1 else f"{self.what} must be at least 1, got {shown}"
         return f"{self.what} is {int(v)}, above the limit of {self.limit}" if v > self.limit else None
+
+
+INT_MAX = 2**31 - 1  # the generated code counts a block's elements, and offsets in tensors an int reaches, in int
 
 
 @cache
@@ -114,6 +118,10 @@ def constraints(kernel: Kernel, hardware: Hardware) -> list[Constraint]:
                              + ([f"the loop ({kernel.loop_range})"] if dm.loop else []))
             out.append(Constraint("divides", tile_dim(size, dm, kernel), None,
                                   f"kernel '{kernel.name}': tile '{load.tile}' splits dim {i} of size {size} by {by}"))
+    # a block's threads walk each tile by one flat int index (a tile of 57344 x 57344 elements wraps it)
+    for elements in dict.fromkeys(sympy.Mul(*n.shape) for n in kernel.body()):
+        out.append(Constraint("elements", elements, INT_MAX,
+                              f"kernel '{kernel.name}': elements of one block's tile ({elements})"))
     out.append(Constraint("smem", shared_memory(kernel), hardware.smem_per_block,
                           f"kernel '{kernel.name}': shared memory per block (bytes)"))
     return out
