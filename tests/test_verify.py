@@ -95,6 +95,22 @@ def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
     (lambda d: _edit_report(d, dims={"n": "eight"}), "(missing or malformed: dims)"),
     (lambda d: _edit_report(d, kernels=[{"file": 3}]), "(missing or malformed: kernels)"),
     (lambda d: _edit_report(d, hardware={"name": "b200"}), "unknown hardware 'b200'"),
+    # a hand-edited launch: what the emulation or its harness would take, refused in words
+    (lambda d: _edit_kernel(d, block=[0, 1, 1]), "(missing or malformed: kernels)"),
+    (lambda d: _edit_kernel(d, block=[128]), "(missing or malformed: kernels)"),
+    (lambda d: _edit_kernel(d, block=[128, "a", 1]), "(missing or malformed: kernels)"),
+    (lambda d: _edit_kernel(d, smem_bytes=None), "(missing or malformed: kernels)"),
+    (lambda d: _edit_kernel(d, smem_bytes=1.5), "(missing or malformed: kernels)"),
+    (lambda d: _edit_kernel(d, smem_bytes=-5), "(missing or malformed: kernels)"),
+    (lambda d: _edit_kernel(d, smem_bytes=10**15), "bytes of shared memory, more than the H100 takes"),
+    (lambda d: _edit_kernel(d, block=[1024, 2, 1]), "with 2048 threads"),
+    (lambda d: _edit_report(d, parameters={"gx": 0}), "(missing or malformed: parameters)"),
+    (lambda d: _edit_report(d, parameters={"zz": 3}), "names what its program does not have (zz)"),
+    # the files the GPU runs besides the kernels: as prismc writes them for these kernels, or said
+    (lambda d: _edit(d / "launcher.py", "'block': [128, 1, 1]", "'block': [64, 1, 1]"),
+     "launcher.py' is not what prismc writes for the kernels"),
+    (lambda d: (d / "prism_runtime.py").write_text("garbage("), "prism_runtime.py' is not what prismc writes"),
+    (lambda d: (d / "cuda_plan.py").unlink(), "cuda_plan.py' is missing"),
     (lambda d: (d / "rmsnorm_matmul.cu").unlink(), "is missing"),
     (lambda d: (d / "rmsnorm_matmul.cu").write_text("this is not C++\n"), "do not compile for the CPU emulation"),
     (lambda d: (d / "rmsnorm_linear.prism").write_text("program ("), "rmsnorm_linear.prism:1:"),
@@ -118,6 +134,19 @@ def _edit_header(directory: Path, old: str, new: str) -> None:
 def _edit_report(directory: Path, **changes) -> None:
     path = directory / "report.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _edit_kernel(directory: Path, **changes) -> None:
+    """The first kernel's entry in report.json changed (None: the key removed)."""
+    report = json.loads((directory / "report.json").read_text())
+    kernel = {**report["kernels"][0], **changes}
+    report["kernels"][0] = {k: v for k, v in kernel.items() if v is not None}
+    (directory / "report.json").write_text(json.dumps(report))
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
 
 
 def test_verify_a_missing_directory_and_dims_the_kernels_cannot_take(capsys, tmp_path, out):

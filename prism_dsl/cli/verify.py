@@ -22,7 +22,7 @@ from ..backend.codegen import HEADER, CodegenConfig
 from ..base import files
 from ..base.errors import PrismError
 from ..kernels.hardware import load_hardware
-from ..kernels.kernel import kernels_of
+from ..kernels.kernel import free_symbols, kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
 from ..pipeline.build import BuildOptions, build, check_inputs, plan_of, price, reference_outputs, tolerance_of
@@ -33,17 +33,19 @@ def _well_formed(report) -> list[str]:
     """What of a report.json verify needs is missing or malformed (names of keys)."""
     if not isinstance(report, dict):
         return ["the whole file"]
-    def ints(d):
-        return isinstance(d, dict) and all(isinstance(k, str) and type(v) is int for k, v in d.items())
+    def positive(d):
+        return isinstance(d, dict) and all(isinstance(k, str) and type(v) is int and v >= 1 for k, v in d.items())
+    def launch(k):  # a block of three positive sizes, and bytes of shared memory
+        return (isinstance(k, dict) and isinstance(k.get("file"), str) and isinstance(k.get("block"), list)
+                and len(k["block"]) == 3 and all(type(b) is int and b >= 1 for b in k["block"])
+                and type(k.get("smem_bytes")) is int and k["smem_bytes"] >= 0)
     kernels = report.get("kernels")
     checks = {
         "program": isinstance(report.get("program"), str),
         "hardware": isinstance(report.get("hardware"), dict) and isinstance(report["hardware"].get("name"), str),
-        "dims": ints(report.get("dims")),
-        "parameters": ints(report.get("parameters")),
-        "kernels": isinstance(kernels, list) and all(
-            isinstance(k, dict) and isinstance(k.get("file"), str) and isinstance(k.get("block"), list)
-            and k["block"] and type(k["block"][0]) is int for k in kernels),
+        "dims": positive(report.get("dims")),
+        "parameters": positive(report.get("parameters")),
+        "kernels": isinstance(kernels, list) and all(launch(k) for k in kernels),
     }
     return [key for key, ok in checks.items() if not ok]
 
@@ -133,12 +135,16 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     hardware = load_hardware(report["hardware"]["name"])
     compiled_dims = report["dims"]
     on_disk = (not dims or {**compiled_dims, **dims} == compiled_dims) and not grid and not loop
+    names = ({s.name for s in free_symbols(program)}, {d.symbol.name for d in program.dims})
+    if unknown := sorted(set(report["parameters"]) - names[0]) + sorted(set(compiled_dims) - names[1]):
+        raise PrismError(f"'{directory}/report.json' names what its program does not have ({', '.join(unknown)}): "
+                         "the directory was changed after it was compiled")
     options = BuildOptions(dims={**compiled_dims, **dims}, grid=grid, loop=loop,
                            params=report["parameters"] if on_disk else {}, archs=(), codegen=_codegen(report))
     built = build(program, hardware, options)
     header = None
     if on_disk:
-        built, header = _as_on_disk(built, directory, report)
+        built, header = _as_on_disk(built, directory, report, hardware)
     return built, header, on_disk, source
 
 
@@ -154,8 +160,9 @@ def _codegen(report: dict) -> CodegenConfig:
     return CodegenConfig(threads=report["kernels"][0]["block"][0] if report["kernels"] else 128)
 
 
-def _as_on_disk(built, directory: Path, report: dict):
-    """The build with each kernel's source, and the header, as DIR holds them."""
+def _as_on_disk(built, directory: Path, report: dict, hardware):
+    """The build with each kernel's source, and the header, as DIR holds them; launched as report.json says, which
+    must be launchable on `hardware` and what DIR's launcher launches (`_runs_as_built`)."""
     listed = [k["file"] for k in report["kernels"]]
     mine = [k.file for k in built.kernels]
     if listed != mine:
@@ -168,9 +175,31 @@ def _as_on_disk(built, directory: Path, report: dict):
         raise PrismError(f"'{directory / HEADER}' is from another version of prismc ({why}): compile the program again")
     # launched as compiled: the options the directory was written with (--threads, --no-wgmma, ...) decide
     # the block and its shared memory, which a build with the defaults may not share
+    for r in report["kernels"]:
+        threads, smem = r["block"][0] * r["block"][1] * r["block"][2], r["smem_bytes"]
+        if threads > hardware.max_threads_per_block or smem > hardware.smem_per_block:
+            raise PrismError(f"'{directory}/report.json' launches {r['file']} with {threads} threads and {smem} bytes "
+                             f"of shared memory, more than the {hardware.name} takes ({hardware.max_threads_per_block}; "
+                             f"{hardware.smem_per_block}): the directory was changed after it was compiled")
     kernels = tuple(replace(k, source=_text(directory / k.file), block=tuple(r["block"]), smem=r["smem_bytes"])
                     for k, r in zip(built.kernels, report["kernels"]))
-    return replace(built, kernels=kernels), header
+    built = replace(built, kernels=kernels)
+    _runs_as_built(built, directory)
+    return built, header
+
+
+def _runs_as_built(built, directory: Path) -> None:
+    """DIR's launcher and runtime are those this prismc writes for these kernels (the launcher's plan holds each
+    kernel's grid, block and shared memory, what the GPU is given): the emulation checks the kernels as the
+    launcher launches them, or says that it cannot."""
+    from ..pipeline.output import contents
+
+    written = contents(built, {})
+    for name in ("launcher.py", "prism_runtime.py", "cuda_plan.py"):
+        if _text(directory / name) != written[name]:
+            raise PrismError(f"'{directory / name}' is not what prismc writes for the kernels of '{directory}' (edited, "
+                             "or from another version of prismc): its launches are not checked; compile the program "
+                             "again")
 
 
 def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool) -> str:
