@@ -135,6 +135,16 @@ def test_edited_checkpoint_program_is_proved_again_and_replaced(cache_dir, capsy
     assert code == 0 and err == "" and again["search"]["from_checkpoint"] and again["proved"] is True
 
 
+def test_a_checkpoints_programs_are_not_said_to_be_proved_by_this_run(cache_dir, capsys, tmp_path):
+    """The summary says where the count comes from: the run that saved the checkpoint proved them; this one
+    proved its choice again (a program appended to the entry by hand is never counted as proved here)."""
+    code = main(["compile", str(SOURCE), "-o", str(tmp_path / "out"), "--dims", "n=8,d=128", "--arch", "none",
+                 "--no-emulate"])
+    out = capsys.readouterr().out
+    assert code == 0 and "programs from the checkpoint (proved when it was saved; the chosen one again now)" in out
+    assert "proved programs (from the checkpoint)" not in out
+
+
 def test_checkpoint_choice_is_proved_in_this_run(cache_dir, library, source):
     out = optimize(source, library, H100, bind_dims(source, OTHER))
     assert out.from_checkpoint and out.best.proved

@@ -258,9 +258,12 @@ def summary(report: Report, out: Path) -> str:
 
 def _search_lines(s: Searched) -> list[str]:
     sr = s.search
-    how = "from the checkpoint" if sr["from_checkpoint"] else (
-        "complete" if sr["complete"] else f"cut short ({sr['stopped']}): best so far")
-    lines = [f"  search: {sr['proved_programs']} proved programs ({how}), {sr['jobs']} prover processes, "
+    found = f"{sr['proved_programs']} proved programs (" + (
+        "complete" if sr["complete"] else f"cut short ({sr['stopped']}): best so far") + ")"
+    if sr["from_checkpoint"]:  # this run proved the chosen one again; the rest were proved by the run that saved them
+        found = (f"{sr['proved_programs']} programs from the checkpoint (proved when it was saved; the chosen one "
+                 "again now)")
+    lines = [f"  search: {found}, {sr['jobs']} prover processes, "
              f"{s.search_seconds} s; best: {s.best} with {s.kernels_in_best} kernel(s)"
              + (" (the program as written: nothing faster was found)" if s.best_is_input else "")]
     if sr.get("errors"):

@@ -11,6 +11,7 @@ and ignored, and the search runs again.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -38,8 +39,15 @@ def structure(program: Program) -> str:
 
 
 def checkpoint_key(program: Program, library: Library, config: SearchConfig) -> str:
-    return cache.digest("search", SEARCH_VERSION, structure(program), *library.texts,
+    return cache.digest("search", SEARCH_VERSION, _code(), structure(program), *library.texts,
                         json.dumps(asdict(config), sort_keys=True))
+
+
+@functools.cache
+def _code() -> str:
+    """A digest of the code that searched and proved: a checkpoint of other code (a prover since fixed) is
+    searched again rather than offered."""
+    return cache.code_digest("search", "prove", "ir", "kernels", "semantics", "lang")
 
 
 def has_checkpoint(key: str) -> bool:
