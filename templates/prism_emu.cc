@@ -7,6 +7,10 @@
 
 #include <sys/mman.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <signal.h>
+#include <sys/prctl.h>
+#endif
 
 #include <algorithm>
 #include <cstdarg>
@@ -895,7 +899,19 @@ TensorMap tensor_map(const void* base, int elem, const std::vector<unsigned long
     _exit(2);
 }
 
+// On Linux the kernel kills the emulation when prismc, which started it, dies however it dies (a SIGKILL
+// included), so that no orphan goes on emulating for minutes. PRISM_PARENT is prismc's pid: a parent gone before
+// the request took effect leaves this process another parent.
+static void die_with_parent() {
+#if defined(__linux__)
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    const char* parent = std::getenv("PRISM_PARENT");
+    if (parent && std::atol(parent) != static_cast<long>(getppid())) _exit(2);
+#endif
+}
+
 int harness(int argc, char** argv, const std::vector<TensorEntry>& tensors, const std::vector<KernelEntry>& kernels) {
+    die_with_parent();
     if (argc != 2) harness_error("usage: emulate COMMANDS");
     FILE* in = std::fopen(argv[1], "r");
     if (!in) harness_error(std::string("cannot read ") + argv[1]);

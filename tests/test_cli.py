@@ -537,3 +537,25 @@ def test_repeated_size_flags_are_merged():
                                       "--dims", "n=3", "--dims", "d=5", "--loop", "F=2", "--loop", "G=4"])
     assert args.grid == {"x": 4, "gz": 2} and args.dims == {"n": 3, "d": 5} and args.loop == {"F": 2, "G": 4}
     assert build_parser().parse_args(["compile", RMSNORM, "-o", "out"]).grid == {}
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGHUP"), reason="SIGHUP is POSIX's")
+def test_sigterm_and_sighup_end_a_command_in_order():
+    """`timeout`'s SIGTERM and a closed terminal's SIGHUP end a command as an exception does (the workers
+    stopped, the scratch removed), with the shell's status for the signal; not as the default kill, which
+    leaves them."""
+    import signal
+    import time
+
+    from prism_dsl.cli import main as cli
+
+    replaced = cli._exit_on_signals()
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            with pytest.raises(SystemExit) as e:
+                os.kill(os.getpid(), signum)
+                time.sleep(5)  # the handler runs here, in the main thread
+            assert e.value.code == 128 + signum
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)

@@ -4,6 +4,10 @@ accesses), and the sampled check at large dims."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,7 @@ import pytest
 from prism_dsl.backend import emulate, sass
 from prism_dsl.backend.codegen import RenderedKernel, header_source
 from prism_dsl.ir.nodes import DType
+from test_trust_paths import dead_pid
 
 needs_cxx = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
 pytestmark = needs_cxx
@@ -284,6 +289,42 @@ F32_TYPES = {"X": DType.F32, "Y": DType.F32}
 def finding_of(body: str, tmp_path, threads=64, grid=(1, 1, 1), n=64, **kw) -> emulate.Finding | None:
     k = kernel(body, F32_IO, 1, grid=grid, threads=threads)
     return run(k, F32_TYPES, {"X": (n,), "Y": (n,)}, {"X": np.ones(n)}, tmp_path, **kw).finding
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (neither gone nor a zombie left for its new parent to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_the_emulation_dies_with_the_process_that_started_it(tmp_path):
+    """A prismc killed outright (SIGKILL, which no handler sees) leaves no emulation running on under init for the
+    minutes its timeout allows: the kernel kills it with its parent. Here it waits at its commands, a FIFO that
+    no one writes, under a parent that is killed; and one whose parent is already gone (PRISM_PARENT, the pid it
+    was started by, is not its parent's) stops at once."""
+    k = kernel("    g_Y[threadIdx.x] = g_X[threadIdx.x];", F32_IO, 1)
+    exe = emulate.build([k], F32_TYPES, {"X": (32,), "Y": (32,)}, tmp_path)
+    os.mkfifo(tmp_path / "commands.txt")
+    starter = ("import os, subprocess, sys, time\n"
+               f"child = subprocess.Popen([{str(exe)!r}, 'commands.txt'], cwd={str(tmp_path)!r}, "
+               "env={**os.environ, 'PRISM_PARENT': str(os.getpid())})\n"
+               "print(child.pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    emulation = int(parent.stdout.readline())
+    time.sleep(0.5)  # past its request for the signal: it waits to open the FIFO
+    assert _running(emulation)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _running(emulation) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(emulation)
+    orphan = subprocess.run([str(exe), "commands.txt"], cwd=tmp_path, capture_output=True, timeout=30,
+                            env={**os.environ, "PRISM_PARENT": str(dead_pid())})
+    assert orphan.returncode == 2
 
 
 def test_a_barrier_some_threads_skip_is_reported_not_a_hang(tmp_path):

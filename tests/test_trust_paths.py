@@ -6,6 +6,7 @@ Each test is the attack: the hostile path, archive, cache entry, import or size.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -218,6 +219,39 @@ def test_abandoned_temporary_directories_are_swept(tmp_path, monkeypatch):
         assert fresh.name.startswith(f"prism-emulate-prismc-{os.getpid()}-") and fresh.is_dir()
     assert not fresh.exists() and not left.exists() and other.exists()
     assert (tmp_path / f"prism-emulate-prismc-{dead}-fileabcd").exists()
+
+
+def test_a_compiler_keeps_its_temporary_files_in_the_scratch_directory(tmp_path):
+    """g++ and nvcc, killed on an interrupt before they remove their temporary files (a megabyte of assembly),
+    leave them in the build's scratch directory, which goes, not in the system's temporary directory."""
+    done = files.run_in([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"], tmp_path)
+    assert done.returncode == 0 and Path(done.stdout.strip()) == tmp_path.resolve()
+
+
+@pytest.mark.skipif(files.fcntl is None, reason="file locks (flock) are POSIX's")
+def test_a_scratch_directory_whose_process_another_pid_namespace_hides_is_kept(tmp_path, monkeypatch):
+    """A compile in another container sharing the temporary directory: its pid is none here, but it holds its
+    scratch directory's lock, so a compile here leaves the directory alone; once the lock is free, it is swept."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with files.temp_scratch("emulate") as theirs:  # held as the other process would hold it
+        hidden = theirs.rename(tmp_path / f"prism-emulate-prismc-{dead_pid()}-abcd1234")
+        with files.temp_scratch("emulate"):
+            assert hidden.is_dir() and (hidden / ".prismc-lock").is_file()
+        hidden.rename(theirs)
+    script = ("import sys, time\nfrom prism_dsl.base import files\nwith files.temp_scratch('emulate') as d:\n"
+              "    print(d, flush=True)\n    time.sleep(60)\n")
+    other = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        held = Path(other.stdout.readline().strip())
+        hidden = held.rename(tmp_path / f"prism-emulate-prismc-{dead_pid()}-efgh5678")
+        with files.temp_scratch("emulate"):
+            assert hidden.is_dir()
+    finally:
+        other.kill()
+        other.wait()
+    with files.temp_scratch("emulate"):  # its process gone, the lock with it
+        assert not hidden.exists()
 
 
 # -- run --inputs: hostile archives -----------------------------------------------------------------------
@@ -480,6 +514,53 @@ def test_unwritable_cache_directory_warns_once(own_cache, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("warning") == 1
     assert f"the cache directory {own_cache} cannot be written (permission denied); going on without saving" in err
+
+
+def test_a_full_disk_under_the_cache_warns_once(own_cache, monkeypatch, capsys):
+    """Every entry would fail alike where the disk is full: one warning, then no more tries (it was one a record)."""
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache, "rename_filled", full)
+    for i in range(20):
+        cache.write("sound", f"{i:064}", True)
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1
+    assert f"the cache directory {own_cache} cannot be written (no space left on device)" in err
+
+
+def test_a_relative_cache_home_is_ignored(monkeypatch, tmp_path):
+    """XDG_CACHE_HOME must be absolute (the XDG spec): a relative one would put the cache in the current directory."""
+    monkeypatch.delenv("PRISM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relcache")
+    assert cache.cache_dir() == tmp_path / ".cache" / "prism-dsl"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_dir() == tmp_path / "xdg" / "prism-dsl"
+
+
+def test_compile_refuses_an_output_that_holds_the_cache(capsys, tmp_path, monkeypatch):
+    """Said before the search, not after it (the whole directory is replaced, so it would take the cache along)."""
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "out" / "cache"))
+    code, _, err = prismc(capsys, "compile", RMSNORM, *FAST, "-o", tmp_path / "out")
+    assert code == 1 and f"cannot write to '{tmp_path / 'out'}': it holds prismc's cache" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_refuses_an_output_it_cannot_write(capsys, tmp_path, monkeypatch):
+    """A read-only output directory: refused before any work, rather than replaced with its old files left in a
+    copy beside it that could not be removed (one more each compile)."""
+    out = tmp_path / "out"
+    assert prismc(capsys, "compile", RMSNORM, *FAST, "-o", out)[0] == 0
+    out.chmod(0o555)
+    if os.geteuid() == 0:  # root writes there whatever the mode says: as a user who may not
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != out and access(path, mode, **kw))
+    try:
+        code, _, err = prismc(capsys, "compile", RMSNORM, *FAST, "-o", out)
+    finally:
+        out.chmod(0o755)
+    assert code == 1 and "it is not writable" in err and scratch_beside(tmp_path) == []
 
 
 def test_cache_temporary_files_of_killed_runs_are_removed(own_cache):

@@ -205,7 +205,7 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     runtime = runtime_object(cxx, flags, workdir)
     extra = _INSTRUMENT["clang++" if "clang" in _compiler_identity(cxx)[1] else "g++"] if sanitizer == "banks" else []
     cmd = [cxx, *flags, *extra, "-x", "c++", "harness.cpp", "-x", "none", runtime.name, "-o", exe.name]
-    done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+    done = files.run_in(cmd, workdir)
     if done.returncode != 0:
         raise PrismError("the generated kernels do not compile for the CPU emulation:\n" + _compiler_errors(done.stderr))
     return exe
@@ -239,8 +239,7 @@ def runtime_object(cxx: str, flags: Sequence[str], workdir: Path) -> Path:
     (workdir / RUNTIME_DEFINITIONS).write_text(text)
     if banks:
         (workdir / unit).write_text(runtime_source(unit))
-    done = subprocess.run([cxx, *flags, "-c", "-x", "c++", unit, "-o", obj.name], cwd=workdir,
-                          capture_output=True, text=True)
+    done = files.run_in([cxx, *flags, "-c", "-x", "c++", unit, "-o", obj.name], workdir)
     if done.returncode != 0:
         raise PrismError("the emulation's runtime does not compile:\n" + _compiler_errors(done.stderr))
     data = obj.read_bytes()
@@ -346,7 +345,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
 
 def _execute(exe: Path, workdir: Path, kernels: Sequence[RenderedKernel], timeout: float) -> tuple[Finding | None, str]:
     """What the emulation found (None: nothing), and what it printed on stdout."""
-    env = {**os.environ, **_ENV}
+    env = {**os.environ, **_ENV, "PRISM_PARENT": str(os.getpid())}  # the emulation dies with this process
     try:
         done = subprocess.run([str(exe), "commands.txt"], cwd=workdir, capture_output=True, text=True,
                               timeout=timeout, env=env)

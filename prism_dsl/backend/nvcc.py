@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+from ..base import files
 from ..base.errors import PrismError
 from .codegen import HEADER, RenderedKernel, header_source
 from .cuda_runtime import NVCC_OPTIONS
@@ -71,7 +71,7 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
         k, arch = job
         cubin = f"{k.name}.{arch}.cubin"
         cmd = [nvcc, "-cubin", f"-arch={kernel_arch(k, arch)}", *NVCC_OPTIONS, "-Xptxas", "-v", "-o", cubin, k.file]
-        done = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+        done = files.run_in(cmd, workdir)
         result = {"ok": done.returncode == 0, **ptxas_figures(done.stderr)}
         if done.returncode != 0:
             result["stderr"] = done.stderr[-4000:]

@@ -18,6 +18,7 @@ file beside a record that holds its SHA-256, which every use checks.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -45,7 +46,7 @@ def cache_dir() -> Path:
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "prism-dsl"
+    return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "prism-dsl"  # a relative one is ignored
 
 
 def digest(*parts: str) -> str:
@@ -167,7 +168,13 @@ def write(kind: str, key: str, value: Any) -> None:
     try:
         rename_filled(fd, tmp, path, lambda f: f.write(text.encode()))
     except OSError as e:
-        warn(path, f"not writable ({describe(e)})")
+        if e.errno in _FULL:  # every entry would fail alike: said once, and no more tries
+            unusable("write", describe(e))
+        else:
+            warn(path, f"not writable ({describe(e)})")
+
+
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # a full disk, a quota reached, a read-only file system
 
 
 def remove(kind: str, key: str) -> None:

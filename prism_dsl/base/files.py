@@ -23,12 +23,18 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 from .errors import PrismError
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: scratch directories are judged by their process's pid alone
+    fcntl = None
 
 MiB = 1 << 20
 MAX_TEXT_BYTES = 16 * MiB  # the largest text the tool reads: a source, a cache record, a report.json
@@ -57,7 +63,8 @@ def describe(e: OSError | ValueError) -> str:
         return "permission denied"
     if isinstance(e, NotADirectoryError):
         return "a part of the path is not a directory"
-    return e.strerror or str(e)
+    text = e.strerror or str(e)
+    return text[:1].lower() + text[1:]  # inside a sentence: "No space left on device" as "no space ..."
 
 
 def _kind(mode: int) -> str | None:
@@ -145,18 +152,53 @@ def scratch_pattern(prefix: str) -> re.Pattern:
     return re.compile(rf"{prefix}{TAG}-(?P<pid>\d+)-(?P<old>old-)?{_RANDOM}")
 
 
+_LOCK = ".prismc-lock"  # in a scratch directory: held (flock) by the process that works in it
+
+
 @contextmanager
 def temp_scratch(kind: str) -> Iterator[Path]:
     """A new private directory `prism-<kind>-prismc-<pid>-XXXXXXXX` under the system's temporary directory,
-    removed when the block ends; those that runs killed earlier left there are removed first."""
+    removed when the block ends; those that runs killed earlier left there are removed first.
+
+    Its process holds a lock on a file in it while it works: a run in another PID namespace (a container
+    sharing the temporary directory) cannot see that process, and takes the directory as abandoned only
+    where it can take the lock."""
     base = Path(tempfile.gettempdir())
     for stale in abandoned(base, scratch_pattern(re.escape(f"prism-{kind}-"))):
         shutil.rmtree(stale, ignore_errors=True)
     path = Path(tempfile.mkdtemp(prefix=scratch_prefix(f"prism-{kind}-"), dir=base))
+    lock = os.open(path / _LOCK, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+        os.close(lock)
+
+
+def _held(directory: str) -> bool:
+    """Whether a live process holds the lock of scratch directory `directory` (see `temp_scratch`)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(os.path.join(directory, _LOCK), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False  # none (a file entry, or a directory that is not temp_scratch's): judged by its pid alone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # and the lock taken with it
+
+
+def run_in(cmd: list[str], workdir: Path) -> subprocess.CompletedProcess:
+    """A compiler run in `workdir` with its output captured, its own temporary files there too (TMPDIR): one
+    stopped by a signal is killed before it can remove them, and they go with the workdir."""
+    env = {**os.environ, "TMPDIR": str(Path(workdir).resolve())}
+    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
 
 
 def process_gone(pid: int) -> bool:
@@ -190,7 +232,7 @@ def abandoned(directory: Path, pattern: re.Pattern, *, dirs: bool = True) -> lis
         except OSError:
             continue
         kind = stat.S_ISDIR(st.st_mode) if dirs else stat.S_ISREG(st.st_mode)
-        if kind and (not hasattr(os, "getuid") or st.st_uid == os.getuid()):
+        if kind and (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not (dirs and _held(entry.path)):
             found.append(Path(entry.path))
     return sorted(found)
 

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 10000))  # headroom for lark and sympy on big programs
-    on_term = _exit_on_sigterm()
+    replaced = _exit_on_signals()
     try:
         return args.run(args)
     except PrismError as e:
@@ -232,20 +232,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INPUT
     finally:
         sys.setrecursionlimit(limit)
-        if on_term is not None:
-            signal.signal(signal.SIGTERM, on_term)
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
 
 
-def _exit_on_sigterm():
-    """Turn SIGTERM (what `timeout` and CI runners send) into an orderly exit that stops the egglog
-    worker; returns the handler it replaced, or None where none can be set (not the main thread)."""
+def _exit_on_signals() -> dict:
+    """Turn SIGTERM (what `timeout` and CI runners send) and SIGHUP (a terminal closed) into an orderly exit
+    that stops the workers and removes scratch; the handlers replaced (none where none can be set: a thread)."""
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
     try:
-        return signal.signal(signal.SIGTERM, stop)
+        return {s: signal.signal(s, stop) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM))}
     except ValueError:
-        return None
+        return {}
 
 
 def cmd_check(args) -> int:

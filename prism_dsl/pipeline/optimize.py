@@ -383,12 +383,13 @@ def _ranked(futures, programs: list[Program], how: Choosing):
 
 
 def _ignore_interrupt() -> None:
-    """In a forked ranker: Ctrl-C is the parent's to handle, not each process's; SIGTERM ends it at once. The
-    handler the command line sets (`cli.main`: SIGTERM raises SystemExit) would otherwise come with the fork:
+    """In a forked ranker: Ctrl-C is the parent's to handle, not each process's; SIGTERM (SIGHUP) ends it at once.
+    The handler the command line sets (`cli.main`: SIGTERM raises SystemExit) would otherwise come with the fork:
     raised inside `rank`, the pool's worker catches it as the task's error and waits for the next task, on a
     queue whose lock a ranker killed with it may hold, and the parent's shutdown waits for that worker forever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:

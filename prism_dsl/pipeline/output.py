@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 from ..backend import cuda_runtime
 from ..backend.codegen import HEADER, header_source, template_env
-from ..base import files
+from ..base import cache, files
 from ..base.errors import PrismError
 from ..lang.printer import print_program
 from . import build
@@ -57,6 +57,13 @@ def check_output(out: Path) -> None:
     if target == here or target in here.parents:
         raise PrismError(f"cannot write to '{shown}': it holds the current directory, and prismc replaces its "
                          "output directory whole; give a directory inside it, e.g. -o out")
+    kept = cache.cache_dir().resolve()
+    if target == kept or target in kept.parents:
+        raise PrismError(f"cannot write to '{shown}': it holds prismc's cache ({kept}), and prismc replaces its "
+                         "output directory whole; give another directory, or move the cache (PRISM_CACHE_DIR)")
+    if os.path.isdir(out) and not os.access(out, os.W_OK | os.X_OK):  # what it holds could not be removed
+        raise PrismError(f"cannot write to '{shown}': it is not writable, and prismc replaces its output "
+                         "directory whole")
     if os.path.isdir(out) and (foreign := _foreign(target)):
         listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise PrismError(f"cannot write to '{shown}': it holds what prismc did not write ({listed}); prismc "

@@ -14,6 +14,7 @@ once and answers many (each query inside egglog's push/pop), restarting the work
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -113,7 +114,7 @@ class Session:
         self._proc = subprocess.Popen(
             # -P keeps the worker's folder off sys.path, where a module of ours could shadow a standard one.
             [sys.executable, "-P", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, bufsize=1,
+            stderr=subprocess.PIPE, text=True, bufsize=1, env={**os.environ, "PRISM_PARENT": str(os.getpid())},
         )
         self._lines = queue.Queue()
         self._stderr = []

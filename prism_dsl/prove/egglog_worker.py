@@ -62,7 +62,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent died before the request took effect
+    # the parent (PRISM_PARENT, its pid) died before the request took effect: this one has another now
+    if os.environ.get("PRISM_PARENT", str(os.getppid())) != str(os.getppid()):
         sys.exit(1)
 
 
