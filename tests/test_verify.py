@@ -189,3 +189,19 @@ def test_verify_launches_the_kernels_on_disk_as_they_were_compiled(capsys, tmp_p
     (out / "report.json").write_text(json.dumps(report))
     code, _, err = prismc(capsys, "verify", out, "--dims", "n=64")
     assert code != 0 and "codegen options in report.json are not prismc's" in err and "Traceback" not in err
+
+
+def test_verify_on_inputs_of_ones_own(capsys, out, tmp_path):
+    """A user's own activations (an outlier of 300 among standard normal values) instead of random ones: the
+    archive's arrays must have the shapes the kernels take, checked before its data is read."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 256))
+    x[3, 17] = 300.0
+    np.savez(tmp_path / "mine.npz", X=x, W=rng.standard_normal((256, 256)) * 0.05)
+    code, text, _ = prismc(capsys, "verify", out, "--inputs", tmp_path / "mine.npz")
+    assert code == 0 and f"on the inputs of {tmp_path / 'mine.npz'}" in text and "agrees" in text, text
+    np.savez(tmp_path / "other.npz", X=x[:, :128], W=rng.standard_normal((256, 256)))
+    code, _, err = prismc(capsys, "verify", out, "--inputs", tmp_path / "other.npz")
+    assert code == 1 and "input 'X' should have shape [8, 256]" in err and "Traceback" not in err

@@ -128,10 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     co.set_defaults(run=cmd_compile)
 
     ve = sub.add_parser("verify", help="check a compiled output directory again, its .cu files as they are on disk",
-                        description="Build the kernels of a directory `prismc compile -o` wrote, as they are on disk, in "
-                                    "the thread-faithful CPU emulation; run them on random inputs and compare every "
-                                    "output element with the float64 reference of the program in the directory. "
-                                    "Exit 0 when all agree, 1 otherwise.")
+                        description="Build the kernels of a directory `prismc compile -o` wrote, as they are on disk, in the "
+                        "thread-faithful CPU emulation; run them on random inputs (or --inputs) and compare every output "
+                        "element with the float64 reference of the program in the directory. Exit 0 when all agree, 1 otherwise.")
     ve.add_argument("directory", metavar="DIR")
     ve.add_argument("--dims", type=parse_dims, action=Merged, default={},
                     help="other sizes (the kernels are then generated again from the directory's program)")
@@ -139,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--loop", type=parse_loop, action=Merged, default={}, metavar="N", help="loop ranges, with --dims")
     _emulation_options(ve)
     ve.add_argument("--seed", type=whole, default=0, help="seed for the random inputs and sampled blocks (default 0)")
+    ve.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name, of the sizes the kernels take")
     ve.set_defaults(run=cmd_verify)
 
     be = sub.add_parser("bench", help="time a program's kernels against PyTorch eager and torch.compile (needs a GPU)")

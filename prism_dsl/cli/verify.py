@@ -25,9 +25,10 @@ from ..kernels.hardware import load_hardware
 from ..kernels.kernel import free_symbols, kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
-from ..pipeline.build import BuildOptions, build, check_inputs, plan_of, price, reference_outputs, tolerance_of
+from ..pipeline.build import (BuildOptions, build, check_inputs, dims_of, plan_of, price, reference_outputs,
+                              tolerance_of)
 from ..pipeline.report import EmulationCheck, widened
-from ..semantics.reference import check_sizes
+from ..semantics.reference import bind_dims, check_sizes
 
 def _well_formed(report) -> list[str]:
     """What of a report.json verify needs is missing or malformed (names of keys)."""
@@ -84,16 +85,25 @@ def verify(args) -> int:
     directory = Path(args.directory)
     built, header, on_disk, source = from_directory(directory, args.dims, args.grid, args.loop)
     check_sizes(built.source, built.binding)  # the float64 reference must fit in memory
-    inputs = check_inputs(built, args.seed)
+    inputs = _given(args.inputs, built) if args.inputs else check_inputs(built, args.seed)
     check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
                             rtol=tolerance_of(built, inputs), checked_against=f"program in {source}",
                             sanitizer=args.sanitize, extra=args.blocks, header=header)
-    print(_summary(check, directory, built, on_disk))
+    print(_summary(check, directory, built, on_disk, args.inputs))
     if args.banks and check.passed:
         counted = emulation.wavefronts(built, plan_of(built), inputs, seed=args.seed, header=header,
                                        extra=0 if args.blocks == "auto" else args.blocks)
         print(_banks(counted, priced_with(built, directory, on_disk, counted)))
     return 0 if check.passed else 1
+
+
+def _given(path: str, built) -> dict:
+    """The inputs of an .npz archive (rounded to their types, as `run --inputs` takes them), each of the shape the
+    kernels take at the dims verified, checked from its header before any data is read."""
+    from .npz import read_npz
+
+    dims = dims_of(built)
+    return read_npz(path, built.source, lambda headers: bind_dims(built.source, dims, headers))
 
 
 def priced_with(built, directory: Path, on_disk: bool, counted: dict):
@@ -202,11 +212,12 @@ def _runs_as_built(built, directory: Path) -> None:
                              "again")
 
 
-def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool) -> str:
+def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given: str | None = None) -> str:
     dims = ", ".join(f"{k}={v}" for k, v in check.emulation["dims"].items())
     how = ("the .cu files on disk" if on_disk else
            "kernels generated again from the program in the directory (the .cu files on disk hold other sizes)")
-    lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}: {how}",
+    lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}: {how}"
+             + (f", on the inputs of {given}" if given else ""),
              f"  emulated: {check.describe()}"]
     if check.finding:
         lines.append("  FAILED: " + emulator.Finding.from_dict(check.finding).text().replace("\n", "\n  "))
