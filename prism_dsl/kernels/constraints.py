@@ -118,8 +118,10 @@ def constraints(kernel: Kernel, hardware: Hardware) -> list[Constraint]:
                              + ([f"the loop ({kernel.loop_range})"] if dm.loop else []))
             out.append(Constraint("divides", tile_dim(size, dm, kernel), None,
                                   f"kernel '{kernel.name}': tile '{load.tile}' splits dim {i} of size {size} by {by}"))
-    # a block's threads walk each tile by one flat int index (a tile of 57344 x 57344 elements wraps it)
-    for elements in dict.fromkeys(sympy.Mul(*n.shape) for n in kernel.body()):
+    # a block's threads walk each tile by one flat int index (a tile of 57344 x 57344 elements wraps it); a tile
+    # with a shared buffer is bounded far below by the shared memory's limit
+    held = {b.node for b in plan(kernel).buffers}
+    for elements in dict.fromkeys(sympy.Mul(*n.shape) for n in kernel.body() if n not in held):
         out.append(Constraint("elements", elements, INT_MAX,
                               f"kernel '{kernel.name}': elements of one block's tile ({elements})"))
     out.append(Constraint("smem", shared_memory(kernel), hardware.smem_per_block,
