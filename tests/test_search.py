@@ -782,3 +782,20 @@ def test_an_error_while_the_rankers_run_stops_them_at_once(monkeypatch):
 def _die(i: int) -> None:
     """A forked ranker that dies (pickled by name, as the real one is)."""
     os._exit(3)
+
+
+@pytest.mark.parametrize("body, stable", [
+    ("Y = softmax(X) @ V", True),
+    ("E = exp(X - max(X, -1))\n    Y = (E / sum(E, -1)) @ V", True),  # a softmax written out: its exp is shifted
+    ("Y = exp(X) @ V", False),  # the input overflows where its exp does: nothing is asked
+    ("E = exp(X - max(X, -1))\n    Y = (E / sum(E, -1)) @ V + exp(X) @ V", False),
+    ("Y = sigmoid(X) @ V", False),
+])
+def test_a_softmax_written_out_asks_for_the_stable_form_as_softmax_does(body, stable):
+    """`exp_sub` turns exp(x - max(x)) / sum(...) back into exp(x) / sum(exp(x)): chosen so, a kernel gave NaN for
+    rows of values around 100 where the program as written gave its softmax (f32; f16 alike), and its check on
+    standard-normal inputs passed. A program whose every exp is of a max-shifted value asks for the stable form."""
+    from prism_dsl.search.generate import asks_stable
+
+    text = f"dims n = 16, d = 256, m = 64\nprogram p(X: f32[n, d], V: f32[d, m]) {{\n    {body}\n    return Y\n}}\n"
+    assert asks_stable(load("p.prism", text).program()) is stable

@@ -86,8 +86,7 @@ class Generator:
         self.program, self.graph, self.config, self.stats = program, graph, config, stats
         self.should_stop = should_stop
         self.atom_cache: dict = {}
-        # An input program written with softmax asks for the stable form: no exp of an unshifted value.
-        self.stable = any(n.op == "softmax" for n in program.nodes())
+        self.stable = asks_stable(program)
         self.memo: dict[Node, str | None] = {}
         self.wanted = [graph.outputs[name] for name, _ in program.outputs]
         self.seen: set = set()
@@ -427,6 +426,14 @@ def _redundant(a: np.ndarray, b: np.ndarray) -> bool:
         return True
     rest = b - (float(a @ b) / norm) * a
     return float(np.abs(rest).max()) <= 1e-9 * max(float(np.abs(b).max()), 1e-30)
+
+
+def asks_stable(program: Program) -> bool:
+    """Whether the search may offer only the stable form (no exp of an unshifted value, which overflows where the
+    input did not): for a program written with softmax, or whose every exp is of a max-shifted value (a softmax
+    written out, which `exp_sub` would otherwise turn back into a bare exp and a quotient)."""
+    exps = [n for n in program.nodes() if n.op == "exp"]
+    return any(n.op == "softmax" for n in program.nodes()) or bool(exps) and not any(map(_unstable, exps))
 
 
 def _unstable(node: Node) -> bool:
