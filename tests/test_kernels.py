@@ -672,6 +672,26 @@ def test_a_transposed_right_operand_stays_on_tensor_cores(write, tmp_path):
     assert not any(re.search(r"ldmatrix<\d, true>\([^,]+, s_[bdk]t ", s) for s in source.values())
 
 
+@pytest.mark.parametrize("body", [
+    "Y = A @ transpose(B * 2, -1, -2)",
+    "Y = A @ transpose(exp(B), -1, -2)",
+    "Y = transpose(A3, 0, 1) @ transpose(transpose(B3, 0, 1), -1, -2)",  # heads in the middle, token-major
+])
+def test_a_transposed_value_computed_first_is_stored_then_loaded_transposed(body, write, tmp_path, capsys):
+    """A product's right operand that transposes a computed value: the value is computed by a kernel of its
+    own and the product loads it transposed (it was fused into the transpose, which the product's load does,
+    so nothing computed it: a TypeError or AttributeError from the lowering)."""
+    text = (f"dims n = 16, m = 16, d = 32, h = 2\nprogram p(A: f32[n, d], B: f32[m, d], A3: f32[n, h, d], "
+            f"B3: f32[m, h, d]) {{\n    {body}\n    return Y\n}}\n")
+    from prism_dsl.backend.emulate import compiler
+
+    emulated = [] if compiler() else ["--no-emulate"]
+    code = main(["compile", str(write(text)), "--search", "none", "--arch", "none", "-o", str(tmp_path / "out"),
+                 *emulated])
+    out = capsys.readouterr().out
+    assert code == 0 and ("verified: yes" in out or emulated), out
+
+
 GAIN_BEFORE_PRODUCT = """# RMSNorm's gain applied to x inside the loop, before the projection (Llama's QKV, fused).
 dims n = 64, d = 256, e = 256
 program gain(X: f16[n, d], G: f16[d], W: f16[d, e]) {

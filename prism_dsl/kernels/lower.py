@@ -63,14 +63,16 @@ def lower(program: Program) -> Program:
     outputs = {id(node): name for name, node in reversed(program.outputs)}
     check_compilable(program)
 
+    def loaded_swapped(n: Node) -> bool:  # the products load the tile of its operand transposed
+        return _swaps_matrix(n) and id(n) not in outputs and all(OPS[u.op].kind is Kind.MATMUL for u in users[n])
+
     def materialized(n: Node) -> bool:
-        if n.op in ("input", "const", "kernel"):
+        if n.op in ("input", "const", "kernel") or loaded_swapped(n):
             return False
-        if _swaps_matrix(n) and id(n) not in outputs and all(OPS[u.op].kind is Kind.MATMUL for u in users[n]):
-            return False  # the product loads the tile transposed
         if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
             return True
-        return not (len(users[n]) == 1 and OPS[users[n][0].op].kind in _ELEMENTWISE)
+        # fused into its one user, unless that user is a transpose the products load: then it must be stored
+        return not (len(users[n]) == 1 and OPS[users[n][0].op].kind in _ELEMENTWISE and not loaded_swapped(users[n][0]))
 
     todo = [n for n in nodes if materialized(n)]
     if not todo:
