@@ -25,7 +25,7 @@ from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.backend.cuda_runtime import gpu_status
 from prism_dsl.kernels.hardware import load_hardware
-from prism_dsl.kernels.kernel import kernels_of
+from prism_dsl.kernels.kernel import free_symbols, kernels_of
 from prism_dsl.kernels.position import causal_loop
 from prism_dsl.kernels.lower import lower
 from prism_dsl.lang.printer import print_program
@@ -799,3 +799,21 @@ def test_a_softmax_written_out_asks_for_the_stable_form_as_softmax_does(body, st
 
     text = f"dims n = 16, d = 256, m = 64\nprogram p(X: f32[n, d], V: f32[d, m]) {{\n    {body}\n    return Y\n}}\n"
     assert asks_stable(load("p.prism", text).program()) is stable
+
+
+def test_dims_named_as_kernel_parameters_are_not_taken_for_them(library):
+    """A dim named F (or gx, gy) was the loop range (the grid size) of every kernel the search or the lowering
+    built: the search kept 2 of its 13 programs, and `--search none` found no valid parameters ('d/F_Y = 64/3')
+    for a matmul whose loop range took a dim's value. Kernel parameters are named apart from the dims."""
+    def program(dims: str, x: str, w: str):
+        return load("r.prism", f"dims {dims}\nprogram r(X: f16[{x}], W: f16[{w}]) {{\n"
+                    "    Y = rms_norm(X) @ W\n    return Y\n}\n").program()
+
+    clash = searched(program("gy = 8, gx = 256, F = 3", "gy, gx", "gx, gx"), library)
+    plain = searched(program("n = 8, d = 256, f = 3", "n, d", "d, d"), library)
+    assert len(clash.proved) == len(plain.proved) >= 10
+    dims = {"gy", "gx", "F"}
+    assert all(s.name not in dims for p in clash.proved for s in free_symbols(p))
+    lowered = lower(program("n = 8, d = 64, F_Y = 3", "n, d", "d, F_Y"))  # matmul_Y's loop range was F_Y
+    assert [d.name for d in lowered.dims] == ["n", "d", "F_Y"] and "F_Y" not in {s.name for s in free_symbols(lowered)}
+    assert "loop(F_Y_2)" in print_program(lowered)

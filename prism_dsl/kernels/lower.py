@@ -24,7 +24,7 @@ from dataclasses import replace
 import sympy
 
 from ..ir.nodes import Node, Program, dim_symbol
-from .kernel import AXES, DimMap, Kernel, Load, Store, TileMap, fresh_name, output_shape, tile_shape
+from .kernel import AXES, DimMap, Kernel, Load, Store, TileMap, free_symbols, fresh_name, output_shape, tile_shape
 from ..ir.ops import KERNEL_RANK, OPS, Kind
 from ..ir.shapes import build, padded, rebuild, same
 from ..base.errors import PrismError
@@ -82,6 +82,7 @@ def lower(program: Program) -> Program:
     names = dict(program.names)
     taken = {n.attr for n in program.inputs} | {name for name, _ in program.outputs} | set(program.names.values())
     rebuilt: dict[int, object] = {}  # custom kernels re-pointed at lowered operands, by id of the original
+    params = {d.name for d in program.dims} | {s.name for s in free_symbols(program)}  # names the new ones avoid
     i = -1  # the position in `todo`, for fresh names
     for n in nodes:
         if n.op == "kernel" and any(a in lowered for a in n.args):
@@ -99,7 +100,7 @@ def lower(program: Program) -> Program:
         if store is None or (store in taken and id(n) not in outputs and program.names.get(n) != store):
             store = fresh_name(f"t{i}", taken)
         taken.add(store)
-        node = _kernel_for(n, store, lowered)
+        node = _kernel_for(n, store, lowered, params)
         lowered[n] = node
         names[node] = store
     outs = tuple((name, lowered.get(node, node)) for name, node in program.outputs)
@@ -158,12 +159,17 @@ def _map(shape, split: dict[int, str], loop_dim: int | None = None, out_shape=No
     return tuple(dims)
 
 
-def _kernel_for(n: Node, store: str, lowered: dict[Node, Node]) -> Node:
+def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str]) -> Node:
     kind = OPS[n.op].kind
     if n.rank > KERNEL_RANK:
         raise PrismError(f"'{store}' has rank {n.rank}; pre-defined kernels handle rank {KERNEL_RANK} at most")
     kname = f"{n.op}_{store}"
-    sym = lambda base: dim_symbol(f"{base}_{store}")  # noqa: E731 - fresh kernel parameters, named after the value
+
+    def sym(base: str) -> sympy.Symbol:  # a fresh kernel parameter, named after the value: no dim's or other's name
+        name = fresh_name(f"{base}_{store}", taken)
+        taken.add(name)
+        return dim_symbol(name)
+
     shape = n.shape
     if kind is Kind.MATMUL:
         a, b = n.args

@@ -38,7 +38,7 @@ from ..semantics.blocks import evaluate
 from ..semantics.reference import evaluate_nodes, random_inputs
 from .config import Rejection, SearchConfig, Stats
 from .generate import Candidate, Predefined, Sketch, meaning_of, small_binding
-from .maps import MapChoice, NoKernel, index_classes, map_choices
+from .maps import MapChoice, NoKernel, index_classes, map_choices, param_suffix
 from .split import Split, build_choice, split_states
 
 PROOF_LIMITS = Limits(iterations=30, nodes=150_000, seconds=20.0)
@@ -54,6 +54,7 @@ class Assembly:
         self.program, self.library, self.hardware, self.config, self.stats = program, library, hardware, config, stats
         self.small = small_binding(program)
         self.dims = program.default_binding()
+        self.dim_names = {d.name for d in program.dims}  # kernel parameters are named apart from them
         self.inputs = random_inputs(program, self.small, seed=1)
         self.seen_texts: set[str] = set()
         self.prover = Prover(program, library, jobs, limits)
@@ -80,7 +81,7 @@ class Assembly:
 
         def valid(choice: MapChoice | Split) -> bool:
             self.stats.maps += 1
-            built = build_choice(sketch, choice, uf, order, "k", "", placeholders,
+            built = build_choice(sketch, choice, uf, order, "k", param_suffix("", self.dim_names), placeholders,
                                  [f"o{i}" for i in range(len(sketch.outputs))])
             if isinstance(built, NoKernel):
                 self.stats.prune(Rejection.MAPS)
@@ -151,7 +152,8 @@ class Assembly:
             uf, order = index_classes(step)
             store_names = [names.get(base + i, f"t{base + i}") for i in range(len(step.outputs))]
             built = build_choice(step, choice, uf, order, f"fused{customs}" if len(cand.steps) > 1 else "fused",
-                                 "" if customs == 1 else str(customs), [nodes[i] for i in step.inputs],
+                                 param_suffix("" if customs == 1 else str(customs), self.dim_names),
+                                 [nodes[i] for i in step.inputs],
                                  store_names, base)
             if isinstance(built, NoKernel):
                 return None

@@ -136,6 +136,15 @@ def tensor_map(n: Node, uf: IndexClasses, by_class: dict, loop_root=None, spare:
     return TileMap(tuple(out))
 
 
+def param_suffix(base: str, dims) -> str:
+    """`base`, with underscores added where a kernel parameter it names (g{axis}{suffix}, F{suffix}) would be a
+    program dim's name: a dim named F would otherwise be the loop range, and a kernel over it not what it says."""
+    suffix = base
+    while any(f"{p}{suffix}" in dims for p in ("gx", "gy", "gz", "F")):
+        suffix += "_"
+    return suffix
+
+
 def build_kernel(sketch: Sketch, uf: IndexClasses, by_class: dict, loop_root, name: str, suffix: str,
                  sources: list[Node], store_names: list[str], split: bool = False) -> tuple[Kernel, list[Node]] | NoKernel:
     """The concrete-map kernel over `sources` (kernel-level nodes, one per tile) with the grid axis of
