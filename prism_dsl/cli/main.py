@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "use (default 1; a split reduction's combining kernel is not counted)")
     co.add_argument("--no-split", action="store_true", help="do not offer loop kernels split in two (FlashDecoding: "
                     "partial results and a combining kernel)")
-    co.add_argument("--no-cache", action="store_true", help="neither read nor write the search checkpoint and tuning "
-                    "database")
+    co.add_argument("--no-cache", action="store_true", help="neither read nor write the search checkpoint and tuning database")
+    co.add_argument("--unsteady", action="store_true", help="also offer programs that lose accuracy on inputs far from 0")
     co.add_argument("--grid", type=parse_dims, action=Merged, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
     co.add_argument("--loop", type=parse_loop, action=Merged, default={}, metavar="N", help="loop ranges to use (64 or F=64)")
     co.add_argument("--rank", choices=("model", "measure"), default="model",
@@ -449,7 +449,7 @@ def cmd_compile(args) -> int:
     elif args.search == "full":
         if args.grid or args.loop:
             raise UsageError("--grid and --loop set the parameters of kernels you wrote; with the search, use --search none")
-        limits = {} if args.max_kernels is None else {"max_kernels": args.max_kernels}
+        limits = {"steady": not args.unsteady} | ({} if args.max_kernels is None else {"max_kernels": args.max_kernels})
         searching = Searching(SearchConfig(**limits, split_reductions=not args.no_split), args.time_limit, args.jobs,
                               use_cache=not args.no_cache, progress=not args.json)
     options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs, banks=args.banks,

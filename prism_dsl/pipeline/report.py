@@ -261,11 +261,14 @@ def _search_lines(s: Searched) -> list[str]:
     found = f"{sr['proved_programs']} proved programs (" + (
         "complete" if sr["complete"] else f"cut short ({sr['stopped']}): best so far") + ")"
     if sr["from_checkpoint"]:  # this run proved the chosen one again; the rest were proved by the run that saved them
-        found = (f"{sr['proved_programs']} programs from the checkpoint (proved when it was saved; the chosen one "
-                 "again now)")
+        found = (f"{sr['proved_programs']} programs from the checkpoint (proved when it was saved"
+                 + ("" if s.best_is_input else "; the chosen one again now") + ")")
     lines = [f"  search: {found}, {sr['jobs']} prover processes, "
              f"{s.search_seconds} s; best: {s.best} with {s.kernels_in_best} kernel(s)"
              + (" (the program as written: nothing faster was found)" if s.best_is_input else "")]
+    if unsteady := sr.get("pruned", {}).get("unsteady"):
+        lines.append(f"  {unsteady} program(s) left out as unsteady: they lose accuracy the input keeps on inputs far "
+                     "from zero (--unsteady offers them)")
     if sr.get("errors"):
         lines.append(f"  {len(sr['errors'])} proofs could not run (errors, not failed proofs): "
                      + "; ".join(dict.fromkeys(sr["errors"])))

@@ -22,6 +22,7 @@ class SearchConfig:
     expression_pruning: bool = True  # off: every op that passes the other checks (small limits only)
     split_reductions: bool = True  # loop kernels also split in two (`Split`); the second is not counted above
     ops: tuple[str, ...] | None = None  # the block ops to try; None: those in the input's saturated e-graph
+    steady: bool = True  # drop programs that lose accuracy where the input does not (`Assembly.steady`)
 
 
 class Rejection(enum.Enum):
@@ -44,6 +45,7 @@ class Rejection(enum.Enum):
     SUBSUMED_GRID = "subsumed grid"  # its grid axes are a subset of another valid grid's
     CHECKER = "checker"  # the printed program does not pass the checker
     UNPROVED = "unproved"  # the e-graph did not prove it equal to the input program
+    UNSTEADY = "unsteady"  # far from the input's values on inputs far from zero: it loses accuracy the input keeps
 
 
 @dataclass

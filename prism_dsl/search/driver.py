@@ -94,6 +94,9 @@ def search(program: Program, library: Library, hardware: Hardware, config: Searc
         show("kernel generation", stats)
         for cand in generator.candidates():
             for prog in assembly.programs(cand):
+                if config.steady and not assembly.steady(prog):
+                    stats.prune(Rejection.UNSTEADY)
+                    continue
                 pending.append((prog, assembly.prove(prog)))
                 if should_stop():
                     raise Stop
