@@ -59,16 +59,17 @@ WORKLOADS = [  # (name, program, dims)
 MIX = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "FFMA", "LDS", "BAR", "total")  # total: every instruction of the loop
 
 
-def products(out: Path) -> dict[str, bool]:
-    """Per kernel of the chosen program (`best.prism` in `out`), whether it computes a product."""
-    program = lower(load(out / "best.prism").program())
+def products(out: Path, name: str) -> dict[str, bool]:
+    """Per kernel of the program compiled into `out` (`NAME.prism`, its pre-defined kernels written out: the
+    search's choice, or the program as written where that won), whether it computes a product."""
+    program = lower(load(out / f"{name}.prism").program())
     return {k.name: any(OPS[n.op].kind is Kind.MATMUL or OPS[n.op].kind is Kind.ACCUMULATE
                         and ACCUMULATORS[n.op].like == "matmul" for n in k.body()) for k in kernels_of(program)}
 
 
 def kernel_rows(out: Path, report: dict) -> list[tuple[str, dict]]:
     """Per kernel of the chosen program, its table row and what the targets are checked on."""
-    rows, multiplies = [], products(out)
+    rows, multiplies = [], products(out, report["program"])
     for k in report["kernels"]:
         cubin = out / (k["file"][:-3] + ".cubin")
         done = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90a", *NVCC_OPTIONS, "-o", str(cubin), k["file"]],
