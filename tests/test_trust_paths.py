@@ -25,6 +25,7 @@ from prism_dsl.pipeline import output
 
 from prism_dsl.base import cache
 
+from prism_dsl.backend import emulate
 from prism_dsl.base import files
 from prism_dsl.cli.main import main
 from prism_dsl.kernels.params import divisors
@@ -219,6 +220,24 @@ def test_abandoned_temporary_directories_are_swept(tmp_path, monkeypatch):
         assert fresh.name.startswith(f"prism-emulate-prismc-{os.getpid()}-") and fresh.is_dir()
     assert not fresh.exists() and not left.exists() and other.exists()
     assert (tmp_path / f"prism-emulate-prismc-{dead}-fileabcd").exists()
+
+
+@pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
+def test_a_full_temporary_directory_is_said_with_its_place(tmp_path, monkeypatch, capsys):
+    """A write's refusal names no file ("cannot use: no space left on device" said nothing of where): said with the
+    temporary directory, and how to give another."""
+    from prism_dsl.backend import nvcc
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(nvcc, "write_sources", full)
+    monkeypatch.setattr(emulate, "write_sources", full)
+    monkeypatch.setattr(files, "run_in", full)
+    code, _, err = prismc(capsys, "compile", FUSED, "--search", "none", "--dims", "n=2,d=8", "-o", tmp_path / "out")
+    assert code == 1 and f"cannot write in the temporary directory {tmp_path}: no space left on device" in err, err
+    assert "Traceback" not in err
 
 
 def test_a_compiler_keeps_its_temporary_files_in_the_scratch_directory(tmp_path):

@@ -172,6 +172,11 @@ def temp_scratch(kind: str) -> Iterator[Path]:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield path
+    except OSError as e:
+        if e.filename is None and e.errno in (errno.ENOSPC, errno.EDQUOT):  # a write's refusal names no file
+            raise PrismError(f"cannot write in the temporary directory {base}: {describe(e)} (TMPDIR sets "
+                             "another)") from None
+        raise
     finally:
         shutil.rmtree(path, ignore_errors=True)
         os.close(lock)
