@@ -57,7 +57,7 @@ def test_cuda_strings_use_only_the_placeholders_the_code_generator_fills(acc):
     names = {"acc": "s_a", "m": "s_m", "scale": "s_scale"}
     assert set(acc.state) <= {"acc", "m"} and acc.state[-1] in ("acc", "m") and acc.cuda_fold
     if acc.row:
-        assert acc.cuda_reduce in ("sum", "max")
+        assert acc.cuda_reduce in ("sum", "max", "welford")
         acc.cuda_term.format("x0")
         assert all("part" in line for line in acc.cuda_fold)
         [line.format(**names) for line in acc.cuda_fold]
@@ -115,3 +115,56 @@ def test_generated_row_folds_agree_with_numpy_in_the_cpu_emulation(write, tmp_pa
             "C": (x @ w) / (x * x).mean(-1, keepdims=True)}
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_the_variance_fold_keeps_its_accuracy_on_rows_far_from_zero():
+    """`acc_var_last` merges each tile's mean and deviations (Chan's formula): on rows 1e6 from zero, in float64,
+    it keeps the variance to 1e-9 over tiles of unequal sizes, where E[x^2] - E[x]^2 loses it."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 37)) * 2 + 1e6
+    tiles = [(x[:, a:b],) for a, b in ((0, 8), (8, 9), (9, 30), (30, 37))]
+    want = x.var(-1, keepdims=True)
+    np.testing.assert_allclose(fold("acc_var_last", tiles), want, rtol=1e-9)
+    moments = (x * x).mean(-1, keepdims=True) - x.mean(-1, keepdims=True) ** 2
+    assert np.max(np.abs(moments - want) / want) > 1e-6
+
+
+VARIANCE = """dims n = 6, d = 200, e = 640
+program variance(X: f32[n, d], Z: f16[n, e], W: f16[e, e]) {
+    kernel rows grid(x = gx) loop(F) {
+        xt = load X[x, loop]
+        store V[x, :] = acc_var_last(xt)
+    }
+    kernel product grid(x = gy) loop(G) {
+        zt = load Z[:, loop]
+        wt = load W[loop, x]
+        store Y[:, x] = (acc_sum(zt @ wt) - acc_mean_last(zt) * acc_sum(sum(wt, 0))) / sqrt(acc_var_last(zt) + 1e-5)
+    }
+    return V, Y
+}
+"""
+
+
+@pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the CPU emulation")
+@pytest.mark.parametrize("sanitizer", [None, "thread"])
+def test_generated_variance_fold_agrees_on_rows_far_from_zero(write, tmp_path, sanitizer):
+    """The CUDA of `acc_var_last`: element by element over f32 tiles of 50 (rows of 50 over 32 lanes, so lanes hold
+    unequal counts), by 16-byte loads over f16 tiles of 320 (40 groups over 16 lanes): each thread's sums about
+    its shift, then the lanes' counts, means and deviations merged by shuffles. On rows 1000 from zero (300 in f16), where the
+    moments form loses the variance, it agrees with float64; the LayerNorm-then-projection kernel too."""
+    program = lower(load(write(VARIANCE)).program())
+    binding = program.default_binding()
+    _, concrete, _ = tuning.parameters(program, binding, {"F": 4, "G": 2, "gx": 2, "gy": 4}, load_hardware("h100"))
+    kernels = [render_kernel(concrete[k.name], program) for k in kernels_of(program)]
+    rng = np.random.default_rng(5)
+    inputs = {"X": (rng.standard_normal((6, 200)) * 3 + 1000).astype(np.float32),
+              "Z": (rng.standard_normal((6, 640)) + 300).astype(np.float16),
+              "W": (rng.standard_normal((640, 640)) / 16).astype(np.float16)}
+    dtypes = {n.attr: n.dtype for n in program.inputs} | {"V": DType.F32, "Y": DType.F16}
+    result = emulate.run(kernels, dtypes, {"V": (6, 1), "Y": (6, 640)}, inputs, tmp_path, sanitizer=sanitizer)
+    assert result.finding is None, result.finding
+    x, z, w = (inputs[k].astype(np.float64) for k in "XZW")
+    np.testing.assert_allclose(result.outputs["V"], x.var(-1, keepdims=True), rtol=1e-5)
+    mu = z.mean(-1, keepdims=True)
+    want = (z - mu) / np.sqrt(z.var(-1, keepdims=True) + 1e-5) @ w
+    np.testing.assert_allclose(result.outputs["Y"], want, rtol=0, atol=2e-2 * np.abs(want).max())

@@ -1,8 +1,8 @@
 """Row folds held in registers through a kernel's loop: each thread's part of a row accumulator.
 
 Where it sits: a part of `codegen.Emitter` (a mixin, as `tensor_steps` is), for the accumulators that sum
-whole rows (`acc_sum_last`, `acc_mean_last`, `acc_rms_last`: `Accumulator.row`, outside online softmax,
-whose rows share the running max: `held_in_registers`). Summed each iteration by one warp per row (the
+whole rows (`acc_sum_last`, `acc_mean_last`, `acc_rms_last`, and `acc_var_last`'s merged deviations:
+`Accumulator.row`, outside online softmax, whose rows share the running max: `held_in_registers`). Summed each iteration by one warp per row (the
 lanes' sums added by five shuffles, the row's state in shared memory read, added to and written back, a
 barrier after it), an RMSNorm folded into a projection costs that on every iteration of its loop (at n = d =
 4096, 16 rows a warp, each its own chain of shuffles) while the products wait at the barrier.
@@ -20,6 +20,15 @@ thread holds `parts` = ceil(rows / at_once) of them. Where per >= 8, the 8 lanes
 warp read adjacent groups of one row; below 8 they read the same group of 8 adjacent rows, which the
 padding or swizzle of 16-bit tiles (`fusion.ROW_PAD`, wgmma's 128-byte swizzle) puts in different banks.
 The lanes of a row are then `stride` = 1 or 8 apart, and the shuffles after the loop use those distances.
+
+The variance (`acc_var_last`, a "welford" fold) keeps four parts a row: the count of elements the thread
+read, a shift (the first of them), and the sums of their differences from the shift and of their squares.
+A shift within the spread of the row's values keeps those sums small where the values are large, so after
+the loop the thread's mean and squared deviations about it come out of them at a cost of a few roundings per
+element read (a value k standard deviations from the mean costs k^2 of them at most), with no division in the
+loop; then the lanes' counts, means and deviations are merged by Chan's formula (the difference of the means
+squared, weighted by the counts) across the shuffles, their counts possibly unequal (a row's groups need not
+divide among its lanes). E[x^2] - E[x]^2 loses all accuracy on rows far from zero; this keeps it.
 
 A row-wise op of a tile (rms_norm, layer_norm, softmax: "row_groups") takes its rows the same way: `per`
 threads a row, each reading its 8-element groups by 16-byte loads, a pass over the row for each statistic
@@ -47,7 +56,7 @@ def held_in_registers(acc: Node) -> bool:
     """Whether the loop folds `acc` into per-thread parts: a row sum outside online softmax (every such
     accumulator of `ir.accumulators`; a row max would need its own fold and shuffles here)."""
     a = ACCUMULATORS[acc.op]
-    return a.row and not a.online and a.cuda_reduce == "sum"
+    return a.row and not a.online and a.cuda_reduce in ("sum", "welford")
 
 
 class RowParts:
@@ -80,10 +89,14 @@ class RowParts:
         reg = "r_" + held.removeprefix("s_")
         finish = [f"{held}[row] += part;"] if scale else \
             [line.format(**{role: self.cname[b.name] for role, b in self.plan.state[acc].items()}) for line in a.cuda_fold]
+        welford = a.cuda_reduce == "welford"
+        if welford:  # the group's values first, then its mean and deviations merged into the running ones
+            term = f"t[c] = {term};"
         return {"kind": "row_parts", "comment": self.describe(acc), "r": reg, "rows": rows, "length": length,
                 "idx": lines, "per": per, "stride": stride, "at_once": at_once, "parts": -(-rows // at_once),
                 "vec": vec, "units": units, "passes": -(-units // per), "vectors": vectors,
-                "fold": f"{reg}[q] += {term};", "init": self.lit(0.0), "column": bool(re.search(r"\bj\b", term)),
+                "fold": term if welford else f"{reg}[q] += {term};", "welford": _welford(reg, vec) if welford else [],
+                "init": self.lit(0.0), "column": bool(re.search(r"\bj\b", term)),
                 "rescale": f"{reg}[q] *= {scale}[row];" if scale else "", "finish": finish,
                 "barrier": False}  # it writes no shared memory
 
@@ -217,6 +230,19 @@ class RowParts:
         offsets = [stride * (per >> k) for k in range(1, per.bit_length())]
         used = [line for line in st["idx"] if any(re.search(rf"\b{line.split()[2]}\b", f) for f in st["finish"])]
         return st | {"kind": "row_parts_store", "offsets": offsets, "idx": used, "barrier": True}
+
+
+def _welford(reg: str, vec: int) -> list[str]:
+    """A group of `vec` values `t` (a 16-byte load's, or one) into a thread's parts of a row's variance: its sums
+    of the values' differences from a shift (`{reg}_s`, and of their squares, `{reg}`) and their count (`{reg}_n`).
+    The shift (`{reg}_k`) is the first value the thread reads of the row: within the spread of the row's values,
+    so the sums after the loop lose no more than their count in roundings (`row_parts_store` makes them a mean
+    and squared deviations about it), where sums of the values themselves lose everything on rows far from zero.
+    No division in the loop."""
+    return [f"if ({reg}_n[q] == 0) {reg}_k[q] = t[0];",
+            "PRISM_UNROLL",
+            f"for (int c = 0; c < {vec}; ++c) {{ const real dv = t[c] - {reg}_k[q]; {reg}_s[q] += dv; {reg}[q] += dv * dv; }}",
+            f"{reg}_n[q] += {vec};"]
 
 
 def _pass(var: str, init: str, body: list[str], reduce: str | None = None, after: tuple[str, ...] = ()) -> dict:

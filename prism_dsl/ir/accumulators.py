@@ -19,7 +19,8 @@ the prover's size rules in `prove.egraph` (like, row), `semantics` (init, step, 
 reads_once, adds_products), `backend.codegen` (cuda_*), `backend.cost` (flops, like). A new
 accumulator is one row here plus its definition in rules/layout.rules, as long as its CUDA fold is one of
 the kinds `codegen` renders from these strings: per state element (`cuda_fold` lines), per row (a
-`cuda_reduce` of `cuda_term`, then `cuda_fold`), a matrix product (`like` "matmul": `cuda_fold` is the
+`cuda_reduce` of `cuda_term`, then `cuda_fold`: "sum", "max", or "welford", a running count, mean and sum of
+squared deviations per row merged by Chan's formula, `part` the last), a matrix product (`like` "matmul": `cuda_fold` is the
 dot product's start), or a member of the online-softmax group. Another kind of fold needs its own code
 in `backend.codegen` (and, for new shared state, in `kernels.fusion`).
 """
@@ -73,6 +74,23 @@ def _rescaled_step(state: State, m: np.ndarray, x: np.ndarray) -> State:
 
 def _last(shape):
     return shape[:-1] + (1,)
+
+
+def _variance_step(state: State, t: np.ndarray) -> State:
+    """Chan's merge of a tile's rows into the running (count, mean, sum of squared deviations): each tile's
+    deviations are about its own mean, and the two means' difference enters squared, weighted by the counts,
+    so nothing ever subtracts two large sums (the moments form E[x^2] - E[x]^2 loses all accuracy on rows far
+    from zero)."""
+    n, mean, m2 = state
+    k = t.shape[-1]
+    tile_mean = _rowsum(t) / k
+    delta, total = tile_mean - mean, n + k
+    return total, mean + delta * (k / total), m2 + _rowsum((t - tile_mean) ** 2) + delta * delta * (n * k / total)
+
+
+def _variance(b, a):
+    """mean(square(a - mean(a, -1)), -1) through the builder `b`."""
+    return b("mean", [b("square", [b("sub", [a, b("mean", [a], [-1])])])], [-1])
 
 
 def _softmax_terms(b, s):
@@ -159,6 +177,10 @@ ACCUMULATORS: dict[str, Accumulator] = {
                     lambda st: np.sqrt(st[0] / st[1]), lambda b, a: b("sqrt", [b("mean", [b("square", [a])], [-1])]),
                     combine=("acc_rms_last", "rms"), cuda_reduce="sum", cuda_term="{0} * {0}", cuda_fold=_ROW_SUM,
                     cuda_finish="prism::sqrt_({0} / real({count}))"),
+        Accumulator("acc_var_last", "variance of every row element seen, about their mean", 1, "unary", True,
+                    lambda s: (0, np.zeros(_last(s)), np.zeros(_last(s))), _variance_step, lambda st: st[2] / st[0],
+                    _variance, cuda_reduce="welford", cuda_fold=("{acc}[row] = part;",), cuda_finish="({0} / real({count}))",
+                    flops=4),
         Accumulator("acc_max_last", "running row max", 1, "unary", True,
                     lambda s: (np.full(_last(s), -np.inf),), lambda st, t: (np.maximum(st[0], _rowmax(t)),),
                     lambda st: st[0], lambda b, a: b("max", [a], [-1]), combine=("acc_max_last", "max"),

@@ -15,7 +15,7 @@ class SearchConfig:
     max_kernels: int = 1  # custom kernels per program
     max_predefined: int = 1  # pre-defined kernels (one op of the input program each) per program
     max_block_ops: int = 8  # body ops per custom kernel, accumulators included
-    max_accumulators: int = 4  # LayerNorm before a projection needs four (product, two moments, column sums)
+    max_accumulators: int = 4  # LayerNorm before a projection needs four (product, mean, variance, column sums)
     max_inputs: int = 7  # tensors one custom kernel loads (causal attention: Q, K, V and two RoPE tables each)
     max_outputs: int = 3  # tensors one custom kernel stores
     max_grid_axes: int = 3

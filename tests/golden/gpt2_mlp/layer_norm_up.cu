@@ -20,11 +20,13 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     float* const s_a4 = PRISM_SHARED_IN(float, 0, 32, 0, 2);  // state a4: [8, 1] f32, in use throughout
     float* const s_v5 = PRISM_SHARED_IN(float, 31616, 256, 1, 1);  // value v5: [1, 64] f32, in the loop
     float* const s_a6 = PRISM_SHARED_IN(float, 128, 256, 0, 2);  // state a6: [1, 64] f32, in use throughout
-    float* const s_a10 = PRISM_SHARED_IN(float, 384, 32, 0, 2);  // state a10: [8, 1] f32, in use throughout
+    float* const s_a9 = PRISM_SHARED_IN(float, 384, 32, 0, 2);  // state a9: [8, 1] f32, in use throughout
     real r_a4[1];  // m = acc_mean_last(xt)  [8, 1]: this thread's part of its rows, in registers through the loop
     for (int q = 0; q < 1; ++q) r_a4[q] = 0.0f;
-    real r_a10[1];  // q = acc_mean_last((xt * xt))  [8, 1]: this thread's part of its rows, in registers through the loop
-    for (int q = 0; q < 1; ++q) r_a10[q] = 0.0f;
+    real r_a9[1];  // v = acc_var_last(xt)  [8, 1]: this thread's part of its rows, in registers through the loop
+    for (int q = 0; q < 1; ++q) r_a9[q] = 0.0f;
+    real r_a9_n[1], r_a9_k[1], r_a9_s[1];  // count, shift, sum of differences
+    for (int q = 0; q < 1; ++q) r_a9_n[q] = r_a9_k[q] = r_a9_s[q] = 0.0f;
 #if PRISM_TENSOR_CORES
     float r_a3[1][1][4] = {};  // acc = acc_sum((xt @ wt))  [8, 64]: this warp's tiles, in registers through the loop
 #endif
@@ -37,9 +39,9 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     if (const int e = PRISM_TID; e < 64) {
         s_a6[e] = 0.0f;
     }
-    // q: acc starts at 0.0f
+    // v: acc starts at 0.0f
     if (const int e = PRISM_TID; e < 8) {
-        s_a10[e] = 0.0f;
+        s_a9[e] = 0.0f;
     }
     __syncthreads();
 
@@ -124,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
             s_a6[e] += s_v5[i1];
         }
         __syncthreads();
-        // q = acc_mean_last((xt * xt))  [8, 1]: this thread's part of 1 row, 8 threads a row, in registers through the loop
+        // v = acc_var_last(xt)  [8, 1]: this thread's part of 1 row, 8 threads a row, in registers through the loop
         {
             const int l = PRISM_TID % 8;  // this thread's place in its rows
             const int g = PRISM_TID / 8;  // its first row
@@ -138,10 +140,15 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
                     const int j8 = (l + s * 8) * 8;
                     float v0[8];
                     prism::load8(v0, s_xt + i0 * 72 + j8);
+                    real t[8];
                     PRISM_UNROLL
                     for (int c = 0; c < 8; ++c) {
-                        r_a10[q] += (v0[c] * v0[c]);
+                        t[c] = v0[c];
                     }
+                    if (r_a9_n[q] == 0) r_a9_k[q] = t[0];
+                    PRISM_UNROLL
+                    for (int c = 0; c < 8; ++c) { const real dv = t[c] - r_a9_k[q]; r_a9_s[q] += dv; r_a9[q] += dv * dv; }
+                    r_a9_n[q] += 8;
                 }
             }
         }
@@ -195,19 +202,44 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         }
     }
     __syncthreads();
-    // q = acc_mean_last((xt * xt))  [8, 1]: the parts of each row added, into its state
+    // v = acc_var_last(xt)  [8, 1]: the parts of each row added, into its state
     {
         const int l = PRISM_TID % 8;  // this thread's place in its rows
         const int g = PRISM_TID / 8;  // its first row
         PRISM_UNROLL
         for (int q = 0; q < 1; ++q) {
-            real part = r_a10[q];
-            part += prism::shfl_xor(part, 4);
-            part += prism::shfl_xor(part, 2);
-            part += prism::shfl_xor(part, 1);
+            real part = r_a9[q];
+            // this thread's mean and squared deviations from its sums about its shift; then the lanes' merged (Chan)
+            real n = r_a9_n[q], mu = r_a9_k[q];
+            if (n > 0) {
+                const real d = r_a9_s[q] / n;
+                mu += d;
+                part -= r_a9_s[q] * d;
+            }
+            {
+                const real n1 = prism::shfl_xor(n, 4), mu1 = prism::shfl_xor(mu, 4), m1 = prism::shfl_xor(part, 4);
+                const real nn = n + n1, dl = mu1 - mu, w = nn > 0 ? n1 / nn : real(0);
+                part += m1 + dl * dl * n * w;
+                mu += dl * w;
+                n = nn;
+            }
+            {
+                const real n1 = prism::shfl_xor(n, 2), mu1 = prism::shfl_xor(mu, 2), m1 = prism::shfl_xor(part, 2);
+                const real nn = n + n1, dl = mu1 - mu, w = nn > 0 ? n1 / nn : real(0);
+                part += m1 + dl * dl * n * w;
+                mu += dl * w;
+                n = nn;
+            }
+            {
+                const real n1 = prism::shfl_xor(n, 1), mu1 = prism::shfl_xor(mu, 1), m1 = prism::shfl_xor(part, 1);
+                const real nn = n + n1, dl = mu1 - mu, w = nn > 0 ? n1 / nn : real(0);
+                part += m1 + dl * dl * n * w;
+                mu += dl * w;
+                n = nn;
+            }
             const int row = g + q * 16;
             if (l == 0 && row < 8) {
-                s_a10[row] += part;
+                s_a9[row] = part;
             }
         }
     }
@@ -235,14 +267,14 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     }
     #endif
     __syncthreads();
-    // store H[:, x] = gelu_tanh(((acc - (m * cw)) / sqrt(((q - (m * m)) + 1e-05))))  [8, 64]: 8 elements a thread, one 16-byte store
+    // store H[:, x] = gelu_tanh(((acc - (m * cw)) / sqrt((v + 1e-05))))  [8, 64]: 8 elements a thread, one 16-byte store
     if (const int u = PRISM_TID; u < 64) {
         const int e = u * 8;
         const int i0 = e / 64;
         const int i1 = e % 64;
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = prism::gelu_tanh_(((s_a3[i0 * 68 + (i1 + c)] - ((s_a4[i0] / real(256)) * s_a6[(i1 + c)])) / prism::sqrt_((((s_a10[i0] / real(256)) - ((s_a4[i0] / real(256)) * (s_a4[i0] / real(256)))) + 1e-05f))));
+        for (int c = 0; c < 8; ++c) w[c] = prism::gelu_tanh_(((s_a3[i0 * 68 + (i1 + c)] - ((s_a4[i0] / real(256)) * s_a6[(i1 + c)])) / prism::sqrt_(((s_a9[i0] / real(256)) + 1e-05f))));
         prism::store16(g_H + i0 * 512 + blockIdx.x * 64 + i1, w);
     }
 }
