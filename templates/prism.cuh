@@ -161,6 +161,17 @@ __device__ __forceinline__ float max_(float a, float b) {
 #endif
 }
 
+// 1 / x where a rounding or two does not matter (the weights of Chan's merge in a row's variance, `acc_var_last`):
+// on the GPU one MUFU.RCP and a multiply (2 ulp), where a division rounds exactly through a subroutine.
+__device__ __forceinline__ float recip(float x) {
+#if defined(PRISM_CPU)
+    return 1.0f / x;
+#else
+    return __fdividef(1.0f, x);
+#endif
+}
+__device__ __forceinline__ double recip(double x) { return 1.0 / x; }
+
 // A causal loop's bound: the iterations up to the one holding column `last` (`step` columns each), at
 // least one, at most `loop`.
 __device__ __forceinline__ int causal_end(int last, int step, int loop) {

@@ -22,13 +22,16 @@ padding or swizzle of 16-bit tiles (`fusion.ROW_PAD`, wgmma's 128-byte swizzle) 
 The lanes of a row are then `stride` = 1 or 8 apart, and the shuffles after the loop use those distances.
 
 The variance (`acc_var_last`, a "welford" fold) keeps four parts a row: the count of elements the thread
-read, a shift (the first of them), and the sums of their differences from the shift and of their squares.
-A shift within the spread of the row's values keeps those sums small where the values are large, so after
-the loop the thread's mean and squared deviations about it come out of them at a cost of a few roundings per
-element read (a value k standard deviations from the mean costs k^2 of them at most), with no division in the
-loop; then the lanes' counts, means and deviations are merged by Chan's formula (the difference of the means
-squared, weighted by the counts) across the shuffles, their counts possibly unequal (a row's groups need not
-divide among its lanes). E[x^2] - E[x]^2 loses all accuracy on rows far from zero; this keeps it.
+read, their mean and the sum of their squared deviations about it, and a shift (the first element the
+thread reads of the row) that the means are held less of. Each group (a 16-byte load's 8 elements, or one)
+gives its own mean and deviations, merged into the running ones by Chan's formula (the difference of the
+means squared, weighted by the counts; the weight by one reciprocal, `prism::recip`); after the loop the
+lanes' are merged by the same formula across the shuffles (the shifts' difference taken apart from the
+means'), their counts possibly unequal (a row's groups need not divide among its lanes). Means held less a
+value of the row are differences of nearby values, not values far from zero rounded at their own magnitude,
+and nothing subtracts two large sums: an element far from the rest, even the shift, costs about its distance
+in roundings, not its square.
+E[x^2] - E[x]^2 loses all accuracy on rows far from zero; this keeps it.
 
 A row-wise op of a tile (rms_norm, layer_norm, softmax: "row_groups") takes its rows the same way: `per`
 threads a row, each reading its 8-element groups by 16-byte loads, a pass over the row for each statistic
@@ -233,16 +236,23 @@ class RowParts:
 
 
 def _welford(reg: str, vec: int) -> list[str]:
-    """A group of `vec` values `t` (a 16-byte load's, or one) into a thread's parts of a row's variance: its sums
-    of the values' differences from a shift (`{reg}_s`, and of their squares, `{reg}`) and their count (`{reg}_n`).
-    The shift (`{reg}_k`) is the first value the thread reads of the row: within the spread of the row's values,
-    so the sums after the loop lose no more than their count in roundings (`row_parts_store` makes them a mean
-    and squared deviations about it), where sums of the values themselves lose everything on rows far from zero.
-    No division in the loop."""
+    """A group of `vec` values `t` (a 16-byte load's, or one) merged into a thread's parts of a row's variance by
+    Chan's formula: its mean and squared deviations about it, then the running count (`{reg}_n`), mean (`{reg}_mu`)
+    and squared deviations (`{reg}`) moved by the difference of the two means, weighted by the counts. Means are
+    held less the thread's shift (`{reg}_k`, the first value it reads of the row), so they are differences of
+    nearby values, not values far from zero rounded at their own magnitude."""
     return [f"if ({reg}_n[q] == 0) {reg}_k[q] = t[0];",
+            "real gs = 0;",
             "PRISM_UNROLL",
-            f"for (int c = 0; c < {vec}; ++c) {{ const real dv = t[c] - {reg}_k[q]; {reg}_s[q] += dv; {reg}[q] += dv * dv; }}",
-            f"{reg}_n[q] += {vec};"]
+            f"for (int c = 0; c < {vec}; ++c) {{ t[c] -= {reg}_k[q]; gs += t[c]; }}",
+            f"const real gm = gs * real({1 / vec!r});",
+            "real g2 = 0;",
+            "PRISM_UNROLL",
+            f"for (int c = 0; c < {vec}; ++c) g2 += (t[c] - gm) * (t[c] - gm);",
+            f"const real nn = {reg}_n[q] + real({vec}), w = real({vec}) * prism::recip(nn), dl = gm - {reg}_mu[q];",
+            f"{reg}[q] += g2 + dl * dl * {reg}_n[q] * w;",
+            f"{reg}_mu[q] += dl * w;",
+            f"{reg}_n[q] = nn;"]
 
 
 def _pass(var: str, init: str, body: list[str], reduce: str | None = None, after: tuple[str, ...] = ()) -> dict:

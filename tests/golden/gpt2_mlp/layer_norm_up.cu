@@ -25,8 +25,8 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
     for (int q = 0; q < 1; ++q) r_a4[q] = 0.0f;
     real r_a9[1];  // v = acc_var_last(xt)  [8, 1]: this thread's part of its rows, in registers through the loop
     for (int q = 0; q < 1; ++q) r_a9[q] = 0.0f;
-    real r_a9_n[1], r_a9_k[1], r_a9_s[1];  // count, shift, sum of differences
-    for (int q = 0; q < 1; ++q) r_a9_n[q] = r_a9_k[q] = r_a9_s[q] = 0.0f;
+    real r_a9_n[1], r_a9_k[1], r_a9_mu[1];  // count, shift, mean less it
+    for (int q = 0; q < 1; ++q) r_a9_n[q] = r_a9_k[q] = r_a9_mu[q] = 0.0f;
 #if PRISM_TENSOR_CORES
     float r_a3[1][1][4] = {};  // acc = acc_sum((xt @ wt))  [8, 64]: this warp's tiles, in registers through the loop
 #endif
@@ -146,9 +146,17 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
                         t[c] = v0[c];
                     }
                     if (r_a9_n[q] == 0) r_a9_k[q] = t[0];
+                    real gs = 0;
                     PRISM_UNROLL
-                    for (int c = 0; c < 8; ++c) { const real dv = t[c] - r_a9_k[q]; r_a9_s[q] += dv; r_a9[q] += dv * dv; }
-                    r_a9_n[q] += 8;
+                    for (int c = 0; c < 8; ++c) { t[c] -= r_a9_k[q]; gs += t[c]; }
+                    const real gm = gs * real(0.125);
+                    real g2 = 0;
+                    PRISM_UNROLL
+                    for (int c = 0; c < 8; ++c) g2 += (t[c] - gm) * (t[c] - gm);
+                    const real nn = r_a9_n[q] + real(8), w = real(8) * prism::recip(nn), dl = gm - r_a9_mu[q];
+                    r_a9[q] += g2 + dl * dl * r_a9_n[q] * w;
+                    r_a9_mu[q] += dl * w;
+                    r_a9_n[q] = nn;
                 }
             }
         }
@@ -209,30 +217,28 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         PRISM_UNROLL
         for (int q = 0; q < 1; ++q) {
             real part = r_a9[q];
-            // this thread's mean and squared deviations from its sums about its shift; then the lanes' merged (Chan)
-            real n = r_a9_n[q], mu = r_a9_k[q];
-            if (n > 0) {
-                const real d = r_a9_s[q] / n;
-                mu += d;
-                part -= r_a9_s[q] * d;
-            }
+            // the lanes' counts, means (less their shifts k) and squared deviations merged (Chan)
+            real n = r_a9_n[q], k = r_a9_k[q], mu = r_a9_mu[q];
             {
-                const real n1 = prism::shfl_xor(n, 4), mu1 = prism::shfl_xor(mu, 4), m1 = prism::shfl_xor(part, 4);
-                const real nn = n + n1, dl = mu1 - mu, w = nn > 0 ? n1 / nn : real(0);
+                const real n1 = prism::shfl_xor(n, 4), k1 = prism::shfl_xor(k, 4), mu1 = prism::shfl_xor(mu, 4);
+                const real m1 = prism::shfl_xor(part, 4), nn = n + n1, dl = (k1 - k) + (mu1 - mu);
+                const real w = nn > 0 ? n1 / nn : real(0);
                 part += m1 + dl * dl * n * w;
                 mu += dl * w;
                 n = nn;
             }
             {
-                const real n1 = prism::shfl_xor(n, 2), mu1 = prism::shfl_xor(mu, 2), m1 = prism::shfl_xor(part, 2);
-                const real nn = n + n1, dl = mu1 - mu, w = nn > 0 ? n1 / nn : real(0);
+                const real n1 = prism::shfl_xor(n, 2), k1 = prism::shfl_xor(k, 2), mu1 = prism::shfl_xor(mu, 2);
+                const real m1 = prism::shfl_xor(part, 2), nn = n + n1, dl = (k1 - k) + (mu1 - mu);
+                const real w = nn > 0 ? n1 / nn : real(0);
                 part += m1 + dl * dl * n * w;
                 mu += dl * w;
                 n = nn;
             }
             {
-                const real n1 = prism::shfl_xor(n, 1), mu1 = prism::shfl_xor(mu, 1), m1 = prism::shfl_xor(part, 1);
-                const real nn = n + n1, dl = mu1 - mu, w = nn > 0 ? n1 / nn : real(0);
+                const real n1 = prism::shfl_xor(n, 1), k1 = prism::shfl_xor(k, 1), mu1 = prism::shfl_xor(mu, 1);
+                const real m1 = prism::shfl_xor(part, 1), nn = n + n1, dl = (k1 - k) + (mu1 - mu);
+                const real w = nn > 0 ? n1 / nn : real(0);
                 part += m1 + dl * dl * n * w;
                 mu += dl * w;
                 n = nn;
