@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl.backend.compare import Tolerance, check, tolerance
+from prism_dsl.backend.compare import WIDEST, Tolerance, check, tolerance
+from prism_dsl.pipeline.report import widened as tolerance_words
 from prism_dsl.kernels.lower import lower
 from prism_dsl.lang.check import load
 from prism_dsl.semantics.blocks import evaluate
@@ -123,6 +124,20 @@ def test_roundings_within_the_base_tolerance_widen_nothing_and_nan_never_passes(
     poison[7] = np.nan
     assert not Tolerance(1e-2, lambda: {"O": ref * 1.5}).judge("O", poison, ref)["passed"]
     assert not Tolerance(1e-2).judge("O", ref * 1.05, ref)["passed"]  # no rounded reference: the base alone
+
+
+def test_roundings_that_lose_the_output_widen_the_tolerance_no_further_than_the_widest():
+    """A sum past f16's range stored in f16 makes every probability 0: the roundings alone then lose half the output,
+    and twice that would pass anything. No check is widened past WIDEST (0.1), and the words say why it failed."""
+    ref = np.ones(100)
+    lost = Tolerance(1e-2, lambda: {"O": np.zeros(100)})
+    result = lost.judge("O", np.zeros(100), ref)
+    assert not result["passed"] and result["rtol"] == WIDEST and result["rounding"] == pytest.approx(0.5)
+    assert "alone move it by 0.5, more than a check can allow (0.1)" in result["reason"]
+    assert "the widest a check allows" in tolerance_words(result, 1e-2)
+    near = Tolerance(1e-2, lambda: {"O": ref + 0.08 * (np.arange(100) == 3)})  # roundings of 4e-2: 8e-2 allowed
+    assert near.judge("O", ref + 0.14 * (np.arange(100) == 9), ref)["rtol"] == pytest.approx(0.08)
+    assert "twice the" in tolerance_words(near.judge("O", ref + 0.14 * (np.arange(100) == 9), ref), 1e-2)
 
 
 def test_a_mask_limits_the_roundings_error_to_the_elements_compared():

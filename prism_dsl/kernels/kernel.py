@@ -288,9 +288,9 @@ def splits_loop(kernel: Kernel) -> bool:
 @cache
 def stored_dtype(kernel: Kernel, index: int) -> DType:
     """How a store's tensor is kept in device memory. Partial results are kept in f32 even when the values
-    are f16/bf16: a sum across blocks (`+=`, added by f32 atomics) and what a split reduction's blocks
+    are f16/bf16: a sum across blocks (`+=`, added by f32 atomics), what a split reduction's blocks
     store from their accumulators (FlashDecoding's running max, sum and unnormalised output; split-K's
-    partial products), which another kernel combines. Rounding those to 16 bits loses more than the
+    partial products), which another kernel combines, and an online softmax's state stored as it is. Rounding those to 16 bits loses more than the
     final rounding does (and an unnormalised f16 output can overflow). Everything else is stored in its
     value's dtype; the value's dtype stays the program's (a combining kernel's result is f16 again)."""
     store = kernel.stores[index]
@@ -298,7 +298,13 @@ def stored_dtype(kernel: Kernel, index: int) -> DType:
     if dtype not in (DType.F16, DType.BF16):
         return dtype
     partial = store.add or (splits_loop(kernel) and any(OPS[n.op].kind is Kind.ACCUMULATE for n in store.value.walk()))
-    return DType.F32 if partial else dtype
+    return DType.F32 if partial or _unnormalised(store.value) else dtype
+
+
+def _unnormalised(value: Node) -> bool:
+    """An online softmax's sum, or its output before the division, stored as it is: up to the row's length, past
+    f16's range at 65536 (a running max beside it is a value of the tile, which its dtype holds exactly)."""
+    return value.op in ("acc_softmax_sum", "acc_softmax_out")
 
 
 def storage(tensor: Node) -> DType:

@@ -52,9 +52,12 @@ def check_compilable(program: Program) -> None:
                              program.locs.get(node, program.loc))
 
 
-def lower(program: Program) -> Program:
+def lower(program: Program, long_rows: bool = False) -> Program:
     """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused
-    into its element-wise user's). A program with nothing left outside kernels comes back as it is."""
+    into its element-wise user's). A program with nothing left outside kernels comes back as it is.
+    `long_rows`: each softmax in two kernels that never hold a row whole (`_long_softmax`), for rows a block's
+    shared memory cannot hold (a vocabulary's logits); the caller tries it where the usual form has no
+    valid parameters (`pipeline.build.fitted`)."""
     nodes = program.nodes()
     users: dict[Node, list[Node]] = {n: [] for n in nodes}
     for n in nodes:
@@ -100,11 +103,28 @@ def lower(program: Program) -> Program:
         if store is None or (store in taken and id(n) not in outputs and program.names.get(n) != store):
             store = fresh_name(f"t{i}", taken)
         taken.add(store)
-        node = _kernel_for(n, store, lowered, params)
+        if long_rows and n.op == "softmax":
+            node = _long_softmax(n, store, lowered, params, taken)
+        else:
+            node = _kernel_for(n, store, lowered, params)
         lowered[n] = node
         names[node] = store
     outs = tuple((name, lowered.get(node, node)) for name, node in program.outputs)
     return Program(program.name, program.dims, program.inputs, outs, {}, names, program.loc)
+
+
+def lowered_forms(program: Program) -> list[Program]:
+    """The ways `program` can be lowered, the usual first: a program with a softmax outside its kernels also in
+    the form for long rows (`lower(long_rows=True)`), which the tuner takes where the usual one has no valid
+    parameters (a vocabulary's rows, more than a block's shared memory holds)."""
+    usual = lower(program)
+    return [usual] + ([lower(program, long_rows=True)] if any(n.op == "softmax" for n in program.nodes()) else [])
+
+
+def lowered_for(program: Program, params) -> Program:
+    """The form of `program` (`lowered_forms`) whose kernel parameters are `params`' names (the usual where none is)."""
+    forms = lowered_forms(program)
+    return next((f for f in forms if {s.name for s in free_symbols(f)} == set(params)), forms[0])
 
 
 class _Builder:
@@ -182,6 +202,8 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str])
         return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
     if kind is Kind.REDUCE:
         split = dict(zip([d for d in range(-1, -n.rank - 1, -1) if d != n.attr - n.rank], AXES))
+        if (n.op, n.attr - n.rank) in _FOLDED:
+            return _folded(n, store, split, sym("F"), lowered, sym)
     elif kind is Kind.ROWWISE:
         split = dict(zip(range(-2, -n.rank - 1, -1), AXES))
     elif kind in _ELEMENTWISE:
@@ -197,6 +219,56 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str])
         rest = [a if a.op == "const" else bld.tile(a, _map(a.shape, split, out_shape=shape)) for a in rest]
         value = rebuild(n, [bld.tile(x, _map(x.shape, split)), *rest])
     return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
+
+
+# Reductions a loop folds, by op and dim (over the last dim: a row accumulator). The loop walks the reduced dim, so no block holds it whole (rows of 65536 floats would not fit in
+# shared memory); a loop range of 1 is the kernel that holds it whole.
+_FOLDED = {("sum", -1): "acc_sum_last", ("max", -1): "acc_max_last", ("mean", -1): "acc_mean_last"}
+
+
+def _folded(n: Node, store: str, split: dict[int, str], loop: sympy.Symbol, lowered, sym) -> Node:
+    """A reduction in a loop kernel: blocks split the kept dims, as the kernel that holds the reduced dim whole
+    does, and the loop walks the reduced one."""
+    dim = n.attr - n.rank
+    bld = _Builder(f"{n.op}_{store}", [(a, sym("gx") if a == "x" else n.shape[d]) for d, a in split.items()], loop,
+                   lowered)
+    x = n.args[0]
+    xt = bld.tile(x, _map(x.shape, split, loop_dim=dim))
+    return bld.kernel(build(_FOLDED[(n.op, dim)], [xt]), store, TileMap(_out_map(n.rank, split)))
+
+
+def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
+    """softmax(x) over rows too long for a block to hold: a loop kernel walks each row for its running max and
+    its sum of exp(x - max) (online softmax's accumulators, stored in f32: `kernel.stored_dtype`), then an
+    element-wise kernel, its blocks splitting the rows as well, writes exp(x - max) / sum."""
+    if n.rank > KERNEL_RANK:
+        raise PrismError(f"'{store}' has rank {n.rank}; pre-defined kernels handle rank {KERNEL_RANK} at most")
+
+    def sym(base: str) -> sympy.Symbol:
+        name = fresh_name(f"{base}_{store}", params)
+        params.add(name)
+        return dim_symbol(name)
+
+    x, shape = n.args[0], n.shape
+    rows = dict(zip(range(-2, -n.rank - 1, -1), AXES))
+    bld = _Builder(f"softmax_stats_{store}", [(a, sym("gx") if a == "x" else shape[d]) for d, a in rows.items()],
+                   sym("F"), lowered)
+    xt = bld.tile(x, _map(x.shape, rows, loop_dim=-1))
+    names = [fresh_name(f"{store}_{part}", taken) for part in ("max", "sum")]
+    taken.update(names)
+    tmap = TileMap(_out_map(n.rank, rows))
+    values = [build("acc_max_last", [xt]), build("acc_softmax_sum", [xt])]
+    s = bld.shell
+    stats = Kernel(s.name, s.grid, s.loop, tuple(bld.loads), tuple(Store(m, v, tmap, False) for m, v in zip(names, values)),
+                   tuple(bld.sources))
+    m, total = (Node("kernel", stats.inputs, (stats, i), v.dtype, output_shape(v.shape, tmap, stats))
+                for i, v in enumerate(values))
+    split = dict(zip(range(-1, -min(n.rank, 3) - 1, -1), AXES))
+    apply = _Builder(f"softmax_{store}", [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()], None,
+                     lowered)
+    xt, mt, st = (apply.tile(v, _map(v.shape, split, out_shape=shape)) for v in (x, m, total))
+    value = build("div", [build("exp", [build("sub", [xt, mt])]), st])
+    return apply.kernel(value, store, TileMap(_out_map(n.rank, split)))
 
 
 def _swaps_matrix(n: Node) -> bool:

@@ -39,7 +39,7 @@ from ..kernels.constraints import Concrete
 from ..kernels.hardware import Hardware
 from ..kernels.kernel import free_symbols, kernels_of, stored_dtype
 from ..kernels.params import resolve_params
-from ..kernels.lower import lower
+from ..kernels.lower import lower, lowered_forms
 from ..prove.prover import check_signatures, pair_outputs
 from ..semantics.blocks import evaluate
 from ..semantics.reference import bind_dims, check_sizes, concrete_shape, random_inputs
@@ -96,9 +96,19 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
         check_signatures(reference, source)
         pair_outputs(source, reference)
     bind_dims(reference, dict(options.dims))  # a binding the program refuses, reported where the user wrote it
-    binding = bind_dims(lowered, dict(options.dims))
-    given = {**resolve_params(lowered, options.grid, options.loop), **options.params}
-    params, concrete, estimates = tuning.parameters(lowered, binding, given, hardware, options.codegen)
+    forms = [lowered] + lowered_forms(source)[1:]  # where it has no valid parameters, the form for long rows
+    # parameters tuned before (`options.params`) name one form's kernels
+    forms = [f for f in forms if set(options.params) <= {s.name for s in free_symbols(f)}] or forms[:1]
+    for i, lowered in enumerate(forms):
+        binding = bind_dims(lowered, dict(options.dims))
+        try:
+            given = {**resolve_params(lowered, options.grid, options.loop), **options.params}
+            params, concrete, estimates = tuning.parameters(lowered, binding, given, hardware, options.codegen)
+            break
+        except PrismError as e:
+            if i + 1 == len(forms):
+                raise (first if i else e) from None
+            first = first if i else e
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates))

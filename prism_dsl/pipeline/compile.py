@@ -24,7 +24,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware, for_device, load_hardware
 from ..kernels.kernel import kernels_of
-from ..kernels.lower import check_compilable, lower
+from ..kernels.lower import check_compilable, lowered_for
 from ..lang.printer import print_program
 from ..prove.rules import load_library
 from ..prove.soundness import check_library
@@ -74,7 +74,7 @@ def compile_program(request: Request) -> Report:
     outcome = search(request)
     chosen = choose(request, outcome)
     started = time.perf_counter()
-    lowered = lower(chosen.program)
+    lowered = lowered_for(chosen.program, chosen.options.params)
     tuned = tune(lowered, chosen.program, request.hardware, chosen.options, request.program)
     built = render(tuned, chosen.options.codegen)
     seconds = round(time.perf_counter() - started, 3)
@@ -129,7 +129,7 @@ def choose(request: Request, outcome: Outcome | None) -> Choice:
         return Choice(request.program, request.options, proved=True)  # the input itself
     best = outcome.best
     alternatives = tuple(
-        Alternative(i + 1, r.as_written, len(kernels_of(lower(r.program))), round(r.estimated_us, 3),
+        Alternative(i + 1, r.as_written, len(kernels_of(lowered_for(r.program, r.params))), round(r.estimated_us, 3),
                     None if r.measured_us is None else round(r.measured_us, 3),
                     None if r.measured is None else r.measured.note, True if r.proved else None,
                     print_program(r.program, with_dims=False))

@@ -41,7 +41,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware
 from ..kernels.kernel import free_symbols, kernels_of
-from ..kernels.lower import lower
+from ..kernels.lower import lowered_forms
 from ..lang.syntax import clip
 from ..prove.rules import Library
 from ..search.checkpoint import (SEARCH_VERSION, checkpoint_key, discard, has_checkpoint, is_count, is_time,
@@ -123,15 +123,19 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     """Parameters and estimated time for one program at these dims, from the tuning database when it has
     a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again. `use_cache`
     False (`--no-cache`): the database is neither read nor written."""
-    lowered = lower(program)
+    forms = lowered_forms(program)  # the usual form, then the one for long rows where there is one
     key = tuning_key(program, binding, hardware, codegen)
-    hit = _usable("tuning", key, lambda h: _tuning_problem(h, lowered, binding, hardware, codegen), "tuning entry",
+    hit = _usable("tuning", key, lambda h: _tuning_problem(h, forms, binding, hardware, codegen), "tuning entry",
                   "tuning") if use_cache else None
     if hit is not None:
         return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"], hit["work"])
-    try:
-        params, _, estimates = tuning.parameters(lowered, binding, {}, hardware, codegen)
-    except PrismError:
+    for lowered in forms:
+        try:
+            params, _, estimates = tuning.parameters(lowered, binding, {}, hardware, codegen)
+            break
+        except PrismError:
+            continue
+    else:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
     us = sum(e.time_us for e in estimates)
     busy = round(sum(e.time_us * min(e.blocks, hardware.sms) for e in estimates) / us)  # a kernel at a time
@@ -151,7 +155,14 @@ def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry:
     return None if why is not None else hit
 
 
-def _tuning_problem(hit, lowered: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
+def _tuning_problem(hit, forms: list[Program], binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
+    """What makes a tuning entry unusable for the program at these dims (lowered in one of its `forms`), or None:
+    the first form's problem where every form has one."""
+    problems = [_form_problem(hit, lowered, binding, hardware, codegen) for lowered in forms]
+    return None if None in problems else problems[0]
+
+
+def _form_problem(hit, lowered: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
     """What makes a tuning entry unusable for this (lowered) program at these dims, or None: its
     parameters must be exactly the program's kernel parameters, whole numbers from 1, under which every
     kernel meets its constraints for the code `codegen` asks for (`tuning.fits`); its time a finite positive number;

@@ -1,0 +1,77 @@
+"""Rows longer than a block's shared memory holds, as written: a reduction over the last dim is a loop kernel that
+walks the row (a loop range of 1 is the kernel that holds it whole), and a softmax over a vocabulary's logits,
+whose one-kernel form has no valid parameters there, is lowered in two kernels (`lower(long_rows=True)`: the
+row's running max and sum of exp(x - max) in a loop, kept in f32, then exp(x - max) / sum), compiled, emulated
+and verified as a user runs them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from prism_dsl.backend import emulate
+from prism_dsl.ir.nodes import DType
+from prism_dsl.kernels.kernel import kernels_of, stored_dtype
+from prism_dsl.kernels.lower import lower, lowered_forms
+from prism_dsl.lang.check import load
+from test_cli import prismc
+
+pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
+
+SOFTMAX = """dims n = 4, v = 128256
+program probs(X: f16[n, v]) {
+    P = softmax(X / 0.7)
+    return P
+}
+"""
+
+
+def _report(out) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.parametrize("op", ["max", "sum", "mean"])
+def test_a_reduction_over_rows_of_65536_floats_walks_them_in_a_loop(op, write, tmp_path, capsys):
+    """A row of 65536 f32 is 256 KiB: no block holds it whole, which left `max(X, -1)` with no valid parameters."""
+    src = write(f"dims n = 4, v = 65536\nprogram r(X: f32[n, v]) {{\n    M = {op}(X, -1)\n    return M\n}}\n")
+    kernel = kernels_of(lower(load(src).program()))[0]
+    assert kernel.loop is not None and kernel.stores[0].value.op == {"max": "acc_max_last", "sum": "acc_sum_last",
+                                                                   "mean": "acc_mean_last"}[op]
+    code, text, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "-o", tmp_path / "o")
+    assert code == 0, err
+    assert "verified: yes" in text and _report(tmp_path / "o")["parameters"][f"F_M"] > 1
+
+
+def test_a_softmax_over_a_vocabulary_is_two_kernels_with_its_sums_in_f32(write, tmp_path, capsys):
+    src = write(SOFTMAX)
+    program = load(src).program()
+    usual, long = lowered_forms(program)
+    assert [k.name for k in kernels_of(usual)] == ["div_t0", "softmax_P"]
+    stats, apply = kernels_of(long)[1:]
+    assert [s.name for s in stats.stores] == ["P_max", "P_sum"] and stats.loop is not None and apply.loop is None
+    assert [stored_dtype(stats, i) for i in range(2)] == [DType.F16, DType.F32]  # a sum up to 128256: past f16
+    for search in ("none", "full"):
+        out = tmp_path / search
+        code, text, err = prismc(capsys, "compile", src, "--search", search, "--arch", "none", "-o", out)
+        assert code == 0, err
+        assert "verified: yes" in text and (search == "none" or "with 3 kernel(s)" in text), text
+        report = _report(out)
+        assert [k["name"] for k in report["kernels"]] == ["div_t0", "softmax_stats_P", "softmax_P"]
+        assert report["verified"] is True
+    # every logit equal: the row's sum is 128256, which f16 would hold as inf (and every probability as 0)
+    np.savez(tmp_path / "flat.npz", X=np.full((4, 128256), 3.0, np.float16))
+    code, text, err = prismc(capsys, "verify", tmp_path / "none", "--inputs", tmp_path / "flat.npz")
+    assert code == 0 and "verified: yes" in text, text + err
+    # compiled again: the tuning database's entry for the long form is used as it is, with no warning
+    code, text, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "-o", tmp_path / "again")
+    assert code == 0 and "not a valid" not in err and _report(tmp_path / "again")["parameters"] == \
+        _report(tmp_path / "none")["parameters"]
+
+
+def test_a_softmax_whose_rows_fit_keeps_its_one_kernel(write, tmp_path, capsys):
+    src = write(SOFTMAX.replace("v = 128256", "v = 4096"))
+    code, text, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "-o", tmp_path / "o")
+    assert code == 0, err
+    assert [k["name"] for k in _report(tmp_path / "o")["kernels"]] == ["div_t0", "softmax_P"]
