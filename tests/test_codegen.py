@@ -3,6 +3,7 @@ cost model's ranking, and `prismc compile` / `prismc bench` as a user runs them 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -973,6 +974,47 @@ def test_compile_writes_kernels_launcher_program_and_report(tmp_path, capsys):
     assert done.returncode == 0, done.stderr
     # the program written back parses, checks and runs
     assert main(["run", str(out / "rmsnorm_linear.prism"), "--dims", "n=4,d=256", "--out", str(tmp_path / "y.npz")]) == 0
+
+
+def test_an_output_whose_shape_holds_a_grid_size_is_compiled_and_its_floor_priced(write, tmp_path, capsys):
+    """`V` is [n, gx]: its blocks' row sums side by side. The roofline took the dims alone and stopped on the grid
+    size with a TypeError; it takes the chosen parameters too."""
+    src = write("dims n = 16, d = 64\nprogram p(X: f32[n, d]) {\n    kernel k grid(x = gx) loop(F) {\n"
+                "        xt = load X[:, x*loop]\n        store V[:, x] = acc_sum_last(xt)\n    }\n    return V\n}\n")
+    out = tmp_path / "o"
+    assert main(["compile", str(src), "--search", "none", "--arch", "none", "--no-emulate", "-o", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    gx = report["parameters"]["gx"]
+    assert report["roofline"]["bytes"] == 4 * (16 * 64 + 16 * gx)
+
+
+def test_a_program_that_fails_its_check_gives_way_to_the_next_fastest(tmp_path, capsys, monkeypatch):
+    """The search's fastest program that fails its own check (a rewrite that loses accuracy at the magnitudes a
+    program's values reach: `layer_norm(X + 10000, eps) @ W` in f32 lost 1.4e-2 in one kernel) is not the result:
+    the next is built and checked, and the summary and report.json say which failed and why."""
+    from prism_dsl.pipeline import compile as pipeline
+
+    real, built = pipeline.emulate, []
+
+    def emulate(b, options):
+        check = real(b, options)
+        built.append(b.source)
+        if len(built) > 1:
+            return check
+        planted = {name: {**o, "passed": False, "reason": "planted"} for name, o in check.outputs.items()}
+        return dataclasses.replace(check, passed=False, outputs=planted)
+
+    monkeypatch.setattr(pipeline, "emulate", emulate)
+    out = tmp_path / "o"
+    assert main(["compile", str(ROOT / "programs/rmsnorm_linear.prism"), "-o", str(out), "--dims", "n=4,d=256",
+                 "--arch", "none"]) == 0
+    text = capsys.readouterr().out
+    assert "program 1 of the search's ranking failed its check, so the next was built: Y: max rel err" in text
+    assert "planted" in text and "verified: yes" in text and len(built) == 2
+    report = json.loads((out / "report.json").read_text())
+    assert report["verified"] and [f["rank"] for f in report["search"]["failed_check"]] == [1]
+    second = report["alternatives"][1]
+    assert (out / "best.prism").read_text().endswith(second["program"]) and built[0] is not built[1]
 
 
 def test_compile_json_report_on_stdout(tmp_path, capsys):

@@ -103,7 +103,7 @@ def lower(program: Program, long_rows: bool = False) -> Program:
         if store is None or (store in taken and id(n) not in outputs and program.names.get(n) != store):
             store = fresh_name(f"t{i}", taken)
         taken.add(store)
-        if long_rows and n.op == "softmax":
+        if long_rows and _long(n):
             node = _long_softmax(n, store, lowered, params, taken)
         else:
             node = _kernel_for(n, store, lowered, params)
@@ -118,7 +118,13 @@ def lowered_forms(program: Program) -> list[Program]:
     the form for long rows (`lower(long_rows=True)`), which the tuner takes where the usual one has no valid
     parameters (a vocabulary's rows, more than a block's shared memory holds)."""
     usual = lower(program)
-    return [usual] + ([lower(program, long_rows=True)] if any(n.op == "softmax" for n in program.nodes()) else [])
+    return [usual] + ([lower(program, long_rows=True)] if any(map(_long, program.nodes())) else [])
+
+
+def _long(n: Node) -> bool:
+    """A softmax `lower(long_rows=True)` lowers in two kernels: of rank 3 at most, its pieces a grid axis beside its
+    rows' (at rank 4, attention's scores, the search's online softmax is the way)."""
+    return n.op == "softmax" and n.rank <= 3
 
 
 def lowered_for(program: Program, params) -> Program:
@@ -238,37 +244,41 @@ def _folded(n: Node, store: str, split: dict[int, str], loop: sympy.Symbol, lowe
 
 
 def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
-    """softmax(x) over rows too long for a block to hold: a loop kernel walks each row for its running max and
-    its sum of exp(x - max) (online softmax's accumulators, stored in f32: `kernel.stored_dtype`), then an
-    element-wise kernel, its blocks splitting the rows as well, writes exp(x - max) / sum."""
-    if n.rank > KERNEL_RANK:
-        raise PrismError(f"'{store}' has rank {n.rank}; pre-defined kernels handle rank {KERNEL_RANK} at most")
-
+    """softmax(x) over rows too long for a block to hold, in two kernels (FlashDecoding's split, over a row): blocks
+    take pieces of each row (`gx` of them, grid axis x; the rows on y and z), each walking its piece in a loop for
+    its running max and its sum of exp(x - max) (online softmax's accumulators; the sums stored in f32:
+    `kernel.stored_dtype`), so a few long rows still fill the SMs; then each block of an element-wise kernel reads
+    its row's pieces whole, combines them (the largest max, and the pieces' sums rescaled to it: sum_i l_i *
+    exp(m_i - max)), and writes exp(x - max) / sum over its piece of the row."""
     def sym(base: str) -> sympy.Symbol:
         name = fresh_name(f"{base}_{store}", params)
         params.add(name)
         return dim_symbol(name)
 
     x, shape = n.args[0], n.shape
-    rows = dict(zip(range(-2, -n.rank - 1, -1), AXES))
-    bld = _Builder(f"softmax_stats_{store}", [(a, sym("gx") if a == "x" else shape[d]) for d, a in rows.items()],
-                   sym("F"), lowered)
-    xt = bld.tile(x, _map(x.shape, rows, loop_dim=-1))
+    rows = dict(zip(range(-2, -n.rank - 1, -1), AXES[1:]))  # the rows on y (and z); x takes the pieces
+    pieces = sym("gx")
+    bld = _Builder(f"softmax_stats_{store}", [("x", pieces)] + [(a, shape[d]) for d, a in rows.items()], sym("F"),
+                   lowered)
+    xt = bld.tile(x, _map(x.shape, {**rows, -1: "x"}, loop_dim=-1))
     names = [fresh_name(f"{store}_{part}", taken) for part in ("max", "sum")]
     taken.update(names)
-    tmap = TileMap(_out_map(n.rank, rows))
+    tmap = TileMap(_out_map(n.rank, {**rows, -1: "x"}))
     values = [build("acc_max_last", [xt]), build("acc_softmax_sum", [xt])]
     s = bld.shell
     stats = Kernel(s.name, s.grid, s.loop, tuple(bld.loads), tuple(Store(m, v, tmap, False) for m, v in zip(names, values)),
                    tuple(bld.sources))
     m, total = (Node("kernel", stats.inputs, (stats, i), v.dtype, output_shape(v.shape, tmap, stats))
                 for i, v in enumerate(values))
-    split = dict(zip(range(-1, -min(n.rank, 3) - 1, -1), AXES))
-    apply = _Builder(f"softmax_{store}", [(a, sym("gx") if a == "x" else shape[d]) for d, a in split.items()], None,
-                     lowered)
-    xt, mt, st = (apply.tile(v, _map(v.shape, split, out_shape=shape)) for v in (x, m, total))
-    value = build("div", [build("exp", [build("sub", [xt, mt])]), st])
-    return apply.kernel(value, store, TileMap(_out_map(n.rank, split)))
+    # the same pieces: two parameters, which the tuner tries every pair of (`tuning.tune`), where a third for the
+    # second kernel's slices left it to a descent that settled on one piece walked one element an iteration
+    apply = _Builder(f"softmax_{store}", [("x", pieces)] + [(a, shape[d]) for d, a in rows.items()], None, lowered)
+    mt, st = (apply.tile(v, _map(v.shape, rows)) for v in (m, total))  # the row's pieces, whole
+    xt = apply.tile(x, _map(x.shape, {**rows, -1: "x"}))
+    top = build("max", [mt], [-1])
+    whole = build("sum", [build("mul", [st, build("exp", [build("sub", [mt, top])])])], [-1])
+    value = build("div", [build("exp", [build("sub", [xt, top])]), whole])
+    return apply.kernel(value, store, TileMap(_out_map(n.rank, {**rows, -1: "x"})))
 
 
 def _swaps_matrix(n: Node) -> bool:

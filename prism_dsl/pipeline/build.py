@@ -99,16 +99,17 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
     forms = [lowered] + lowered_forms(source)[1:]  # where it has no valid parameters, the form for long rows
     # parameters tuned before (`options.params`) name one form's kernels
     forms = [f for f in forms if set(options.params) <= {s.name for s in free_symbols(f)}] or forms[:1]
-    for i, lowered in enumerate(forms):
+    errors: list[PrismError] = []
+    for lowered in forms:
         binding = bind_dims(lowered, dict(options.dims))
         try:
             given = {**resolve_params(lowered, options.grid, options.loop), **options.params}
             params, concrete, estimates = tuning.parameters(lowered, binding, given, hardware, options.codegen)
             break
         except PrismError as e:
-            if i + 1 == len(forms):
-                raise (first if i else e) from None
-            first = first if i else e
+            errors.append(e)
+    else:
+        raise errors[0]  # what the usual form lacks
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates))

@@ -65,14 +65,46 @@ class Choice:
     searched: Searched | None = None
 
 
+# Programs tried past the first when the chosen one fails its check (its own emulation against the reference):
+# the next fastest, then the program as written.
+FALLBACKS = 3
+
+
 def compile_program(request: Request) -> Report:
-    """The input program compiled, checked and written to `request.output`; what was found."""
+    """The input program compiled, checked and written to `request.output`; what was found. Where the search's
+    fastest program fails its check (a rewrite that loses accuracy at the inputs' magnitudes, say), the next is
+    built, up to FALLBACKS of them and then the program as written, and the report says what failed and why."""
     if request.options.rank == "measure":
         check_device(request.hardware)
     check_output(request.output)
     check_compilable(request.program)  # before minutes of search
     outcome = search(request)
-    chosen = choose(request, outcome)
+    tries = [0] if outcome is None else _tries(outcome)
+    failed: list[dict] = []
+    for i, rank in enumerate(tries):
+        chosen = choose(request, outcome, rank)
+        report, texts = _build(request, chosen)
+        if report.verified or not report.checked.failed or i + 1 == len(tries):
+            break
+        failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
+                       "why": report.checked.emulation.errors()})
+    if failed:
+        outcome.search["failed_check"] = failed  # report.json's search, and the summary, say so
+    write(request.output, {**texts, "report.json": report.to_json()})
+    return report
+
+
+def _tries(outcome: Outcome) -> list[int]:
+    """The ranks to build, in order: the fastest, the next FALLBACKS proved in this run (a checkpoint's are proved
+    again only when chosen), then the program as written."""
+    proved = [i for i, r in enumerate(outcome.ranked) if i == 0 or r.proved and not r.as_written]
+    written = next((i for i, r in enumerate(outcome.ranked) if r.as_written), None)
+    tries = proved[:FALLBACKS + 1]
+    return tries + ([written] if written is not None and written not in tries else [])
+
+
+def _build(request: Request, chosen: Choice) -> tuple[Report, dict[str, str]]:
+    """`chosen` lowered, tuned, rendered, compile-checked, priced and checked: its report and the files to write."""
     started = time.perf_counter()
     lowered = lowered_for(chosen.program, chosen.options.params)
     tuned = tune(lowered, chosen.program, request.hardware, chosen.options, request.program)
@@ -87,8 +119,7 @@ def compile_program(request: Request) -> Report:
         built = price(built, figures, chosen.options.codegen, counted)
     texts = contents(built, {} if chosen.searched is None else {chosen.searched.best: print_program(chosen.program)})
     report = _report(chosen, built, seconds, nvcc, figures, checked, (*texts, "report.json"), counted)
-    write(request.output, {**texts, "report.json": report.to_json()})
-    return report
+    return report, texts
 
 
 def check_device(hardware: Hardware, what: str = "--rank measure") -> None:
@@ -124,10 +155,11 @@ def search(request: Request) -> Outcome | None:
                     device=cuda_runtime.device_identity() if measure else "")
 
 
-def choose(request: Request, outcome: Outcome | None) -> Choice:
+def choose(request: Request, outcome: Outcome | None, rank: int = 0) -> Choice:
+    """The program of `rank` (0: the fastest) among the search's, or the input itself without a search."""
     if outcome is None:
         return Choice(request.program, request.options, proved=True)  # the input itself
-    best = outcome.best
+    best = outcome.ranked[rank]
     alternatives = tuple(
         Alternative(i + 1, r.as_written, len(kernels_of(lowered_for(r.program, r.params))), round(r.estimated_us, 3),
                     None if r.measured_us is None else round(r.measured_us, 3),
@@ -135,7 +167,8 @@ def choose(request: Request, outcome: Outcome | None) -> Choice:
                     print_program(r.program, with_dims=False))
         for i, r in enumerate(outcome.ranked[:TOP]))
     file = "best.prism" if request.program.name != "best" else "best_found.prism"  # not the compiled best.prism
-    searched = Searched(file, best.as_written, alternatives[0].kernels, outcome.search,
+    kernels = len(kernels_of(lowered_for(best.program, best.params)))
+    searched = Searched(file, best.as_written, kernels, outcome.search,
                         outcome.search["search_seconds"], alternatives)
     return Choice(best.program, replace(request.options, params=best.params), best.proved, searched)
 
@@ -151,7 +184,8 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
         for r in built.kernels)
     return Report(built.program.name, HardwareUsed(built.hardware.name, built.hardware.arch), chosen.options.rank,
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
-                  roofline.roofline(built.reference, bind_dims(built.reference, dims_of(built)), built.hardware),
+                  roofline.roofline(built.reference, {**bind_dims(built.reference, dims_of(built)), **built.binding},
+                                    built.hardware),  # the parameters too: an output's shape may hold a grid size
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
                   counted if isinstance(counted, Skipped) else None)

@@ -268,7 +268,11 @@ def _search_lines(s: Searched) -> list[str]:
                  + ("" if s.best_is_input else "; the chosen one again now") + ")")
     lines = [f"  search: {found}, {sr['jobs']} prover processes, "
              f"{s.search_seconds} s; best: {s.best} with {s.kernels_in_best} kernel(s)"
-             + (" (the program as written: nothing faster was found)" if s.best_is_input else "")]
+             + (" (the program as written" + ("" if sr.get("failed_check") else ": nothing faster was found") + ")"
+                if s.best_is_input else "")]
+    for f in sr.get("failed_check", ()):  # built, checked and passed over (`compile.FALLBACKS`)
+        lines.append(f"  program {f['rank']} of the search's ranking{' (as written)' if f['as_written'] else ''} failed "
+                     f"its check, so the next was built: {f['why']}")
     if unsteady := sr.get("pruned", {}).get("unsteady"):
         lines.append(f"  {unsteady} program(s) left out as unsteady: they lose accuracy the input keeps on inputs far "
                      "from zero (--unsteady offers them)")
