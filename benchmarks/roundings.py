@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prism_dsl.backend.compare import Tolerance, check, tolerance  # noqa: E402
+from prism_dsl.backend.compare import Tolerance, check, tolerance, widest  # noqa: E402
 from prism_dsl.base.errors import PrismError  # noqa: E402
 from prism_dsl.cli.values import parse_dims  # noqa: E402
 from prism_dsl.pipeline.build import rtol_of  # noqa: E402
@@ -75,7 +75,7 @@ def program_roundings(path: str, dims: dict) -> None:
     for name in exact:
         e = tol.rounding(name, exact[name])
         print(f"{program.name} {name}: its kernels' roundings alone {e:.2e}; judged at "
-              f"{max(tol.base, 2 * e):.2e} (base {tol.base:g})", flush=True)
+              f"{max(tol.base, min(2 * e, widest(tol.base))):.2e} (base {tol.base:g})", flush=True)
 
 
 def main() -> int:

@@ -991,14 +991,18 @@ def test_an_output_whose_shape_holds_a_grid_size_is_compiled_and_its_floor_price
 def test_a_program_that_fails_its_check_gives_way_to_the_next_fastest(tmp_path, capsys, monkeypatch):
     """The search's fastest program that fails its own check (a rewrite that loses accuracy at the magnitudes a
     program's values reach: `layer_norm(X + 10000, eps) @ W` in f32 lost 1.4e-2 in one kernel) is not the result:
-    the next is built and checked, and the summary and report.json say which failed and why."""
+    the next is built and checked (one that cannot be built is passed over too), and the summary and
+    report.json say which failed and why."""
+    from prism_dsl.base.errors import PrismError
     from prism_dsl.pipeline import compile as pipeline
 
     real, built = pipeline.emulate, []
 
     def emulate(b, options):
-        check = real(b, options)
         built.append(b.source)
+        if len(built) == 2:
+            raise PrismError("planted: the second cannot be built")
+        check = real(b, options)
         if len(built) > 1:
             return check
         planted = {name: {**o, "passed": False, "reason": "planted"} for name, o in check.outputs.items()}
@@ -1009,12 +1013,13 @@ def test_a_program_that_fails_its_check_gives_way_to_the_next_fastest(tmp_path, 
     assert main(["compile", str(ROOT / "programs/rmsnorm_linear.prism"), "-o", str(out), "--dims", "n=4,d=256",
                  "--arch", "none"]) == 0
     text = capsys.readouterr().out
-    assert "program 1 of the search's ranking failed its check, so the next was built: Y: max rel err" in text
-    assert "planted" in text and "verified: yes" in text and len(built) == 2
+    assert "program 1 of the search's ranking was passed over: its check failed: Y: max rel err" in text
+    assert "program 2 of the search's ranking was passed over: it could not be built: planted: the second" in text
+    assert "verified: yes" in text and len(built) == 3
     report = json.loads((out / "report.json").read_text())
-    assert report["verified"] and [f["rank"] for f in report["search"]["failed_check"]] == [1]
-    second = report["alternatives"][1]
-    assert (out / "best.prism").read_text().endswith(second["program"]) and built[0] is not built[1]
+    assert report["verified"] and [f["rank"] for f in report["search"]["failed_check"]] == [1, 2]
+    third = report["alternatives"][2]
+    assert (out / "best.prism").read_text().endswith(third["program"]) and built[0] is not built[2]
 
 
 def test_compile_json_report_on_stdout(tmp_path, capsys):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl.backend.compare import WIDEST, Tolerance, check, tolerance
+from prism_dsl.backend.compare import WIDEST, Tolerance, check, tolerance, widest
 from prism_dsl.pipeline.report import widened as tolerance_words
 from prism_dsl.kernels.lower import lower
 from prism_dsl.lang.check import load
@@ -128,7 +128,8 @@ def test_roundings_within_the_base_tolerance_widen_nothing_and_nan_never_passes(
 
 def test_roundings_that_lose_the_output_widen_the_tolerance_no_further_than_the_widest():
     """A sum past f16's range stored in f16 makes every probability 0: the roundings alone then lose half the output,
-    and twice that would pass anything. No check is widened past WIDEST (0.1), and the words say why it failed."""
+    and twice that would pass anything. No check is widened past `widest(base)` (0.1, or 3 times the base: bf16's
+    0.234), and the words say why it failed; an output that passes there is not said to be lost."""
     ref = np.ones(100)
     lost = Tolerance(1e-2, lambda: {"O": np.zeros(100)})
     result = lost.judge("O", np.zeros(100), ref)
@@ -138,6 +139,10 @@ def test_roundings_that_lose_the_output_widen_the_tolerance_no_further_than_the_
     near = Tolerance(1e-2, lambda: {"O": ref + 0.08 * (np.arange(100) == 3)})  # roundings of 4e-2: 8e-2 allowed
     assert near.judge("O", ref + 0.14 * (np.arange(100) == 9), ref)["rtol"] == pytest.approx(0.08)
     assert "twice the" in tolerance_words(near.judge("O", ref + 0.14 * (np.arange(100) == 9), ref), 1e-2)
+    bf16 = Tolerance(tolerance({"bf16"}), lambda: {"O": ref + 0.43 * (np.arange(100) == 3)})  # roundings of 0.215
+    kept = bf16.judge("O", ref + 0.4 * (np.arange(100) == 9), ref)  # 0.2: within 3 times bf16's 0.078
+    assert kept["passed"] and kept["rtol"] == pytest.approx(widest(tolerance({"bf16"})))
+    assert "the widest a check allows" in tolerance_words(kept, 1e-2) and "lose" not in tolerance_words(kept, 1e-2)
 
 
 def test_a_mask_limits_the_roundings_error_to_the_elements_compared():

@@ -154,7 +154,9 @@ def test_checkpoint_choice_is_proved_in_this_run(cache_dir, library, source):
 
 
 def test_false_proof_is_caught_by_the_check_against_the_input(cache_dir, capsys, tmp_path, monkeypatch):
-    """Should a proof ever be wrong, the numeric check still compares with the program the user gave."""
+    """Should a proof ever be wrong, the numeric check still compares with the program the user gave: the wrong
+    programs it built fail it, and what is written is one that passed (the program as written, where every
+    program of the checkpoint was edited), with the failures in the summary and report.json."""
     if not EMULATION:
         pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
 
@@ -166,9 +168,11 @@ def test_false_proof_is_caught_by_the_check_against_the_input(cache_dir, capsys,
     monkeypatch.setattr(superopt, "_confirm", trusting)
     edit_checkpoint(cache_dir, doubled)
     code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
-    assert "2.0 *" in (tmp_path / "out" / "best.prism").read_text()  # the edited program was emitted...
+    failed = report["search"]["failed_check"]  # the edited programs were built, checked and caught...
+    assert failed and failed[0]["rank"] == 1 and "its check failed: Y: max rel err" in failed[0]["why"]
+    assert "2.0 *" not in (tmp_path / "out" / "best.prism").read_text()  # ...and none of them written
     emulation = report["checked"]["emulation"]
-    assert code == 1 and not emulation["passed"] and not report["verified"]  # ...and caught
+    assert code == 0 and emulation["passed"] and report["verified"] and report["best_is_input"]
     assert emulation["checked_against"] == "input program"
 
 

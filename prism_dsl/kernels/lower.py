@@ -55,9 +55,10 @@ def check_compilable(program: Program) -> None:
 def lower(program: Program, long_rows: bool = False) -> Program:
     """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused
     into its element-wise user's). A program with nothing left outside kernels comes back as it is.
-    `long_rows`: each softmax in two kernels that never hold a row whole (`_long_softmax`), for rows a block's
-    shared memory cannot hold (a vocabulary's logits); the caller tries it where the usual form has no
-    valid parameters (`pipeline.build.fitted`)."""
+    `long_rows`: each softmax of rank 3 at most (`_long`) in two kernels that never hold a row whole
+    (`_long_softmax`), for rows a block's shared memory cannot hold (a vocabulary's logits); `lowered_forms`
+    offers it, and the tuner takes it where the usual form has no valid parameters (`pipeline.build.tune`,
+    `pipeline.optimize.rank`)."""
     nodes = program.nodes()
     users: dict[Node, list[Node]] = {n: [] for n in nodes}
     for n in nodes:

@@ -109,7 +109,9 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
         except PrismError as e:
             errors.append(e)
     else:
-        raise errors[0]  # what the usual form lacks
+        if len(errors) > 1:  # the form for long rows was tried too
+            raise PrismError(f"{errors[0]}\n(nor in two kernels for its long rows: {errors[1]})")
+        raise errors[0]
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates))

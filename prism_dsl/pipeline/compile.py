@@ -81,13 +81,24 @@ def compile_program(request: Request) -> Report:
     outcome = search(request)
     tries = [0] if outcome is None else _tries(outcome)
     failed: list[dict] = []
+    built: tuple[Report, dict[str, str]] | None = None  # the first program's, should no other be built
     for i, rank in enumerate(tries):
-        chosen = choose(request, outcome, rank)
-        report, texts = _build(request, chosen)
-        if report.verified or not report.checked.failed or i + 1 == len(tries):
+        try:
+            report, texts = _build(request, choose(request, outcome, rank))
+        except PrismError as e:  # a later program that cannot be built (the first's error is the compile's)
+            if built is None:
+                raise
+            failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
+                           "why": f"it could not be built: {e}"})
+            continue
+        built = built or (report, texts)
+        if report.verified or not report.checked.failed:
             break
         failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
-                       "why": report.checked.emulation.errors()})
+                       "why": "its check failed: " + "; ".join(c.errors() for c in report.checked.ran() if not c.passed)})
+    else:
+        report, texts = built  # none passed: the fastest, as it was checked
+        failed = [f for f in failed if f["rank"] != tries[0] + 1]
     if failed:
         outcome.search["failed_check"] = failed  # report.json's search, and the summary, say so
     write(request.output, {**texts, "report.json": report.to_json()})

@@ -54,7 +54,8 @@ def widened(output: Mapping, rtol: float) -> str:
             f"stored tensors to their storage types")
     if output["rtol"] >= 2 * output["rounding"] * (1 - 1e-12):
         return f" (tolerance {output['rtol']:.2e}: twice {what})"
-    return f" (tolerance {output['rtol']:.2e}, the widest a check allows, short of twice {what}: they lose this output)"
+    lost = "" if output.get("passed") else ": they lose this output"
+    return f" (tolerance {output['rtol']:.2e}, the widest a check allows, short of twice {what}{lost})"
 
 
 @dataclass(frozen=True)
@@ -271,8 +272,8 @@ def _search_lines(s: Searched) -> list[str]:
              + (" (the program as written" + ("" if sr.get("failed_check") else ": nothing faster was found") + ")"
                 if s.best_is_input else "")]
     for f in sr.get("failed_check", ()):  # built, checked and passed over (`compile.FALLBACKS`)
-        lines.append(f"  program {f['rank']} of the search's ranking{' (as written)' if f['as_written'] else ''} failed "
-                     f"its check, so the next was built: {f['why']}")
+        lines.append(f"  program {f['rank']} of the search's ranking{' (as written)' if f['as_written'] else ''} was "
+                     f"passed over: {f['why']}")
     if unsteady := sr.get("pruned", {}).get("unsteady"):
         lines.append(f"  {unsteady} program(s) left out as unsteady: they lose accuracy the input keeps on inputs far "
                      "from zero (--unsteady offers them)")
