@@ -96,22 +96,23 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
         check_signatures(reference, source)
         pair_outputs(source, reference)
     bind_dims(reference, dict(options.dims))  # a binding the program refuses, reported where the user wrote it
-    forms = [lowered] + lowered_forms(source)[1:]  # where it has no valid parameters, the form for long rows
+    forms = [lowered] + lowered_forms(source)[1:]  # and the form for long rows, where there is one
     # parameters tuned before (`options.params`) name one form's kernels
     forms = [f for f in forms if set(options.params) <= {s.name for s in free_symbols(f)}] or forms[:1]
     errors: list[PrismError] = []
-    for lowered in forms:
-        binding = bind_dims(lowered, dict(options.dims))
+    tuned: list[tuple] = []
+    for form in forms:  # each form that fits, the faster taken (a softmax's rows may fit one block and spill)
+        bound = bind_dims(form, dict(options.dims))
         try:
-            given = {**resolve_params(lowered, options.grid, options.loop), **options.params}
-            params, concrete, estimates = tuning.parameters(lowered, binding, given, hardware, options.codegen)
-            break
+            given = {**resolve_params(form, options.grid, options.loop), **options.params}
+            tuned.append((form, bound, *tuning.parameters(form, bound, given, hardware, options.codegen)))
         except PrismError as e:
             errors.append(e)
-    else:
+    if not tuned:
         if len(errors) > 1:  # the form for long rows was tried too
             raise PrismError(f"{errors[0]}\n(nor in two kernels for its long rows: {errors[1]})")
         raise errors[0]
+    lowered, binding, params, concrete, estimates = min(tuned, key=lambda t: sum(e.time_us for e in t[4]))
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates))

@@ -123,20 +123,21 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     """Parameters and estimated time for one program at these dims, from the tuning database when it has
     a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again. `use_cache`
     False (`--no-cache`): the database is neither read nor written."""
-    forms = lowered_forms(program)  # the usual form, then the one for long rows where there is one
+    forms = lowered_forms(program)  # the usual form, and the one for long rows where there is one
     key = tuning_key(program, binding, hardware, codegen)
     hit = _usable("tuning", key, lambda h: _tuning_problem(h, forms, binding, hardware, codegen), "tuning entry",
                   "tuning") if use_cache else None
     if hit is not None:
         return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"], hit["work"])
-    for lowered in forms:
+    tuned = []
+    for lowered in forms:  # each form that fits, the faster taken
         try:
-            params, _, estimates = tuning.parameters(lowered, binding, {}, hardware, codegen)
-            break
+            tuned.append(tuning.parameters(lowered, binding, {}, hardware, codegen))
         except PrismError:
             continue
-    else:
+    if not tuned:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
+    params, _, estimates = min(tuned, key=lambda t: sum(e.time_us for e in t[2]))
     us = sum(e.time_us for e in estimates)
     busy = round(sum(e.time_us * min(e.blocks, hardware.sms) for e in estimates) / us)  # a kernel at a time
     work = sum(e.flops + e.tensor_core_flops for e in estimates)
