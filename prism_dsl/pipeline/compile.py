@@ -92,7 +92,7 @@ def compile_program(request: Request) -> Report:
                            "why": f"it could not be built: {e}"})
             continue
         built = built or (report, texts)
-        if report.verified or not report.checked.failed:
+        if report.verified or not report.checked.failed or outcome is None:  # as written: nothing to fall back to
             break
         failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
                        "why": "its check failed: " + "; ".join(c.errors() for c in report.checked.ran() if not c.passed)})
