@@ -2,10 +2,11 @@
 
 Where it sits: a part of `codegen.Emitter` (a mixin, as `tensor_steps` is), for the accumulators that sum
 whole rows (`acc_sum_last`, `acc_mean_last`, `acc_rms_last`, and `acc_var_last`'s merged deviations:
-`Accumulator.row`, outside online softmax, whose rows share the running max: `held_in_registers`). Summed each iteration by one warp per row (the
-lanes' sums added by five shuffles, the row's state in shared memory read, added to and written back, a
-barrier after it), an RMSNorm folded into a projection costs that on every iteration of its loop (at n = d =
-4096, 16 rows a warp, each its own chain of shuffles) while the products wait at the barrier.
+`Accumulator.row`, outside online softmax, whose rows share the running max: `held_in_registers`). Summed
+each iteration by one warp per row (the lanes' sums added by five shuffles, the row's state in shared memory
+read, added to and written back, a barrier after it), an RMSNorm folded into a projection costs that on every
+iteration of its loop (at n = d = 4096, 16 rows a warp, each its own chain of shuffles) while the products
+wait at the barrier.
 
 So each thread keeps its part of a few rows in registers for the whole loop ("row_parts"): it reads its
 elements of the iteration's tile, 8 at a time by one 16-byte load where every 16-bit tile the term reads

@@ -19,8 +19,8 @@ the prover's size rules in `prove.egraph` (like, row), `semantics` (init, step, 
 reads_once, adds_products), `backend.codegen` (cuda_*), `backend.cost` (flops, like). A new
 accumulator is one row here plus its definition in rules/layout.rules, as long as its CUDA fold is one of
 the kinds `codegen` renders from these strings: per state element (`cuda_fold` lines), per row (a
-`cuda_reduce` of `cuda_term`, then `cuda_fold`: "sum", "max", or "welford", a running count, mean and sum of
-squared deviations per row merged by Chan's formula, `part` the last), a matrix product (`like` "matmul": `cuda_fold` is the
+`cuda_reduce` of `cuda_term`, then `cuda_fold`: "sum", "max", or "welford", a running count, mean and sum
+of squared deviations per row merged by Chan's formula, `part` the last), a matrix product (`like` "matmul": `cuda_fold` is the
 dot product's start), or a member of the online-softmax group. Another kind of fold needs its own code
 in `backend.codegen` (and, for new shared state, in `kernels.fusion`).
 """
@@ -179,7 +179,8 @@ ACCUMULATORS: dict[str, Accumulator] = {
                     cuda_finish="prism::sqrt_({0} / real({count}))"),
         Accumulator("acc_var_last", "variance of every row element seen, about their mean", 1, "unary", True,
                     lambda s: (0, np.zeros(_last(s)), np.zeros(_last(s))), _variance_step, lambda st: st[2] / st[0],
-                    _variance, cuda_reduce="welford", cuda_fold=("{acc}[row] = part;",), cuda_finish="({0} / real({count}))",
+                    _variance, cuda_reduce="welford", cuda_fold=("{acc}[row] = part;",),
+                    cuda_finish="({0} / real({count}))",
                     flops=4),
         Accumulator("acc_max_last", "running row max", 1, "unary", True,
                     lambda s: (np.full(_last(s), -np.inf),), lambda st, t: (np.maximum(st[0], _rowmax(t)),),

@@ -229,8 +229,9 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str])
     return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
 
 
-# Reductions a loop folds, by op and dim (over the last dim: a row accumulator). The loop walks the reduced dim, so no block holds it whole (rows of 65536 floats would not fit in
-# shared memory); a loop range of 1 is the kernel that holds it whole.
+# Reductions a loop folds, by op and dim (over the last dim: a row accumulator). The loop walks the reduced dim,
+# so no block holds it whole (rows of 65536 floats would not fit in shared memory); a loop range of 1 is the
+# kernel that holds it whole.
 _FOLDED = {("sum", -1): "acc_sum_last", ("max", -1): "acc_max_last", ("mean", -1): "acc_mean_last"}
 
 
@@ -268,8 +269,8 @@ def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str
     tmap = TileMap(_out_map(n.rank, {**rows, -1: "x"}))
     values = [build("acc_max_last", [xt]), build("acc_softmax_sum", [xt])]
     s = bld.shell
-    stats = Kernel(s.name, s.grid, s.loop, tuple(bld.loads), tuple(Store(m, v, tmap, False) for m, v in zip(names, values)),
-                   tuple(bld.sources))
+    stores = tuple(Store(name, v, tmap, False) for name, v in zip(names, values))
+    stats = Kernel(s.name, s.grid, s.loop, tuple(bld.loads), stores, tuple(bld.sources))
     m, total = (Node("kernel", stats.inputs, (stats, i), v.dtype, output_shape(v.shape, tmap, stats))
                 for i, v in enumerate(values))
     # the same pieces: two parameters, which the tuner tries every pair of (`tuning.tune`), where a third for the

@@ -82,7 +82,7 @@ def compile_program(request: Request) -> Report:
     tries = [0] if outcome is None else _tries(outcome)
     failed: list[dict] = []
     built: tuple[Report, dict[str, str]] | None = None  # the first program's, should no other be built
-    for i, rank in enumerate(tries):
+    for rank in tries:
         try:
             report, texts = _build(request, choose(request, outcome, rank))
         except PrismError as e:  # a later program that cannot be built (the first's error is the compile's)
@@ -94,8 +94,8 @@ def compile_program(request: Request) -> Report:
         built = built or (report, texts)
         if report.verified or not report.checked.failed or outcome is None:  # as written: nothing to fall back to
             break
-        failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
-                       "why": "its check failed: " + "; ".join(c.errors() for c in report.checked.ran() if not c.passed)})
+        why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
+        failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written, "why": f"its check failed: {why}"})
     else:
         report, texts = built  # none passed: the fastest, as it was checked
         failed = [f for f in failed if f["rank"] != tries[0] + 1]
