@@ -16,13 +16,13 @@ RTOL = 1e-2  # the least relative tolerance of a check: 20 rounding units of f16
 # widest measured: gqa as written in bf16 (scores of 128-wide heads over 600 keys stored in bf16), 0.215.
 WIDEST = 0.1
 WIDEST_BASES = 3
+ROUNDING_UNITS = 20
+UNIT = {"f16": 2.0**-11, "bf16": 2.0**-8, "f32": 2.0**-24, "f64": 2.0**-53}  # half the spacing of numbers near 1
 
 
 def widest(base: float) -> float:
     """How far a check of tolerance `base` may be widened (WIDEST, WIDEST_BASES)."""
     return max(WIDEST, WIDEST_BASES * base)
-ROUNDING_UNITS = 20
-UNIT = {"f16": 2.0**-11, "bf16": 2.0**-8, "f32": 2.0**-24, "f64": 2.0**-53}  # half the spacing of numbers near 1
 
 
 def tolerance(dtypes) -> float:

@@ -30,9 +30,8 @@ means squared, weighted by the counts; the weight by one reciprocal, `prism::rec
 lanes' are merged by the same formula across the shuffles (the shifts' difference taken apart from the
 means'), their counts possibly unequal (a row's groups need not divide among its lanes). Means held less a
 value of the row are differences of nearby values, not values far from zero rounded at their own magnitude,
-and nothing subtracts two large sums: an element far from the rest, even the shift, costs about its distance
-in roundings, not its square.
-E[x^2] - E[x]^2 loses all accuracy on rows far from zero; this keeps it.
+and nothing subtracts two large sums (E[x^2] - E[x]^2 loses all accuracy on rows far from zero): an element
+far from the rest, even the shift, costs about its distance in roundings, not its square.
 
 A row-wise op of a tile (rms_norm, layer_norm, softmax: "row_groups") takes its rows the same way: `per`
 threads a row, each reading its 8-element groups by 16-byte loads, a pass over the row for each statistic

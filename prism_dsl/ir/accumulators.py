@@ -20,9 +20,9 @@ reads_once, adds_products), `backend.codegen` (cuda_*), `backend.cost` (flops, l
 accumulator is one row here plus its definition in rules/layout.rules, as long as its CUDA fold is one of
 the kinds `codegen` renders from these strings: per state element (`cuda_fold` lines), per row (a
 `cuda_reduce` of `cuda_term`, then `cuda_fold`: "sum", "max", or "welford", a running count, mean and sum
-of squared deviations per row merged by Chan's formula, `part` the last), a matrix product (`like` "matmul": `cuda_fold` is the
-dot product's start), or a member of the online-softmax group. Another kind of fold needs its own code
-in `backend.codegen` (and, for new shared state, in `kernels.fusion`).
+of squared deviations per row merged by Chan's formula, `part` the last), a matrix product (`like`
+"matmul": `cuda_fold` is the dot product's start), or a member of the online-softmax group. Another kind of
+fold needs its own code in `backend.codegen` (and, for new shared state, in `kernels.fusion`).
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ def compile_program(request: Request) -> Report:
         if report.verified or not report.checked.failed or outcome is None:  # as written: nothing to fall back to
             break
         why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
-        failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written, "why": f"its check failed: {why}"})
+        failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
+                       "why": f"its check failed: {why}"})
     else:
         report, texts = built  # none passed: the fastest, as it was checked
         failed = [f for f in failed if f["rank"] != tries[0] + 1]
