@@ -96,9 +96,13 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
         check_signatures(reference, source)
         pair_outputs(source, reference)
     bind_dims(reference, dict(options.dims))  # a binding the program refuses, reported where the user wrote it
-    forms = [lowered] + lowered_forms(source)[1:]  # and the form for long rows, where there is one
+    def names(form: Program) -> set[str]:
+        return {s.name for s in free_symbols(form)}
+
+    # and the other form (for long rows, where there is one): forms differ in their parameters' names
+    forms = [lowered] + [f for f in lowered_forms(source) if names(f) != names(lowered)]
     # parameters tuned before (`options.params`) name one form's kernels
-    forms = [f for f in forms if set(options.params) <= {s.name for s in free_symbols(f)}] or forms[:1]
+    forms = [f for f in forms if set(options.params) <= names(f)] or forms[:1]
     errors: list[PrismError] = []
     tuned: list[tuple] = []
     for form in forms:  # each form that fits, the faster taken (a softmax's rows may fit one block and spill)

@@ -159,8 +159,9 @@ def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry:
 def _tuning_problem(hit, forms: list[Program], binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
     """What makes a tuning entry unusable for the program at these dims (lowered in one of its `forms`), or None:
     the first form's problem where every form has one."""
-    problems = [_form_problem(hit, lowered, binding, hardware, codegen) for lowered in forms]
-    return None if None in problems else problems[0]
+    problems = (_form_problem(hit, lowered, binding, hardware, codegen) for lowered in forms)
+    first = next(problems)
+    return None if first is None or None in problems else first
 
 
 def _form_problem(hit, lowered: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
