@@ -818,11 +818,31 @@ def _tuned(program):
     return sum(estimate(c, H100).time_us for c in instantiate_program(program, {**dims, **params}, H100).values())
 
 
-@pytest.mark.parametrize("name", ["rmsnorm_linear", "rmsnorm_mlp", "swiglu"])
+@pytest.mark.parametrize("name", ["rmsnorm_linear", "rmsnorm_mlp"])
 def test_cost_model_ranks_the_fused_kernel_above_the_unfused_sequence(name):
     fused = _tuned(load(ROOT / f"programs/fused/{name}.prism").program())
     unfused = _tuned(lower(load(ROOT / f"programs/{name}.prism").program()))
     assert fused < unfused
+
+
+def test_the_lowering_computes_products_in_the_kernel_of_the_element_wise_value_they_feed():
+    """swiglu as written lowers to the fused form's one kernel: both products' running sums, silu and the product
+    of the two after the loop (an epilogue), priced alike; the product of a LayerNorm is stored, as are products
+    whose contracted dims differ from the first's (lora's low-rank one) or that have another user."""
+    program = lower(load(ROOT / "programs/swiglu.prism").program())
+    (kernel,) = kernels_of(program)
+    assert [n.op for n in kernel.body() if n.op in ("acc_sum", "silu", "mul")].count("acc_sum") == 2
+    assert _tuned(program) == _tuned(load(ROOT / "programs/fused/swiglu.prism").program())
+    lora = lower(load(ROOT / "programs/lora.prism").program())
+    assert [k.name for k in kernels_of(lora)] == ["matmul_t0", "matmul_t1", "matmul_add_Y"]
+    gpt2 = lower(load(ROOT / "programs/gpt2_mlp.prism").program())
+    assert [k.name for k in kernels_of(gpt2)] == ["layer_norm_t0", "matmul_gelu_tanh_H", "matmul_Y"]
+    shared = lower(load("p.prism", "dims n = 8, d = 64\nprogram p(X: f32[n, d], W: f32[d, d]) {\n"
+                                "    T = X @ W\n    A = exp(T) + T\n    B = T * 2\n    return A, B\n}\n").program())
+    assert len(kernels_of(shared)) == 3  # T has two users: stored once, read by both
+    wider = lower(load("p.prism", "dims n = 8, d = 64\nprogram p(X: f32[n, d], W: f32[d, d], Z: f32[2, n, d]) {\n"
+                               "    Y = (X @ W) + Z\n    return Y\n}\n").program())
+    assert len(kernels_of(wider)) == 2  # the sum is larger than the product: its kernel reads the product
 
 
 def test_cost_model_ranks_a_grid_that_fills_the_sms_above_one_that_leaves_them_idle():
@@ -1026,7 +1046,7 @@ def test_compile_json_report_on_stdout(tmp_path, capsys):
     assert main(["compile", str(ROOT / "programs/swiglu.prism"), "--search", "none", "-o", str(tmp_path / "o"), "--dims", "n=4,d=256",
                  "--arch", "none", "--no-emulate", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert [k["name"] for k in report["kernels"]] == ["matmul_t0", "matmul_t1", "mul_Y"]
+    assert [k["name"] for k in report["kernels"]] == ["matmul_mul_Y"]  # both products in the epilogue's kernel
     assert report["verified"] is False  # nothing checked the numbers
     assert report["roofline"]["floor_us"] > 0
 

@@ -128,8 +128,12 @@ def test_each_program_gets_one_fused_proved_kernel(name, library):
     for dims in BINDINGS[name]:
         out = optimize(src, library, H100, bind_dims(src, dims), time_limit=120)
         best = out.best
-        assert not best.as_written, f"{name}: nothing better than the program as written"
-        assert custom_kernels(best.program) == 1 and len(kernels_of(best.program)) == 1
+        if name == "swiglu":  # as written, its two products lower into one kernel, their epilogue silu(a) * b:
+            # the search's one fused kernel ties with it, and a tie goes to the program as written
+            assert best.as_written and len(kernels_of(lower(best.program))) == 1
+        else:
+            assert not best.as_written, f"{name}: nothing better than the program as written"
+            assert custom_kernels(best.program) == 1 and len(kernels_of(best.program)) == 1
         # Numerically equal to the reference at these dims (block interpreter, the chosen parameters).
         inputs = random_inputs(src, bind_dims(src, dims), seed=3)
         want = evaluate(src, inputs)
@@ -141,8 +145,9 @@ def test_each_program_gets_one_fused_proved_kernel(name, library):
     # decode (16 heads of one query) split over the keys (FlashDecoding, the combine in the same launch): one
     # block per head would keep 16 SMs busy, and an SM takes in only what its warps copy (`intake.sm_intake`).
     out = optimize(src, library, H100, src.default_binding())
-    assert out.from_checkpoint and custom_kernels(out.best.program) == (2 if "attention" in name else 1)
-    text = print_program(out.best.program)
+    chosen = lower(out.best.program)
+    assert out.from_checkpoint and custom_kernels(chosen) == (2 if "attention" in name else 1)
+    text = print_program(chosen)
     if "attention" in name:
         assert "acc_softmax_out" in text and "acc_softmax_sum" in text and "exp" not in text  # online softmax
         assert "acc_rescaled_sum" in text  # the pieces' states combined
@@ -504,7 +509,7 @@ def test_time_limit_and_interruption_return_the_best_so_far(library):
 
 def test_compile_searches_by_default(tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["compile", str(ROOT / "programs" / "swiglu.prism"), "-o", str(out), "--dims", "n=4,d=64",
+    code = main(["compile", str(ROOT / "programs" / "rmsnorm_mlp.prism"), "-o", str(out), "--dims", "n=4,d=64",
                  "--arch", "none", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
@@ -514,7 +519,7 @@ def test_compile_searches_by_default(tmp_path, capsys):
     assert report["alternatives"][0]["rank"] == 1 and isinstance(report["search_seconds"], float)
     best = (out / "best.prism").read_text()
     # prove and run accept the chosen program
-    assert main(["prove", str(ROOT / "programs" / "swiglu.prism"), str(out / "best.prism")]) == 0
+    assert main(["prove", str(ROOT / "programs" / "rmsnorm_mlp.prism"), str(out / "best.prism")]) == 0
     assert main(["run", str(out / "best.prism"), "--dims", "n=4,d=64", "--out", str(tmp_path / "y.npz")]) == 0
     assert "kernel fused" in best
 

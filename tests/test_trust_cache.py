@@ -6,6 +6,7 @@ Each test is the attack: a cache entry edited (or damaged) so that it still read
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -165,7 +166,7 @@ def test_false_proof_is_caught_by_the_check_against_the_input(cache_dir, capsys,
             r.proved = True
         return None
 
-    monkeypatch.setattr(superopt, "_confirm", trusting)
+    monkeypatch.setattr(superopt, "confirm", trusting)
     edit_checkpoint(cache_dir, doubled)
     code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
     failed = report["search"]["failed_check"]  # the edited programs were built, checked and caught...
@@ -176,12 +177,42 @@ def test_false_proof_is_caught_by_the_check_against_the_input(cache_dir, capsys,
     assert emulation["checked_against"] == "input program"
 
 
+def test_a_checkpoints_fallback_is_proved_before_it_is_built(cache_dir, capsys, tmp_path, monkeypatch):
+    """Where the checkpoint's choice fails its check, the next programs it holds are proved in this run before one
+    is built, as the choice was: edited ones fail their proof and are passed over, never built nor written."""
+    if not EMULATION:
+        pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
+    from prism_dsl.pipeline import compile as pipeline
+
+    code, first, _ = compile_json(capsys, tmp_path / "first", OTHER, "--no-emulate")
+    chosen = first["alternatives"][0]["program"]
+    assert code == 0 and not first["best_is_input"]
+    edit_checkpoint(cache_dir, lambda text: text if text == chosen else doubled(text))
+    real, built = pipeline.emulate, []
+
+    def emulate(b, options):  # the choice fails its check
+        built.append(b.source)
+        check = real(b, options)
+        if len(built) > 1:
+            return check
+        planted = {name: {**o, "passed": False, "reason": "planted"} for name, o in check.outputs.items()}
+        return dataclasses.replace(check, passed=False, outputs=planted)
+
+    monkeypatch.setattr(pipeline, "emulate", emulate)
+    code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
+    first_failed, *others = report["search"]["failed_check"]
+    assert first_failed["rank"] == 1 and "its check failed" in first_failed["why"]
+    assert others and all(f["why"] == "it failed its proof" for f in others)
+    assert len(built) == 2 and report["best_is_input"] and report["verified"]  # the choice, then as written
+    assert "2.0 *" not in (tmp_path / "out" / "best.prism").read_text()
+
+
 def test_a_choice_not_proved_in_this_run_is_not_verified(cache_dir, capsys, tmp_path, monkeypatch):
     """`proved` means a proof ran: a checkpoint's program used without its proof again is reported as not
     proved, and so not verified, however well its numbers agree (`checked`)."""
     if not EMULATION:
         pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
-    monkeypatch.setattr(superopt, "_confirm", lambda ranked, prover: None)  # no proof runs
+    monkeypatch.setattr(superopt, "confirm", lambda ranked, prover: None)  # no proof runs
     code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
     assert report["search"]["from_checkpoint"] and not report["best_is_input"]
     assert report["proved"] is False and report["alternatives"][0]["proved"] is None

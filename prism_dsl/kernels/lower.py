@@ -9,7 +9,9 @@ model and the proofs all apply to it unchanged:
   with one element-wise user is computed inside its user's kernel); blocks split the last dim (free
   size) and one row or plane per block along the two dims before it;
 - matmul: blocks split the output's columns (x) and rows (y), and the batch dim before them (z, one
-  per block); the loop walks the contracted dim and `acc_sum` adds the partial products;
+  per block); the loop walks the contracted dim and `acc_sum` adds the partial products; a product that
+  only feeds an element-wise chain of its shape is computed in that chain's kernel, the chain after the
+  loop (its epilogue: `_epilogues`);
 - reductions: blocks split the kept dims; each block holds the reduced dim whole;
 - row-wise ops (`rms_norm`, `softmax`): one block per group of rows, each row whole.
 
@@ -70,7 +72,7 @@ def lower(program: Program, long_rows: bool = False) -> Program:
     def loaded_swapped(n: Node) -> bool:  # the products load the tile of its operand transposed
         return _swaps_matrix(n) and id(n) not in outputs and all(OPS[u.op].kind is Kind.MATMUL for u in users[n])
 
-    def materialized(n: Node) -> bool:
+    def stored(n: Node) -> bool:  # computed by a kernel of its own, or as the last value of its chain's
         if n.op in ("input", "const", "kernel") or loaded_swapped(n):
             return False
         if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
@@ -78,7 +80,9 @@ def lower(program: Program, long_rows: bool = False) -> Program:
         # fused into its one user, unless that user is a transpose the products load: then it must be stored
         return not (len(users[n]) == 1 and OPS[users[n][0].op].kind in _ELEMENTWISE and not loaded_swapped(users[n][0]))
 
-    todo = [n for n in nodes if materialized(n)]
+    epilogues = _epilogues(nodes, users, outputs, stored)
+    in_epilogue = {m for products in epilogues.values() for m in products}
+    todo = [n for n in nodes if stored(n) and n not in in_epilogue]
     if not todo:
         return program
     lowered: dict[Node, Node] = {}  # program node -> the kernel output that computes it
@@ -107,7 +111,7 @@ def lower(program: Program, long_rows: bool = False) -> Program:
         if long_rows and _long(n):
             node = _long_softmax(n, store, lowered, params, taken)
         else:
-            node = _kernel_for(n, store, lowered, params)
+            node = _kernel_for(n, store, lowered, params, epilogues.get(n, ()))
         lowered[n] = node
         names[node] = store
     outs = tuple((name, lowered.get(node, node)) for name, node in program.outputs)
@@ -133,6 +137,29 @@ def lowered_for(program: Program, params) -> Program:
     """The form of `program` (`lowered_forms`) whose kernel parameters are `params`' names (the usual where none is)."""
     forms = lowered_forms(program)
     return next((f for f in forms if {s.name for s in free_symbols(f)} == set(params)), forms[0])
+
+
+def _epilogues(nodes: list[Node], users: dict[Node, list[Node]], outputs: dict[int, str], stored) -> dict[Node, list[Node]]:
+    """Products computed in the kernel of the element-wise value they feed (its epilogue: `gelu(X @ W + B)` one
+    kernel, not a product's kernel that stores X @ W and another that reads it back), by that value: the last of
+    the chain `stored` ends at. A product joins it where it is no output, its one user is that chain's, and every
+    value on its way there has the product's shape (no broadcast makes it larger, no transpose or mask moves its
+    elements); where several do (`silu(X @ Wg) * (X @ Wu)`), the loop walks one contracted dim for all, so those
+    that contract a dim of another size are stored by kernels of their own."""
+    epilogues: dict[Node, list[Node]] = {}
+    for m in nodes:
+        if OPS[m.op].kind is not Kind.MATMUL or id(m) in outputs or len(users[m]) != 1 or m.rank > KERNEL_RANK:
+            continue
+        n = users[m][0]
+        while (OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) and n.rank == m.rank
+               and all(same(a, b) for a, b in zip(n.shape, m.shape))):
+            if stored(n):
+                products = epilogues.setdefault(n, [])
+                if not products or same(products[0].args[0].shape[-1], m.args[0].shape[-1]):
+                    products.append(m)
+                break
+            n = users[n][0]
+    return epilogues
 
 
 class _Builder:
@@ -187,11 +214,12 @@ def _map(shape, split: dict[int, str], loop_dim: int | None = None, out_shape=No
     return tuple(dims)
 
 
-def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str]) -> Node:
+def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str], products=()) -> Node:
+    """The pre-defined kernel that computes `n`, with the `products` of its epilogue (`_epilogues`)."""
     kind = OPS[n.op].kind
     if n.rank > KERNEL_RANK:
         raise PrismError(f"'{store}' has rank {n.rank}; pre-defined kernels handle rank {KERNEL_RANK} at most")
-    kname = f"{n.op}_{store}"
+    kname = f"matmul_{n.op}_{store}" if products else f"{n.op}_{store}"
 
     def sym(base: str) -> sympy.Symbol:  # a fresh kernel parameter, named after the value: no dim's or other's name
         name = fresh_name(f"{base}_{store}", taken)
@@ -199,14 +227,16 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str])
         return dim_symbol(name)
 
     shape = n.shape
-    if kind is Kind.MATMUL:
-        a, b = n.args
+    if kind is Kind.MATMUL or products:
         grid = [("x", sym("gx")), ("y", sym("gy"))] + ([("z", shape[-3])] if n.rank >= 3 else [])
         split = {-1: "x", -2: "y", -3: "z"}
         bld = _Builder(kname, grid, sym("F"), lowered)
-        at = _operand(bld, a, {-2: "y", -3: "z"}, -1, shape, lowered)
-        bt = _operand(bld, b, {-1: "x", -3: "z"}, -2, shape, lowered)
-        value = build("acc_sum", [build("matmul", [at, bt])])
+        sums = {}  # each product's running sum over the loop's slices of the contracted dim
+        for m in products or (n,):
+            at = _operand(bld, m.args[0], {-2: "y", -3: "z"}, -1, shape, lowered)
+            bt = _operand(bld, m.args[1], {-1: "x", -3: "z"}, -2, shape, lowered)
+            sums[m] = build("acc_sum", [build("matmul", [at, bt])])
+        value = _rebuild(n, bld, split, shape, lowered, top=True, computed=sums) if products else sums[n]
         return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
     if kind is Kind.REDUCE:
         split = dict(zip([d for d in range(-1, -n.rank - 1, -1) if d != n.attr - n.rank], AXES))
@@ -309,8 +339,11 @@ def _out_map(rank: int, split: dict[int, str]) -> tuple[DimMap, ...]:
     return tuple(DimMap(split.get(d - rank)) for d in range(rank))
 
 
-def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = False) -> Node:
-    """The element-wise chain ending at `n`, over tiles of the values it reads."""
+def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = False, computed=None) -> Node:
+    """The element-wise chain ending at `n`, over tiles of the values it reads (or over what the kernel computes
+    of them: `computed`, an epilogue's products)."""
+    if computed and n in computed:
+        return computed[n]
     if n.op == "const":
         return n
     if not top and (n.op in ("input", "kernel") or n in lowered):
@@ -321,7 +354,7 @@ def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = Fals
         split = {swap.get(d, d): axis for d, axis in split.items()}
         out_shape = list(padded(out_shape, i, j))
         out_shape[i], out_shape[j] = out_shape[j], out_shape[i]
-        return rebuild(n, [_rebuild(n.args[0], bld, split, tuple(out_shape), lowered)])
-    return rebuild(n, [_rebuild(a, bld, split, out_shape, lowered) for a in n.args])
+        return rebuild(n, [_rebuild(n.args[0], bld, split, tuple(out_shape), lowered, computed=computed)])
+    return rebuild(n, [_rebuild(a, bld, split, out_shape, lowered, computed=computed) for a in n.args])
 
 

@@ -28,10 +28,12 @@ from ..kernels.lower import check_compilable, lowered_for
 from ..lang.printer import print_program
 from ..prove.rules import load_library
 from ..prove.soundness import check_library
+from ..search.assembly import Prover
 from ..search.config import SearchConfig
 from ..semantics.reference import bind_dims
 from .build import (Build, BuildOptions, compile_check, count_banks, dims_of, emulate, measure, price, pricing, render,
                     tune)
+from . import optimize as optimize_
 from .optimize import TOP, Outcome, gpu_timer, optimize
 from .output import check_output, contents, write
 from .report import Alternative, Checked, HardwareUsed, KernelReport, NvccCheck, Report, Searched, Skipped
@@ -83,6 +85,9 @@ def compile_program(request: Request) -> Report:
     failed: list[dict] = []
     built: tuple[Report, dict[str, str]] | None = None  # the first program's, should no other be built
     for rank in tries:
+        if why := _unproved(request, outcome, rank):  # a checkpoint's program, proved before it is built
+            failed.append({"rank": rank + 1, "as_written": False, "why": why})
+            continue
         try:
             report, texts = _build(request, choose(request, outcome, rank))
         except PrismError as e:  # a later program that cannot be built (the first's error is the compile's)
@@ -107,12 +112,28 @@ def compile_program(request: Request) -> Report:
 
 
 def _tries(outcome: Outcome) -> list[int]:
-    """The ranks to build, in order: the fastest, the next FALLBACKS proved in this run (a checkpoint's are proved
-    again only when chosen), then the program as written."""
-    proved = [i for i, r in enumerate(outcome.ranked) if i == 0 or r.proved and not r.as_written]
+    """The ranks to build, in order: the fastest, the next FALLBACKS found (a checkpoint's proved again first:
+    `_unproved`), then the program as written."""
+    found = [i for i, r in enumerate(outcome.ranked) if i == 0 or not r.as_written]
     written = next((i for i, r in enumerate(outcome.ranked) if r.as_written), None)
-    tries = proved[:FALLBACKS + 1]
+    tries = found[:FALLBACKS + 1]
     return tries + ([written] if written is not None and written not in tries else [])
+
+
+def _unproved(request: Request, outcome: Outcome | None, rank: int) -> str | None:
+    """Why the program of `rank` may not be built: a checkpoint's that fails its proof in this run (or whose proof
+    cannot run); None for one proved already (the search's, the chosen one, the input) or proved now. A checkpoint
+    is trusted for nothing, its fallbacks no more than its choice (`optimize.confirm`)."""
+    if outcome is None or outcome.ranked[rank].proved:
+        return None
+    prover = Prover(request.program, load_library([], defaults=True), 1)
+    try:
+        why = optimize_.confirm([outcome.ranked[rank]], prover)
+    finally:
+        prover.close()
+    if why is None:
+        outcome.search["reproved"] = outcome.search.get("reproved", 0) + 1
+    return None if why is None else f"it {why}"
 
 
 def _build(request: Request, chosen: Choice) -> tuple[Report, dict[str, str]]:

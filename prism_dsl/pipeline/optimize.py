@@ -337,13 +337,13 @@ def _choose(program: Program, proved: list[Program], how: Choosing, prover: Prov
     # stable: search order breaks the remaining ties.
     ranked.sort(key=lambda r: (round(r.estimated_us, 3), -r.busy, r.work, not r.as_written))
     if how.measure is not None:
-        if problem := _confirm(_to_measure(ranked), prover):
+        if problem := confirm(_to_measure(ranked), prover):
             return problem
         info["measured"] = _measure_best(ranked, how)
         # The fastest that agreed with the reference; then the rest, by the model.
         ranked.sort(key=lambda r: (r.measured_us is None, r.measured_us or 0.0, r.measured is not None,
                                    r.estimated_us))
-    if problem := _confirm(ranked[:1], prover):
+    if problem := confirm(ranked[:1], prover):
         return problem
     info["proved_programs"] = len(proved)
     info["no_parameters_at_these_dims"] = unfit
@@ -420,7 +420,7 @@ def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:
     return (None if r is None else (r.params, r.estimated_us, r.busy, r.work)), reports
 
 
-def _confirm(ranked: list[Ranked], prover: Prover | None) -> str | None:
+def confirm(ranked: list[Ranked], prover: Prover | None) -> str | None:
     """Prove (in parallel) those of `ranked` not proved in this run; None when every one is proved now,
     else why not. A proof that could not run (a killed or failed egglog process) proves nothing, and is
     told apart from a proof that ran and failed."""
