@@ -1042,6 +1042,40 @@ def test_a_program_that_fails_its_check_gives_way_to_the_next_fastest(tmp_path, 
     assert (out / "best.prism").read_text().endswith(third["program"]) and built[0] is not built[2]
 
 
+def test_a_fastest_program_that_cannot_be_built_gives_way_too(tmp_path, capsys, monkeypatch):
+    """The search's fastest program that cannot be built (its emulation's compiler refuses it, say) is passed over
+    like one that fails its check; where none can be, the first one's error is the compile's, and nothing is
+    written."""
+    from prism_dsl.base.errors import PrismError
+    from prism_dsl.pipeline import compile as pipeline
+
+    real, built = pipeline.emulate, []
+
+    def emulate(b, options):
+        built.append(b.source)
+        if len(built) == 1:
+            raise PrismError("planted: the first cannot be built")
+        return real(b, options)
+
+    monkeypatch.setattr(pipeline, "emulate", emulate)
+    args = ["compile", str(ROOT / "programs/rmsnorm_linear.prism"), "--dims", "n=4,d=256", "--arch", "none"]
+    assert main([*args, "-o", str(tmp_path / "o")]) == 0
+    text = capsys.readouterr().out
+    assert "program 1 of the search's ranking was passed over: it could not be built: planted: the first" in text
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["verified"] and [f["rank"] for f in report["search"]["failed_check"]] == [1] and len(built) == 2
+
+    def refuse(b, options):
+        built.append(b.source)
+        raise PrismError(f"planted: program {len(built)} cannot be built")
+
+    monkeypatch.setattr(pipeline, "emulate", refuse)
+    built.clear()
+    assert main([*args, "-o", str(tmp_path / "none")]) == 1
+    assert "planted: program 1 cannot be built" in capsys.readouterr().err and len(built) > 1
+    assert not (tmp_path / "none").exists()
+
+
 def test_compile_json_report_on_stdout(tmp_path, capsys):
     assert main(["compile", str(ROOT / "programs/swiglu.prism"), "--search", "none", "-o", str(tmp_path / "o"), "--dims", "n=4,d=256",
                  "--arch", "none", "--no-emulate", "--json"]) == 0

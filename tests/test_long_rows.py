@@ -65,14 +65,30 @@ def test_a_softmax_over_a_vocabulary_is_two_kernels_with_its_sums_in_f32(write, 
         report = _report(out)
         assert [k["name"] for k in report["kernels"]] == ["div_t0", "softmax_stats_P", "softmax_P"]
         assert report["verified"] is True
+        # what no proof covers is said: `prismc prove` of the written program does not finish on that form
+        assert report["unproved_lowering"] == ["softmax_stats_P", "softmax_P"]
+        assert "but for softmax_stats_P, softmax_P: a softmax over long rows in the lowering's own" in text
     # every logit equal: the row's sum is 128256, which f16 would hold as inf (and every probability as 0)
     np.savez(tmp_path / "flat.npz", X=np.full((4, 128256), 3.0, np.float16))
     code, text, err = prismc(capsys, "verify", tmp_path / "none", "--inputs", tmp_path / "flat.npz")
     assert code == 0 and "verified: yes" in text, text + err
-    # compiled again: the tuning database's entry for the long form is used as it is, with no warning
-    code, text, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "-o", tmp_path / "again")
+    # searched again: the tuning database's entry for the long form (the ranking's, `optimize.rank`) is used as it
+    # is, with no warning
+    code, text, err = prismc(capsys, "compile", src, "--arch", "none", "--no-emulate", "-o", tmp_path / "again")
     assert code == 0 and "not a valid" not in err and _report(tmp_path / "again")["parameters"] == \
-        _report(tmp_path / "none")["parameters"]
+        _report(tmp_path / "full")["parameters"]
+
+
+def test_a_softmax_over_more_rows_than_a_grid_axis_y_holds_puts_them_on_x(write, tmp_path, capsys):
+    """131072 tokens' logits: the rows on grid axis x (up to 2^31 - 1 blocks), the pieces of each on y, where
+    y's limit of 65535 left the rows no axis."""
+    src = write(SOFTMAX.replace("n = 4", "n = 131072"))
+    code, text, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "--no-emulate",
+                             "-o", tmp_path / "o")
+    assert code == 0, err
+    kernels = _report(tmp_path / "o")["kernels"]
+    assert [k["name"] for k in kernels] == ["div_t0", "softmax_stats_P", "softmax_P"]
+    assert [k["grid"][0] for k in kernels[1:]] == [131072, 131072] and kernels[1]["grid"][1] > 1
 
 
 def test_a_softmax_whose_rows_fit_keeps_its_one_kernel_unless_two_are_faster(write, tmp_path, capsys):
@@ -86,3 +102,13 @@ def test_a_softmax_whose_rows_fit_keeps_its_one_kernel_unless_two_are_faster(wri
                                  "-o", out)
         assert code == 0, err
         assert [k["name"] for k in _report(out)["kernels"]] == kernels
+
+
+def test_a_softmax_of_rank_4_over_long_rows_says_how_to_compile_it(write, tmp_path, capsys):
+    """The two-kernel form puts a row's pieces and its rows on the three grid axes: rank 3 at most. A rank-4 one
+    whose rows no block holds says so, and what to do, rather than only its shared memory."""
+    src = write("dims a = 2, b = 2, s = 2, v = 50257\nprogram p(X: f16[a, b, s, v]) {\n    Y = softmax(X)\n"
+                "    return Y\n}\n")
+    code, _, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "-o", tmp_path / "o")
+    assert code == 1 and "above the limit of 232448" in err
+    assert "lowered in two kernels at rank 3 or less: fold its leading dims into one" in err

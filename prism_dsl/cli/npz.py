@@ -18,7 +18,7 @@ import numpy as np
 
 from ..base import files
 from ..base.errors import PrismError
-from ..semantics.reference import MAX_ELEMENTS, NUMPY_MAX_DIMS, quantize
+from ..semantics.reference import MAX_ELEMENTS, NUMPY_MAX_DIMS, held
 from ..lang.syntax import clip
 
 # Compression methods zipfile reads (stored, deflated, bzip2, lzma); numpy.savez writes the first two.
@@ -51,7 +51,7 @@ def read_npz(path: str, program, vet=None) -> dict[str, np.ndarray]:
             if vet is not None:  # zero-stride views: the shapes and dtypes, no data
                 vet({name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in headers.items()})
             dtypes = {n.attr: n.dtype for n in program.inputs}
-            return {name: quantize(_npz_array(path, archive, info, headers[name]).astype(np.float64), dtypes[name])
+            return {name: held(name, _npz_array(path, archive, info, headers[name]), dtypes[name])
                     for name, info in members.items()}
 
 

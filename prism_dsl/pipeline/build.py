@@ -101,8 +101,10 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
 
     # and the other form (for long rows, where there is one): forms differ in their parameters' names
     forms = [lowered] + [f for f in lowered_forms(source) if names(f) != names(lowered)]
-    # parameters tuned before (`options.params`) name one form's kernels
-    forms = [f for f in forms if set(options.params) <= names(f)] or forms[:1]
+    # parameters tuned before (`options.params`) name one form's kernels: the form they name all of (the usual
+    # form's names are a subset of the long form's, where a grid size means another thing), else one they fit
+    given = set(options.params)
+    forms = [f for f in forms if given == names(f)] or [f for f in forms if given <= names(f)] or forms[:1]
     errors: list[PrismError] = []
     tuned: list[tuple] = []
     for form in forms:  # each form that fits, the faster taken (a softmax's rows may fit one block and spill)
@@ -115,6 +117,9 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
     if not tuned:
         if len(errors) > 1:  # the form for long rows was tried too
             raise PrismError(f"{errors[0]}\n(nor in two kernels for its long rows: {errors[1]})")
+        if "'softmax_" in str(errors[0]) and any(n.op == "softmax" and n.rank > 3 for n in source.nodes()):
+            raise PrismError(f"{errors[0]}\n(a softmax whose rows no block holds is lowered in two kernels at rank 3 "
+                             "or less: fold its leading dims into one)")
         raise errors[0]
     lowered, binding, params, concrete, estimates = min(tuned, key=lambda t: sum(e.time_us for e in t[4]))
     symbols = {s.name: s for s in free_symbols(lowered)}

@@ -24,7 +24,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware, for_device, load_hardware
 from ..kernels.kernel import kernels_of
-from ..kernels.lower import check_compilable, lowered_for
+from ..kernels.lower import check_compilable, lowered_for, unproved_kernels
 from ..lang.printer import print_program
 from ..prove.rules import load_library
 from ..prove.soundness import check_library
@@ -83,28 +83,33 @@ def compile_program(request: Request) -> Report:
     outcome = search(request)
     tries = [0] if outcome is None else _tries(outcome)
     failed: list[dict] = []
-    built: tuple[Report, dict[str, str]] | None = None  # the first program's, should no other be built
+    built: tuple[int, Report, dict[str, str]] | None = None  # the first program built, should none pass its check
+    error: PrismError | None = None  # why the first that could not be built could not, should none be built
     for rank in tries:
         if why := _unproved(request, outcome, rank):  # a checkpoint's program, proved before it is built
             failed.append({"rank": rank + 1, "as_written": False, "why": why})
             continue
         try:
             report, texts = _build(request, choose(request, outcome, rank))
-        except PrismError as e:  # a later program that cannot be built (the first's error is the compile's)
-            if built is None:
+        except PrismError as e:  # passed over, as one that fails its check is (as written: the compile's error)
+            if outcome is None:
                 raise
+            error = error or e
             failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
                            "why": f"it could not be built: {e}"})
             continue
-        built = built or (report, texts)
+        built = built or (rank, report, texts)
         if report.verified or not report.checked.failed or outcome is None:  # as written: nothing to fall back to
             break
         why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
         failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
                        "why": f"its check failed: {why}"})
     else:
-        report, texts = built  # none passed: the fastest, as it was checked
-        failed = [f for f in failed if f["rank"] != tries[0] + 1]
+        if built is None:  # none could be built
+            raise error or PrismError(f"'{request.program.name}': none of the programs found could be proved "
+                                      "again or built")
+        rank, report, texts = built  # none passed: the first built, as it was checked
+        failed = [f for f in failed if f["rank"] != rank + 1]
     if failed:
         outcome.search["failed_check"] = failed  # report.json's search, and the summary, say so
     write(request.output, {**texts, "report.json": report.to_json()})
@@ -221,7 +226,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                                     built.hardware),  # the parameters too: an output's shape may hold a grid size
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
-                  counted if isinstance(counted, Skipped) else None)
+                  counted if isinstance(counted, Skipped) else None, unproved_kernels(built.program, chosen.program))
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

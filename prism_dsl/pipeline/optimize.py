@@ -327,8 +327,8 @@ def _choose(program: Program, proved: list[Program], how: Choosing, prover: Prov
         written.as_written = written.proved = True  # the input itself
         ranked.append(written)
     elif not ranked:
-        raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, neither as written "
-                         f"nor in any of the {len(proved)} proved programs")
+        raise PrismError(f"'{program.name}' has no valid kernel parameters at these dims, neither as written nor in "
+                         f"any of the {len(proved)} proved programs (--search none says why as written)")
     info: dict = {"as_written_fits": written is not None}  # False: its pre-defined kernels cannot run here
     # Between equal estimates, the one that keeps more SMs busy (as `tuning.tune` does: the model's bandwidth
     # is a ceiling it reaches with few SMs as with many, which the hardware does not promise), then the one

@@ -273,6 +273,25 @@ def check_input(node: Node, arr: np.ndarray, binding: Binding) -> None:
         )
     if not np.issubdtype(np.asarray(arr).dtype, np.floating):
         raise PrismError(f"input '{node.attr}' should hold floats, got {np.asarray(arr).dtype}")
+    held(node.attr, arr, node.dtype)
+
+
+def held(name: str, arr: np.ndarray, dtype: DType | None) -> np.ndarray:
+    """Input `name`'s values as its storage dtype holds them (`quantize`); an error that says where a finite value
+    is past the dtype's range, which the GPU would read as inf (and the outputs then not be defined)."""
+    arr = np.asarray(arr, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # what overflows is said below, not warned of
+        kept = quantize(arr, dtype)
+    lost = np.isfinite(arr) & ~np.isfinite(kept)
+    if lost.any():
+        at = tuple(int(i) for i in np.argwhere(lost)[0])
+        raise PrismError(f"input '{name}'{list(at)} = {float(arr[at]):g} does not fit {dtype.value} (largest "
+                         f"{_LARGEST[dtype]:g}; {int(lost.sum())} value(s) past it)")
+    return kept
+
+
+_LARGEST = {DType.F16: 65504.0, DType.BF16: 3.3895313892515355e38, DType.F32: float(np.finfo(np.float32).max),
+            DType.F64: float(np.finfo(np.float64).max)}
 
 
 def quantize(x: np.ndarray, dtype: DType | None) -> np.ndarray:
