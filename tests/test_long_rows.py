@@ -1,7 +1,8 @@
 """Rows longer than a block's shared memory holds, as written: a reduction over the last dim is a loop kernel that
 walks the row (a loop range of 1 is the kernel that holds it whole), and a softmax over a vocabulary's logits,
 whose one-kernel form has no valid parameters there, is lowered in two kernels (`lower(long_rows=True)`: the
-row's running max and sum of exp(x - max) in a loop, kept in f32, then exp(x - max) / sum), compiled, emulated
+row's running max and sum of exp(x - max) in a loop, kept in f32, then exp(x - max) / sum), as are layer_norm and
+rms_norm (a row's statistics in f32, then the division), each taking the form that fits it; compiled, emulated
 and verified as a user runs them."""
 
 from __future__ import annotations
@@ -112,3 +113,39 @@ def test_a_softmax_of_rank_4_over_long_rows_says_how_to_compile_it(write, tmp_pa
     code, _, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "-o", tmp_path / "o")
     assert code == 1 and "above the limit of 232448" in err
     assert "lowered in two kernels at rank 3 or less: fold its leading dims into one" in err
+
+
+def test_norms_over_rows_no_block_holds_are_two_kernels_with_their_statistics_in_f32(write, tmp_path, capsys):
+    """layer_norm and rms_norm (with an epsilon or without) over 100000 f16: a block a row walks it for its mean and
+    variance (Chan's merge), or the mean of its squares, kept in f32, then an element-wise kernel normalises. Rows
+    1000 from zero that vary by 4 keep their centring (an f16 mean there is 0.5 off), and `prismc prove` finishes
+    on the written program."""
+    src = write("dims n = 3, d = 100000\nprogram p(X: f16[n, d]) {\n    Y = layer_norm(X, 1e-5)\n"
+                "    Z = rms_norm(X) * rms_norm(X, 1e-6)\n    return Y, Z\n}\n")
+    code, text, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "-o", tmp_path / "o")
+    assert code == 0, err
+    report = _report(tmp_path / "o")
+    names = [k["name"] for k in report["kernels"]]
+    assert names[:2] == ["layer_norm_stats_Y", "layer_norm_Y"] and "rms_norm_stats_t1" in names
+    assert "rms_norm_eps_stats_t2" in names and report["verified"] and report["unproved_lowering"] == []
+    stats = kernels_of(load(tmp_path / "o" / "p.prism").program())[0]
+    assert [s.name for s in stats.stores] == ["Y_mean", "Y_var"]
+    assert [stored_dtype(stats, i) for i in range(2)] == [DType.F32, DType.F32]
+    x = np.random.default_rng(1).standard_normal((3, 100000)) * 4 + 1000
+    np.savez(tmp_path / "far.npz", X=x.astype(np.float16))
+    code, text, err = prismc(capsys, "verify", tmp_path / "o", "--inputs", tmp_path / "far.npz")
+    assert code == 0 and "verified: yes" in text, text + err
+    code, text, err = prismc(capsys, "prove", src, tmp_path / "o" / "p.prism")
+    assert code == 0 and "proved" in text, text + err
+
+
+def test_each_long_row_takes_the_form_that_fits_it(write, tmp_path, capsys):
+    """A vocabulary's softmax beside a softmax over 70000 short rows: each takes its own form (the two-kernel one
+    for the first; one kernel, its rows on x, for the second), where one form for both fitted neither."""
+    src = write("dims n = 4, v = 128256, m = 70000, d = 64\nprogram p(X: f16[n, v], Y: f32[m, d]) {\n"
+                "    P = softmax(X)\n    Q = softmax(Y)\n    return P, Q\n}\n")
+    assert len(lowered_forms(load(src).program())) == 4
+    code, text, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "--no-emulate",
+                             "-o", tmp_path / "o")
+    assert code == 0, err
+    assert [k["name"] for k in _report(tmp_path / "o")["kernels"]] == ["softmax_stats_P", "softmax_P", "softmax_Q"]

@@ -55,11 +55,12 @@ def check_compilable(program: Program) -> None:
                              program.locs.get(node, program.loc))
 
 
-def lower(program: Program, long_rows: bool = False) -> Program:
+def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
     """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused
     into its element-wise user's). A program with nothing left outside kernels comes back as it is.
-    `long_rows`: each softmax of rank 3 at most (`_long`) in two kernels that never hold a row whole
-    (`_long_softmax`), for rows a block's shared memory cannot hold (a vocabulary's logits); `lowered_forms`
+    `long_rows`: each softmax or norm of rank 3 at most (`_long`; or those of them in the set given) in two kernels
+    that never hold a row whole (`_long_softmax`, `_long_norm`), for rows a block's shared memory cannot hold (a
+    vocabulary's logits); `lowered_forms`
     offers it, and the tuner takes it where the usual form has no valid parameters or is slower by the model
     (`pipeline.build.tune`, `pipeline.optimize.rank`)."""
     nodes = program.nodes()
@@ -109,8 +110,8 @@ def lower(program: Program, long_rows: bool = False) -> Program:
         if store is None or (store in taken and id(n) not in outputs and program.names.get(n) != store):
             store = fresh_name(f"t{i}", taken)
         taken.add(store)
-        if long_rows and _long(n):
-            node = _long_softmax(n, store, lowered, params, taken)
+        if _long(n) and (long_rows is True or long_rows and n in long_rows):
+            node = (_long_softmax if n.op == "softmax" else _long_norm)(n, store, lowered, params, taken)
         else:
             node = _kernel_for(n, store, lowered, params, epilogues.get(n, ()))
         lowered[n] = node
@@ -124,8 +125,15 @@ def lowered_forms(program: Program) -> list[Program]:
     the form for long rows (`lower(long_rows=True)`), which the tuner takes where the usual one has no valid
     parameters (a vocabulary's rows, more than a block's shared memory holds) or is slower by the model (f32 rows
     of 29696: one block a row spilled registers, 20.5 us against 9.2)."""
-    usual = lower(program)
-    return [usual] + ([lower(program, long_rows=True)] if any(map(_long, program.nodes())) else [])
+    usual, longs = lower(program), [n for n in program.nodes() if _long(n)]
+    if len(longs) <= 3:  # each choice of which rows are long (a vocabulary's softmax beside one of 70000 short rows,
+        # whose two kernels would put the rows' pieces on the grid axis y and its 65535 limit, where one has x)
+        picks = sorted((frozenset(n for i, n in enumerate(longs) if mask >> i & 1)
+                        for mask in range(1, 1 << len(longs))),
+                       key=len, reverse=True)  # all of them first: the form a failure reports (`build.tune`)
+    else:  # all of them, or one
+        picks = [frozenset(longs)] + [frozenset([n]) for n in longs]
+    return [usual] + [lower(program, long_rows=pick) for pick in picks]
 
 
 def unproved_kernels(lowered: Program, source: Program) -> tuple[str, ...]:
@@ -138,9 +146,9 @@ def unproved_kernels(lowered: Program, source: Program) -> tuple[str, ...]:
 
 
 def _long(n: Node) -> bool:
-    """A softmax `lower(long_rows=True)` lowers in two kernels: of rank 3 at most, its pieces a grid axis beside its
-    rows' (at rank 4, attention's scores, the search's online softmax is the way)."""
-    return n.op == "softmax" and n.rank <= 3
+    """A softmax or a norm `lower(long_rows=True)` lowers in two kernels: of rank 3 at most, a softmax's pieces a
+    grid axis beside its rows' (at rank 4, attention's scores, the search's online softmax is the way)."""
+    return n.op in ("softmax", "rms_norm", "rms_norm_eps", "layer_norm") and n.rank <= 3
 
 
 def lowered_for(program: Program, params) -> Program:
@@ -149,7 +157,8 @@ def lowered_for(program: Program, params) -> Program:
     return next((f for f in forms if {s.name for s in free_symbols(f)} == set(params)), forms[0])
 
 
-def _epilogues(nodes: list[Node], users: dict[Node, list[Node]], outputs: dict[int, str], stored) -> dict[Node, list[Node]]:
+def _epilogues(nodes: list[Node], users: dict[Node, list[Node]], outputs: dict[int, str],
+               stored) -> dict[Node, list[Node]]:
     """Products computed in the kernel of the element-wise value they feed (its epilogue: `gelu(X @ W + B)` one
     kernel, not a product's kernel that stores X @ W and another that reads it back), by that value: the last of
     the chain `stored` ends at. A product joins it where it is no output, its one user is that chain's, and every
@@ -261,7 +270,8 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str],
     else:
         raise PrismError(f"no pre-defined kernel for '{n.op}'")
     pieces = -1 if kind in _ELEMENTWISE else None  # the dim whose pieces a parameter counts (else x's)
-    grid = sorted((a, sym(f"g{a}") if d == pieces or pieces is None and a == "x" else shape[d]) for d, a in split.items())
+    grid = sorted((a, sym(f"g{a}") if d == pieces or pieces is None and a == "x" else shape[d])
+                  for d, a in split.items())
     bld = _Builder(kname, grid, None, lowered)
     if kind in _ELEMENTWISE:
         value = _rebuild(n, bld, split, shape, lowered, top=True)
@@ -292,8 +302,8 @@ def _folded(n: Node, store: str, split: dict[int, str], loop: sympy.Symbol, lowe
 
 def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
     """softmax(x) over rows too long for a block to hold, in two kernels (FlashDecoding's split, over a row): blocks
-    take pieces of each row (`gp` of them, grid axis y, x for one row; the rows on x, whose limit is 2^31 - 1, not 65535: 131072
-    tokens' logits, and on z), each walking its piece in a loop for
+    take pieces of each row (`gp` of them, grid axis y, x for one row; the rows on x, whose limit is 2^31 - 1, not
+    65535: 131072 tokens' logits, and on z), each walking its piece in a loop for
     its running max and its sum of exp(x - max) (online softmax's accumulators; the sums stored in f32:
     `kernel.stored_dtype`), so a few long rows still fill the SMs; then each block of an element-wise kernel reads
     its row's pieces whole, combines them (the largest max, and the pieces' sums rescaled to it: sum_i l_i *
@@ -328,6 +338,43 @@ def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str
     whole = build("sum", [build("mul", [st, build("exp", [build("sub", [mt, top])])])], [-1])
     value = build("div", [build("exp", [build("sub", [xt, top])]), whole])
     return apply.kernel(value, store, TileMap(_out_map(n.rank, {**rows, -1: on})))
+
+
+def _long_norm(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
+    """rms_norm(x[, e]) or layer_norm(x, e) over rows too long for a block to hold, in two kernels: a block a row
+    walks it in a loop for its statistics (the mean of its squares; or its mean and its variance about it, Chan's
+    merge: `acc_var_last`), stored in f32 (`kernel.stored_dtype`: rows 1e4 from zero keep their centring), then an
+    element-wise kernel, a row a block on x and its pieces on y, divides each element by them."""
+    def sym(base: str) -> sympy.Symbol:
+        name = fresh_name(f"{base}_{store}", params)
+        params.add(name)
+        return dim_symbol(name)
+
+    x, shape = n.args[0], n.shape
+    rows = dict(zip(range(-2, -n.rank - 1, -1), ("x", "z")))
+    bld = _Builder(f"{n.op}_stats_{store}", sorted((a, shape[d]) for d, a in rows.items()), sym("F"), lowered)
+    xt = bld.tile(x, _map(x.shape, rows, loop_dim=-1))
+    parts = {"mean": build("acc_mean_last", [xt]), "var": build("acc_var_last", [xt])} if n.op == "layer_norm" \
+        else {"ms": build("acc_mean_last", [build("square", [xt])])}
+    names = [fresh_name(f"{store}_{part}", taken) for part in parts]
+    taken.update(names)
+    tmap, s = TileMap(_out_map(n.rank, rows)), bld.shell
+    stats = Kernel(s.name, s.grid, s.loop, tuple(bld.loads),
+                   tuple(Store(name, v, tmap, False) for name, v in zip(names, parts.values())), tuple(bld.sources))
+    values = {part: Node("kernel", stats.inputs, (stats, i), v.dtype, output_shape(v.shape, tmap, stats))
+              for i, (part, v) in enumerate(parts.items())}
+    split = {-1: "y", -2: "x", -3: "z"} if n.rank >= 2 else {-1: "x"}
+    split = {d: a for d, a in split.items() if -d <= n.rank}
+    grid = sorted((a, sym(f"g{a}") if d == -1 else shape[d]) for d, a in split.items())
+    apply = _Builder(f"{n.op}_{store}", grid, None, lowered)
+    tiles = {part: apply.tile(v, _map(v.shape, split, out_shape=shape)) for part, v in values.items()}
+    xt = apply.tile(x, _map(x.shape, split))
+    square = tiles["var"] if n.op == "layer_norm" else tiles["ms"]
+    if len(n.args) > 1:  # the epsilon: a constant, or a tensor read as the rows are
+        e = n.args[1]
+        square = build("add", [square, e if e.op == "const" else apply.tile(e, _map(e.shape, split, out_shape=shape))])
+    top = build("sub", [xt, tiles["mean"]]) if n.op == "layer_norm" else xt
+    return apply.kernel(build("div", [top, build("sqrt", [square])]), store, TileMap(_out_map(n.rank, split)))
 
 
 def _swaps_matrix(n: Node) -> bool:

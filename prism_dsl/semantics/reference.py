@@ -273,12 +273,13 @@ def check_input(node: Node, arr: np.ndarray, binding: Binding) -> None:
         )
     if not np.issubdtype(np.asarray(arr).dtype, np.floating):
         raise PrismError(f"input '{node.attr}' should hold floats, got {np.asarray(arr).dtype}")
-    held(node.attr, arr, node.dtype)
 
 
 def held(name: str, arr: np.ndarray, dtype: DType | None) -> np.ndarray:
-    """Input `name`'s values as its storage dtype holds them (`quantize`); an error that says where a finite value
-    is past the dtype's range, which the GPU would read as inf (and the outputs then not be defined)."""
+    """Input `name`'s values as its storage dtype holds them (`quantize`), for a user's file of inputs: an error
+    that says where a finite value is past the dtype's range, which the GPU would read as inf (and the outputs then
+    not be defined). Not for arrays the checks make: the steadiness screen evaluates in float64 on values far past
+    f16's range on purpose (`search.assembly.far_inputs`)."""
     arr = np.asarray(arr, np.float64)
     with np.errstate(over="ignore", invalid="ignore"):  # what overflows is said below, not warned of
         kept = quantize(arr, dtype)
