@@ -209,10 +209,11 @@ def test_run_input_missing_from_npz(capsys, tmp_path):
     ({"X": np.ones((3, 5)), "W": np.where(np.eye(5) > 0, 7e4, 1.0)},
      "input 'W'[0, 0] = 70000 does not fit f16 (largest 65504; 5 value(s) past it)"),
 ])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # numpy's overflow warning is no message for a user
 def test_run_bad_input_arrays(capsys, tmp_path, arrays, message):
     np.savez(tmp_path / "in.npz", **arrays)
     code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")
-    assert code == 1 and message in err and "Warning" not in err
+    assert code == 1 and message in err
     assert leftovers(tmp_path) == []
 
 
@@ -233,7 +234,7 @@ def test_run_inputs_disagreeing_with_dims(capsys, tmp_path):
 def test_run_unreadable_inputs(capsys, tmp_path, make, message):
     make(tmp_path / "in.npz")
     code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")
-    assert code == 1 and message in err and "Warning" not in err
+    assert code == 1 and message in err
     assert leftovers(tmp_path) == []
 
 

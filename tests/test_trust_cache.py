@@ -199,10 +199,13 @@ def test_a_checkpoints_fallback_is_proved_before_it_is_built(cache_dir, capsys, 
         return dataclasses.replace(check, passed=False, outputs=planted)
 
     monkeypatch.setattr(pipeline, "emulate", emulate)
-    code, report, _ = compile_json(capsys, tmp_path / "out", OTHER)
+    code, report, err = compile_json(capsys, tmp_path / "out", OTHER)
     first_failed, *others = report["search"]["failed_check"]
     assert first_failed["rank"] == 1 and "its check failed" in first_failed["why"]
     assert others and all(f["why"] == "it failed its proof" for f in others)
+    # the entry is removed, as where its choice fails its proof: no later run meets it again
+    assert err.count("failed its proof; removed") == 1 and "program 2 failed its proof; removed" in err
+    assert not list((cache_dir / "search").glob("*.json"))
     assert len(built) == 2 and report["best_is_input"] and report["verified"]  # the choice, then as written
     assert "2.0 *" not in (tmp_path / "out" / "best.prism").read_text()
 

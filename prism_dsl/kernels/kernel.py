@@ -304,10 +304,8 @@ def stored_dtype(kernel: Kernel, index: int) -> DType:
 
 def _unnormalised(value: Node) -> bool:
     """An online softmax's sum, or its output before the division, stored as it is: up to the row's length, past
-    f16's range at 65536 (a running max beside it is a value of the tile, which its dtype holds exactly); and a
-    row's statistics stored for another kernel to normalise by (its mean, its variance, the mean of its squares:
-    a mean rounded to f16 near 1000 is 0.5 off, a row's whole spread where it varies by 1)."""
-    return value.op in ("acc_softmax_sum", "acc_softmax_out", "acc_mean_last", "acc_var_last")
+    f16's range at 65536 (a running max beside it is a value of the tile, which its dtype holds exactly)."""
+    return value.op in ("acc_softmax_sum", "acc_softmax_out")
 
 
 def storage(tensor: Node) -> DType:

@@ -92,7 +92,8 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
     names = dict(program.names)
     taken = {n.attr for n in program.inputs} | {name for name, _ in program.outputs} | set(program.names.values())
     rebuilt: dict[int, object] = {}  # custom kernels re-pointed at lowered operands, by id of the original
-    params = {d.name for d in program.dims} | {s.name for s in free_symbols(program)}  # names the new ones avoid
+    # names the new parameters and kernels avoid: the dims, the parameters and the kernels there are (`_kernel_name`)
+    params = {d.name for d in program.dims} | {s.name for s in free_symbols(program)} | {k.name for k in kernels_of(program)}
     i = -1  # the position in `todo`, for fresh names
     for n in nodes:
         if n.op == "kernel" and any(a in lowered for a in n.args):
@@ -136,15 +137,6 @@ def lowered_forms(program: Program) -> list[Program]:
     return [usual] + [lower(program, long_rows=pick) for pick in picks]
 
 
-def unproved_kernels(lowered: Program, source: Program) -> tuple[str, ...]:
-    """The kernels of `lowered` (a lowering of `source`) in a form of the lowering's own that no axiom covers, so
-    that `prismc prove` of the written program does not finish: a long softmax's two (`_long_softmax`). The
-    emulation checks them like every kernel; the report says they are not proved."""
-    own = {k.name for k in kernels_of(source)}
-    stats = [k.name for k in kernels_of(lowered) if k.name.startswith("softmax_stats_") and k.name not in own]
-    return tuple(n for s in stats for n in (s, "softmax_" + s[len("softmax_stats_"):]))
-
-
 def _long(n: Node) -> bool:
     """A softmax or a norm `lower(long_rows=True)` lowers in two kernels: of rank 3 at most, a softmax's pieces a
     grid axis beside its rows' (at rank 4, attention's scores, the search's online softmax is the way)."""
@@ -179,6 +171,14 @@ def _epilogues(nodes: list[Node], users: dict[Node, list[Node]], outputs: dict[i
                 break
             n = users[n][0]
     return epilogues
+
+
+def _kernel_name(base: str, taken: set[str]) -> str:
+    """A kernel's name, `base` unless a kernel (or a parameter) has it: `matmul_add_Y` is the epilogue kernel of the
+    sum stored as Y and the product kernel of a value named `add_Y` alike."""
+    name = fresh_name(base, taken)
+    taken.add(name)
+    return name
 
 
 class _Builder:
@@ -238,7 +238,7 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str],
     kind = OPS[n.op].kind
     if n.rank > KERNEL_RANK:
         raise PrismError(f"'{store}' has rank {n.rank}; pre-defined kernels handle rank {KERNEL_RANK} at most")
-    kname = f"matmul_{n.op}_{store}" if products else f"{n.op}_{store}"
+    kname = _kernel_name(f"matmul_{n.op}_{store}" if products else f"{n.op}_{store}", taken)
 
     def sym(base: str) -> sympy.Symbol:  # a fresh kernel parameter, named after the value: no dim's or other's name
         name = fresh_name(f"{base}_{store}", taken)
@@ -260,7 +260,7 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str],
     if kind is Kind.REDUCE:
         split = dict(zip([d for d in range(-1, -n.rank - 1, -1) if d != n.attr - n.rank], AXES))
         if (n.op, n.attr - n.rank) in _FOLDED:
-            return _folded(n, store, split, sym("F"), lowered, sym)
+            return _folded(n, kname, store, split, sym("F"), lowered, sym)
     elif kind is Kind.ROWWISE:
         split = dict(zip(range(-2, -n.rank - 1, -1), AXES))
     elif kind in _ELEMENTWISE:  # a row a block on x (up to 2^31 - 1 of them, where y and z take 65535), the
@@ -289,12 +289,11 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str],
 _FOLDED = {("sum", -1): "acc_sum_last", ("max", -1): "acc_max_last", ("mean", -1): "acc_mean_last"}
 
 
-def _folded(n: Node, store: str, split: dict[int, str], loop: sympy.Symbol, lowered, sym) -> Node:
+def _folded(n: Node, kname: str, store: str, split: dict[int, str], loop: sympy.Symbol, lowered, sym) -> Node:
     """A reduction in a loop kernel: blocks split the kept dims, as the kernel that holds the reduced dim whole
     does, and the loop walks the reduced one."""
     dim = n.attr - n.rank
-    bld = _Builder(f"{n.op}_{store}", [(a, sym("gx") if a == "x" else n.shape[d]) for d, a in split.items()], loop,
-                   lowered)
+    bld = _Builder(kname, [(a, sym("gx") if a == "x" else n.shape[d]) for d, a in split.items()], loop, lowered)
     x = n.args[0]
     xt = bld.tile(x, _map(x.shape, split, loop_dim=dim))
     return bld.kernel(build(_FOLDED[(n.op, dim)], [xt]), store, TileMap(_out_map(n.rank, split)))
@@ -302,8 +301,8 @@ def _folded(n: Node, store: str, split: dict[int, str], loop: sympy.Symbol, lowe
 
 def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
     """softmax(x) over rows too long for a block to hold, in two kernels (FlashDecoding's split, over a row): blocks
-    take pieces of each row (`gp` of them, grid axis y, x for one row; the rows on x, whose limit is 2^31 - 1, not
-    65535: 131072 tokens' logits, and on z), each walking its piece in a loop for
+    take pieces of each row (`gp` of them, on the grid axis after the rows': y, z at rank 3, x for one row; the rows
+    on x, whose limit is 2^31 - 1, not 65535: 131072 tokens' logits, and on y), each walking its piece in a loop for
     its running max and its sum of exp(x - max) (online softmax's accumulators; the sums stored in f32:
     `kernel.stored_dtype`), so a few long rows still fill the SMs; then each block of an element-wise kernel reads
     its row's pieces whole, combines them (the largest max, and the pieces' sums rescaled to it: sum_i l_i *
@@ -314,11 +313,11 @@ def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str
         return dim_symbol(name)
 
     x, shape = n.args[0], n.shape
-    rows = dict(zip(range(-2, -n.rank - 1, -1), ("x", "z")))  # the rows on x (and z); y takes the pieces
-    on = "y" if rows else "x"  # (x, for a single row)
+    rows = dict(zip(range(-2, -n.rank - 1, -1), ("x", "y")))  # the rows on x (and y); the next axis takes the
+    on = AXES[len(rows)]  # pieces: the innermost of the stores' concats, which the loads' splits of the rows undo
     pieces = sym("gp")
     grid = sorted([(on, pieces)] + [(a, shape[d]) for d, a in rows.items()])
-    bld = _Builder(f"softmax_stats_{store}", grid, sym("F"), lowered)
+    bld = _Builder(_kernel_name(f"softmax_stats_{store}", params), grid, sym("F"), lowered)
     xt = bld.tile(x, _map(x.shape, {**rows, -1: on}, loop_dim=-1))
     names = [fresh_name(f"{store}_{part}", taken) for part in ("max", "sum")]
     taken.update(names)
@@ -331,7 +330,7 @@ def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str
                 for i, v in enumerate(values))
     # the same pieces: two parameters, which the tuner tries every pair of (`tuning.tune`), where a third for the
     # second kernel's slices left it to a descent that settled on one piece walked one element an iteration
-    apply = _Builder(f"softmax_{store}", grid, None, lowered)
+    apply = _Builder(_kernel_name(f"softmax_{store}", params), grid, None, lowered)
     mt, st = (apply.tile(v, _map(v.shape, rows)) for v in (m, total))  # the row's pieces, whole
     xt = apply.tile(x, _map(x.shape, {**rows, -1: on}))
     top = build("max", [mt], [-1])
@@ -341,40 +340,49 @@ def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str
 
 
 def _long_norm(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
-    """rms_norm(x[, e]) or layer_norm(x, e) over rows too long for a block to hold, in two kernels: a block a row
-    walks it in a loop for its statistics (the mean of its squares; or its mean and its variance about it, Chan's
-    merge: `acc_var_last`), stored in f32 (`kernel.stored_dtype`: rows 1e4 from zero keep their centring), then an
-    element-wise kernel, a row a block on x and its pieces on y, divides each element by them."""
+    """rms_norm(x[, e]) or layer_norm(x, e) over rows too long for a block to hold, in two kernels split as a long
+    softmax is (`_long_softmax`): blocks take pieces of each row, each walking its piece in a loop for its statistics
+    (the mean of its squares; or its mean and its variance about it, Chan's merge: `acc_var_last`), which a split's
+    blocks store in f32 (`kernel.stored_dtype`: rows 1000 from zero that vary by 4 keep their centring, which an f16
+    mean, 0.5 off, would not); then each block of an element-wise kernel reads its row's pieces whole, combines them
+    (the pieces are equal in size: the mean of their means; the mean of their variances about the whole mean,
+    var_i + (mean_i - mean)^2) and divides its piece of the row by them."""
     def sym(base: str) -> sympy.Symbol:
         name = fresh_name(f"{base}_{store}", params)
         params.add(name)
         return dim_symbol(name)
 
     x, shape = n.args[0], n.shape
-    rows = dict(zip(range(-2, -n.rank - 1, -1), ("x", "z")))
-    bld = _Builder(f"{n.op}_stats_{store}", sorted((a, shape[d]) for d, a in rows.items()), sym("F"), lowered)
-    xt = bld.tile(x, _map(x.shape, rows, loop_dim=-1))
+    rows = dict(zip(range(-2, -n.rank - 1, -1), ("x", "y")))
+    on = AXES[len(rows)]  # the pieces, as `_long_softmax` places them
+    grid = sorted([(on, sym("gp"))] + [(a, shape[d]) for d, a in rows.items()])
+    bld = _Builder(_kernel_name(f"{n.op}_stats_{store}", params), grid, sym("F"), lowered)
+    xt = bld.tile(x, _map(x.shape, {**rows, -1: on}, loop_dim=-1))
     parts = {"mean": build("acc_mean_last", [xt]), "var": build("acc_var_last", [xt])} if n.op == "layer_norm" \
         else {"ms": build("acc_mean_last", [build("square", [xt])])}
     names = [fresh_name(f"{store}_{part}", taken) for part in parts]
     taken.update(names)
-    tmap, s = TileMap(_out_map(n.rank, rows)), bld.shell
+    tmap, s = TileMap(_out_map(n.rank, {**rows, -1: on})), bld.shell
     stats = Kernel(s.name, s.grid, s.loop, tuple(bld.loads),
                    tuple(Store(name, v, tmap, False) for name, v in zip(names, parts.values())), tuple(bld.sources))
     values = {part: Node("kernel", stats.inputs, (stats, i), v.dtype, output_shape(v.shape, tmap, stats))
               for i, (part, v) in enumerate(parts.items())}
-    split = {-1: "y", -2: "x", -3: "z"} if n.rank >= 2 else {-1: "x"}
-    split = {d: a for d, a in split.items() if -d <= n.rank}
-    grid = sorted((a, sym(f"g{a}") if d == -1 else shape[d]) for d, a in split.items())
-    apply = _Builder(f"{n.op}_{store}", grid, None, lowered)
-    tiles = {part: apply.tile(v, _map(v.shape, split, out_shape=shape)) for part, v in values.items()}
-    xt = apply.tile(x, _map(x.shape, split))
-    square = tiles["var"] if n.op == "layer_norm" else tiles["ms"]
+    apply = _Builder(_kernel_name(f"{n.op}_{store}", params), grid, None, lowered)
+    tiles = {part: apply.tile(v, _map(v.shape, rows)) for part, v in values.items()}  # the row's pieces, whole
+    xt = apply.tile(x, _map(x.shape, {**rows, -1: on}))
+    if n.op == "layer_norm":
+        mean = build("mean", [tiles["mean"]], [-1])
+        deviation = build("square", [build("sub", [tiles["mean"], mean])])
+        square = build("mean", [build("add", [tiles["var"], deviation])], [-1])
+    else:
+        square = build("mean", [tiles["ms"]], [-1])
     if len(n.args) > 1:  # the epsilon: a constant, or a tensor read as the rows are
         e = n.args[1]
-        square = build("add", [square, e if e.op == "const" else apply.tile(e, _map(e.shape, split, out_shape=shape))])
-    top = build("sub", [xt, tiles["mean"]]) if n.op == "layer_norm" else xt
-    return apply.kernel(build("div", [top, build("sqrt", [square])]), store, TileMap(_out_map(n.rank, split)))
+        square = build("add", [square, e if e.op == "const" else
+                               apply.tile(e, _map(e.shape, {**rows, -1: on}, out_shape=shape))])
+    top = build("sub", [xt, mean]) if n.op == "layer_norm" else xt
+    return apply.kernel(build("div", [top, build("sqrt", [square])]), store,
+                        TileMap(_out_map(n.rank, {**rows, -1: on})))
 
 
 def _swaps_matrix(n: Node) -> bool:

@@ -103,8 +103,8 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
     forms = [lowered] + [f for f in lowered_forms(source) if names(f) != names(lowered)]
     # parameters tuned before (`options.params`) name one form's kernels: the form they name all of (the usual
     # form's names are a subset of the long form's, where a grid size means another thing), else one they fit
-    given = set(options.params)
-    forms = [f for f in forms if given == names(f)] or [f for f in forms if given <= names(f)] or forms[:1]
+    if given := set(options.params):  # (none given: every form, one without parameters among them)
+        forms = [f for f in forms if given == names(f)] or [f for f in forms if given <= names(f)] or forms[:1]
     errors: list[PrismError] = []
     tuned: list[tuple] = []
     for form in forms:  # each form that fits, the faster taken (a softmax's rows may fit one block and spill)

@@ -24,11 +24,12 @@ from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware, for_device, load_hardware
 from ..kernels.kernel import kernels_of
-from ..kernels.lower import check_compilable, lowered_for, unproved_kernels
+from ..kernels.lower import check_compilable, lowered_for
 from ..lang.printer import print_program
 from ..prove.rules import load_library
 from ..prove.soundness import check_library
 from ..search.assembly import Prover
+from ..search.checkpoint import checkpoint_key, discard, has_checkpoint
 from ..search.config import SearchConfig
 from ..semantics.reference import bind_dims
 from .build import (Build, BuildOptions, compile_check, count_banks, dims_of, emulate, measure, price, pricing, render,
@@ -131,14 +132,19 @@ def _unproved(request: Request, outcome: Outcome | None, rank: int) -> str | Non
     is trusted for nothing, its fallbacks no more than its choice (`optimize.confirm`)."""
     if outcome is None or outcome.ranked[rank].proved:
         return None
-    prover = Prover(request.program, load_library([], defaults=True), 1)
+    library = load_library([], defaults=True)
+    prover = Prover(request.program, library, 1)
     try:
         why = optimize_.confirm([outcome.ranked[rank]], prover)
     finally:
         prover.close()
     if why is None:
         outcome.search["reproved"] = outcome.search.get("reproved", 0) + 1
-    return None if why is None else f"it {why}"
+        return None
+    key = checkpoint_key(request.program, library, request.search.config)
+    if why == "failed its proof" and has_checkpoint(key):  # as when its choice fails (`optimize`): removed, once
+        discard(key, f"checkpoint entry for '{request.program.name}': program {rank + 1} failed its proof; removed")
+    return f"it {why}"
 
 
 def _build(request: Request, chosen: Choice) -> tuple[Report, dict[str, str]]:
@@ -226,7 +232,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                                     built.hardware),  # the parameters too: an output's shape may hold a grid size
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
-                  counted if isinstance(counted, Skipped) else None, unproved_kernels(built.program, chosen.program))
+                  counted if isinstance(counted, Skipped) else None)
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

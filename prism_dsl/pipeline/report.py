@@ -185,7 +185,6 @@ class Report:
     codegen: Mapping | None = None  # the code generator's options (`CodegenConfig`: --threads, --stages, ...)
     priced: str = "the code's structure"  # what the estimates were priced from (`build.pricing`)
     banks: Skipped | None = None  # why the count `--banks` asked for did not run
-    unproved_lowering: tuple[str, ...] = ()  # kernels the lowering wrote in a form of its own no proof covers
 
     @property
     def verified(self) -> bool:
@@ -258,9 +257,6 @@ def summary(report: Report, out: Path) -> str:
     lines.append("  verified: " + ("yes: proved and checked" if report.verified else "NO: " + (
         "not proved equal to the input program" if not report.proved else
         "the outputs did not agree" if report.checked.failed else "the outputs were not checked")))
-    if report.unproved_lowering:
-        lines.append(f"    but for {', '.join(report.unproved_lowering)}: a softmax over long rows in the lowering's "
-                     "own two-kernel form, which the check covers and no proof does")
     return "\n".join(lines)
 
 
