@@ -1008,6 +1008,12 @@ def test_an_output_whose_shape_holds_a_grid_size_is_compiled_and_its_floor_price
     assert report["roofline"]["bytes"] == 4 * (16 * 64 + 16 * gx)
 
 
+def planted_failure(check):
+    """An emulation's check failed by plan: every output marked as missing its tolerance."""
+    planted = {name: {**o, "passed": False, "reason": "planted"} for name, o in check.outputs.items()}
+    return dataclasses.replace(check, passed=False, outputs=planted)
+
+
 def test_a_program_that_fails_its_check_gives_way_to_the_next_fastest(tmp_path, capsys, monkeypatch):
     """The search's fastest program that fails its own check (a rewrite that loses accuracy at the magnitudes a
     program's values reach: `layer_norm(X + 10000, eps) @ W` in f32 lost 1.4e-2 in one kernel) is not the result:
@@ -1023,10 +1029,7 @@ def test_a_program_that_fails_its_check_gives_way_to_the_next_fastest(tmp_path, 
         if len(built) == 2:
             raise PrismError("planted: the second cannot be built")
         check = real(b, options)
-        if len(built) > 1:
-            return check
-        planted = {name: {**o, "passed": False, "reason": "planted"} for name, o in check.outputs.items()}
-        return dataclasses.replace(check, passed=False, outputs=planted)
+        return check if len(built) > 1 else planted_failure(check)
 
     monkeypatch.setattr(pipeline, "emulate", emulate)
     out = tmp_path / "o"

@@ -6,7 +6,6 @@ Each test is the attack: a cache entry edited (or damaged) so that it still read
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -183,6 +182,7 @@ def test_a_checkpoints_fallback_is_proved_before_it_is_built(cache_dir, capsys, 
     if not EMULATION:
         pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
     from prism_dsl.pipeline import compile as pipeline
+    from test_codegen import planted_failure
 
     code, first, _ = compile_json(capsys, tmp_path / "first", OTHER, "--no-emulate")
     chosen = first["alternatives"][0]["program"]
@@ -193,10 +193,7 @@ def test_a_checkpoints_fallback_is_proved_before_it_is_built(cache_dir, capsys, 
     def emulate(b, options):  # the choice fails its check
         built.append(b.source)
         check = real(b, options)
-        if len(built) > 1:
-            return check
-        planted = {name: {**o, "passed": False, "reason": "planted"} for name, o in check.outputs.items()}
-        return dataclasses.replace(check, passed=False, outputs=planted)
+        return check if len(built) > 1 else planted_failure(check)
 
     monkeypatch.setattr(pipeline, "emulate", emulate)
     code, report, err = compile_json(capsys, tmp_path / "out", OTHER)
