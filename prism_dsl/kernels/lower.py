@@ -6,14 +6,16 @@ as a small custom kernel of the same IR, so the one code generator, the block in
 model and the proofs all apply to it unchanged:
 
 - element-wise chains: one kernel per chain (thread-level fusion at kernel level: an element-wise value
-  with one element-wise user is computed inside its user's kernel); blocks split the last dim (free
-  size) and one row or plane per block along the two dims before it;
+  with one element-wise user is computed inside its user's kernel); a row per block on grid axis x (up
+  to 2^31 - 1 of them), the last dim in pieces on y (free size), one plane per block along z;
 - matmul: blocks split the output's columns (x) and rows (y), and the batch dim before them (z, one
   per block); the loop walks the contracted dim and `acc_sum` adds the partial products; a product that
   only feeds an element-wise chain of its shape is computed in that chain's kernel, the chain after the
   loop (its epilogue: `_epilogues`);
 - reductions: blocks split the kept dims; each block holds the reduced dim whole;
-- row-wise ops (`rms_norm`, `softmax`): one block per group of rows, each row whole.
+- row-wise ops (`rms_norm`, `layer_norm`, `softmax`): one block per group of rows, each row whole; or, for
+  rows no block holds, two kernels: blocks take pieces of each row for its statistics, then combine them
+  (`_long_softmax`, `_long_norm`; `lowered_forms` offers both ways).
 
 Grid sizes and loop ranges are fresh free symbols (`gx_NAME`, `F_NAME`), chosen at instantiation like
 those of hand-written kernels. Kernel and store names come from the program's names for the values.
@@ -93,7 +95,8 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
     taken = {n.attr for n in program.inputs} | {name for name, _ in program.outputs} | set(program.names.values())
     rebuilt: dict[int, object] = {}  # custom kernels re-pointed at lowered operands, by id of the original
     # names the new parameters and kernels avoid: the dims, the parameters and the kernels there are (`_kernel_name`)
-    params = {d.name for d in program.dims} | {s.name for s in free_symbols(program)} | {k.name for k in kernels_of(program)}
+    params = ({d.name for d in program.dims} | {s.name for s in free_symbols(program)}
+              | {k.name for k in kernels_of(program)})
     i = -1  # the position in `todo`, for fresh names
     for n in nodes:
         if n.op == "kernel" and any(a in lowered for a in n.args):
@@ -122,13 +125,13 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
 
 
 def lowered_forms(program: Program) -> list[Program]:
-    """The ways `program` can be lowered, the usual first: a program with a softmax outside its kernels also in
-    the form for long rows (`lower(long_rows=True)`), which the tuner takes where the usual one has no valid
-    parameters (a vocabulary's rows, more than a block's shared memory holds) or is slower by the model (f32 rows
-    of 29696: one block a row spilled registers, 20.5 us against 9.2)."""
+    """The ways `program` can be lowered, the usual first: a program with a softmax or norm outside its kernels also
+    with each choice of them in the form for long rows (`lower(long_rows=...)`), which the tuner takes where the
+    usual one has no valid parameters (a vocabulary's rows, more than a block's shared memory holds) or is slower
+    by the model (f32 rows of 29696: one block a row spilled registers, 20.5 us against 9.2)."""
     usual, longs = lower(program), [n for n in program.nodes() if _long(n)]
-    if len(longs) <= 3:  # each choice of which rows are long (a vocabulary's softmax beside one of 70000 short rows,
-        # whose two kernels would put the rows' pieces on the grid axis y and its 65535 limit, where one has x)
+    if len(longs) <= 3:  # each choice of which rows are long (a vocabulary's softmax beside one over short rows, which
+        # one kernel takes faster)
         picks = sorted((frozenset(n for i, n in enumerate(longs) if mask >> i & 1)
                         for mask in range(1, 1 << len(longs))),
                        key=len, reverse=True)  # all of them first: the form a failure reports (`build.tune`)
