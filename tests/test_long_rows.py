@@ -95,6 +95,9 @@ def test_a_softmax_over_more_rows_than_a_grid_axis_y_holds_puts_them_on_x(write,
 def test_a_softmax_whose_rows_fit_keeps_its_one_kernel_unless_two_are_faster(write, tmp_path, capsys):
     """Both forms are tuned, the faster by the model taken: f16 rows of 4096 in one kernel; f32 rows of 29696, which
     one block holds with registers spilled (20.5 us by the H100 model), in two (9.2 us)."""
+    program = load(write(SOFTMAX)).program()
+    assert [len(lowered_forms(program, {d.symbol: v for d, v in zip(program.dims, size)}))
+            for size in ((4, 8192), (4, 8193))] == [1, 2]  # rows of SHORT_ROW or fewer: one kernel, untuned twice
     for dims, kernels in (("n=4,v=4096", ["div_t0", "softmax_P"]),
                           ("n=4,v=29696", ["div_t0", "softmax_stats_P", "softmax_P"])):
         src = write(SOFTMAX if "4096" in dims else SOFTMAX.replace("f16", "f32"))

@@ -124,12 +124,23 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
     return Program(program.name, program.dims, program.inputs, outs, {}, names, program.loc)
 
 
-def lowered_forms(program: Program) -> list[Program]:
+# Rows of at most this many elements take one kernel (a block a row, or a group of rows): the form for long rows is
+# not tuned for them. Two launches cost more than such a row's work (8192 f32 are 32 KiB), and both of a softmax
+# whose rows fit were priced: the two kernels won first at rows of f32 29696 (20.5 us against 9.2, spills).
+SHORT_ROW = 8192
+
+
+def lowered_forms(program: Program, binding=None) -> list[Program]:
     """The ways `program` can be lowered, the usual first: a program with a softmax or norm outside its kernels also
     with each choice of them in the form for long rows (`lower(long_rows=...)`), which the tuner takes where the
     usual one has no valid parameters (a vocabulary's rows, more than a block's shared memory holds) or is slower
-    by the model (f32 rows of 29696: one block a row spilled registers, 20.5 us against 9.2)."""
+    by the model (f32 rows of 29696: one block a row spilled registers, 20.5 us against 9.2). With `binding` (the
+    dims' symbols to sizes), rows of SHORT_ROW elements or fewer keep the usual form."""
     usual, longs = lower(program), [n for n in program.nodes() if _long(n)]
+    if binding is not None:  # at these dims, only rows past SHORT_ROW
+        def row(n: Node):
+            return sympy.sympify(n.shape[-1]).xreplace({k: sympy.Integer(v) for k, v in binding.items()})
+        longs = [n for n in longs if not (row(n).is_number and int(row(n)) <= SHORT_ROW)]
     if len(longs) <= 3:  # each choice of which rows are long (a vocabulary's softmax beside one over short rows, which
         # one kernel takes faster)
         picks = sorted((frozenset(n for i, n in enumerate(longs) if mask >> i & 1)

@@ -100,7 +100,8 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
         return {s.name for s in free_symbols(form)}
 
     # and the other form (for long rows, where there is one): forms differ in their parameters' names
-    forms = [lowered] + [f for f in lowered_forms(source) if names(f) != names(lowered)]
+    forms = [lowered] + [f for f in lowered_forms(source, bind_dims(source, dict(options.dims)))
+                         if names(f) != names(lowered)]
     # parameters tuned before (`options.params`) name one form's kernels: the form they name all of (the usual
     # form's names are a subset of the long form's, where a grid size means another thing), else one they fit
     if given := set(options.params):  # (none given: every form, one without parameters among them)

@@ -123,7 +123,7 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     """Parameters and estimated time for one program at these dims, from the tuning database when it has
     a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again. `use_cache`
     False (`--no-cache`): the database is neither read nor written."""
-    forms = lowered_forms(program)  # the usual form, and the one for long rows where there is one
+    forms = lowered_forms(program, binding)  # the usual form, and those for long rows where there are
     key = tuning_key(program, binding, hardware, codegen)
     hit = _usable("tuning", key, lambda h: _tuning_problem(h, forms, binding, hardware, codegen), "tuning entry",
                   "tuning") if use_cache else None
