@@ -34,6 +34,7 @@ def test_check_never_passes_nan_or_inf():
     result = check(got, ref, rtol=1e9)
     assert not result["passed"] and result["nan"] == 2 and result["worst_index"] == (1, 2)
     assert "2 elements are NaN or inf" in result["reason"]
+    assert result["reason"].endswith("(the first at (1, 2): nan, expected 1)")  # where, as `verify` says
 
 
 def test_a_reference_of_nan_fails_and_says_where_the_program_is_undefined():

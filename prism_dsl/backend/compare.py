@@ -70,8 +70,10 @@ def check(got, ref, rtol: float = RTOL) -> dict:
     worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
     wrong = np.argwhere(~(err <= rtol * denom))  # out of tolerance, in row-major order (NaN included)
     passed = len(wrong) == 0
+    at = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else ()  # (an f16 output past 65504, say)
     reason = "" if passed else (
-        f"{int(bad.sum())} elements are NaN or inf, or miss an infinity of the reference" if bad.any()
+        f"{int(bad.sum())} elements are NaN or inf, or miss an infinity of the reference (the first at {at}: "
+        f"{float(g[at]):g}, expected {float(ref[at]):g})" if bad.any()
         else f"relative error {float(rel[worst]):.3g} at {tuple(map(int, worst))} exceeds {rtol}")
     out = {"passed": passed, "max_rel_err": float(rel.max()), "max_abs_err": float(err.max()), "nan": int(bad.sum()),
            "worst_index": tuple(int(i) for i in worst), "reason": reason}
