@@ -15,7 +15,7 @@ model and the proofs all apply to it unchanged:
 - reductions: blocks split the kept dims; each block holds the reduced dim whole;
 - row-wise ops (`rms_norm`, `layer_norm`, `softmax`): one block per group of rows, each row whole; or, for
   rows no block holds, two kernels: blocks take pieces of each row for its statistics, then combine them
-  (`_long_softmax`, `_long_norm`; `lowered_forms` offers both ways).
+  (`_long_rows`; `lowered_forms` offers both ways).
 
 Grid sizes and loop ranges are fresh free symbols (`gx_NAME`, `F_NAME`), chosen at instantiation like
 those of hand-written kernels. Kernel and store names come from the program's names for the values.
@@ -61,7 +61,7 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
     """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused
     into its element-wise user's). A program with nothing left outside kernels comes back as it is.
     `long_rows`: each softmax or norm of rank 3 at most (`_long`; or those of them in the set given) in two kernels
-    that never hold a row whole (`_long_softmax`, `_long_norm`), for rows a block's shared memory cannot hold (a
+    that never hold a row whole (`_long_rows`), for rows a block's shared memory cannot hold (a
     vocabulary's logits); `lowered_forms`
     offers it, and the tuner takes it where the usual form has no valid parameters or is slower by the model
     (`pipeline.build.tune`, `pipeline.optimize.rank`)."""
@@ -115,7 +115,7 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
             store = fresh_name(f"t{i}", taken)
         taken.add(store)
         if _long(n) and (long_rows is True or long_rows and n in long_rows):
-            node = (_long_softmax if n.op == "softmax" else _long_norm)(n, store, lowered, params, taken)
+            node = _long_rows(n, store, lowered, params, taken)
         else:
             node = _kernel_for(n, store, lowered, params, epilogues.get(n, ()))
         lowered[n] = node
@@ -154,7 +154,7 @@ def lowered_forms(program: Program, binding=None) -> list[Program]:
 def _long(n: Node) -> bool:
     """A softmax or a norm `lower(long_rows=True)` lowers in two kernels: of rank 3 at most, a softmax's pieces a
     grid axis beside its rows' (at rank 4, attention's scores, the search's online softmax is the way)."""
-    return n.op in ("softmax", "rms_norm", "rms_norm_eps", "layer_norm") and n.rank <= 3
+    return n.op in _PIECES and n.rank <= 3
 
 
 def lowered_for(program: Program, params) -> Program:
@@ -254,10 +254,8 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str],
         raise PrismError(f"'{store}' has rank {n.rank}; pre-defined kernels handle rank {KERNEL_RANK} at most")
     kname = _kernel_name(f"matmul_{n.op}_{store}" if products else f"{n.op}_{store}", taken)
 
-    def sym(base: str) -> sympy.Symbol:  # a fresh kernel parameter, named after the value: no dim's or other's name
-        name = fresh_name(f"{base}_{store}", taken)
-        taken.add(name)
-        return dim_symbol(name)
+    def sym(base: str) -> sympy.Symbol:
+        return _param(base, store, taken)
 
     shape = n.shape
     if kind is Kind.MATMUL or products:
@@ -313,90 +311,78 @@ def _folded(n: Node, kname: str, store: str, split: dict[int, str], loop: sympy.
     return bld.kernel(build(_FOLDED[(n.op, dim)], [xt]), store, TileMap(_out_map(n.rank, split)))
 
 
-def _long_softmax(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
-    """softmax(x) over rows too long for a block to hold, in two kernels (FlashDecoding's split, over a row): blocks
-    take pieces of each row (`gp` of them, on the grid axis after the rows': y, z at rank 3, x for one row; the rows
-    on x, whose limit is 2^31 - 1, not 65535: 131072 tokens' logits, and on y), each walking its piece in a loop for
-    its running max and its sum of exp(x - max) (online softmax's accumulators; the sums stored in f32:
-    `kernel.stored_dtype`), so a few long rows still fill the SMs; then each block of an element-wise kernel reads
-    its row's pieces whole, combines them (the largest max, and the pieces' sums rescaled to it: sum_i l_i *
-    exp(m_i - max)), and writes exp(x - max) / sum over its piece of the row."""
-    def sym(base: str) -> sympy.Symbol:
-        name = fresh_name(f"{base}_{store}", params)
-        params.add(name)
-        return dim_symbol(name)
+def _param(base: str, store: str, taken: set[str]) -> sympy.Symbol:
+    """A fresh kernel parameter, named after the value it computes: no dim's, other parameter's or kernel's name."""
+    name = fresh_name(f"{base}_{store}", taken)
+    taken.add(name)
+    return dim_symbol(name)
 
+
+def _combine_softmax(t: dict[str, Node], xt: Node) -> Node:
+    """A row's pieces' max and sums of exp(x - max) combined (the largest max, each sum rescaled to it:
+    sum_i l_i * exp(m_i - max)), and a piece of the row's softmax from them."""
+    top = build("max", [t["max"]], [-1])
+    whole = build("sum", [build("mul", [t["sum"], build("exp", [build("sub", [t["max"], top])])])], [-1])
+    return build("div", [build("exp", [build("sub", [xt, top])]), whole])
+
+
+def _combine_norm(t: dict[str, Node], xt: Node, e: Node | None = None) -> Node:
+    """A row's pieces' statistics combined (the pieces are equal in size: the mean of their means; the mean of their
+    variances about the whole mean, var_i + (mean_i - mean)^2; the mean of their mean squares), and a piece of the
+    row normalised by them (less its mean, for LayerNorm; the epsilon `e` added where there is one)."""
+    top, square = xt, build("mean", [t["ms"]], [-1]) if "ms" in t else None
+    if square is None:
+        mean = build("mean", [t["mean"]], [-1])
+        deviation = build("square", [build("sub", [t["mean"], mean])])
+        top, square = build("sub", [xt, mean]), build("mean", [build("add", [t["var"], deviation])], [-1])
+    return build("div", [top, build("sqrt", [square if e is None else build("add", [square, e])])])
+
+
+# Per op lowered for long rows (`_long`): what each block stores of its piece of a row (by part, from the piece's
+# tile; kept in f32 by `kernel.stored_dtype`, a split's partial results, or online softmax's sums), and how the
+# element-wise kernel combines a row's pieces into its piece of the value (`_combine_*`).
+_PIECES = {
+    "softmax": (lambda xt: {"max": build("acc_max_last", [xt]), "sum": build("acc_softmax_sum", [xt])},
+                _combine_softmax),
+    "layer_norm": (lambda xt: {"mean": build("acc_mean_last", [xt]), "var": build("acc_var_last", [xt])},
+                   _combine_norm),
+    "rms_norm": (lambda xt: {"ms": build("acc_mean_last", [build("square", [xt])])}, _combine_norm),
+    "rms_norm_eps": (lambda xt: {"ms": build("acc_mean_last", [build("square", [xt])])}, _combine_norm),
+}
+
+
+def _long_rows(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
+    """softmax, layer_norm or rms_norm over rows too long for a block to hold, in two kernels (FlashDecoding's split,
+    over a row): blocks take pieces of each row (`gp` of them, on the grid axis after the rows': y, z at rank 3, x
+    for one row; the rows on x, whose limit is 2^31 - 1, not 65535: 131072 tokens' logits, and on y), each walking
+    its piece in a loop for its statistics (`_PIECES`: a softmax's running max and sum of exp(x - max), online
+    softmax's accumulators; a LayerNorm's mean and variance about it, Chan's merge, `acc_var_last`; an RMSNorm's
+    mean of squares), stored for the row, so that a few long rows still fill the SMs; then each block of an
+    element-wise kernel reads its row's pieces whole, combines them and writes its piece of the row. The
+    statistics are kept in f32 (`kernel.stored_dtype`): 128256 equal logits sum past f16's range, and an f16 mean
+    of rows 1000 from zero that vary by 4 is 0.5 off. The two kernels take the same pieces: two parameters, which
+    the tuner tries every pair of (`tuning.tune`), where a third for the second kernel's slices left it to a
+    descent that settled on one piece walked one element an iteration."""
     x, shape = n.args[0], n.shape
+    pieces_of, combine = _PIECES[n.op]
     rows = dict(zip(range(-2, -n.rank - 1, -1), ("x", "y")))  # the rows on x (and y); the next axis takes the
     on = AXES[len(rows)]  # pieces: the innermost of the stores' concats, which the loads' splits of the rows undo
-    pieces = sym("gp")
-    grid = sorted([(on, pieces)] + [(a, shape[d]) for d, a in rows.items()])
-    bld = _Builder(_kernel_name(f"softmax_stats_{store}", params), grid, sym("F"), lowered)
-    xt = bld.tile(x, _map(x.shape, {**rows, -1: on}, loop_dim=-1))
-    names = [fresh_name(f"{store}_{part}", taken) for part in ("max", "sum")]
-    taken.update(names)
-    tmap = TileMap(_out_map(n.rank, {**rows, -1: on}))
-    values = [build("acc_max_last", [xt]), build("acc_softmax_sum", [xt])]
-    s = bld.shell
-    stores = tuple(Store(name, v, tmap, False) for name, v in zip(names, values))
-    stats = Kernel(s.name, s.grid, s.loop, tuple(bld.loads), stores, tuple(bld.sources))
-    m, total = (Node("kernel", stats.inputs, (stats, i), v.dtype, output_shape(v.shape, tmap, stats))
-                for i, v in enumerate(values))
-    # the same pieces: two parameters, which the tuner tries every pair of (`tuning.tune`), where a third for the
-    # second kernel's slices left it to a descent that settled on one piece walked one element an iteration
-    apply = _Builder(_kernel_name(f"softmax_{store}", params), grid, None, lowered)
-    mt, st = (apply.tile(v, _map(v.shape, rows)) for v in (m, total))  # the row's pieces, whole
-    xt = apply.tile(x, _map(x.shape, {**rows, -1: on}))
-    top = build("max", [mt], [-1])
-    whole = build("sum", [build("mul", [st, build("exp", [build("sub", [mt, top])])])], [-1])
-    value = build("div", [build("exp", [build("sub", [xt, top])]), whole])
-    return apply.kernel(value, store, TileMap(_out_map(n.rank, {**rows, -1: on})))
-
-
-def _long_norm(n: Node, store: str, lowered, params: set[str], taken: set[str]) -> Node:
-    """rms_norm(x[, e]) or layer_norm(x, e) over rows too long for a block to hold, in two kernels split as a long
-    softmax is (`_long_softmax`): blocks take pieces of each row, each walking its piece in a loop for its statistics
-    (the mean of its squares; or its mean and its variance about it, Chan's merge: `acc_var_last`), which a split's
-    blocks store in f32 (`kernel.stored_dtype`: rows 1000 from zero that vary by 4 keep their centring, which an f16
-    mean, 0.5 off, would not); then each block of an element-wise kernel reads its row's pieces whole, combines them
-    (the pieces are equal in size: the mean of their means; the mean of their variances about the whole mean,
-    var_i + (mean_i - mean)^2) and divides its piece of the row by them."""
-    def sym(base: str) -> sympy.Symbol:
-        name = fresh_name(f"{base}_{store}", params)
-        params.add(name)
-        return dim_symbol(name)
-
-    x, shape = n.args[0], n.shape
-    rows = dict(zip(range(-2, -n.rank - 1, -1), ("x", "y")))
-    on = AXES[len(rows)]  # the pieces, as `_long_softmax` places them
-    grid = sorted([(on, sym("gp"))] + [(a, shape[d]) for d, a in rows.items()])
-    bld = _Builder(_kernel_name(f"{n.op}_stats_{store}", params), grid, sym("F"), lowered)
-    xt = bld.tile(x, _map(x.shape, {**rows, -1: on}, loop_dim=-1))
-    parts = {"mean": build("acc_mean_last", [xt]), "var": build("acc_var_last", [xt])} if n.op == "layer_norm" \
-        else {"ms": build("acc_mean_last", [build("square", [xt])])}
+    split = {**rows, -1: on}
+    grid = sorted([(on, _param("gp", store, params))] + [(a, shape[d]) for d, a in rows.items()])
+    bld = _Builder(_kernel_name(f"{n.op}_stats_{store}", params), grid, _param("F", store, params), lowered)
+    parts = pieces_of(bld.tile(x, _map(x.shape, split, loop_dim=-1)))
     names = [fresh_name(f"{store}_{part}", taken) for part in parts]
     taken.update(names)
-    tmap, s = TileMap(_out_map(n.rank, {**rows, -1: on})), bld.shell
+    tmap, s = TileMap(_out_map(n.rank, split)), bld.shell
     stats = Kernel(s.name, s.grid, s.loop, tuple(bld.loads),
                    tuple(Store(name, v, tmap, False) for name, v in zip(names, parts.values())), tuple(bld.sources))
-    values = {part: Node("kernel", stats.inputs, (stats, i), v.dtype, output_shape(v.shape, tmap, stats))
-              for i, (part, v) in enumerate(parts.items())}
     apply = _Builder(_kernel_name(f"{n.op}_{store}", params), grid, None, lowered)
-    tiles = {part: apply.tile(v, _map(v.shape, rows)) for part, v in values.items()}  # the row's pieces, whole
-    xt = apply.tile(x, _map(x.shape, {**rows, -1: on}))
-    if n.op == "layer_norm":
-        mean = build("mean", [tiles["mean"]], [-1])
-        deviation = build("square", [build("sub", [tiles["mean"], mean])])
-        square = build("mean", [build("add", [tiles["var"], deviation])], [-1])
-    else:
-        square = build("mean", [tiles["ms"]], [-1])
-    if len(n.args) > 1:  # the epsilon: a constant, or a tensor read as the rows are
-        e = n.args[1]
-        square = build("add", [square, e if e.op == "const" else
-                               apply.tile(e, _map(e.shape, {**rows, -1: on}, out_shape=shape))])
-    top = build("sub", [xt, mean]) if n.op == "layer_norm" else xt
-    return apply.kernel(build("div", [top, build("sqrt", [square])]), store,
-                        TileMap(_out_map(n.rank, {**rows, -1: on})))
+    tiles = {part: apply.tile(Node("kernel", stats.inputs, (stats, i), v.dtype, output_shape(v.shape, tmap, stats)),
+                              _map(v.shape, rows))  # the row's pieces, whole
+             for i, (part, v) in enumerate(parts.items())}
+    rest = [e if e.op == "const" else apply.tile(e, _map(e.shape, split, out_shape=shape)) for e in n.args[1:]]
+    value = combine(tiles, apply.tile(x, _map(x.shape, split)), *rest)  # (an epsilon: a constant, or read as x)
+    return apply.kernel(value, store, TileMap(_out_map(n.rank, split)))
 
 
 def _swaps_matrix(n: Node) -> bool:
