@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -87,6 +87,20 @@ class Build(Tuned):
     kernels: tuple[RenderedKernel, ...] = ()
 
 
+def fastest_form(forms: list[Program], binding: dict, hardware: Hardware, codegen: CodegenConfig,
+                 given: Callable[[Program], dict] = lambda form: {}) -> tuple[tuple | None, list[PrismError]]:
+    """The fastest by the model of a program's lowered `forms` (`kernels.lower.lowered_forms`: a softmax's rows may
+    fit one block and spill), each tuned at `binding` with the parameters `given` for it (`tuning.parameters`):
+    (form, params, concrete, estimates), or None where none fits; and why those that do not fit do not."""
+    tuned, errors = [], []
+    for form in forms:
+        try:
+            tuned.append((form, *tuning.parameters(form, binding, given(form), hardware, codegen)))
+        except PrismError as e:
+            errors.append(e)
+    return (min(tuned, key=lambda t: sum(e.time_us for e in t[3])) if tuned else None), errors
+
+
 def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOptions,
          reference: Program | None = None) -> Tuned:
     """`lowered` (`source` lowered) at the options' dims: the given parameters kept, the rest chosen by the
@@ -106,23 +120,17 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
     # form's names are a subset of the long form's, where a grid size means another thing), else one they fit
     if given := set(options.params):  # (none given: every form, one without parameters among them)
         forms = [f for f in forms if given == names(f)] or [f for f in forms if given <= names(f)] or forms[:1]
-    errors: list[PrismError] = []
-    tuned: list[tuple] = []
-    for form in forms:  # each form that fits, the faster taken (a softmax's rows may fit one block and spill)
-        bound = bind_dims(form, dict(options.dims))
-        try:
-            given = {**resolve_params(form, options.grid, options.loop), **options.params}
-            tuned.append((form, bound, *tuning.parameters(form, bound, given, hardware, options.codegen)))
-        except PrismError as e:
-            errors.append(e)
-    if not tuned:
+    binding = bind_dims(lowered, dict(options.dims))
+    best, errors = fastest_form(forms, binding, hardware, options.codegen,
+                                lambda form: {**resolve_params(form, options.grid, options.loop), **options.params})
+    if best is None:
         if len(errors) > 1:  # the form for long rows was tried too
             raise PrismError(f"{errors[0]}\n(nor in two kernels for its long rows: {errors[1]})")
         if "'softmax_" in str(errors[0]) and any(n.op == "softmax" and n.rank > 3 for n in source.nodes()):
             raise PrismError(f"{errors[0]}\n(a softmax whose rows no block holds is lowered in two kernels at rank 3 "
                              "or less: fold its leading dims into one)")
         raise errors[0]
-    lowered, binding, params, concrete, estimates = min(tuned, key=lambda t: sum(e.time_us for e in t[4]))
+    lowered, params, concrete, estimates = best
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates))

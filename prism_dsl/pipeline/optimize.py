@@ -129,15 +129,10 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
                   "tuning") if use_cache else None
     if hit is not None:
         return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"], hit["work"])
-    tuned = []
-    for lowered in forms:  # each form that fits, the faster taken
-        try:
-            tuned.append(tuning.parameters(lowered, binding, {}, hardware, codegen))
-        except PrismError:
-            continue
-    if not tuned:
+    best, _ = build.fastest_form(forms, binding, hardware, codegen)  # each form that fits, the faster taken
+    if best is None:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
-    params, _, estimates = min(tuned, key=lambda t: sum(e.time_us for e in t[2]))
+    _, params, _, estimates = best
     us = sum(e.time_us for e in estimates)
     busy = round(sum(e.time_us * min(e.blocks, hardware.sms) for e in estimates) / us)  # a kernel at a time
     work = sum(e.flops + e.tensor_core_flops for e in estimates)
