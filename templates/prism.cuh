@@ -83,10 +83,14 @@ struct __nv_bfloat16 { uint16_t bits; };
 #define PRISM_TID ((int)threadIdx.x)
 #define PRISM_NT(n) (n)
 #define PRISM_WARP 32
+// PRISM_UNROLL_BY(n): a long loop unrolled n at a time, not whole
+#define PRISM_PRAGMA_TEXT(x) #x
 #if defined(PRISM_CPU)
 #define PRISM_UNROLL
+#define PRISM_UNROLL_BY(n)
 #else
 #define PRISM_UNROLL _Pragma("unroll")
+#define PRISM_UNROLL_BY(n) _Pragma(PRISM_PRAGMA_TEXT(unroll n))
 #endif
 
 #ifndef INFINITY

@@ -711,14 +711,15 @@ def test_tiles_too_narrow_for_16_bytes_are_copied_by_narrower_cp_async_and_pipel
 def test_per_thread_loops_show_their_trip_count_and_stop_a_ragged_last_pass_at_the_tile_end(sanitizer):
     """Every loop of a thread (warp, lane) over a tile counts passes from 0, so nvcc sees the trip count and
     hoists the index arithmetic; at n=3, d=200 the row of 200 (25 groups of 8 for its 16 lanes) takes two
-    sweeps, the second cut short, and tiles under 128 groups take one guarded pass. The emulation checks both."""
+    sweeps, the second cut short (its last pass stores the row straight to the output, 16 bytes a store), and
+    tiles under 128 groups take one guarded pass. The emulation checks both."""
     program = load(ROOT / "programs/rmsnorm_linear.prism").program()
     options = BuildOptions(dims={"n": 3, "d": 200}, archs=(), sanitize=sanitizer, emulate_blocks="all")
     built = build(program, H100, options)
     sources = "\n".join(k.source for k in built.kernels)
     assert not re.search(r"for \(int \w+ = (PRISM_TID|lane)", sources)  # no loop starting at the thread's index
     assert "for (int s = 0; s < 2; ++s) {" in sources and "if (j8 >= 200) break;" in sources
-    assert "if (const int v = PRISM_TID; v < 25) {" in sources and "if (const int u = PRISM_TID; u < 25) {" in sources
+    assert "if (const int v = PRISM_TID; v < 25) {" in sources and "prism::store16(g_t0 + blockIdx.x * 1 * 200 + j8, w);" in sources
     check = emulate(built, options)
     assert check.passed, check
 

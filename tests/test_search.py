@@ -691,12 +691,12 @@ def test_flash_decoding_split_is_generated_proved_and_compiles(library, tmp_path
         params = complete(p, bind_dims(p, dims), {pieces.name: 4}, H100, prefer="split")
         got = evaluate(p, inputs, params=params)["O"]
         assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
-    # Keys too long for the pre-defined softmax's row in shared memory: the program as written cannot
-    # run (its scores are of rank 4, which no softmax in two kernels takes: `lower._long`), the proved
-    # programs can.
+    # Keys too long for the pre-defined softmax's row in shared memory (131072 f16 scores, 256 KiB): the
+    # program as written cannot run (its scores are of rank 4, which no softmax in two kernels takes:
+    # `lower._long`), the proved programs can.
     with monkeypatch.context() as m:
         m.setattr("prism_dsl.pipeline.optimize.search", lambda *a, **k: result)
-        long = optimize(src, library, H100, bind_dims(src, dict(b=1, h=1, q=1, kv=65536, dh=8)))
+        long = optimize(src, library, H100, bind_dims(src, dict(b=1, h=1, q=1, kv=131072, dh=8)))
     assert long.search["as_written_fits"] is False and not long.best.as_written
     path = tmp_path / "split.prism"
     path.write_text(print_program(splits[0]))

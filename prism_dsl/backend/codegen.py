@@ -108,7 +108,6 @@ class Emitter(TensorCoreSteps, RowParts):
         self.c, self.k, self.program, self.config = c, c.kernel, program, config
         self.plan = plan(self.k)
         self.real = CTYPE[compute_dtype(self.k)]
-        self.suffix = "f" if self.real == "float" else ""
         self.names = program.names
         self.tensor_core_steps = 0
         self.layout = layout(c, config)
@@ -125,8 +124,7 @@ class Emitter(TensorCoreSteps, RowParts):
 
     def lit(self, value: float) -> str:
         text = format_number(value)
-        if "." not in text and "e" not in text and "inf" not in text:
-            text += ".0"
+        text += ".0" if "." not in text and "e" not in text and "inf" not in text else ""
         return f"real({text})" if self.real != "float" else text + "f"
 
     def offset(self, b: Buffer, idx: list[str], shape=None) -> str:
@@ -170,6 +168,8 @@ class Emitter(TensorCoreSteps, RowParts):
             (row, rows), (col, cols) = self.place(node, -2), self.place(node, -1)
             above = f"({idx[-1]}{col} > {idx[-2]}{row} + {cols - rows})"
             return f"({above} ? -real(INFINITY) : {self.read(node.args[0], idx)})"
+        if node.op == "div" and node.args[1].op == "const" and 1e-30 < abs(node.args[1].attr) < 1e30:
+            return f"({self.read(node.args[0], idx)} * {self.lit(1 / node.args[1].attr)})"  # no division an element
         return C_OPS[node.op].format(*[self.read(a, idx) for a in node.args])
 
     def place(self, node: Node, dim: int) -> tuple[str, int]:
@@ -216,6 +216,8 @@ class Emitter(TensorCoreSteps, RowParts):
         return {"kind": "elements", "comment": text, "n": math.prod(shape), "idx": lines, "body": body_of(idx)}
 
     def compute_step(self, node: Node) -> dict:
+        if self.plan.place[node] is Place.STORED:  # written straight to the output that stores it
+            return self.rowwise(node, None, self.plan.writes[node])
         b = self.plan.buffer(node)
         shape, dst, kind = self.shape(node), self.cname[b.name], OPS[node.op].kind
         if kind in (Kind.UNARY, Kind.BINARY, Kind.MASK) or OPS[node.op].per_element:
@@ -356,27 +358,28 @@ class Emitter(TensorCoreSteps, RowParts):
                          self.fold(acc, p_at + [lambda idx, a=a: self.read(a, idx) for a in acc.args[1:]], scale=scale))
         return steps
 
-    def store_step(self, index: int) -> dict:
-        store = self.k.stores[index]
-        out = self.c.output_shape(index)
-        grid = dict(self.c.grid)
+    def store_target(self, index: int):
+        """Store `index`'s output: (its C name, its element type, the block's tile of it, and where element `idx` of
+        the tile goes, as a function of `idx`)."""
+        store, out, grid = self.k.stores[index], self.c.output_shape(index), dict(self.c.grid)
         tile = tuple(s // grid[dm.axis] if dm.axis else s for s, dm in zip(out, store.map.dims))
-        name = f"g_{ident(store.name)}"
-        ctype = CTYPE[stored_dtype(self.k, index)]
-        atomic = store.add and any(g > 1 and a not in store.map.axes() for a, g in grid.items())
 
         def where(idx) -> str:
             return address([([f"{self.blk}{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else [])
                             + ([i] if i != "0" else []) for t, dm, i in zip(tile, store.map.dims, idx)], out)
+        return f"g_{ident(store.name)}", CTYPE[stored_dtype(self.k, index)], tile, where
+
+    def store_step(self, index: int) -> dict:
+        store, out, grid = self.k.stores[index], self.c.output_shape(index), dict(self.c.grid)
+        name, ctype, tile, where = self.store_target(index)
+        atomic = store.add and any(g > 1 and a not in store.map.axes() for a, g in grid.items())
 
         def body(idx):
             v = self.read(store.value, idx)
-            if atomic:
-                return [f"prism::atomic_add(&{name}[{where(idx)}], {v});"]
-            return [f"{name}[{where(idx)}] = prism::from_f<{ctype}>({v});"]
+            return [f"prism::atomic_add(&{name}[{where(idx)}], {v});" if atomic else
+                    f"{name}[{where(idx)}] = prism::from_f<{ctype}>({v});"]
 
-        op = "+=" if store.add else "="
-        text = comment(f"store {store.name}{store.map} {op} {self.describe(store.value)}")
+        text = comment(f"store {store.name}{store.map} {'+=' if store.add else '='} {self.describe(store.value)}")
         vec = 16 // stored_dtype(self.k, index).bytes  # elements a 16-byte store writes
         if atomic or not self.config.vector_loads or tile[-1] % vec or out[-1] % vec:
             return self.elements(tile, body, text)
@@ -429,7 +432,7 @@ class Emitter(TensorCoreSteps, RowParts):
             kind = OPS[n.op].kind
             if kind is Kind.ACCUMULATE:
                 loop_steps += self.acc_steps(n, done)
-            elif n.op != "tile" and self.plan.place[n] is Place.SMEM and n not in flashed:
+            elif n.op != "tile" and self.plan.computed(n) and n not in flashed:
                 (loop_steps if n in varying else invariant).append(self.compute_step(n))
         post = [n for n in body if n in after and OPS[n.op].kind is not Kind.ACCUMULATE]
         loop_steps = shared_operand(loop_steps)
@@ -442,12 +445,13 @@ class Emitter(TensorCoreSteps, RowParts):
         epilogue += [st | {"kind": "warp_mma_store"} for st in registers]
         epilogue += [st | {"kind": "flash_store"} for st in flash]
         epilogue += self._merge([load_step(self, n) for n in post if n.op == "tile"])
-        epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.place[n] is Place.SMEM]
-        epilogue += [self.store_step(i) for i in range(len(k.stores))]
+        epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.computed(n)]
+        epilogue += [self.store_step(i) for i in range(len(k.stores)) if i not in self.plan.writes.values()]
 
         pipelined = {st["cname"] for st in staged}
         buffers = [{"cname": self.cname[b.name] + ("_stages" if self.cname[b.name] in pipelined else ""),
                     "ctype": CTYPE[b.dtype], "offset": self.layout.offsets[b.name], "bytes": self.layout.sizes[b.name],
+                    "scratch": b.role == "warps",  # a row-wise op's: used only where a row spans warps
                     "first": phase + self.layout.live[b.name][0], "last": phase + self.layout.live[b.name][1],
                     "comment": comment(f"{b.role} {b.name}: {list(self.shape(b))} {b.dtype}"
                                        + (f", {stages} stages" if self.cname[b.name] in pipelined else "")

@@ -270,7 +270,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
         if OPS[n.op].kind is Kind.ACCUMULATE:
             continue
         readers = p.users[n]
-        if n in after or (n not in varying and (p.place[n] is Place.SMEM
+        if n in after or (n not in varying and (p.place[n] in (Place.SMEM, Place.STORED)
                                                   or (readers and all(u in once for u in readers)))):
             once.add(n)
     for n in k.body():

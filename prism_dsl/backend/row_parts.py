@@ -53,6 +53,7 @@ from ..kernels.fusion import Place
 from .ctext import decompose
 
 VECTOR = 8  # 16-bit elements per 16-byte shared-memory load
+HELD = 64  # a row-wise op's elements a thread holds in registers through its passes, at most
 
 
 def held_in_registers(acc: Node) -> bool:
@@ -104,13 +105,14 @@ class RowParts:
                 "barrier": False}  # it writes no shared memory
 
     def _vector_leaves(self, x: Node, length: int, own: bool = False,
-                       partners: list[Node] | None = None) -> list[Node] | None:
+                       partners: list[Node] | None = None, stop: Node | None = None) -> list[Node] | None:
         """The 16-bit shared tiles (or values) the term of `x` reads along the row, when every read of the term
         is at the element itself and 8 adjacent ones of each such buffer are one aligned 16-byte group: those
         the fold reads by `load8`. None: the fold reads element by element. `own`: `x` is the element-wise
         value being computed into its own buffer, so its operands are the term. `partners`, where given,
         takes RoPE's rotated operand too (its partner half a row away is a whole 16-byte group as well, where
-        the half row is a multiple of 8): the tiles whose partner groups are read (`held_partner`)."""
+        the half row is a multiple of 8): the tiles whose partner groups are read (`held_partner`). `stop`: a value
+        held in registers (a row-wise op the chain `x` reads), not walked."""
         if length % VECTOR:
             return None
         leaves: list[Node] = []
@@ -125,6 +127,8 @@ class RowParts:
             return all(walk(m) for m in n.args)
 
         def walk(n: Node) -> bool:
+            if n is stop:
+                return True
             place = self.plan.place[n]
             if place is Place.INLINE:
                 return n.op == "const" or (OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) and all(walk(m) for m in n.args)
@@ -186,11 +190,18 @@ class RowParts:
                 "units": math.prod(shape) // VECTOR, "vec": VECTOR, "idx": lines, "vectors": vectors, "value": value,
                 "store": store}
 
-    def rowwise(self, node: Node, dst: str) -> dict:
+    def rowwise(self, node: Node, dst: str | None, store: int | None = None) -> dict:
         """A row-wise op of the tile `node` into the f32 buffer `dst`, row by row ("row_groups"): `per` threads a
-        row (as many as the row has 8-element groups, or elements, up to a warp), a pass per statistic, each
-        reduced over the row's lanes by shuffles, then the pass that writes. Every thread runs the same passes
-        and shuffles (a row past the last reads row 0 and writes nothing), so each shuffle sees the whole warp."""
+        row (as many as the row has 8-element groups, or elements, up to a warp; past a warp where the block has
+        fewer rows than warps), a pass per statistic, each reduced over the row's lanes by shuffles (and over its
+        warps through the op's scratch, `fusion.ROW_SCRATCH`), then the pass that writes. Every thread runs the
+        same passes, shuffles and barriers (a row past the last reads row 0 and writes nothing), so each shuffle
+        sees the whole warp. A thread that takes at most `HELD` elements of its row computes them once, into
+        registers (`xr`), which the passes after read: the row's tiles are read from shared memory once, and the
+        element-wise chain that makes the row (its prologue: softmax(x / t)) evaluated once. `dst` None: the op
+        is stored whole, or an element-wise chain of it (`fusion.Place.STORED`), and the pass that writes puts
+        each row of that straight into the kernel's output `store`, 8 elements by one 16-byte store where it is
+        16-bit and the row is read 8 at a time."""
         x, shape = node.args[0], self.shape(node)
         rows, length = math.prod(shape[:-1]), shape[-1]
         leaves = self._vector_leaves(x, length)
@@ -199,32 +210,87 @@ class RowParts:
         per = 1
         while per * 2 <= min(32, units):
             per *= 2
-        stride, at_once = (1 if per >= 8 else 8), self.threads // per
+        while per >= 32 and per * 2 <= units and rows * per * 2 <= self.threads and self.threads % (per * 2) == 0:
+            per *= 2  # fewer rows than warps: a row's groups over several warps, none idle
+        stride, at_once, sweeps = (1 if per >= 8 else 8), self.threads // per, -(-units // per)
         lines, idx = decompose("row", shape[:-1], "i")
         self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves or [])}
         try:
             xj = self.read(x, idx + ["j"])
         finally:
             self.held_in = {}
+        vectors = self._loads(leaves or [], idx + ["j8"])
+        fill = None
+        if sweeps * vec <= HELD:  # this thread's elements of the row, computed once
+            held = f"xr[s * {vec} + c]" if vec > 1 else "xr[s]"
+            fill = _pass("", "", [f"{held} = {xj};"]) | {"vectors": vectors, "size": sweeps * vec}
+            xj = held
+        passes, write = self._statistics(node, xj, idx, length)
+        for p in passes:
+            p["vectors"] = [] if fill else vectors
+        self._across_warps(node, passes, max(1, per // 32))
+        if dst is not None:
+            out = _pass("", "", [f"{dst}[row * {length} + j] = {write};"])
+        else:
+            out = self._write_out(node, write, leaves or [], vec, idx, length, store)
+        out["vectors"] = [v for v in vectors if not fill or any(f"{v['name']}[" in line for line in out["body"])]
+        return {"kind": "row_groups", "comment": self.describe(node), "rows": rows, "length": length, "idx": lines,
+                "per": per, "stride": stride, "at_once": at_once, "parts": -(-rows // at_once), "vec": vec,
+                "units": units, "sweeps": sweeps, "unroll": sweeps <= 16, "fill": fill, "passes": passes,
+                "offsets": [o for k in range(1, per.bit_length()) if (o := stride * (per >> k)) < 32],
+                "write": out}
+
+    def _statistics(self, node: Node, xj: str, idx: list[str], length: int) -> tuple[list[dict], str]:
+        """A row-wise op's passes over the row (`xj` its element j), one per statistic, and the value it writes."""
         eps = f" + {self.read(node.args[1], idx)}" if node.op in ("rms_norm_eps", "layer_norm") else ""
         inv = f"const real inv = real(1) / prism::sqrt_(ss / real({length}){eps});"
         if node.op in ("rms_norm", "rms_norm_eps"):
-            passes = [_pass("ss", self.lit(0.0), [f"const real v = {xj};", "ss += v * v;"], "sum", (inv,))]
-            write = f"{xj} * inv"
-        elif node.op == "layer_norm":  # the mean first, then the variance around it (no cancellation)
-            passes = [_pass("mu", self.lit(0.0), [f"mu += {xj};"], "sum", (f"mu /= real({length});",)),
-                      _pass("ss", self.lit(0.0), [f"const real v = {xj} - mu;", "ss += v * v;"], "sum", (inv,))]
-            write = f"({xj} - mu) * inv"
-        else:  # softmax, the stable form
-            passes = [_pass("mx", "-real(INFINITY)", [f"mx = prism::max_(mx, {xj});"], "max"),
-                      _pass("sum", self.lit(0.0), [f"sum += prism::exp_({xj} - mx);"], "sum")]
-            write = f"prism::exp_({xj} - mx) / sum"
-        vectors = self._loads(leaves or [], idx + ["j8"])
-        return {"kind": "row_groups", "comment": self.describe(node), "rows": rows, "length": length, "idx": lines,
-                "per": per, "stride": stride, "at_once": at_once, "parts": -(-rows // at_once), "vec": vec,
-                "units": units, "sweeps": -(-units // per), "vectors": vectors, "passes": passes,
-                "offsets": [stride * (per >> k) for k in range(1, per.bit_length())],
-                "write": _pass("", "", [f"{dst}[row * {length} + j] = {write};"])}
+            return [_pass("ss", self.lit(0.0), [f"const real v = {xj};", "ss += v * v;"], "sum", (inv,))], \
+                f"{xj} * inv"
+        if node.op == "layer_norm":  # the mean first, then the variance around it (no cancellation)
+            return [_pass("mu", self.lit(0.0), [f"mu += {xj};"], "sum", (f"mu /= real({length});",)),
+                    _pass("ss", self.lit(0.0), [f"const real v = {xj} - mu;", "ss += v * v;"], "sum", (inv,))], \
+                f"({xj} - mu) * inv"
+        # softmax, the stable form
+        return [_pass("mx", "-real(INFINITY)", [f"mx = prism::max_(mx, {xj});"], "max"),
+                _pass("sum", self.lit(0.0), [f"sum += prism::exp_({xj} - mx);"], "sum")], \
+            f"prism::exp_({xj} - mx) / sum"
+
+    def _across_warps(self, node: Node, passes: list[dict], warps: int) -> None:
+        """Where a row spans `warps` warps: after each pass's shuffles, each warp's value into the op's scratch, a
+        barrier, then every thread combines its row's warps' values (each pass its own row of the scratch, so no
+        thread overwrites what another has yet to read)."""
+        if warps == 1:
+            return
+        scratch = self.cname[next(b for b in self.plan.buffers if b.node is node and b.role == "warps").name]
+        for i, p in enumerate(passes):
+            first, at = f"{scratch}[{i * 32} + g * {warps}]", f"{scratch}[{i * 32} + g * {warps} + w]"
+            fold = f"{p['var']} += {at};" if p["reduce"] == "sum" else f"{p['var']} = prism::max_({p['var']}, {at});"
+            p["cross"] = [f"if (PRISM_TID % PRISM_WARP == 0) {scratch}[{i * 32} + PRISM_TID / PRISM_WARP] = {p['var']};",
+                          "__syncthreads();", f"{p['var']} = {first};", f"for (int w = 1; w < {warps}; ++w) {fold}"]
+
+    def _write_out(self, node: Node, write: str, leaves: list[Node], vec: int, idx: list[str], length: int,
+                   store: int) -> dict:
+        """The pass that writes a `STORED` op's row straight to the output of store `store`: the op's value
+        (`write`), or the element-wise chain of it the kernel stores, whose other 16-bit tiles along the row
+        (RMSNorm's gain) are read 8 at a time too; one 16-byte store of 8 elements where the output is 16-bit."""
+        value = self.k.stores[store].value
+        more = [t for t in (self._vector_leaves(value, length, stop=node) or []) if t not in leaves] \
+            if vec == VECTOR else []
+        self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves)} | {node: f"({write})"}
+        self.held_in |= {leaf: f"u{n}[c]" for n, leaf in enumerate(more)}
+        try:
+            write = self.read(value, idx + ["j"])
+        finally:
+            self.held_in = {}
+        name, ctype, _, where = self.store_target(store)
+        loads = [line for u in self._loads(more, idx + ["j8"], "u")
+                 for line in (f"float {u['name']}[8];", f"prism::load8({u['name']}, {u['at']});")]
+        if vec == VECTOR and ctype in ("half", "__nv_bfloat16") and self.config.vector_loads \
+                and self.c.output_shape(store)[-1] % VECTOR == 0:
+            return _pass("", "", [f"w[c] = {write};"]) | {
+                "pre": loads + [f"real w[{VECTOR}];"], "post": [f"prism::store16({name} + {where(idx + ['j8'])}, w);"]}
+        return _pass("", "", [f"{name}[{where(idx + ['j'])}] = prism::from_f<{ctype}>({write});"]) | {"pre": loads}
 
     @staticmethod
     def row_parts_store(st: dict) -> dict:
@@ -261,5 +327,5 @@ def _pass(var: str, init: str, body: list[str], reduce: str | None = None, after
     writes: `body` alone)."""
     fold = {"sum": f"{var} += prism::shfl_xor({var}, {{}});", None: "",
             "max": f"{var} = prism::max_({var}, prism::shfl_xor({var}, {{}}));"}[reduce]
-    return {"var": var, "init": init, "body": body, "fold": fold, "after": after,
-            "column": any(re.search(r"\bj\b", line) for line in body)}
+    return {"var": var, "init": init, "body": body, "fold": fold, "after": after, "reduce": reduce, "cross": [],
+            "pre": [], "post": [], "column": any(re.search(r"\bj\b", line) for line in body)}

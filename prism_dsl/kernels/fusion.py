@@ -5,14 +5,22 @@ body node, one placement:
 
 - `SMEM`: the value is computed by all the block's threads into a shared-memory buffer (loaded tiles,
   matrix products, reductions, row-wise ops, and element-wise values that a non-element-wise op reads);
-- `INLINE`: an element-wise value whose every user is element-wise too, or an accumulator that reads each
-  element once (`Accumulator.reads_once`: RMSNorm's x * x into its row sum); it is never stored, each user
+- `INLINE`: an element-wise value whose every user is element-wise too, an accumulator that reads each
+  element once (`Accumulator.reads_once`: RMSNorm's x * x into its row sum), or a row-wise op that works on it
+  (each of its passes evaluates it again: softmax(x / t)); it is never stored, each user
   evaluates it in registers at the element it needs (chains of unary and binary ops fuse this way); a
   transpose is always inline, a view whose readers swap two indices;
 - `STATE`: an accumulator: its running state lives in shared memory across the loop, and its value after
   the loop is read from the state;
 - `FUSED`: a matrix product whose only user is `acc_sum`: the product is added straight into the
-  accumulator's state, never stored on its own.
+  accumulator's state, never stored on its own;
+- `STORED`: a row-wise op (softmax, a norm) that the kernel stores whole, or an element-wise chain of it
+  (`rms_norm(x) * g`), and nothing else reads: the pass that writes each row writes it, through the chain,
+  straight to the output (`Plan.writes`), never to shared memory (a softmax over a vocabulary's f16 logits then
+  needs only the row's 2 bytes an element, not 6).
+
+A row-wise op also has a small scratch buffer, `ROW_SCRATCH` of its passes' values a warp, for the rows that
+several warps share (`backend/row_parts.py`).
 
 `plan(kernel)` also lists the buffers a block needs, with symbolic shapes: this is what the generated
 CUDA allocates, and what the shared-memory constraint of `constraints.constraints` bounds (buffers are
@@ -41,6 +49,8 @@ ALIGN = 128  # bytes: shared-memory buffers start at multiples of this (tensor-c
 # bytes would put the 8 rows of an ldmatrix (or wmma) load in the same banks; 16 bytes more per row puts
 # them in 8 different ones, and keeps every row 16-byte aligned for cp.async.
 ROW_PAD = 16
+# a row-wise op's scratch: for each of its passes (a norm's two statistics, a softmax's max and sum) a value per warp
+ROW_SCRATCH = (2, 32)
 
 
 class Place(Enum):
@@ -48,6 +58,7 @@ class Place(Enum):
     INLINE = "inline"
     STATE = "state"
     FUSED = "fused"
+    STORED = "stored"
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ class Buffer:
     shape: tuple[sympy.Expr, ...]
     dtype: DType  # how its elements are stored
     node: Node | None  # the value it holds (None for softmax scratch)
-    role: str  # "tile", "value", "state", "scratch"
+    role: str  # "tile", "value", "state", "scratch", "warps" (a row-wise op's `ROW_SCRATCH`)
     pad: int = 0  # elements after each row (the last dim) in shared memory: `ROW_PAD`
 
     @property
@@ -79,6 +90,11 @@ class Plan:
     state: dict[Node, dict[str, Buffer]]  # accumulator -> its state buffers by role ("m", "l", "o", "acc"...)
     groups: dict[Node, dict[str, Buffer]]  # scores s -> shared online-softmax buffers ("m", "scale", "p")
     users: dict[Node, list[Node]]
+    writes: dict[Node, int]  # a `STORED` row-wise op -> the store its pass that writes makes
+
+    def computed(self, node: Node) -> bool:
+        """Whether a step of its own computes `node` (into its buffer, or straight to the output it is stored in)."""
+        return self.place[node] in (Place.SMEM, Place.STORED)
 
     def buffer(self, node: Node) -> Buffer:
         return next(b for b in self.buffers if b.node is node and b.role in ("tile", "value"))
@@ -109,6 +125,7 @@ def plan(kernel: Kernel) -> Plan:
     buffers: list[Buffer] = []
     state: dict[Node, dict[str, Buffer]] = {}
     groups: dict[Node, dict[str, Buffer]] = {}
+    writes: dict[Node, int] = {}
 
     def add(base: str, shape, dtype: DType, node: Node | None, role: str) -> Buffer:
         pad = ROW_PAD // dtype.bytes if role in ("tile", "value") and dtype.bytes == 2 and len(shape) >= 2 \
@@ -129,7 +146,7 @@ def plan(kernel: Kernel) -> Plan:
             # a transpose reads it); other values that only element-wise users read are evaluated in place.
             staged = _operand_dtype(kernel, n, users[n], stored, users)
             inline = staged is None and all(OPS[u.op].kind in _ELEMENTWISE_USERS or _accumulator(u, "reads_once")
-                                            for u in users[n])
+                                            or _row_operand(u, n) for u in users[n])
             place[n] = Place.INLINE if inline else Place.SMEM
             if not inline:
                 add(f"v{i}", n.shape, staged or real, n, "value")
@@ -139,9 +156,32 @@ def plan(kernel: Kernel) -> Plan:
             place[n] = Place.STATE
             state[n] = _state_buffers(n, i, add, real, groups, softmax_scores)
         else:  # matmul, reductions, row-wise ops
-            place[n] = Place.SMEM
-            add(f"v{i}", n.shape, real, n, "value")
-    return Plan(place, tuple(buffers), state, groups, users)
+            at = _written_out(kernel, n, users) if kind is Kind.ROWWISE else None
+            place[n] = Place.SMEM if at is None else Place.STORED
+            if at is not None:
+                writes[n] = at
+            else:
+                add(f"v{i}", n.shape, real, n, "value")
+            if kind is Kind.ROWWISE:
+                add(f"v{i}_warps", ROW_SCRATCH, real, n, "warps")
+    return Plan(place, tuple(buffers), state, groups, users, writes)
+
+
+def _written_out(kernel: Kernel, n: Node, users: dict[Node, list[Node]]) -> int | None:
+    """The store a row-wise op `n` may make itself (`Place.STORED`): of `n`, or of the end of the chain of
+    element-wise values of its shape that is its one reader (`rms_norm(x) * g`), each value on the way read only by
+    the next; stored once, plainly (not added into its output), made once (outside the loop), and no other value
+    of the chain stored (its store would read `n`). None where there is no such store."""
+    varying, chain = loop_varying(kernel), [n]
+    while users[chain[-1]]:
+        u = users[chain[-1]][0]
+        if (len(users[chain[-1]]) != 1 or OPS[u.op].kind not in (Kind.UNARY, Kind.BINARY)
+                or tuple(u.shape) != tuple(n.shape) or u in varying):
+            return None
+        chain.append(u)
+    at = [i for i, s in enumerate(kernel.stores) if any(s.value is m for m in chain)]
+    ok = len(at) == 1 and kernel.stores[at[0]].value is chain[-1] and not kernel.stores[at[0]].add and n not in varying
+    return at[0] if ok else None
 
 
 def _operand_dtype(kernel: Kernel, n: Node, users: list[Node], stored: set[Node], readers) -> DType | None:
@@ -184,6 +224,13 @@ def _made_from(kernel: Kernel, n: Node, views: bool) -> DType | None:
         return None
     kinds = {storage(kernel.inputs[kernel.load(m.attr).source]) for m in under if m.op == "tile"}
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def _row_operand(u: Node, n: Node) -> bool:
+    """Whether `n` is only the row a row-wise op `u` works on (softmax(x / t), rms_norm(h + x)): evaluated in place
+    in each of its passes (a statistic's, then the one that writes), never stored in shared memory."""
+    return OPS[u.op].kind is Kind.ROWWISE and not OPS[u.op].per_element and u.args[0] is n \
+        and not any(a is n for a in u.args[1:])
 
 
 def _accumulator(n: Node, flag: str) -> bool:

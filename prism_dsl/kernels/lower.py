@@ -73,6 +73,9 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
     outputs = {id(node): name for name, node in reversed(program.outputs)}
     check_compilable(program)
 
+    def long(n: Node) -> bool:  # in two kernels for its long rows
+        return _long(n) and (long_rows is True or bool(long_rows) and n in long_rows)
+
     def loaded_swapped(n: Node) -> bool:  # the products load the tile of its operand transposed
         return _swaps_matrix(n) and id(n) not in outputs and all(OPS[u.op].kind is Kind.MATMUL for u in users[n])
 
@@ -81,10 +84,14 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
             return False
         if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
             return True
-        # fused into its one user, unless that user is a transpose the products load: then it must be stored
-        return not (len(users[n]) == 1 and OPS[users[n][0].op].kind in _ELEMENTWISE and not loaded_swapped(users[n][0]))
+        # fused into its one user, unless that user is a transpose the products load: then it must be stored; or
+        # the row a softmax or norm works on, in one kernel (its prologue: softmax(x / t))
+        u = users[n][0] if len(users[n]) == 1 else None
+        return not (u is not None and (OPS[u.op].kind in _ELEMENTWISE and not loaded_swapped(u)
+                                       or u.op in _PIECES and not long(u) and u.args[0] is n
+                                       and n.rank == u.rank and all(same(a, b) for a, b in zip(n.shape, u.shape))))
 
-    epilogues = _epilogues(nodes, users, outputs, stored)
+    epilogues = _epilogues(nodes, users, outputs, stored, long)
     in_epilogue = {m for products in epilogues.values() for m in products}
     todo = [n for n in nodes if stored(n) and n not in in_epilogue]
     if not todo:
@@ -114,7 +121,7 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
         if store is None or (store in taken and id(n) not in outputs and program.names.get(n) != store):
             store = fresh_name(f"t{i}", taken)
         taken.add(store)
-        if _long(n) and (long_rows is True or long_rows and n in long_rows):
+        if long(n):
             node = _long_rows(n, store, lowered, params, taken)
         else:
             node = _kernel_for(n, store, lowered, params, epilogues.get(n, ()))
@@ -164,23 +171,27 @@ def lowered_for(program: Program, params) -> Program:
 
 
 def _epilogues(nodes: list[Node], users: dict[Node, list[Node]], outputs: dict[int, str],
-               stored) -> dict[Node, list[Node]]:
-    """Products computed in the kernel of the element-wise value they feed (its epilogue: `gelu(X @ W + B)` one
-    kernel, not a product's kernel that stores X @ W and another that reads it back), by that value: the last of
-    the chain `stored` ends at. A product joins it where it is no output, its one user is that chain's, and every
-    value on its way there has the product's shape (no broadcast makes it larger, no transpose or mask moves its
-    elements); where several do (`silu(X @ Wg) * (X @ Wu)`), the loop walks one contracted dim for all, so those
-    that contract a dim of another size are stored by kernels of their own."""
+               stored, long) -> dict[Node, list[Node]]:
+    """Products, or a softmax or norm, computed in the kernel of the element-wise value they feed (its epilogue:
+    `gelu(X @ W + B)` one kernel, not a product's kernel that stores X @ W and another that reads it back;
+    `rms_norm(X) * G` one kernel of rows), by that value: the last of the chain `stored` ends at. A product or
+    row-wise op joins it where it is no output, its one user is that chain's, and every value on its way there
+    has its shape (no broadcast makes it larger, no transpose or mask moves its elements); where several
+    products do (`silu(X @ Wg) * (X @ Wu)`), the loop walks one contracted dim for all, so those that contract a
+    dim of another size are stored by kernels of their own, as are a second row-wise op, one beside products,
+    and one in two kernels for its `long` rows."""
     epilogues: dict[Node, list[Node]] = {}
     for m in nodes:
-        if OPS[m.op].kind is not Kind.MATMUL or id(m) in outputs or len(users[m]) != 1 or m.rank > KERNEL_RANK:
+        row = m.op in _PIECES and not long(m)
+        if not (OPS[m.op].kind is Kind.MATMUL or row) or id(m) in outputs or len(users[m]) != 1 or m.rank > KERNEL_RANK:
             continue
         n = users[m][0]
         while (OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) and n.rank == m.rank
                and all(same(a, b) for a, b in zip(n.shape, m.shape))):
             if stored(n):
                 products = epilogues.setdefault(n, [])
-                if not products or same(products[0].args[0].shape[-1], m.args[0].shape[-1]):
+                if not products or not row and products[0].op == "matmul" \
+                        and same(products[0].args[0].shape[-1], m.args[0].shape[-1]):
                     products.append(m)
                 break
             n = users[n][0]
@@ -248,17 +259,19 @@ def _map(shape, split: dict[int, str], loop_dim: int | None = None, out_shape=No
 
 
 def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str], products=()) -> Node:
-    """The pre-defined kernel that computes `n`, with the `products` of its epilogue (`_epilogues`)."""
+    """The pre-defined kernel that computes `n`, with the products, or the row-wise op, of its epilogue
+    (`_epilogues`): a row-wise op's kernel then (a block a group of rows, each whole) computes the chain after it."""
     kind = OPS[n.op].kind
     if n.rank > KERNEL_RANK:
         raise PrismError(f"'{store}' has rank {n.rank}; pre-defined kernels handle rank {KERNEL_RANK} at most")
-    kname = _kernel_name(f"matmul_{n.op}_{store}" if products else f"{n.op}_{store}", taken)
+    row = products[0] if products and OPS[products[0].op].kind is Kind.ROWWISE else None
+    kname = _kernel_name(f"{products[0].op}_{n.op}_{store}" if products else f"{n.op}_{store}", taken)
 
     def sym(base: str) -> sympy.Symbol:
         return _param(base, store, taken)
 
     shape = n.shape
-    if kind is Kind.MATMUL or products:
+    if (kind is Kind.MATMUL or products) and row is None:
         grid = [("x", sym("gx")), ("y", sym("gy"))] + ([("z", shape[-3])] if n.rank >= 3 else [])
         split = {-1: "x", -2: "y", -3: "z"}
         bld = _Builder(kname, grid, sym("F"), lowered)
@@ -273,7 +286,7 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str],
         split = dict(zip([d for d in range(-1, -n.rank - 1, -1) if d != n.attr - n.rank], AXES))
         if (n.op, n.attr - n.rank) in _FOLDED:
             return _folded(n, kname, store, split, sym("F"), lowered, sym)
-    elif kind is Kind.ROWWISE:
+    elif kind is Kind.ROWWISE or row is not None:
         split = dict(zip(range(-2, -n.rank - 1, -1), AXES))
     elif kind in _ELEMENTWISE:  # a row a block on x (up to 2^31 - 1 of them, where y and z take 65535), the
         # pieces of the last dim on y (on x for a single row), the dim before the rows on z
@@ -281,17 +294,24 @@ def _kernel_for(n: Node, store: str, lowered: dict[Node, Node], taken: set[str],
         split = {d: a for d, a in split.items() if -d <= n.rank}
     else:
         raise PrismError(f"no pre-defined kernel for '{n.op}'")
-    pieces = -1 if kind in _ELEMENTWISE else None  # the dim whose pieces a parameter counts (else x's)
+    pieces = -1 if kind in _ELEMENTWISE and row is None else None  # the dim whose pieces a parameter counts (else x's)
     grid = sorted((a, sym(f"g{a}") if d == pieces or pieces is None and a == "x" else shape[d])
                   for d, a in split.items())
     bld = _Builder(kname, grid, None, lowered)
-    if kind in _ELEMENTWISE:
+    if kind in _ELEMENTWISE and row is None:
         value = _rebuild(n, bld, split, shape, lowered, top=True)
     else:  # a reduction or a row-wise op: its operand's tile holds what it works along whole; a row-wise
         # op's other operands (rope's tables; an epsilon is a constant) are read alike where not broadcast
-        x, *rest = n.args
+        r = row or n
+        x, *rest = r.args
         rest = [a if a.op == "const" else bld.tile(a, _map(a.shape, split, out_shape=shape)) for a in rest]
-        value = rebuild(n, [bld.tile(x, _map(x.shape, split)), *rest])
+        if kind is Kind.REDUCE:
+            x = bld.tile(x, _map(x.shape, split))
+        else:  # its row, or the element-wise chain that makes it (its prologue), over tiles of what that reads
+            x = _rebuild(x, bld, split, shape, lowered)
+        value = rebuild(r, [x, *rest])
+        if row is not None:  # then the chain, in the same rows
+            value = _rebuild(n, bld, split, shape, lowered, top=True, computed={row: value})
     return bld.kernel(value, store, TileMap(_out_map(n.rank, split)))
 
 

@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(
         prism::load8(p0, s_qt + i2 * 72 + (i3 < 32 ? i3 + 32 : i3 - 32));
         real w[8];
         PRISM_UNROLL
-        for (int c = 0; c < 8; ++c) w[c] = ((v0[c] * v1[c] + ((i3 + c) < 32 ? -p0[c] : p0[c]) * v2[c]) / 11.313708498984761f);
+        for (int c = 0; c < 8; ++c) w[c] = ((v0[c] * v1[c] + ((i3 + c) < 32 ? -p0[c] : p0[c]) * v2[c]) * 0.08838834764831843f);
         prism::store16(s_v5 + i2 * 72 + i3, w);
     }
     __syncthreads();

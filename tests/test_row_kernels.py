@@ -1,0 +1,131 @@
+"""Softmax and the norms as a program writes them, each a kernel of rows (prism_dsl/backend/row_parts.py `rowwise`,
+prism_dsl/kernels/fusion.py `Place.STORED`, prism_dsl/kernels/lower.py): the pass that writes a row stores it
+straight to the output, 16 bytes at a time, with no shared buffer of the result and no store step after it; a row
+that a block takes alone is shared by all its warps, their parts combined through a small scratch; the element-wise
+chain that makes the row (softmax(x / t + y)) and the one after the op (rms_norm(x) * g) are computed in the same
+kernel. Each form is emulated against the float64 reference, under a sanitizer where it adds barriers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from prism_dsl.backend import sass
+from prism_dsl.backend.launch import CodegenConfig
+from prism_dsl.kernels.fusion import Place, plan
+from prism_dsl.kernels.kernel import kernels_of
+from prism_dsl.kernels.lower import lower
+from test_cli import prismc
+from test_codegen import H100, BuildOptions, build, emulate, load, needs_cxx
+
+ROWS = """dims n = 4, d = 4096
+program rows(X: {t}[n, d], G: {t}[d], B: {t}[d], Y: {t}[n, d]) {{
+    P = softmax(X / 0.7 + Y)
+    L = layer_norm(X, 0.00001)
+    R = rms_norm(X, 0.000001) * G + B
+    return P, L, R
+}}
+"""
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype, dims, threads, sanitizer, spans", [
+    # a row of 4096 f16 a block: 128 threads a row, 4 warps combined through the scratch
+    ("f16", {"n": 4, "d": 4096}, 128, "thread", True),
+    # 256 threads, bf16: 8 warps a row
+    ("bf16", {"n": 2, "d": 2048}, 256, "address", True),
+    # rows of 200: 25 groups of 8, 16 lanes a row, the last sweep cut short; no warp spans
+    ("f16", {"n": 3, "d": 200}, 128, "address", False),
+    # f32 rows of 1000: read and written element by element, 128 threads a row
+    ("f32", {"n": 2, "d": 1000}, 128, "thread", True),
+], ids=["f16-4096", "bf16-256-threads", "ragged", "f32"])
+def test_row_kernels_write_their_rows_straight_to_the_output(write, dtype, dims, threads, sanitizer, spans):
+    """Three kernels, not five: the softmax with the chain that makes its row, the LayerNorm, the RMSNorm with its
+    gain and bias after it. None keeps its result in shared memory or has a store step after the row's pass; a
+    16-bit row whose length is a multiple of 8 is stored 16 bytes a thread."""
+    program = load(write(ROWS.format(t=dtype))).program()
+    lowered = lower(program)
+    kernels = kernels_of(lowered)
+    assert sorted(k.name for k in kernels) == ["layer_norm_L", "rms_norm_eps_add_R", "softmax_P"]
+    for k in kernels:
+        assert [p for n, p in plan(k).place.items() if n.op in ("softmax", "layer_norm", "rms_norm_eps")] \
+            == [Place.STORED], k.name
+    params = {f"gx_{o}": dims["n"] for o in "PLR"}  # a row a block
+    options = BuildOptions(dims=dims, params=params, archs=(), sanitize=sanitizer, emulate_blocks="all",
+                           codegen=CodegenConfig(threads=threads))
+    built = build(program, H100, options)
+    for k in built.kernels:
+        assert "value v" not in k.source and "// store " not in k.source, k.name
+        assert ("_warps[0 + PRISM_TID / PRISM_WARP] = " in k.source) == spans, k.name  # the warps' combine
+        assert ("prism::store16(g_" in k.source) == (dtype != "f32" and dims["d"] % 8 == 0), k.name
+    softmax = next(k for k in built.kernels if k.name == "softmax_P")
+    assert ("prism::load8(v1, s_y_" in softmax.source) == (dtype != "f32" and dims["d"] % 8 == 0)
+    norm = next(k for k in built.kernels if k.name == "rms_norm_eps_add_R")
+    if dtype != "f32" and dims["d"] % 8 == 0:  # the gain and bias read 8 at a time, in the pass that writes
+        assert "prism::load8(u0, s_g_" in norm.source and "prism::load8(u1, s_b_" in norm.source
+    check = emulate(built, options)
+    assert check.passed, check
+
+
+@needs_cxx
+def test_a_norm_also_returned_keeps_its_buffer_and_the_chain_after_it_its_own_kernel(write):
+    """Where the norm is an output as well as the chain's operand, its kernel stores it and the chain's kernel
+    reads it back; in a kernel written by hand that stores both, the norm keeps its shared buffer and both stores
+    are made by store steps. Both agree with the reference."""
+    src = write("dims n = 4, d = 256\nprogram p(X: f16[n, d], G: f16[d]) {\n    N = rms_norm(X)\n"
+                "    R = N * G\n    return N, R\n}\n")
+    program = load(src).program()
+    assert sorted(k.name for k in kernels_of(lower(program))) == ["mul_R", "rms_norm_N"]
+    options = BuildOptions(archs=(), sanitize="address", emulate_blocks="all")
+    assert emulate(build(program, H100, options), options).passed
+    hand = write("dims n = 4, d = 256\nprogram p(X: f16[n, d], G: f16[d]) {\n    kernel k grid(x = gx) {\n"
+                 "        xt = load X[x, :]\n        gt = load G[:]\n        r = rms_norm(xt)\n"
+                 "        store N[x, :] = r\n        store R[x, :] = r * gt\n    }\n    return N, R\n}\n")
+    program = load(hand).program()
+    k = kernels_of(program)[0]
+    assert [p for n, p in plan(k).place.items() if n.op == "rms_norm"] == [Place.SMEM] and not plan(k).writes
+    built = build(program, H100, options)
+    assert built.kernels[0].source.count("// store ") == 2
+    assert emulate(built, options).passed
+
+
+@needs_cxx
+def test_a_softmax_over_a_vocabulary_of_f16_logits_is_one_kernel_that_holds_its_row(write, tmp_path, capsys):
+    """A row of 50257 f16 logits is 100 KiB: held once in shared memory (its f32 result was 200 KiB more, so the
+    row needed two kernels that read the logits twice). At 4096 rows the model takes the one kernel, two blocks
+    an SM; at rank 4 it compiles too, where the two-kernel form cannot. Emulated whole at 2 x 2 rows."""
+    src = write("dims a = 2, s = 2, v = 50257\nprogram p(X: f16[a, s, v]) {\n    P = softmax(X)\n    return P\n}\n")
+    out = tmp_path / "o"
+    code, _, err = prismc(capsys, "compile", src, "--search", "none", "--arch", "none", "--dims", "a=1,s=4096",
+                          "--no-emulate", "-o", out)
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert [k["name"] for k in report["kernels"]] == ["softmax_P"] and report["kernels"][0]["smem_bytes"] < 113 * 1024
+    rank4 = write("dims a = 2, b = 1, s = 2, v = 50257\nprogram p(X: f16[a, b, s, v]) {\n    P = softmax(X)\n"
+                  "    return P\n}\n")
+    code, text, err = prismc(capsys, "compile", rank4, "--search", "none", "--arch", "none", "--sanitize", "address",
+                             "-o", tmp_path / "o4")
+    assert code == 0 and "verified: yes" in text, err + text
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
+                    reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
+def test_the_compiled_softmax_stores_its_row_from_registers(write, tmp_path):
+    """A row of 4096 f16 a block: its SASS reads the row by LDS.128 and stores it by STG.E.128; the only shared
+    stores are the warps' max and sum (no f32 row written and read back)."""
+    from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
+    from prism_dsl.backend.nvcc import kernel_arch, nvcc_path, write_sources
+
+    program = load(write("dims n = 4096, d = 4096\nprogram p(X: f16[n, d]) {\n    P = softmax(X)\n"
+                         "    return P\n}\n")).program()
+    kernel = build(program, H100, BuildOptions(archs=(), params={"gx_P": 4096})).kernels[0]
+    write_sources([kernel], tmp_path)
+    done = subprocess.run([nvcc_path(), "-cubin", f"-arch={kernel_arch(kernel, 'sm_90')}", *NVCC_OPTIONS,
+                           "-o", "k.cubin", kernel.file], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    ops = sass.instructions(sass.disassemble(tmp_path / "k.cubin"))[0]
+    assert ops.count("LDS.128") >= 3 and ops.count("STG.E.128") >= 1, sorted(set(ops))
+    assert sum(op.startswith("STS") for op in ops) == 2, sorted(set(ops))
