@@ -170,18 +170,28 @@ def plan(kernel: Kernel) -> Plan:
 def _written_out(kernel: Kernel, n: Node, users: dict[Node, list[Node]]) -> int | None:
     """The store a row-wise op `n` may make itself (`Place.STORED`): of `n`, or of the end of the chain of
     element-wise values of its shape that is its one reader (`rms_norm(x) * g`), each value on the way read only by
-    the next; stored once, plainly (not added into its output), made once (outside the loop), and no other value
-    of the chain stored (its store would read `n`). None where there is no such store."""
+    the next; stored once, plainly (not added into its output), by a map of the value's rank (the pass that writes
+    indexes the output by the row's indices), made once (outside the loop), no other value of the chain stored (its
+    store would read `n`), and no other row-wise op read by the chain (softmax(x) + rms_norm(x): that one is then
+    computed into its buffer, which the chain reads). None where there is no such store."""
     varying, chain = loop_varying(kernel), [n]
     while users[chain[-1]]:
         u = users[chain[-1]][0]
         if (len(users[chain[-1]]) != 1 or OPS[u.op].kind not in (Kind.UNARY, Kind.BINARY)
-                or tuple(u.shape) != tuple(n.shape) or u in varying):
+                or tuple(u.shape) != tuple(n.shape) or u in varying
+                or any(_row_op(m) for a in u.args if a is not chain[-1] for m in a.walk())):
             return None
         chain.append(u)
     at = [i for i, s in enumerate(kernel.stores) if any(s.value is m for m in chain)]
-    ok = len(at) == 1 and kernel.stores[at[0]].value is chain[-1] and not kernel.stores[at[0]].add and n not in varying
-    return at[0] if ok else None
+    if len(at) != 1 or n in varying:
+        return None
+    store = kernel.stores[at[0]]
+    return at[0] if store.value is chain[-1] and not store.add and len(store.map.dims) == n.rank else None
+
+
+def _row_op(n: Node) -> bool:
+    """A softmax or a norm: a row-wise op with passes over its row (not RoPE, which is per element)."""
+    return OPS[n.op].kind is Kind.ROWWISE and not OPS[n.op].per_element
 
 
 def _operand_dtype(kernel: Kernel, n: Node, users: list[Node], stored: set[Node], readers) -> DType | None:
@@ -229,8 +239,7 @@ def _made_from(kernel: Kernel, n: Node, views: bool) -> DType | None:
 def _row_operand(u: Node, n: Node) -> bool:
     """Whether `n` is only the row a row-wise op `u` works on (softmax(x / t), rms_norm(h + x)): evaluated in place
     in each of its passes (a statistic's, then the one that writes), never stored in shared memory."""
-    return OPS[u.op].kind is Kind.ROWWISE and not OPS[u.op].per_element and u.args[0] is n \
-        and not any(a is n for a in u.args[1:])
+    return _row_op(u) and u.args[0] is n and not any(a is n for a in u.args[1:])
 
 
 def _accumulator(n: Node, flag: str) -> bool:
