@@ -1080,6 +1080,30 @@ def test_a_fastest_program_that_cannot_be_built_gives_way_too(tmp_path, capsys, 
     assert not (tmp_path / "none").exists()
 
 
+def test_a_found_program_the_generator_fails_on_gives_way_and_is_named(tmp_path, capsys, monkeypatch):
+    """A fault of the code generator's on a program the search found (an internal error, not a refusal of the
+    user's input) passes that program over like one that cannot be built, the fault named in the summary, rather
+    than ending the compile with a traceback; on the program as written it is raised."""
+    from prism_dsl.pipeline import compile as pipeline
+
+    real, built = pipeline.emulate, []
+
+    def emulate(b, options):
+        built.append(b.source)
+        if len(built) == 1:
+            raise AssertionError("planted fault")
+        return real(b, options)
+
+    monkeypatch.setattr(pipeline, "emulate", emulate)
+    args = ["compile", str(ROOT / "programs/rmsnorm_linear.prism"), "--dims", "n=4,d=256", "--arch", "none"]
+    assert main([*args, "-o", str(tmp_path / "o")]) == 0
+    text = capsys.readouterr().out
+    assert "passed over: it could not be built: an internal error building it: AssertionError: planted fault" in text
+    built.clear()
+    with pytest.raises(AssertionError, match="planted fault"):
+        main([*args, "--search", "none", "-o", str(tmp_path / "written")])
+
+
 def test_compile_json_report_on_stdout(tmp_path, capsys):
     assert main(["compile", str(ROOT / "programs/swiglu.prism"), "--search", "none", "-o", str(tmp_path / "o"), "--dims", "n=4,d=256",
                  "--arch", "none", "--no-emulate", "--json"]) == 0

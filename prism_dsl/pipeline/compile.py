@@ -92,9 +92,12 @@ def compile_program(request: Request) -> Report:
             continue
         try:
             report, texts = _build(request, choose(request, outcome, rank))
-        except PrismError as e:  # passed over, as one that fails its check is (as written: the compile's error)
-            if outcome is None:
+        except Exception as e:  # passed over, as one that fails its check is (as written: the compile's error)
+            if outcome is None or not isinstance(e, PrismError) and outcome.ranked[rank].as_written:
                 raise
+            if not isinstance(e, PrismError):  # a fault of the code generator's on a found program: the next is
+                # built, and the report names the fault
+                e = PrismError(f"an internal error building it: {type(e).__name__}: {e}")
             error = error or e
             failed.append({"rank": rank + 1, "as_written": outcome.ranked[rank].as_written,
                            "why": f"it could not be built: {e}"})
