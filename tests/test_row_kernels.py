@@ -70,6 +70,17 @@ def test_row_kernels_write_their_rows_straight_to_the_output(write, dtype, dims,
     assert check.passed, check
 
 
+@pytest.mark.parametrize("dtype, held", [("f16", True), ("f32", False)])
+def test_a_thread_holds_its_elements_of_the_row_only_where_they_stay_in_registers(write, dtype, held):
+    """A row of 4096 on 128 threads: in f16, 4 sweeps of 8 elements a thread, held in registers through the passes;
+    in f32, read one at a time, 32 sweeps, which are not unrolled whole, so an array of them would be a stack
+    frame: read from shared memory in each pass instead."""
+    program = load(write(f"dims n = 4, d = 4096\nprogram p(X: {dtype}[n, d]) {{\n    P = softmax(X)\n"
+                         "    return P\n}\n")).program()
+    source = build(program, H100, BuildOptions(params={"gx_P": 4}, archs=())).kernels[0].source
+    assert ("real xr[32];" in source) == held and ("PRISM_UNROLL_BY(4)" in source) != held
+
+
 @needs_cxx
 def test_a_norm_also_returned_keeps_its_buffer_and_the_chain_after_it_its_own_kernel(write):
     """Where the norm is an output as well as the chain's operand, its kernel stores it and the chain's kernel
@@ -141,18 +152,28 @@ def test_the_compiled_softmax_stores_its_row_from_registers(write, tmp_path):
     # and of fewer
     ("X: f16[1, n, d], G: f16[d]", "xt = load X[:, y, :]\n        gt = load G[:]\n        store Z[y, :] = rms_norm(xt) * gt",
      "gy"),
-], ids=["two-row-ops", "more-dims", "fewer-dims"])
+    # the chain reads an accumulator's value after the loop, which the op (before the loop) cannot wait for
+    ("X: f16[n, d], Y: f16[n, d]", "xt = load X[x, :]\n        yt = load Y[x, loop]\n"
+     "        store Z[x, :] = rms_norm(xt) * acc_sum_last(yt)", "gx"),
+    # a value a later step computes
+    ("X: f16[n, d], Y: f16[n, d]", "xt = load X[x, :]\n        yt = load Y[x, :]\n"
+     "        store Z[x, :] = softmax(xt) * sum(yt, -1)", "gx"),
+    # the row's own tile read transposed (not at the element the pass holds)
+    ("X: f16[d, d]", "xt = load X[:, :]\n        store Z[:, :] = softmax(xt) * transpose(xt, 0, 1)", "1"),
+], ids=["two-row-ops", "more-dims", "fewer-dims", "accumulator", "later-value", "transposed"])
 def test_a_row_op_the_pass_that_writes_cannot_store_keeps_its_buffer(write, declare, body, grid):
     """Where the pass that writes could not store the row itself, the op is computed into its buffer and the store
-    step writes the output; each agrees with the reference under AddressSanitizer (both wrote out of bounds, or
-    failed to render, when they were taken for stored)."""
-    axis = grid[1]
-    program = load(write(f"dims n = 8, d = 64\nprogram p({declare}) {{\n    kernel k grid({axis} = {grid}) {{\n"
+    step writes the output; each agrees with the reference under AddressSanitizer (each wrote out of bounds, read
+    what was not yet computed, or failed to render, when it was taken for stored)."""
+    axis = "x" if grid == "1" else grid[1]
+    loop = " loop(F)" if "loop" in body else ""
+    program = load(write(f"dims n = 8, d = 64\nprogram p({declare}) {{\n    kernel k grid({axis} = {grid}){loop} {{\n"
                          f"        {body}\n    }}\n    return Z\n}}\n")).program()
     k = kernels_of(program)[0]
     assert not plan(k).writes and all(p is Place.SMEM for n, p in plan(k).place.items()
                                       if n.op in ("softmax", "rms_norm"))
-    options = BuildOptions(params={grid: 2}, archs=(), sanitize="address", emulate_blocks="all")
+    params = ({} if grid == "1" else {grid: 2}) | ({"F": 4} if loop else {})
+    options = BuildOptions(params=params, archs=(), sanitize="address", emulate_blocks="all")
     built = build(program, H100, options)
     assert "// store Z" in built.kernels[0].source
     assert emulate(built, options).passed

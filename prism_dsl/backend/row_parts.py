@@ -221,7 +221,8 @@ class RowParts:
             self.held_in = {}
         vectors = self._loads(leaves or [], idx + ["j8"])
         fill = None
-        if sweeps * vec <= HELD:  # this thread's elements of the row, computed once
+        if sweeps * vec <= HELD and sweeps <= 16:  # this thread's elements of the row, computed once (the sweeps
+            # unrolled whole, so that they are registers, not a stack frame)
             held = f"xr[s * {vec} + c]" if vec > 1 else "xr[s]"
             fill = _pass("", "", [f"{held} = {xj};"]) | {"vectors": vectors, "size": sweeps * vec}
             xj = held
@@ -233,7 +234,8 @@ class RowParts:
             out = _pass("", "", [f"{dst}[row * {length} + j] = {write};"])
         else:
             out = self._write_out(node, write, leaves or [], vec, idx, length, store)
-        out["vectors"] = [v for v in vectors if not fill or any(f"{v['name']}[" in line for line in out["body"])]
+        read_again = [v for v in vectors if any(re.search(rf"\b{v['name']}\[", line) for line in out["body"])]
+        out["vectors"] = read_again if fill else vectors  # the chain after the op may read the row's tiles again
         return {"kind": "row_groups", "comment": self.describe(node), "rows": rows, "length": length, "idx": lines,
                 "per": per, "stride": stride, "at_once": at_once, "parts": -(-rows // at_once), "vec": vec,
                 "units": units, "sweeps": sweeps, "unroll": sweeps <= 16, "fill": fill, "passes": passes,

@@ -40,7 +40,7 @@ import sympy
 
 from ..ir.accumulators import ACCUMULATORS, ONLINE_SOFTMAX
 from ..ir.nodes import DType, Node
-from .kernel import Kernel, fresh_name, loop_varying, storage
+from .kernel import Kernel, after_loop, fresh_name, loop_varying, storage
 from .sizes import call, compile_sizes
 from ..ir.ops import OPS, Kind
 
@@ -156,30 +156,37 @@ def plan(kernel: Kernel) -> Plan:
             place[n] = Place.STATE
             state[n] = _state_buffers(n, i, add, real, groups, softmax_scores)
         else:  # matmul, reductions, row-wise ops
-            at = _written_out(kernel, n, users) if kind is Kind.ROWWISE else None
-            place[n] = Place.SMEM if at is None else Place.STORED
-            if at is not None:
-                writes[n] = at
-            else:
-                add(f"v{i}", n.shape, real, n, "value")
+            place[n] = Place.SMEM
+            add(f"v{i}", n.shape, real, n, "value")
             if kind is Kind.ROWWISE:
                 add(f"v{i}_warps", ROW_SCRATCH, real, n, "warps")
+    for n in body:  # once every value's place is known: the row-wise ops that write their output themselves
+        if _row_op(n) and (at := _written_out(kernel, n, users, place)) is not None:
+            place[n], writes[n] = Place.STORED, at
+    buffers = [b for b in buffers if not (b.role == "value" and b.node is not None and b.node in writes)]
     return Plan(place, tuple(buffers), state, groups, users, writes)
 
 
-def _written_out(kernel: Kernel, n: Node, users: dict[Node, list[Node]]) -> int | None:
+def _written_out(kernel: Kernel, n: Node, users: dict[Node, list[Node]], place: dict[Node, Place]) -> int | None:
     """The store a row-wise op `n` may make itself (`Place.STORED`): of `n`, or of the end of the chain of
     element-wise values of its shape that is its one reader (`rms_norm(x) * g`), each value on the way read only by
     the next; stored once, plainly (not added into its output), by a map of the value's rank (the pass that writes
     indexes the output by the row's indices), made once (outside the loop), no other value of the chain stored (its
-    store would read `n`), and no other row-wise op read by the chain (softmax(x) + rms_norm(x): that one is then
-    computed into its buffer, which the chain reads). None where there is no such store."""
-    varying, chain = loop_varying(kernel), [n]
+    store would read `n`). The chain's other operands are what the pass can read where `n` is made, each at the
+    element itself: constants, tiles loaded by then, and values evaluated in place from those (not a value another
+    step computes, such as another row-wise op or an accumulator after the loop, nor a transposed read). None where
+    there is no such store."""
+    varying, after, chain = loop_varying(kernel), after_loop(kernel.body()), [n]
+
+    def ready(a: Node) -> bool:
+        return all(m.op == "const" or m.op == "tile" and (m not in after or n in after)
+                   or place.get(m) is Place.INLINE and OPS[m.op].kind in (Kind.UNARY, Kind.BINARY) for m in a.walk())
+
     while users[chain[-1]]:
         u = users[chain[-1]][0]
         if (len(users[chain[-1]]) != 1 or OPS[u.op].kind not in (Kind.UNARY, Kind.BINARY)
                 or tuple(u.shape) != tuple(n.shape) or u in varying
-                or any(_row_op(m) for a in u.args if a is not chain[-1] for m in a.walk())):
+                or not all(ready(a) for a in u.args if a is not chain[-1])):
             return None
         chain.append(u)
     at = [i for i, s in enumerate(kernel.stores) if any(s.value is m for m in chain)]
