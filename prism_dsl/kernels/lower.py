@@ -85,11 +85,16 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
         if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
             return True
         # fused into its one user, unless that user is a transpose the products load: then it must be stored; or
-        # the row a softmax or norm works on, in one kernel (its prologue: softmax(x / t))
+        # the row a softmax or norm works on, in its kernel (its prologue: softmax(x / t)), or in both of its two
+        # kernels for long rows where the chain is of element-wise ops alone (no transpose: the loop walks the row)
         u = users[n][0] if len(users[n]) == 1 else None
         return not (u is not None and (OPS[u.op].kind in _ELEMENTWISE and not loaded_swapped(u)
-                                       or u.op in _PIECES and not long(u) and u.args[0] is n
+                                       or u.op in _PIECES and (not long(u) or plain(n)) and u.args[0] is n
                                        and n.rank == u.rank and all(same(a, b) for a, b in zip(n.shape, u.shape))))
+
+    def plain(n: Node) -> bool:  # element-wise ops down to what is stored or read (inputs, constants)
+        return n.op in ("input", "const", "kernel") or OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) \
+            and all(plain(a) or stored(a) for a in n.args)
 
     epilogues = _epilogues(nodes, users, outputs, stored, long)
     in_epilogue = {m for products in epilogues.values() for m in products}
@@ -246,15 +251,14 @@ def _tile_node(load: Load, source: Node, shell: Kernel) -> Node:
 
 def _map(shape, split: dict[int, str], loop_dim: int | None = None, out_shape=None) -> tuple[DimMap, ...]:
     """A tile map for an operand of `shape` read by a kernel whose output dims (counted from the end) in
-    `split` are split by grid axes: operand dims that broadcast (size 1 where the output is not) stay whole."""
+    `split` are split by grid axes, and `loop_dim` by the loop: operand dims that broadcast (size 1 where the output
+    is not) stay whole."""
     dims = []
     rank = len(shape)
     for d in range(rank):
         from_end = d - rank
-        axis = split.get(from_end)
-        if axis and out_shape is not None and -from_end <= len(out_shape) and not same(shape[d], out_shape[from_end]):
-            axis = None
-        dims.append(DimMap(axis, loop_dim == from_end))
+        broadcast = out_shape is not None and -from_end <= len(out_shape) and not same(shape[d], out_shape[from_end])
+        dims.append(DimMap(None if broadcast else split.get(from_end), loop_dim == from_end and not broadcast))
     return tuple(dims)
 
 
@@ -390,7 +394,7 @@ def _long_rows(n: Node, store: str, lowered, params: set[str], taken: set[str]) 
     split = {**rows, -1: on}
     grid = sorted([(on, _param("gp", store, params))] + [(a, shape[d]) for d, a in rows.items()])
     bld = _Builder(_kernel_name(f"{n.op}_stats_{store}", params), grid, _param("F", store, params), lowered)
-    parts = pieces_of(bld.tile(x, _map(x.shape, split, loop_dim=-1)))
+    parts = pieces_of(_rebuild(x, bld, split, shape, lowered, loop_dim=-1))  # x, or the chain that makes it
     names = [fresh_name(f"{store}_{part}", taken) for part in parts]
     taken.update(names)
     tmap, s = TileMap(_out_map(n.rank, split)), bld.shell
@@ -401,7 +405,7 @@ def _long_rows(n: Node, store: str, lowered, params: set[str], taken: set[str]) 
                               _map(v.shape, rows))  # the row's pieces, whole
              for i, (part, v) in enumerate(parts.items())}
     rest = [e if e.op == "const" else apply.tile(e, _map(e.shape, split, out_shape=shape)) for e in n.args[1:]]
-    value = combine(tiles, apply.tile(x, _map(x.shape, split)), *rest)  # (an epsilon: a constant, or read as x)
+    value = combine(tiles, _rebuild(x, apply, split, shape, lowered), *rest)  # (an epsilon: a constant, or read as x)
     return apply.kernel(value, store, TileMap(_out_map(n.rank, split)))
 
 
@@ -430,15 +434,17 @@ def _out_map(rank: int, split: dict[int, str]) -> tuple[DimMap, ...]:
     return tuple(DimMap(split.get(d - rank)) for d in range(rank))
 
 
-def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = False, computed=None) -> Node:
+def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = False, computed=None,
+             loop_dim: int | None = None) -> Node:
     """The element-wise chain ending at `n`, over tiles of the values it reads (or over what the kernel computes
-    of them: `computed`, an epilogue's products)."""
+    of them: `computed`, an epilogue's products); `loop_dim`: the dim the kernel's loop walks (no transpose in the
+    chain then)."""
     if computed and n in computed:
         return computed[n]
     if n.op == "const":
         return n
     if not top and (n.op in ("input", "kernel") or n in lowered):
-        return bld.tile(n, _map(n.shape, split, out_shape=out_shape))
+        return bld.tile(n, _map(n.shape, split, loop_dim=loop_dim, out_shape=out_shape))
     if n.op == "transpose":  # its operand's dims i and j are the value's j and i
         i, j = (d - n.rank for d in n.attr)
         swap = {i: j, j: i}
@@ -446,6 +452,7 @@ def _rebuild(n: Node, bld: _Builder, split, out_shape, lowered, top: bool = Fals
         out_shape = list(padded(out_shape, i, j))
         out_shape[i], out_shape[j] = out_shape[j], out_shape[i]
         return rebuild(n, [_rebuild(n.args[0], bld, split, tuple(out_shape), lowered, computed=computed)])
-    return rebuild(n, [_rebuild(a, bld, split, out_shape, lowered, computed=computed) for a in n.args])
+    return rebuild(n, [_rebuild(a, bld, split, out_shape, lowered, computed=computed, loop_dim=loop_dim)
+                       for a in n.args])
 
 
