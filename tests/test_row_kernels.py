@@ -19,7 +19,7 @@ from prism_dsl.kernels.fusion import Place, plan
 from prism_dsl.kernels.kernel import kernels_of
 from prism_dsl.kernels.lower import lower
 from test_cli import prismc
-from test_codegen import H100, BuildOptions, build, emulate, load, needs_cxx
+from test_codegen import H100, ROOT, BuildOptions, build, emulate, load, needs_cxx
 
 ROWS = """dims n = 4, d = 4096
 program rows(X: {t}[n, d], G: {t}[d], B: {t}[d], Y: {t}[n, d]) {{
@@ -177,3 +177,18 @@ def test_a_row_op_the_pass_that_writes_cannot_store_keeps_its_buffer(write, decl
     built = build(program, H100, options)
     assert "// store Z" in built.kernels[0].source
     assert emulate(built, options).passed
+
+
+@needs_cxx
+def test_a_norm_in_the_row_another_works_on_is_computed_in_that_ones_kernel(write):
+    """A softmax or norm whose value, through element-wise ops, is the row another one works on is computed in that
+    one's kernel, into its buffer: each output below is one kernel (they were five), and programs/ntrans.prism as
+    written, `rms_norm(rms_norm(H) + X) * alpha + X`, one (it was four). Emulated at rows of 200."""
+    src = write("dims n = 6, d = 200\nprogram p(X: f16[n, d], H: f16[n, d], G: f16[d]) {\n"
+                "    A = softmax(rms_norm(X) * 4.0)\n    B = layer_norm(softmax(H), 0.001) * G\n"
+                "    C = rms_norm(layer_norm(X, 0.001) + rms_norm(H, 0.0001))\n    return A, B, C\n}\n")
+    program = load(src).program()
+    assert sorted(k.name for k in kernels_of(lower(program))) == ["layer_norm_mul_B", "rms_norm_C", "softmax_A"]
+    assert [k.name for k in kernels_of(lower(load(ROOT / "programs/ntrans.prism").program()))] == ["rms_norm_add_Y"]
+    options = BuildOptions(archs=(), sanitize="thread", emulate_blocks="all")
+    assert emulate(build(program, H100, options), options).passed

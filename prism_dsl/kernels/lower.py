@@ -82,6 +82,8 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
     def stored(n: Node) -> bool:  # computed by a kernel of its own, or as the last value of its chain's
         if n.op in ("input", "const", "kernel") or loaded_swapped(n):
             return False
+        if n.op in _PIECES and id(n) not in outputs and not long(n):  # in the row another one works on, computed
+            return not in_row(n)  # in that one's kernel (rms_norm(rms_norm(h) + x))
         if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
             return True
         # fused into its one user, unless that user is a transpose the products load: then it must be stored; or
@@ -90,7 +92,18 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
         u = users[n][0] if len(users[n]) == 1 else None
         return not (u is not None and (OPS[u.op].kind in _ELEMENTWISE and not loaded_swapped(u)
                                        or u.op in _PIECES and (not long(u) or plain(n)) and u.args[0] is n
-                                       and n.rank == u.rank and all(same(a, b) for a, b in zip(n.shape, u.shape))))
+                                       and _same_shape(n, u)))
+
+    def in_row(n: Node) -> bool:  # n, through element-wise values of its shape each read by the next alone, is the
+        m = n  # row a softmax or norm (in one kernel) works on
+        while len(users[m]) == 1 and id(m) not in outputs:
+            u = users[m][0]
+            if u.op in _PIECES and not long(u) and u.args[0] is m:
+                return True
+            if OPS[u.op].kind not in (Kind.UNARY, Kind.BINARY) or not _same_shape(u, n):
+                return False
+            m = u
+        return False
 
     def plain(n: Node) -> bool:  # element-wise ops down to what is stored or read (inputs, constants)
         return n.op in ("input", "const", "kernel") or OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) \
@@ -201,6 +214,10 @@ def _epilogues(nodes: list[Node], users: dict[Node, list[Node]], outputs: dict[i
                 break
             n = users[n][0]
     return epilogues
+
+
+def _same_shape(a: Node, b: Node) -> bool:
+    return a.rank == b.rank and all(same(x, y) for x, y in zip(a.shape, b.shape))
 
 
 def _kernel_name(base: str, taken: set[str]) -> str:
