@@ -48,8 +48,9 @@ def test_a_reduction_over_rows_of_65536_floats_walks_them_in_a_loop(op, write, t
 def test_a_softmax_over_a_vocabulary_is_two_kernels_with_its_sums_in_f32(write, tmp_path, capsys):
     src = write(SOFTMAX)
     program = load(src).program()
-    usual, long = lowered_forms(program)
+    usual, apart, long = lowered_forms(program)
     assert [k.name for k in kernels_of(usual)] == ["softmax_P"]  # X / 0.7 computed in its kernel (no block holds it)
+    assert [k.name for k in kernels_of(apart)] == ["div_t0", "softmax_P"]  # each in a kernel of its own
     stats, apply = kernels_of(long)  # X / 0.7 computed in both
     assert [s.name for s in stats.stores] == ["P_max", "P_sum"] and stats.loop is not None and apply.loop is None
     # partial states, kept in f32 (a sum up to 128256 would be past f16's range, and is even unsplit)
@@ -97,7 +98,8 @@ def test_a_softmax_whose_rows_fit_keeps_its_one_kernel_unless_two_are_faster(wri
     one block holds with registers spilled (20.5 us by the H100 model), in two (9.2 us)."""
     program = load(write(SOFTMAX)).program()
     assert [len(lowered_forms(program, {d.symbol: v for d, v in zip(program.dims, size)}))
-            for size in ((4, 8192), (4, 8193))] == [1, 2]  # rows of SHORT_ROW or fewer: one kernel, untuned twice
+            for size in ((4, 8192), (4, 8193))] == [2, 3]  # rows of SHORT_ROW or fewer: no form for long rows
+    # (the usual form, and X / 0.7 in a kernel of its own, `lower(rows_apart=True)`)
     for dims, kernels in (("n=4,v=4096", ["softmax_P"]),
                           ("n=4,v=29696", ["softmax_stats_P", "softmax_P"])):
         src = write(SOFTMAX if "4096" in dims else SOFTMAX.replace("f16", "f32"))

@@ -192,3 +192,26 @@ def test_a_norm_in_the_row_another_works_on_is_computed_in_that_ones_kernel(writ
     assert [k.name for k in kernels_of(lower(load(ROOT / "programs/ntrans.prism").program()))] == ["rms_norm_add_Y"]
     options = BuildOptions(archs=(), sanitize="thread", emulate_blocks="all")
     assert emulate(build(program, H100, options), options).passed
+
+
+@needs_cxx
+@pytest.mark.parametrize("source", [
+    # five nested norms: the usual form's one kernel holds five rows of f32 and four buffers (298 KB)
+    "dims n = 8, d = 8192\nprogram p(H: f32[n, d], X: f32[n, d], Z: f32[n, d], W: f32[n, d], V: f32[n, d]) {\n"
+    "    Y = rms_norm(rms_norm(rms_norm(rms_norm(rms_norm(H) + X) + Z) + W) + V)\n    return Y\n}\n",
+    # a softmax of a chain of eight f32 rows: its one kernel holds the eight (263 KB)
+    "dims n = 8, d = 8192\nprogram p(H: f32[n, d], X: f32[n, d], Z: f32[n, d], W: f32[n, d], V: f32[n, d], "
+    "U: f32[n, d], T: f32[n, d], S: f32[n, d]) {\n    Y = softmax(H + X + Z + W + V + U + T + S)\n    return Y\n}\n",
+], ids=["nested", "wide-chain"])
+def test_where_the_fused_row_kernel_does_not_fit_each_op_takes_a_kernel_of_its_own(write, source):
+    """Rows of 8192 (no form for long rows is offered there): the usual form's one kernel is past the shared
+    memory's limit, and the form with each softmax and norm in a kernel of its own, and each chain in one of
+    its own, is taken (both had no valid parameters before it was offered). Verified."""
+    from prism_dsl.kernels.lower import lowered_forms
+
+    program = load(write(source)).program()
+    usual, apart = lowered_forms(program)[:2]
+    assert len(kernels_of(usual)) == 1 and len(kernels_of(apart)) > 1
+    options = BuildOptions(archs=(), emulate_blocks="all")
+    built = build(program, H100, options)
+    assert len(built.kernels) == len(kernels_of(apart)) and emulate(built, options).passed

@@ -23,6 +23,7 @@ those of hand-written kernels. Kernel and store names come from the program's na
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import sympy
@@ -57,14 +58,16 @@ def check_compilable(program: Program) -> None:
                              program.locs.get(node, program.loc))
 
 
-def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
+def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: bool = False) -> Program:
     """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused
     into its element-wise user's). A program with nothing left outside kernels comes back as it is.
     `long_rows`: each softmax or norm of rank 3 at most (`_long`; or those of them in the set given) in two kernels
     that never hold a row whole (`_long_rows`), for rows a block's shared memory cannot hold (a
     vocabulary's logits); `lowered_forms`
     offers it, and the tuner takes it where the usual form has no valid parameters or is slower by the model
-    (`pipeline.build.tune`, `pipeline.optimize.rank`)."""
+    (`pipeline.build.tune`, `pipeline.optimize.rank`). `rows_apart`: each softmax or norm in a kernel of its own,
+    the element-wise chains before and after it (and a softmax or norm in its row) in kernels of theirs, so that
+    a kernel holds one row's tiles, not each of a chain's."""
     nodes = program.nodes()
     users: dict[Node, list[Node]] = {n: [] for n in nodes}
     for n in nodes:
@@ -79,11 +82,12 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
     def loaded_swapped(n: Node) -> bool:  # the products load the tile of its operand transposed
         return _swaps_matrix(n) and id(n) not in outputs and all(OPS[u.op].kind is Kind.MATMUL for u in users[n])
 
+    @functools.cache
     def stored(n: Node) -> bool:  # computed by a kernel of its own, or as the last value of its chain's
         if n.op in ("input", "const", "kernel") or loaded_swapped(n):
             return False
-        if n.op in _PIECES and id(n) not in outputs and not long(n):  # in the row another one works on, computed
-            return not in_row(n)  # in that one's kernel (rms_norm(rms_norm(h) + x))
+        if n.op in _PIECES and id(n) not in outputs and not long(n) and not rows_apart:  # in the row another one
+            return not in_row(n)  # works on, computed in that one's kernel (rms_norm(rms_norm(h) + x))
         if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
             return True
         # fused into its one user, unless that user is a transpose the products load: then it must be stored; or
@@ -91,8 +95,8 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
         # kernels for long rows where the chain is of element-wise ops alone (no transpose: the loop walks the row)
         u = users[n][0] if len(users[n]) == 1 else None
         return not (u is not None and (OPS[u.op].kind in _ELEMENTWISE and not loaded_swapped(u)
-                                       or u.op in _PIECES and (not long(u) or plain(n)) and u.args[0] is n
-                                       and _same_shape(n, u)))
+                                       or u.op in _PIECES and not rows_apart and (not long(u) or plain(n))
+                                       and u.args[0] is n and _same_shape(n, u)))
 
     def in_row(n: Node) -> bool:  # n, through element-wise values of its shape each read by the next alone, is the
         m = n  # row a softmax or norm (in one kernel) works on
@@ -105,11 +109,12 @@ def lower(program: Program, long_rows: bool | frozenset = False) -> Program:
             m = u
         return False
 
+    @functools.cache
     def plain(n: Node) -> bool:  # element-wise ops down to what is stored or read (inputs, constants)
         return n.op in ("input", "const", "kernel") or OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) \
-            and all(plain(a) or stored(a) for a in n.args)
+            and all(stored(a) or plain(a) for a in n.args)
 
-    epilogues = _epilogues(nodes, users, outputs, stored, long)
+    epilogues = _epilogues(nodes, users, outputs, stored, lambda n: long(n) or rows_apart and n.op in _PIECES)
     in_epilogue = {m for products in epilogues.values() for m in products}
     todo = [n for n in nodes if stored(n) and n not in in_epilogue]
     if not todo:
@@ -157,11 +162,15 @@ SHORT_ROW = 8192
 
 def lowered_forms(program: Program, binding=None) -> list[Program]:
     """The ways `program` can be lowered, the usual first: a program with a softmax or norm outside its kernels also
-    with each choice of them in the form for long rows (`lower(long_rows=...)`), which the tuner takes where the
+    with each in a kernel of its own (`lower(rows_apart=True)`, where the usual form computes chains or other norms
+    in its kernel: a deep chain's tiles, or nested norms' buffers, may not fit where one row does), and with each
+    choice of them in the form for long rows (`lower(long_rows=...)`), which the tuner takes where the
     usual one has no valid parameters (a vocabulary's rows, more than a block's shared memory holds) or is slower
     by the model (f32 rows of 29696: one block a row spilled registers, 20.5 us against 9.2). With `binding` (the
     dims' symbols to sizes), rows of SHORT_ROW elements or fewer keep the usual form."""
     usual, longs = lower(program), [n for n in program.nodes() if _long(n)]
+    apart = lower(program, rows_apart=True)  # where the usual form's kernels of rows hold more than one row's tiles
+    forms = [usual] + ([apart] if len(kernels_of(apart)) != len(kernels_of(usual)) else [])
     if binding is not None:  # at these dims, only rows past SHORT_ROW
         def row(n: Node):
             return sympy.sympify(n.shape[-1]).xreplace({k: sympy.Integer(v) for k, v in binding.items()})
@@ -173,7 +182,7 @@ def lowered_forms(program: Program, binding=None) -> list[Program]:
                        key=len, reverse=True)  # all of them first: the form a failure reports (`build.tune`)
     else:  # all of them, or one
         picks = [frozenset(longs)] + [frozenset([n]) for n in longs]
-    return [usual] + [lower(program, long_rows=pick) for pick in picks]
+    return forms + [lower(program, long_rows=pick) for pick in picks]
 
 
 def _long(n: Node) -> bool:
