@@ -206,7 +206,7 @@ def _epilogues(nodes: list[Node], users: dict[Node, list[Node]], outputs: dict[i
     has its shape (no broadcast makes it larger, no transpose or mask moves its elements); where several
     products do (`silu(X @ Wg) * (X @ Wu)`), the loop walks one contracted dim for all, so those that contract a
     dim of another size are stored by kernels of their own, as are a second row-wise op, one beside products,
-    and one in two kernels for its `long` rows."""
+    and one that `long` says is lowered apart (in two kernels for its long rows, or each in a kernel of its own)."""
     epilogues: dict[Node, list[Node]] = {}
     for m in nodes:
         row = m.op in _PIECES and not long(m)
