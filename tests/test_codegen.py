@@ -1046,11 +1046,9 @@ def test_a_program_that_fails_its_check_gives_way_to_the_next_fastest(tmp_path, 
     assert (out / "best.prism").read_text().endswith(third["program"]) and built[0] is not built[2]
 
 
-def test_a_fastest_program_that_cannot_be_built_gives_way_too(tmp_path, capsys, monkeypatch):
-    """The search's fastest program that cannot be built (its emulation's compiler refuses it, say) is passed over
-    like one that fails its check; where none can be, the first one's error is the compile's, and nothing is
-    written."""
-    from prism_dsl.base.errors import PrismError
+def first_build_fails(monkeypatch, error: Exception) -> list[str]:
+    """The compile's first build raises `error` (in its emulation), the others run as they would: the sources
+    built, in order."""
     from prism_dsl.pipeline import compile as pipeline
 
     real, built = pipeline.emulate, []
@@ -1058,10 +1056,21 @@ def test_a_fastest_program_that_cannot_be_built_gives_way_too(tmp_path, capsys, 
     def emulate(b, options):
         built.append(b.source)
         if len(built) == 1:
-            raise PrismError("planted: the first cannot be built")
+            raise error
         return real(b, options)
 
     monkeypatch.setattr(pipeline, "emulate", emulate)
+    return built
+
+
+def test_a_fastest_program_that_cannot_be_built_gives_way_too(tmp_path, capsys, monkeypatch):
+    """The search's fastest program that cannot be built (its emulation's compiler refuses it, say) is passed over
+    like one that fails its check; where none can be, the first one's error is the compile's, and nothing is
+    written."""
+    from prism_dsl.base.errors import PrismError
+    from prism_dsl.pipeline import compile as pipeline
+
+    built = first_build_fails(monkeypatch, PrismError("planted: the first cannot be built"))
     args = ["compile", str(ROOT / "programs/rmsnorm_linear.prism"), "--dims", "n=4,d=256", "--arch", "none"]
     assert main([*args, "-o", str(tmp_path / "o")]) == 0
     text = capsys.readouterr().out
@@ -1084,17 +1093,7 @@ def test_a_found_program_the_generator_fails_on_gives_way_and_is_named(tmp_path,
     """A fault of the code generator's on a program the search found (an internal error, not a refusal of the
     user's input) passes that program over like one that cannot be built, the fault named in the summary, rather
     than ending the compile with a traceback; on the program as written it is raised."""
-    from prism_dsl.pipeline import compile as pipeline
-
-    real, built = pipeline.emulate, []
-
-    def emulate(b, options):
-        built.append(b.source)
-        if len(built) == 1:
-            raise AssertionError("planted fault")
-        return real(b, options)
-
-    monkeypatch.setattr(pipeline, "emulate", emulate)
+    built = first_build_fails(monkeypatch, AssertionError("planted fault"))
     args = ["compile", str(ROOT / "programs/rmsnorm_linear.prism"), "--dims", "n=4,d=256", "--arch", "none"]
     assert main([*args, "-o", str(tmp_path / "o")]) == 0
     text = capsys.readouterr().out

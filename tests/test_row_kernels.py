@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 
@@ -20,6 +19,7 @@ from prism_dsl.kernels.kernel import kernels_of
 from prism_dsl.kernels.lower import lower
 from test_cli import prismc
 from test_codegen import H100, ROOT, BuildOptions, build, emulate, load, needs_cxx
+from test_row_parts import sass_of
 
 ROWS = """dims n = 4, d = 4096
 program rows(X: {t}[n, d], G: {t}[d], B: {t}[d], Y: {t}[n, d]) {{
@@ -127,17 +127,9 @@ def test_a_softmax_over_a_vocabulary_of_f16_logits_is_one_kernel_that_holds_its_
 def test_the_compiled_softmax_stores_its_row_from_registers(write, tmp_path):
     """A row of 4096 f16 a block: its SASS reads the row by LDS.128 and stores it by STG.E.128; the only shared
     stores are the warps' max and sum (no f32 row written and read back)."""
-    from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
-    from prism_dsl.backend.nvcc import kernel_arch, nvcc_path, write_sources
-
     program = load(write("dims n = 4096, d = 4096\nprogram p(X: f16[n, d]) {\n    P = softmax(X)\n"
                          "    return P\n}\n")).program()
-    kernel = build(program, H100, BuildOptions(archs=(), params={"gx_P": 4096})).kernels[0]
-    write_sources([kernel], tmp_path)
-    done = subprocess.run([nvcc_path(), "-cubin", f"-arch={kernel_arch(kernel, 'sm_90')}", *NVCC_OPTIONS,
-                           "-o", "k.cubin", kernel.file], cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
-    ops = sass.instructions(sass.disassemble(tmp_path / "k.cubin"))[0]
+    ops = sass_of(build(program, H100, BuildOptions(archs=(), params={"gx_P": 4096})).kernels[0], tmp_path)
     assert ops.count("LDS.128") >= 3 and ops.count("STG.E.128") >= 1, sorted(set(ops))
     assert sum(op.startswith("STS") for op in ops) == 2, sorted(set(ops))
 

@@ -199,22 +199,27 @@ def test_the_emulation_refuses_a_16_byte_store_that_is_not_16_byte_aligned(write
     assert "a 16-byte store to" in said and "must be 16-byte aligned" in said and cu.name in said, said
 
 
+def sass_of(kernel, tmp_path) -> list[str]:
+    """A built kernel's SASS for sm_90 (its main function's instructions), compiled as the runtime compiles it,
+    with no warning."""
+    from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
+    from prism_dsl.backend.nvcc import kernel_arch, nvcc_path, write_sources
+
+    write_sources([kernel], tmp_path)
+    done = subprocess.run([nvcc_path(), "-cubin", f"-arch={kernel_arch(kernel, 'sm_90')}", *NVCC_OPTIONS,
+                           "-o", "k.cubin", kernel.file], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    return sass.instructions(sass.disassemble(tmp_path / "k.cubin"))[0]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or not sass.available(),
                     reason="needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')")
 def test_the_compiled_rms_norm_reads_and_writes_16_bytes_at_a_time(write, tmp_path):
     """The queries' RMSNorm ahead of attention at prefill (rows of 128): its SASS reads the tile by LDS.128,
     adds a row's lanes by shuffles, and stores by STG.E.128, with no 16-bit shared load or global store."""
-    from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
-    from prism_dsl.backend.nvcc import kernel_arch, nvcc_path, write_sources
-
     program = load(write("dims b = 1, h = 16, q = 4096, dh = 128\nprogram norm(Q: f16[b, h, q, dh]) {\n"
                          "    O = rms_norm(Q)\n    return O\n}\n")).program()
-    kernel = build(program, H100, BuildOptions(archs=())).kernels[0]
-    write_sources([kernel], tmp_path)
-    done = subprocess.run([nvcc_path(), "-cubin", f"-arch={kernel_arch(kernel, 'sm_90')}", *NVCC_OPTIONS,
-                           "-o", "k.cubin", kernel.file], cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
-    ops = sass.instructions(sass.disassemble(tmp_path / "k.cubin"))[0]
+    ops = sass_of(build(program, H100, BuildOptions(archs=())).kernels[0], tmp_path)
     assert "LDS.U16" not in ops and "STG.E.U16" not in ops, sorted(set(ops))
     assert ops.count("LDS.128") >= 2 and ops.count("SHFL.BFLY") >= 4 and ops.count("STG.E.128") >= 1, sorted(set(ops))
 

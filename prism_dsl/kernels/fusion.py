@@ -161,7 +161,7 @@ def plan(kernel: Kernel) -> Plan:
             if kind is Kind.ROWWISE:
                 add(f"v{i}_warps", ROW_SCRATCH, real, n, "warps")
     for n in body:  # once every value's place is known: the row-wise ops that write their output themselves
-        if _row_op(n) and (at := _written_out(kernel, n, users, place)) is not None:
+        if row_op(n) and (at := _written_out(kernel, n, users, place)) is not None:
             place[n], writes[n] = Place.STORED, at
     buffers = [b for b in buffers if not (b.role == "value" and b.node is not None and b.node in writes)]
     return Plan(place, tuple(buffers), state, groups, users, writes)
@@ -196,8 +196,9 @@ def _written_out(kernel: Kernel, n: Node, users: dict[Node, list[Node]], place: 
     return at[0] if store.value is chain[-1] and not store.add and len(store.map.dims) == n.rank else None
 
 
-def _row_op(n: Node) -> bool:
-    """A softmax or a norm: a row-wise op with passes over its row (not RoPE, which is per element)."""
+def row_op(n: Node) -> bool:
+    """A softmax or a norm: a row-wise op with passes over its row (not RoPE, which is per element). The lowering
+    (`lower`) asks the same of the ops it fuses with their chains."""
     return OPS[n.op].kind is Kind.ROWWISE and not OPS[n.op].per_element
 
 
@@ -246,7 +247,7 @@ def _made_from(kernel: Kernel, n: Node, views: bool) -> DType | None:
 def _row_operand(u: Node, n: Node) -> bool:
     """Whether `n` is only the row a row-wise op `u` works on (softmax(x / t), rms_norm(h + x)): evaluated in place
     in each of its passes (a statistic's, then the one that writes), never stored in shared memory."""
-    return _row_op(u) and u.args[0] is n and not any(a is n for a in u.args[1:])
+    return row_op(u) and u.args[0] is n and not any(a is n for a in u.args[1:])
 
 
 def _accumulator(n: Node, flag: str) -> bool:

@@ -29,6 +29,7 @@ from dataclasses import replace
 import sympy
 
 from ..ir.nodes import Node, Program, dim_symbol
+from .fusion import row_op
 from .kernel import (AXES, DimMap, Kernel, Load, Store, TileMap, free_symbols, fresh_name, kernels_of,
                      output_shape, tile_shape)
 from ..ir.ops import KERNEL_RANK, OPS, Kind
@@ -86,7 +87,7 @@ def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: boo
     def stored(n: Node) -> bool:  # computed by a kernel of its own, or as the last value of its chain's
         if n.op in ("input", "const", "kernel") or loaded_swapped(n):
             return False
-        if n.op in _PIECES and id(n) not in outputs and not long(n) and not rows_apart:  # in the row another one
+        if row_op(n) and id(n) not in outputs and not long(n) and not rows_apart:  # in the row another one
             return not in_row(n)  # works on, computed in that one's kernel (rms_norm(rms_norm(h) + x))
         if id(n) in outputs or OPS[n.op].kind not in _ELEMENTWISE:
             return True
@@ -95,14 +96,14 @@ def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: boo
         # kernels for long rows where the chain is of element-wise ops alone (no transpose: the loop walks the row)
         u = users[n][0] if len(users[n]) == 1 else None
         return not (u is not None and (OPS[u.op].kind in _ELEMENTWISE and not loaded_swapped(u)
-                                       or u.op in _PIECES and not rows_apart and (not long(u) or plain(n))
+                                       or row_op(u) and not rows_apart and (not long(u) or plain(n))
                                        and u.args[0] is n and _same_shape(n, u)))
 
     def in_row(n: Node) -> bool:  # n, through element-wise values of its shape each read by the next alone, is the
         m = n  # row a softmax or norm (in one kernel) works on
         while len(users[m]) == 1 and id(m) not in outputs:
             u = users[m][0]
-            if u.op in _PIECES and not long(u) and u.args[0] is m:
+            if row_op(u) and not long(u) and u.args[0] is m:
                 return True
             if OPS[u.op].kind not in (Kind.UNARY, Kind.BINARY) or not _same_shape(u, n):
                 return False
@@ -114,7 +115,7 @@ def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: boo
         return n.op in ("input", "const", "kernel") or OPS[n.op].kind in (Kind.UNARY, Kind.BINARY) \
             and all(stored(a) or plain(a) for a in n.args)
 
-    epilogues = _epilogues(nodes, users, outputs, stored, lambda n: long(n) or rows_apart and n.op in _PIECES)
+    epilogues = _epilogues(nodes, users, outputs, stored, lambda n: long(n) or rows_apart and row_op(n))
     in_epilogue = {m for products in epilogues.values() for m in products}
     todo = [n for n in nodes if stored(n) and n not in in_epilogue]
     if not todo:
@@ -209,7 +210,7 @@ def _epilogues(nodes: list[Node], users: dict[Node, list[Node]], outputs: dict[i
     and one that `long` says is lowered apart (in two kernels for its long rows, or each in a kernel of its own)."""
     epilogues: dict[Node, list[Node]] = {}
     for m in nodes:
-        row = m.op in _PIECES and not long(m)
+        row = row_op(m) and not long(m)
         if not (OPS[m.op].kind is Kind.MATMUL or row) or id(m) in outputs or len(users[m]) != 1 or m.rank > KERNEL_RANK:
             continue
         n = users[m][0]
