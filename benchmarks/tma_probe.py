@@ -7,14 +7,17 @@ context:
 
     program   the reference way: nvcc builds a program that encodes the map on the host and launches with <<<>>>
     encode    no launch: the bytes `cuda_plan.encode_map` writes for an address beside the program's for the same one
-    runtime   the runtime's way: pycuda compiles the kernel, `encode_map` encodes the map, `prepared_call` packs it
-              with the other parameters into one buffer
+    packed    the runtime's way until 2026-11-30: pycuda compiles the kernel, `encode_map` encodes the map, and
+              `prepared_call` packs it with the other parameters one after another into one buffer
+    runtime   the runtime's way now: the same, each parameter packed at the offset the cubin gives it
+              (`cuda_plan.parameter_layout`: the first map 0x70 bytes in on sm_90, not at 0)
     params    the same kernel and map, launched through the driver with a pointer per parameter
 
     python benchmarks/tma_probe.py          # needs a CUDA GPU of sm_90, nvcc and pycuda
 
 `program` failing says the kernel (prism.cuh's TMA path) is wrong; `program` passing and `encode` differing says the
-runtime's encoding is; `runtime` failing where `params` passes says the packed parameter buffer is.
+runtime's encoding is; `packed` failing where `runtime` and `params` pass says the packed parameter buffer was, as
+the kernels' cubins say (their maps are not where `packed` puts them).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ TEMPLATES = ROOT / "templates"
 ROWS, COLS, ROW0, COL0 = 256, 512, 64, 128  # as the program's own check
 SMEM = 16384 + 64
 ADDRESS = 0x7F0000000000  # any 16-byte aligned address: encoding reads no memory
-VARIANTS = ("program", "encode", "runtime", "params")
+VARIANTS = ("program", "encode", "packed", "runtime", "params")
 
 
 def build_program(workdir: Path) -> Path:
@@ -70,12 +73,15 @@ def launch(how: str) -> str:
         drv.memset_d16(out, 0xFFFF, 128 * 64)  # NaN: every element must be written
         tmap = cuda_plan.encode_map(int(src), "f16", [ROWS, COLS], [64, 64])
         source, target = SOURCE.read_text(), device_target(dev.compute_capability())
-        if how == "runtime":
-            from pycuda.compiler import SourceModule
+        if how in ("packed", "runtime"):
+            from pycuda.compiler import compile as to_cubin
 
-            fn = SourceModule(source, no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(TEMPLATES)],
-                              **target).get_function("tma_probe")
-            fn.prepare("%ds" % cuda_plan.MAP_BYTES * 2 + "Pii")  # as the runtime packs a kernel's parameters
+            cubin = to_cubin(source, no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(TEMPLATES)], **target)
+            fn = drv.module_from_buffer(cubin).get_function("tma_probe")
+            form, at = "<", 0  # each parameter where the cubin has it: two maps, a pointer, two ints
+            for (offset, size), code in zip(cuda_plan.parameter_layout(cubin, "tma_probe"), ("128s", "128s", "Q", "i", "i")):
+                form, at = form + (f"{offset - at}x" if offset > at else "") + code, offset + size
+            fn.prepare(form if how == "runtime" else "%ds" % cuda_plan.MAP_BYTES * 2 + "Pii")
             fn.prepared_call((1, 1, 1), (128, 1, 1), tmap, tmap, int(out), np.int32(ROW0), np.int32(COL0),
                              shared_size=SMEM)
         else:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prism_dsl.backend import cuda_runtime, intake, sass
+from prism_dsl.backend import cuda_plan, cuda_runtime, intake, sass
 from prism_dsl.backend.compare import check
 from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
 from prism_dsl.backend.nvcc import nvcc_path
@@ -165,6 +165,10 @@ def test_the_tma_probe_builds_both_ways_and_copies_by_tma(tmp_path):
                            *(f"-{k}={v}" for k, v in cuda_runtime.device_target((9, 0)).items()),
                            "-o", str(cubin), str(BENCHMARKS / "tma_probe.cu")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    # its maps where the cubin has them, 0x70 and 0xF0 bytes into the parameters: not at 0 and 128, where the
+    # probe's `packed` variant (the runtime's packing until 2026-11-30) puts them
+    assert cuda_plan.parameter_layout(cubin.read_bytes(), "tma_probe") == [(0x70, 128), (0xF0, 128), (0x170, 8),
+                                                                           (0x178, 4), (0x17C, 4)]
     if sass.available():
         listing = sass.disassemble(cubin)
         assert listing.count("UTMALDG.2D") == 2 and "SYNCS.ARRIVE.TRANS64" in listing

@@ -9,8 +9,8 @@ import ast
 import ctypes
 import importlib.util
 import os
-import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -162,20 +162,87 @@ def test_a_tensor_map_is_encoded_for_the_driver_innermost_dim_first(monkeypatch)
         cuda_plan.encode_map(0x100, "f16", [8, 64], [8, 64])
 
 
+def cubin_with_parameters(function: str, layout: list[tuple[int, int]]) -> bytes:
+    """A 64-bit ELF image as nvcc's cubins hold a kernel's parameters: a `.nv.info.FUNCTION` section of attributes,
+    one EIATTR_KPARAM_INFO (format 4: a sized value) per parameter, last one first as nvcc writes them, after an
+    attribute of another format (a 16-bit value) that the reader steps over."""
+    info = struct.pack("<BBH", 0x03, 0x1B, 0x00FF) + b"".join(
+        struct.pack("<BBHIHHI", 0x04, 0x17, 12, 0, i, offset, size << 18 | 0x1F000)
+        for i, (offset, size) in reversed(list(enumerate(layout))))
+    names = b"\0.shstrtab\0.nv.info." + function.encode() + b"\0"
+    at_names, at_info = 64, 64 + len(names) + (-len(names) % 4)
+    at_sections = at_info + len(info) + (-(at_info + len(info)) % 8)
+
+    def section(name: int, kind: int, offset: int, size: int) -> bytes:
+        return struct.pack("<IIQQQQIIQQ", name, kind, 0, 0, offset, size, 0, 0, 1, 0)
+    header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9) + struct.pack(
+        "<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, at_sections, 0, 64, 0, 0, 64, 3, 1)
+    image = header + names + bytes(at_info - at_names - len(names)) + info + bytes(at_sections - at_info - len(info))
+    return image + section(0, 0, 0, 0) + section(1, 3, at_names, len(names)) + section(11, 0x70000000, at_info, len(info))
+
+
+def test_a_kernels_parameters_are_read_from_its_cubin():
+    """Where the compiled code reads each parameter (`cuda_plan.parameter_layout`), and the struct format that puts
+    them there (`argument_format`): a tensor map 0x70 bytes in, as nvcc places the first one on sm_90."""
+    from prism_dsl.backend import cuda_plan
+
+    layout = [(0x70, 128), (0xF0, 128), (0x170, 8), (0x178, 8)]
+    cubin = cubin_with_parameters("prism_k", layout)
+    assert cuda_plan.parameter_layout(cubin, "prism_k") == layout
+    assert cuda_plan.parameter_layout(cubin, "prism") is None  # another kernel's section, not a prefix of one
+    assert cuda_plan.parameter_layout(b"a cubin", "prism_k") is None and cuda_plan.parameter_layout(cubin[:90], "prism_k") is None
+    form = cuda_plan.argument_format(layout, [128, 128, 8, 8])
+    assert form == "<112x128s128sQQ" and struct.calcsize(form) == 0x180
+    packed = struct.pack(form, b"A" * 128, b"B" * 128, 0x1234, 0x5678)
+    assert packed[0x70:0xF0] == b"A" * 128 and struct.unpack_from("<Q", packed, 0x178) == (0x5678,)
+    assert cuda_plan.argument_format(layout, [128, 8, 8, 8]) is None and cuda_plan.argument_format(None, [8]) is None
+    assert cuda_plan.argument_format([(0, 8), (8, 8)], [8, 8]) == "<QQ"
+    assert cuda_plan.parameter_layout(cubin_with_parameters("k", [(0, 8), (0x10, 8)])[:-64], "k") is None  # no section
+
+
+def test_nvcc_places_a_tensor_map_where_the_runtime_packs_it(tmp_path):
+    """The parameters of a generated kernel that TMA copies for, as nvcc compiles it for sm_90a: the maps at offsets
+    that packing them one after another would miss (0x70, not 0), which the runtime reads from the cubin."""
+    from prism_dsl.backend import cuda_plan
+    from prism_dsl.cli.main import main
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc is missing: no cubin to read")
+    out = tmp_path / "out"
+    assert main(["compile", str(Path(__file__).resolve().parents[1] / "programs" / "fused" / "rmsnorm_linear.prism"),
+                 "--search", "none", "--dims", "n=256,d=1024", "--tma", "--arch", "none", "--no-emulate", "-o", str(out)]) == 0
+    (kernel,) = import_file(out / "launcher.py", "tma_launcher").PLAN["kernels"]
+    assert kernel["maps"], "the kernel copies its loop tiles by TMA"
+    cubin = tmp_path / "k.cubin"
+    done = subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", *rt.NVCC_OPTIONS, "-I", str(out),
+                           "-o", str(cubin), str(out / kernel["file"])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    layout = cuda_plan.parameter_layout(cubin.read_bytes(), kernel["function"])
+    maps, pointers = len(kernel["maps"]), len(kernel["args"])
+    assert [size for _, size in layout] == [128] * maps + [8] * pointers
+    assert layout[0][0] == 0x70 and all(b[0] >= a[0] + a[1] for a, b in zip(layout, layout[1:]))
+    form = cuda_plan.argument_format(layout, [128] * maps + [8] * pointers)
+    assert struct.calcsize(form) == layout[-1][0] + 8
+
+
 def test_a_kernel_with_tensor_maps_takes_them_first_encoded_for_its_tensors(fake_gpu, tmp_path, monkeypatch):
     """A kernel whose loop tiles TMA copies takes a 128-byte map per tile before its pointers (`__grid_constant__`
-    parameters at offsets that are multiples of 64), encoded for the tensor's buffer once and again only where a
-    call passes another buffer."""
+    parameters), each packed at the offset its cubin gives, encoded for the tensor's buffer once and again only
+    where a call passes another buffer."""
     fake = FakeEncoder()
     monkeypatch.setattr(rt._plan, "_driver", lambda: fake)  # the runtime's own copy of the plan module
     seen = []
     fake_gpu.kernels["add"] = lambda drv, threads, *args: seen.append(args[0])
+    fake_gpu.cubin = cubin_with_parameters("add", [(0x70, 128), (0xF0, 8), (0xF8, 8), (0x100, 8), (0x108, 8)])
     plan = gpu_plan(tmp_path)
     plan["kernels"][0]["maps"] = [{"param": "tm_x", "tensor": "X", "box": [8, 64]}]
     launcher = Launcher(plan, tmp_path)
     launcher(**gpu_inputs(0))
     launcher(**gpu_inputs(1))  # the same buffers
-    assert fake_gpu.functions[0].fmt == "128sPPPP" and seen == [bytes([1]) * 128] * 2
+    function = fake_gpu.functions[0]
+    assert function.fmt == "<112x128sQQQQ" and seen == [bytes([1]) * 128] * 2
+    assert function.buffers[0][0x70:0xF0] == bytes([1]) * 128 and len(function.buffers[0]) == 0x110
     assert len(fake.calls) == 1 and fake.calls[0]["dims"] == [64, 8] and fake.calls[0]["box"] == [64, 8]
     assert launcher.time([gpu_inputs(0), gpu_inputs(1)], warmup=0, repeat=2)["repeat"] == 2  # two buffers of X: two maps
     assert len(fake.calls) == 3 and {c["pointer"] for c in fake.calls[1:]} != {fake.calls[0]["pointer"]}
@@ -183,6 +250,22 @@ def test_a_kernel_with_tensor_maps_takes_them_first_encoded_for_its_tensors(fake
     plan["kernels"][0]["maps"][0]["box"] = [4, 64]
     with pytest.raises(PlanError, match="kernel 'add': the CUDA driver refuses the tensor map"):
         Launcher(plan, tmp_path)(**gpu_inputs(0))
+
+
+def test_a_plan_whose_parameters_the_kernel_does_not_take_is_refused(fake_gpu, tmp_path):
+    """Parameters the compiled kernel does not take as the plan passes them, or a kernel with tensor maps whose cubin
+    does not say where its parameters are, are plan errors before any launch: a map packed at the wrong offset
+    is a descriptor of garbage, which faults the GPU at the first copy."""
+    plan = gpu_plan(tmp_path)
+    fake_gpu.cubin = cubin_with_parameters("add", [(0, 8), (8, 8), (16, 8)])
+    with pytest.raises(PlanError, match=r"kernel 'add': the compiled add.cu takes 3 parameters of 8, 8, 8 bytes; "
+                                        r"the plan passes 0 tensor map\(s\) of 128 bytes, then 4 pointer\(s\)"):
+        Launcher(plan, tmp_path).compile()
+    plan["kernels"][0]["maps"] = [{"param": "tm_x", "tensor": "X", "box": [8, 64]}]
+    fake_gpu.cubin = b"a cubin"
+    with pytest.raises(PlanError, match="the compiled add.cu does not say where its parameters are"):
+        Launcher(plan, tmp_path).compile()
+    assert fake_gpu.log == []
 
 
 def test_plan_literal_round_trips():
@@ -413,6 +496,7 @@ class FakeDriver:
     def __init__(self, kernels: dict, issue_ms: float = 0.0):
         """`issue_ms`: the host's time for each call that queues work (launch, memset, event)."""
         self.kernels, self.memory, self.log, self.issue_ms = kernels, {}, [], issue_ms
+        self.cubin = b"a cubin"  # not an ELF image: the runtime packs pointers one after another
         self.host_ms = self.gpu_ms = 0.0  # the host's clock, and when the GPU is done with what is queued
         self.depth = self.allocated = self.retained = self.detached = 0
         drv = self
@@ -495,19 +579,26 @@ class FakeDriver:
     def view(self, ptr, dtype):
         return np.frombuffer(self.memory[ptr], dtype)
 
-    def source_module(self, source, **options):
+    def compile(self, source, **options):
+        """pycuda's `compiler.compile`: the cubin of `source` (`self.cubin`, a stand-in where a test sets none)."""
         # H100: wgmma needs the arch-specific target, named as -gencode names it (`cuda_runtime.device_target`)
         assert options["no_extern_c"] and (options["arch"], options["code"]) == ("compute_90a", "sm_90a"), options
-        if source == rt.SPIN_CU:
-            return self.spin_module()
         assert Path(options["include_dirs"][0]).is_absolute(), "nvcc runs elsewhere: relative -I paths break"
         if "undeclared" in source:
             raise self.CompileError()
+        return self.cubin
+
+    def source_module(self, source, **options):
+        assert source == rt.SPIN_CU and options["no_extern_c"], "only the spin is compiled as a SourceModule"
+        return self.spin_module()
+
+    def module_from_buffer(self, cubin):
+        assert cubin == self.cubin
         drv = self
 
         class Function:
             def __init__(self, body):
-                self.body, self.attributes = body, {}
+                self.body, self.attributes, self.buffers = body, {}, []
 
             def set_attribute(self, attribute, value):
                 self.attributes[attribute] = value
@@ -516,7 +607,8 @@ class FakeDriver:
                 self.fmt = fmt
 
             def prepared_call(self, grid, block, *ptrs, shared_size):
-                assert drv.depth > 0 and len(ptrs) == len(re.findall(r"\d*[A-Za-z]", self.fmt)), "launched outside the context"
+                assert drv.depth > 0, "launched outside the context"
+                self.buffers.append(struct.pack(self.fmt, *ptrs))  # as pycuda packs them: a wrong count raises
                 drv.log.append(("launch", grid, block, shared_size))
                 drv.queue(drv.KERNEL_MS)
                 self.body(drv, grid[0] * block[0], *ptrs)
@@ -567,7 +659,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(rt, "_import_driver", lambda: drv)
     monkeypatch.setattr(rt, "host_seconds", drv.host_seconds)
     compiler = type(sys)("pycuda.compiler")
-    compiler.SourceModule = drv.source_module
+    compiler.SourceModule, compiler.compile = drv.source_module, drv.compile
     monkeypatch.setitem(sys.modules, "pycuda", type(sys)("pycuda"))
     monkeypatch.setitem(sys.modules, "pycuda.compiler", compiler)
     return drv
@@ -717,6 +809,23 @@ class TestOnGpu:
             assert check(out["Y"], x + 2 * w)["passed"]
             assert check(out["S"], np.array([x.sum()]))["passed"]
         launcher.close()
+
+    def test_a_kernel_copying_by_tma_matches_the_reference(self, tmp_path, capsys):
+        """A generated kernel whose loop tiles TMA copies, through maps the runtime packs where its cubin reads
+        them (`cuda_plan.parameter_layout`), checked against the float64 reference on the GPU."""
+        import json
+
+        from prism_dsl.cli.main import main
+
+        if rt._import_driver().Device(0).compute_capability() != (9, 0):
+            pytest.skip(f"TMA copies on wgmma kernels need sm_90: {rt.gpu_status()[1]}")
+        out = tmp_path / "out"
+        assert main(["compile", str(Path(__file__).resolve().parents[1] / "programs" / "fused" / "rmsnorm_linear.prism"),
+                     "--search", "none", "--dims", "n=256,d=1024", "--tma", "--rank", "measure", "--arch", "none",
+                     "--no-emulate", "-o", str(out), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert "prism::TensorMap" in (out / report["kernels"][0]["file"]).read_text()
+        assert report["checked"]["gpu"]["passed"], report["checked"]["gpu"]
 
     def test_unwritten_output_is_poisoned(self, tmp_path):
         plan = gpu_plan(tmp_path, block=128)

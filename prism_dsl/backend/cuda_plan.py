@@ -8,6 +8,11 @@ the tensors it takes (`args`, in parameter order), those zeroed before it (`zero
 combining kernel in its launch (`tickets`), and the tensor maps its first parameters are (`maps`: per map the
 tensor and the box one copy brings, outer dims first).
 
+A kernel's parameters go to the GPU as one buffer (pycuda packs it by a struct format), which must hold each at
+the offset the compiled code reads it from (`parameter_layout`, `argument_format`): pointers alone fall one after
+another, but a tensor map (`__grid_constant__ CUtensorMap`) sits where nvcc aligned it, 0x70 bytes in where it
+is the first parameter on sm_90 (0x20 on sm_80), and everything after it moves with it.
+
 Standalone like `cuda_runtime`, which loads it from beside itself: it imports nothing of the package, and the
 compiler copies both beside the kernels it writes. It raises nothing of its own: problems come back as text,
 which `cuda_runtime` raises as its PlanError.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import struct
 
 ITEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}  # per storage dtype
 DTYPES = tuple(ITEM_BYTES)
@@ -27,6 +33,8 @@ MAX_THREADS = 1024
 # of what lies outside the tensor (the generated boxes never reach past it)
 MAP_DTYPE = {"f16": 6, "bf16": 9, "f32": 7, "f64": 8}
 SWIZZLE_128B, L2_PROMOTION_128B, MAP_BYTES, MAX_BOX = 3, 2, 128, 256
+POINTER_BYTES = 8
+KPARAM_INFO, SIZED = 0x17, 0x04  # a .nv.info attribute (EIATTR_KPARAM_INFO) and the format of one with a sized value
 
 
 def problems(plan) -> str | None:
@@ -134,3 +142,57 @@ def encode_map(pointer: int, dtype: str, shape, box) -> bytes:
         raise RuntimeError(f"the CUDA driver refuses the tensor map of a {dtype} tensor {list(shape)} at {pointer:#x} "
                            f"with box {list(box)} (cuTensorMapEncodeTiled: CUresult {status})")
     return ctypes.string_at(at, MAP_BYTES)
+
+
+def parameter_layout(cubin: bytes, function: str) -> list[tuple[int, int]] | None:
+    """(offset, bytes) of each parameter of `function`, in order, where its compiled code reads them: the
+    EIATTR_KPARAM_INFO attributes of the cubin's `.nv.info.FUNCTION` section (what `cuobjdump -elf` prints as
+    "Ordinal", "Offset" and "Size"). Each attribute is a format byte, an attribute byte and a 16-bit field, and
+    those of format SIZED carry that many bytes after it: for a parameter, its index (32 bits), ordinal and
+    offset (16 bits each), then a word whose top 14 bits are its size. None where `cubin` is not a 64-bit ELF
+    image with that section, or the section does not name every parameter from 0 on once."""
+    try:
+        if cubin[:5] != b"\x7fELF\x02":
+            return None
+        shoff, = struct.unpack_from("<Q", cubin, 0x28)
+        entry, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+
+        def section(i: int) -> tuple[int, int, int]:  # (name offset, file offset, bytes)
+            name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * entry)
+            return name, offset, size
+        strings = section(names)[1]
+        wanted = f".nv.info.{function}".encode() + b"\0"
+        found = [(offset, size) for i in range(count) for name, offset, size in [section(i)]
+                 if cubin[strings + name:strings + name + len(wanted)] == wanted]
+        if len(found) != 1:
+            return None
+        at, end = found[0][0], found[0][0] + found[0][1]
+        params: dict[int, tuple[int, int]] = {}
+        while at + 4 <= end:
+            form, attribute, field = struct.unpack_from("<BBH", cubin, at)
+            if form == SIZED and attribute == KPARAM_INFO and field >= 12:
+                _, ordinal, offset, word = struct.unpack_from("<IHHI", cubin, at + 4)
+                if ordinal in params:
+                    return None
+                params[ordinal] = (offset, word >> 18)
+            at += 4 + (field if form == SIZED else 0)
+    except struct.error:
+        return None
+    if sorted(params) != list(range(len(params))):
+        return None
+    return [params[i] for i in range(len(params))]
+
+
+def argument_format(layout: list[tuple[int, int]] | None, sizes: list[int]) -> str | None:
+    """The struct format that packs parameters of `sizes` bytes (MAP_BYTES: a tensor map, as bytes;
+    POINTER_BYTES: a device pointer, as an int) at the offsets of `layout` (`parameter_layout`), padded between;
+    None where the layout is missing or does not have those sizes."""
+    if layout is None or [size for _, size in layout] != list(sizes):
+        return None
+    form, at = "<", 0
+    for offset, size in layout:
+        if offset < at or size not in (MAP_BYTES, POINTER_BYTES):
+            return None
+        form += (f"{offset - at}x" if offset > at else "") + (f"{size}s" if size == MAP_BYTES else "Q")
+        at = offset + size
+    return form

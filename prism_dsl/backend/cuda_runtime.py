@@ -264,35 +264,37 @@ class Launcher:
         if self._functions is not None:
             return
         with self._active() as drv:
-            from pycuda.compiler import SourceModule
+            from pycuda.compiler import SourceModule, compile as nvcc
 
             dev = drv.Device(self.device)
             target = device_target(dev.compute_capability())
             optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            cubins: dict[Path, bytes] = {}
             modules: dict[Path, object] = {}
             functions = []
             for kernel in self.plan["kernels"]:
                 path = self.directory / kernel["file"]
                 if path not in modules:
-                    modules[path] = self._compile_file(SourceModule, drv, kernel["name"], path, target)
-                functions.append(self._function(drv, modules[path], kernel, optin))
+                    cubins[path] = self._compile_file(nvcc, drv, kernel["name"], path, target)
+                    modules[path] = drv.module_from_buffer(cubins[path])
+                functions.append(self._function(drv, modules[path], cubins[path], kernel, optin))
             spin = SourceModule(SPIN_CU, no_extern_c=True, options=NVCC_OPTIONS, **target)
             self._modules, self._functions = [*modules.values(), spin], functions
             self._spin = spin.get_function("prism_spin")
             self._spin.prepare("q")
 
-    def _compile_file(self, SourceModule, drv, kernel: str, path: Path, target: dict):
+    def _compile_file(self, nvcc, drv, kernel: str, path: Path, target: dict) -> bytes:
+        """The cubin of the kernel file at `path` (pycuda's `compiler.compile`, as its SourceModule compiles)."""
         try:
             source = path.read_text()
         except OSError as err:
             raise PlanError(f"kernel '{kernel}': cannot read {path}: {err.strerror}") from None
         try:
-            return SourceModule(source, no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(path.parent)],
-                                **target)
+            return nvcc(source, no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(path.parent)], **target)
         except drv.CompileError as err:
             raise KernelCompileError(kernel, path, err.stderr or str(err)) from None
 
-    def _function(self, drv, module, kernel: dict, optin: int):
+    def _function(self, drv, module, cubin: bytes, kernel: dict, optin: int):
         try:
             fn = module.get_function(kernel["function"])
         except drv.LogicError:
@@ -307,7 +309,19 @@ class Launcher:
         if kernel.get("tickets"):  # a counter per tile whose pieces it combines: zero between launches, so zeroed once
             self._tickets[kernel["name"]] = drv.mem_alloc(4 * kernel["tickets"])
             drv.memset_d32(self._tickets[kernel["name"]], 0, kernel["tickets"])
-        fn.prepare("%ds" % _plan.MAP_BYTES * len(kernel.get("maps", [])) + "P" * (len(kernel["args"]) + bool(kernel.get("tickets"))))
+        # the parameters at the offsets the compiled code reads (`cuda_plan.parameter_layout`): a tensor map's are
+        # not where packing them one after another would put them
+        sizes = [_plan.MAP_BYTES] * len(kernel.get("maps", [])) + \
+            [_plan.POINTER_BYTES] * (len(kernel["args"]) + bool(kernel.get("tickets")))
+        layout = _plan.parameter_layout(cubin, kernel["function"])
+        form = _plan.argument_format(layout, sizes)
+        if form is None and (layout is not None or kernel.get("maps")):
+            found = "does not say where its parameters are" if layout is None else \
+                f"takes {len(layout)} parameters of {', '.join(str(size) for _, size in layout)} bytes"
+            raise PlanError(f"kernel '{kernel['name']}': the compiled {kernel['file']} {found}; the plan passes "
+                            f"{len(kernel.get('maps', []))} tensor map(s) of {_plan.MAP_BYTES} bytes, then "
+                            f"{len(sizes) - len(kernel.get('maps', []))} pointer(s)")
+        fn.prepare(form or "P" * len(sizes))  # pointers alone: one after another
         return fn
 
     def __call__(self, **inputs) -> dict:

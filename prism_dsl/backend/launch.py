@@ -71,7 +71,8 @@ class CodegenConfig:
     smem_per_sm: int = 233472  # the hardware's (`cost.for_hardware`): a deeper pipeline keeps the blocks per SM
     one_launch: bool = True  # a split's combining kernel runs in the launch of the kernel it combines (`tails`)
     tma: bool = False  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can
-    # (`copies`); off unless asked for (`prismc compile --tma`): on an H200 such kernels stopped at their first copy
+    # (`copies`); off unless asked for (`prismc compile --tma`) until a GPU runs it: on an H200 (their maps packed at
+    # the wrong offsets, `cuda_plan.parameter_layout`) such kernels stopped at their first copy
 
     @property
     def warpgroups(self) -> bool:

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--no-pingpong", action="store_true", help="online softmax on two warpgroups in step, each "
                     "iteration behind a block-wide barrier, not taking turns on the tensor cores")
     co.add_argument("--tma", action=argparse.BooleanOptionalAction, default=False, help="loop tiles of wgmma kernels "
-                    "copied by TMA, not cp.async (off by default: such kernels faulted at their first copy on an H200)")
+                    "copied by TMA, not cp.async (off until a GPU runs them: on an H200 they faulted, since fixed)")
     co.add_argument("--two-launches", action="store_true", help="a split's combining kernel in a launch of its own")
     co.add_argument("--seed", type=whole, default=0, help="seed for the random inputs of the checks (default 0)")
     co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
