@@ -103,7 +103,9 @@ class Generator:
         self.env = {n: inputs[n.attr] for n in program.inputs}
         self.samples: dict = {}
         self.dependent: dict = {}
-        self.stored: dict = {}  # (prefix, tiles, intermediate e-class) -> the accumulator sets storing it
+        # (prefix, tiles, intermediate e-class, depth) -> the accumulator sets storing it: per depth, since each
+        # deeper pass extends the same prefixes further
+        self.stored: dict = {}
         self.loop_ops = loop_ops(program)
 
     def eclass(self, abstract: Node) -> str | None:
@@ -113,8 +115,9 @@ class Generator:
         """Complete programs with fewer steps first (iterative deepening), each once."""
         inputs = list(self.program.inputs)
         classes = [self.eclass(n) for n in inputs]
-        limit = self.config.max_kernels + self.config.max_predefined
-        for depth in range(1, limit + 1):  # fewer kernels first
+        # fewer steps first: each pre-defined kernel may take an element-wise step of its own (`_epilogue`)
+        limit = self.config.max_kernels + 2 * self.config.max_predefined
+        for depth in range(1, limit + 1):
             yield from self._kernel_level([], inputs, classes, depth)
 
     # -- kernel level ----------------------------------------------------------------------------------
@@ -142,14 +145,16 @@ class Generator:
         if len(steps) >= depth:
             return
         customs = sum(isinstance(s, Sketch) for s in steps)
-        if len(steps) - customs < self.config.max_predefined:
-            for n in self.input_ops.values():
-                args = [classes.index(c) if (c := self.eclass(a)) in classes else None for a in n.args]
-                if None in args or self.eclass(n) in classes or any(a.op == "const" for a in n.args):
-                    continue
-                self.stats.generated += 1
-                step = Predefined(n, tuple(args))
-                yield from self._kernel_level(steps + [step], values + [n], classes + [self.eclass(n)], depth)
+        full = self._predefined_kernels(steps) >= self.config.max_predefined
+        for n in self.input_ops.values():
+            args = [classes.index(c) if (c := self.eclass(a)) in classes else None for a in n.args]
+            if None in args or self.eclass(n) in classes or any(a.op == "const" for a in n.args):
+                continue
+            if full and not _epilogue(steps[-1] if steps else None, n, args, len(values) - 1):
+                continue
+            self.stats.generated += 1
+            step = Predefined(n, tuple(args))
+            yield from self._kernel_level(steps + [step], values + [n], classes + [self.eclass(n)], depth)
         if customs < self.config.max_kernels:
             last = steps[-1] if steps else None
             last_start = len(values) - (len(last.outputs) if isinstance(last, Sketch) else 1) if last else 0
@@ -160,6 +165,16 @@ class Generator:
                     if steps and max(chosen) < last_start:
                         continue
                     yield from self._block_level(steps, values, classes, depth, chosen)
+
+    def _predefined_kernels(self, steps: list) -> int:
+        """The pre-defined kernels `steps` launch: a pre-defined element-wise step reading the value of the
+        pre-defined step just before it runs in that step's kernel (`_epilogue`)."""
+        count, made = 0, len(self.program.inputs)
+        for i, s in enumerate(steps):
+            if isinstance(s, Predefined) and not _epilogue(steps[i - 1] if i else None, s.op, s.args, made - 1):
+                count += 1
+            made += len(s.outputs) if isinstance(s, Sketch) else 1
+        return count
 
     def _step(self, steps, values, classes, depth, sketch: Sketch, new_classes: list) -> Iterator[Candidate]:
         """Go on from the prefix with one more custom kernel."""
@@ -356,7 +371,7 @@ class Generator:
             # Not when accumulators that these hold, or scaled forms of them, store it already (a
             # product and its negation added up, or a product of the negated tiles): the same value, a
             # new proof each for nothing.
-            key = (tuple(steps), chosen, goal)
+            key = (tuple(steps), chosen, goal, depth)
             if any(self._covered(done, combo) for done in self.stored.get(key, ())):
                 continue
             out = self.graph.extract_elementwise(goal, leaves)
@@ -451,6 +466,13 @@ def _fits(op: str, operands: list[Node]) -> bool:
     if acc.like == "binary":
         return _broadcasts(operands[0].shape, operands[1].shape)
     return operands[0].rank >= 1 and (not acc.row or operands[0].shape[-1] != 1)
+
+
+def _epilogue(before, op: Node, args, last: int) -> bool:
+    """Whether a pre-defined step for `op` on the values `args` runs in the kernel of the step `before` it, as
+    the lowering fuses it there (`kernels.lower`: a residual added to a projection's result in its store): an
+    element-wise op that reads that step's value (`last`), itself a pre-defined kernel's."""
+    return isinstance(before, Predefined) and OPS[op.op].kind in (Kind.UNARY, Kind.BINARY) and last in args
 
 
 def _broadcasts(a, b) -> bool:
