@@ -88,6 +88,37 @@ def test_check_wants_the_references_infinities_exactly():
     assert not check(np.array([-65504.0, 1.0, 2.0], np.float16), ref)["passed"]  # the largest f16 is not -inf
 
 
+def test_an_output_stored_past_its_types_range_is_the_infinity_the_type_stores():
+    """Given the output's storage type, an element whose reference that type rounds to an infinity (or that is
+    within the tolerance of doing so) may be that infinity, and is counted; nowhere else, and never of the other
+    sign. Without the type, an infinity the reference lacks fails as before."""
+    ref = np.array([1.0, 84136.6, -70000.0, 65000.0, 2.0])
+    got = np.array([1.0, np.inf, -np.inf, np.inf, 2.0], np.float16)
+    result = check(got, ref, dtype="f16")
+    assert result["passed"] and result["overflow"] == 3 and result["dtype"] == "f16"  # 65000 * 1.01 rounds past it
+    assert result["max_rel_err"] == 0.0  # and the scale leaves them out
+    assert not check(got, ref)["passed"]
+    assert not check(np.array([1.0, np.inf, np.inf, 65000.0, 2.0]), ref, dtype="f16")["passed"]  # -70000 is not +inf
+    assert not check(np.array([1.0, np.inf, -np.inf, 65000.0, np.inf]), ref, dtype="f16")["passed"]  # 2 is finite
+    assert not check(np.array([np.inf, 1.0]), np.array([60000.0, 1.0]), dtype="f16")["passed"]  # within range
+    assert not check(np.array([np.inf, 1.0]), np.array([84136.6, 1.0]), dtype="f32")["passed"]  # f32 holds it
+    assert check(np.array([np.inf, 1.0]), np.array([3.5e38, 1.0]), dtype="f32")["overflow"] == 1
+    assert "overflow" not in check(ref, ref, dtype="f16")
+
+
+def test_an_output_past_f16s_range_passes_and_the_summary_says_so(tmp_path, capsys):
+    """A program whose f16 output the reference puts past 65504 on the checks' random inputs: the kernels store
+    those elements as inf, as the program's type does, and the check passes on the rest and says how many."""
+    path = tmp_path / "p.prism"
+    path.write_text("dims n = 8, d = 64\nprogram big(X: f16[n, d]) {\n    Y = X * 40000.0\n    return Y\n}\n")
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "--search", "none", "-o", str(out), "--arch", "none"]) == 0
+    said = capsys.readouterr().out
+    y = json.loads((out / "report.json").read_text())["checked"]["emulation"]["outputs"]["Y"]
+    assert y["passed"] and y["overflow"] > 0 and "verified: yes" in said
+    assert f"{y['overflow']} element(s) past f16's range in the reference, stored as its infinities" in said
+
+
 def test_check_takes_torch_tensors_bf16_included():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ref = np.array([1.0, -2.5, 3.25])

@@ -18,6 +18,9 @@ WIDEST = 0.1
 WIDEST_BASES = 3
 ROUNDING_UNITS = 20
 UNIT = {"f16": 2.0**-11, "bf16": 2.0**-8, "f32": 2.0**-24, "f64": 2.0**-53}  # half the spacing of numbers near 1
+# The least magnitude each storage type rounds to an infinity (to nearest, ties to even): its largest number and
+# half a spacing more. An f16 output of 84136 is stored as inf, whatever computes it.
+OVERFLOW = {"f16": 65520.0, "bf16": 2.0**128 - 2.0**119, "f32": 2.0**128 - 2.0**103}
 
 
 def widest(base: float) -> float:
@@ -40,13 +43,15 @@ def _undefined(ref: np.ndarray) -> str:
             f"{tuple(map(int, nan[0]))}): the program is not defined on these inputs")
 
 
-def check(got, ref, rtol: float = RTOL) -> dict:
+def check(got, ref, rtol: float = RTOL, dtype: str | None = None) -> dict:
     """Compare an output with a float64 reference, element by element. Passes when no element of `got` is NaN or
     infinite (but as below) and every element satisfies |got - ref| <= rtol * (|ref| + scale), scale being the
     root-mean-square of `ref`: a relative test that does not fail on elements whose reference happens to be near
     zero while the tensor's values are not. Where the reference is infinite (a masked score), `got` must be the
-    same infinity: a finite value there, however large, fails. A failure names the first element out of tolerance
-    (`first_wrong`)."""
+    same infinity: a finite value there, however large, fails. Where the output is stored in `dtype` (a name:
+    "f16"...), an element the reference puts past that type's range (OVERFLOW), or within rtol of it, may be the
+    infinity of its sign, as the type stores it; `overflow` counts them, and they are left out of the scale. A
+    failure names the first element out of tolerance (`first_wrong`)."""
     if type(got).__module__.split(".")[0] == "torch":  # bf16, which numpy lacks, widened to float32 (exact)
         got = got.detach().cpu()
         got = (got.float() if str(got.dtype) == "torch.bfloat16" else got).numpy()
@@ -60,6 +65,10 @@ def check(got, ref, rtol: float = RTOL) -> dict:
     g = got.astype(np.float64)
     if g.size == 0:
         return dict(passed=True, max_rel_err=0.0, max_abs_err=0.0, nan=0, worst_index=(), reason="")
+    overflow = 0
+    if dtype in OVERFLOW:  # as the output's type stores a value past its range: the same infinity
+        past = np.isfinite(ref) & np.isinf(g) & (np.sign(g) == np.sign(ref)) & (np.abs(ref) * (1 + rtol) >= OVERFLOW[dtype])
+        overflow, ref = int(past.sum()), np.where(past, g, ref)
     infinite = np.isinf(ref)
     bad = (~np.isfinite(g) | infinite) & (g != ref)  # NaN, an infinity the reference lacks, or one it has missed
     finite = np.where(infinite, 0.0, ref)
@@ -77,6 +86,8 @@ def check(got, ref, rtol: float = RTOL) -> dict:
         else f"relative error {float(rel[worst]):.3g} at {tuple(map(int, worst))} exceeds {rtol}")
     out = {"passed": passed, "max_rel_err": float(rel.max()), "max_abs_err": float(err.max()), "nan": int(bad.sum()),
            "worst_index": tuple(int(i) for i in worst), "reason": reason}
+    if overflow:
+        out |= {"overflow": overflow, "dtype": dtype}
     first = None if passed else tuple(int(i) for i in wrong[0])
     if passed:
         return out
@@ -107,8 +118,9 @@ class Tolerance:
     tolerance past `widest(base)`: roundings that lose more than that lose the output, and the check says so."""
 
     def __init__(self, base: float, rounded: Callable[[], Mapping[str, np.ndarray]] | None = None,
-                 exact: Callable[[], Mapping[str, np.ndarray]] | None = None):
+                 exact: Callable[[], Mapping[str, np.ndarray]] | None = None, dtypes: Mapping[str, str] | None = None):
         self.base = base
+        self.dtypes = dict(dtypes or {})  # output name -> its storage type, for `check`'s overflow
         self._rounded = rounded
         self._exact = exact
         self._values: Mapping[str, np.ndarray] | None = None
@@ -125,19 +137,21 @@ class Tolerance:
             self._baseline = self._exact()
         rounded = np.asarray(self._values[name], dtype=np.float64)
         ref = np.asarray(ref if self._baseline is None else self._baseline[name], dtype=np.float64)
-        return check(rounded if mask is None else np.where(mask, rounded, ref), ref, self.base)["max_rel_err"]
+        return check(rounded if mask is None else np.where(mask, rounded, ref), ref, self.base,
+                     self.dtypes.get(name))["max_rel_err"]
 
     def judge(self, name: str, got, ref, mask: np.ndarray | None = None) -> dict:
         """`check` at `base`; an output that misses it only by its errors' size, judged at the widened
         tolerance (`rtol` and `rounding` say which was used and why)."""
-        first = check(got, ref, self.base) | {"rtol": self.base}
+        dtype = self.dtypes.get(name)
+        first = check(got, ref, self.base, dtype) | {"rtol": self.base}
         if first["passed"] or first["nan"] or not math.isfinite(first["max_rel_err"]):
             return first
         e = self.rounding(name, ref, mask)
         if e is None or not math.isfinite(e) or 2 * e <= self.base:
             return first if e is None or not math.isfinite(e) else first | {"rounding": e}
         rtol = min(2 * e, widest(self.base))
-        judged = check(got, ref, rtol) | {"rtol": rtol, "rounding": e}
+        judged = check(got, ref, rtol, dtype) | {"rtol": rtol, "rounding": e}
         if not judged["passed"] and 2 * e > rtol:
             judged["reason"] += (f"; its kernels' own roundings to their storage types alone move it by {e:.3g}, "
                                  f"more than a check can allow ({rtol:g})")

@@ -27,7 +27,7 @@ from ..lang.check import load
 from ..pipeline import emulation
 from ..pipeline.build import (BuildOptions, build, check_inputs, dims_of, plan_of, price, reference_outputs,
                               tolerance_of)
-from ..pipeline.report import EmulationCheck, widened
+from ..pipeline.report import EmulationCheck, overflowed, widened
 from ..semantics.reference import bind_dims, check_sizes
 
 def _well_formed(report) -> list[str]:
@@ -227,7 +227,7 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given
         against = o.get("against", "reference")
         state = "agrees" if o["passed"] else "DIFFERS"
         line = f"  {tensor} ({o['elements']} elements, kernel {writer.get(tensor, '?')}): {state} with the {against}, " \
-               f"max rel err {o['max_rel_err']:.2e}" + widened(o, check.rtol)
+               f"max rel err {o['max_rel_err']:.2e}" + widened(o, check.rtol) + overflowed(o)
         if not o["passed"] and o.get("first_wrong"):
             w = o["first_wrong"]
             line += f"; first wrong element {tensor}{w['index']} = {w['got']:.6g}, expected {w['expected']:.6g}"

@@ -256,10 +256,12 @@ def rtol_of(program: Program) -> float:
 def tolerance_of(built: Tuned, inputs: Mapping[str, np.ndarray]) -> compare.Tolerance:
     """The checks' tolerance for `built` on `inputs`: `rtol_of` its input program, widened for an output that
     the roundings its kernels make (products' operands, stored tensors) alone move further, measured within the
-    program built (`compare.Tolerance`)."""
+    program built (`compare.Tolerance`); each output's storage type, which may round the reference past its range
+    to an infinity (`compare.check`)."""
     exact = None if built.reference is built.source else (lambda: emulation.stored_values(built, inputs))
+    stored = {s.name: stored_dtype(k, i).value for k in kernels_of(built.program) for i, s in enumerate(k.stores)}
     return compare.Tolerance(rtol_of(built.reference), lambda: emulation.stored_values(built, inputs, rounded=True),
-                             exact)
+                             exact, {name: stored[name] for name, _ in built.program.outputs if name in stored})
 
 
 def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:

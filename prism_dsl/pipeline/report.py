@@ -42,8 +42,17 @@ class Check:
     def errors(self) -> str:
         """Per output its max relative error, the tolerance where it was widened (`compare.Tolerance`), and for
         one that failed, why (`compare.check`'s reason)."""
-        return ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" + widened(v, self.rtol)
+        return ", ".join(f"{o}: max rel err {v['max_rel_err']:.2e}" + widened(v, self.rtol) + overflowed(v)
                          + (f": {v['reason']}" if v.get("reason") else "") for o, v in self.outputs.items())
+
+
+def overflowed(output: Mapping) -> str:
+    """For an output with elements its storage type rounds to an infinity in the reference (`compare.check`), the
+    words that say so; else ""."""
+    if not output.get("overflow"):
+        return ""
+    return (f" ({output['overflow']} element(s) past {output['dtype']}'s range in the reference, stored as its "
+            f"infinities: the inputs' scale, not the kernels)")
 
 
 def widened(output: Mapping, rtol: float) -> str:
