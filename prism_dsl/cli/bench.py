@@ -24,7 +24,7 @@ from ..lang.check import load
 from ..base.errors import PrismError
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import kernels_of
-from ..semantics.reference import bind_dims, check_sizes, random_inputs
+from ..semantics.reference import bind_dims, check_sizes, check_inputs
 
 # How each op of a program runs in PyTorch (x: tensors; attr: a reduction's dim).
 TORCH = {
@@ -129,7 +129,7 @@ def bench(args) -> int:
     options = BuildOptions(dims=args.dims, rank="measure", emulate=False, archs=())
     built = build(program, hardware, options, baseline)  # checked against the program as written
     binding = bind_dims(baseline, dict(args.dims))
-    inputs = [random_inputs(baseline, binding, seed) for seed in range(3)]
+    inputs = [check_inputs(baseline, binding, seed) for seed in range(3)]  # as `measure` checks ours
     ref = reference_outputs(built, inputs[0])
     tolerance = tolerance_of(built, inputs[0])  # PyTorch's outputs judged as ours are
     gpu = measure(built, options.seed)

@@ -42,7 +42,8 @@ from ..kernels.params import resolve_params
 from ..kernels.lower import lower, lowered_forms
 from ..prove.prover import check_signatures, pair_outputs
 from ..semantics.blocks import evaluate
-from ..semantics.reference import bind_dims, check_sizes, concrete_shape, random_inputs
+from ..semantics.reference import bind_dims, check_sizes, concrete_shape
+from ..semantics.reference import check_inputs as reference_inputs
 from . import emulation
 from .report import EmulationCheck, GpuCheck, NvccCheck, Skipped
 
@@ -265,7 +266,8 @@ def tolerance_of(built: Tuned, inputs: Mapping[str, np.ndarray]) -> compare.Tole
 
 
 def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
-    return random_inputs(built.source, bind_dims(built.source, dims_of(built)), seed)
+    """The inputs the checks run `built` on (`reference.check_inputs`: its weights scaled as a layer's are)."""
+    return reference_inputs(built.source, bind_dims(built.source, dims_of(built)), seed)
 
 
 def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int) -> dict:

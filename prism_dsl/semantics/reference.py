@@ -316,3 +316,41 @@ def random_inputs(program: Program, binding: Binding, seed: int = 0) -> dict[str
         node.attr: quantize(rng.standard_normal(concrete_shape(node.shape, binding)), node.dtype)
         for node in program.inputs
     }
+
+
+def check_inputs(program: Program, binding: Binding, seed: int = 0) -> dict[str, np.ndarray]:
+    """The inputs the checks run a program on: `random_inputs`, with each weight (`weights`) divided by the square
+    root of the longest contraction it takes part in, as a layer's weights are initialised: each product's values
+    then stay about as large as its left operand's, where standard-normal weights grow them by that root at every
+    product, and a gated MLP of projections of 4096 and 11008 would put most of its f16 output past 65504. The
+    values are drawn first and rounded again after the division: the arrays are `random_inputs`' but for the
+    weights' scale, and a program and its fused form get the same ones."""
+    inputs = random_inputs(program, binding, seed)
+    dtypes = {n.attr: n.dtype for n in program.inputs}
+    fan_in = {name: max(concrete_shape(sizes, binding)) for name, sizes in weights(program).items()}
+    return {name: quantize(a / np.sqrt(fan_in[name]), dtypes[name]) if fan_in.get(name, 1) > 1 else a
+            for name, a in inputs.items()}
+
+
+def weights(program: Program) -> dict[str, tuple]:
+    """The inputs that are weights, with the longest contraction each takes part in: a matrix (rank 2) that is the
+    right operand of a product, through transposes, in the program or in one of its custom kernels (as a tile)."""
+    from ..kernels.kernel import kernels_of
+
+    found: dict[str, list] = {}
+
+    def note(b: Node, source) -> None:
+        flips = 0
+        while b.op == "transpose":
+            b, flips = b.args[0], flips + 1
+        if (w := source(b)) is not None and w.op == "input" and w.rank == 2:
+            found.setdefault(w.attr, []).append(w.shape[-1 if flips % 2 else -2])
+
+    for n in program.nodes():
+        if n.op == "matmul":
+            note(n.args[1], lambda b: b)
+    for k in kernels_of(program):
+        for n in k.body():
+            if n.op == "matmul":
+                note(n.args[1], lambda b: k.inputs[k.load(b.attr).source] if b.op == "tile" else None)
+    return {name: tuple(sizes) for name, sizes in found.items()}
