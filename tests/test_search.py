@@ -370,6 +370,32 @@ def test_rms_norm_with_a_gain_reaches_one_kernel_on_tensor_cores(library):
     assert out.best.estimated_us < written.estimated_us
 
 
+LLAMA_MLP = """dims n = 8, d = 256, f = 384
+program llama_mlp(X: f16[n, d], G: f16[d], Wg: f16[d, f], Wu: f16[d, f], Wd: f16[f, d]) {
+    H = rms_norm(X, 1e-6) * G
+    Y = X + (silu(H @ Wg) * (H @ Wu)) @ Wd
+    return Y
+}
+"""
+
+
+def test_a_residual_after_the_down_projection_runs_in_its_kernel_and_the_mlp_before_it_is_fused(library, write):
+    """Llama's MLP with its residual: the norm, gain, gate and up products and SiLU in one loop kernel storing the
+    intermediate, then the down projection with the residual added in its store. Under the default limits (one
+    custom kernel, one pre-defined) that is three steps, the residual a step of the pre-defined kernel before it
+    (`generate._epilogue`); and the intermediate kernel, found at two steps, is extended again at three (its
+    dedupe is per depth: `Generator.stored`). Before either, the search found nothing to prove."""
+    src = load(write(LLAMA_MLP)).program()
+    result = searched(src, library)
+    assert result.complete and result.proved, result.stats.as_dict()
+    texts = [print_program(p) for p in result.proved]
+    assert any("Y = X + t5 @ Wd" in t and custom_kernels(p) == 1 and len(kernels_of(p)) == 1
+               and "silu(acc_sum(t0 @ wgt) / t1) * (acc_sum(t0 @ wut) / t1)" in t for p, t in zip(result.proved, texts)), texts
+    out = optimize(src, library, H100, bind_dims(src, {}))
+    written = next(r for r in out.ranked if r.as_written)
+    assert not out.best.as_written and out.best.estimated_us < written.estimated_us
+
+
 def test_accumulators_over_proportional_values_are_not_combined(library):
     """A product and its negation (or twice it) accumulated side by side is one accumulator scaled after
     the loop: the generator drops such pairs, so no candidate of QK-norm attention holds two sums."""
