@@ -103,21 +103,18 @@ class Generator:
         self.env = {n: inputs[n.attr] for n in program.inputs}
         self.samples: dict = {}
         self.dependent: dict = {}
-        # (prefix, tiles, intermediate e-class, depth) -> the accumulator sets storing it: per depth, since each
-        # deeper pass extends the same prefixes further
-        self.stored: dict = {}
+        self.stored: dict = {}  # (prefix, tiles, intermediate, depth: each extends them anew) -> accumulator sets
         self.loop_ops = loop_ops(program)
 
     def eclass(self, abstract: Node) -> str | None:
         return self.graph.lookup(abstract, self.memo)
 
     def candidates(self) -> Iterator[Candidate]:
-        """Complete programs with fewer steps first (iterative deepening), each once."""
+        """Complete programs with fewer steps first (iterative deepening), each once; a pre-defined kernel may
+        take an element-wise step of its own (`_epilogue`)."""
         inputs = list(self.program.inputs)
         classes = [self.eclass(n) for n in inputs]
-        # fewer steps first: each pre-defined kernel may take an element-wise step of its own (`_epilogue`)
-        limit = self.config.max_kernels + 2 * self.config.max_predefined
-        for depth in range(1, limit + 1):
+        for depth in range(1, self.config.max_kernels + 2 * self.config.max_predefined + 1):
             yield from self._kernel_level([], inputs, classes, depth)
 
     # -- kernel level ----------------------------------------------------------------------------------
@@ -145,7 +142,7 @@ class Generator:
         if len(steps) >= depth:
             return
         customs = sum(isinstance(s, Sketch) for s in steps)
-        full = self._predefined_kernels(steps) >= self.config.max_predefined
+        full = _predefined_kernels(steps, len(self.program.inputs)) >= self.config.max_predefined
         for n in self.input_ops.values():
             args = [classes.index(c) if (c := self.eclass(a)) in classes else None for a in n.args]
             if None in args or self.eclass(n) in classes or any(a.op == "const" for a in n.args):
@@ -165,16 +162,6 @@ class Generator:
                     if steps and max(chosen) < last_start:
                         continue
                     yield from self._block_level(steps, values, classes, depth, chosen)
-
-    def _predefined_kernels(self, steps: list) -> int:
-        """The pre-defined kernels `steps` launch: a pre-defined element-wise step reading the value of the
-        pre-defined step just before it runs in that step's kernel (`_epilogue`)."""
-        count, made = 0, len(self.program.inputs)
-        for i, s in enumerate(steps):
-            if isinstance(s, Predefined) and not _epilogue(steps[i - 1] if i else None, s.op, s.args, made - 1):
-                count += 1
-            made += len(s.outputs) if isinstance(s, Sketch) else 1
-        return count
 
     def _step(self, steps, values, classes, depth, sketch: Sketch, new_classes: list) -> Iterator[Candidate]:
         """Go on from the prefix with one more custom kernel."""
@@ -469,10 +456,18 @@ def _fits(op: str, operands: list[Node]) -> bool:
 
 
 def _epilogue(before, op: Node, args, last: int) -> bool:
-    """Whether a pre-defined step for `op` on the values `args` runs in the kernel of the step `before` it, as
-    the lowering fuses it there (`kernels.lower`: a residual added to a projection's result in its store): an
-    element-wise op that reads that step's value (`last`), itself a pre-defined kernel's."""
+    """Whether a pre-defined step for `op` on the values `args` runs in the kernel of the pre-defined step `before`
+    it (a residual added as a projection stores): an element-wise op reading that step's value (`last`)."""
     return isinstance(before, Predefined) and OPS[op.op].kind in (Kind.UNARY, Kind.BINARY) and last in args
+
+
+def _predefined_kernels(steps: list, made: int) -> int:
+    """The pre-defined kernels `steps` launch (after `made` input values): not counting epilogues (`_epilogue`)."""
+    count = 0
+    for i, s in enumerate(steps):
+        count += isinstance(s, Predefined) and not _epilogue(steps[i - 1] if i else None, s.op, s.args, made - 1)
+        made += len(s.outputs) if isinstance(s, Sketch) else 1
+    return count
 
 
 def _broadcasts(a, b) -> bool:
