@@ -31,6 +31,7 @@ PROGRAMS = {
     "lora": dict(n=8, d=4096, m=4096, r=32),
     "llama_qkv": dict(n=16, d=4096, e=6144),
     "gpt2_mlp": dict(n=16, d=768, f=3072),
+    "llama_mlp": dict(n=16, d=4096, f=11008),
     "causal_attention": dict(b=1, h=8, q=512, kv=512, dh=128),
     "gqa_decode": dict(b=1, hk=8, g=4, kv=8192, dh=128),
 }

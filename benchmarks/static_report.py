@@ -48,6 +48,7 @@ WORKLOADS = [  # (name, program, dims)
     ("qk_norm_attention decode kv=32768", "qk_norm_attention", ATTENTION + ",kv=32768"),
     ("llama_qkv decode", "llama_qkv", "n=8,d=4096,e=6144"),
     ("gpt2_mlp decode", "gpt2_mlp", "n=8,d=768,f=3072"),
+    ("llama_mlp decode", "llama_mlp", "n=8,d=4096,f=11008"),
     ("rmsnorm_linear prefill", "rmsnorm_linear", "n=4096,d=4096"),
     ("rmsnorm_mlp prefill", "rmsnorm_mlp", "n=4096,d=4096"),
     ("swiglu prefill", "swiglu", "n=4096,d=4096"),

@@ -25,7 +25,8 @@ ALL = FUSED + PROGRAMS
 # The planted bugs go into the hand-written kernels and into the programs as written whose pre-defined kernels
 # are of a kind no other program has (the others repeat matmul, rms_norm, softmax, transposed-operand and
 # element-wise kernels).
-REPEATS = {"rmsnorm_mlp", "swiglu", "qk_norm_attention", "gqa", "lora", "ntrans", "llama_qkv", "gqa_decode"}
+REPEATS = {"rmsnorm_mlp", "swiglu", "qk_norm_attention", "gqa", "lora", "ntrans", "llama_qkv", "gqa_decode",
+           "llama_mlp"}
 # The hand-written causal kernel is attention's online softmax in registers with a mask and RoPE steps: the
 # mutations (generic edits of barriers, copies, indices) have fused/attention's kernel to catch them in.
 # fused/swiglu's kernel is fused/rmsnorm_mlp's (the gated products on shared fragments) without the row sums.

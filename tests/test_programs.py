@@ -67,6 +67,11 @@ def causal_mask(s):
     keep = np.tril(np.ones((q, k), dtype=bool), k - q)
     return np.where(keep, s, -np.inf)
 
+def llama_mlp(X, G, Wg, Wu, Wd):
+    H = X / np.sqrt(np.mean(X * X, axis=-1, keepdims=True) + 1e-5) * G
+    return X + (silu(H @ Wg) * (H @ Wu)) @ Wd
+
+
 # file stem -> the formula, with parameters named like the program's inputs.
 FORMULAS = {
     "rmsnorm_linear": lambda X, W: rms_norm(X) @ W,
@@ -79,6 +84,7 @@ FORMULAS = {
     "ntrans": lambda H, X, alpha: rms_norm(rms_norm(H) + X) * alpha + X,
     "llama_qkv": lambda X, G, W: (X / np.sqrt(np.mean(X * X, axis=-1, keepdims=True) + 1e-5) * G) @ W,
     "gpt2_mlp": lambda X, W1, W2: gelu_tanh(layer_norm(X, 1e-5) @ W1) @ W2,
+    "llama_mlp": llama_mlp,
     "causal_attention": lambda Q, K, V, CQ, SQ, CK, SK: softmax(
         causal_mask(rope(Q, CQ, SQ) @ np.swapaxes(rope(K, CK, SK), -1, -2) / np.sqrt(128.0))) @ V,
     "gqa_decode": lambda Q, K, V: softmax(Q @ np.swapaxes(K, -1, -2) / np.sqrt(128.0)) @ V,
@@ -104,6 +110,8 @@ SIGNATURES = {
     "ntrans": ([("H", "n d"), ("X", "n d"), ("alpha", "n d")], ["Y"], {"n": 8, "d": 4096}),
     "llama_qkv": ([("X", "n d"), ("G", "d"), ("W", "d e")], ["QKV"], {"n": 8, "d": 4096, "e": 6144}),
     "gpt2_mlp": ([("X", "n d"), ("W1", "d f"), ("W2", "f d")], ["Y"], {"n": 8, "d": 768, "f": 3072}),
+    "llama_mlp": ([("X", "n d"), ("G", "d"), ("Wg", "d f"), ("Wu", "d f"), ("Wd", "f d")], ["Y"],
+                  {"n": 8, "d": 4096, "f": 11008}),
     "causal_attention": (
         [("Q", "b h q dh"), ("K", "b h kv dh"), ("V", "b h kv dh"), ("CQ", "q dh"), ("SQ", "q dh"), ("CK", "kv dh"),
          ("SK", "kv dh")], ["O"], {"b": 1, "h": 8, "q": 1024, "kv": 1024, "dh": 128},
