@@ -276,8 +276,11 @@ def _search_lines(s: Searched) -> list[str]:
     if sr["from_checkpoint"]:  # this run proved the chosen one again; the rest were proved by the run that saved them
         found = (f"{sr['proved_programs']} programs from the checkpoint (proved when it was saved"
                  + ("" if s.best_is_input else "; the chosen one again now") + ")")
+    took = f"{s.search_seconds} s"  # the search (which --time-limit bounds), then the tuning of what it proved
+    if not sr["from_checkpoint"] and "seconds" in sr:
+        took = f"{sr['seconds']} s searching, {s.search_seconds - sr['seconds']:.3g} s tuning what it proved"
     lines = [f"  search: {found}, {sr['jobs']} prover processes, "
-             f"{s.search_seconds} s; best: {s.best} with {s.kernels_in_best} kernel(s)"
+             f"{took}; best: {s.best} with {s.kernels_in_best} kernel(s)"
              + (" (the program as written" + ("" if sr.get("failed_check") else ": nothing faster was found") + ")"
                 if s.best_is_input else "")]
     for f in sr.get("failed_check", ()):  # built, checked and passed over (`compile.FALLBACKS`)
