@@ -165,7 +165,7 @@ def _bad_arity(e: ast.Call, scope: Scope, errors: Collector) -> bool:
     else:
         wanted, takes = OPS[e.fn].arity, arity_words(OPS[e.fn])
     if len(e.args) != wanted:
-        errors.error(e.loc, f"{written(e.fn)} takes {takes}, got {len(e.args)}")
+        errors.error(e.loc, f"{written(e.fn)} takes {takes}, got {len(e.args)} argument{'s' * (len(e.args) != 1)}")
     return len(e.args) != wanted
 
 

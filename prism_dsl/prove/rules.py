@@ -341,7 +341,7 @@ def _check_pattern(e: ast.Expr, vars: _Vars, errors: Collector) -> None:
                 if spec is None or e.fn not in RULE_CALLABLE:
                     errors.error(e.loc, f"unknown operator '{e.fn}'{suggest(e.fn, RULE_CALLABLE)}")
                 else:
-                    errors.error(e.loc, f"{written(e.fn)} takes {arity_words(spec)}, got {len(e.args)}")
+                    errors.error(e.loc, f"{written(e.fn)} takes {arity_words(spec)}, got {len(e.args)} argument{'s' * (len(e.args) != 1)}")
                 for a in e.args:  # still learn its variables, so no second error follows from this one
                     if isinstance(a, ast.Name):
                         vars.tensor.setdefault(a.id, a.loc)
