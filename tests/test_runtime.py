@@ -106,6 +106,10 @@ BAD_PLANS = [
     (with_kernel(maps=[{"tensor": "X", "box": [64]}]), "needs a box of one size per dim of the tensor (1 to 5), not [64]"),
     (with_kernel(maps=[{"tensor": "X", "box": [0, 64]}]), "each box size is 1 to 256 and at most the tensor's, not [0, 64]"),
     (with_kernel(maps=[{"tensor": "X", "box": [8, 32]}]), "its box's rows are 128 bytes (the swizzle's)"),
+    (make_plan(tensors={"X": {"shape": [8, 64], "dtype": "f16", "used": [9, 64]}, "W": {"shape": [8, 64], "dtype": "f16"},
+                        "Y": {"shape": [8, 64], "dtype": "f32"}}),
+     "tensor 'X': used (its first rows, as the caller passes it) must be a list of positive ints, one a dim, none past "
+     "its shape [8, 64], not [9, 64]"),
 ]
 
 
@@ -266,6 +270,29 @@ def test_a_plan_whose_parameters_the_kernel_does_not_take_is_refused(fake_gpu, t
     with pytest.raises(PlanError, match="the compiled add.cu does not say where its parameters are"):
         Launcher(plan, tmp_path).compile()
     assert fake_gpu.log == []
+
+
+def test_dims_rounded_up_for_tiles_are_padded_in_and_cut_out(fake_gpu, tmp_path):
+    """A plan whose rows were rounded up for the kernels' tiles (`used`: the caller's shapes): the caller passes its
+    rows, the kernels see them followed by zero rows, and the outputs come back cut to the caller's rows."""
+    seen = []
+
+    def add(drv, threads, x, w, y, s):
+        seen.append(drv.view(x, np.float16).reshape(8, 64).copy())
+        fake_add(drv, threads, x, w, y, s)
+    fake_gpu.kernels["add"] = add
+    plan = gpu_plan(tmp_path)
+    for name in ("X", "W", "Y"):
+        plan["tensors"][name]["used"] = [5, 64]
+    inputs = {n: a[:5] for n, a in gpu_inputs().items()}
+    out = Launcher(plan, tmp_path)(**inputs)
+    assert out["Y"].shape == (5, 64) and out["Y"].flags.c_contiguous and out["S"].shape == (1,)
+    x, w = (inputs[n].astype(np.float64) for n in ("X", "W"))
+    assert check(out["Y"], x + 2 * w)["passed"]
+    assert np.array_equal(seen[0][:5], inputs["X"]) and not seen[0][5:].any()  # zeros past the caller's rows
+    with pytest.raises(PlanError, match=r"input 'X' has shape \(8, 64\); the program expects \(5, 64\)"):
+        Launcher(plan, tmp_path)(**gpu_inputs())
+    assert rt.random_inputs(plan)["X"].shape == (5, 64)
 
 
 def test_plan_literal_round_trips():

@@ -50,6 +50,10 @@ def problems(plan) -> str | None:
         shape, dtype = (spec.get("shape"), spec.get("dtype")) if isinstance(spec, dict) else (None, None)
         if not (isinstance(shape, list) and all(_positive_int(n) for n in shape)):
             found.append(f"tensor '{name}': shape must be a list of positive ints, not {shape!r}")
+        elif "used" in spec and not (isinstance(u := spec["used"], list) and len(u) == len(shape)
+                                     and all(_positive_int(n) and n <= m for n, m in zip(u, shape))):
+            found.append(f"tensor '{name}': used (its first rows, as the caller passes it) must be a list of positive "
+                         f"ints, one a dim, none past its shape {shape}, not {spec['used']!r}")
         if dtype not in DTYPES:
             found.append(f"tensor '{name}': dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     for role in ("inputs", "outputs"):
@@ -63,6 +67,13 @@ def problems(plan) -> str | None:
     for i, kernel in enumerate(plan["kernels"]):
         found += _kernel_problems(i, kernel, tensors, plan["inputs"])
     return f"plan for '{plan['program']}' is malformed:\n  " + "\n  ".join(found) if found else None
+
+
+def used(spec: dict) -> tuple[int, ...]:
+    """A tensor's shape as the caller passes or gets it: the kernels' (`shape`), or, where the compile rounded dims
+    up for its tiles (`pipeline.padding`), the first rows of it (`used`): the rest of an input is zeros, the rest
+    of an output is dropped."""
+    return tuple(spec.get("used", spec["shape"]))
 
 
 def _positive_int(n) -> bool:
@@ -196,3 +207,21 @@ def argument_format(layout: list[tuple[int, int]] | None, sizes: list[int]) -> s
         form += (f"{offset - at}x" if offset > at else "") + (f"{size}s" if size == MAP_BYTES else "Q")
         at = offset + size
     return form
+
+
+def kernel_arguments(cubin: bytes, kernel: dict) -> tuple[str, str | None]:
+    """(the struct format pycuda packs a plan kernel's parameters by, what is wrong with them or None): its tensor
+    maps, its tensors' pointers and its tile counters' at the offsets its `cubin` gives (`parameter_layout`,
+    `argument_format`), a map's not where packing them one after another would put them; where the cubin does
+    not say, pointers alone one after another (the offsets of a kernel without maps), and a kernel with maps is
+    refused, as is one whose cubin takes other parameters than the plan passes."""
+    maps = len(kernel.get("maps", []))
+    sizes = [MAP_BYTES] * maps + [POINTER_BYTES] * (len(kernel["args"]) + bool(kernel.get("tickets")))
+    layout = parameter_layout(cubin, kernel["function"])
+    form = argument_format(layout, sizes)
+    if form is not None or (layout is None and not maps):
+        return form or "P" * len(sizes), None
+    found = "does not say where its parameters are" if layout is None else \
+        f"takes {len(layout)} parameters of {', '.join(str(size) for _, size in layout)} bytes"
+    return "", (f"kernel '{kernel['name']}': the compiled {kernel['file']} {found}; the plan passes {maps} tensor "
+                f"map(s) of {MAP_BYTES} bytes, then {len(sizes) - maps} pointer(s)")

@@ -13,6 +13,8 @@ Inputs, decided once for every entry point:
   a PlanError unless the launcher or `marshal` is given `cast=True`. Integer and bool arrays are always
   refused. Lists and scalars carry no dtype of their own and are converted as if cast=True.
 - numpy inputs are copied to the device (any memory layout will do); outputs come back as numpy, bf16 as float32.
+- where the compile rounded a dim up for its tiles, the caller passes and gets the plan's `used` shapes: the
+  inputs are padded with zeros (a copy), the outputs cut to their first rows (`cuda_plan.used`).
 - torch tensors on the CPU are treated as numpy arrays. torch CUDA tensors are passed by pointer, without a
   copy: they must be contiguous, 16-byte aligned, on the launcher's device and of the exact dtype (torch.bfloat16
   for bf16; with cast=True a wrong dtype is converted with one copy). Outputs are then torch CUDA tensors.
@@ -133,12 +135,16 @@ def validate_plan(plan) -> None:
 def random_inputs(plan: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Standard-normal inputs in the dtypes a numpy caller passes without cast=True."""
     rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal(_shape(plan, name)).astype(HOST[plan["tensors"][name]["dtype"]])
+    return {name: rng.standard_normal(_plan.used(plan["tensors"][name])).astype(HOST[plan["tensors"][name]["dtype"]])
             for name in plan["inputs"]}
 
 
 def _shape(plan: dict, name: str) -> tuple[int, ...]:
     return tuple(plan["tensors"][name]["shape"])
+
+
+def _first(plan: dict, name: str) -> tuple[slice, ...]:  # the caller's rows of the kernels' tensor (`cuda_plan.used`)
+    return tuple(slice(0, n) for n in _plan.used(plan["tensors"][name]))
 
 
 def _nbytes(plan: dict, name: str) -> int:
@@ -178,7 +184,7 @@ def _check_names(plan: dict, given) -> None:
 
 
 def _check_shape(plan: dict, name: str, shape) -> None:
-    if tuple(shape) != (want := _shape(plan, name)):
+    if tuple(shape) != (want := _plan.used(plan["tensors"][name])):
         raise PlanError(f"input '{name}' has shape {tuple(shape)}; the program expects {want}")
 
 
@@ -207,7 +213,12 @@ def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
         wanted = "float32 (rounded to bf16 on the way in)" if dtype == "bf16" else str(HOST[dtype])
         raise PlanError(f"input '{name}' is {value.dtype}; the program stores it as {dtype}: "
                         f"pass {wanted}, or any float array with cast=True (a launcher's get_launcher(cast=True))")
-    return to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
+    value = to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
+    if "used" not in plan["tensors"][name]:
+        return value
+    full = np.zeros(_shape(plan, name), value.dtype)  # dims rounded up for tiles: zeros past the caller's rows
+    full[_first(plan, name)] = value
+    return full
 
 
 def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
@@ -223,6 +234,10 @@ def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
             raise PlanError(f"input '{name}' is {t.dtype}; the program stores it as {dtype}: pass {want}, "
                             "or any float tensor with cast=True (a launcher's get_launcher(cast=True); one copy)")
         t = t.to(want)
+    if "used" in plan["tensors"][name]:  # dims rounded up for tiles: zeros past the caller's rows (one copy)
+        full = torch.zeros(_shape(plan, name), dtype=want, device=t.device)
+        full[_first(plan, name)] = t
+        return full
     if not t.is_contiguous():
         raise PlanError(f"tensor '{name}' is not contiguous; pass {name}.contiguous()")
     if t.data_ptr() % ALIGNMENT:
@@ -283,8 +298,7 @@ class Launcher:
             self._spin = spin.get_function("prism_spin")
             self._spin.prepare("q")
 
-    def _compile_file(self, nvcc, drv, kernel: str, path: Path, target: dict) -> bytes:
-        """The cubin of the kernel file at `path` (pycuda's `compiler.compile`, as its SourceModule compiles)."""
+    def _compile_file(self, nvcc, drv, kernel: str, path: Path, target: dict) -> bytes:  # pycuda's compile: a cubin
         try:
             source = path.read_text()
         except OSError as err:
@@ -309,19 +323,10 @@ class Launcher:
         if kernel.get("tickets"):  # a counter per tile whose pieces it combines: zero between launches, so zeroed once
             self._tickets[kernel["name"]] = drv.mem_alloc(4 * kernel["tickets"])
             drv.memset_d32(self._tickets[kernel["name"]], 0, kernel["tickets"])
-        # the parameters at the offsets the compiled code reads (`cuda_plan.parameter_layout`): a tensor map's are
-        # not where packing them one after another would put them
-        sizes = [_plan.MAP_BYTES] * len(kernel.get("maps", [])) + \
-            [_plan.POINTER_BYTES] * (len(kernel["args"]) + bool(kernel.get("tickets")))
-        layout = _plan.parameter_layout(cubin, kernel["function"])
-        form = _plan.argument_format(layout, sizes)
-        if form is None and (layout is not None or kernel.get("maps")):
-            found = "does not say where its parameters are" if layout is None else \
-                f"takes {len(layout)} parameters of {', '.join(str(size) for _, size in layout)} bytes"
-            raise PlanError(f"kernel '{kernel['name']}': the compiled {kernel['file']} {found}; the plan passes "
-                            f"{len(kernel.get('maps', []))} tensor map(s) of {_plan.MAP_BYTES} bytes, then "
-                            f"{len(sizes) - len(kernel.get('maps', []))} pointer(s)")
-        fn.prepare(form or "P" * len(sizes))  # pointers alone: one after another
+        form, problem = _plan.kernel_arguments(cubin, kernel)  # each parameter where the compiled code reads it
+        if problem:
+            raise PlanError(problem)
+        fn.prepare(form)
         return fn
 
     def __call__(self, **inputs) -> dict:
@@ -343,8 +348,9 @@ class Launcher:
             self._launch(drv, ptrs)
             if torch_mode:
                 drv.Context.synchronize()  # so torch work on any stream sees finished outputs
-                return {name: data[name] for name in self.plan["outputs"]}
-            return {name: self._download(drv, name, ptrs[name]) for name in self.plan["outputs"]}
+                return {name: data[name][_first(self.plan, name)].contiguous() for name in self.plan["outputs"]}
+            return {name: np.ascontiguousarray(self._download(drv, name, ptrs[name])[_first(self.plan, name)])
+                    for name in self.plan["outputs"]}
 
     def _bind_inputs(self, inputs: dict):
         """(True, checked torch CUDA tensors) or (False, marshalled numpy arrays); mixing the two is refused."""

@@ -249,3 +249,37 @@ def rebuild(n: Node, args: Sequence[Node]) -> Node:
     """`n`'s op (and a reduction's dim) over other operands."""
     kind = OPS[n.op].kind
     return build(n.op, args, [n.attr] if kind in (Kind.REDUCE, Kind.POSITION) else list(n.attr) if kind is Kind.TRANSPOSE else [])
+
+
+def independent_dims(nodes: Sequence[Node]) -> set[sympy.Symbol]:
+    """The dims along which every value of a program (its `nodes`) is computed element by element: no product
+    contracts them, no reduction or row-wise op (a norm, a softmax, RoPE's partners) works along them, no mask
+    places by them. Such a dim indexes independent rows: computed over more of them, the first ones are as
+    before, which lets a compile round it up to a size its tiles divide (`pipeline.padding`). Empty where the
+    program has custom kernels (their tiles and loops are not looked into)."""
+    seen: set[sympy.Symbol] = set()
+    bound: set[sympy.Symbol] = set()
+
+    def along(n: Node, *dims: int) -> None:
+        bound.update(*(n.shape[d].free_symbols for d in dims if -n.rank <= d < n.rank))
+
+    for n in nodes:
+        seen.update(*(s.free_symbols for s in n.shape if isinstance(s, sympy.Basic)))
+        kind = OPS[n.op].kind
+        if kind in (Kind.ACCUMULATE, Kind.TILE, Kind.KERNEL, Kind.SPLIT, Kind.CONCAT, Kind.POSITION):
+            return set()
+        if any(isinstance(s, sympy.Basic) and not isinstance(s, sympy.Symbol) and s.free_symbols for s in n.shape):
+            bound.update(*(s.free_symbols for s in n.shape if isinstance(s, sympy.Basic)))  # a size made of dims
+        if kind is Kind.MATMUL:
+            a, b = n.args
+            along(a, -1)
+            along(b, -2 if b.rank > 1 else -1)
+        elif kind is Kind.REDUCE:
+            along(n.args[0], n.attr)
+        elif kind is Kind.ROWWISE:
+            for a in n.args:
+                along(a, -1)
+        elif kind is Kind.MASK:
+            for a in n.args:
+                along(a, -1, -2)
+    return seen - bound

@@ -13,6 +13,7 @@ search never end in "cannot write".
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,6 +36,7 @@ from ..semantics.reference import bind_dims
 from .build import (Build, BuildOptions, compile_check, count_banks, dims_of, emulate, measure, price, pricing, render,
                     tune)
 from . import optimize as optimize_
+from . import padding
 from .optimize import TOP, Outcome, gpu_timer, optimize
 from .output import check_output, contents, write
 from .report import Alternative, Checked, HardwareUsed, KernelReport, NvccCheck, Report, Searched, Skipped
@@ -81,7 +83,7 @@ def compile_program(request: Request) -> Report:
         check_device(request.hardware)
     check_output(request.output)
     check_compilable(request.program)  # before minutes of search
-    outcome = search(request)
+    request, outcome = _sized(request)
     tries = [0] if outcome is None else _tries(outcome)
     failed: list[dict] = []
     built: tuple[int, Report, dict[str, str]] | None = None  # the first program built, should none pass its check
@@ -118,6 +120,40 @@ def compile_program(request: Request) -> Report:
         outcome.search["failed_check"] = failed  # report.json's search, and the summary, say so
     write(request.output, {**texts, "report.json": report.to_json()})
     return report
+
+
+def _sized(request: Request) -> tuple[Request, Outcome | None]:
+    """The request at the dims it is built for, and its search's outcome there: the dims given, or independent
+    dims no tile divides rounded up where that is faster by the model, copies included (`padding`)."""
+    outcome = search(request)
+    binding = bind_dims(request.program, dict(request.options.dims))
+    given = {d.name: int(binding[d.symbol]) for d in request.program.dims}
+    tries = [] if request.options.grid or request.options.loop else padding.candidates(request.program, given)
+    if not tries:
+        return request, outcome
+    best = (_estimate(request, outcome), request, outcome)
+    for rounded in tries:
+        sized = replace(request, options=replace(request.options, dims={**request.options.dims, **rounded},
+                                                 padded={name: given[name] for name in rounded}))
+        try:
+            found = search(sized)
+            us = _estimate(sized, found) + padding.copy_us(request.program, given, rounded, request.hardware)
+        except PrismError:
+            continue
+        if us < best[0] * (1 - padding.MARGIN):
+            best = (us, sized, found)
+    return best[1], best[2]
+
+
+def _estimate(request: Request, outcome: Outcome | None) -> float:
+    """The model's time for what `request` would build: the search's fastest, or the program as written tuned."""
+    if outcome is not None:
+        return outcome.ranked[0].estimated_us
+    try:
+        tuned = tune(lowered_for(request.program, {}), request.program, request.hardware, request.options)
+    except PrismError:
+        return math.inf
+    return sum(e.time_us for e in tuned.estimates)
 
 
 def _tries(outcome: Outcome) -> list[int]:
@@ -231,11 +267,12 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
         for r in built.kernels)
     return Report(built.program.name, HardwareUsed(built.hardware.name, built.hardware.arch), chosen.options.rank,
                   dims_of(built), built.params, kernels, round(sum(e.time_us for e in built.estimates), 3),
-                  roofline.roofline(built.reference, {**bind_dims(built.reference, dims_of(built)), **built.binding},
+                  roofline.roofline(built.reference, {**built.binding, **bind_dims(built.reference, {  # the sizes given
+                                                          **dims_of(built), **built.padded})},
                                     built.hardware),  # the parameters too: an output's shape may hold a grid size
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
-                  counted if isinstance(counted, Skipped) else None)
+                  counted if isinstance(counted, Skipped) else None, dict(built.padded))
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -194,6 +194,7 @@ class Report:
     codegen: Mapping | None = None  # the code generator's options (`CodegenConfig`: --threads, --stages, ...)
     priced: str = "the code's structure"  # what the estimates were priced from (`build.pricing`)
     banks: Skipped | None = None  # why the count `--banks` asked for did not run
+    padded: Mapping[str, int] = field(default_factory=dict)  # dims built rounded up (`padding`): the sizes given
 
     @property
     def verified(self) -> bool:
@@ -227,6 +228,9 @@ def summary(report: Report, out: Path) -> str:
     """The report in words, for the terminal."""
     lines = [f"{report.program} -> {out}/ (hardware {report.hardware.name}, "
              f"dims {', '.join(f'{k}={v}' for k, v in report.dims.items()) or 'none'})"]
+    if report.padded:  # `padding`
+        lines.append("  built for " + ", ".join(f"{k}={report.dims[k]} (given {v})" for k, v in report.padded.items())
+                     + ": tiles divide that; the launcher pads the inputs with zeros and returns the first rows")
     gpu = report.checked.gpu  # where a time was measured
     for k in report.kernels:
         nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})

@@ -1,0 +1,56 @@
+"""Dims rounded up for tiles: the sizes a compile is built for, where no tile divides the size given.
+
+Where it sits: before the search (`compile.compile_program`). Every split of a dim must be exact (a tile is
+`D / g / F`), so a prompt of 4099 tokens leaves the projections at prefill one row a tile, on the plain f32
+path: rmsnorm_linear at n = 4099, d = 4096 is 7421 us by the model, 29.6 times its 250.9 at n = 4096 (at
+n = 4100, 23 times; at 4104 and 4000, 1.5 times, with tiles of 8 and 32 rows). But a dim along which the
+program computes element by element (`ir.shapes.independent_dims`: the rows of a projection, attention's
+queries) may be built larger: the first D rows of every value are what they would be at D, whatever the rows
+past them hold. So for each such dim past ROUNDING that ROUNDING does not divide, the program is also
+searched (from the checkpoint: tuning only) at that dim rounded up to a multiple of each quantum in QUANTA,
+and built at the size whose estimate, with the copies that pad the inputs and cut the outputs
+(`copy_us`), beats the size given by more than MARGIN. The runtime plan gives every tensor's shape as the
+kernels see it and, where a dim was rounded, as the caller passes it (`used`): the launcher pads the inputs
+with zeros and hands back the first rows of the outputs (`backend.cuda_runtime`). The emulation and the
+checks run at the size built, on inputs of that size; the roofline floor is the size given's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..ir.nodes import Program
+from ..ir.shapes import independent_dims
+from ..kernels.hardware import Hardware
+from ..semantics.reference import bind_dims, concrete_shape
+
+ROUNDING = 64  # a dim this divides is left as it is (wgmma's rows, two tiles of 32 columns)
+QUANTA = (64, 128)  # the multiples tried, a dim at a time rounded to each
+MARGIN = 0.1  # the share of the estimate a rounded size must save
+
+
+def candidates(program: Program, dims: dict[str, int]) -> list[dict[str, int]]:
+    """The dims to try besides `dims` (given, by name): every independent dim past ROUNDING that it does not
+    divide rounded up to each quantum of QUANTA (together); none where no dim is so."""
+    binding = bind_dims(program, dims)
+    free = {d.symbol for d in program.dims} & independent_dims(program.nodes())
+    sizes = {d.name: int(binding[d.symbol]) for d in program.dims if d.symbol in free}
+    ragged = {name: n for name, n in sizes.items() if n > ROUNDING and n % ROUNDING}
+    tries = [{name: -(-n // q) * q for name, n in ragged.items()} for q in QUANTA]
+    return [t for i, t in enumerate(tries) if t and t not in tries[:i]]
+
+
+def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hardware: Hardware) -> float:
+    """What padding costs a call at `padded` (dims by name): each input and output with a rounded dim copied
+    once more at its rounded size (on the device where the caller's tensors are there), a launch each."""
+    if not padded:
+        return 0.0
+    rounded = bind_dims(program, {**dims, **padded})
+    given = bind_dims(program, dims)
+    moved = copies = 0
+    for n in [*program.inputs, *(node for _, node in program.outputs)]:
+        shape = concrete_shape(n.shape, rounded)
+        if shape != concrete_shape(n.shape, given):
+            moved += math.prod(shape) * (n.dtype.bytes if n.dtype else 4)
+            copies += 1
+    return copies * hardware.launch_overhead_us + moved / (hardware.bandwidth_gbs * 1e3)

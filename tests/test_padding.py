@@ -1,0 +1,64 @@
+"""Dims rounded up for tiles (`pipeline.padding`): which dims may be (`ir.shapes.independent_dims`), which sizes are
+tried, and a compile built at the rounded size and checked against the reference at it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prism_dsl.cli.main import main
+from prism_dsl.ir.shapes import independent_dims
+from prism_dsl.lang.check import load
+from prism_dsl.pipeline.padding import candidates
+from test_codegen import ROOT, needs_cxx
+
+
+@pytest.mark.parametrize("name, free", [
+    ("rmsnorm_linear", {"n"}), ("llama_mlp", {"n"}), ("gpt2_mlp", {"n"}),  # the rows of the projections
+    ("attention", {"b", "h", "q"}), ("qk_norm_attention", {"b", "h", "q"}),  # not the keys: softmax runs along them
+    ("causal_attention", {"b", "h"}),  # the mask places by the queries' and the keys' positions
+    ("lora", {"n", "m"}),  # the output's columns too: nothing contracts them
+    ("gqa_decode", {"b", "hk", "g"}),
+    ("fused/attention", set()),  # custom kernels: not looked into
+])
+def test_the_dims_a_program_computes_element_by_element(name, free):
+    program = load(ROOT / "programs" / f"{name}.prism").program()
+    assert {s.name for s in independent_dims(program.nodes())} == free
+
+
+def test_a_reduction_along_a_dim_or_a_product_contracting_it_binds_it(write):
+    program = load(write("dims n = 8, d = 64\nprogram p(X: f16[n, d], W: f16[n, d]) {\n"
+                         "    Y = sum(X, 0) + transpose(W, 0, 1) @ X\n    return Y\n}\n")).program()
+    assert {s.name for s in independent_dims(program.nodes())} == {"d"}  # the rows of the product: free
+
+
+def test_sizes_tried_for_a_dim_no_tile_divides():
+    program = load(ROOT / "programs" / "rmsnorm_linear.prism").program()
+    assert candidates(program, {"n": 4099, "d": 4096}) == [{"n": 4160}, {"n": 4224}]
+    assert candidates(program, {"n": 4096, "d": 4096}) == [] and candidates(program, {"n": 8, "d": 4096}) == []
+    assert candidates(program, {"n": 4100, "d": 4099}) == [{"n": 4160}, {"n": 4224}]  # d is contracted: as given
+    assert candidates(program, {"n": 130, "d": 256}) == [{"n": 192}, {"n": 256}]
+    assert candidates(program, {"n": 200, "d": 256}) == [{"n": 256}]  # one size for both quanta
+
+
+@needs_cxx
+def test_a_compile_at_rows_no_tile_divides_is_built_for_more_and_checked(tmp_path, capsys):
+    """rmsnorm_linear as written at 131 rows: built for 192, the rows past 131 zeros to the launcher, its estimate
+    under the one at 131; checked in the emulation at 192 against the reference; the floor is the 131 rows'."""
+    out = tmp_path / "out"
+    args = ["compile", str(ROOT / "programs" / "rmsnorm_linear.prism"), "--search", "none", "--arch", "none", "--dims"]
+    assert main([*args, "n=131,d=1024", "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["dims"] == {"n": 192, "d": 1024} and report["padded"] == {"n": 131} and report["verified"]
+    assert "built for n=192 (given 131)" in said
+    text = (out / "launcher.py").read_text()
+    assert "'X': {'shape': [192, 1024], 'dtype': 'f16', 'used': [131, 1024]}" in text
+    assert "'Y': {'shape': [192, 1024], 'dtype': 'f16', 'used': [131, 1024]}" in text
+    assert main([*args, "n=192,d=1024", "-o", str(tmp_path / "at192"), "--no-emulate"]) == 0
+    at192 = json.loads((tmp_path / "at192" / "report.json").read_text())
+    assert report["estimated_us"] == at192["estimated_us"] and report["roofline"]["floor_us"] < at192["roofline"]["floor_us"]
+    assert main([*args, "n=131,d=1024", "--grid", "gx_Y=8", "-o", str(tmp_path / "given"), "--no-emulate"]) == 0
+    given = json.loads((tmp_path / "given" / "report.json").read_text())
+    assert given["padded"] == {}  # parameters given are for the dims given
