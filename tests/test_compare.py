@@ -119,6 +119,17 @@ def test_an_output_past_f16s_range_passes_and_the_summary_says_so(tmp_path, caps
     assert f"{y['overflow']} element(s) past f16's range in the reference, stored as its infinities" in said
 
 
+def test_the_roundings_of_an_output_cut_to_the_callers_rows_are_measured_on_those_rows():
+    """Where the build's rows were rounded up (`pipeline.padding`), the output judged is the caller's first rows,
+    and the rounded values (of every row built) are measured on the same rows."""
+    ref = np.linspace(1.0, 2.0, 12).reshape(3, 4)
+    rounded = np.vstack([ref * (1 + 0.03), np.full((2, 4), 1e6)])  # the rows past the caller's: anything
+    tol = Tolerance(0.01, lambda: {"Y": rounded})
+    assert tol.rounding("Y", ref) == pytest.approx(check(ref * 1.03, ref)["max_rel_err"])
+    judged = tol.judge("Y", ref * 1.04, ref)
+    assert judged["passed"] and judged["rtol"] == pytest.approx(2 * judged["rounding"])
+
+
 def test_check_takes_torch_tensors_bf16_included():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ref = np.array([1.0, -2.5, 3.25])
