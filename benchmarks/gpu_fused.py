@@ -55,7 +55,7 @@ from prism_dsl.kernels.hardware import for_device, hardware_names, load_hardware
 from prism_dsl.lang.check import load  # noqa: E402
 from prism_dsl.pipeline.build import rtol_of  # noqa: E402
 from prism_dsl.semantics.blocks import evaluate  # noqa: E402
-from prism_dsl.semantics.reference import bind_dims, concrete_shape, random_inputs  # noqa: E402
+from prism_dsl.semantics.reference import bind_dims, check_inputs, concrete_shape  # noqa: E402
 
 BATCH = 20  # calls between two events
 REPEAT = 30
@@ -105,12 +105,13 @@ def _launcher_module(out: Path):
 
 
 def input_sets(program, dims: dict, l2_bytes: int) -> list[dict]:
-    """Random inputs of the program as written, each rounded to its dtype (float64 arrays, as `prismc compile`
-    checks its kernels: `pipeline.build.check_inputs`), as many sets as span L2_SPAN times the L2 cache."""
+    """Random inputs of the program as written, each rounded to its dtype (float64 arrays), the weights scaled as
+    `prismc compile` checks its kernels (`semantics.reference.check_inputs`), as many sets as span L2_SPAN times
+    the L2 cache."""
     binding = bind_dims(program, dims)
     per_set = sum(math.prod(concrete_shape(n.shape, binding)) * n.dtype.bytes for n in program.inputs)
     count = max(3, min(16, math.ceil(L2_SPAN * l2_bytes / per_set)))
-    return [random_inputs(program, binding, seed) for seed in range(count)]
+    return [check_inputs(program, binding, seed) for seed in range(count)]
 
 
 def sdpa(torch, program: str, dims: dict):
@@ -141,7 +142,8 @@ def oracle(out: Path, hardware_name: str):
     program as written on the first set, (our output, its output) name pairs)."""
     launcher = _launcher_module(out)
     baseline = load(out / "baseline.prism").program()
-    dims = json.loads((out / "report.json").read_text())["dims"]
+    report = json.loads((out / "report.json").read_text())
+    dims = {**report["dims"], **(report.get("padded") or {})}  # the sizes the caller gives (`pipeline.padding`)
     sets = input_sets(baseline, dims, load_hardware(hardware_name).l2_bytes)
     reference = evaluate(baseline, sets[0], {}, hardware_name)
     pairs = list(zip(launcher.PLAN["outputs"], (name for name, _ in baseline.outputs)))  # paired by position
@@ -151,7 +153,8 @@ def oracle(out: Path, hardware_name: str):
 def tolerance(baseline, sets: list, hardware_name: str) -> Tolerance:
     """The checks' tolerance (`compare.Tolerance`): 1e-2 for these f16 programs, widened for an output that the
     roundings of its products' operands alone move further, the same for every implementation."""
-    return Tolerance(rtol_of(baseline), lambda: evaluate(baseline, sets[0], {}, hardware_name, rounded=True))
+    return Tolerance(rtol_of(baseline), lambda: evaluate(baseline, sets[0], {}, hardware_name, rounded=True),
+                     dtypes={name: n.dtype.value for name, n in baseline.outputs if n.dtype})
 
 
 def verdict(outputs: dict, reference: dict, pairs, tol: Tolerance) -> dict:
@@ -198,7 +201,7 @@ def run_case(out: Path) -> dict:
     eager = torch_function(baseline)
     call = lambda fn: lambda *xs: fn(**dict(zip(names, xs)))  # noqa: E731
     impls = [("torch eager", call(eager), device_sets), ("torch.compile", call(torch.compile(eager)), device_sets)]
-    if (attention := sdpa(torch, case["program"], report["dims"])) is not None:
+    if (attention := sdpa(torch, case["program"], {**report["dims"], **(report.get("padded") or {})})) is not None:
         attend, arrange = attention
         impls.append(("sdpa", lambda *xs: (attend(*xs),), [arrange(*xs) for xs in device_sets]))
     for impl, fn, arg_sets in impls:

@@ -56,9 +56,31 @@ def test_a_compile_at_rows_no_tile_divides_is_built_for_more_and_checked(tmp_pat
     text = (out / "launcher.py").read_text()
     assert "'X': {'shape': [192, 1024], 'dtype': 'f16', 'used': [131, 1024]}" in text
     assert "'Y': {'shape': [192, 1024], 'dtype': 'f16', 'used': [131, 1024]}" in text
+    assert main(["verify", str(out)]) == 0  # the directory as built, the caller's shapes in its plan
     assert main([*args, "n=192,d=1024", "-o", str(tmp_path / "at192"), "--no-emulate"]) == 0
     at192 = json.loads((tmp_path / "at192" / "report.json").read_text())
     assert report["estimated_us"] == at192["estimated_us"] and report["roofline"]["floor_us"] < at192["roofline"]["floor_us"]
     assert main([*args, "n=131,d=1024", "--grid", "gx_Y=8", "-o", str(tmp_path / "given"), "--no-emulate"]) == 0
     given = json.loads((tmp_path / "given" / "report.json").read_text())
     assert given["padded"] == {}  # parameters given are for the dims given
+
+
+def test_the_rounded_sizes_rank_what_the_one_search_proved(tmp_path, capsys, monkeypatch):
+    """With the search, the dims given are searched once; each rounded size ranks the programs that search proved
+    (and the program as written) again, without a second search, each keeping the proof it had."""
+    from prism_dsl.pipeline import compile as compile_
+
+    calls = []
+    real = compile_.optimize
+
+    def counted(program, library, hardware, binding, **kw):
+        calls.append({s.name: v for s, v in binding.items()})
+        return real(program, library, hardware, binding, **kw)
+    monkeypatch.setattr(compile_, "optimize", counted)
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    assert main(["compile", str(ROOT / "programs" / "rmsnorm_linear.prism"), "--arch", "none", "--no-emulate",
+                 "--dims", "n=131,d=1024", "-o", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [c["n"] for c in calls] == [131] and report["padded"] == {"n": 131} and report["dims"]["n"] in (192, 256)
+    assert report["search"]["complete"] and report["proved"]

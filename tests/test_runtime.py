@@ -295,6 +295,17 @@ def test_dims_rounded_up_for_tiles_are_padded_in_and_cut_out(fake_gpu, tmp_path)
     assert rt.random_inputs(plan)["X"].shape == (5, 64)
 
 
+def test_a_bf16_array_of_ml_dtypes_is_padded_too():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed")
+    plan = make_plan(tensors={"X": {"shape": [4, 192], "dtype": "bf16", "used": [4, 130]},
+                              "W": {"shape": [4, 192], "dtype": "bf16", "used": [4, 130]},
+                              "Y": {"shape": [4, 192], "dtype": "f32", "used": [4, 130]}})
+    x = np.arange(520, dtype=np.float32).reshape(4, 130)
+    got = marshal(plan, {"X": x.astype(ml_dtypes.bfloat16), "W": x}, cast=True)
+    assert got["X"].shape == got["W"].shape == (4, 192) and np.array_equal(got["X"], got["W"])
+    assert not got["X"][:, 130:].any()
+
+
 def test_plan_literal_round_trips():
     plan = make_plan()
     assert ast.literal_eval(format_plan(plan)) == plan

@@ -208,12 +208,13 @@ def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
     if value.dtype.kind != "f" and value.dtype.name != "bfloat16":
         raise PlanError(f"input '{name}' is {value.dtype}; the program expects real floating-point data ({dtype})")
     if value.dtype.name == "bfloat16" and dtype == "bf16":  # an ml_dtypes array already holds the bits
-        return np.ascontiguousarray(value).view(np.uint16)
-    if value.dtype != HOST[dtype] and not cast:
+        value = np.ascontiguousarray(value).view(np.uint16)
+    elif value.dtype != HOST[dtype] and not cast:
         wanted = "float32 (rounded to bf16 on the way in)" if dtype == "bf16" else str(HOST[dtype])
         raise PlanError(f"input '{name}' is {value.dtype}; the program stores it as {dtype}: "
                         f"pass {wanted}, or any float array with cast=True (a launcher's get_launcher(cast=True))")
-    value = to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
+    else:
+        value = to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
     if "used" not in plan["tensors"][name]:
         return value
     full = np.zeros(_shape(plan, name), value.dtype)  # dims rounded up for tiles: zeros past the caller's rows

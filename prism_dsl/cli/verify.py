@@ -149,8 +149,10 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     if unknown := sorted(set(report["parameters"]) - names[0]) + sorted(set(compiled_dims) - names[1]):
         raise PrismError(f"'{directory}/report.json' names what its program does not have ({', '.join(unknown)}): "
                          "the directory was changed after it was compiled")
+    padded = report.get("padded") or {}  # dims the compile rounded up for its tiles: the sizes given
     options = BuildOptions(dims={**compiled_dims, **dims}, grid=grid, loop=loop,
-                           params=report["parameters"] if on_disk else {}, archs=(), codegen=_codegen(report))
+                           params=report["parameters"] if on_disk else {}, archs=(), codegen=_codegen(report),
+                           padded=padded if on_disk and isinstance(padded, dict) else {})
     built = build(program, hardware, options)
     header = None
     if on_disk:

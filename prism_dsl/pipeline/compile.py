@@ -135,8 +135,10 @@ def _sized(request: Request) -> tuple[Request, Outcome | None]:
     for rounded in tries:
         sized = replace(request, options=replace(request.options, dims={**request.options.dims, **rounded},
                                                  padded={name: given[name] for name in rounded}))
-        try:
-            found = search(sized)
+        try:  # the search's programs ranked again there, not searched again
+            found = None if outcome is None else padding.retuned(
+                outcome, request.program, bind_dims(request.program, dict(sized.options.dims)), request.hardware,
+                request.options.codegen, request.search.use_cache, request.search.jobs)
             us = _estimate(sized, found) + padding.copy_us(request.program, given, rounded, request.hardware)
         except PrismError:
             continue

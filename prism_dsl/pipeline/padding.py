@@ -7,9 +7,10 @@ n = 4100, 23 times; at 4104 and 4000, 1.5 times, with tiles of 8 and 32 rows). B
 program computes element by element (`ir.shapes.independent_dims`: the rows of a projection, attention's
 queries) may be built larger: the first D rows of every value are what they would be at D, whatever the rows
 past them hold. So for each such dim past ROUNDING that ROUNDING does not divide, the program is also
-searched (from the checkpoint: tuning only) at that dim rounded up to a multiple of each quantum in QUANTA,
-and built at the size whose estimate, with the copies that pad the inputs and cut the outputs
-(`copy_us`), beats the size given by more than MARGIN. The runtime plan gives every tensor's shape as the
+ranked again at that dim rounded up to a multiple of each quantum in QUANTA (the programs its search proved,
+and the program as written, tuned there: `retuned`; the search is not run again), and built at the size whose
+estimate, with the copies that pad the inputs and cut the outputs (`copy_us`), beats the size given by more
+than MARGIN. The runtime plan gives every tensor's shape as the
 kernels see it and, where a dim was rounded, as the caller passes it (`used`): the launcher pads the inputs
 with zeros and hands back the first rows of the outputs (`backend.cuda_runtime`). The emulation and the
 checks run at the size built, on inputs of that size; the roofline floor is the size given's.
@@ -19,10 +20,13 @@ from __future__ import annotations
 
 import math
 
+from ..backend.codegen import CodegenConfig
 from ..ir.nodes import Program
 from ..ir.shapes import independent_dims
 from ..kernels.hardware import Hardware
+from ..search.driver import default_jobs
 from ..semantics.reference import bind_dims, concrete_shape
+from . import optimize
 
 ROUNDING = 64  # a dim this divides is left as it is (wgmma's rows, two tiles of 32 columns)
 QUANTA = (64, 128)  # the multiples tried, a dim at a time rounded to each
@@ -54,3 +58,18 @@ def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hard
             moved += math.prod(shape) * (n.dtype.bytes if n.dtype else 4)
             copies += 1
     return copies * hardware.launch_overhead_us + moved / (hardware.bandwidth_gbs * 1e3)
+
+
+def retuned(outcome: optimize.Outcome, program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig,
+            use_cache: bool = True, jobs: int | None = None) -> optimize.Outcome:
+    """`outcome`'s programs (what its search proved that fit the dims given, and `program` as written) ranked again
+    at `binding` (dims rounded up), each keeping the proof it had (one from a checkpoint is proved again only
+    where it is built, as before): `optimize`'s ranking, not its search. Raises PrismError where none fits."""
+    how = optimize.Choosing(binding, hardware, codegen, use_cache=use_cache)
+    found = [r for r in outcome.ranked if not r.as_written]
+    proved = {id(r.program): r.proved for r in found}
+    with optimize._rankers([*(r.program for r in found), program], how, jobs or default_jobs()) as futures:
+        ranked, info = optimize._choose(program, [r.program for r in found], how, None, futures)
+    for r in ranked:  # `_choose` without a prover takes them as proved: they keep what they had
+        r.proved = r.as_written or proved[id(r.program)]
+    return optimize.Outcome(ranked[0], ranked, {**outcome.search, **info}, outcome.from_checkpoint)
