@@ -277,8 +277,9 @@ def tolerance_of(built: Tuned, inputs: Mapping[str, np.ndarray]) -> compare.Tole
 
 
 def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
-    """The inputs the checks run `built` on (`reference.check_inputs`: its weights scaled as a layer's are)."""
-    return reference_inputs(built.source, bind_dims(built.source, dims_of(built)), seed)
+    """The inputs the checks run `built` on (`reference.check_inputs`: the weights of the program the user gave
+    scaled as a layer's are, so that every program the search proved is checked on the same arrays)."""
+    return reference_inputs(built.reference, bind_dims(built.reference, dims_of(built)), seed)
 
 
 def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int) -> dict:

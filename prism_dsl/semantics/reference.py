@@ -324,7 +324,7 @@ def check_inputs(program: Program, binding: Binding, seed: int = 0) -> dict[str,
     then stay about as large as its left operand's, where standard-normal weights grow them by that root at every
     product, and a gated MLP of projections of 4096 and 11008 would put most of its f16 output past 65504. The
     values are drawn first and rounded again after the division: the arrays are `random_inputs`' but for the
-    weights' scale, and a program and its fused form get the same ones."""
+    weights' scale."""
     inputs = random_inputs(program, binding, seed)
     dtypes = {n.attr: n.dtype for n in program.inputs}
     fan_in = {name: max(concrete_shape(sizes, binding)) for name, sizes in weights(program).items()}
