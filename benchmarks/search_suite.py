@@ -111,7 +111,7 @@ def _split(program) -> bool:
 
 
 def jobs_compare(only: str | None) -> None:
-    """The recompile at the other dims, tuned in one process and in two (`optimize._rankers`), twice each."""
+    """The recompile at the other dims, tuned in one process and in two (`optimize.rankers`), twice each."""
     import shutil
 
     from prism_dsl.kernels.hardware import load_hardware

@@ -566,7 +566,7 @@ def test_between_equal_estimates_the_program_that_keeps_more_sms_busy_is_chosen(
     fast, few, many, same, written = "fast", "few", "many", "same", "written"
     table = {fast: (9.0, 8), few: (10.0, 40), many: (30.3 - 20.2 - 0.1, 132), same: (10.0, 64), written: (10.0, 64)}
     monkeypatch.setattr(opt, "rank", lambda p, *_: opt.Ranked(p, {}, *table[p]))
-    ranked, _ = opt._choose(written, [few, same, many, fast], opt.Choosing({}, H100), None)
+    ranked, _ = opt.choose_ranked(written, [few, same, many, fast], opt.Choosing({}, H100), None)
     assert [r.program for r in ranked] == [fast, many, written, same, few]
 
 
@@ -776,7 +776,7 @@ def test_compile_no_split(library, tmp_path, capsys):
 
 
 def test_forked_rankers_give_the_ranking_one_process_gives(library, monkeypatch, capsys):
-    """`--jobs 2` tunes the proved programs in two forked processes (`optimize._rankers`): the same programs,
+    """`--jobs 2` tunes the proved programs in two forked processes (`optimize.rankers`): the same programs,
     parameters and estimates, in the same order, as one process, and the same warnings, printed by this one.
     (A test runner's own threads would make it rank in one process, as it must with other threads running;
     they are out of this child's way.)"""
@@ -792,7 +792,7 @@ def test_forked_rankers_give_the_ranking_one_process_gives(library, monkeypatch,
     for entry in entries:
         entry.write_text("{")
     pools = []
-    rankers = opt._rankers
+    rankers = opt.rankers
 
     @contextlib.contextmanager
     def spy(programs, how, jobs):
@@ -801,7 +801,7 @@ def test_forked_rankers_give_the_ranking_one_process_gives(library, monkeypatch,
             yield futures
 
     monkeypatch.setattr(opt.threading, "active_count", lambda: 1)
-    monkeypatch.setattr(opt, "_rankers", spy)
+    monkeypatch.setattr(opt, "rankers", spy)
     capsys.readouterr()
     two = optimize(src, library, H100, binding, jobs=2)
     assert pools and None not in pools and two.from_checkpoint
@@ -829,7 +829,7 @@ def test_forked_rankers_give_the_ranking_one_process_gives(library, monkeypatch,
     shutil.rmtree(Path(os.environ["PRISM_CACHE_DIR"]) / "tuning")
     assert ranking(optimize(src, library, H100, binding, jobs=2)) == ranking(one)
     monkeypatch.setattr(opt.threading, "active_count", lambda: 3)
-    with opt._rankers([src, src], opt.Choosing(binding, H100), 2) as futures:
+    with opt.rankers([src, src], opt.Choosing(binding, H100), 2) as futures:
         assert futures is None  # other threads: one process ranks
 
 
@@ -852,7 +852,7 @@ def test_an_error_while_the_rankers_run_stops_them_at_once(monkeypatch):
     try:
         started = time.perf_counter()
         with pytest.raises(ValueError, match="refused here"):
-            with opt._rankers([src, src, src], opt.Choosing(binding, H100), 2) as futures:
+            with opt.rankers([src, src, src], opt.Choosing(binding, H100), 2) as futures:
                 assert futures is not None
                 time.sleep(0.5)  # every ranker inside `rank`
                 raise ValueError("refused here")

@@ -256,8 +256,8 @@ def optimize(program: Program, library: Library, hardware: Hardware, binding: di
                             stop_event=stop_event)
             if result.complete and not result.stats.errors and use_cache:  # a crashed proof would lose a program
                 save_checkpoint(key, result)
-            with _rankers([*result.proved, program], how, jobs) as futures:
-                ranked, info = _choose(program, result.proved, how, None, futures)
+            with rankers([*result.proved, program], how, jobs) as futures:
+                ranked, info = choose_ranked(program, result.proved, how, None, futures)
         finally:
             show.done()
         chosen = ranked, {"from_checkpoint": False, "complete": result.complete, "stopped": result.stopped,
@@ -270,14 +270,14 @@ def optimize(program: Program, library: Library, hardware: Hardware, binding: di
 
 def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing,
                      jobs: int) -> tuple[list[Ranked], dict] | None:
-    """`_choose` over the checkpoint's programs, proving in this run each one that is timed or chosen;
+    """`choose_ranked` over the checkpoint's programs, proving in this run each one that is timed or chosen;
     None when there is no usable checkpoint, or when one of them is not proved (reported once: the
     caller searches again and replaces the entry).
 
     Proving every saved program would cost more than the rest of a recompile (25 proofs of up to 1.4 s
     each for attention): only what can reach the user or the GPU is proved, without a GPU one proof in
     one egglog process. That process starts (most of a second) while the checkpoint is read and its
-    programs are ranked, so that the proof waits for little (after the rankers are forked: `_rankers`)."""
+    programs are ranked, so that the proof waits for little (after the rankers are forked: `rankers`)."""
     if not has_checkpoint(key):
         return None
     prover = Prover(program, library, 1 if how.measure is None else jobs)
@@ -285,9 +285,9 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
         saved = load_checkpoint(program, key)
         chosen = None
         if saved is not None:
-            with _rankers([*saved[0], program], how, jobs) as futures:
+            with rankers([*saved[0], program], how, jobs) as futures:
                 prover.warm(1 if how.measure is None else jobs)
-                chosen = _choose(program, saved[0], how, prover, futures)
+                chosen = choose_ranked(program, saved[0], how, prover, futures)
     finally:
         prover.close()
     if saved is None:
@@ -300,11 +300,11 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
                     "reproved": sum(r.proved and not r.as_written for r in ranked)}
 
 
-def _choose(program: Program, proved: list[Program], how: Choosing, prover: Prover | None,
+def choose_ranked(program: Program, proved: list[Program], how: Choosing, prover: Prover | None,
             futures: list[Future] | None = None) -> tuple[list[Ranked], dict] | str:
     """Every program that fits these dims ranked, the chosen one first, with what report.json says of it.
     `proved` are proved already when `prover` is None; else `prover` proves those to be timed and the
-    chosen one, and the answer is why not when one of them is not proved. `futures`: `_rankers` of `proved`
+    chosen one, and the answer is why not when one of them is not proved. `futures`: `rankers` of `proved`
     and then `program`, which rank them in forked processes."""
     ranks: list[Ranked | None] = []
     if how.show is not None:
@@ -350,7 +350,7 @@ _AGAIN = "again"  # a forked ranker's answer when `rank` raised there: ranked ag
 
 
 @contextlib.contextmanager
-def _rankers(programs: list[Program], how: Choosing, jobs: int):
+def rankers(programs: list[Program], how: Choosing, jobs: int):
     """Futures of `rank` of each of `programs` (as `_rank_forked` gives it), in up to `jobs` processes forked
     here, or None where one process ranks them: fewer than two programs or jobs, a platform other than Linux
     (macOS forks, but its system libraries are not safe in a forked child), or another thread running, which
@@ -401,7 +401,7 @@ def _ignore_interrupt() -> None:
 
 
 def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:
-    """In a forked ranker: `rank` of the i-th program `_rankers` was given, as (params, estimate, busy), or
+    """In a forked ranker: `rank` of the i-th program `rankers` was given, as (params, estimate, busy), or
     `_AGAIN`; and the warnings it gave (`cache.said`), which the parent prints, its stderr not being the
     parent's `sys.stderr` (a test's captured one, say)."""
     programs, how = _FORKED

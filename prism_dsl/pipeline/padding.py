@@ -68,8 +68,8 @@ def retuned(outcome: optimize.Outcome, program: Program, binding: dict, hardware
     how = optimize.Choosing(binding, hardware, codegen, use_cache=use_cache)
     found = [r for r in outcome.ranked if not r.as_written]
     proved = {id(r.program): r.proved for r in found}
-    with optimize._rankers([*(r.program for r in found), program], how, jobs or default_jobs()) as futures:
-        ranked, info = optimize._choose(program, [r.program for r in found], how, None, futures)
-    for r in ranked:  # `_choose` without a prover takes them as proved: they keep what they had
+    with optimize.rankers([*(r.program for r in found), program], how, jobs or default_jobs()) as futures:
+        ranked, info = optimize.choose_ranked(program, [r.program for r in found], how, None, futures)
+    for r in ranked:  # `choose_ranked` without a prover takes them as proved: they keep what they had
         r.proved = r.as_written or proved[id(r.program)]
     return optimize.Outcome(ranked[0], ranked, {**outcome.search, **info}, outcome.from_checkpoint)
