@@ -6,10 +6,12 @@ parameters are ranked, nvcc architectures, the CPU emulation, the seed) and the 
 (`compile.Searching`; none to compile the program as written). Gives a `report.Report`, frozen and
 written once as report.json, and the output directory, replaced whole or not at all.
 
-- `compile`: `compile_program`, the passes in order: search, choose, lower, tune, render, compile-check,
+- `compile`: `compile_program`, the passes in order: search (and size: `padding`), choose, lower, tune, render, compile-check,
   emulate, measure, write;
 - `optimize`: search and choose: the proved programs (a search, or its checkpoint proved again), each
   tuned by the cost model or timed on the GPU, ranked; the tuning database of estimates and measured times;
+- `padding`: the dims a compile is built for, where no tile divides a size given (rounded up, the launcher
+  padding the inputs and cutting the outputs);
 - `build`: lower, tune, render, compile-check, emulate and measure, for one program (`Tuned`, `Build`);
 - `output`: the write pass;
 - `report`: what was found, typed: `proved` (an e-graph proof), `checked` (runs against the float64

@@ -2,6 +2,7 @@
 
     search         the input program's proved equivalents, each tuned by the cost model (or timed on the
                    GPU), ranked (`optimize`); not run when compiling the program as written
+    size           the dims built: as given, or independent dims no tile divides rounded up (`padding`)
     choose         the program to build: the fastest found, or the input as written
     lower          pre-defined kernels for every op outside custom kernels (`kernels.lower`)
     tune, render, compile-check, price, emulate, measure, count banks          (`build`)
