@@ -282,12 +282,16 @@ def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
     return reference_inputs(built.reference, bind_dims(built.reference, dims_of(built)), seed)
 
 
-def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int) -> dict:
-    """A check's common fields: every output of `got` against the reference on `inputs` (the first rows of both,
-    where the build's dims were rounded up: `got` holds what the caller gets)."""
+def _callers_rows(plan: Mapping) -> dict[str, tuple[slice, ...]]:
+    """Per tensor of `plan` whose dims the build rounded up (`padding`), the slices of the rows its caller has."""
+    return {name: tuple(slice(0, n) for n in t["used"]) for name, t in plan["tensors"].items() if "used" in t}
+
+
+def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int, cut: Mapping = {}) -> dict:
+    """A check's common fields: every output of `got` against the reference on `inputs` (only the caller's rows of
+    the reference, `cut`, where the build's dims were rounded up: `got` holds what the caller gets)."""
     ref = reference_outputs(built, inputs)
     tolerance = tolerance_of(built, inputs)
-    cut = {name: tuple(slice(0, n) for n in t["used"]) for name, t in plan_of(built)["tensors"].items() if "used" in t}
     outputs = {name: tolerance.judge(name, got[name], ref[name][cut.get(name, ())]) for name, _ in built.program.outputs}
     return {"passed": all(o["passed"] for o in outputs.values()), "rtol": tolerance.base, "seed": seed,
             "checked_against": CHECKED_AGAINST, "outputs": outputs}
@@ -337,10 +341,10 @@ def check_gpu(built: Build, directory: Path, seed: int) -> GpuCheck:
     """Run on the GPU the kernels written in `directory`, check every output, time the whole program."""
     plan = plan_of(built)
     with contextlib.closing(cuda_runtime.Launcher(plan, directory, cast=True)) as launcher:
-        sets = [check_inputs(built, seed + i) for i in range(3)]  # the first is the one checked
-        cut = {name: tuple(slice(0, n) for n in t["used"]) for name, t in plan["tensors"].items() if "used" in t}
-        sets = [{name: a[cut.get(name, ())] for name, a in s.items()} for s in sets]  # as the caller passes them
-        checked = _compared(built, launcher(**sets[0]), check_inputs(built, seed), seed)
+        full = [check_inputs(built, seed + i) for i in range(3)]  # the first is the one checked
+        cut = _callers_rows(plan)
+        sets = [{name: a[cut.get(name, ())] for name, a in s.items()} for s in full]  # as the caller passes them
+        checked = _compared(built, launcher(**sets[0]), full[0], seed, cut)
         return GpuCheck(**checked, device=cuda_runtime.gpu_status()[1], timing_ms=launcher.time(sets),
                         kernels_ms=launcher.time_kernels(sets))
 
