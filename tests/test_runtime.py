@@ -274,7 +274,8 @@ def test_a_plan_whose_parameters_the_kernel_does_not_take_is_refused(fake_gpu, t
 
 def test_dims_rounded_up_for_tiles_are_padded_in_and_cut_out(fake_gpu, tmp_path):
     """A plan whose rows were rounded up for the kernels' tiles (`used`: the caller's shapes): the caller passes its
-    rows, the kernels see them followed by zero rows, and the outputs come back cut to the caller's rows."""
+    rows, the kernels see them followed by zero rows, and the outputs come back cut to the caller's rows; inputs
+    at the size built (padded by the caller) go in as they are; any other shape is refused, naming both."""
     seen = []
 
     def add(drv, threads, x, w, y, s):
@@ -290,8 +291,12 @@ def test_dims_rounded_up_for_tiles_are_padded_in_and_cut_out(fake_gpu, tmp_path)
     x, w = (inputs[n].astype(np.float64) for n in ("X", "W"))
     assert check(out["Y"], x + 2 * w)["passed"]
     assert np.array_equal(seen[0][:5], inputs["X"]) and not seen[0][5:].any()  # zeros past the caller's rows
-    with pytest.raises(PlanError, match=r"input 'X' has shape \(8, 64\); the program expects \(5, 64\)"):
-        Launcher(plan, tmp_path)(**gpu_inputs())
+    padded = {n: np.concatenate([a[:5], np.zeros_like(a[5:])]) for n, a in gpu_inputs().items()}
+    out = Launcher(plan, tmp_path)(**padded)  # at the size built, zeros past the caller's rows: used as it is
+    assert np.array_equal(seen[1], padded["X"]) and check(out["Y"], x + 2 * w)["passed"]
+    with pytest.raises(PlanError, match=r"input 'X' has shape \(6, 64\); the program expects \(5, 64\) \(or "
+                                        r"\(8, 64\), the size built, zeros past it\)"):
+        Launcher(plan, tmp_path)(**{n: a[:6] for n, a in gpu_inputs().items()})
     assert rt.random_inputs(plan)["X"].shape == (5, 64)
 
 

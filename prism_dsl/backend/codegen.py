@@ -321,8 +321,8 @@ class Emitter(TensorCoreSteps, RowParts):
         a, x, text = ACCUMULATORS[acc.op], self.shape(acc.args[0]), self.describe(acc)
         names |= {role: self.cname[b.name] for role, b in self.plan.state[acc].items()}
         if a.row:
-            return self.rows(x, lambda idx: a.cuda_term.format(*[r(idx) for r in reads]), a.cuda_reduce,
-                             [line.format(**names) for line in a.cuda_fold], text)
+            return self.rows(x, lambda idx: self.past_end(acc.args[0], a.past_end, a.cuda_term.format(
+                *[r(idx) for r in reads])), a.cuda_reduce, [line.format(**names) for line in a.cuda_fold], text)
         if a.like == "matmul":  # its fold is the dot product's start; {row}: the element's row in per-row state
             def start(idx) -> str:
                 return a.cuda_fold[0].format(row=offset(idx[:-1] + ["0"], x[:-1] + (1,)), **names)
@@ -347,11 +347,11 @@ class Emitter(TensorCoreSteps, RowParts):
         name = self.names.get(s, "s")
         # the row's warp folds the old max in (each lane reads it before the warp's max, a collective, orders
         # them ahead of lane 0's write), then writes p = exp(s - new max) itself: no barrier between the two
-        step = self.rows(shape, lambda idx: self.read(s, idx), "max", [f"{scale}[row] = prism::rescale(old, part);",
+        step = self.rows(shape, lambda idx: self.score(s, idx), "max", [f"{scale}[row] = prism::rescale(old, part);",
                          f"{m}[row] = part;"], comment(f"online softmax over {name}: running row max, rescaling factor, p"))
         at = decompose("row", shape[:-1], "i")[1] + ["j"]
         steps = [step | {"before": [f"const real old = {m}[row];"], "init": "old",
-                         "each": [f"{p}[{offset(at, shape)}] = prism::exp_minus({self.read(s, at)}, part);"]}]
+                         "each": [f"{p}[{offset(at, shape)}] = prism::exp_minus({self.score(s, at)}, part);"]}]
         p_at = [lambda idx: self.at(g["p"], idx)]
         for acc in (u for u in users if ACCUMULATORS[u.op].online == "softmax"):  # a row sum: in registers (`row_parts`)
             steps.append(self.row_parts(acc, p_at[0], scale) if ACCUMULATORS[acc.op].row else

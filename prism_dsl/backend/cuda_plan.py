@@ -76,6 +76,16 @@ def used(spec: dict) -> tuple[int, ...]:
     return tuple(spec.get("used", spec["shape"]))
 
 
+def padded(spec: dict, name: str, shape, error=ValueError) -> bool:
+    """Whether input `name` of `shape` is to be padded to the kernels' shape: True at the caller's (`used`), False
+    at the kernels' own (the caller padded it, zeros past its part: used as it is); `error` raised at any other."""
+    full, want = tuple(spec["shape"]), used(spec)
+    if tuple(shape) not in (want, full):
+        built = f" (or {full}, the size built, zeros past it)" if want != full else ""
+        raise error(f"input '{name}' has shape {tuple(shape)}; the program expects {want}{built}")
+    return tuple(shape) != full
+
+
 def _positive_int(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0
 

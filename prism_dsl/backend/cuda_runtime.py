@@ -13,8 +13,8 @@ Inputs, decided once for every entry point:
   a PlanError unless the launcher or `marshal` is given `cast=True`. Integer and bool arrays are always
   refused. Lists and scalars carry no dtype of their own and are converted as if cast=True.
 - numpy inputs are copied to the device (any memory layout will do); outputs come back as numpy, bf16 as float32.
-- where the compile rounded a dim up for its tiles, the caller passes and gets the plan's `used` shapes: the
-  inputs are padded with zeros (a copy), the outputs cut to their first rows (`cuda_plan.used`).
+- where the compile rounded a dim up for its tiles, the caller passes and gets the plan's `used` shapes: inputs
+  padded with zeros (a copy; none for one at the size built, zeros past the caller's part), outputs cut.
 - torch tensors on the CPU are treated as numpy arrays. torch CUDA tensors are passed by pointer, without a
   copy: they must be contiguous, 16-byte aligned, on the launcher's device and of the exact dtype (torch.bfloat16
   for bf16; with cast=True a wrong dtype is converted with one copy). Outputs are then torch CUDA tensors.
@@ -183,9 +183,8 @@ def _check_names(plan: dict, given) -> None:
         raise PlanError("\n".join(problems))
 
 
-def _check_shape(plan: dict, name: str, shape) -> None:
-    if tuple(shape) != (want := _plan.used(plan["tensors"][name])):
-        raise PlanError(f"input '{name}' has shape {tuple(shape)}; the program expects {want}")
+def _check_shape(plan: dict, name: str, shape) -> bool:  # whether to pad it (`cuda_plan.padded`)
+    return _plan.padded(plan["tensors"][name], name, shape, PlanError)
 
 
 def marshal(plan: dict, inputs: dict, cast: bool = False) -> dict[str, np.ndarray]:
@@ -204,7 +203,7 @@ def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
             value, cast = np.asarray(value, dtype=np.float64), True
         except (TypeError, ValueError):
             raise PlanError(f"input '{name}' is a {type(value).__name__}, not an array of numbers") from None
-    _check_shape(plan, name, value.shape)
+    pad = _check_shape(plan, name, value.shape)
     if value.dtype.kind != "f" and value.dtype.name != "bfloat16":
         raise PlanError(f"input '{name}' is {value.dtype}; the program expects real floating-point data ({dtype})")
     if value.dtype.name == "bfloat16" and dtype == "bf16":  # an ml_dtypes array already holds the bits
@@ -215,7 +214,7 @@ def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
                         f"pass {wanted}, or any float array with cast=True (a launcher's get_launcher(cast=True))")
     else:
         value = to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
-    if "used" not in plan["tensors"][name]:
+    if not pad:
         return value
     full = np.zeros(_shape(plan, name), value.dtype)  # dims rounded up for tiles: zeros past the caller's rows
     full[_first(plan, name)] = value
@@ -227,7 +226,7 @@ def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
 
     dtype = plan["tensors"][name]["dtype"]
     want = getattr(torch, TORCH_DTYPE[dtype])
-    _check_shape(plan, name, t.shape)
+    pad = _check_shape(plan, name, t.shape)
     if t.device.index != device:
         raise PlanError(f"input '{name}' is on {t.device}; the launcher runs on cuda:{device}")
     if t.dtype != want:
@@ -235,7 +234,7 @@ def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
             raise PlanError(f"input '{name}' is {t.dtype}; the program stores it as {dtype}: pass {want}, "
                             "or any float tensor with cast=True (a launcher's get_launcher(cast=True); one copy)")
         t = t.to(want)
-    if "used" in plan["tensors"][name]:  # dims rounded up for tiles: zeros past the caller's rows (one copy)
+    if pad:  # dims rounded up for tiles: zeros past the caller's rows (one copy)
         full = torch.zeros(_shape(plan, name), dtype=want, device=t.device)
         full[_first(plan, name)] = t
         return full

@@ -70,6 +70,8 @@ class CodegenConfig:
     flight: int = 13636  # bytes an SM keeps in flight to cover the DRAM latency (`cost.for_hardware`; H100's here)
     smem_per_sm: int = 233472  # the hardware's (`cost.for_hardware`): a deeper pipeline keeps the blocks per SM
     one_launch: bool = True  # a split's combining kernel runs in the launch of the kernel it combines (`tails`)
+    ends: tuple[tuple[str, int], ...] = ()  # dims built past the sizes the caller gave, with those sizes: a fold
+    # along one takes its elements past the size as its identity (`kernels.masking`)
     tma: bool = False  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can
     # (`copies`); off unless asked for (`prismc compile --tma`) until a GPU runs it: on an H200 (their maps packed at
     # the wrong offsets, `cuda_plan.parameter_layout`) such kernels stopped at their first copy

@@ -50,6 +50,7 @@ from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node
 from ..ir.ops import OPS, Kind
 from ..kernels.fusion import Place
+from ..kernels.masking import given_end
 from .ctext import decompose
 
 VECTOR = 8  # 16-bit elements per 16-byte shared-memory load
@@ -65,6 +66,20 @@ def held_in_registers(acc: Node) -> bool:
 
 class RowParts:
     """The "row_parts" and "row_parts_store" steps of an `Emitter` (which gives shape, read, plan, cname...)."""
+
+    def past_end(self, node: Node, fill: float | None, term: str, col: str = "j") -> str:
+        """`term`, or `fill` (a fold's identity, `Accumulator.past_end`) where element `col` of the last dim of
+        `node` lies past the size the caller gave: a dim built past it (`kernels.masking`), placed in the whole
+        tensor as a causal mask's dims are (`place`)."""
+        end = None if fill is None else given_end(self.k, node, -1, dict(self.config.ends))
+        if end is None:
+            return term
+        at, _ = self.place(node, -1)
+        return f"({col}{at} < {end} ? {term} : {self.lit(fill) if math.isfinite(fill) else '-real(INFINITY)'})"
+
+    def score(self, s: Node, idx: list[str]) -> str:
+        """Online softmax's score `s` at `idx`, -inf past the size given (`past_end`)."""
+        return self.past_end(s, -math.inf, self.read(s, idx))
 
     def row_parts(self, acc: Node, read=None, scale: str | None = None) -> dict:
         """One iteration's fold of `acc` into this thread's parts of its rows. Online softmax's row sum passes
@@ -86,7 +101,8 @@ class RowParts:
         vectors = self._loads(leaves or [], idx + ["j8"])
         self.held_in = {leaf: f"v{n}[c]" for n, leaf in enumerate(leaves or [])}
         try:
-            term = read(idx + ["j"]) if read else a.cuda_term.format(*[self.read(arg, idx + ["j"]) for arg in acc.args])
+            term = read(idx + ["j"]) if read else self.past_end(x, a.past_end, a.cuda_term.format(
+                *[self.read(arg, idx + ["j"]) for arg in acc.args]))
         finally:
             self.held_in = {}
         held = self.cname[self.held(acc).name]

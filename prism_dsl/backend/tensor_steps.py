@@ -28,6 +28,7 @@ from __future__ import annotations
 from ..ir.accumulators import ACCUMULATORS, RUNNING_MAX
 from ..ir.nodes import Node
 from ..kernels.fusion import Plan
+from ..kernels.masking import given_end
 from .ctext import CTYPE, comment, ident
 from .launch import mma_shape, scores_product, stage_elements, stored_operand, uses_tensor_cores
 
@@ -54,6 +55,12 @@ class TensorCoreSteps:
         element's row and column in the tile) and the diagonal's offset, for masking in registers."""
         (row, rows), (col, cols) = self.place(s, -2), self.place(s, -1)
         return {"row": row, "col": col, "offset": cols - rows, "n": self.shape(s)[-1]}
+
+    def past_fragment(self, s: Node) -> dict | None:
+        """Where the scores' columns sit in the whole tensor and the size the caller gave of it, where it was built
+        past that size (`kernels.masking`): the columns past it are masked in registers; None elsewhere."""
+        end = given_end(self.k, s, -1, dict(self.config.ends))
+        return None if end is None else {"col": self.place(s, -1)[0], "end": end, "n": self.shape(s)[-1]}
 
     def _right(self, b: Node) -> dict:
         """A product's right operand: its shared buffer, that buffer's row stride, and whether it holds
@@ -100,7 +107,7 @@ class TensorCoreSteps:
                        + ", ".join(self.names.get(u, u.op) for u in users))
         right = self._right(kt)
         return {"kind": "flash", "comment": text, "f": f, "r": reg, "q": tile(q), "k": (right["b"], right["ldb"], right["xb"]),
-                "kt": right["bt"], "causal": self.causal_fragment(s) if s is not m else None,
+                "kt": right["bt"], "causal": self.causal_fragment(s) if s is not m else None, "past": self.past_fragment(s),
                 "ab": CTYPE[self.plan.buffer(q).dtype], "outs": outs, "sums": sums,
                 "m": self.cname[self.plan.groups[s]["m"].name], "defer": self.layout.overlap and f.wg and bool(outs),
                 "lazy": lazy_max(s, self.plan, {st.value for st in self.c.kernel.stores}),

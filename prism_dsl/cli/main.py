@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--loop", type=parse_loop, action=Merged, default={}, metavar="N", help="loop ranges, with --dims")
     _emulation_options(ve)
     ve.add_argument("--seed", type=whole, default=0, help="seed for the random inputs and sampled blocks (default 0)")
-    ve.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name, of the sizes the kernels take")
+    ve.add_argument("--inputs", metavar="IN.npz", help="input arrays by input name, of the sizes the caller gives")
     ve.set_defaults(run=cmd_verify)
 
     be = sub.add_parser("bench", help="time a program's kernels against PyTorch eager and torch.compile (needs a GPU)")

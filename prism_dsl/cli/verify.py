@@ -25,8 +25,8 @@ from ..kernels.hardware import load_hardware
 from ..kernels.kernel import free_symbols, kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
-from ..pipeline.build import (BuildOptions, build, check_inputs, dims_of, plan_of, price, reference_outputs,
-                              tolerance_of)
+from ..pipeline.build import (BuildOptions, build, callers_dims, callers_rows, check_inputs, padded_inputs, plan_of,
+                              price, reference_outputs, tolerance_of)
 from ..pipeline.report import EmulationCheck, overflowed, widened
 from ..semantics.reference import bind_dims, check_sizes
 
@@ -86,9 +86,9 @@ def verify(args) -> int:
     built, header, on_disk, source = from_directory(directory, args.dims, args.grid, args.loop)
     check_sizes(built.source, built.binding)  # the float64 reference must fit in memory
     inputs = _given(args.inputs, built) if args.inputs else check_inputs(built, args.seed)
-    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
+    check = emulation.check(built, plan := plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
                             rtol=tolerance_of(built, inputs), checked_against=f"program in {source}",
-                            sanitizer=args.sanitize, extra=args.blocks, header=header)
+                            sanitizer=args.sanitize, extra=args.blocks, header=header, callers=callers_rows(plan))
     print(_summary(check, directory, built, on_disk, args.inputs))
     if args.banks and check.passed:
         counted = emulation.wavefronts(built, plan_of(built), inputs, seed=args.seed, header=header,
@@ -99,11 +99,11 @@ def verify(args) -> int:
 
 def _given(path: str, built) -> dict:
     """The inputs of an .npz archive (rounded to their types, as `run --inputs` takes them), each of the shape the
-    kernels take at the dims verified, checked from its header before any data is read."""
+    caller gives at the dims verified (checked from its header before any data is read), as the kernels take it."""
     from .npz import read_npz
 
-    dims = dims_of(built)
-    return read_npz(path, built.source, lambda headers: bind_dims(built.source, dims, headers))
+    dims = callers_dims(built)
+    return padded_inputs(built, read_npz(path, built.source, lambda headers: bind_dims(built.source, dims, headers)))
 
 
 def priced_with(built, directory: Path, on_disk: bool, counted: dict):
@@ -165,6 +165,8 @@ def _codegen(report: dict) -> CodegenConfig:
     the defaults with its block's threads), so kernels generated again at other dims are the same code."""
     fields = {f: type(v) for f, v in vars(CodegenConfig()).items()}
     given = report.get("codegen")
+    if isinstance(given, dict) and isinstance(ends := given.get("ends", ()), list):  # JSON's lists: pairs of a tuple
+        given = {**given, "ends": tuple(tuple(e) if isinstance(e, list) else e for e in ends)}
     if isinstance(given, dict) and all(k in fields and type(v) is fields[k] for k, v in given.items()):
         return CodegenConfig(**given)
     if given is not None:
@@ -218,8 +220,9 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given
     dims = ", ".join(f"{k}={v}" for k, v in check.emulation["dims"].items())
     how = ("the .cu files on disk" if on_disk else
            "kernels generated again from the program in the directory (the .cu files on disk hold other sizes)")
-    lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}: {how}"
-             + (f", on the inputs of {given}" if given else ""),
+    past = ", ".join(f"{k}={v}" for k, v in built.padded.items())  # `pipeline.padding`: the caller's part compared
+    lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}" + (f" (given {past})" if past else "")
+             + f": {how}" + (f", on the inputs of {given}" if given else ""),
              f"  emulated: {check.describe()}"]
     if check.finding:
         lines.append("  FAILED: " + emulator.Finding.from_dict(check.finding).text().replace("\n", "\n  "))

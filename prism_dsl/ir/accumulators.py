@@ -136,6 +136,10 @@ class Accumulator:
     adds_products: bool = False  # a matrix product that only it reads is added straight into its state
     linear: bool = False  # its value is linear in its operand (the search drops pairs over proportional ones)
     flops: int = 1  # per element of the first operand (a product adds 2 per multiply-add)
+    # A dim built past the size the caller gave (`kernels.masking`): the value each element of the first
+    # operand's last dim past that size takes before the fold (the fold's identity: 0 for a sum, -inf for a
+    # max and for online softmax's scores); None where the fold counts its elements (a mean's divisor).
+    past_end: float | None = None
 
     @property
     def per_element(self) -> bool:
@@ -167,7 +171,7 @@ ACCUMULATORS: dict[str, Accumulator] = {
                     cuda_fold=("{acc}[e] += {0};",), adds_products=True, linear=True),
         Accumulator("acc_sum_last", "running sum of the tile's row sums", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)),), lambda st, t: (st[0] + _rowsum(t),), lambda st: st[0],
-                    lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM, linear=True),
+                    lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM, linear=True, past_end=0.0),
         Accumulator("acc_mean_last", "mean of every row element seen", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t), st[1] + t.shape[-1]),
                     lambda st: st[0] / st[1], lambda b, a: b("mean", [a], [-1]), combine=("acc_mean_last", "mean"),
@@ -186,17 +190,17 @@ ACCUMULATORS: dict[str, Accumulator] = {
                     lambda s: (np.full(_last(s), -np.inf),), lambda st, t: (np.maximum(st[0], _rowmax(t)),),
                     lambda st: st[0], lambda b, a: b("max", [a], [-1]), combine=("acc_max_last", "max"),
                     combining_only=True, online="max", state=("m",), cuda_reduce="max",
-                    cuda_fold=("{m}[row] = prism::max_({m}[row], part);",)),
+                    cuda_fold=("{m}[row] = prism::max_({m}[row], part);",), past_end=-np.inf),
         Accumulator("acc_softmax_sum", "sum of exp(s - running max), rescaled", 1, "unary", True,
                     lambda s: (np.full(_last(s), -np.inf), np.zeros(_last(s))), _softmax_sum_step,
                     lambda st: st[1], lambda b, s: b("sum", [_softmax_terms(b, s)], [-1]),
                     combine=("acc_rescaled_sum", "sum"), online="softmax", state=("m", "acc"), cuda_reduce="sum",
-                    cuda_fold=("{acc}[row] = {acc}[row] * {scale}[row] + part;",)),
+                    cuda_fold=("{acc}[row] = {acc}[row] * {scale}[row] + part;",), past_end=-np.inf),
         Accumulator("acc_softmax_out", "exp(s - running max) @ v, rescaled", 2, "matmul", False,
                     lambda s, v: (np.full(_last(s), -np.inf), np.zeros(np.matmul(np.zeros(s), np.zeros(v)).shape)),
                     _softmax_out_step, lambda st: st[1], lambda b, s, v: b("matmul", [_softmax_terms(b, s), v]),
                     combine=("acc_rescaled_sum", "out"), online="softmax", state=("m", "acc"),
-                    cuda_fold=("{acc}[e] * {scale}[{row}]",), flops=4),
+                    cuda_fold=("{acc}[e] * {scale}[{row}]",), flops=4, past_end=-np.inf),
         Accumulator("acc_rescaled_sum", "sum of exp(m - running max of m) * x", 2, "binary", False,
                     lambda m, x: (np.full(np.broadcast_shapes(m, x), -np.inf), np.zeros(np.broadcast_shapes(m, x))),
                     _rescaled_step, lambda st: st[1], lambda b, m, x: x, combining_only=True, state=("m", "acc"),

@@ -67,6 +67,9 @@ class BuildOptions:
     codegen: CodegenConfig = CodegenConfig()
     padded: Mapping[str, int] = field(default_factory=dict)  # dims built rounded up (`padding`): the sizes given
 
+    def __post_init__(self):  # the code masks the folds along dims built past the sizes given (`kernels.masking`)
+        object.__setattr__(self, "codegen", replace(self.codegen, ends=tuple(sorted(self.padded.items()))))
+
 
 @dataclass(frozen=True)
 class Tuned:
@@ -171,7 +174,7 @@ def plan_of(built: Build) -> dict:
             tensors[s.name] = {"shape": list(c.output_shape(i)), "dtype": stored_dtype(k, i).value}
     if built.padded:  # the program's own tensors as the caller passes and gets them (`padding`)
         ref = built.reference
-        given = bind_dims(ref, {**dims_of(built), **built.padded})
+        given = bind_dims(ref, callers_dims(built))
         theirs = dict(ref.outputs)
         shapes = {n.attr: n.shape for n in ref.inputs} | {
             mine: theirs[other].shape for mine, other in pair_outputs(built.source, ref)}
@@ -249,6 +252,11 @@ def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[st
     parameters the rendered code uses when it is the program built), its outputs under the built program's
     names (paired by name, else by position: `prove.prover.pair_outputs`)."""
     hardware = built.hardware.name.lower()
+    if built.padded:  # at the sizes given, on the caller's part of each input, then zeros past it (`padding`)
+        theirs = evaluate(built.reference, _cut(built, inputs), {}, hardware)
+        values = {mine: theirs[other] for mine, other in pair_outputs(built.source, built.reference)}
+        at = {name: concrete_shape(n.shape, built.binding) for name, n in built.source.outputs}
+        return {name: _zeros_past(v, at[name]) for name, v in values.items()}
     if built.reference is built.source:
         own = {s.name for s in free_symbols(built.source)}
         # the build's own parameters: it has held its kernels to the shared memory their generated code takes
@@ -278,11 +286,41 @@ def tolerance_of(built: Tuned, inputs: Mapping[str, np.ndarray]) -> compare.Tole
 
 def check_inputs(built: Tuned, seed: int) -> dict[str, np.ndarray]:
     """The inputs the checks run `built` on (`reference.check_inputs`: the weights of the program the user gave
-    scaled as a layer's are, so that every program the search proved is checked on the same arrays)."""
-    return reference_inputs(built.reference, bind_dims(built.reference, dims_of(built)), seed)
+    scaled as a layer's are, so that every program the search proved is checked on the same arrays); where dims
+    were built past the sizes given (`padding`), drawn at those sizes and zero past them, as the launcher pads
+    the caller's."""
+    return padded_inputs(built, reference_inputs(built.reference, bind_dims(built.reference, callers_dims(built)), seed))
 
 
-def _callers_rows(plan: Mapping) -> dict[str, tuple[slice, ...]]:
+def callers_dims(built: Tuned) -> dict[str, int]:
+    """The dims as the caller gives them: those `built` was built at, or the sizes given where it was built past
+    them (`padding`)."""
+    return {**dims_of(built), **built.padded}
+
+
+def padded_inputs(built: Tuned, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The caller's inputs (at `callers_dims`) as the kernels take them: zeros past the sizes given (`padding`)."""
+    return {n.attr: _zeros_past(np.asarray(arrays[n.attr]), concrete_shape(n.shape, built.binding))
+            for n in built.reference.inputs}
+
+
+def _zeros_past(a: np.ndarray, shape) -> np.ndarray:
+    """`a` in the first elements of an array of zeros of `shape` (`a` itself where it has that shape)."""
+    if a.shape == tuple(shape):
+        return a
+    out = np.zeros(tuple(shape), dtype=a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
+
+
+def _cut(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The caller's part of each input (at the sizes given, where dims were built past them: `padding`)."""
+    given = bind_dims(built.reference, callers_dims(built))
+    return {n.attr: inputs[n.attr][tuple(slice(0, int(d)) for d in concrete_shape(n.shape, given))]
+            for n in built.reference.inputs}
+
+
+def callers_rows(plan: Mapping) -> dict[str, tuple[slice, ...]]:
     """Per tensor of `plan` whose dims the build rounded up (`padding`), the slices of the rows its caller has."""
     return {name: tuple(slice(0, n) for n in t["used"]) for name, t in plan["tensors"].items() if "used" in t}
 
@@ -299,10 +337,10 @@ def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int, cut: Mappi
 
 def check_emulated(built: Build, seed: int, sanitizer: str | None = None, extra: str | int = "auto") -> EmulationCheck:
     """The generated code in the thread-faithful emulation, against the input program's reference."""
-    inputs = check_inputs(built, seed)
-    return emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=seed,
+    inputs, plan = check_inputs(built, seed), plan_of(built)
+    return emulation.check(built, plan, inputs, reference_outputs(built, inputs), seed=seed,
                            rtol=tolerance_of(built, inputs), checked_against=CHECKED_AGAINST, sanitizer=sanitizer,
-                           extra=extra)
+                           extra=extra, callers=callers_rows(plan))
 
 
 def count_banks(built: Build, options: BuildOptions, checked) -> dict | Skipped | None:
@@ -342,7 +380,7 @@ def check_gpu(built: Build, directory: Path, seed: int) -> GpuCheck:
     plan = plan_of(built)
     with contextlib.closing(cuda_runtime.Launcher(plan, directory, cast=True)) as launcher:
         full = [check_inputs(built, seed + i) for i in range(3)]  # the first is the one checked
-        cut = _callers_rows(plan)
+        cut = callers_rows(plan)
         sets = [{name: a[cut.get(name, ())] for name, a in s.items()} for s in full]  # as the caller passes them
         checked = _compared(built, launcher(**sets[0]), full[0], seed, cut)
         return GpuCheck(**checked, device=cuda_runtime.gpu_status()[1], timing_ms=launcher.time(sets),

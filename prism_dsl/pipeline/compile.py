@@ -27,6 +27,7 @@ from ..ir.nodes import Program
 from ..kernels.hardware import Hardware, for_device, load_hardware
 from ..kernels.kernel import kernels_of
 from ..kernels.lower import check_compilable, lowered_for
+from ..kernels.masking import refusal
 from ..lang.printer import print_program
 from ..prove.rules import load_library
 from ..prove.soundness import check_library
@@ -129,18 +130,25 @@ def _sized(request: Request) -> tuple[Request, Outcome | None]:
     outcome = search(request)
     binding = bind_dims(request.program, dict(request.options.dims))
     given = {d.name: int(binding[d.symbol]) for d in request.program.dims}
-    tries = [] if request.options.grid or request.options.loop else padding.candidates(request.program, given)
+    found = [] if outcome is None else [r.program for r in outcome.ranked]
+    tries = [] if request.options.grid or request.options.loop else padding.candidates(request.program, given, found)
     if not tries:
         return request, outcome
     best = (_estimate(request, outcome), request, outcome)
     for rounded in tries:
-        sized = replace(request, options=replace(request.options, dims={**request.options.dims, **rounded},
-                                                 padded={name: given[name] for name in rounded}))
+        padded = {name: given[name] for name in rounded}
+        sized = replace(request, options=replace(request.options, dims={**request.options.dims, **rounded}, padded=padded))
+        masking = {name: given[name] for name in padding.masked(request.program, rounded)}
         try:  # the search's programs ranked again there, not searched again
             found = None if outcome is None else padding.retuned(
                 outcome, request.program, bind_dims(request.program, dict(sized.options.dims)), request.hardware,
-                request.options.codegen, request.search.use_cache, request.search.jobs)
-            us = _estimate(sized, found) + padding.copy_us(request.program, given, rounded, request.hardware)
+                sized.options.codegen, request.search.use_cache, request.search.jobs, masking)
+            if found is None and (why := refusal(request.program, masking, {**given, **rounded})):
+                raise PrismError(why)
+            copies = padding.copy_us(request.program, given, rounded, request.hardware)
+            us = _estimate(sized, found) + copies
+            if found is not None:
+                found.search["padding_copies_us"] = round(copies, 3)
         except PrismError:
             continue
         if us < best[0] * (1 - padding.MARGIN):

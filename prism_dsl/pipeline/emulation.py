@@ -81,7 +81,7 @@ def stored_values(built, inputs: Mapping[str, np.ndarray], rounded: bool = False
     `rounded`: with the roundings its kernels make, as `blocks.run_kernel` takes it)."""
     program = built.program
     runner = KernelRunner(program, bind_dims(program, inputs=inputs), dict(built.params), built.hardware.name.lower(),
-                          concrete=built.concrete, rounded=rounded)
+                          concrete=built.concrete, rounded=rounded, ends=built.padded)
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
     evaluate_nodes([n for _, n in program.outputs], env, runner, rounded)
     values = {}
@@ -94,10 +94,11 @@ def stored_values(built, inputs: Mapping[str, np.ndarray], rounded: bool = False
 
 def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *, seed: int,
           rtol: float | compare.Tolerance, checked_against: str, sanitizer: str | None = None, extra: str | int = "auto",
-          header: str | None = None) -> EmulationCheck:
+          header: str | None = None, callers: Mapping[str, tuple[slice, ...]] = {}) -> EmulationCheck:
     """The built kernels (their runtime `plan`: `build.plan_of`) emulated on `inputs`; the program's outputs
     compared with `reference` at `rtol` (a `compare.Tolerance` may widen it for an output: `build.tolerance_of`),
-    what one kernel passes to another with the block interpreter's values at the base tolerance."""
+    what one kernel passes to another with the block interpreter's values at the base tolerance. `callers`: of an
+    output built past the sizes given (`pipeline.padding`), the part its caller gets, the only one compared."""
     tolerance = rtol if isinstance(rtol, compare.Tolerance) else compare.Tolerance(rtol)
     rtol = tolerance.base
     dtypes, shapes, blocks, launched, values = _setup(built, plan, inputs, extra, seed)
@@ -112,6 +113,11 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
     if result.finding:
         return EmulationCheck(False, rtol, seed, checked_against, {}, ran, result.finding.as_dict())
     masks = _written(built, blocks)
+    for name, part in callers.items():
+        if name in outputs:
+            mask = np.zeros(np.shape(reference[name]), dtype=bool)
+            mask[part] = True
+            masks[name] = mask & masks[name] if name in masks else mask
     compared = {}
     for name in outputs:
         compared[name] = _compare(result.outputs[name], reference[name], masks.get(name), tolerance, name)

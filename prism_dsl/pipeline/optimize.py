@@ -301,23 +301,23 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
 
 
 def choose_ranked(program: Program, proved: list[Program], how: Choosing, prover: Prover | None,
-            futures: list[Future] | None = None) -> tuple[list[Ranked], dict] | str:
+                  futures: list[Future] | None = None, as_written: bool = True) -> tuple[list[Ranked], dict] | str:
     """Every program that fits these dims ranked, the chosen one first, with what report.json says of it.
     `proved` are proved already when `prover` is None; else `prover` proves those to be timed and the
     chosen one, and the answer is why not when one of them is not proved. `futures`: `rankers` of `proved`
-    and then `program`, which rank them in forked processes."""
+    and then `program` (not `as_written`: `program` is not ranked), which rank them in forked processes."""
     ranks: list[Ranked | None] = []
     if how.show is not None:
         how.show.tuning(0, len(proved))
-    for i, r in enumerate(_ranked(futures, [*proved, program], how)):  # in order, as each is done
+    for i, r in enumerate(_ranked(futures, [*proved, program][:len(proved) + as_written], how)):  # in order
         if how.show is not None and i < len(proved):
             how.show.tuning(i + 1, len(proved))
         ranks.append(r)
-    ranked = [r for r in ranks[:-1] if r is not None]
+    ranked = [r for r in ranks[:len(proved)] if r is not None]
     unfit = len(proved) - len(ranked)
     for r in ranked:
         r.proved = prover is None
-    written = ranks[-1]
+    written = ranks[-1] if as_written else None
     if written is not None:
         written.as_written = written.proved = True  # the input itself
         ranked.append(written)

@@ -19,11 +19,14 @@ checks run at the size built, on inputs of that size; the roofline floor is the 
 from __future__ import annotations
 
 import math
+from typing import Collection, Mapping, Sequence
 
 from ..backend.codegen import CodegenConfig
+from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..ir.shapes import independent_dims
 from ..kernels.hardware import Hardware
+from ..kernels.masking import refusal
 from ..search.driver import default_jobs
 from ..semantics.reference import bind_dims, concrete_shape
 from . import optimize
@@ -33,15 +36,33 @@ QUANTA = (64, 128)  # the multiples tried, a dim at a time rounded to each
 MARGIN = 0.1  # the share of the estimate a rounded size must save
 
 
-def candidates(program: Program, dims: dict[str, int]) -> list[dict[str, int]]:
-    """The dims to try besides `dims` (given, by name): every independent dim past ROUNDING that it does not
-    divide rounded up to each quantum of QUANTA (together); none where no dim is so."""
+def candidates(program: Program, dims: dict[str, int], found: Sequence[Program] = ()) -> list[dict[str, int]]:
+    """The dims to try besides `dims` (given, by name): every dim past ROUNDING that it does not divide, independent
+    or one that a program of `found` (or `program`) computes masked past the end (`kernels.masking`; with the
+    others of the try, or else alone), rounded up to each quantum of QUANTA (together); none where no dim is so."""
     binding = bind_dims(program, dims)
-    free = {d.symbol for d in program.dims} & independent_dims(program.nodes())
-    sizes = {d.name: int(binding[d.symbol]) for d in program.dims if d.symbol in free}
+    sizes = {d.name: int(binding[d.symbol]) for d in program.dims}
     ragged = {name: n for name, n in sizes.items() if n > ROUNDING and n % ROUNDING}
-    tries = [{name: -(-n // q) * q for name, n in ragged.items()} for q in QUANTA]
+    tries = []
+    for q in QUANTA:
+        rounded = {name: -(-n // q) * q for name, n in ragged.items()}
+        built = {**sizes, **rounded}
+
+        def masks(names) -> bool:
+            return any(refusal(p, {n: sizes[n] for n in names}, built) is None for p in [*found, program])
+        folded = masked(program, rounded)
+        if not masks(folded):
+            kept = [name for name in folded if masks([name])]
+            drop = set(folded) - (set(kept) if masks(kept) else set())
+            rounded = {name: n for name, n in rounded.items() if name not in drop}
+        tries.append(rounded)
     return [t for i, t in enumerate(tries) if t and t not in tries[:i]]
+
+
+def masked(program: Program, rounded: Collection[str]) -> list[str]:
+    """The dims of `rounded` (by name) that `program` reduces along: built past the size given only masked."""
+    free = independent_dims(program.nodes())
+    return [d.name for d in program.dims if d.name in rounded and d.symbol not in free]
 
 
 def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hardware: Hardware) -> float:
@@ -61,15 +82,25 @@ def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hard
 
 
 def retuned(outcome: optimize.Outcome, program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig,
-            use_cache: bool = True, jobs: int | None = None) -> optimize.Outcome:
+            use_cache: bool = True, jobs: int | None = None, masking: Mapping[str, int] = {}) -> optimize.Outcome:
     """`outcome`'s programs (what its search proved that fit the dims given, and `program` as written) ranked again
     at `binding` (dims rounded up), each keeping the proof it had (one from a checkpoint is proved again only
-    where it is built, as before): `optimize`'s ranking, not its search. Raises PrismError where none fits."""
+    where it is built, as before): `optimize`'s ranking, not its search. Where dims it reduces along are among those
+    rounded up (`masking`: their sizes given, by name), only the programs that compute them masked past those sizes
+    (`kernels.masking.refusal`) are ranked. Raises PrismError where none fits."""
     how = optimize.Choosing(binding, hardware, codegen, use_cache=use_cache)
-    found = [r for r in outcome.ranked if not r.as_written]
+    built = {d.name: int(binding[d.symbol]) for d in program.dims}
+    found = [r for r in outcome.ranked if not r.as_written and refusal(r.program, masking, built) is None]
     proved = {id(r.program): r.proved for r in found}
-    with optimize.rankers([*(r.program for r in found), program], how, jobs or default_jobs()) as futures:
-        ranked, info = optimize.choose_ranked(program, [r.program for r in found], how, None, futures)
+    why = refusal(program, masking, built)
+    written = why is None
+    if not (found or written):
+        raise PrismError(f"no program computes {', '.join(masking)} masked past the size given: {why}")
+    programs = [*(r.program for r in found), program][:len(found) + written]
+    with optimize.rankers(programs, how, jobs or default_jobs()) as futures:
+        ranked, info = optimize.choose_ranked(program, [r.program for r in found], how, None, futures, written)
+    if not written:  # not that its pre-defined kernels do not fit: it would compute something else
+        info["as_written_fits"], info["as_written_refused"] = None, why
     for r in ranked:  # `choose_ranked` without a prover takes them as proved: they keep what they had
         r.proved = r.as_written or proved[id(r.program)]
     return optimize.Outcome(ranked[0], ranked, {**outcome.search, **info}, outcome.from_checkpoint)

@@ -229,8 +229,10 @@ def summary(report: Report, out: Path) -> str:
     lines = [f"{report.program} -> {out}/ (hardware {report.hardware.name}, "
              f"dims {', '.join(f'{k}={v}' for k, v in report.dims.items()) or 'none'})"]
     if report.padded:  # `padding`
+        copies = report.searched.search.get("padding_copies_us") if report.searched else None
         lines.append("  built for " + ", ".join(f"{k}={report.dims[k]} (given {v})" for k, v in report.padded.items())
-                     + ": tiles divide that; the launcher pads the inputs with zeros and returns the first rows")
+                     + ": tiles divide that; the launcher pads the inputs with zeros and returns the first rows"
+                     + (f" (copies: {copies} us by the model, beside the estimate below)" if copies is not None else ""))
     gpu = report.checked.gpu  # where a time was measured
     for k in report.kernels:
         nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})
@@ -298,6 +300,8 @@ def _search_lines(s: Searched) -> list[str]:
                      + "; ".join(dict.fromkeys(sr["errors"])))
     if sr.get("as_written_fits") is False:
         lines.append("  the program as written cannot run at these dims (its pre-defined kernels do not fit)")
+    if why := sr.get("as_written_refused"):  # `padding.retuned`
+        lines.append(f"  the program as written is not built past the sizes given: {why}")
     if m := sr.get("measured"):
         lines.append(f"  tuning on {m['device']}: {m['timed']} programs timed, {m['from_database']} from the "
                      "tuning database" + "".join(f"\n    not used: {f}" for f in m["failed"]))

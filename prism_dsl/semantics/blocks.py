@@ -22,6 +22,7 @@ from ..ir.nodes import Node, Program
 from ..kernels.constraints import Concrete, instantiate_program
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import TileMap, after_loop, free_symbols, stored_dtype
+from ..kernels.masking import given_end
 from ..kernels.params import complete
 from ..kernels.position import causal_loop, loop_end, placed, start, whole
 from ..ir.ops import OPS, Kind
@@ -41,10 +42,12 @@ def _slices(full: tuple[int, ...], tile: tuple[int, ...], tmap: TileMap, grid: M
     return tuple(out)
 
 
-def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False) -> list[np.ndarray]:
+def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False,
+               ends: Mapping[str, int] = {}) -> list[np.ndarray]:
     """Every output of the concrete kernel `c` for the given input arrays (`rounded`: as
     `reference.evaluate_nodes` takes it, for the products of the kernel's body, and each output rounded to
-    the type the kernel stores it in, `kernels.kernel.stored_dtype`)."""
+    the type the kernel stores it in, `kernels.kernel.stored_dtype`; `ends`: dims built past the sizes the caller
+    gave, by name, with those sizes: each fold takes its elements past them as its identity, `kernels.masking`)."""
     k = c.kernel
     body = k.body()
     accs = [n for n in body if OPS[n.op].kind is Kind.ACCUMULATE]
@@ -77,7 +80,8 @@ def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False) -
                 for n in in_loop:
                     values[n] = value(n, values, block, i)
                 for n in accs:
-                    states[n] = ACCUMULATORS[n.op].advance(states.get(n), *[values[a] for a in n.args])
+                    operands_ = [_masked(c, n, values[n.args[0]], ends, block, i), *(values[a] for a in n.args[1:])]
+                    states[n] = ACCUMULATORS[n.op].advance(states.get(n), *operands_)
             for n in accs:
                 values[n] = ACCUMULATORS[n.op].value(states[n])
             for n in post:
@@ -85,6 +89,18 @@ def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False) -
             for out, store in zip(outs, k.stores):
                 _write(out, values[store.value], store, block)
     return [quantize(o, stored_dtype(k, i)) for i, o in enumerate(outs)] if rounded else outs
+
+
+def _masked(c: Concrete, acc: Node, x: np.ndarray, ends: Mapping[str, int], block: Mapping[str, int], i: int):
+    """An accumulator's first operand with each element of its last dim past the size given (`kernels.masking`)
+    as the fold's identity (`Accumulator.past_end`), by the element's place in the whole tensor."""
+    fill = ACCUMULATORS[acc.op].past_end
+    end = None if fill is None else given_end(c.kernel, acc.args[0], -1, ends)
+    if end is None:
+        return x
+    o = placed(c.kernel, acc.args[0], -1, False)
+    at = start(o.dm, whole(c.shape, c.kernel, o), dict(c.grid), c.loop, block, i)
+    return np.where(np.arange(np.shape(x)[-1]) + at >= end, fill, x)
 
 
 def _causal(c: Concrete, n: Node, x: np.ndarray, block: Mapping[str, int], i: int, after: bool):
@@ -130,7 +146,7 @@ class KernelRunner:
 
     def __init__(self, program: Program, dims: Mapping[sympy.Symbol, int], params: Mapping[str, int], hardware: str,
                  prefer: str = "fill", concrete: Mapping[str, Concrete] | None = None, smem: bool = True,
-                 rounded: bool = False):
+                 rounded: bool = False, ends: Mapping[str, int] = {}):
         """`concrete`: the kernels already instantiated (as a build tuned them), used as they are. `smem`
         False: given every parameter, the kernels are held to every limit but the shared-memory bound (the
         interpreter keeps tiles in arrays; a build has checked what its generated code takes instead)."""
@@ -142,29 +158,30 @@ class KernelRunner:
             concrete = instantiate_program(program, {**dims, **{symbols[n]: v for n, v in values.items()}}, hw,
                                            generated=(lambda c: 0) if given else None)
         self.concrete = dict(concrete)
-        self.rounded = rounded
+        self.rounded, self.ends = rounded, dict(ends)  # `ends`: as `run_kernel` takes it
         self.results: dict[int, list[np.ndarray]] = {}
 
     def __call__(self, node: Node, operands: list[np.ndarray]) -> np.ndarray:
         kernel, index = node.attr
         if id(kernel) not in self.results:
-            self.results[id(kernel)] = run_kernel(self.concrete[kernel.name], operands, self.rounded)
+            self.results[id(kernel)] = run_kernel(self.concrete[kernel.name], operands, self.rounded,
+                                                     self.ends)
         return self.results[id(kernel)][index]
 
 
 def evaluate(program: Program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
              hardware: str = "h100", prefer: str = "fill", smem: bool = True,
-             rounded: bool = False) -> dict[str, np.ndarray]:
+             rounded: bool = False, ends: Mapping[str, int] = {}) -> dict[str, np.ndarray]:
     """The program's outputs, by name, for the given input arrays (any float dtype; cast to float64).
 
     Kernel-level ops run in the reference semantics (`reference.apply`); custom kernels run in this
     block-level interpreter with the grid sizes and loop ranges in `params` (by symbol name), and valid
     choices for the ones not given (see `kernels.params.complete`); `smem` as `KernelRunner` takes it;
-    `rounded` as `reference.evaluate_nodes` takes it."""
+    `rounded` as `reference.evaluate_nodes` takes it; `ends` as `run_kernel` takes it."""
     env = {node: np.asarray(inputs[node.attr], dtype=np.float64) for node in program.inputs}
     kernels = None
     if any(n.op == "kernel" for n in program.nodes()):
         kernels = KernelRunner(program, bind_dims(program, inputs=inputs), params or {}, hardware, prefer, smem=smem,
-                               rounded=rounded)
+                               rounded=rounded, ends=ends)
     values = evaluate_nodes([n for _, n in program.outputs], env, kernels, rounded)
     return {name: values[node] for name, node in program.outputs}

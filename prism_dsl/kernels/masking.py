@@ -1,0 +1,243 @@
+"""Dims a program reduces along, built past the size given: their elements past the end masked.
+
+Where it sits: beside `pipeline.padding`, which rounds dims up for tiles. A dim along which every value is
+computed element by element (a projection's rows) may be built larger as it is. A dim the program reduces
+along (attention's keys at 4099: the loop folds them) may not: the keys past the caller's would enter each
+query's softmax. Such a dim is built rounded up only where the program computes the caller's values anyway,
+its inputs zero past the size given (the launcher pads them so), which `refusal` checks, and these hold:
+
+- every fold along the dim in a custom kernel's loop (or in one pass over its tile) takes each element past
+  the end as its identity (`Accumulator.past_end`: 0 for a sum, -inf for a max and for online softmax's
+  scores), which the generated code (`backend.codegen`) and the block interpreter (`semantics.blocks`) put
+  there by the element's place in the whole tensor (`given_end`); a fold that counts its elements (a mean's
+  divisor would be the size built) is refused;
+- every product that contracts the dim reads zeros past the end in one operand and finite values in the
+  other (`zero`, `finite`: what the ops between the inputs and it make of zeros), so the extra terms add 0;
+  a per-element sum over loop iterations that walk the dim likewise adds zeros;
+- nothing else works along it: no norm, mean, max or softmax step outside custom kernels, no reduction or
+  row-wise op inside one, no mask or position placing by it.
+
+What is checked against what: the emulation runs the kernels at the size built on inputs zero past the size
+given, and compares the caller's part of every output with the float64 reference of the input program at the
+size given (`pipeline.build`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import sympy
+
+from ..ir.accumulators import ACCUMULATORS
+from ..ir.nodes import Node, Program
+from ..ir.ops import OPS, Kind
+from .kernel import Kernel, kernels_of
+from .position import origin
+
+KEEPS_ZERO = frozenset({"neg", "relu", "silu", "gelu", "gelu_tanh", "tanh", "square", "sqrt", "transpose"})
+NORMS = frozenset({"rms_norm_eps", "layer_norm"})  # 0 for a row of zeros, their epsilon positive
+NOT_FINITE = frozenset({"rsqrt", "div", "rms_norm"})  # of zeros: 1/0, 0/0 (rms_norm has no epsilon)
+
+
+class _Refused(Exception):
+    pass
+
+
+def refusal(program: Program, given: Mapping[str, int], built: Mapping[str, int] | None = None) -> str | None:
+    """Why `program` would not compute its caller's values built with the dims of `given` (by name, with the sizes
+    the caller gives) past those sizes, their inputs zero past them and the folds along them masked; None where
+    it would. `built`: every dim's size as built, which a causal mask placing by such a dim needs (`diagonal`)."""
+    symbols = frozenset(d.symbol for d in program.dims if d.name in given)
+    if not symbols:
+        return None
+    try:
+        _Facts(program, symbols, given, built).check()
+    except _Refused as e:
+        return str(e)
+    return None
+
+
+def given_end(kernel: Kernel, node: Node, dim: int, ends: Mapping[str, int]) -> int | None:
+    """The size the caller gave of the whole dim that places dim `dim` of the body value `node`, where that dim
+    was built past it (`ends`: such dims by name, with the sizes given); None where it was not."""
+    if not ends:
+        return None
+    o = origin(kernel, node, dim)
+    if o is None:
+        return None
+    shape = kernel.inputs[o.load.source].shape
+    size = shape[o.dim] if -o.dim <= len(shape) else None
+    return ends.get(size.name) if isinstance(size, sympy.Symbol) else None
+
+
+class _Facts:
+    """The checks of `refusal` over one program, with what each value holds past the end."""
+
+    def __init__(self, program: Program, symbols: frozenset[sympy.Symbol], given: Mapping[str, int],
+                 built: Mapping[str, int] | None):
+        self.program, self.symbols, self.given, self.built = program, symbols, given, built
+        self.kernel: Kernel | None = None  # the kernel whose body is being looked at
+        self.known: dict[tuple, bool] = {}  # (what, kernel, node): `zero` and `finite` worked out
+
+    def refuse(self, node: Node, why: str) -> None:
+        where = f"in kernel '{self.kernel.name}'" if self.kernel is not None else "outside custom kernels"
+        names = ", ".join(sorted(str(s) for s in self.symbols))
+        raise _Refused(f"{node.op} {where} {why} ({names} built past the size given)")
+
+    def past(self, n: Node) -> set[int]:
+        """The dims of `n` (counted from the end) that reach past the end."""
+        if self.kernel is None:
+            out = set()
+            for i, size in enumerate(n.shape):
+                free = getattr(size, "free_symbols", set()) & self.symbols
+                if free and size not in self.symbols:
+                    self.refuse(n, f"has a size made of the dim ({size})")
+                if free:
+                    out.add(i - n.rank)
+            return out
+        return {d for d in range(-n.rank, 0) if self._walked(n, d) is not None}
+
+    def symbol(self, n: Node, d: int) -> sympy.Symbol | None:
+        """The program dim that dim `d` of `n` is (inside a kernel: that its tile dim is loaded from), if one."""
+        if self.kernel is not None:
+            o = origin(self.kernel, n, d)
+            if o is None:
+                return None
+            shape = self.kernel.inputs[o.load.source].shape
+            size = shape[o.dim] if -o.dim <= len(shape) else None
+        else:
+            size = n.shape[d] if -d <= n.rank else None
+        return size if isinstance(size, sympy.Symbol) else None
+
+    def _walked(self, n: Node, d: int):
+        o = origin(self.kernel, n, d)
+        if o is None:
+            return None
+        shape = self.kernel.inputs[o.load.source].shape
+        return o if -o.dim <= len(shape) and shape[o.dim] in self.symbols else None
+
+    def zero(self, n: Node) -> bool:
+        """Whether `n` holds zeros past the end (False where it reaches no dim past it)."""
+        return self._known(self._zero, n)
+
+    def finite(self, n: Node) -> bool:
+        """Whether `n` holds finite values past the end (True where it reaches no dim past it)."""
+        return self._known(self._finite, n)
+
+    def _known(self, f, n: Node) -> bool:
+        key = (f.__name__, self.kernel, n)
+        if key not in self.known:
+            self.known[key] = f(n)
+        return self.known[key]
+
+    def _zero(self, n: Node) -> bool:
+        if not self.past(n):
+            return False
+        if n.op == "input":
+            return True
+        if n.op == "tile":
+            return self._outside(self.zero, self._source(n))
+        if n.op in KEEPS_ZERO:
+            return self.zero(n.args[0])
+        if n.op == "mul" or OPS[n.op].kind is Kind.MATMUL:
+            a, b = n.args
+            return self.zero(a) and self.finite(b) or self.zero(b) and self.finite(a)
+        if n.op in ("add", "sub"):
+            return all(self.zero(a) for a in n.args)
+        if n.op == "div":
+            return self.zero(n.args[0]) and not self.past(n.args[1])
+        if n.op == "rope":
+            return self.zero(n.args[0]) and self.finite(n.args[1]) and self.finite(n.args[2])
+        if n.op in NORMS:
+            eps = n.args[-1]
+            return self.zero(n.args[0]) and eps.op == "const" and eps.attr > 0
+        return False
+
+    def _finite(self, n: Node) -> bool:
+        if not self.past(n) or self.zero(n):
+            return True
+        if n.op == "tile":
+            return self._outside(self.finite, self._source(n))
+        kind = OPS[n.op].kind
+        if n.op in NOT_FINITE or kind not in (Kind.UNARY, Kind.BINARY, Kind.MATMUL, Kind.TRANSPOSE, Kind.ROWWISE):
+            return False
+        return all(self.finite(a) for a in n.args)
+
+    def _source(self, tile: Node) -> Node:
+        """The tensor a body tile is loaded from."""
+        return self.kernel.inputs[self.kernel.load(tile.attr).source]
+
+    def _outside(self, f, n: Node) -> bool:
+        """`f(n)` for a tensor outside the kernel being looked at."""
+        kernel, self.kernel = self.kernel, None
+        try:
+            return f(n)
+        finally:
+            self.kernel = kernel
+
+    def check(self) -> None:
+        for n in self.program.nodes():
+            if n.op != "kernel":
+                self.node(n)
+        for k in kernels_of(self.program):
+            self.kernel = k
+            for n in k.body():
+                self.node(n)
+            self.kernel = None
+
+    def node(self, n: Node) -> None:
+        """Refuses `n` where it works along a dim past the end in a way the masking does not cover."""
+        past = {d for a in n.args for d in self.past(a)} | self.past(n)
+        if not past:
+            return
+        kind = OPS[n.op].kind
+        if kind is Kind.MATMUL:
+            a, b = n.args
+            if -1 in self.past(a) or (-2 if b.rank > 1 else -1) in self.past(b):
+                if not (self.zero(a) and self.finite(b) or self.zero(b) and self.finite(a)):
+                    self.refuse(n, "contracts the dim with no operand that is zero past the end and another finite")
+        elif kind is Kind.REDUCE:
+            if n.attr - n.args[0].rank in self.past(n.args[0]):
+                self.refuse(n, "reduces along the dim")
+        elif kind is Kind.ROWWISE:
+            if -1 in self.past(n.args[0]) or -1 in self.past(n):
+                self.refuse(n, "works along the dim")
+        elif kind is Kind.ACCUMULATE:
+            self.fold(n)
+        elif kind is Kind.MASK and past & {-1, -2}:
+            self.diagonal(n)
+        elif kind in (Kind.POSITION, Kind.SPLIT, Kind.CONCAT):
+            self.refuse(n, "places its elements by the dim")
+
+    def diagonal(self, mask: Node) -> None:
+        """A causal mask placing by a dim past the end: kept where the sizes built leave its diagonal where the
+        sizes given put it (rows and columns rounded up alike, attention's queries and keys at prefill): each row
+        the caller has then keeps the columns it kept, none past the end; refused where the diagonal would move."""
+        rows, cols = self.symbol(mask, -2), self.symbol(mask, -1)
+        if mask.op != "causal" or self.built is None or rows is None or cols is None:
+            self.refuse(mask, "places its elements by the dim")
+        built = {s: self.built[s.name] for s in (rows, cols)}
+        given = {s: self.given.get(s.name, built[s]) for s in (rows, cols)}
+        if built[cols] - built[rows] != given[cols] - given[rows]:
+            self.refuse(mask, f"places its elements by the dim, and would move its diagonal ({rows} and {cols} "
+                              "rounded up unlike)")
+
+    def fold(self, acc: Node) -> None:
+        """An accumulator whose operands reach past the end: its folded dim masked (row folds, online softmax's
+        scores), its operands' other such dims kept apart (not walked by the loop) or zero."""
+        a = ACCUMULATORS[acc.op]
+        x = acc.args[0]
+        for d in self.past(x):
+            folded = d == -1 and (a.row or a.online == "softmax")
+            if folded and a.past_end is None:
+                self.refuse(acc, "counts the elements it folds along the dim")
+            if not folded and self._walked(x, d).dm.loop and not (a.per_element and self.zero(x)):
+                self.refuse(acc, "folds the loop's iterations along the dim into one element")
+        for v in acc.args[1:]:  # online softmax's values: their rows meet the scores' masked columns
+            for d in self.past(v):
+                if d == -2 and -1 in self.past(x):
+                    if not self.finite(v):
+                        self.refuse(acc, "reads values that are not finite past the end")
+                elif self._walked(v, d).dm.loop:
+                    self.refuse(acc, "reads values past the end that its scores do not mask")
+

@@ -1,0 +1,128 @@
+"""Dims a program reduces along, built past the size given (`kernels.masking`): which programs may be, and the
+kernels that mask each fold's elements past the end, in the block interpreter and in the emulation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from prism_dsl.backend.codegen import CodegenConfig
+from prism_dsl.backend.compare import check
+from prism_dsl.kernels.hardware import load_hardware
+from prism_dsl.kernels.masking import refusal
+from prism_dsl.lang.check import load
+from prism_dsl.pipeline import emulation
+from prism_dsl.kernels.lower import lower
+from prism_dsl.pipeline.build import (BuildOptions, callers_rows, check_emulated, check_inputs, padded_inputs, plan_of,
+                                      reference_outputs, render, tolerance_of, tune)
+from prism_dsl.pipeline.padding import candidates
+from prism_dsl.semantics.blocks import evaluate
+from test_codegen import ROOT, needs_cxx
+
+
+def program(name: str):
+    return load(ROOT / "programs" / f"{name}.prism").program()
+
+
+@pytest.mark.parametrize("name, given, built, why", [
+    ("fused/attention", {"kv": 100}, None, None),  # online softmax masks its scores; p @ v reads zeros past the end
+    ("fused/attention.decoding", {"kv": 100}, None, None),  # the split's pieces too: each masks by its keys' place
+    ("gpt2_mlp", {"f": 100}, None, None),  # contracted: gelu(x @ 0 + 0) is 0 past the end
+    ("lora", {"r": 100}, None, None),
+    ("attention", {"kv": 100}, None, "softmax outside custom kernels works along the dim"),
+    # a causal mask whose diagonal the sizes built leave where it was: the caller's rows keep the columns they kept
+    ("fused/causal_attention", {"q": 100, "kv": 100}, {"b": 1, "h": 2, "q": 128, "kv": 128, "dh": 64}, None),
+    ("fused/causal_attention", {"kv": 100}, {"b": 1, "h": 2, "q": 1, "kv": 128, "dh": 64},
+     "causal in kernel 'flash_causal' places its elements by the dim, and would move its diagonal"),
+    ("fused/causal_attention", {"q": 100, "kv": 100}, None, "causal in kernel 'flash_causal' places its elements"),
+    ("fused/rmsnorm_linear", {"d": 100}, None, "acc_rms_last in kernel 'rmsnorm_matmul' counts the elements it folds"),
+    ("rmsnorm_linear", {"d": 100}, None, "rms_norm outside custom kernels works along the dim"),
+])
+def test_which_programs_compute_a_dim_masked_past_the_end(name, given, built, why):
+    got = refusal(program(name), given, built)
+    assert got is None if why is None else why in got
+
+
+def test_a_product_needs_zeros_on_one_side_and_finite_values_on_the_other(write):
+    def said(expr: str) -> str | None:
+        text = (f"dims n = 8, d = 64, f = 64\nprogram p(X: f16[n, d], W: f16[d, f]) {{\n"
+                f"    Y = {expr}\n    return Y\n}}\n")
+        return refusal(load(write(text)).program(), {"d": 60})
+    assert said("X @ W") is None and said("exp(X) @ W") is None and said("silu(X) @ exp(W)") is None
+    assert "contracts the dim" in said("exp(X) @ exp(W)")  # 1 * 1 past the end
+    assert "contracts the dim" in said("(X / X) @ W")  # 0 / 0
+    assert "contracts the dim" in said("rsqrt(X) @ W")  # inf * 0
+
+
+def test_sizes_tried_for_a_dim_folded_by_a_found_program():
+    written, fused = program("attention"), program("fused/attention")
+    dims = {"b": 1, "h": 16, "q": 1, "kv": 4099, "dh": 128}
+    assert candidates(written, dims) == []  # nothing masks the keys as written
+    assert candidates(written, dims, [fused]) == [{"kv": 4160}, {"kv": 4224}]
+    causal = program("causal_attention")
+    dims = {"b": 1, "h": 16, "q": 4099, "kv": 4099, "dh": 128}  # both rounded alike: the diagonal stays
+    assert candidates(causal, dims, [program("fused/causal_attention")]) == [{"q": 4160, "kv": 4160},
+                                                                             {"q": 4224, "kv": 4224}]
+    assert candidates(causal, {**dims, "q": 1}, [program("fused/causal_attention")]) == []
+
+
+def scores_below_zero(inputs: dict) -> dict:
+    """Queries and keys of opposite signs: every score the caller's keys give is negative, so a key past the end
+    taken as a score of 0 (its zeros, unmasked) would outweigh them all."""
+    return {**inputs, "Q": -np.abs(inputs["Q"]), "K": np.abs(inputs["K"])}
+
+
+@pytest.mark.parametrize("name, dims, built", [
+    ("fused/attention", {"b": 1, "h": 2, "q": 1, "kv": 100, "dh": 64}, 128),
+    ("fused/attention.decoding", {"b": 1, "h": 2, "q": 1, "kv": 100, "dh": 64}, 128),
+])
+def test_the_block_interpreter_masks_the_folds_past_the_end(name, dims, built):
+    p = program(name)
+    rng = np.random.default_rng(0)
+    given = {n.attr: rng.standard_normal([dims[s.name] for s in n.shape]) for n in p.inputs}
+    given = scores_below_zero(given)
+    zeros = {k: np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, built - a.shape[-1])]) if k == "K" else
+             np.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, built - a.shape[-2]), (0, 0)]) if k == "V" else a
+             for k, a in given.items()}
+    want = evaluate(program("attention"), given)["O"]
+    masked = evaluate(p, zeros, {}, "h100", ends={"kv": dims["kv"]})["O"]
+    assert check(masked, want, 1e-9)["passed"]
+    assert not check(evaluate(p, zeros, {}, "h100")["O"], want, 1e-2)["passed"]  # unmasked: the zeros count
+
+
+@needs_cxx
+@pytest.mark.parametrize("name, dims, built, grid, wgmma, mask", [
+    # online softmax in registers, on wgmma and on mma.sync: the scores' fragments masked after the product
+    ("fused/attention", {"b": 1, "h": 2, "q": 64, "kv": 100, "dh": 64}, 128, {"gq": 1}, True, "past the 100 the caller"),
+    ("fused/attention", {"b": 1, "h": 2, "q": 64, "kv": 100, "dh": 64}, 128, {"gq": 1}, False, "past the 100 the caller"),
+    # the split's pieces, each folding its keys' scores in shared memory (one query)
+    ("fused/attention.decoding", {"b": 1, "h": 2, "q": 1, "kv": 100, "dh": 64}, 128, {}, True, "< 100 ?"),
+])
+def test_kernels_built_past_the_keys_given_mask_them(name, dims, built, grid, wgmma, mask):
+    """Built for `built` keys where the caller has `dims["kv"]`: the generated code takes each score past the
+    caller's keys as -inf; it passes the compile's check plain and under both sanitizers, and on inputs whose every
+    score is negative (where a key past the end unmasked would decide the output) the emulation agrees with the
+    reference of the input program at the caller's keys, where the same kernels without the masks do not."""
+    options = BuildOptions(dims={**dims, "kv": built}, padded={"kv": dims["kv"]}, grid=grid,
+                           loop={"F": 2} if grid else {}, codegen=CodegenConfig(wgmma=wgmma))
+    tuned = tune(lower(program(name)), program(name), load_hardware("h100"), options)
+    b = render(tuned, options.codegen)
+    assert mask in "\n".join(k.source for k in b.kernels)
+    for sanitizer in (None, "thread", "address"):  # the compile's own check: random inputs, zeros past the end
+        assert check_emulated(b, 0, sanitizer).passed
+
+    def emulated(built_) -> emulation.EmulationCheck:
+        plan = plan_of(built_)
+        cut = callers_rows(plan)
+        caller = {k: v[cut.get(k, ())] for k, v in check_inputs(built_, 0).items()}
+        inputs = padded_inputs(built_, scores_below_zero(caller))
+        return emulation.check(built_, plan, inputs, reference_outputs(built_, inputs), seed=0,
+                               rtol=tolerance_of(built_, inputs), checked_against="input program",
+                               callers=cut)
+    assert emulated(b).passed
+    bare = render(tuned, replace(options.codegen, ends=()))  # the same kernels, no mask
+    assert mask not in "\n".join(k.source for k in bare.kernels)
+    assert not emulated(bare).passed
+
