@@ -3,6 +3,7 @@ kernels that mask each fold's elements past the end, in the block interpreter an
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -17,8 +18,9 @@ from prism_dsl.pipeline import emulation
 from prism_dsl.kernels.lower import lower
 from prism_dsl.pipeline.build import (BuildOptions, callers_rows, check_emulated, check_inputs, padded_inputs, plan_of,
                                       reference_outputs, render, tolerance_of, tune)
-from prism_dsl.pipeline.padding import candidates
+from prism_dsl.pipeline.padding import candidates, copy_us
 from prism_dsl.semantics.blocks import evaluate
+from prism_dsl.cli.main import main
 from test_codegen import ROOT, needs_cxx
 
 
@@ -126,3 +128,34 @@ def test_kernels_built_past_the_keys_given_mask_them(name, dims, built, grid, wg
     assert mask not in "\n".join(k.source for k in bare.kernels)
     assert not emulated(bare).passed
 
+
+
+def test_the_copies_that_pad_a_call_are_priced_as_the_launcher_makes_them():
+    """Each input padded is read at the caller's size and written at the size built (torch's constant pad, two
+    launches counted); an output whose caller's part is a contiguous prefix (rows) is handed back as a view, one
+    cut along an inner dim (the keys) is copied out; inputs the caller passes at the sizes built cost nothing."""
+    h100 = load_hardware("h100")
+    per_byte, launch = 1 / (h100.bandwidth_gbs * 1e3), h100.launch_overhead_us
+    rows = program("rmsnorm_linear")  # X [n, d] and W [d, d] in, Y [n, d] out: only X and Y have the rows
+    got = copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100)
+    assert got == pytest.approx(2 * launch + (100 + 128) * 64 * 2 * per_byte)
+    lora = program("lora")  # Y [n, m] out, cut along m: copied out
+    dims = {"n": 64, "d": 64, "m": 100, "r": 16}
+    ins = sum(n.dtype.bytes * np.prod([dims[str(s)] for s in n.shape]) for n in lora.inputs if "m" in map(str, n.shape))
+    out = np.prod([dims[str(s)] for s in lora.outputs[0][1].shape]) * lora.outputs[0][1].dtype.bytes
+    assert copy_us(lora, dims, {"m": 128}, h100, inputs=False) == pytest.approx(launch + 2 * out * per_byte)
+    assert copy_us(lora, dims, {"m": 128}, h100) > copy_us(lora, dims, {"m": 128}, h100, inputs=False) + ins * per_byte
+
+
+def test_a_compile_past_the_keys_given(tmp_path, capsys):
+    """The fused attention at 4099 keys, compiled as written: built for 4160, masked past 4099; with
+    --padded-inputs the summary says the caller passes its inputs at that size."""
+    out = tmp_path / "out"
+    args = ["compile", str(ROOT / "programs" / "fused" / "attention.prism"), "--search", "none", "--arch", "none",
+            "--no-emulate", "--dims", "b=1,h=16,q=1,kv=4099,dh=128", "-o", str(out)]
+    assert main([*args, "--padded-inputs"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["dims"]["kv"] == 4160 and report["padded"] == {"kv": 4099} and report["padded_inputs"]
+    assert report["codegen"]["ends"] == [["kv", 4099]]
+    assert "the caller passes the inputs at the sizes built" in capsys.readouterr().out
+    assert "< 4099" in (out / "flash_attention.cu").read_text() or "past the 4099" in (out / "flash_attention.cu").read_text()

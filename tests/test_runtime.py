@@ -903,3 +903,16 @@ class TestOnGpu:
             launcher(X=torch.zeros(8 * 64 + 1, dtype=torch.float16, device="cuda")[1:].view(8, 64), W=inputs["W"])
         with pytest.raises(PlanError, match="is not contiguous"):
             launcher(X=inputs["X"].t().contiguous().t(), W=inputs["W"])
+
+    def test_torch_tensors_of_the_callers_size_are_padded_on_the_device(self, tmp_path):
+        """Dims rounded up past the caller's (the plan's `used`) along the rows and along the columns: the caller's
+        tensors padded with zeros on the device (torch's constant pad), the outputs cut to the caller's part."""
+        torch = pytest.importorskip("torch")
+        plan = gpu_plan(tmp_path)
+        for name in ("X", "W", "Y"):
+            plan["tensors"][name]["used"] = [5, 40]
+        launcher = Launcher(plan, tmp_path)
+        inputs = {n: torch.from_numpy(a[:5, :40].copy()).cuda() for n, a in gpu_inputs().items()}
+        out = launcher(**inputs)
+        assert out["Y"].shape == (5, 40) and out["Y"].is_contiguous()
+        assert check(out["Y"], (inputs["X"].double() + 2 * inputs["W"].double()).cpu().numpy())["passed"]

@@ -234,10 +234,9 @@ def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
             raise PlanError(f"input '{name}' is {t.dtype}; the program stores it as {dtype}: pass {want}, "
                             "or any float tensor with cast=True (a launcher's get_launcher(cast=True); one copy)")
         t = t.to(want)
-    if pad:  # dims rounded up for tiles: zeros past the caller's rows (one copy)
-        full = torch.zeros(_shape(plan, name), dtype=want, device=t.device)
-        full[_first(plan, name)] = t
-        return full
+    if pad:  # dims rounded up for tiles: the caller's part, zeros past it (torch's constant pad: one copy)
+        ends = [x for n, m in zip(reversed(t.shape), reversed(_shape(plan, name))) for x in (0, m - n)]
+        return torch.nn.functional.pad(t, ends)
     if not t.is_contiguous():
         raise PlanError(f"tensor '{name}' is not contiguous; pass {name}.contiguous()")
     if t.data_ptr() % ALIGNMENT:

@@ -93,12 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'full': search fused programs (default); 'none': compile the program as written")
     co.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
                     help="stop the search after this long and use the best proved program so far (default 60)")
-    co.add_argument("--jobs", type=jobs, default=None, help="processes proving, and then tuning the proved "
-                    "programs, at once (default and most: the machine's cores)")
-    co.add_argument("--max-kernels", type=positive_int, default=None, help="custom kernels per program the search may "
-                    "use (default 1; a split reduction's combining kernel is not counted)")
-    co.add_argument("--no-split", action="store_true", help="do not offer loop kernels split in two (FlashDecoding: "
-                    "partial results and a combining kernel)")
+    co.add_argument("--jobs", type=jobs, default=None, help="processes proving, then tuning, at once (default and most: the cores)")
+    co.add_argument("--max-kernels", type=positive_int, default=None, help="custom kernels a program may use (default 1)")
+    co.add_argument("--no-split", action="store_true", help="do not offer loop kernels split in two (FlashDecoding)")
     co.add_argument("--no-cache", action="store_true", help="neither read nor write the search checkpoint and tuning database")
     co.add_argument("--unsteady", action="store_true", help="also offer programs that lose accuracy on inputs far from 0")
     co.add_argument("--grid", type=parse_dims, action=Merged, default={}, metavar="AXIS=N", help="grid sizes to use (x=96 or gx=96)")
@@ -123,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--tma", action=argparse.BooleanOptionalAction, default=False, help="loop tiles of wgmma kernels "
                     "copied by TMA, not cp.async (off until a GPU runs them: on an H200 they faulted, since fixed)")
     co.add_argument("--two-launches", action="store_true", help="a split's combining kernel in a launch of its own")
+    co.add_argument("--padded-inputs", action="store_true", help="where dims are rounded up for tiles, the caller passes "
+                    "the inputs at the sizes built, zeros past its own (a cache allocated that large): their copies are not counted")
     co.add_argument("--seed", type=whole, default=0, help="seed for the random inputs of the checks (default 0)")
     co.add_argument("--json", action="store_true", help="print report.json to stdout instead of the summary")
     co.set_defaults(run=cmd_compile)
@@ -454,6 +453,7 @@ def cmd_compile(args) -> int:
                               use_cache=not args.no_cache, progress=not args.json)
     options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs, banks=args.banks,
                            emulate=not args.no_emulate, sanitize=args.sanitize, emulate_blocks=args.blocks, seed=args.seed,
+                           padded_inputs=args.padded_inputs,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores,
                                                  stages=args.stages, wgmma=not args.no_wgmma, tma=args.tma,
                                                  pingpong=not args.no_pingpong, one_launch=not args.two_launches))

@@ -66,6 +66,7 @@ class BuildOptions:
     banks: bool = False  # count the shared-memory wavefronts in the emulation, and price them (`count_banks`)
     codegen: CodegenConfig = CodegenConfig()
     padded: Mapping[str, int] = field(default_factory=dict)  # dims built rounded up (`padding`): the sizes given
+    padded_inputs: bool = False  # the caller passes inputs at the sizes built: padding's copies of them not counted
 
     def __post_init__(self):  # the code masks the folds along dims built past the sizes given (`kernels.masking`)
         object.__setattr__(self, "codegen", replace(self.codegen, ends=tuple(sorted(self.padded.items()))))

@@ -145,7 +145,7 @@ def _sized(request: Request) -> tuple[Request, Outcome | None]:
                 sized.options.codegen, request.search.use_cache, request.search.jobs, masking)
             if found is None and (why := refusal(request.program, masking, {**given, **rounded})):
                 raise PrismError(why)
-            copies = padding.copy_us(request.program, given, rounded, request.hardware)
+            copies = padding.copy_us(request.program, given, rounded, request.hardware, not request.options.padded_inputs)
             us = _estimate(sized, found) + copies
             if found is not None:
                 found.search["padding_copies_us"] = round(copies, 3)
@@ -283,7 +283,8 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                                     built.hardware),  # the parameters too: an output's shape may hold a grid size
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
-                  counted if isinstance(counted, Skipped) else None, dict(built.padded))
+                  counted if isinstance(counted, Skipped) else None, dict(built.padded),
+                  bool(built.padded) and chosen.options.padded_inputs)
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

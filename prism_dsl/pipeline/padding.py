@@ -65,20 +65,30 @@ def masked(program: Program, rounded: Collection[str]) -> list[str]:
     return [d.name for d in program.dims if d.name in rounded and d.symbol not in free]
 
 
-def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hardware: Hardware) -> float:
-    """What padding costs a call at `padded` (dims by name): each input and output with a rounded dim copied
-    once more at its rounded size (on the device where the caller's tensors are there), a launch each."""
+def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hardware: Hardware,
+            inputs: bool = True) -> float:
+    """What padding costs a call at `padded` (dims by name), as the launcher does it for tensors on the device
+    (`backend.cuda_runtime`): each input with a rounded dim read at its size given and written at its size built
+    (torch's constant pad: its part and the zeros past it, two launches counted); each output
+    whose caller's part is not a contiguous prefix of it (rounded past its first dim) read and written at its
+    size given, a launch. Not `inputs`: the caller passes them at the sizes built (`cuda_runtime`), no copy."""
     if not padded:
         return 0.0
     rounded = bind_dims(program, {**dims, **padded})
     given = bind_dims(program, dims)
-    moved = copies = 0
-    for n in [*program.inputs, *(node for _, node in program.outputs)]:
-        shape = concrete_shape(n.shape, rounded)
-        if shape != concrete_shape(n.shape, given):
-            moved += math.prod(shape) * (n.dtype.bytes if n.dtype else 4)
-            copies += 1
-    return copies * hardware.launch_overhead_us + moved / (hardware.bandwidth_gbs * 1e3)
+    moved = launches = 0
+    for n in program.inputs if inputs else ():
+        built, used = concrete_shape(n.shape, rounded), concrete_shape(n.shape, given)
+        if built != used:
+            moved += (math.prod(built) + math.prod(used)) * n.dtype.bytes
+            launches += 2
+    for _, n in program.outputs:
+        built, used = concrete_shape(n.shape, rounded), concrete_shape(n.shape, given)
+        first = next((i for i, (b, u) in enumerate(zip(built, used)) if b != u), None)
+        if first is not None and (any(b > 1 for b in built[:first]) or built[first + 1:] != used[first + 1:]):
+            moved += 2 * math.prod(used) * (n.dtype.bytes if n.dtype else 4)
+            launches += 1
+    return launches * hardware.launch_overhead_us + moved / (hardware.bandwidth_gbs * 1e3)
 
 
 def retuned(outcome: optimize.Outcome, program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig,

@@ -195,6 +195,7 @@ class Report:
     priced: str = "the code's structure"  # what the estimates were priced from (`build.pricing`)
     banks: Skipped | None = None  # why the count `--banks` asked for did not run
     padded: Mapping[str, int] = field(default_factory=dict)  # dims built rounded up (`padding`): the sizes given
+    padded_inputs: bool = False  # the caller passes the inputs at the sizes built (`padding.copy_us`)
 
     @property
     def verified(self) -> bool:
@@ -230,9 +231,11 @@ def summary(report: Report, out: Path) -> str:
              f"dims {', '.join(f'{k}={v}' for k, v in report.dims.items()) or 'none'})"]
     if report.padded:  # `padding`
         copies = report.searched.search.get("padding_copies_us") if report.searched else None
+        how = ("the caller passes the inputs at the sizes built, zeros past its own (--padded-inputs)"
+               if report.padded_inputs else "the launcher pads the inputs with zeros")
         lines.append("  built for " + ", ".join(f"{k}={report.dims[k]} (given {v})" for k, v in report.padded.items())
-                     + ": tiles divide that; the launcher pads the inputs with zeros and returns the first rows"
-                     + (f" (copies: {copies} us by the model, beside the estimate below)" if copies is not None else ""))
+                     + f": tiles divide that; {how}, and the outputs come back cut to the sizes given"
+                     + (f" (copies: {copies} us by the model, beside the estimate below)" if copies else ""))
     gpu = report.checked.gpu  # where a time was measured
     for k in report.kernels:
         nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})
