@@ -53,6 +53,7 @@ WORKLOADS = [  # (name, program, dims)
     ("rmsnorm_mlp prefill", "rmsnorm_mlp", "n=4096,d=4096"),
     ("swiglu prefill", "swiglu", "n=4096,d=4096"),
     ("attention prefill", "attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
+    ("attention prefill q=kv=4099", "attention", "b=1,h=16,q=4099,kv=4099,dh=128"),  # built past the keys, masked
     ("qk_norm_attention prefill", "qk_norm_attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
     ("causal_attention prefill", "causal_attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
     ("gqa_decode", "gqa_decode", "b=1,hk=8,g=4,kv=4096,dh=128"),
