@@ -36,7 +36,10 @@ def program(name: str):
     ("attention", {"kv": 100}, None, "softmax outside custom kernels works along the dim"),
     # a causal mask whose diagonal the sizes built leave where it was: the caller's rows keep the columns they kept
     ("fused/causal_attention", {"q": 100, "kv": 100}, {"b": 1, "h": 2, "q": 128, "kv": 128, "dh": 64}, None),
-    ("fused/causal_attention", {"kv": 100}, {"b": 1, "h": 2, "q": 1, "kv": 128, "dh": 64},
+    ("fused/causal_attention", {"kv": 100}, {"b": 1, "h": 2, "q": 1, "kv": 128, "dh": 64}, None),  # one query
+    ("fused/causal_attention", {"kv": 100}, {"b": 1, "h": 2, "q": 100, "kv": 128, "dh": 64},
+     "causal in kernel 'flash_causal' places its elements by the dim, and would move its diagonal"),
+    ("fused/causal_attention", {"q": 100}, {"b": 1, "h": 2, "q": 128, "kv": 128, "dh": 64},
      "causal in kernel 'flash_causal' places its elements by the dim, and would move its diagonal"),
     ("fused/causal_attention", {"q": 100, "kv": 100}, None, "causal in kernel 'flash_causal' places its elements"),
     ("fused/rmsnorm_linear", {"d": 100}, None, "acc_rms_last in kernel 'rmsnorm_matmul' counts the elements it folds"),
@@ -67,13 +70,16 @@ def test_sizes_tried_for_a_dim_folded_by_a_found_program():
     dims = {"b": 1, "h": 16, "q": 4099, "kv": 4099, "dh": 128}  # both rounded alike: the diagonal stays
     assert candidates(causal, dims, [program("fused/causal_attention")]) == [{"q": 4160, "kv": 4160},
                                                                              {"q": 4224, "kv": 4224}]
-    assert candidates(causal, {**dims, "q": 1}, [program("fused/causal_attention")]) == []
+    assert candidates(causal, {**dims, "q": 1}, [program("fused/causal_attention")]) == [{"kv": 4160}, {"kv": 4224}]
+    assert candidates(causal, {**dims, "q": 4000}, [program("fused/causal_attention")]) == []
 
 
 def scores_below_zero(inputs: dict) -> dict:
-    """Queries and keys of opposite signs: every score the caller's keys give is negative, so a key past the end
-    taken as a score of 0 (its zeros, unmasked) would outweigh them all."""
-    return {**inputs, "Q": -np.abs(inputs["Q"]), "K": np.abs(inputs["K"])}
+    """Queries and keys of opposite signs (RoPE's tables, where there are some, turning nothing): every score the
+    caller's keys give is negative, so a key past the end taken as a score of 0 (its zeros, unmasked) would
+    outweigh them all."""
+    tables = {k: (np.ones_like if k[0] == "C" else np.zeros_like)(v) for k, v in inputs.items() if k in ("CQ", "SQ", "CK", "SK")}
+    return {**inputs, "Q": -np.abs(inputs["Q"]), "K": np.abs(inputs["K"]), **tables}
 
 
 @pytest.mark.parametrize("name, dims, built", [
@@ -101,6 +107,8 @@ def test_the_block_interpreter_masks_the_folds_past_the_end(name, dims, built):
     ("fused/attention", {"b": 1, "h": 2, "q": 64, "kv": 100, "dh": 64}, 128, {"gq": 1}, False, "past the 100 the caller"),
     # the split's pieces, each folding its keys' scores in shared memory (one query)
     ("fused/attention.decoding", {"b": 1, "h": 2, "q": 1, "kv": 100, "dh": 64}, 128, {}, True, "< 100 ?"),
+    # one query under a causal mask, which keeps every key of the caller's and the keys past them too
+    ("fused/causal_attention", {"b": 1, "h": 2, "q": 1, "kv": 100, "dh": 64}, 128, {}, True, "< 100 ?"),
 ])
 def test_kernels_built_past_the_keys_given_mask_them(name, dims, built, grid, wgmma, mask):
     """Built for `built` keys where the caller has `dims["kv"]`: the generated code takes each score past the

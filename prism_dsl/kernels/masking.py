@@ -210,15 +210,18 @@ class _Facts:
             self.refuse(n, "places its elements by the dim")
 
     def diagonal(self, mask: Node) -> None:
-        """A causal mask placing by a dim past the end: kept where the sizes built leave its diagonal where the
-        sizes given put it (rows and columns rounded up alike, attention's queries and keys at prefill): each row
-        the caller has then keeps the columns it kept, none past the end; refused where the diagonal would move."""
+        """A causal mask placing by a dim past the end: kept where each row the caller has keeps the columns before
+        the end it kept at the sizes given (the columns past it are the folds' to mask, as every value's are).
+        Row i keeps the columns up to i + (columns - rows): at both sizes alike where rows and columns are rounded
+        up alike (attention at prefill), or where both diagonals reach the last column from the first row on
+        (one query: the step of decoding); refused where the diagonal would move."""
         rows, cols = self.symbol(mask, -2), self.symbol(mask, -1)
         if mask.op != "causal" or self.built is None or rows is None or cols is None:
             self.refuse(mask, "places its elements by the dim")
         built = {s: self.built[s.name] for s in (rows, cols)}
         given = {s: self.given.get(s.name, built[s]) for s in (rows, cols)}
-        if built[cols] - built[rows] != given[cols] - given[rows]:
+        offsets = built[cols] - built[rows], given[cols] - given[rows]
+        if offsets[0] != offsets[1] and min(offsets) < given[cols] - 1:
             self.refuse(mask, f"places its elements by the dim, and would move its diagonal ({rows} and {cols} "
                               "rounded up unlike)")
 
