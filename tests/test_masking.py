@@ -59,6 +59,17 @@ def test_a_product_needs_zeros_on_one_side_and_finite_values_on_the_other(write)
     assert "contracts the dim" in said("exp(X) @ exp(W)")  # 1 * 1 past the end
     assert "contracts the dim" in said("(X / X) @ W")  # 0 / 0
     assert "contracts the dim" in said("rsqrt(X) @ W")  # inf * 0
+    assert "contracts the dim" in said("sqrt(square(X) - 0.00001) @ W")  # the root of a negative
+    assert said("sqrt(X) @ exp(W)") is None  # the root of 0
+
+
+def test_a_zero_broadcast_along_a_dim_past_the_end_leaves_it_unzeroed(write):
+    """A [d, 1] * exp(B [1, d]) is zero past the end along its rows only: its columns past the end hold A's values."""
+    text = ("dims d = 64, f = 64\nprogram p(A: f16[d, 1], B: f16[1, d], W: f16[d, f]) {\n"
+            "    Y = (A * exp(B)) @ exp(W)\n    return Y\n}\n")
+    assert "contracts the dim" in refusal(load(write(text)).program(), {"d": 60})
+    text = text.replace("(A * exp(B)) @ exp(W)", "transpose(A * exp(B), 0, 1) @ W")  # W: zero rows past the end
+    assert refusal(load(write(text)).program(), {"d": 60}) is None
 
 
 def test_sizes_tried_for_a_dim_folded_by_a_found_program():
@@ -155,9 +166,11 @@ def test_the_copies_that_pad_a_call_are_priced_as_the_launcher_makes_them():
     assert copy_us(lora, dims, {"m": 128}, h100) > copy_us(lora, dims, {"m": 128}, h100, inputs=False) + ins * per_byte
 
 
+@needs_cxx
 def test_a_compile_past_the_keys_given(tmp_path, capsys):
     """The fused attention at 4099 keys, compiled as written: built for 4160, masked past 4099; with
-    --padded-inputs the summary says the caller passes its inputs at that size."""
+    --padded-inputs the summary says the caller passes its inputs at that size; `prismc verify` takes inputs at the
+    caller's sizes or at those built, and refuses others."""
     out = tmp_path / "out"
     args = ["compile", str(ROOT / "programs" / "fused" / "attention.prism"), "--search", "none", "--arch", "none",
             "--no-emulate", "--dims", "b=1,h=16,q=1,kv=4099,dh=128", "-o", str(out)]
@@ -167,3 +180,47 @@ def test_a_compile_past_the_keys_given(tmp_path, capsys):
     assert report["codegen"]["ends"] == [["kv", 4099]]
     assert "the caller passes the inputs at the sizes built" in capsys.readouterr().out
     assert "< 4099" in (out / "flash_attention.cu").read_text() or "past the 4099" in (out / "flash_attention.cu").read_text()
+    rng = np.random.default_rng(1)  # `prismc verify --inputs`: at the caller's sizes, or at the sizes built
+    given = scores_below_zero({"Q": rng.standard_normal((1, 16, 1, 128)), "K": rng.standard_normal((1, 16, 128, 4099)),
+                               "V": rng.standard_normal((1, 16, 4099, 128))})
+    given = {k: v.astype(np.float16) for k, v in given.items()}
+    np.savez(tmp_path / "given.npz", **given)
+    np.savez(tmp_path / "built.npz", Q=given["Q"], K=np.pad(given["K"], [(0, 0)] * 3 + [(0, 61)]),
+             V=np.pad(given["V"], [(0, 0), (0, 0), (0, 61), (0, 0)]))
+    np.savez(tmp_path / "wrong.npz", **{**given, "K": given["K"][..., :4000]})
+    capsys.readouterr()
+    for npz in ("given", "built"):
+        assert main(["verify", str(out), "--inputs", str(tmp_path / f"{npz}.npz")]) == 0, capsys.readouterr()
+    assert main(["verify", str(out), "--inputs", str(tmp_path / "wrong.npz")]) != 0
+    assert "4099" in capsys.readouterr().err
+
+
+@needs_cxx
+def test_what_kernels_pass_on_is_compared_on_the_callers_part():
+    """rmsnorm_linear as written (RMSNorm, then the product) built for 192 rows where the caller has 131: the rows
+    past 131 are zeros, normalised without an epsilon to NaN in the tensor the first kernel passes on; sampled, the
+    emulation compares that tensor with the block interpreter's on the caller's rows only, and passes."""
+    options = BuildOptions(dims={"n": 192, "d": 1024}, padded={"n": 131})
+    b = render(tune(lower(program("rmsnorm_linear")), program("rmsnorm_linear"), load_hardware("h100"), options),
+               options.codegen)
+    check = check_emulated(b, 0, None, 2)
+    assert check.passed and not check.emulation["whole_grid"]
+    assert {"t0", "Y"} <= set(check.outputs) and check.outputs["t0"]["against"] == "block interpreter"
+
+
+@needs_cxx
+def test_a_build_past_the_sizes_given_that_fails_its_check_is_built_at_them(write, tmp_path, capsys, monkeypatch):
+    """Were a program let past the end that does not compute the caller's values there (exp(X) @ exp(W): 1 * 1 past
+    the end of the contraction), its check fails, and the compile builds the program at the sizes given."""
+    from prism_dsl.pipeline import compile as compile_, padding
+
+    for module in (compile_, padding):
+        monkeypatch.setattr(module, "refusal", lambda *a: None)
+    monkeypatch.setattr(padding, "MARGIN", -100.0)  # the rounded size taken whatever the model says
+    src = write("dims n = 64, d = 100, f = 64\nprogram p(X: f16[n, d], W: f16[d, f]) {\n"
+                "    Y = exp(X) @ exp(W)\n    return Y\n}\n")
+    out = tmp_path / "out"
+    assert main(["compile", str(src), "--arch", "none", "-o", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["dims"]["d"] == 100 and report["padded"] == {} and report["verified"]
+    assert "built at the sizes given: built for d=128 (given 100), its check failed" in capsys.readouterr().out

@@ -25,8 +25,8 @@ from ..kernels.hardware import load_hardware
 from ..kernels.kernel import free_symbols, kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
-from ..pipeline.build import (BuildOptions, build, callers_dims, callers_rows, check_inputs, padded_inputs, plan_of,
-                              price, reference_outputs, tolerance_of)
+from ..pipeline.build import (BuildOptions, build, callers_dims, callers_part, check_inputs, dims_of, padded_inputs,
+                              plan_of, price, reference_outputs, tolerance_of)
 from ..pipeline.report import EmulationCheck, overflowed, widened
 from ..semantics.reference import bind_dims, check_sizes
 
@@ -86,9 +86,9 @@ def verify(args) -> int:
     built, header, on_disk, source = from_directory(directory, args.dims, args.grid, args.loop)
     check_sizes(built.source, built.binding)  # the float64 reference must fit in memory
     inputs = _given(args.inputs, built) if args.inputs else check_inputs(built, args.seed)
-    check = emulation.check(built, plan := plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
+    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
                             rtol=tolerance_of(built, inputs), checked_against=f"program in {source}",
-                            sanitizer=args.sanitize, extra=args.blocks, header=header, callers=callers_rows(plan))
+                            sanitizer=args.sanitize, extra=args.blocks, header=header, callers=callers_part(built))
     print(_summary(check, directory, built, on_disk, args.inputs))
     if args.banks and check.passed:
         counted = emulation.wavefronts(built, plan_of(built), inputs, seed=args.seed, header=header,
@@ -102,8 +102,17 @@ def _given(path: str, built) -> dict:
     caller gives at the dims verified (checked from its header before any data is read), as the kernels take it."""
     from .npz import read_npz
 
-    dims = callers_dims(built)
-    return padded_inputs(built, read_npz(path, built.source, lambda headers: bind_dims(built.source, dims, headers)))
+    def at(dims):
+        return read_npz(path, built.source, lambda headers: bind_dims(built.source, dims, headers))
+    if not built.padded:
+        return at(dims_of(built))
+    try:  # the caller's sizes, padded as the launcher pads them; or, as the launcher takes them too, the sizes built
+        return padded_inputs(built, at(callers_dims(built)))
+    except PrismError as callers:
+        try:
+            return at(dims_of(built))
+        except PrismError:
+            raise callers from None
 
 
 def priced_with(built, directory: Path, on_disk: bool, counted: dict):

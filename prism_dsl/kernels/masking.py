@@ -36,7 +36,9 @@ from .position import origin
 
 KEEPS_ZERO = frozenset({"neg", "relu", "silu", "gelu", "gelu_tanh", "tanh", "square", "sqrt", "transpose"})
 NORMS = frozenset({"rms_norm_eps", "layer_norm"})  # 0 for a row of zeros, their epsilon positive
-NOT_FINITE = frozenset({"rsqrt", "div", "rms_norm"})  # of zeros: 1/0, 0/0 (rms_norm has no epsilon)
+# past the end, of values not all zero: 1/0, the root of a negative, 0/0 (rms_norm has no epsilon); the others map
+# finite values to finite ones (exp overflows only as it does on the caller's elements of the same size)
+NOT_FINITE = frozenset({"rsqrt", "div", "sqrt", "rms_norm"})
 
 
 class _Refused(Exception):
@@ -131,7 +133,8 @@ class _Facts:
         return self.known[key]
 
     def _zero(self, n: Node) -> bool:
-        if not self.past(n):
+        past = self.past(n)
+        if not past:
             return False
         if n.op == "input":
             return True
@@ -139,18 +142,24 @@ class _Facts:
             return self._outside(self.zero, self._source(n))
         if n.op in KEEPS_ZERO:
             return self.zero(n.args[0])
-        if n.op == "mul" or OPS[n.op].kind is Kind.MATMUL:
+
+        def covers(a: Node, dims=past) -> bool:  # zero at every element of `n` past the end along `dims`
+            return self.zero(a) and dims <= self.past(a)
+        finite = all(self.finite(a) for a in n.args)  # 0 * inf is NaN
+        if n.op == "mul":  # zero where an operand is: each dim past the end must be one a zero operand reaches
+            return finite and all(any(covers(a, {d}) for a in n.args) for d in past)
+        if OPS[n.op].kind is Kind.MATMUL:  # a row of zeros in a, a column of zeros in b
             a, b = n.args
-            return self.zero(a) and self.finite(b) or self.zero(b) and self.finite(a)
+            return finite and all(covers(b, {d}) if d == -1 else covers(a, {d}) if d == -2 or b.rank < 2 else
+                                  covers(a, {d}) or covers(b, {d}) for d in past)
         if n.op in ("add", "sub"):
-            return all(self.zero(a) for a in n.args)
-        if n.op == "div":
-            return self.zero(n.args[0]) and not self.past(n.args[1])
+            return all(covers(a) for a in n.args)
+        if n.op == "div":  # the divisor is the caller's values (not zero, as the program needs them)
+            return covers(n.args[0]) and not self.past(n.args[1])
         if n.op == "rope":
-            return self.zero(n.args[0]) and self.finite(n.args[1]) and self.finite(n.args[2])
+            return covers(n.args[0]) and finite
         if n.op in NORMS:
-            eps = n.args[-1]
-            return self.zero(n.args[0]) and eps.op == "const" and eps.attr > 0
+            return covers(n.args[0]) and _epsilon(n)
         return False
 
     def _finite(self, n: Node) -> bool:
@@ -161,7 +170,7 @@ class _Facts:
         kind = OPS[n.op].kind
         if n.op in NOT_FINITE or kind not in (Kind.UNARY, Kind.BINARY, Kind.MATMUL, Kind.TRANSPOSE, Kind.ROWWISE):
             return False
-        return all(self.finite(a) for a in n.args)
+        return (n.op not in NORMS or _epsilon(n)) and all(self.finite(a) for a in n.args)
 
     def _source(self, tile: Node) -> Node:
         """The tensor a body tile is loaded from."""
@@ -244,3 +253,8 @@ class _Facts:
                 elif self._walked(v, d).dm.loop:
                     self.refuse(acc, "reads values past the end that its scores do not mask")
 
+
+def _epsilon(norm: Node) -> bool:
+    """Whether a norm's epsilon is a positive constant: a row of equal values (zeros) is then 0, not 0 / 0."""
+    eps = norm.args[-1]
+    return eps.op == "const" and eps.attr > 0

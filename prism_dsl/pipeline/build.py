@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
+import sympy
 
 from ..backend import banks, compare, cost, cuda_runtime, sass, tuning
 from ..backend import emulate as emulator
@@ -253,18 +254,25 @@ def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[st
     parameters the rendered code uses when it is the program built), its outputs under the built program's
     names (paired by name, else by position: `prove.prover.pair_outputs`)."""
     hardware = built.hardware.name.lower()
-    if built.padded:  # at the sizes given, on the caller's part of each input, then zeros past it (`padding`)
+    if _at_sizes_given(built):  # on the caller's part of each input, then zeros past it (`padding`)
         theirs = evaluate(built.reference, _cut(built, inputs), {}, hardware)
         values = {mine: theirs[other] for mine, other in pair_outputs(built.source, built.reference)}
         at = {name: concrete_shape(n.shape, built.binding) for name, n in built.source.outputs}
         return {name: _zeros_past(v, at[name]) for name, v in values.items()}
-    if built.reference is built.source:
+    if built.reference is built.source:  # past the sizes given, the folds masked as its kernels mask them (`masking`)
         own = {s.name for s in free_symbols(built.source)}
         # the build's own parameters: it has held its kernels to the shared memory their generated code takes
         return evaluate(built.source, inputs, {k: v for k, v in built.params.items() if k in own}, hardware,
-                        smem=False)
-    values = evaluate(built.reference, inputs, {}, hardware)
+                        smem=False, ends=built.padded)
+    values = evaluate(built.reference, inputs, {}, hardware, ends=built.padded)
     return {mine: values[theirs] for mine, theirs in pair_outputs(built.source, built.reference)}
+
+
+def _at_sizes_given(built: Tuned) -> bool:
+    """Whether the reference runs at the sizes the caller gives: where dims were built past them (`padding`) and the
+    input program is plain ops (one of custom kernels, which may not divide the sizes given, runs in the block
+    interpreter at the sizes built, its folds masked past the end as its kernels' are: `kernels.masking`)."""
+    return bool(built.padded) and not any(n.op == "kernel" for n in built.reference.nodes())
 
 
 def rtol_of(program: Program) -> float:
@@ -279,7 +287,8 @@ def tolerance_of(built: Tuned, inputs: Mapping[str, np.ndarray]) -> compare.Tole
     the roundings its kernels make (products' operands, stored tensors) alone move further, measured within the
     program built (`compare.Tolerance`); each output's storage type, which may round the reference past its range
     to an infinity (`compare.check`)."""
-    exact = None if built.reference is built.source else (lambda: emulation.stored_values(built, inputs))
+    exact = None if built.reference is built.source and not _at_sizes_given(built) else (
+        lambda: emulation.stored_values(built, inputs))
     stored = {s.name: stored_dtype(k, i).value for k in kernels_of(built.program) for i, s in enumerate(k.stores)}
     return compare.Tolerance(rtol_of(built.reference), lambda: emulation.stored_values(built, inputs, rounded=True),
                              exact, {name: stored[name] for name, _ in built.program.outputs if name in stored})
@@ -321,6 +330,20 @@ def _cut(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray
             for n in built.reference.inputs}
 
 
+def callers_part(built: Tuned) -> dict[str, tuple[slice, ...]]:
+    """Per tensor with a dim built past the size given (`padding`), the slices of the caller's part of it: the
+    program's inputs and outputs as the caller passes and gets them, and the tensors kernels pass on alike (past
+    the end they hold what zeros make: a row of zeros normalised without an epsilon is NaN there)."""
+    parts = {}
+    for n in built.program.nodes():
+        if n.op in ("input", "kernel"):
+            cut = tuple(slice(0, built.padded[size.name]) if isinstance(size, sympy.Symbol) and size.name in built.padded
+                        else slice(None) for size in n.shape)
+            if any(c.stop is not None for c in cut):
+                parts[n.attr if n.op == "input" else n.attr[0].stores[n.attr[1]].name] = cut
+    return parts
+
+
 def callers_rows(plan: Mapping) -> dict[str, tuple[slice, ...]]:
     """Per tensor of `plan` whose dims the build rounded up (`padding`), the slices of the rows its caller has."""
     return {name: tuple(slice(0, n) for n in t["used"]) for name, t in plan["tensors"].items() if "used" in t}
@@ -341,7 +364,7 @@ def check_emulated(built: Build, seed: int, sanitizer: str | None = None, extra:
     inputs, plan = check_inputs(built, seed), plan_of(built)
     return emulation.check(built, plan, inputs, reference_outputs(built, inputs), seed=seed,
                            rtol=tolerance_of(built, inputs), checked_against=CHECKED_AGAINST, sanitizer=sanitizer,
-                           extra=extra, callers=callers_rows(plan))
+                           extra=extra, callers=callers_part(built))
 
 
 def count_banks(built: Build, options: BuildOptions, checked) -> dict | Skipped | None:

@@ -85,7 +85,25 @@ def compile_program(request: Request) -> Report:
         check_device(request.hardware)
     check_output(request.output)
     check_compilable(request.program)  # before minutes of search
-    request, outcome = _sized(request)
+    sized, outcome, at_given = _sized(request)
+    report, texts = _first_passing(sized, outcome)
+    if sized is not request and report.checked.failed:  # built past the sizes given, nothing passed: built at them
+        why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
+        report, texts = _first_passing(request, at_given)
+        if report.searched is not None:  # report.json's search, and the summary, say so
+            report.searched.search["padding_failed"] = f"built for {_sizes(sized.options)}, its check failed: {why}"
+    write(request.output, {**texts, "report.json": report.to_json()})
+    return report
+
+
+def _sizes(options: BuildOptions) -> str:
+    """The dims built past the sizes given, in words."""
+    return ", ".join(f"{name}={options.dims[name]} (given {n})" for name, n in options.padded.items())
+
+
+def _first_passing(request: Request, outcome: Outcome | None) -> tuple[Report, dict[str, str]]:
+    """The first of `outcome`'s programs (`_tries`) built that passes its check, with its files; where none does,
+    the first built, as it was checked; where none could be built, the first one's error."""
     tries = [0] if outcome is None else _tries(outcome)
     failed: list[dict] = []
     built: tuple[int, Report, dict[str, str]] | None = None  # the first program built, should none pass its check
@@ -120,20 +138,20 @@ def compile_program(request: Request) -> Report:
         failed = [f for f in failed if f["rank"] != rank + 1]
     if failed:
         outcome.search["failed_check"] = failed  # report.json's search, and the summary, say so
-    write(request.output, {**texts, "report.json": report.to_json()})
-    return report
+    return report, texts
 
 
-def _sized(request: Request) -> tuple[Request, Outcome | None]:
-    """The request at the dims it is built for, and its search's outcome there: the dims given, or independent
-    dims no tile divides rounded up where that is faster by the model, copies included (`padding`)."""
+def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None]:
+    """The request at the dims it is built for, and its search's outcome there: the dims given, or dims no tile
+    divides rounded up where that is faster by the model, copies included (`padding`); and the outcome at the
+    dims given."""
     outcome = search(request)
     binding = bind_dims(request.program, dict(request.options.dims))
     given = {d.name: int(binding[d.symbol]) for d in request.program.dims}
     found = [] if outcome is None else [r.program for r in outcome.ranked]
     tries = [] if request.options.grid or request.options.loop else padding.candidates(request.program, given, found)
     if not tries:
-        return request, outcome
+        return request, outcome, outcome
     best = (_estimate(request, outcome), request, outcome)
     for rounded in tries:
         padded = {name: given[name] for name in rounded}
@@ -153,7 +171,7 @@ def _sized(request: Request) -> tuple[Request, Outcome | None]:
             continue
         if us < best[0] * (1 - padding.MARGIN):
             best = (us, sized, found)
-    return best[1], best[2]
+    return best[1], best[2], outcome
 
 
 def _estimate(request: Request, outcome: Outcome | None) -> float:

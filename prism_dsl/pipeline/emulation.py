@@ -97,8 +97,8 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
           header: str | None = None, callers: Mapping[str, tuple[slice, ...]] = {}) -> EmulationCheck:
     """The built kernels (their runtime `plan`: `build.plan_of`) emulated on `inputs`; the program's outputs
     compared with `reference` at `rtol` (a `compare.Tolerance` may widen it for an output: `build.tolerance_of`),
-    what one kernel passes to another with the block interpreter's values at the base tolerance. `callers`: of an
-    output built past the sizes given (`pipeline.padding`), the part its caller gets, the only one compared."""
+    what one kernel passes to another with the block interpreter's values at the base tolerance. `callers`: of a
+    tensor built past the sizes given (`pipeline.padding`), the caller's part, the only one compared."""
     tolerance = rtol if isinstance(rtol, compare.Tolerance) else compare.Tolerance(rtol)
     rtol = tolerance.base
     dtypes, shapes, blocks, launched, values = _setup(built, plan, inputs, extra, seed)
@@ -114,8 +114,8 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
         return EmulationCheck(False, rtol, seed, checked_against, {}, ran, result.finding.as_dict())
     masks = _written(built, blocks)
     for name, part in callers.items():
-        if name in outputs:
-            mask = np.zeros(np.shape(reference[name]), dtype=bool)
+        if name in outputs or name in values:
+            mask = np.zeros(np.shape(reference[name] if name in outputs else values[name]), dtype=bool)
             mask[part] = True
             masks[name] = mask & masks[name] if name in masks else mask
     compared = {}
@@ -171,5 +171,7 @@ def _compare(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None, toleranc
     """`tolerance.judge` over the elements `mask` selects (all when None): the others take the reference's
     values, so that they neither pass nor fail anything, and `elements` says how many were compared."""
     ref = np.asarray(ref, dtype=np.float64)
+    if mask is not None:  # past the caller's part a reference may hold what zeros make: NaN, say, not compared
+        ref = np.where(mask | np.isfinite(ref), ref, 0.0)
     got = np.asarray(got, dtype=np.float64) if mask is None else np.where(mask, got, ref)
     return tolerance.judge(name, got, ref, mask) | {"elements": int(ref.size if mask is None else mask.sum())}

@@ -303,6 +303,8 @@ def _search_lines(s: Searched) -> list[str]:
                      + "; ".join(dict.fromkeys(sr["errors"])))
     if sr.get("as_written_fits") is False:
         lines.append("  the program as written cannot run at these dims (its pre-defined kernels do not fit)")
+    if why := sr.get("padding_failed"):  # `compile.compile_program`
+        lines.append(f"  built at the sizes given: {why}")
     if why := sr.get("as_written_refused"):  # `padding.retuned`
         lines.append(f"  the program as written is not built past the sizes given: {why}")
     if m := sr.get("measured"):
