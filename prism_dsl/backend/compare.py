@@ -43,7 +43,7 @@ def _undefined(ref: np.ndarray) -> str:
             f"{tuple(map(int, nan[0]))}): the program is not defined on these inputs")
 
 
-def check(got, ref, rtol: float = RTOL, dtype: str | None = None) -> dict:
+def check(got, ref, rtol: float = RTOL, dtype: str | None = None, where: np.ndarray | None = None) -> dict:
     """Compare an output with a float64 reference, element by element. Passes when no element of `got` is NaN or
     infinite (but as below) and every element satisfies |got - ref| <= rtol * (|ref| + scale), scale being the
     root-mean-square of `ref`: a relative test that does not fail on elements whose reference happens to be near
@@ -51,7 +51,8 @@ def check(got, ref, rtol: float = RTOL, dtype: str | None = None) -> dict:
     same infinity: a finite value there, however large, fails. Where the output is stored in `dtype` (a name:
     "f16"...), an element the reference puts past that type's range (OVERFLOW), or within rtol of it, may be the
     infinity of its sign, as the type stores it; `overflow` counts them, and they are left out of the scale. A
-    failure names the first element out of tolerance (`first_wrong`)."""
+    failure names the first element out of tolerance (`first_wrong`). `where`: the elements the scale is taken
+    over (a caller's part of a tensor built larger; the rest, made to agree, holds what zeros made there)."""
     if type(got).__module__.split(".")[0] == "torch":  # bf16, which numpy lacks, widened to float32 (exact)
         got = got.detach().cpu()
         got = (got.float() if str(got.dtype) == "torch.bfloat16" else got).numpy()
@@ -73,7 +74,8 @@ def check(got, ref, rtol: float = RTOL, dtype: str | None = None) -> dict:
     bad = (~np.isfinite(g) | infinite) & (g != ref)  # NaN, an infinity the reference lacks, or one it has missed
     finite = np.where(infinite, 0.0, ref)
     err = np.where(bad, np.inf, np.abs(np.where(infinite, 0.0, g) - finite))
-    denom = np.abs(finite) + float(np.sqrt(np.mean(finite * finite)))
+    scaled = finite if where is None or not np.any(where) else finite[where]
+    denom = np.abs(finite) + float(np.sqrt(np.mean(scaled * scaled)))
     with np.errstate(divide="ignore", invalid="ignore"):  # an all-zero reference leaves denom 0
         rel = np.where(denom > 0, err / denom, np.where(err > 0, np.inf, 0.0))
     worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
@@ -126,7 +128,7 @@ class Tolerance:
         self._values: Mapping[str, np.ndarray] | None = None
         self._baseline: Mapping[str, np.ndarray] | None = None
 
-    def rounding(self, name: str, ref, mask: np.ndarray | None = None) -> float | None:
+    def rounding(self, name: str, ref, mask: np.ndarray | None = None, where: np.ndarray | None = None) -> float | None:
         """The rounded values' max relative error on output `name` (over `mask`) against the same program's
         unrounded ones (`ref` where there is no `exact`), or None without rounded values."""
         if self._rounded is None:
@@ -144,20 +146,20 @@ class Tolerance:
         if mask is not None:  # past a caller's part: what zeros make (NaN, say), not compared
             ref = np.where(mask | np.isfinite(ref), ref, 0.0)
         return check(rounded if mask is None else np.where(mask, rounded, ref), ref, self.base,
-                     self.dtypes.get(name))["max_rel_err"]
+                     self.dtypes.get(name), where)["max_rel_err"]
 
-    def judge(self, name: str, got, ref, mask: np.ndarray | None = None) -> dict:
+    def judge(self, name: str, got, ref, mask: np.ndarray | None = None, where: np.ndarray | None = None) -> dict:
         """`check` at `base`; an output that misses it only by its errors' size, judged at the widened
-        tolerance (`rtol` and `rounding` say which was used and why)."""
+        tolerance (`rtol` and `rounding` say which was used and why); `where` as `check` takes it."""
         dtype = self.dtypes.get(name)
-        first = check(got, ref, self.base, dtype) | {"rtol": self.base}
+        first = check(got, ref, self.base, dtype, where) | {"rtol": self.base}
         if first["passed"] or first["nan"] or not math.isfinite(first["max_rel_err"]):
             return first
-        e = self.rounding(name, ref, mask)
+        e = self.rounding(name, ref, mask, where)
         if e is None or not math.isfinite(e) or 2 * e <= self.base:
             return first if e is None or not math.isfinite(e) else first | {"rounding": e}
         rtol = min(2 * e, widest(self.base))
-        judged = check(got, ref, rtol, dtype) | {"rtol": rtol, "rounding": e}
+        judged = check(got, ref, rtol, dtype, where) | {"rtol": rtol, "rounding": e}
         if not judged["passed"] and 2 * e > rtol:
             judged["reason"] += (f"; its kernels' own roundings to their storage types alone move it by {e:.3g}, "
                                  f"more than a check can allow ({rtol:g})")

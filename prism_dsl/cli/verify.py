@@ -110,9 +110,12 @@ def _given(path: str, built) -> dict:
         return padded_inputs(built, at(callers_dims(built)))
     except PrismError as callers:
         try:
-            return at(dims_of(built))
+            arrays = at(dims_of(built))
         except PrismError:
             raise callers from None
+    # zeros past the caller's part, as the launcher's caller promises them (the kernels count on them: `masking`)
+    return padded_inputs(built, {name: a[part] for name, a in arrays.items()
+                                 for part in [callers_part(built).get(name, ())]})
 
 
 def priced_with(built, directory: Path, on_disk: bool, counted: dict):

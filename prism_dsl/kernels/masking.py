@@ -11,9 +11,11 @@ its inputs zero past the size given (the launcher pads them so), which `refusal`
   scores), which the generated code (`backend.codegen`) and the block interpreter (`semantics.blocks`) put
   there by the element's place in the whole tensor (`given_end`); a fold that counts its elements (a mean's
   divisor would be the size built) is refused;
-- every product that contracts the dim reads zeros past the end in one operand and finite values in the
-  other (`zero`, `finite`: what the ops between the inputs and it make of zeros), so the extra terms add 0;
-  a per-element sum over loop iterations that walk the dim likewise adds zeros;
+- every product that contracts the dim reads zeros past the end on both sides (`zero`: what the ops between the
+  inputs and it make of zeros, broadcasting followed), so the extra terms add 0; a value past the end that is not
+  zero may be anything the caller's values broadcast there make (exp(X + B) is exp(B): it may overflow where no
+  caller's element does), so 0 times it is not counted on (`finite`); a per-element sum over loop iterations
+  that walk the dim likewise adds zeros;
 - nothing else works along it: no norm, mean, max or softmax step outside custom kernels, no reduction or
   row-wise op inside one, no mask or position placing by it.
 
@@ -36,9 +38,6 @@ from .position import origin
 
 KEEPS_ZERO = frozenset({"neg", "relu", "silu", "gelu", "gelu_tanh", "tanh", "square", "sqrt", "transpose"})
 NORMS = frozenset({"rms_norm_eps", "layer_norm"})  # 0 for a row of zeros, their epsilon positive
-# past the end, of values not all zero: 1/0, the root of a negative, 0/0 (rms_norm has no epsilon); the others map
-# finite values to finite ones (exp overflows only as it does on the caller's elements of the same size)
-NOT_FINITE = frozenset({"rsqrt", "div", "sqrt", "rms_norm"})
 
 
 class _Refused(Exception):
@@ -163,14 +162,10 @@ class _Facts:
         return False
 
     def _finite(self, n: Node) -> bool:
-        if not self.past(n) or self.zero(n):
-            return True
-        if n.op == "tile":
-            return self._outside(self.finite, self._source(n))
-        kind = OPS[n.op].kind
-        if n.op in NOT_FINITE or kind not in (Kind.UNARY, Kind.BINARY, Kind.MATMUL, Kind.TRANSPOSE, Kind.ROWWISE):
-            return False
-        return (n.op not in NORMS or _epsilon(n)) and all(self.finite(a) for a in n.args)
+        """Past the end a value not zero holds what the ops make of zeros and of the caller's values broadcast
+        there (exp(X + B) is exp(B), which the caller's elements never take: it may overflow where they do not), so
+        it is taken as finite only where it is zero."""
+        return not self.past(n) or self.zero(n)
 
     def _source(self, tile: Node) -> Node:
         """The tensor a body tile is loaded from."""
@@ -204,7 +199,7 @@ class _Facts:
             a, b = n.args
             if -1 in self.past(a) or (-2 if b.rank > 1 else -1) in self.past(b):
                 if not (self.zero(a) and self.finite(b) or self.zero(b) and self.finite(a)):
-                    self.refuse(n, "contracts the dim with no operand that is zero past the end and another finite")
+                    self.refuse(n, "contracts the dim without zeros past the end on both sides")
         elif kind is Kind.REDUCE:
             if n.attr - n.args[0].rank in self.past(n.args[0]):
                 self.refuse(n, "reduces along the dim")
@@ -249,7 +244,7 @@ class _Facts:
             for d in self.past(v):
                 if d == -2 and -1 in self.past(x):
                     if not self.finite(v):
-                        self.refuse(acc, "reads values that are not finite past the end")
+                        self.refuse(acc, "reads values that are not zero past the end")
                 elif self._walked(v, d).dm.loop:
                     self.refuse(acc, "reads values past the end that its scores do not mask")
 

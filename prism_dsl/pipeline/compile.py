@@ -90,8 +90,7 @@ def compile_program(request: Request) -> Report:
     if sized is not request and report.checked.failed:  # built past the sizes given, nothing passed: built at them
         why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
         report, texts = _first_passing(request, at_given)
-        if report.searched is not None:  # report.json's search, and the summary, say so
-            report.searched.search["padding_failed"] = f"built for {_sizes(sized.options)}, its check failed: {why}"
+        report = replace(report, padding_failed=f"built for {_sizes(sized.options)}, its check failed: {why}")
     write(request.output, {**texts, "report.json": report.to_json()})
     return report
 

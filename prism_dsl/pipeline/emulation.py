@@ -113,17 +113,19 @@ def check(built, plan: Mapping, inputs: Mapping[str, np.ndarray], reference: Map
     if result.finding:
         return EmulationCheck(False, rtol, seed, checked_against, {}, ran, result.finding.as_dict())
     masks = _written(built, blocks)
+    parts = {}  # the caller's part of each tensor built past the sizes given: the only part compared, and scaled
     for name, part in callers.items():
         if name in outputs or name in values:
-            mask = np.zeros(np.shape(reference[name] if name in outputs else values[name]), dtype=bool)
-            mask[part] = True
-            masks[name] = mask & masks[name] if name in masks else mask
+            parts[name] = np.zeros(np.shape(reference[name] if name in outputs else values[name]), dtype=bool)
+            parts[name][part] = True
+            masks[name] = parts[name] & masks[name] if name in masks else parts[name]
     compared = {}
     for name in outputs:
-        compared[name] = _compare(result.outputs[name], reference[name], masks.get(name), tolerance, name)
+        compared[name] = _compare(result.outputs[name], reference[name], masks.get(name), tolerance, name,
+                                  parts.get(name))
     for name in [n for n in values if n not in outputs]:  # sampled: what kernels pass on, against the block interpreter
-        compared[name] = _compare(result.outputs[name], values[name], masks.get(name), compare.Tolerance(rtol), name) | {
-            "against": "block interpreter"}
+        compared[name] = _compare(result.outputs[name], values[name], masks.get(name), compare.Tolerance(rtol), name,
+                                  parts.get(name)) | {"against": "block interpreter"}
     return EmulationCheck(all(o["passed"] for o in compared.values()), rtol, seed, checked_against, compared, ran)
 
 
@@ -167,11 +169,13 @@ def _written(built, blocks: Mapping[str, list]) -> dict[str, np.ndarray]:
 
 
 def _compare(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None, tolerance: compare.Tolerance,
-             name: str) -> dict:
+             name: str, part: np.ndarray | None = None) -> dict:
     """`tolerance.judge` over the elements `mask` selects (all when None): the others take the reference's
-    values, so that they neither pass nor fail anything, and `elements` says how many were compared."""
+    values, so that they neither pass nor fail anything, and `elements` says how many were compared; the scale
+    taken over the caller's `part` of a tensor built past the sizes given (what zeros make past it, however
+    large, widens nothing)."""
     ref = np.asarray(ref, dtype=np.float64)
     if mask is not None:  # past the caller's part a reference may hold what zeros make: NaN, say, not compared
         ref = np.where(mask | np.isfinite(ref), ref, 0.0)
     got = np.asarray(got, dtype=np.float64) if mask is None else np.where(mask, got, ref)
-    return tolerance.judge(name, got, ref, mask) | {"elements": int(ref.size if mask is None else mask.sum())}
+    return tolerance.judge(name, got, ref, mask, part) | {"elements": int(ref.size if mask is None else mask.sum())}

@@ -196,6 +196,7 @@ class Report:
     banks: Skipped | None = None  # why the count `--banks` asked for did not run
     padded: Mapping[str, int] = field(default_factory=dict)  # dims built rounded up (`padding`): the sizes given
     padded_inputs: bool = False  # the caller passes the inputs at the sizes built (`padding.copy_us`)
+    padding_failed: str | None = None  # built past the sizes given, its check failed: built at them (`compile`)
 
     @property
     def verified(self) -> bool:
@@ -236,6 +237,8 @@ def summary(report: Report, out: Path) -> str:
         lines.append("  built for " + ", ".join(f"{k}={report.dims[k]} (given {v})" for k, v in report.padded.items())
                      + f": tiles divide that; {how}, and the outputs come back cut to the sizes given"
                      + (f" (copies: {copies} us by the model, beside the estimate below)" if copies else ""))
+    if report.padding_failed:  # `compile.compile_program`
+        lines.append(f"  built at the sizes given: {report.padding_failed}")
     gpu = report.checked.gpu  # where a time was measured
     for k in report.kernels:
         nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})
@@ -303,8 +306,6 @@ def _search_lines(s: Searched) -> list[str]:
                      + "; ".join(dict.fromkeys(sr["errors"])))
     if sr.get("as_written_fits") is False:
         lines.append("  the program as written cannot run at these dims (its pre-defined kernels do not fit)")
-    if why := sr.get("padding_failed"):  # `compile.compile_program`
-        lines.append(f"  built at the sizes given: {why}")
     if why := sr.get("as_written_refused"):  # `padding.retuned`
         lines.append(f"  the program as written is not built past the sizes given: {why}")
     if m := sr.get("measured"):
