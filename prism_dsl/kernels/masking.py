@@ -20,8 +20,10 @@ its inputs zero past the size given (the launcher pads them so), which `refusal`
   row-wise op inside one, no mask or position placing by it.
 
 What is checked against what: the emulation runs the kernels at the size built on inputs zero past the size
-given, and compares the caller's part of every output with the float64 reference of the input program at the
-size given (`pipeline.build`).
+given, and compares the caller's part of every tensor with the float64 reference of the input program at the
+size given; an input program written with custom kernels runs in the block interpreter at the size built, its
+folds masked as here (`pipeline.build.reference_outputs`). Where the check fails, the compile builds at the
+sizes given (`pipeline.compile`).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class _Facts:
         return self._known(self._zero, n)
 
     def finite(self, n: Node) -> bool:
-        """Whether `n` holds finite values past the end (True where it reaches no dim past it)."""
+        """Whether `n` holds values past the end that 0 times them is 0 of (True where it reaches no dim past it)."""
         return self._known(self._finite, n)
 
     def _known(self, f, n: Node) -> bool:
