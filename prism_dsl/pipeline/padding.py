@@ -6,14 +6,17 @@ path: rmsnorm_linear at n = 4099, d = 4096 is 7421 us by the model, 29.6 times i
 n = 4100, 23 times; at 4104 and 4000, 1.5 times, with tiles of 8 and 32 rows). But a dim along which the
 program computes element by element (`ir.shapes.independent_dims`: the rows of a projection, attention's
 queries) may be built larger: the first D rows of every value are what they would be at D, whatever the rows
-past them hold. So for each such dim past ROUNDING that ROUNDING does not divide, the program is also
-ranked again at that dim rounded up to a multiple of each quantum in QUANTA (the programs its search proved,
-and the program as written, tuned there: `retuned`; the search is not run again), and built at the size whose
-estimate, with the copies that pad the inputs and cut the outputs (`copy_us`), beats the size given by more
-than MARGIN. The runtime plan gives every tensor's shape as the
-kernels see it and, where a dim was rounded, as the caller passes it (`used`): the launcher pads the inputs
-with zeros and hands back the first rows of the outputs (`backend.cuda_runtime`). The emulation and the
-checks run at the size built, on inputs of that size; the roofline floor is the size given's.
+past them hold; and a dim it reduces along (attention's keys) may be too, for the programs whose folds mask the
+elements past the size given (`kernels.masking`: `masked` names such dims, and only those programs are ranked
+there). So for each such dim past ROUNDING that ROUNDING does not divide, the program is also ranked again at
+that dim rounded up to a multiple of each quantum in QUANTA (the programs its search proved, and the program as
+written, tuned there: `retuned`; the search is not run again), and built at the size whose estimate, with the
+copies that pad the inputs and cut the outputs (`copy_us`), beats the size given by more than MARGIN. The
+runtime plan gives every tensor's shape as the kernels see it and, where a dim was rounded, as the caller
+passes it (`used`): the launcher pads the inputs with zeros (or takes them at the size built, zeros past the
+caller's part) and hands back the outputs cut (`backend.cuda_runtime`). The checks draw the inputs at the sizes
+given, pad them with zeros, run the kernels at the size built and compare the caller's part of each tensor
+(`pipeline.build`); the roofline floor is the size given's.
 """
 
 from __future__ import annotations
