@@ -16,7 +16,7 @@ from prism_dsl.kernels.masking import refusal
 from prism_dsl.lang.check import load
 from prism_dsl.pipeline import emulation
 from prism_dsl.kernels.lower import lower
-from prism_dsl.pipeline.build import (BuildOptions, callers_rows, check_emulated, check_inputs, padded_inputs, plan_of,
+from prism_dsl.pipeline.build import (BuildOptions, callers_part, check_emulated, check_inputs, padded_inputs, plan_of,
                                       reference_outputs, render, tolerance_of, tune)
 from prism_dsl.pipeline.padding import candidates, copy_us
 from prism_dsl.semantics.blocks import evaluate
@@ -141,7 +141,7 @@ def test_kernels_built_past_the_keys_given_mask_them(name, dims, built, grid, wg
 
     def emulated(built_) -> emulation.EmulationCheck:
         plan = plan_of(built_)
-        cut = callers_rows(plan)
+        cut = callers_part(built_)
         caller = {k: v[cut.get(k, ())] for k, v in check_inputs(built_, 0).items()}
         inputs = padded_inputs(built_, scores_below_zero(caller))
         return emulation.check(built_, plan, inputs, reference_outputs(built_, inputs), seed=0,

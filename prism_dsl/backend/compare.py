@@ -96,6 +96,12 @@ def check(got, ref, rtol: float = RTOL, dtype: str | None = None, where: np.ndar
     return out | {"first_wrong": {"index": list(first), "got": float(g[first]), "expected": float(ref[first])}}
 
 
+def unmasked_finite(ref: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """`ref` with its infinities and NaN outside `mask` (the elements compared) as 0: past a caller's part of a tensor
+    built larger it holds what zeros make there, which neither passes nor fails anything."""
+    return ref if mask is None else np.where(mask | np.isfinite(ref), ref, 0.0)
+
+
 class Tolerance:
     """A program's tolerance, per output: `base` (`tolerance` of its storage types), or, for an output that its
     kernels' own roundings move further than that, twice what those roundings alone cost.
@@ -143,8 +149,7 @@ class Tolerance:
         rounded = rounded[first] if rounded.ndim == ref.ndim else rounded
         if self._baseline is not None:
             ref = np.asarray(self._baseline[name], dtype=np.float64)[first]
-        if mask is not None:  # past a caller's part: what zeros make (NaN, say), not compared
-            ref = np.where(mask | np.isfinite(ref), ref, 0.0)
+        ref = unmasked_finite(ref, mask)
         return check(rounded if mask is None else np.where(mask, rounded, ref), ref, self.base,
                      self.dtypes.get(name), where)["max_rel_err"]
 

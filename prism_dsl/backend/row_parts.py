@@ -67,11 +67,15 @@ def held_in_registers(acc: Node) -> bool:
 class RowParts:
     """The "row_parts" and "row_parts_store" steps of an `Emitter` (which gives shape, read, plan, cname...)."""
 
+    def caller_end(self, node: Node) -> int | None:
+        """The size the caller gave of the dim `node`'s last dim is placed in, where it was built past it."""
+        return given_end(self.k, node, -1, dict(self.config.ends))
+
     def past_end(self, node: Node, fill: float | None, term: str, col: str = "j") -> str:
         """`term`, or `fill` (a fold's identity, `Accumulator.past_end`) where element `col` of the last dim of
         `node` lies past the size the caller gave: a dim built past it (`kernels.masking`), placed in the whole
         tensor as a causal mask's dims are (`place`)."""
-        end = None if fill is None else given_end(self.k, node, -1, dict(self.config.ends))
+        end = None if fill is None else self.caller_end(node)
         if end is None:
             return term
         at, _ = self.place(node, -1)

@@ -28,7 +28,6 @@ from __future__ import annotations
 from ..ir.accumulators import ACCUMULATORS, RUNNING_MAX
 from ..ir.nodes import Node
 from ..kernels.fusion import Plan
-from ..kernels.masking import given_end
 from .ctext import CTYPE, comment, ident
 from .launch import mma_shape, scores_product, stage_elements, stored_operand, uses_tensor_cores
 
@@ -59,7 +58,7 @@ class TensorCoreSteps:
     def past_fragment(self, s: Node) -> dict | None:
         """Where the scores' columns sit in the whole tensor and the size the caller gave of it, where it was built
         past that size (`kernels.masking`): the columns past it are masked in registers; None elsewhere."""
-        end = given_end(self.k, s, -1, dict(self.config.ends))
+        end = self.caller_end(s)  # `RowParts`
         return None if end is None else {"col": self.place(s, -1)[0], "end": end, "n": self.shape(s)[-1]}
 
     def _right(self, b: Node) -> dict:

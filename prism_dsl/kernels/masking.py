@@ -36,7 +36,7 @@ from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import Node, Program
 from ..ir.ops import OPS, Kind
 from .kernel import Kernel, kernels_of
-from .position import origin
+from .position import Origin, origin
 
 KEEPS_ZERO = frozenset({"neg", "relu", "silu", "gelu", "gelu_tanh", "tanh", "square", "sqrt", "transpose"})
 NORMS = frozenset({"rms_norm_eps", "layer_norm"})  # 0 for a row of zeros, their epsilon positive
@@ -63,14 +63,19 @@ def refusal(program: Program, given: Mapping[str, int], built: Mapping[str, int]
 def given_end(kernel: Kernel, node: Node, dim: int, ends: Mapping[str, int]) -> int | None:
     """The size the caller gave of the whole dim that places dim `dim` of the body value `node`, where that dim
     was built past it (`ends`: such dims by name, with the sizes given); None where it was not."""
-    if not ends:
-        return None
+    found = source_dim(kernel, node, dim) if ends else None
+    return None if found is None else ends.get(found[1].name)
+
+
+def source_dim(kernel: Kernel, node: Node, dim: int) -> tuple[Origin, sympy.Symbol] | None:
+    """The loaded tile dim that places dim `dim` of the body value `node` (`position.origin`), and the program dim
+    its tensor has there; None where no tile places it or that dim is not a program dim."""
     o = origin(kernel, node, dim)
     if o is None:
         return None
     shape = kernel.inputs[o.load.source].shape
     size = shape[o.dim] if -o.dim <= len(shape) else None
-    return ends.get(size.name) if isinstance(size, sympy.Symbol) else None
+    return (o, size) if isinstance(size, sympy.Symbol) else None
 
 
 class _Facts:
@@ -103,21 +108,15 @@ class _Facts:
     def symbol(self, n: Node, d: int) -> sympy.Symbol | None:
         """The program dim that dim `d` of `n` is (inside a kernel: that its tile dim is loaded from), if one."""
         if self.kernel is not None:
-            o = origin(self.kernel, n, d)
-            if o is None:
-                return None
-            shape = self.kernel.inputs[o.load.source].shape
-            size = shape[o.dim] if -o.dim <= len(shape) else None
-        else:
-            size = n.shape[d] if -d <= n.rank else None
+            found = source_dim(self.kernel, n, d)
+            return None if found is None else found[1]
+        size = n.shape[d] if -d <= n.rank else None
         return size if isinstance(size, sympy.Symbol) else None
 
-    def _walked(self, n: Node, d: int):
-        o = origin(self.kernel, n, d)
-        if o is None:
-            return None
-        shape = self.kernel.inputs[o.load.source].shape
-        return o if -o.dim <= len(shape) and shape[o.dim] in self.symbols else None
+    def _walked(self, n: Node, d: int) -> Origin | None:
+        """The tile dim placing dim `d` of the body value `n`, where it is loaded from a dim past the end."""
+        found = source_dim(self.kernel, n, d)
+        return found[0] if found is not None and found[1] in self.symbols else None
 
     def zero(self, n: Node) -> bool:
         """Whether `n` holds zeros past the end (False where it reaches no dim past it)."""

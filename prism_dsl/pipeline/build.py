@@ -255,7 +255,8 @@ def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[st
     names (paired by name, else by position: `prove.prover.pair_outputs`)."""
     hardware = built.hardware.name.lower()
     if _at_sizes_given(built):  # on the caller's part of each input, then zeros past it (`padding`)
-        theirs = evaluate(built.reference, _cut(built, inputs), {}, hardware)
+        parts = callers_part(built)
+        theirs = evaluate(built.reference, {k: a[parts.get(k, ())] for k, a in inputs.items()}, {}, hardware)
         values = {mine: theirs[other] for mine, other in pair_outputs(built.source, built.reference)}
         at = {name: concrete_shape(n.shape, built.binding) for name, n in built.source.outputs}
         return {name: _zeros_past(v, at[name]) for name, v in values.items()}
@@ -323,13 +324,6 @@ def _zeros_past(a: np.ndarray, shape) -> np.ndarray:
     return out
 
 
-def _cut(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The caller's part of each input (at the sizes given, where dims were built past them: `padding`)."""
-    given = bind_dims(built.reference, callers_dims(built))
-    return {n.attr: inputs[n.attr][tuple(slice(0, int(d)) for d in concrete_shape(n.shape, given))]
-            for n in built.reference.inputs}
-
-
 def callers_part(built: Tuned) -> dict[str, tuple[slice, ...]]:
     """Per tensor with a dim built past the size given (`padding`), the slices of the caller's part of it: the
     program's inputs and outputs as the caller passes and gets them, and the tensors kernels pass on alike (past
@@ -342,11 +336,6 @@ def callers_part(built: Tuned) -> dict[str, tuple[slice, ...]]:
             if any(c.stop is not None for c in cut):
                 parts[n.attr if n.op == "input" else n.attr[0].stores[n.attr[1]].name] = cut
     return parts
-
-
-def callers_rows(plan: Mapping) -> dict[str, tuple[slice, ...]]:
-    """Per tensor of `plan` whose dims the build rounded up (`padding`), the slices of the rows its caller has."""
-    return {name: tuple(slice(0, n) for n in t["used"]) for name, t in plan["tensors"].items() if "used" in t}
 
 
 def _compared(built: Build, got: Mapping, inputs: Mapping, seed: int, cut: Mapping = {}) -> dict:
@@ -404,7 +393,7 @@ def check_gpu(built: Build, directory: Path, seed: int) -> GpuCheck:
     plan = plan_of(built)
     with contextlib.closing(cuda_runtime.Launcher(plan, directory, cast=True)) as launcher:
         full = [check_inputs(built, seed + i) for i in range(3)]  # the first is the one checked
-        cut = callers_rows(plan)
+        cut = callers_part(built)
         sets = [{name: a[cut.get(name, ())] for name, a in s.items()} for s in full]  # as the caller passes them
         checked = _compared(built, launcher(**sets[0]), full[0], seed, cut)
         return GpuCheck(**checked, device=cuda_runtime.gpu_status()[1], timing_ms=launcher.time(sets),

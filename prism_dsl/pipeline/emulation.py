@@ -174,8 +174,6 @@ def _compare(got: np.ndarray, ref: np.ndarray, mask: np.ndarray | None, toleranc
     values, so that they neither pass nor fail anything, and `elements` says how many were compared; the scale
     taken over the caller's `part` of a tensor built past the sizes given (what zeros make past it, however
     large, widens nothing)."""
-    ref = np.asarray(ref, dtype=np.float64)
-    if mask is not None:  # past the caller's part a reference may hold what zeros make: NaN, say, not compared
-        ref = np.where(mask | np.isfinite(ref), ref, 0.0)
+    ref = compare.unmasked_finite(np.asarray(ref, dtype=np.float64), mask)
     got = np.asarray(got, dtype=np.float64) if mask is None else np.where(mask, got, ref)
     return tolerance.judge(name, got, ref, mask, part) | {"elements": int(ref.size if mask is None else mask.sum())}
