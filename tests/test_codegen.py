@@ -1206,3 +1206,15 @@ def test_names_that_are_cuda_keywords_compile(tmp_path):
     results = nvcc_check(built.kernels, tmp_path, ("sm_90",))
     assert all(r["ok"] for per in results.values() for r in per.values()), results
     assert "g_int" in built.kernels[0].source and "prism_double" in built.kernels[0].source
+
+
+@needs_nvcc
+def test_a_kernel_nvcc_rejects_is_named_alone_where_its_program_compiles_as_one_unit(tmp_path):
+    """nvcc compiles a program's kernels in one call; where that fails, each is compiled alone, so the verdict,
+    the figures and nvcc's messages are each kernel's own."""
+    built, _ = build_of(ROOT / "programs" / "gpt2_mlp.prism")
+    first, *rest = built.kernels
+    broken = replace(first, source=first.source.replace("{", "{ this_is_not_cuda;", 1))
+    results = nvcc_check([broken, *rest], tmp_path, ("sm_90",))
+    assert not results[first.name]["sm_90"]["ok"] and "this_is_not_cuda" in results[first.name]["sm_90"]["stderr"]
+    assert all(results[k.name]["sm_90"]["ok"] and results[k.name]["sm_90"]["registers"] > 0 for k in rest)

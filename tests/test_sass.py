@@ -130,6 +130,31 @@ def test_ptxas_serializing_wgmma_is_kept_in_the_figures():
     assert "wgmma_serialized" not in ptxas_figures("ptxas info    : Used 40 registers\n")
 
 
+
+def test_one_compile_of_several_kernels_gives_each_its_own_figures_and_sass():
+    """A program's kernels go through nvcc and cuobjdump once (`nvcc_check`'s translation units): ptxas's lines
+    and the listing are split by function, and a note that names its function goes to it wherever it sits."""
+    from prism_dsl.backend.nvcc import ptxas_by_function
+
+    text = ("ptxas info    : 0 bytes gmem\n"
+            "ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+            "to program dependence on compiler-inserted WG.DP in divergent path in the function 'prism_b'\n"
+            "ptxas info    : Compiling entry function 'prism_a' for 'sm_90a'\n"
+            "    0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
+            "ptxas info    : Used 40 registers, used 1 barriers\n"
+            "ptxas info    : Compiling entry function 'prism_b' for 'sm_90a'\n"
+            "ptxas info    : Used 168 registers, used 1 barriers, 1024 bytes smem\n")
+    figures = ptxas_by_function(text)
+    assert (figures["prism_a"]["registers"], figures["prism_a"]["spill_stores"], figures["prism_b"]["registers"],
+            figures["prism_b"]["static_smem"], figures["prism_b"]["spill_stores"]) == (40, 8, 168, 1024, 0)
+    assert "wgmma_serialized" not in figures["prism_a"] and figures["prism_b"]["wgmma_serialized"].endswith("'prism_b'")
+    listing = ("\n\tcode for sm_90\n\t\tFunction : prism_a\n" + LISTING + "\t\t..........\n\n\t\tFunction : prism_b\n"
+               "        /*0000*/                   EXIT ;\n")
+    each = sass.functions(listing)
+    assert list(each) == ["prism_a", "prism_b"] and sass.hot_loop(each["prism_a"]).counts["HMMA"] == 2
+    assert sass.count(sass.instructions(each["prism_b"])[0])["total"] == 1
+
+
 # A loop of one barrier per pass (instructions 1-7) with a branch forward over two of its instructions.
 SKIPPING = LISTING.replace("        /*0060*/                   BAR.SYNC",
                            "        /*0058*/               @P3 BRA 0x68 ;\n"

@@ -19,7 +19,7 @@ from ..base.errors import PrismError
 from .codegen import HEADER, RenderedKernel, header_source
 from .cuda_runtime import NVCC_OPTIONS
 from .launch import WGMMA_ARCHS
-from .sass import available, disassemble, issued
+from .sass import available, disassemble, functions, issued
 
 
 def write_sources(kernels: Sequence[RenderedKernel], directory: Path) -> None:
@@ -59,32 +59,87 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
     """Compile every kernel for every arch (`nvcc -cubin -Xptxas -v`); per kernel and arch: ok, the ptxas
     figures, nvcc's messages when it failed, and `issued` (`sass.Issued` as a dict, None where the SASS's
     loops do not match the source's) where cuobjdump is there, for the archs in `read` (all when None: reading
-    one cubin's SASS takes most of a second, as long as compiling it, so the pipeline reads only the arch it
-    prices for)."""
+    a cubin's SASS takes most of a second, however small, so the pipeline reads only the arch it prices for).
+
+    The kernels nvcc compiles alike for an arch (`kernel_arch`) go through one nvcc call and one cuobjdump
+    call, as one translation unit that includes each kernel's .cu (`units`): each call's start costs as much
+    as compiling a kernel. Where that unit fails, each of its kernels is compiled alone, so that each one's
+    verdict and messages are its own."""
     read = tuple(archs if read is None else read) if available() else ()
     nvcc = nvcc_path()
     if nvcc is None:
         raise PrismError("nvcc is not on the PATH")
     write_sources(kernels, workdir)
 
-    def one(job):
-        k, arch = job
-        cubin = f"{k.name}.{arch}.cubin"
-        cmd = [nvcc, "-cubin", f"-arch={kernel_arch(k, arch)}", *NVCC_OPTIONS, "-Xptxas", "-v", "-o", cubin, k.file]
+    def compile_unit(job: tuple[int, str, tuple[RenderedKernel, ...], bool]) -> dict[str, dict]:
+        unit, target, members, reading = job
+        file = members[0].file if len(members) == 1 else f"unit{unit}.{target}.cu"
+        if len(members) > 1:
+            (workdir / file).write_text("".join(f'#include "{k.file}"\n' for k in members))
+        cubin = f"{file[:-3]}.{unit}.{target}.cubin"
+        cmd = [nvcc, "-cubin", f"-arch={target}", *NVCC_OPTIONS, "-Xptxas", "-v", "-o", cubin, file]
         done = files.run_in(cmd, workdir)
-        result = {"ok": done.returncode == 0, **ptxas_figures(done.stderr)}
         if done.returncode != 0:
-            result["stderr"] = done.stderr[-4000:]
-        elif arch in read:
-            found = issued(disassemble(workdir / cubin), k.source)
-            result["issued"] = None if found is None else found.as_dict()
-        return k.name, arch, result
+            if len(members) > 1:  # each kernel alone: its own verdict and messages
+                return {name: r for k in members for name, r in compile_unit((unit, target, (k,), reading)).items()}
+            return {members[0].name: {"ok": False, **ptxas_figures(done.stderr), "stderr": done.stderr[-4000:]}}
+        figures = ptxas_by_function(done.stderr)
+        listings = functions(disassemble(workdir / cubin)) if reading else {}
+        results = {}
+        for k in members:
+            result = {"ok": True, **figures.get(k.function, ptxas_figures(""))}
+            if reading:
+                found = issued(listings.get(k.function, ""), k.source)
+                result["issued"] = None if found is None else found.as_dict()
+            results[k.name] = result
+        return results
 
+    jobs = units(kernels, archs)
     results: dict[str, dict[str, dict]] = {k.name: {} for k in kernels}
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        for name, arch, result in pool.map(one, [(k, a) for k in kernels for a in archs if kernel_arch(k, a)]):
-            results[name][arch] = result
+        done = pool.map(compile_unit, [(unit, target, members, any(a in read for a in for_archs))
+                                       for unit, ((target, members), for_archs) in enumerate(jobs.items())])
+        for for_archs, per_kernel in zip(jobs.values(), done):
+            for name, result in per_kernel.items():
+                results[name].update((arch, result) for arch in for_archs)
     return results
+
+
+def units(kernels: Sequence[RenderedKernel], archs: tuple[str, ...]
+          ) -> dict[tuple[str, tuple[RenderedKernel, ...]], tuple[str, ...]]:
+    """The translation units to compile: per target nvcc compiles for (`kernel_arch`: sm_90a for the kernels on
+    wgmma) and the kernels compiled as it, the archs the unit's figures stand for (one unit where two archs
+    compile the same kernels as the same target)."""
+    out: dict[tuple[str, tuple[RenderedKernel, ...]], tuple[str, ...]] = {}
+    for arch in archs:
+        by_target: dict[str, list[RenderedKernel]] = {}
+        for k in kernels:
+            if target := kernel_arch(k, arch):
+                by_target.setdefault(target, []).append(k)
+        for target, members in by_target.items():
+            key = (target, tuple(members))
+            out[key] = (*out.get(key, ()), arch)
+    return out
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_IN_FUNCTION = re.compile(r"in the function '([^']+)'")
+
+
+def ptxas_by_function(text: str) -> dict[str, dict]:
+    """ptxas's figures per entry function of one compile (`-Xptxas -v`): each function's lines follow the line
+    that names it. A note that wgmma was serialized goes to the function it names, else to the one whose lines
+    hold it (the first, where it comes before them all)."""
+    entries = list(_ENTRY.finditer(text))
+    figures = {}
+    for m, end in zip(entries, [e.start() for e in entries[1:]] + [len(text)]):
+        figures[m.group(1)] = {key: v for key, v in ptxas_figures(text[m.end():end]).items() if key != "wgmma_serialized"}
+    for note in _SERIALIZED.finditer(text):
+        named = _IN_FUNCTION.search(note.group(0))
+        before = [m.group(1) for m in entries if m.start() < note.start()] or [m.group(1) for m in entries[:1]]
+        if (name := named.group(1) if named and named.group(1) in figures else (before[-1] if before else None)):
+            figures[name]["wgmma_serialized"] = note.group(0)
+    return figures
 
 
 def kernel_arch(k: RenderedKernel, arch: str) -> str | None:

@@ -69,6 +69,15 @@ def disassemble(cubin: Path) -> str:
     return done.stdout
 
 
+_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$", re.M)
+
+
+def functions(listing: str) -> dict[str, str]:
+    """The SASS of each function in a listing of several (`cuobjdump -sass` of one cubin), by name."""
+    heads = list(_FUNCTION.finditer(listing))
+    return {m.group(1): listing[m.end():end] for m, end in zip(heads, [h.start() for h in heads[1:]] + [len(listing)])}
+
+
 @dataclass(frozen=True)
 class Loop:
     start: int  # instruction index of its first instruction
