@@ -290,6 +290,33 @@ template <int N, class T> __device__ __forceinline__ void cp_async(T* dst, const
 #endif
 }
 
+// cp_async_or_zero<N>(dst, src, ok, base): cp_async<N>(dst, src) where ok; else the N elements at dst become zeros
+// and nothing is read (PTX's src-size of 0 bytes; `base`, the tensor's first element, stands in for src, so that no
+// address past the tensor is formed). The guarded copy of a tensor the caller passes at sizes smaller than built.
+template <int N, class T>
+__device__ __forceinline__ void cp_async_or_zero(T* dst, const T* src, bool ok, const T* base PRISM_AT) {
+    constexpr int kBytes = N * static_cast<int>(sizeof(T));
+    static_assert(kBytes == 16 || kBytes == 8 || kBytes == 4, "cp.async moves 16, 8 or 4 bytes");
+#if defined(PRISM_CPU)
+    emu::cp_async(dst, ok ? src : nullptr, kBytes, at_file, at_line);
+#elif PRISM_ASYNC_COPY
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    const int read = ok ? kBytes : 0;
+    if constexpr (kBytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(ok ? src : base), "r"(read) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(ok ? src : base), "n"(kBytes), "r"(read)
+                     : "memory");
+#else
+    using Narrow = typename std::conditional<kBytes == 8, uint2, unsigned>::type;
+    using Word = typename std::conditional<kBytes == 16, uint4, Narrow>::type;
+    *reinterpret_cast<Word*>(dst) = ok ? *reinterpret_cast<const Word*>(src) : Word{};
+#endif
+}
+
+// An element of a tensor the caller passes at sizes smaller than built: *p where ok, else zero (p not read).
+template <class T> __device__ __forceinline__ T load_or_zero(const T* p, bool ok) { return ok ? *p : from_f<T>(0.0f); }
+
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(PRISM_CPU)
     emu::cp_async_commit();

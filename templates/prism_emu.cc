@@ -360,7 +360,10 @@ void cp_async(void* dst, const void* src, int size, const char* file, int line) 
         c.size = size;
         c.site = here;
     }
-    std::memcpy(c.data, src, size);  // the source is read when the copy is issued
+    if (src)
+        std::memcpy(c.data, src, size);  // the source is read when the copy is issued
+    else
+        std::memset(c.data, 0, size);  // a guarded copy past the tensor's end (`cp_async_or_zero`): zeros, nothing read
     std::memset(dst, 0xFF, size);  // and the destination is undefined until the wait
     Quiet quiet;
     t->copies.push_back(c);

@@ -359,7 +359,7 @@ void collective(const char* what, unsigned mask, const char* file, int line, con
                 void (*op)(const void* const*, void* const*));
 
 // -- cp.async: copies queued per thread, completed by the wait that covers their group -----------------------------
-void cp_async(void* dst, const void* src, int size, const char* file, int line);
+void cp_async(void* dst, const void* src, int size, const char* file, int line);  // src null: zeros, nothing read
 
 void cp_async_commit();
 

@@ -4,6 +4,7 @@ kernels that mask each fold's elements past the end, in the block interpreter an
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from prism_dsl.backend.codegen import CodegenConfig
 from prism_dsl.backend.compare import check
 from prism_dsl.kernels.hardware import load_hardware
-from prism_dsl.kernels.masking import refusal
+from prism_dsl.kernels.masking import read_in_place, refusal
 from prism_dsl.lang.check import load
 from prism_dsl.pipeline import emulation
 from prism_dsl.kernels.lower import lower
@@ -21,7 +22,7 @@ from prism_dsl.pipeline.build import (BuildOptions, callers_part, check_emulated
 from prism_dsl.pipeline.padding import candidates, copy_us
 from prism_dsl.semantics.blocks import evaluate
 from prism_dsl.cli.main import main
-from test_codegen import ROOT, needs_cxx
+from test_codegen import ROOT, needs_cxx, needs_nvcc
 
 
 def program(name: str):
@@ -148,10 +149,70 @@ def test_kernels_built_past_the_keys_given_mask_them(name, dims, built, grid, wg
                                rtol=tolerance_of(built_, inputs), checked_against="input program",
                                callers=cut)
     assert emulated(b).passed
-    bare = render(tuned, replace(options.codegen, ends=()))  # the same kernels, no mask
+    bare = render(replace(tuned, in_place=frozenset()), replace(options.codegen, ends=()))  # the same kernels, no mask
     assert mask not in "\n".join(k.source for k in bare.kernels)
     assert not emulated(bare).passed
 
+
+
+@needs_cxx
+@pytest.mark.parametrize("source, dims, codegen, copy", [
+    ("rmsnorm_linear", {"n": 70, "d": 64}, CodegenConfig(), "cp_async_or_zero<8>"),  # 16-byte copies of X's rows
+    ("rmsnorm_linear", {"n": 70, "d": 64}, CodegenConfig(vector_loads=False), "load_or_zero("),  # an element at a time
+    ("dims n = 70, d = 65\nprogram p(X: f32[n, d]) {\n    Y = rms_norm(X)\n    return Y\n}\n", {"n": 70, "d": 65},
+     CodegenConfig(), "cp_async_or_zero<1>"),  # f32 rows of odd length: 4-byte copies
+])
+def test_inputs_read_in_place_are_guarded_past_the_callers_end(source, dims, codegen, copy, tmp_path):
+    """Rows built for 128 where the caller has 70: the kernels read X as the caller passes it (the plan's shape,
+    the only array of it the emulation has), each copy of a row past 70 writing zeros and reading nothing. They pass
+    the check under the address sanitizer; without the guard, the sanitizer reports the first row past the end."""
+    if "\n" in source:
+        (tmp_path / "p.prism").write_text(source)
+        p = load(tmp_path / "p.prism").program()
+    else:
+        p = program(source)
+    options = BuildOptions(dims={**dims, "n": 128}, padded={"n": 70}, codegen=codegen)
+    b = render(tune(lower(p), p, load_hardware("h100"), options), options.codegen)
+    assert b.in_place == {"X"} and plan_of(b)["tensors"]["X"]["shape"] == [70, dims["d"]]
+    text = "\n".join(k.source for k in b.kernels)
+    assert copy in text and "< 70" in text
+    assert check_emulated(b, 0, "address").passed
+    unguarded = tuple(replace(k, source=re.sub(r", [^,]*< 70(, g_X\)|\))", r", true\1", k.source)) for k in b.kernels)
+    assert "< 70" not in "\n".join(k.source for k in unguarded)
+    found = check_emulated(replace(b, kernels=unguarded), 0, "address")
+    assert not found.passed and "heap-buffer-overflow" in found.finding["message"]
+    assert found.finding["threads"][0].startswith("block (70,")  # the first row past the caller's
+
+
+@needs_nvcc
+def test_a_guarded_copy_compiles_to_an_async_copy_that_fills_zeros(tmp_path):
+    """cp.async with a source size of 0 bytes where the row is past the caller's end: on sm_90 and sm_80 one
+    LDGSTS, its zero-fill predicate its last operand (no branch around it, no second store)."""
+    from prism_dsl.backend import sass
+    from prism_dsl.backend.nvcc import nvcc_check
+
+    p = program("rmsnorm_linear")
+    options = BuildOptions(dims={"n": 128, "d": 64}, padded={"n": 70})
+    b = render(tune(lower(p), p, load_hardware("h100"), options), options.codegen)
+    results = nvcc_check(b.kernels, tmp_path, ("sm_90", "sm_80"), read=())
+    assert all(r["ok"] for per in results.values() for r in per.values()), results
+    guarded = next(k for k in b.kernels if "cp_async_or_zero" in k.source)
+    if sass.available():
+        listing = sass.functions(sass.disassemble(tmp_path / "unit0.sm_90.cubin"))[guarded.function]
+        assert re.search(r"LDGSTS\.E\.BYPASS\.128 \[[^]]*\], desc\[[^]]*\]\[[^]]*\], !?P\d ;", listing), listing[:2000]
+
+
+def test_what_is_read_in_place():
+    """An input with a dim built past the size given is read in place unless that dim is its innermost (its rows
+    would not start aligned), a size of it is an expression, loop tiles may go by TMA, or the caller passes it
+    padded (--padded-inputs: `CodegenConfig.in_place` off)."""
+    attention = {n.attr: n for n in program("attention").inputs}  # K [b, h, dh, kv], V [b, h, kv, dh]
+    assert [read_in_place(attention[k], {"kv": 100}) for k in "QKV"] == [False, False, True]
+    assert not read_in_place(attention["V"], {"kv": 100}, tma=True)
+    options = BuildOptions(dims={"b": 1, "h": 2, "q": 1, "kv": 128, "dh": 64}, padded={"kv": 100}, padded_inputs=True)
+    assert not options.codegen.in_place
+    tuned = tune(lower(program("attention")), program("attention"), load_hardware("h100"), options)
+    assert tuned.in_place == frozenset() and plan_of(render(tuned, options.codegen))["tensors"]["V"]["used"][2] == 100
 
 
 def test_the_copies_that_pad_a_call_are_priced_as_the_launcher_makes_them():
@@ -161,8 +222,12 @@ def test_the_copies_that_pad_a_call_are_priced_as_the_launcher_makes_them():
     h100 = load_hardware("h100")
     per_byte, launch = 1 / (h100.bandwidth_gbs * 1e3), h100.launch_overhead_us
     rows = program("rmsnorm_linear")  # X [n, d] and W [d, d] in, Y [n, d] out: only X and Y have the rows
-    got = copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100)
+    got = copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100, tma=True)  # where loop tiles may go by TMA
     assert got == pytest.approx(2 * launch + (100 + 128) * 64 * 2 * per_byte)
+    assert copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100) == 0  # read in place, Y's rows a view
+    keys = program("attention")  # K [b, h, dh, kv]: the keys innermost, padded; V [b, h, kv, dh] read in place
+    dims = {"b": 1, "h": 2, "q": 1, "kv": 100, "dh": 64}
+    assert copy_us(keys, dims, {"kv": 128}, h100) == pytest.approx(2 * launch + 2 * 64 * (100 + 128) * 2 * per_byte)
     lora = program("lora")  # Y [n, m] out, cut along m: copied out
     dims = {"n": 64, "d": 64, "m": 100, "r": 16}
     ins = sum(n.dtype.bytes * np.prod([dims[str(s)] for s in n.shape]) for n in lora.inputs if "m" in map(str, n.shape))
@@ -183,7 +248,10 @@ def test_a_compile_past_the_keys_given(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["dims"]["kv"] == 4160 and report["padded"] == {"kv": 4099} and report["padded_inputs"]
     assert report["codegen"]["ends"] == [["kv", 4099]]
-    assert "the caller passes the inputs at the sizes built" in capsys.readouterr().out
+    assert "the caller passes K, V at the sizes built" in capsys.readouterr().out
+    assert main([*args[:-1], str(tmp_path / "own")]) == 0  # V read in place; K's keys innermost: padded
+    assert "the kernels read V as the caller passes it" in (said := capsys.readouterr().out)
+    assert "the launcher pads K with zeros" in said
     assert "< 4099" in (out / "flash_attention.cu").read_text() or "past the 4099" in (out / "flash_attention.cu").read_text()
     rng = np.random.default_rng(1)  # `prismc verify --inputs`: at the caller's sizes, or at the sizes built
     given = scores_below_zero({"Q": rng.standard_normal((1, 16, 1, 128)), "K": rng.standard_normal((1, 16, 128, 4099)),

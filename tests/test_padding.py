@@ -54,7 +54,9 @@ def test_a_compile_at_rows_no_tile_divides_is_built_for_more_and_checked(tmp_pat
     assert report["dims"] == {"n": 192, "d": 1024} and report["padded"] == {"n": 131} and report["verified"]
     assert "built for n=192 (given 131)" in said
     text = (out / "launcher.py").read_text()
-    assert "'X': {'shape': [192, 1024], 'dtype': 'f16', 'used': [131, 1024]}" in text
+    assert "'X': {'shape': [131, 1024], 'dtype': 'f16'}" in text  # read in place: its rows past 131 read as zeros
+    assert "the kernels read X as the caller passes it" in said
+    assert any("< 131, g_X)" in f.read_text() for f in out.glob("*.cu"))  # each copy of X's rows guarded
     assert "'Y': {'shape': [192, 1024], 'dtype': 'f16', 'used': [131, 1024]}" in text
     assert main(["verify", str(out)]) == 0  # the directory as built, the caller's shapes in its plan
     assert main([*args, "n=192,d=1024", "-o", str(tmp_path / "at192"), "--no-emulate"]) == 0

@@ -33,6 +33,7 @@ from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import plan
 from ..kernels.kernel import storage
+from ..kernels.masking import callers_shape, read_in_place
 from ..kernels.sizes import int_value
 from .ctext import INT_MAX, address, comment, decompose, ident, tensor_name
 
@@ -75,19 +76,30 @@ def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     """The loaded tile copied in by the block's threads: at loop iteration `it` (a C expression), into `dst` (its
     buffer by default). Each copy's source is its thread's element of the first iteration's tile, then the
     iteration's step on it (`step`, "0" for a tile loaded once): nvcc keeps the first as a pointer through the
-    loop, so an iteration's copy adds one term to it rather than computing its whole address again."""
+    loop, so an iteration's copy adds one term to it rather than computing its whole address again.
+
+    A program input read in place (`masking.read_in_place`: a dim built past the size the caller gave, which its
+    tensor has at that size) is addressed at its caller's shape, and each copy is guarded (`bound`): its index
+    along each such dim below the caller's size, zeros in the buffer past it (cp.async reading no bytes)."""
     load = e.k.load(tile.attr)
     src = e.k.inputs[load.source]
+    ends = dict(e.config.ends)
     full, shape, b = e.shape(src), e.shape(tile), e.plan.buffer(tile)
     lines, idx = decompose("e", shape, "i")
     at, step = starts(e, tile, it)
     parts = [a + ([i] if i != "0" else []) for a, i in zip(at, idx)]
-    text = comment(f"{tile.attr} = load {tensor_name(src)}{load.map}  tile {list(shape)} of {list(full)}")
+    bound = []
+    if e.config.in_place and read_in_place(src, ends, e.config.tma):
+        full = callers_shape(src, e.c.binding, ends)
+        bound = [f"{' + '.join(p + s)} < {n}" for p, s, n, built in zip(parts, step, full, e.shape(src))
+                 if n < built and p + s]
+    text = comment(f"{tile.attr} = load {tensor_name(src)}{load.map}  tile {list(shape)} of {list(full)}"
+                   + (" (read in place: zeros past the caller's end)" if bound else ""))
     vec, cp, at_c = vector_width(e.c, tile, e.config), copy_bytes(e.c, tile, e.config) > 0, e.offset(b, idx, shape)
     return {"kind": "load", "comment": text, "n": math.prod(shape), "idx": lines, "vec": vec, "cp": cp,
             "dst": dst or e.cname[b.name], "at": at_c, "src": f"g_{ident(tensor_name(src))}",
-            "offset": address(parts, full), "step": address(step, full),
-            "apart": apart(tuple(shape), tuple(full), vec, e.threads, at_c) if cp and vec > 1 else None}
+            "offset": address(parts, full), "step": address(step, full), "bound": " && ".join(bound),
+            "apart": apart(tuple(shape), tuple(full), vec, e.threads, at_c) if cp and vec > 1 and not bound else None}
 
 
 _INDEX_ARITHMETIC = re.compile(r"^[0-9i\s+\-*/%^()]+$")

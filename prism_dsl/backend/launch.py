@@ -72,6 +72,8 @@ class CodegenConfig:
     one_launch: bool = True  # a split's combining kernel runs in the launch of the kernel it combines (`tails`)
     ends: tuple[tuple[str, int], ...] = ()  # dims built past the sizes the caller gave, with those sizes: a fold
     # along one takes its elements past the size as its identity (`kernels.masking`)
+    in_place: bool = True  # inputs with a dim in `ends` read as the caller passes them where they can be
+    # (`kernels.masking.read_in_place`); off where the caller passes them at the sizes built (--padded-inputs)
     tma: bool = False  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can
     # (`copies`); off unless asked for (`prismc compile --tma`) until a GPU runs it: on an H200 (their maps packed at
     # the wrong offsets, `cuda_plan.parameter_layout`) such kernels stopped at their first copy

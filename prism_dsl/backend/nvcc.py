@@ -76,7 +76,7 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
         file = members[0].file if len(members) == 1 else f"unit{unit}.{target}.cu"
         if len(members) > 1:
             (workdir / file).write_text("".join(f'#include "{k.file}"\n' for k in members))
-        cubin = f"{file[:-3]}.{unit}.{target}.cubin"
+        cubin = f"unit{unit}.{target}.cubin"  # (each kernel alone, where a unit failed: in turn)
         cmd = [nvcc, "-cubin", f"-arch={target}", *NVCC_OPTIONS, "-Xptxas", "-v", "-o", cubin, file]
         done = files.run_in(cmd, workdir)
         if done.returncode != 0:

@@ -179,6 +179,8 @@ def _codegen(report: dict) -> CodegenConfig:
     given = report.get("codegen")
     if isinstance(given, dict) and isinstance(ends := given.get("ends", ()), list):  # JSON's lists: pairs of a tuple
         given = {**given, "ends": tuple(tuple(e) if isinstance(e, list) else e for e in ends)}
+    if isinstance(given, dict) and "in_place" not in given:  # compiled before inputs were read in place
+        given = {**given, "in_place": False}
     if isinstance(given, dict) and all(k in fields and type(v) is fields[k] for k, v in given.items()):
         return CodegenConfig(**given)
     if given is not None:

@@ -4,7 +4,9 @@ Where it sits: beside `pipeline.padding`, which rounds dims up for tiles. A dim 
 computed element by element (a projection's rows) may be built larger as it is. A dim the program reduces
 along (attention's keys at 4099: the loop folds them) may not: the keys past the caller's would enter each
 query's softmax. Such a dim is built rounded up only where the program computes the caller's values anyway,
-its inputs zero past the size given (the launcher pads them so), which `refusal` checks, and these hold:
+its inputs zero past the size given (the kernels read them so where they can, `read_in_place`: each copy past
+the caller's end writes zeros and reads nothing; the launcher pads the others), which `refusal` checks, and
+these hold:
 
 - every fold along the dim in a custom kernel's loop (or in one pass over its tile) takes each element past
   the end as its identity (`Accumulator.past_end`: 0 for a sum, -inf for a max and for online softmax's
@@ -20,10 +22,11 @@ its inputs zero past the size given (the launcher pads them so), which `refusal`
   row-wise op inside one, no mask or position placing by it.
 
 What is checked against what: the emulation runs the kernels at the size built on inputs zero past the size
-given, and compares the caller's part of every tensor with the float64 reference of the input program at the
-size given; an input program written with custom kernels runs in the block interpreter at the size built, its
-folds masked as here (`pipeline.build.reference_outputs`). Where the check fails, the compile builds at the
-sizes given (`pipeline.compile`).
+given (those read in place given as the caller has them, so that a read past the end is outside the array: the
+address sanitizer reports it), and compares the caller's part of every tensor with the float64 reference of the
+input program at the size given; an input program written with custom kernels runs in the block interpreter at
+the size built, its folds masked as here (`pipeline.build.reference_outputs`). Where the check fails, the compile
+builds at the sizes given (`pipeline.compile`).
 """
 
 from __future__ import annotations
@@ -65,6 +68,29 @@ def given_end(kernel: Kernel, node: Node, dim: int, ends: Mapping[str, int]) -> 
     was built past it (`ends`: such dims by name, with the sizes given); None where it was not."""
     found = source_dim(kernel, node, dim) if ends else None
     return None if found is None else ends.get(found[1].name)
+
+
+def read_in_place(tensor: Node, ends: Mapping[str, int], tma: bool = False) -> bool:
+    """Whether the kernels read program input `tensor`, which has a dim built past the size given (`ends`), as the
+    caller passes it, at the sizes given: each copy of its tiles guarded by the index past the caller's end, zeros
+    in its place (`backend.copies.load_step`), so that the launcher passes it without padding it (a copy of the
+    whole tensor each call: at decode, a key cache's). It is where no such dim is its innermost (every row starts
+    as aligned as it does built) and every size of it is a dim or a number, and not where loop tiles may go by TMA
+    (`tma`: its boxes are read whole). False for a tensor built at the size given."""
+    if tensor.op != "input" or not ends:
+        return False
+    names = {sym.name for size in tensor.shape for sym in sympy.sympify(size).free_symbols}
+    if not names & ends.keys() or tma:
+        return False
+    last = tensor.shape[-1]
+    return all(isinstance(size, (sympy.Symbol, sympy.Integer, int)) for size in tensor.shape) and not (
+        isinstance(last, sympy.Symbol) and last.name in ends)
+
+
+def callers_shape(tensor: Node, binding: Mapping[sympy.Symbol, int], ends: Mapping[str, int]) -> tuple[int, ...]:
+    """`tensor`'s shape at the sizes built (`binding`), the dims built past the size given (`ends`) at that size."""
+    return tuple(ends[size.name] if isinstance(size, sympy.Symbol) and size.name in ends
+                 else int(sympy.sympify(size).subs(binding)) for size in tensor.shape)
 
 
 def source_dim(kernel: Kernel, node: Node, dim: int) -> tuple[Origin, sympy.Symbol] | None:

@@ -41,6 +41,7 @@ from ..kernels.hardware import Hardware
 from ..kernels.kernel import free_symbols, kernels_of, stored_dtype
 from ..kernels.params import resolve_params
 from ..kernels.lower import lower, lowered_forms
+from ..kernels.masking import read_in_place
 from ..prove.prover import check_signatures, pair_outputs
 from ..semantics.blocks import evaluate
 from ..semantics.reference import bind_dims, check_sizes, concrete_shape
@@ -70,7 +71,8 @@ class BuildOptions:
     padded_inputs: bool = False  # the caller passes inputs at the sizes built: padding's copies of them not counted
 
     def __post_init__(self):  # the code masks the folds along dims built past the sizes given (`kernels.masking`)
-        object.__setattr__(self, "codegen", replace(self.codegen, ends=tuple(sorted(self.padded.items()))))
+        object.__setattr__(self, "codegen", replace(self.codegen, ends=tuple(sorted(self.padded.items())),
+                                                    in_place=self.codegen.in_place and not self.padded_inputs))
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class Tuned:
     concrete: Mapping[str, Concrete]
     estimates: tuple[Estimate, ...]
     padded: Mapping[str, int] = field(default_factory=dict)  # dims built rounded up: the sizes the caller gives
+    in_place: frozenset[str] = frozenset()  # of the inputs with such a dim, those the kernels read at the caller's
+    # sizes, guarded past them (`masking.read_in_place`); the launcher pads the others
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,10 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
     lowered, params, concrete, estimates = best
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
-    return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates), dict(options.padded))
+    in_place = frozenset(n.attr for n in lowered.inputs if options.codegen.in_place
+                         and read_in_place(n, options.padded, options.codegen.tma))
+    return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates), dict(options.padded),
+                 in_place)
 
 
 def render(tuned: Tuned, config: CodegenConfig) -> Build:
@@ -181,7 +188,11 @@ def plan_of(built: Build) -> dict:
         shapes = {n.attr: n.shape for n in ref.inputs} | {
             mine: theirs[other].shape for mine, other in pair_outputs(built.source, ref)}
         for name, shape in shapes.items():
-            if (used := list(concrete_shape(shape, given))) != tensors[name]["shape"]:
+            if (used := list(concrete_shape(shape, given))) == tensors[name]["shape"]:
+                continue
+            if name in built.in_place:  # the kernels take it as the caller passes it: nothing to pad
+                tensors[name]["shape"] = used
+            else:
                 tensors[name]["used"] = used
     return {
         "program": built.program.name,

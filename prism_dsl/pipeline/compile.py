@@ -35,8 +35,8 @@ from ..search.assembly import Prover
 from ..search.checkpoint import checkpoint_key, discard, has_checkpoint
 from ..search.config import SearchConfig
 from ..semantics.reference import bind_dims
-from .build import (Build, BuildOptions, compile_check, count_banks, dims_of, emulate, measure, price, pricing, render,
-                    tune)
+from .build import (Build, BuildOptions, compile_check, count_banks, dims_of, emulate, measure, plan_of, price, pricing,
+                    render, tune)
 from . import optimize as optimize_
 from . import padding
 from .optimize import TOP, Outcome, gpu_timer, optimize
@@ -162,7 +162,8 @@ def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None]:
                 sized.options.codegen, request.search.use_cache, request.search.jobs, masking)
             if found is None and (why := refusal(request.program, masking, {**given, **rounded})):
                 raise PrismError(why)
-            copies = padding.copy_us(request.program, given, rounded, request.hardware, not request.options.padded_inputs)
+            copies = padding.copy_us(request.program, given, rounded, request.hardware, not request.options.padded_inputs,
+                                     request.options.codegen.tma)
             us = _estimate(sized, found) + copies
             if found is not None:
                 found.search["padding_copies_us"] = round(copies, 3)
@@ -301,7 +302,8 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
                   counted if isinstance(counted, Skipped) else None, dict(built.padded),
-                  bool(built.padded) and chosen.options.padded_inputs)
+                  bool(built.padded) and chosen.options.padded_inputs, None, tuple(sorted(built.in_place)),
+                  tuple(n.attr for n in built.program.inputs if "used" in plan_of(built)["tensors"][n.attr]))
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

@@ -29,7 +29,7 @@ from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..ir.shapes import independent_dims
 from ..kernels.hardware import Hardware
-from ..kernels.masking import refusal
+from ..kernels.masking import read_in_place, refusal
 from ..search.driver import default_jobs
 from ..semantics.reference import bind_dims, concrete_shape
 from . import optimize
@@ -69,10 +69,11 @@ def masked(program: Program, rounded: Collection[str]) -> list[str]:
 
 
 def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hardware: Hardware,
-            inputs: bool = True) -> float:
+            inputs: bool = True, tma: bool = False) -> float:
     """What padding costs a call at `padded` (dims by name), as the launcher does it for tensors on the device
     (`backend.cuda_runtime`): each input with a rounded dim read at its size given and written at its size built
-    (torch's constant pad: its part and the zeros past it, two launches counted); each output
+    (torch's constant pad: its part and the zeros past it, two launches counted), but those the kernels read in
+    place (`masking.read_in_place`; `tma`: loop tiles may go by TMA); each output
     whose caller's part is not a contiguous prefix of it (rounded past its first dim) read and written at its
     size given, a launch. Not `inputs`: the caller passes them at the sizes built (`cuda_runtime`), no copy."""
     if not padded:
@@ -80,7 +81,10 @@ def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hard
     rounded = bind_dims(program, {**dims, **padded})
     given = bind_dims(program, dims)
     moved = launches = 0
+    ends = {name: dims[name] for name in padded}
     for n in program.inputs if inputs else ():
+        if read_in_place(n, ends, tma):
+            continue
         built, used = concrete_shape(n.shape, rounded), concrete_shape(n.shape, given)
         if built != used:
             moved += (math.prod(built) + math.prod(used)) * n.dtype.bytes

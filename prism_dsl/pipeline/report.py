@@ -197,6 +197,8 @@ class Report:
     padded: Mapping[str, int] = field(default_factory=dict)  # dims built rounded up (`padding`): the sizes given
     padded_inputs: bool = False  # the caller passes the inputs at the sizes built (`padding.copy_us`)
     padding_failed: str | None = None  # built past the sizes given, its check failed: built at them (`compile`)
+    in_place: tuple[str, ...] = ()  # with `padded`: inputs the kernels read at the sizes given (`masking.read_in_place`)
+    launcher_pads: tuple[str, ...] = ()  # and those the launcher pads (or the caller passes padded: `padded_inputs`)
 
     @property
     def verified(self) -> bool:
@@ -232,8 +234,13 @@ def summary(report: Report, out: Path) -> str:
              f"dims {', '.join(f'{k}={v}' for k, v in report.dims.items()) or 'none'})"]
     if report.padded:  # `padding`
         copies = report.searched.search.get("padding_copies_us") if report.searched else None
-        how = ("the caller passes the inputs at the sizes built, zeros past its own (--padded-inputs)"
-               if report.padded_inputs else "the launcher pads the inputs with zeros")
+        pads = ", ".join(report.launcher_pads)
+        them = "it" if len(report.in_place) == 1 else "them"
+        how = ([f"the kernels read {', '.join(report.in_place)} as the caller passes {them} (zeros past the end, nothing"
+                " read there)"] if report.in_place else []) + ([
+            f"the caller passes {pads} at the sizes built, zeros past its own (--padded-inputs)" if report.padded_inputs
+            else f"the launcher pads {pads} with zeros"] if report.launcher_pads else [])
+        how = "; ".join(how) or "no input has such a dim"
         lines.append("  built for " + ", ".join(f"{k}={report.dims[k]} (given {v})" for k, v in report.padded.items())
                      + f": tiles divide that; {how}, and the outputs come back cut to the sizes given"
                      + (f" (copies: {copies} us by the model, beside the estimate below)" if copies else ""))
