@@ -57,6 +57,7 @@ WORKLOADS = [  # (name, program, dims)
     ("qk_norm_attention prefill", "qk_norm_attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
     ("causal_attention prefill", "causal_attention", "b=1,h=16,q=4096,kv=4096,dh=128"),
     ("gqa_decode", "gqa_decode", "b=1,hk=8,g=4,kv=4096,dh=128"),
+    ("gqa_decode kv=4099", "gqa_decode", "b=1,hk=8,g=4,kv=4099,dh=128"),  # K and V read in place, guarded past 4099
 ]
 MIX = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "FFMA", "LDS", "BAR", "total")  # total: every instruction of the loop
 

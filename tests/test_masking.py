@@ -222,7 +222,7 @@ def test_the_copies_that_pad_a_call_are_priced_as_the_launcher_makes_them():
     h100 = load_hardware("h100")
     per_byte, launch = 1 / (h100.bandwidth_gbs * 1e3), h100.launch_overhead_us
     rows = program("rmsnorm_linear")  # X [n, d] and W [d, d] in, Y [n, d] out: only X and Y have the rows
-    got = copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100, tma=True)  # where loop tiles may go by TMA
+    got = copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100, codegen=CodegenConfig(tma=True))  # tiles by TMA
     assert got == pytest.approx(2 * launch + (100 + 128) * 64 * 2 * per_byte)
     assert copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100) == 0  # read in place, Y's rows a view
     keys = program("attention")  # K [b, h, dh, kv]: the keys innermost, padded; V [b, h, kv, dh] read in place

@@ -89,6 +89,7 @@ def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     at, step = starts(e, tile, it)
     parts = [a + ([i] if i != "0" else []) for a, i in zip(at, idx)]
     bound = []
+    reach = math.prod(full)  # a guarded copy past the end forms its address too: 64-bit where the built size needs it
     if e.config.in_place and read_in_place(src, ends, e.config.tma):
         full = callers_shape(src, e.c.binding, ends)
         bound = [f"{' + '.join(p + s)} < {n}" for p, s, n, built in zip(parts, step, full, e.shape(src))
@@ -98,7 +99,7 @@ def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     vec, cp, at_c = vector_width(e.c, tile, e.config), copy_bytes(e.c, tile, e.config) > 0, e.offset(b, idx, shape)
     return {"kind": "load", "comment": text, "n": math.prod(shape), "idx": lines, "vec": vec, "cp": cp,
             "dst": dst or e.cname[b.name], "at": at_c, "src": f"g_{ident(tensor_name(src))}",
-            "offset": address(parts, full), "step": address(step, full), "bound": " && ".join(bound),
+            "offset": address(parts, full, reach), "step": address(step, full, reach), "bound": " && ".join(bound),
             "apart": apart(tuple(shape), tuple(full), vec, e.threads, at_c) if cp and vec > 1 and not bound else None}
 
 

@@ -185,6 +185,7 @@ from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.hardware import Hardware
 from ..kernels.position import mean_iterations, stretch
+from ..kernels.masking import read_in_place
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
 from ..ir.ops import OPS, Kind
 
@@ -379,8 +380,10 @@ def _copy_registers(c: Concrete, shape: Layout, config: CodegenConfig) -> int:
         if n is None or n not in varying or p.buffer(n).name in shape.xor_rows:
             continue
         vec = vector_width(c, n, config)
-        tile, full = c.shape(n), c.shape(k.inputs[load.source])
-        spaced = apart(tuple(tile), tuple(full), vec, shape.threads, "0")
+        src = k.inputs[load.source]
+        tile, full = c.shape(n), c.shape(src)
+        guarded = config.in_place and read_in_place(src, dict(config.ends), config.tma)  # `copies.load_step`
+        spaced = not guarded and apart(tuple(tile), tuple(full), vec, shape.threads, "0")
         total += REGISTERS_PER_TILE if spaced else REGISTERS_PER_COPY * -(-math.prod(tile) // (vec * shape.threads))
     return total
 

@@ -67,13 +67,14 @@ def decompose(var: str, shape: tuple[int, ...], prefix: str) -> tuple[list[str],
     return lines, idx
 
 
-def address(parts: list[list[str]], shape: tuple[int, ...]) -> str:
+def address(parts: list[list[str]], shape: tuple[int, ...], reach: int = 0) -> str:
     """Row-major offset in a tensor of `shape` whose index in each dim is the sum of that dim's `parts`: in int
     arithmetic, or in 64-bit where the tensor has more elements than an int counts (a long-context key cache:
     b = 64, h = 8, kv = 131072, dh = 128 is 2^33), each dim's index widened before it meets its stride. In a
     dim that an int cannot index (a vector of 2^33 elements), each part is widened before its own product:
-    `blockIdx.y * 33554432` wraps in 32 bits at block 128 however its sum is cast after."""
-    wide = math.prod(shape) - 1 > INT_MAX  # the last element's offset
+    `blockIdx.y * 33554432` wraps in 32 bits at block 128 however its sum is cast after. `reach`: the elements the
+    indices may span, where more than the shape's (a tensor read in place, indexed past its end where guarded)."""
+    wide = max(math.prod(shape), reach) - 1 > INT_MAX  # the last element's offset
     terms = []
     for p, size, stride in zip(parts, shape, _strides(shape)):
         if p and stride:

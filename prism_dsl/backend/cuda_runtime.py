@@ -14,7 +14,8 @@ Inputs, decided once for every entry point:
   refused. Lists and scalars carry no dtype of their own and are converted as if cast=True.
 - numpy inputs are copied to the device (any memory layout will do); outputs come back as numpy, bf16 as float32.
 - where the compile rounded a dim up for its tiles, the caller passes and gets the plan's `used` shapes: inputs
-  padded with zeros (a copy; none for one at the size built, zeros past the caller's part), outputs cut.
+  padded with zeros (a copy; none for one at the size built, zeros past the caller's part), outputs cut. An
+  input the kernels read in place (`kernels.masking.read_in_place`) has the caller's shape as its plan shape.
 - torch tensors on the CPU are treated as numpy arrays. torch CUDA tensors are passed by pointer, without a
   copy: they must be contiguous, 16-byte aligned, on the launcher's device and of the exact dtype (torch.bfloat16
   for bf16; with cast=True a wrong dtype is converted with one copy). Outputs are then torch CUDA tensors.

@@ -69,11 +69,11 @@ def masked(program: Program, rounded: Collection[str]) -> list[str]:
 
 
 def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hardware: Hardware,
-            inputs: bool = True, tma: bool = False) -> float:
+            inputs: bool = True, codegen: CodegenConfig = CodegenConfig()) -> float:
     """What padding costs a call at `padded` (dims by name), as the launcher does it for tensors on the device
     (`backend.cuda_runtime`): each input with a rounded dim read at its size given and written at its size built
     (torch's constant pad: its part and the zeros past it, two launches counted), but those the kernels read in
-    place (`masking.read_in_place`; `tma`: loop tiles may go by TMA); each output
+    place (`masking.read_in_place`, as `codegen` allows); each output
     whose caller's part is not a contiguous prefix of it (rounded past its first dim) read and written at its
     size given, a launch. Not `inputs`: the caller passes them at the sizes built (`cuda_runtime`), no copy."""
     if not padded:
@@ -83,7 +83,7 @@ def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hard
     moved = launches = 0
     ends = {name: dims[name] for name in padded}
     for n in program.inputs if inputs else ():
-        if read_in_place(n, ends, tma):
+        if codegen.in_place and read_in_place(n, ends, codegen.tma):
             continue
         built, used = concrete_shape(n.shape, rounded), concrete_shape(n.shape, given)
         if built != used:
