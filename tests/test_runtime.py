@@ -870,6 +870,37 @@ class TestOnGpu:
         assert "prism::TensorMap" in (out / report["kernels"][0]["file"]).read_text()
         assert report["checked"]["gpu"]["passed"], report["checked"]["gpu"]
 
+    def test_inputs_read_in_place_past_the_callers_end_match_the_reference(self, tmp_path, capsys):
+        """Keys built for 4160 where the caller has 4099 (decode, split): the kernels read K and V as the caller's
+        tensors are, each copy past the 4099th key filling zeros (cp.async reading 0 bytes); checked on the GPU, with
+        numpy inputs and with torch tensors of the caller's shape, passed without a copy."""
+        import json
+
+        from prism_dsl.cli.main import main
+
+        torch = pytest.importorskip("torch")
+        out = tmp_path / "out"
+        assert main(["compile", str(Path(__file__).resolve().parents[1] / "programs" / "gqa_decode.prism"),
+                     "--dims", "kv=4099", "--rank", "measure", "--arch", "none", "--no-emulate", "-o", str(out),
+                     "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["padded"] == {"kv": 4099} and report["in_place"] == ["K", "V"], report["padded"]
+        assert report["checked"]["gpu"]["passed"], report["checked"]["gpu"]
+        spec = importlib.util.spec_from_file_location("launcher", out / "launcher.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        launcher = module.get_launcher()
+        rng = np.random.default_rng(0)
+        given = {"Q": rng.standard_normal((1, 8, 4, 128)), "K": rng.standard_normal((1, 8, 4099, 128)),
+                 "V": rng.standard_normal((1, 8, 4099, 128))}
+        s = given["Q"] @ np.swapaxes(given["K"], -1, -2) / np.sqrt(128)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = (p / p.sum(-1, keepdims=True)) @ given["V"]
+        got = launcher(**{k: v.astype(np.float16) for k, v in given.items()})["O"]
+        assert got.shape == (1, 8, 4, 128) and check(got, want, 2e-2)["passed"]
+        got = launcher(**{k: torch.from_numpy(v.astype(np.float16)).cuda() for k, v in given.items()})["O"]
+        assert check(got.float().cpu().numpy(), want, 2e-2)["passed"]
+
     def test_unwritten_output_is_poisoned(self, tmp_path):
         plan = gpu_plan(tmp_path, block=128)
         plan["kernels"][0]["grid"] = [2, 1, 1]  # half the elements are never written
