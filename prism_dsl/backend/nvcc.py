@@ -136,7 +136,8 @@ def ptxas_by_function(text: str) -> dict[str, dict]:
     entries = list(_ENTRY.finditer(text))
     figures = {}
     for m, end in zip(entries, [e.start() for e in entries[1:]] + [len(text)]):
-        figures[m.group(1)] = {key: v for key, v in ptxas_figures(text[m.end():end]).items() if key != "wgmma_serialized"}
+        own = ptxas_figures(text[m.end():end])
+        figures[m.group(1)] = {key: v for key, v in own.items() if key != "wgmma_serialized"}
     for note in _SERIALIZED.finditer(text):
         named = _IN_FUNCTION.search(note.group(0))
         before = [m.group(1) for m in entries if m.start() < note.start()] or [m.group(1) for m in entries[:1]]

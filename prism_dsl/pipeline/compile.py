@@ -162,8 +162,8 @@ def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None]:
                 sized.options.codegen, request.search.use_cache, request.search.jobs, masking)
             if found is None and (why := refusal(request.program, masking, {**given, **rounded})):
                 raise PrismError(why)
-            copies = padding.copy_us(request.program, given, rounded, request.hardware, not request.options.padded_inputs,
-                                     request.options.codegen)
+            copies = padding.copy_us(request.program, given, rounded, request.hardware,
+                                     not request.options.padded_inputs, request.options.codegen)
             us = _estimate(sized, found) + copies
             if found is not None:
                 found.search["padding_copies_us"] = round(copies, 3)
