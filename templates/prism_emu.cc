@@ -561,7 +561,7 @@ void tma_load(void* dst, const TensorMap& map, void* bar, const int* at, int n, 
             fail({here}, "a TMA copy in %s writes at %p: the destination of a %s box is %d-byte aligned", who(t).c_str(),
                  dst, map.swizzle ? "swizzled" : "plain", map.swizzle ? 1024 : 128);
         for (int i = 0; i < n; ++i)
-            if (at[i] < 0 || at[i] + map.box[i] > map.dims[i])
+            if (at[i] < 0 || (at[i] + map.box[i] > map.dims[i] && !(map.fill && i > 0)))
                 fail({here}, "a TMA copy in %s reads elements %d..%d of dim %d (innermost first), which has %llu: the "
                      "hardware fills what is outside with zeros, which no tile here means", who(t).c_str(), at[i],
                      at[i] + int(map.box[i]) - 1, i, map.dims[i]);
@@ -574,13 +574,20 @@ void tma_load(void* dst, const TensorMap& map, void* bar, const int* at, int n, 
     const size_t row = size_t(map.box[0]) * map.elem;  // a multiple of 16 bytes (`tensor_map`)
     for (size_t r = 0; r < bytes / row; ++r) {
         size_t from = size_t(at[0]) * map.elem, rest = r;
+        bool outside = false;  // a row past an outer dim's end (a map with `fill`): zeros, nothing read
         for (int i = 1; i < n; ++i) {
-            from += (at[i] + rest % map.box[i]) * map.strides[i];
+            const unsigned long long k = at[i] + rest % map.box[i];
+            outside = outside || k >= map.dims[i];
+            from += k * map.strides[i];
             rest /= map.box[i];
         }
         for (size_t c = 0; c < row; c += 16) {
             const size_t o = r * row + c;
-            std::memcpy(bulk->data.data() + (map.swizzle ? o ^ ((o >> 7 & 7) << 4) : o), map.base + from + c, 16);
+            unsigned char* into = bulk->data.data() + (map.swizzle ? o ^ ((o >> 7 & 7) << 4) : o);
+            if (outside)
+                std::memset(into, 0, 16);
+            else
+                std::memcpy(into, map.base + from + c, 16);
         }
     }
     std::memset(dst, 0xFF, bytes);
@@ -874,8 +881,9 @@ static void launch(const Launch& L, std::vector<prism_dim3> blocks, size_t per_w
 
 // -- the harness: tensors in host memory, kernels launched as a command file says ----------------------------------
 TensorMap tensor_map(const void* base, int elem, const std::vector<unsigned long long>& dims,
-                     const std::vector<unsigned>& box, int swizzle) {
+                     const std::vector<unsigned>& box, int swizzle, int fill) {
     TensorMap m;
+    m.fill = fill;
     m.base = static_cast<const unsigned char*>(base);
     m.rank = static_cast<int>(dims.size());
     m.elem = elem;

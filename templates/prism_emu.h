@@ -221,6 +221,8 @@ struct TensorMap {
     int rank = 0, elem = 0, swizzle = 0;  // element bytes; 128 or 0 (none)
     unsigned long long dims[5] = {}, strides[5] = {};  // elements per dim; bytes from one position of it to the next
     unsigned box[5] = {};
+    int fill = 0;  // a tensor read in place (`kernels.masking.read_in_place`): the zeros the hardware fills past its
+                   // outer dims' ends are meant, where they are an error elsewhere
 };
 
 struct Bulk {  // one TMA copy in flight: the box read at the issue, written where it lands (`land_bulks`)
@@ -449,7 +451,7 @@ struct KernelEntry {
 // (`swizzle` 128) or none: what the runtime has the CUDA driver encode (cuTensorMapEncodeTiled), held to the
 // driver's rules for it.
 TensorMap tensor_map(const void* base, int elem, const std::vector<unsigned long long>& dims,
-                     const std::vector<unsigned>& box, int swizzle);
+                     const std::vector<unsigned>& box, int swizzle, int fill = 0);
 
 int harness(int argc, char** argv, const std::vector<TensorEntry>& tensors, const std::vector<KernelEntry>& kernels);
 

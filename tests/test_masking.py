@@ -202,13 +202,31 @@ def test_a_guarded_copy_compiles_to_an_async_copy_that_fills_zeros(tmp_path):
         assert re.search(r"LDGSTS\.E\.BYPASS\.128 \[[^]]*\], desc\[[^]]*\]\[[^]]*\], !?P\d ;", listing), listing[:2000]
 
 
+@needs_cxx
+def test_a_tile_copied_by_tma_past_the_callers_end_takes_the_maps_zeros():
+    """Loop tiles copied by TMA (`--tma`) of a tensor read in place: its map has the caller's dims, so a box
+    reaching past the 100th key gets the hardware's zeros there (the emulation's map fills them as the hardware
+    does, where a box past the end of another tensor's map is an error); the masked kernel passes its check under
+    the address sanitizer, and the same kernel with V's map said not to be read in place is stopped at its box."""
+    options = BuildOptions(dims={"b": 1, "h": 2, "q": 64, "kv": 128, "dh": 64}, padded={"kv": 100}, grid={"gq": 1},
+                           loop={"F": 2}, codegen=CodegenConfig(tma=True))
+    p = program("fused/attention")
+    b = render(tune(lower(p), p, load_hardware("h100"), options), options.codegen)
+    maps = {m.tensor: m for k in b.kernels for m in k.maps}
+    assert maps["V"].fill and not maps["K"].fill and b.in_place == {"V"}, maps  # K [b, h, dh, kv]: padded
+    assert "the map's zeros past the caller's end" in b.kernels[0].source
+    assert check_emulated(b, 0, "address").passed
+    unmeant = replace(b, kernels=tuple(replace(k, maps=tuple(replace(m, fill=False) for m in k.maps)) for k in b.kernels))
+    found = check_emulated(unmeant, 0)
+    assert not found.passed and "the hardware fills what is outside with zeros" in found.finding["message"]
+
+
 def test_what_is_read_in_place():
     """An input with a dim built past the size given is read in place unless that dim is its innermost (its rows
-    would not start aligned), a size of it is an expression, loop tiles may go by TMA, or the caller passes it
-    padded (--padded-inputs: `CodegenConfig.in_place` off)."""
+    would not start aligned), a size of it is an expression, or the caller passes it padded (--padded-inputs:
+    `CodegenConfig.in_place` off)."""
     attention = {n.attr: n for n in program("attention").inputs}  # K [b, h, dh, kv], V [b, h, kv, dh]
     assert [read_in_place(attention[k], {"kv": 100}) for k in "QKV"] == [False, False, True]
-    assert not read_in_place(attention["V"], {"kv": 100}, tma=True)
     options = BuildOptions(dims={"b": 1, "h": 2, "q": 1, "kv": 128, "dh": 64}, padded={"kv": 100}, padded_inputs=True)
     assert not options.codegen.in_place
     tuned = tune(lower(program("attention")), program("attention"), load_hardware("h100"), options)
@@ -222,7 +240,7 @@ def test_the_copies_that_pad_a_call_are_priced_as_the_launcher_makes_them():
     h100 = load_hardware("h100")
     per_byte, launch = 1 / (h100.bandwidth_gbs * 1e3), h100.launch_overhead_us
     rows = program("rmsnorm_linear")  # X [n, d] and W [d, d] in, Y [n, d] out: only X and Y have the rows
-    got = copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100, codegen=CodegenConfig(tma=True))  # tiles by TMA
+    got = copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100, codegen=CodegenConfig(in_place=False))
     assert got == pytest.approx(2 * launch + (100 + 128) * 64 * 2 * per_byte)
     assert copy_us(rows, {"n": 100, "d": 64}, {"n": 128}, h100) == 0  # read in place, Y's rows a view
     keys = program("attention")  # K [b, h, dh, kv]: the keys innermost, padded; V [b, h, kv, dh] read in place

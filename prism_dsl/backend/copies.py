@@ -90,7 +90,7 @@ def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     parts = [a + ([i] if i != "0" else []) for a, i in zip(at, idx)]
     bound = []
     reach = math.prod(full)  # a guarded copy past the end forms its address too: 64-bit where the built size needs it
-    if e.config.in_place and read_in_place(src, ends, e.config.tma):
+    if e.config.in_place and read_in_place(src, ends):
         full = callers_shape(src, e.c.binding, ends)
         bound = [f"{' + '.join(p + s)} < {n}" for p, s, n, built in zip(parts, step, full, e.shape(src))
                  if n < built and p + s]
@@ -155,6 +155,8 @@ class TensorMap:
     tensor: str
     dtype: DType
     box: tuple[int, ...]
+    fill: bool = False  # the tensor is read in place (`masking.read_in_place`): its map has the caller's dims, and
+    # the zeros TMA fills past their ends are meant (the emulation refuses them elsewhere)
 
     def as_plan(self) -> dict:
         return {"param": self.param, "tensor": self.tensor, "box": list(self.box)}
@@ -194,7 +196,8 @@ def _map(e, tile: Node) -> TensorMap:
     src = e.k.inputs[e.k.load(tile.attr).source]
     shape = e.shape(tile)
     box = (1,) * (len(shape) - 2) + (shape[-2], SWIZZLE_COLUMNS)
-    return TensorMap(f"tm_{ident(tile.attr)}", tensor_name(src), storage(src), box)
+    fill = e.config.in_place and read_in_place(src, dict(e.config.ends))
+    return TensorMap(f"tm_{ident(tile.attr)}", tensor_name(src), storage(src), box, fill)
 
 
 def tma_step(e, tile: Node, m: TensorMap, dst: str, bar: str, it: str = "ahead") -> dict:
@@ -211,6 +214,7 @@ def tma_step(e, tile: Node, m: TensorMap, dst: str, bar: str, it: str = "ahead")
         where = panel * shape[-2] * SWIZZLE_COLUMNS
         copies.append({"dst": f"{dst} + {where}" if where else dst, "at": ", ".join(" + ".join(a) or "0" for a in reversed(at))})
     text = comment(f"{tile.attr} = load {tensor_name(src)}{load.map}  tile {list(shape)} of {list(e.shape(src))}: by "
-                   f"TMA, {len(copies)} box{'es' if len(copies) > 1 else ''} of {list(m.box)}")
+                   f"TMA, {len(copies)} box{'es' if len(copies) > 1 else ''} of {list(m.box)}"
+                   + (" (read in place: the map's zeros past the caller's end)" if m.fill else ""))
     return {"kind": "tma", "comment": text, "map": m.param, "bar": bar, "copies": copies,
             "bytes": math.prod(shape) * storage(src).bytes}

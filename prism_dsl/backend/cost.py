@@ -382,7 +382,7 @@ def _copy_registers(c: Concrete, shape: Layout, config: CodegenConfig) -> int:
         vec = vector_width(c, n, config)
         src = k.inputs[load.source]
         tile, full = c.shape(n), c.shape(src)
-        guarded = config.in_place and read_in_place(src, dict(config.ends), config.tma)  # `copies.load_step`
+        guarded = config.in_place and read_in_place(src, dict(config.ends))  # `copies.load_step`
         spaced = not guarded and apart(tuple(tile), tuple(full), vec, shape.threads, "0")
         total += REGISTERS_PER_TILE if spaced else REGISTERS_PER_COPY * -(-math.prod(tile) // (vec * shape.threads))
     return total

@@ -160,7 +160,8 @@ def _harness(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], sha
         n_inputs = len(k.args) - k.stores
         # the tensor maps of its TMA copies first, as the CUDA driver would encode them for these tensors
         casts = [f"prism::emu::tensor_map(a[{k.args.index(m.tensor)}], {STORAGE[m.dtype.value].itemsize}, "
-                 f"{{{', '.join(map(str, shapes[m.tensor]))}}}, {{{', '.join(map(str, m.box))}}}, {SWIZZLE_BYTES})" for m in k.maps]
+                 f"{{{', '.join(map(str, shapes[m.tensor]))}}}, {{{', '.join(map(str, m.box))}}}, {SWIZZLE_BYTES}, {int(m.fill)})"
+                  for m in k.maps]
         casts += [f"({'const ' if i < n_inputs else ''}{CTYPE[dtypes[a]]}*)a[{i}]" for i, a in enumerate(k.args)]
         if k.tickets:  # a combining kernel in the launch: its tiles' counters, zero before it and after it
             lines.append(f"static unsigned tickets_{k.function}[{k.tickets}];")

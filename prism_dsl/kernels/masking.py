@@ -70,17 +70,17 @@ def given_end(kernel: Kernel, node: Node, dim: int, ends: Mapping[str, int]) -> 
     return None if found is None else ends.get(found[1].name)
 
 
-def read_in_place(tensor: Node, ends: Mapping[str, int], tma: bool = False) -> bool:
+def read_in_place(tensor: Node, ends: Mapping[str, int]) -> bool:
     """Whether the kernels read program input `tensor`, which has a dim built past the size given (`ends`), as the
     caller passes it, at the sizes given: each copy of its tiles guarded by the index past the caller's end, zeros
-    in its place (`backend.copies.load_step`), so that the launcher passes it without padding it (a copy of the
-    whole tensor each call: at decode, a key cache's). It is where no such dim is its innermost (every row starts
-    as aligned as it does built) and every size of it is a dim or a number, and not where loop tiles may go by TMA
-    (`tma`: its boxes are read whole). False for a tensor built at the size given."""
+    in its place (`backend.copies.load_step`; a TMA box reaching past it gets the hardware's zeros there, its map
+    at the caller's dims), so that the launcher passes it without padding it (a copy of the whole tensor each
+    call: at decode, a key cache's). It is where no such dim is its innermost (every row starts as aligned as it
+    does built) and every size of it is a dim or a number. False for a tensor built at the size given."""
     if tensor.op != "input" or not ends:
         return False
     names = {sym.name for size in tensor.shape for sym in sympy.sympify(size).free_symbols}
-    if not names & ends.keys() or tma:
+    if not names & ends.keys():
         return False
     last = tensor.shape[-1]
     return all(isinstance(size, (sympy.Symbol, sympy.Integer, int)) for size in tensor.shape) and not (

@@ -146,7 +146,7 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
     in_place = frozenset(n.attr for n in lowered.inputs if options.codegen.in_place
-                         and read_in_place(n, options.padded, options.codegen.tma))
+                         and read_in_place(n, options.padded))
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates), dict(options.padded),
                  in_place)
 

@@ -83,7 +83,7 @@ def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hard
     moved = launches = 0
     ends = {name: dims[name] for name in padded}
     for n in program.inputs if inputs else ():
-        if codegen.in_place and read_in_place(n, ends, codegen.tma):
+        if codegen.in_place and read_in_place(n, ends):
             continue
         built, used = concrete_shape(n.shape, rounded), concrete_shape(n.shape, given)
         if built != used:
