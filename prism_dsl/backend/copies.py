@@ -180,9 +180,20 @@ def copied_by_tma(c: Concrete, staged: set[str], swizzled: frozenset[str], confi
     if not (config.tma and config.warpgroups and staged and staged <= swizzled):
         return frozenset()
     buffers = {b.name: b for b in plan(c.kernel).buffers}
-    if any(buffers[n].role != "tile" or not boxed(c, buffers[n].node) for n in staged):
+    if any(buffers[n].role != "tile" or not boxed(c, buffers[n].node) or not _fits(c, buffers[n].node, config)
+           for n in staged):
         return frozenset()
     return frozenset(staged)
+
+
+def _fits(c: Concrete, tile: Node, config) -> bool:
+    """Whether a tile's box fits the tensor's map: a tensor read in place has the caller's dims there, which a box
+    may not exceed (where the size built is a tile's multiple and the caller's is smaller than a tile)."""
+    src = c.kernel.inputs[c.kernel.load(tile.attr).source]
+    ends = dict(config.ends)
+    if not (config.in_place and read_in_place(src, ends)):
+        return True
+    return all(t <= n for t, n in zip(c.shape(tile)[::-1], callers_shape(src, c.binding, ends)[::-1]))
 
 
 def tma_copies(e, tiles: list[Node], into: list[str], stages: int) -> tuple[list[dict], tuple[TensorMap, ...]]:
