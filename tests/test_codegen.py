@@ -1218,3 +1218,18 @@ def test_a_kernel_nvcc_rejects_is_named_alone_where_its_program_compiles_as_one_
     results = nvcc_check([broken, *rest], tmp_path, ("sm_90",))
     assert not results[first.name]["sm_90"]["ok"] and "this_is_not_cuda" in results[first.name]["sm_90"]["stderr"]
     assert all(results[k.name]["sm_90"]["ok"] and results[k.name]["sm_90"]["registers"] > 0 for k in rest)
+
+
+@needs_cxx
+def test_a_broadcast_row_is_read_where_its_copy_put_it(tmp_path):
+    """A bias of one row (B: [1, m]) added to a product whose output tiles have rows of 16 16-bit elements: those
+    tiles' chunks are permuted by the row (`launch.xor_rows`), but the bias has one row, which its copy stores as it
+    is; each output row reads it there (it read it permuted by the output's row: rows 4-7 of each 16 wrong)."""
+    path = tmp_path / "bias.prism"
+    path.write_text("dims n = 192, d = 256, m = 256\nprogram bias(X: f16[n, d], W: f16[d, m], B: f16[1, m]) {\n"
+                    "    Y = X @ W + B\n    return Y\n}\n")
+    options = BuildOptions()
+    built = build(load(path).program(), H100, options)
+    text = "\n".join(k.source for k in built.kernels)
+    assert re.search(r"s_b_\w+\[\(?\(?i1 \+ c\)?\)?\]", text) and not re.search(r"s_b_\w+\[[^]]*\^", text), text
+    assert emulate(built, options).passed

@@ -97,6 +97,7 @@ def offset(idx: list[str], shape: tuple[int, ...], pad: int = 0, swizzle: bool =
     16-byte chunks permuted (`xor_column`: rows of 16 or 32 16-bit elements)."""
     rank = len(shape)
     idx = list(idx[len(idx) - rank:]) if len(idx) >= rank else ["0"] * (rank - len(idx)) + list(idx)
+    idx = ["0" if size == 1 else i for i, size in zip(idx, shape)]  # a broadcast dim: its one row, unpermuted too
     if swizzle:
         return swizzled(idx[-2], idx[-1], shape[-2], shape[-1])
     if xor and idx[-2] != "0":  # row 0's chunks stay where they are
