@@ -273,7 +273,8 @@ def test_a_compile_past_the_keys_given(tmp_path, capsys):
     assert "the caller passes K, V at the sizes built" in capsys.readouterr().out
     assert main([*args[:-1], str(tmp_path / "own")]) == 0  # V read in place; K's keys innermost: padded
     assert "the kernels read V as the caller passes it" in (said := capsys.readouterr().out)
-    assert "the launcher pads K with zeros" in said
+    assert "the launcher pads K with zeros" in said and "(copies: " in said  # priced without a search too
+    assert json.loads((tmp_path / "own" / "report.json").read_text())["padding_copies_us"] > 0
     assert "< 4099" in (out / "flash_attention.cu").read_text() or "past the 4099" in (out / "flash_attention.cu").read_text()
     rng = np.random.default_rng(1)  # `prismc verify --inputs`: at the caller's sizes, or at the sizes built
     given = scores_below_zero({"Q": rng.standard_normal((1, 16, 1, 128)), "K": rng.standard_normal((1, 16, 128, 4099)),

@@ -35,8 +35,8 @@ from ..search.assembly import Prover
 from ..search.checkpoint import checkpoint_key, discard, has_checkpoint
 from ..search.config import SearchConfig
 from ..semantics.reference import bind_dims
-from .build import (Build, BuildOptions, compile_check, count_banks, dims_of, emulate, measure, plan_of, price, pricing,
-                    render, tune)
+from .build import (Build, BuildOptions, callers_dims, compile_check, count_banks, dims_of, emulate, measure, plan_of,
+                    price, pricing, render, tune)
 from . import optimize as optimize_
 from . import padding
 from .optimize import TOP, Outcome, gpu_timer, optimize
@@ -165,8 +165,6 @@ def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None]:
             copies = padding.copy_us(request.program, given, rounded, request.hardware,
                                      not request.options.padded_inputs, request.options.codegen)
             us = _estimate(sized, found) + copies
-            if found is not None:
-                found.search["padding_copies_us"] = round(copies, 3)
         except PrismError:
             continue
         if us < best[0] * (1 - padding.MARGIN):
@@ -303,7 +301,10 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
                   counted if isinstance(counted, Skipped) else None, dict(built.padded),
                   bool(built.padded) and chosen.options.padded_inputs, None, tuple(sorted(built.in_place)),
-                  tuple(n.attr for n in built.program.inputs if "used" in plan_of(built)["tensors"][n.attr]))
+                  tuple(n.attr for n in built.program.inputs if "used" in plan_of(built)["tensors"][n.attr]),
+                  round(padding.copy_us(built.reference, callers_dims(built), {k: dims_of(built)[k] for k in built.padded},
+                                        built.hardware, not chosen.options.padded_inputs, chosen.options.codegen), 3)
+                  if built.padded else None)
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

@@ -199,6 +199,7 @@ class Report:
     padding_failed: str | None = None  # built past the sizes given, its check failed: built at them (`compile`)
     in_place: tuple[str, ...] = ()  # with `padded`: inputs the kernels read at the sizes given (`masking.read_in_place`)
     launcher_pads: tuple[str, ...] = ()  # and those the launcher pads (or the caller passes padded: `padded_inputs`)
+    padding_copies_us: float | None = None  # with `padded`: what the copies that pad and cut cost a call, by the model
 
     @property
     def verified(self) -> bool:
@@ -233,7 +234,7 @@ def summary(report: Report, out: Path) -> str:
     lines = [f"{report.program} -> {out}/ (hardware {report.hardware.name}, "
              f"dims {', '.join(f'{k}={v}' for k, v in report.dims.items()) or 'none'})"]
     if report.padded:  # `padding`
-        copies = report.searched.search.get("padding_copies_us") if report.searched else None
+        copies = report.padding_copies_us
         pads = ", ".join(report.launcher_pads)
         them = "it" if len(report.in_place) == 1 else "them"
         how = ([f"the kernels read {', '.join(report.in_place)} as the caller passes {them} (zeros past the end, nothing"
