@@ -261,8 +261,9 @@ def test_the_copies_that_pad_a_call_are_priced_as_the_launcher_makes_them():
 @needs_cxx
 def test_a_compile_past_the_keys_given(tmp_path, capsys):
     """The fused attention at 4099 keys, compiled as written: built for 4160, masked past 4099; with
-    --padded-inputs the summary says the caller passes its inputs at that size; `prismc verify` takes inputs at the
-    caller's sizes or at those built, and refuses others."""
+    --padded-inputs the summary says the caller passes its inputs at that size; `prismc verify` takes each input at
+    the caller's sizes or at those built, as the launcher does (one read in place only at the caller's), and refuses
+    others."""
     out = tmp_path / "out"
     args = ["compile", str(ROOT / "programs" / "fused" / "attention.prism"), "--search", "none", "--arch", "none",
             "--no-emulate", "--dims", "b=1,h=16,q=1,kv=4099,dh=128", "-o", str(out)]
@@ -285,10 +286,13 @@ def test_a_compile_past_the_keys_given(tmp_path, capsys):
              V=np.pad(given["V"], [(0, 0), (0, 0), (0, 61), (0, 0)]))
     np.savez(tmp_path / "wrong.npz", **{**given, "K": given["K"][..., :4000]})
     capsys.readouterr()
-    for npz in ("given", "built"):
+    np.savez(tmp_path / "mixed.npz", Q=given["Q"], K=given["K"], V=np.pad(given["V"], [(0, 0), (0, 0), (0, 61), (0, 0)]))
+    for npz in ("given", "built", "mixed"):  # each input as the launcher takes it: at either size
         assert main(["verify", str(out), "--inputs", str(tmp_path / f"{npz}.npz")]) == 0, capsys.readouterr()
     assert main(["verify", str(out), "--inputs", str(tmp_path / "wrong.npz")]) != 0
-    assert "4099" in capsys.readouterr().err
+    assert "(1, 16, 128, 4099) (or (1, 16, 128, 4160), the size built" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "own"), "--inputs", str(tmp_path / "mixed.npz")]) != 0  # V read in place
+    assert "(1, 16, 4099, 128) (the kernels read it in place" in capsys.readouterr().err
 
 
 @needs_cxx

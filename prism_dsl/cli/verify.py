@@ -25,7 +25,7 @@ from ..kernels.hardware import load_hardware
 from ..kernels.kernel import free_symbols, kernels_of
 from ..lang.check import load
 from ..pipeline import emulation
-from ..pipeline.build import (BuildOptions, build, callers_dims, callers_part, check_inputs, dims_of, padded_inputs,
+from ..pipeline.build import (BuildOptions, build, callers_part, check_inputs, dims_of, padded_inputs,
                               plan_of, price, reference_outputs, tolerance_of)
 from ..pipeline.report import EmulationCheck, overflowed, widened
 from ..semantics.reference import bind_dims, check_sizes
@@ -99,23 +99,25 @@ def verify(args) -> int:
 
 def _given(path: str, built) -> dict:
     """The inputs of an .npz archive (rounded to their types, as `run --inputs` takes them), each of the shape the
-    caller gives at the dims verified (checked from its header before any data is read), as the kernels take it."""
+    caller gives at the dims verified (checked from its header before any data is read), as the kernels take it.
+    Built past the sizes given, each input as the launcher takes it: at the caller's shape, or at the size built
+    (zeros past the caller's part, which the kernels count on: zeroed here) where the launcher pads it, not where the
+    kernels read it in place (the launcher refuses that shape then)."""
     from .npz import read_npz
 
-    def at(dims):
-        return read_npz(path, built.source, lambda headers: bind_dims(built.source, dims, headers))
     if not built.padded:
-        return at(dims_of(built))
-    try:  # the caller's sizes, padded as the launcher pads them; or, as the launcher takes them too, the sizes built
-        return padded_inputs(built, at(callers_dims(built)))
-    except PrismError as callers:
-        try:
-            arrays = at(dims_of(built))
-        except PrismError:
-            raise callers from None
-    # zeros past the caller's part, as the launcher's caller promises them (the kernels count on them: `masking`)
-    return padded_inputs(built, {name: a[part] for name, a in arrays.items()
-                                 for part in [callers_part(built).get(name, ())]})
+        return read_npz(path, built.source, lambda headers: bind_dims(built.source, dims_of(built), headers))
+    plan, part = plan_of(built)["tensors"], callers_part(built)
+
+    def vet(headers):
+        for name, a in headers.items():
+            want, full = tuple(plan[name].get("used", plan[name]["shape"])), tuple(plan[name]["shape"])
+            if a.shape not in (want, full):
+                built_too = (f" (or {full}, the size built, zeros past it)" if want != full else
+                             " (the kernels read it in place, at the caller's size)" if name in built.in_place else "")
+                raise PrismError(f"input '{name}' in '{path}' has shape {a.shape}; the program expects {want}{built_too}")
+    arrays = read_npz(path, built.source, vet)
+    return padded_inputs(built, {name: a[part.get(name, ())] for name, a in arrays.items()})
 
 
 def priced_with(built, directory: Path, on_disk: bool, counted: dict):
