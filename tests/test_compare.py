@@ -277,3 +277,13 @@ def test_a_kernel_on_tensor_cores_is_held_to_the_roundings_it_cannot_avoid(tmp_p
     out = widened(tmp_path, capsys, text, "h=2,q=128,kv=128,dh=64", "twice the")
     assert main(["verify", str(out)]) == 0
     assert "(tolerance " in capsys.readouterr().out
+
+
+def test_a_reference_holding_nan_is_counted_over_the_callers_part():
+    """Of a tensor built larger than the caller's (`where`: its part), the NaN the message counts are the part's."""
+    ref = np.zeros((4, 3))
+    ref[:2] = np.nan
+    where = np.zeros((4, 3), dtype=bool)
+    where[:2] = True
+    assert "(6 of 6 elements, the first at (0, 0))" in check(ref, ref, where=where)["reason"]
+    assert "(6 of 12 elements" in check(ref, ref)["reason"]

@@ -37,9 +37,12 @@ def tolerance(dtypes) -> float:
     return max([RTOL] + [ROUNDING_UNITS * UNIT[d] for d in dtypes if d in UNIT])
 
 
-def _undefined(ref: np.ndarray) -> str:
-    nan = np.argwhere(np.isnan(ref))
-    return (f"the reference itself holds NaN ({len(nan)} of {ref.size} elements, the first at "
+def _undefined(ref: np.ndarray, where: np.ndarray | None = None) -> str:
+    """Why a reference holding NaN is no oracle; counted over `where` (a caller's part of a tensor built larger)."""
+    within = np.isnan(ref) if where is None else np.isnan(ref) & where
+    nan = np.argwhere(within if within.any() else np.isnan(ref))
+    size = ref.size if where is None else int(np.sum(where))
+    return (f"the reference itself holds NaN ({len(nan)} of {size} elements, the first at "
             f"{tuple(map(int, nan[0]))}): the program is not defined on these inputs")
 
 
@@ -60,7 +63,7 @@ def check(got, ref, rtol: float = RTOL, dtype: str | None = None, where: np.ndar
     ref = np.asarray(ref, dtype=np.float64)
     unfit = (f"shape {got.shape} differs from the reference's {ref.shape}" if got.shape != ref.shape
              else f"dtype {got.dtype} is not a real number type" if got.dtype.kind not in "fiu"
-             else _undefined(ref) if np.isnan(ref).any() else "")
+             else _undefined(ref, where) if np.isnan(ref).any() else "")
     if unfit:
         return dict(passed=False, max_rel_err=np.inf, max_abs_err=np.inf, nan=0, worst_index=(), reason=unfit)
     g = got.astype(np.float64)
