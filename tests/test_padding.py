@@ -59,6 +59,9 @@ def test_a_compile_at_rows_no_tile_divides_is_built_for_more_and_checked(tmp_pat
     assert any("< 131, g_X)" in f.read_text() for f in out.glob("*.cu"))  # each copy of X's rows guarded
     assert "'Y': {'shape': [192, 1024], 'dtype': 'f16', 'used': [131, 1024]}" in text
     assert main(["verify", str(out)]) == 0  # the directory as built, the caller's shapes in its plan
+    capsys.readouterr()
+    assert main(["verify", str(out), "--dims", "n=131"]) == 0  # the sizes given name that build too
+    assert "at n=192, d=1024 (given n=131): the .cu files on disk" in capsys.readouterr().out
     assert main([*args, "n=192,d=1024", "-o", str(tmp_path / "at192"), "--no-emulate"]) == 0
     at192 = json.loads((tmp_path / "at192" / "report.json").read_text())
     assert report["estimated_us"] == at192["estimated_us"] and report["roofline"]["floor_us"] < at192["roofline"]["floor_us"]

@@ -158,12 +158,14 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     program = load(source).program(name)
     hardware = load_hardware(report["hardware"]["name"])
     compiled_dims = report["dims"]
-    on_disk = (not dims or {**compiled_dims, **dims} == compiled_dims) and not grid and not loop
+    padded = report.get("padded") or {}  # dims the compile rounded up for its tiles: the sizes given
+    given = {**compiled_dims, **padded} if isinstance(padded, dict) else compiled_dims  # the caller's sizes
+    on_disk = (not dims or {**compiled_dims, **dims} in (compiled_dims, given)) and not grid and not loop
+    dims = {} if on_disk else dims  # the sizes given by the caller name the build on disk too
     names = ({s.name for s in free_symbols(program)}, {d.symbol.name for d in program.dims})
     if unknown := sorted(set(report["parameters"]) - names[0]) + sorted(set(compiled_dims) - names[1]):
         raise PrismError(f"'{directory}/report.json' names what its program does not have ({', '.join(unknown)}): "
                          "the directory was changed after it was compiled")
-    padded = report.get("padded") or {}  # dims the compile rounded up for its tiles: the sizes given
     options = BuildOptions(dims={**compiled_dims, **dims}, grid=grid, loop=loop,
                            params=report["parameters"] if on_disk else {}, archs=(), codegen=_codegen(report),
                            padded=padded if on_disk and isinstance(padded, dict) else {})
