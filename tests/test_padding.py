@@ -54,7 +54,10 @@ def test_a_compile_at_rows_no_tile_divides_is_built_for_more_and_checked(tmp_pat
     assert report["dims"] == {"n": 192, "d": 1024} and report["padded"] == {"n": 131} and report["verified"]
     assert "built for n=192 (given 131)" in said
     text = (out / "launcher.py").read_text()
-    assert "'X': {'shape': [131, 1024], 'dtype': 'f16'}" in text  # read in place: its rows past 131 read as zeros
+    assert "'X': {'shape': [131, 1024], 'dtype': 'f16', 'in_place': True}" in text  # its rows past 131 read as zeros
+    from prism_dsl.backend.cuda_plan import padded
+    with pytest.raises(ValueError, match=r"expects \(131, 1024\) \(the kernels read it in place"):
+        padded({"shape": [131, 1024], "dtype": "f16", "in_place": True}, "X", (192, 1024))
     assert "the kernels read X as the caller passes it" in said
     assert any("< 131, g_X)" in f.read_text() for f in out.glob("*.cu"))  # each copy of X's rows guarded
     assert "'Y': {'shape': [192, 1024], 'dtype': 'f16', 'used': [131, 1024]}" in text

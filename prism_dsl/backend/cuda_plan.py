@@ -81,7 +81,8 @@ def padded(spec: dict, name: str, shape, error=ValueError) -> bool:
     at the kernels' own (the caller padded it, zeros past its part: used as it is); `error` raised at any other."""
     full, want = tuple(spec["shape"]), used(spec)
     if tuple(shape) not in (want, full):
-        built = f" (or {full}, the size built, zeros past it)" if want != full else ""
+        built = (f" (or {full}, the size built, zeros past it)" if want != full else
+                 " (the kernels read it in place, at the caller's size)" if spec.get("in_place") else "")
         raise error(f"input '{name}' has shape {tuple(shape)}; the program expects {want}{built}")
     return tuple(shape) != full
 

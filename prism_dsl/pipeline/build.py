@@ -191,7 +191,7 @@ def plan_of(built: Build) -> dict:
             if (used := list(concrete_shape(shape, given))) == tensors[name]["shape"]:
                 continue
             if name in built.in_place:  # the kernels take it as the caller passes it: nothing to pad
-                tensors[name]["shape"] = used
+                tensors[name] |= {"shape": used, "in_place": True}
             else:
                 tensors[name]["used"] = used
     return {
