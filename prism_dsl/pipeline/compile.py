@@ -287,6 +287,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
             checked: Checked, files: tuple[str, ...], counted: dict | Skipped | None = None) -> Report:
     gpu = checked.gpu
     shared = counted if isinstance(counted, dict) else {}
+    tensors = plan_of(built)["tensors"]  # which inputs the launcher pads (`padding`)
     kernels = tuple(
         KernelReport(r.name, r.function, r.file, r.grid, r.block, r.smem, r.tensor_cores, launch_estimate(built, r),
                      figures.get(r.name, {}), None if gpu is None else _us(gpu.kernels_ms[r.name]),
@@ -301,7 +302,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                   chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
                   counted if isinstance(counted, Skipped) else None, dict(built.padded),
                   bool(built.padded) and chosen.options.padded_inputs, None, tuple(sorted(built.in_place)),
-                  tuple(n.attr for n in built.program.inputs if "used" in plan_of(built)["tensors"][n.attr]),
+                  tuple(n.attr for n in built.program.inputs if "used" in tensors[n.attr]),
                   round(padding.copy_us(built.reference, callers_dims(built), {k: dims_of(built)[k] for k in built.padded},
                                         built.hardware, not chosen.options.padded_inputs, chosen.options.codegen), 3)
                   if built.padded else None)
