@@ -72,6 +72,12 @@ def starts(e, tile: Node, it: str) -> tuple[list[list[str]], list[list[str]]]:
             [[f"{it} * {t}"] if dm.loop else [] for _, t, dm in dims])
 
 
+def in_place(tensor: Node, config) -> bool:
+    """Whether the kernels read `tensor` as the caller passes it (`masking.read_in_place`), as `config` (a
+    `launch.CodegenConfig`) allows: its `in_place` switch, its dims built past the sizes given (`ends`)."""
+    return config.in_place and read_in_place(tensor, dict(config.ends))
+
+
 def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     """The loaded tile copied in by the block's threads: at loop iteration `it` (a C expression), into `dst` (its
     buffer by default). Each copy's source is its thread's element of the first iteration's tile, then the
@@ -90,7 +96,7 @@ def load_step(e, tile: Node, it: str = "it", dst: str = "") -> dict:
     parts = [a + ([i] if i != "0" else []) for a, i in zip(at, idx)]
     bound = []
     reach = math.prod(full)  # a guarded copy past the end forms its address too: 64-bit where the built size needs it
-    if e.config.in_place and read_in_place(src, ends):
+    if in_place(src, e.config):
         full = callers_shape(src, e.c.binding, ends)
         bound = [f"{' + '.join(p + s)} < {n}" for p, s, n, built in zip(parts, step, full, e.shape(src))
                  if n < built and p + s]
@@ -190,10 +196,9 @@ def _fits(c: Concrete, tile: Node, config) -> bool:
     """Whether a tile's box fits the tensor's map: a tensor read in place has the caller's dims there, which a box
     may not exceed (where the size built is a tile's multiple and the caller's is smaller than a tile)."""
     src = c.kernel.inputs[c.kernel.load(tile.attr).source]
-    ends = dict(config.ends)
-    if not (config.in_place and read_in_place(src, ends)):
+    if not in_place(src, config):
         return True
-    return all(t <= n for t, n in zip(c.shape(tile)[::-1], callers_shape(src, c.binding, ends)[::-1]))
+    return all(t <= n for t, n in zip(c.shape(tile)[::-1], callers_shape(src, c.binding, dict(config.ends))[::-1]))
 
 
 def tma_copies(e, tiles: list[Node], into: list[str], stages: int) -> tuple[list[dict], tuple[TensorMap, ...]]:
@@ -207,8 +212,7 @@ def _map(e, tile: Node) -> TensorMap:
     src = e.k.inputs[e.k.load(tile.attr).source]
     shape = e.shape(tile)
     box = (1,) * (len(shape) - 2) + (shape[-2], SWIZZLE_COLUMNS)
-    fill = e.config.in_place and read_in_place(src, dict(e.config.ends))
-    return TensorMap(f"tm_{ident(tile.attr)}", tensor_name(src), storage(src), box, fill)
+    return TensorMap(f"tm_{ident(tile.attr)}", tensor_name(src), storage(src), box, in_place(src, e.config))
 
 
 def tma_step(e, tile: Node, m: TensorMap, dst: str, bar: str, it: str = "ahead") -> dict:

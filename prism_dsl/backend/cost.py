@@ -177,7 +177,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple
 
 from .intake import CLOCK_GHZ, bytes_in_flight, pipeline_seconds, reachable_bandwidth, reachable_l2_bandwidth
-from .copies import apart, vector_width
+from .copies import apart, in_place, vector_width
 from .launch import CodegenConfig, Layout, blocks_per_sm, dot_lanes, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
@@ -185,7 +185,6 @@ from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.hardware import Hardware
 from ..kernels.position import mean_iterations, stretch
-from ..kernels.masking import read_in_place
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
 from ..ir.ops import OPS, Kind
 
@@ -382,8 +381,7 @@ def _copy_registers(c: Concrete, shape: Layout, config: CodegenConfig) -> int:
         vec = vector_width(c, n, config)
         src = k.inputs[load.source]
         tile, full = c.shape(n), c.shape(src)
-        guarded = config.in_place and read_in_place(src, dict(config.ends))  # `copies.load_step`
-        spaced = not guarded and apart(tuple(tile), tuple(full), vec, shape.threads, "0")
+        spaced = not in_place(src, config) and apart(tuple(tile), tuple(full), vec, shape.threads, "0")
         total += REGISTERS_PER_TILE if spaced else REGISTERS_PER_COPY * -(-math.prod(tile) // (vec * shape.threads))
     return total
 

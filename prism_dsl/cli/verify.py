@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..backend import emulate as emulator
 from ..backend.codegen import HEADER, CodegenConfig
+from ..backend import cuda_plan
 from ..base import files
 from ..base.errors import PrismError
 from ..kernels.hardware import load_hardware
@@ -109,13 +110,12 @@ def _given(path: str, built) -> dict:
         return read_npz(path, built.source, lambda headers: bind_dims(built.source, dims_of(built), headers))
     plan, part = plan_of(built)["tensors"], callers_part(built)
 
-    def vet(headers):
+    def vet(headers):  # each shape as the launcher takes it (`cuda_plan.padded`), or its message
         for name, a in headers.items():
-            want, full = tuple(plan[name].get("used", plan[name]["shape"])), tuple(plan[name]["shape"])
-            if a.shape not in (want, full):
-                built_too = (f" (or {full}, the size built, zeros past it)" if want != full else
-                             " (the kernels read it in place, at the caller's size)" if name in built.in_place else "")
-                raise PrismError(f"input '{name}' in '{path}' has shape {a.shape}; the program expects {want}{built_too}")
+            try:
+                cuda_plan.padded(plan[name], name, a.shape, PrismError)
+            except PrismError as e:
+                raise PrismError(f"{path}: {e}") from None
     arrays = read_npz(path, built.source, vet)
     return padded_inputs(built, {name: a[part.get(name, ())] for name, a in arrays.items()})
 

@@ -30,6 +30,7 @@ import sympy
 from ..backend import banks, compare, cost, cuda_runtime, sass, tuning
 from ..backend import emulate as emulator
 from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel
+from ..backend.copies import in_place
 from ..backend.cost import Estimate
 from ..backend.nvcc import nvcc_check, nvcc_path, write_sources
 from ..backend.tails import in_launch, render_launch
@@ -41,7 +42,6 @@ from ..kernels.hardware import Hardware
 from ..kernels.kernel import free_symbols, kernels_of, stored_dtype
 from ..kernels.params import resolve_params
 from ..kernels.lower import lower, lowered_forms
-from ..kernels.masking import read_in_place
 from ..prove.prover import check_signatures, pair_outputs
 from ..semantics.blocks import evaluate
 from ..semantics.reference import bind_dims, check_sizes, concrete_shape
@@ -145,10 +145,8 @@ def tune(lowered: Program, source: Program, hardware: Hardware, options: BuildOp
     lowered, params, concrete, estimates = best
     symbols = {s.name: s for s in free_symbols(lowered)}
     full = {**binding, **{symbols[n]: v for n, v in params.items()}}
-    in_place = frozenset(n.attr for n in lowered.inputs if options.codegen.in_place
-                         and read_in_place(n, options.padded))
     return Tuned(lowered, source, reference, hardware, full, params, concrete, tuple(estimates), dict(options.padded),
-                 in_place)
+                 frozenset(n.attr for n in lowered.inputs if in_place(n, options.codegen)))
 
 
 def render(tuned: Tuned, config: CodegenConfig) -> Build:

@@ -22,14 +22,16 @@ given, pad them with zeros, run the kernels at the size built and compare the ca
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Collection, Mapping, Sequence
 
 from ..backend.codegen import CodegenConfig
+from ..backend.copies import in_place
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..ir.shapes import independent_dims
 from ..kernels.hardware import Hardware
-from ..kernels.masking import read_in_place, refusal
+from ..kernels.masking import refusal
 from ..search.driver import default_jobs
 from ..semantics.reference import bind_dims, concrete_shape
 from . import optimize
@@ -81,9 +83,9 @@ def copy_us(program: Program, dims: dict[str, int], padded: dict[str, int], hard
     rounded = bind_dims(program, {**dims, **padded})
     given = bind_dims(program, dims)
     moved = launches = 0
-    ends = {name: dims[name] for name in padded}
+    codegen = replace(codegen, ends=tuple(sorted((name, dims[name]) for name in padded)))
     for n in program.inputs if inputs else ():
-        if codegen.in_place and read_in_place(n, ends):
+        if in_place(n, codegen):
             continue
         built, used = concrete_shape(n.shape, rounded), concrete_shape(n.shape, given)
         if built != used:
