@@ -81,6 +81,71 @@ static void on_death() {  // a sanitizer stops the run: say which emulated threa
 #endif
 
 // -- fibers ---------------------------------------------------------------------------------------------------------
+#if defined(__x86_64__) && !defined(PRISM_EMU_UCONTEXT)
+// switch_context(from, to): pushes the callee-saved registers and the SSE and x87 control words (System V AMD64: all
+// a called function must preserve), saves the stack pointer in from->sp, and pops to's, returning where to was
+// switched away (or, a fiber's first time, into its entry: `start_context`). No system call.
+extern "C" void prism_emu_switch(void** from, void* to);
+asm(R"(
+    .text
+    .p2align 4
+    .globl prism_emu_switch
+    .hidden prism_emu_switch
+    .type prism_emu_switch, @function
+prism_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size prism_emu_switch, .-prism_emu_switch
+)");
+
+static void switch_context(Context* from, Context* to) { prism_emu_switch(&from->sp, to->sp); }
+
+// A fiber's stack made to enter `fn` at its first switch, as if called (the stack 16-byte aligned before the call,
+// a null return address: fn never returns), with the control words the runtime runs with.
+static void start_context(Context* ctx, char* stack, size_t bytes, void (*fn)()) {
+    auto* top = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t(15));
+    uint64_t* sp = top - 9;  // the control words, six registers, then fn as the return address
+    top[-1] = 0;
+    top[-2] = reinterpret_cast<uint64_t>(fn);
+    for (int i = 1; i < 7; ++i) sp[i] = 0;
+    uint32_t mxcsr;
+    uint16_t fpucw;
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(mxcsr), "=m"(fpucw));
+    std::memcpy(sp, &mxcsr, 4);
+    std::memcpy(reinterpret_cast<char*>(sp) + 4, &fpucw, 2);
+    ctx->sp = sp;
+}
+#else
+static void switch_context(Context* from, Context* to) { swapcontext(from, to); }
+
+static void start_context(Context* ctx, char* stack, size_t bytes, void (*fn)()) {
+    getcontext(ctx);
+    ctx->uc_stack.ss_sp = stack;
+    ctx->uc_stack.ss_size = bytes;
+    ctx->uc_link = nullptr;
+    makecontext(ctx, fn, 0);
+}
+#endif
+
 PRISM_UNSEEN static void switch_to(Thread* from, Thread* to) {  // from/to null: the scheduler (the main context)
     Runtime& r = rt();
     r.current = to;
@@ -93,7 +158,7 @@ PRISM_UNSEEN static void switch_to(Thread* from, Thread* to) {  // from/to null:
     __sanitizer_start_switch_fiber(from ? save : &main_save, to ? to->stack : r.main_stack,
                                    to ? r.stack_bytes : r.main_stack_size);
 #endif
-    swapcontext(from ? &from->ctx : &r.main, to ? &to->ctx : &r.main);
+    switch_context(from ? &from->ctx : &r.main, to ? &to->ctx : &r.main);
 #if defined(PRISM_ASAN)
     __sanitizer_finish_switch_fiber(from ? from->fake_stack : main_save, nullptr, nullptr);
 #endif
@@ -788,11 +853,7 @@ static void run_wave(const std::vector<prism_dim3>& blocks) {
 #if defined(PRISM_ASAN)
                 __asan_unpoison_memory_region(t->stack, r.stack_bytes);
 #endif
-                getcontext(&t->ctx);
-                t->ctx.uc_stack.ss_sp = t->stack;
-                t->ctx.uc_stack.ss_size = r.stack_bytes;
-                t->ctx.uc_link = nullptr;
-                makecontext(&t->ctx, entry, 0);
+                start_context(&t->ctx, t->stack, r.stack_bytes, entry);
 #if defined(PRISM_TSAN)
                 const std::string name = L.kernel + std::string(": ") + who(t).c_str();
                 __tsan_set_fiber_name(t->fiber, name.c_str());

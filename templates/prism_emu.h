@@ -1,7 +1,7 @@
 // prism_emu.h: the runtime of the thread-faithful CPU emulation of generated CUDA (included by prism.cuh
 // when PRISM_CPU is defined; never by nvcc).
 //
-// Every CUDA thread of a block is a fiber (a ucontext with its own stack); the blocks of a wave are all
+// Every CUDA thread of a block is a fiber (a stack of its own and a saved context); the blocks of a wave are all
 // live at once and their fibers take turns, so races between threads and between blocks are real
 // interleavings, and ThreadSanitizer sees each fiber as a thread of its own (the __tsan_*_fiber API, with
 // no synchronisation implied by a switch). A fiber runs until it reaches a barrier or a warp collective
@@ -61,7 +61,9 @@
 // that an output directory's prism.cuh from before is refused in words (`prismc verify`), not by a compile error.
 #define PRISM_EMU_INTERFACE 2
 
+#if !defined(__x86_64__) || defined(PRISM_EMU_UCONTEXT)
 #include <ucontext.h>
+#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -123,8 +125,20 @@ struct Copy {  // one queued cp.async
     Site site;
 };
 
+// A fiber's saved context. On x86-64, the stack pointer it was switched away at, its callee-saved registers pushed
+// below it (`switch_context` in prism_emu.cc): glibc's swapcontext also saves and restores the signal mask, a system
+// call at every switch, which took most of an emulation's time (a fiber switches twice at each barrier and warp
+// collective). Elsewhere a ucontext (and on x86-64 with PRISM_EMU_UCONTEXT defined: how that path is tested).
+#if defined(__x86_64__) && !defined(PRISM_EMU_UCONTEXT)
+struct Context {
+    void* sp = nullptr;
+};
+#else
+using Context = ucontext_t;
+#endif
+
 struct Thread {
-    ucontext_t ctx;
+    Context ctx;
     char* stack = nullptr;
     void* fiber = nullptr;  // ThreadSanitizer's fiber
     void* fake_stack = nullptr;  // AddressSanitizer's, while switched away
@@ -261,7 +275,7 @@ struct Launch {
 };
 
 struct Runtime {
-    ucontext_t main;
+    Context main;
     Thread* current = nullptr;
     const Launch* launch = nullptr;
     std::vector<Thread*> pool;  // fibers and stacks, reused from wave to wave

@@ -5,6 +5,7 @@ accesses), and the sampled check at large dims."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -351,6 +352,47 @@ def test_warp_sum_exchanges_between_lanes(tmp_path):
     x = np.arange(64.0)
     got = run(k, F32_TYPES, {"X": (64,), "Y": (64,)}, {"X": x}, tmp_path)
     assert list(got.outputs["Y"]) == [x[:32].sum()] * 32 + [x[32:].sum()] * 32
+
+
+FIBERS = """
+    float v = g_X[blockIdx.x * 128 + threadIdx.x];
+    for (int i = 0; i < 3; ++i) {  // each thread switched away at every collective and barrier
+        v = prism::warp_sum(v) / 32 + threadIdx.x;
+        float* const s = PRISM_SHARED(float, 0, 512);
+        s[threadIdx.x] = v;
+        __syncthreads();
+        v += s[127 - threadIdx.x];
+        __syncthreads();
+    }
+    g_Y[blockIdx.x * 128 + threadIdx.x] = v;
+"""
+
+
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+def test_the_fiber_switch_and_glibcs_ucontext_run_the_threads_alike(sanitizer, monkeypatch, tmp_path):
+    """On x86-64 a fiber switches by the runtime's own few instructions (no system call: glibc's swapcontext sets the
+    signal mask at each switch), elsewhere by ucontext; PRISM_EMU_UCONTEXT takes the ucontext path on x86-64 too,
+    which must run the same kernel to the same outputs and still report a divergent barrier."""
+    k = kernel(FIBERS, F32_IO, 1, grid=(3, 1, 1), threads=128)
+    x = np.random.default_rng(0).standard_normal(384)
+    for d in ("own", "glibc", "skip"):
+        (tmp_path / d).mkdir()
+    own = run(k, F32_TYPES, {"X": (384,), "Y": (384,)}, {"X": x}, tmp_path / "own", sanitizer=sanitizer)
+    if sys.platform.startswith("linux") and os.uname().machine == "x86_64" and shutil.which("nm"):
+        undefined = subprocess.run(["nm", "-u", tmp_path / "own" / f"emulate-{sanitizer or 'plain'}"],
+                                   capture_output=True, text=True).stdout
+        assert "swapcontext" not in undefined and "getcontext" not in undefined
+    monkeypatch.setitem(emulate._FLAGS, sanitizer, [*emulate._FLAGS[sanitizer], "-DPRISM_EMU_UCONTEXT"])
+    glibc = run(k, F32_TYPES, {"X": (384,), "Y": (384,)}, {"X": x}, tmp_path / "glibc", sanitizer=sanitizer)
+    assert own.finding is None and glibc.finding is None
+    assert np.array_equal(own.outputs["Y"], glibc.outputs["Y"])
+    v, t = x.astype(np.float32).reshape(3, 128), np.arange(128, dtype=np.float32)
+    for _ in range(3):
+        v = np.repeat(v.reshape(3, 4, 32).sum(-1), 32, -1) / 32 + t
+        v = v + v[:, ::-1]
+    assert np.allclose(own.outputs["Y"], v.reshape(-1), rtol=1e-6)
+    f = finding_of("    if (threadIdx.x < 32) __syncthreads();\n    g_Y[threadIdx.x] = 1;", tmp_path / "skip")
+    assert f.kind == "emulation" and "not reached by every thread" in f.message
 
 
 def test_a_max_is_nan_where_either_operand_is(tmp_path):
