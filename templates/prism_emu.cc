@@ -81,7 +81,7 @@ static void on_death() {  // a sanitizer stops the run: say which emulated threa
 #endif
 
 // -- fibers ---------------------------------------------------------------------------------------------------------
-#if defined(__x86_64__) && !defined(PRISM_EMU_UCONTEXT)
+#if defined(__x86_64__) && defined(__ELF__) && !defined(PRISM_EMU_UCONTEXT)
 // switch_context(from, to): pushes the callee-saved registers and the SSE and x87 control words (System V AMD64: all
 // a called function must preserve), saves the stack pointer in from->sp, and pops to's, returning where to was
 // switched away (or, a fiber's first time, into its entry: `start_context`). No system call.
