@@ -10,6 +10,7 @@
 #if defined(__linux__)
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #endif
 
 #include <algorithm>
@@ -59,6 +60,15 @@ static std::string ranges(const std::vector<int>& ids) {
     return out;
 }
 
+// The process ends with `code` at once. Not through ThreadSanitizer's _exit, which would take the ignores a finding is
+// raised inside (`Quiet`) for an error of its own and end with its exit status, the finding's words lost.
+[[noreturn]] static void exit_now(int code) {
+#if defined(__linux__)
+    syscall(SYS_exit_group, code);
+#endif
+    _exit(code);
+}
+
 [[noreturn]] void fail(const std::vector<Site>& at, const char* fmt, ...) {
     Quiet quiet;
     char text[2048];
@@ -70,7 +80,7 @@ static std::string ranges(const std::vector<int>& ids) {
     for (const Site& s : at)
         if (s.file) std::fprintf(stderr, "prism-emulation-at: %s\n", where(s).c_str());
     std::fflush(stderr);
-    _exit(kExitFinding);
+    exit_now(kExitFinding);
 }
 
 #if defined(PRISM_TSAN) || defined(PRISM_ASAN)
@@ -81,10 +91,12 @@ static void on_death() {  // a sanitizer stops the run: say which emulated threa
 #endif
 
 // -- fibers ---------------------------------------------------------------------------------------------------------
-#if defined(__x86_64__) && defined(__ELF__) && !defined(PRISM_EMU_UCONTEXT)
+#if defined(__x86_64__) && defined(__LP64__) && defined(__ELF__) && !defined(PRISM_EMU_UCONTEXT)
 // switch_context(from, to): pushes the callee-saved registers and the SSE and x87 control words (System V AMD64: all
 // a called function must preserve), saves the stack pointer in from->sp, and pops to's, returning where to was
-// switched away (or, a fiber's first time, into its entry: `start_context`). No system call.
+// switched away (or, a fiber's first time, into its entry: `start_context`). No system call. Each `ret` goes where
+// no call came from, which a CET shadow stack would stop: the emulation is built with -fcf-protection=none
+// (backend/emulate.py), so that the kernel never turns one on for it.
 extern "C" void prism_emu_switch(void** from, void* to);
 asm(R"(
     .text
@@ -117,7 +129,11 @@ prism_emu_switch:
     .size prism_emu_switch, .-prism_emu_switch
 )");
 
-static void switch_context(Context* from, Context* to) { prism_emu_switch(&from->sp, to->sp); }
+// Inlined into `switch_to`, which ThreadSanitizer does not instrument: an instrumented call here would push its frame
+// onto the shadow stack of the fiber switched to, never popped at a fiber's first entry.
+__attribute__((always_inline)) static inline void switch_context(Context* from, Context* to) {
+    prism_emu_switch(&from->sp, to->sp);
+}
 
 // A fiber's stack made to enter `fn` at its first switch, as if called (the stack 16-byte aligned before the call,
 // a null return address: fn never returns), with the control words the runtime runs with.
@@ -135,7 +151,7 @@ static void start_context(Context* ctx, char* stack, size_t bytes, void (*fn)())
     ctx->sp = sp;
 }
 #else
-static void switch_context(Context* from, Context* to) { swapcontext(from, to); }
+__attribute__((always_inline)) static inline void switch_context(Context* from, Context* to) { swapcontext(from, to); }
 
 static void start_context(Context* ctx, char* stack, size_t bytes, void (*fn)()) {
     getcontext(ctx);
@@ -208,7 +224,7 @@ static Thread* fiber(size_t slot) {
                          -1, 0);
         if (mem == MAP_FAILED) {
             std::fprintf(stderr, "prism-emulation: cannot map a stack for emulated thread %zu\n", slot);
-            _exit(kExitFinding);
+            exit_now(kExitFinding);
         }
         t->stack = static_cast<char*>(mem);
 #if defined(PRISM_TSAN)

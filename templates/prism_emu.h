@@ -61,7 +61,7 @@
 // that an output directory's prism.cuh from before is refused in words (`prismc verify`), not by a compile error.
 #define PRISM_EMU_INTERFACE 2
 
-#if !defined(__x86_64__) || !defined(__ELF__) || defined(PRISM_EMU_UCONTEXT)
+#if !defined(__x86_64__) || !defined(__LP64__) || !defined(__ELF__) || defined(PRISM_EMU_UCONTEXT)
 #include <ucontext.h>
 #endif
 
@@ -130,7 +130,7 @@ struct Copy {  // one queued cp.async
 // restores the signal mask, a system call at every switch, which took most of an emulation's time (a fiber switches
 // twice at each barrier and warp collective). Elsewhere a ucontext (and on x86-64 with PRISM_EMU_UCONTEXT defined:
 // how that path is tested).
-#if defined(__x86_64__) && defined(__ELF__) && !defined(PRISM_EMU_UCONTEXT)
+#if defined(__x86_64__) && defined(__LP64__) && defined(__ELF__) && !defined(PRISM_EMU_UCONTEXT)
 struct Context {
     void* sp = nullptr;
 };

@@ -29,6 +29,7 @@ import functools
 import hashlib
 import itertools
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -70,6 +71,10 @@ _FLAGS = {
     "address": ["-O0", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
     "banks": ["-O1", "-DPRISM_BANKS"],
 }
+# The runtime's own fiber switch on x86-64 returns where no call came from (prism_emu.cc, `switch_context`): an
+# executable marked as fit for CET shadow stacks (g++'s default where -fcf-protection is on) would stop at its first
+# switch on a kernel and C library that turn them on, so the emulation is built unmarked.
+_NO_SHADOW_STACK = ["-fcf-protection=none"] if platform.machine().lower() in ("x86_64", "amd64") else []
 # The "banks" build's kernels (not its runtime): every load and store an outlined call, which prism_banks.cc takes.
 _INSTRUMENT = {
     "g++": ["-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0", "--param",
@@ -202,7 +207,7 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     # -g1: line tables (what a sanitizer's report needs to name the generated .cu line), no variables' debug
     # information, which -g adds: the plain build of attention at the tests' dims took 2.1-2.4 s with -g and 2.0 s
     # with -g1, its ThreadSanitizer build 3.3 s and 2.3 s (g++, 2 cores)
-    flags = ["-std=c++17", "-g1", *_FLAGS[sanitizer]]
+    flags = ["-std=c++17", "-g1", *_FLAGS[sanitizer], *_NO_SHADOW_STACK]
     runtime = runtime_object(cxx, flags, workdir)
     extra = _INSTRUMENT["clang++" if "clang" in _compiler_identity(cxx)[1] else "g++"] if sanitizer == "banks" else []
     cmd = [cxx, *flags, *extra, "-x", "c++", "harness.cpp", "-x", "none", runtime.name, "-o", exe.name]
