@@ -227,6 +227,26 @@ def test_float_overflow_is_not_taken_for_an_unsound_axiom(tmp_path):
     assert proof.proved and proof.numeric_gap < 1e-9
 
 
+@pytest.mark.parametrize("lhs, rhs, rules", [
+    # div_cancel holds where the divisor is not zero; here it is zero everywhere, and the -inf of the mask made
+    # the guard take every NaN against a finite value for float overflow
+    ("causal((X / (A - A)) / (B / (A - A)))", "causal(X / B)", ""),
+    # a user's rule sympy proves (it cancels a / a) and the sampler never meets at a = 0
+    ("causal((A - A) / (A - A))", "causal(1 + 0 * (A - A))", "ruleset mine {\n    rule div_self: a / a => 1 + 0 * a\n}\n"),
+], ids=["div_cancel at zero", "user rule at zero"])
+def test_a_difference_no_smaller_inputs_remove_is_not_taken_for_overflow(tmp_path, lhs, rhs, rules):
+    """Proved by rules true but where a divisor is zero, the programs differ: NaN against finite values at every
+    scale of the inputs (overflow's differences go at smaller inputs), so the proof is refused."""
+    library = DEFAULT
+    if rules:
+        (tmp_path / "mine.rules").write_text(rules)
+        library = load_library([tmp_path / "mine.rules"], defaults=True)
+    a, b = programs(tmp_path, lhs, rhs, signature="X: f32[n, d], A: f32[n, d], B: f32[n, d]",
+                    header="dims n = 8, d = 8\n")
+    with pytest.raises(PrismError, match="differ numerically .* some axiom in use is unsound"):
+        prove(a, b, library)
+
+
 @pytest.mark.parametrize("lhs, rhs", [
     ("(A * 1e-200) * 1e-200", "(A * 1e-300) * 1e-300"),  # each folded to A * 0 they were one term
     ("(A * 1e200) * 1e200", "(A * 1e300) * 1e300"),  # and to A * inf

@@ -34,6 +34,7 @@ NUMERIC_DIM_CAP = 24  # numeric evidence is taken at small sizes: it is a guard,
 GUARD_PRIMES = (5, 3, 7, 2, 11, 13, 17, 19, 23)
 GUARD_SINGLE_ONES = 6  # programs with at most this many dims are also compared with each dim alone at 1
 GUARD_ELEMENTS = 1 << 18  # the declared sizes are compared when the inputs hold at most this many elements
+GUARD_HALVINGS = 8  # an element defined differently on the two sides is looked at again at inputs halved, to 1/256
 
 
 @dataclass(frozen=True)
@@ -167,23 +168,40 @@ def _input_elements(program: Program, binding) -> int:
 
 
 def _gap_at(a: Program, b: Program, pairs, binding, seed: int) -> float | None:
+    """The largest relative difference of the paired outputs on random inputs at `binding`, where both are finite;
+    inf where their shapes differ or an element is finite on one side only, or not finite on both but not the same
+    (NaN against -inf: `causal(x) - causal(x)` against `causal(x - x)`). Float overflow can make such a difference
+    where the programs agree (exp(1000 * a) / exp(1000 * b) is inf / inf where exp(1000 * (a - b)) is finite), so
+    the inputs are halved, up to GUARD_HALVINGS times, while it shows: a difference that stays at every scale is
+    no overflow (a division by a tensor of zeros, a mask's -inf subtracted from itself). None where the programs
+    cannot be evaluated at `binding`."""
     try:
         inputs = random_inputs(a, binding, seed)  # refuses tensors too large for the reference
-        # Kernel parameters that split every dim they can: a kernel wrong only across pieces shows.
-        out_a, out_b = evaluate(a, inputs, prefer="split"), evaluate(b, inputs, prefer="split")
+        for halvings in range(GUARD_HALVINGS + 1):
+            scaled = {k: v * 0.5**halvings for k, v in inputs.items()}
+            # Kernel parameters that split every dim they can: a kernel wrong only across pieces shows.
+            out_a, out_b = evaluate(a, scaled, prefer="split"), evaluate(b, scaled, prefer="split")
+            gap = _gap(out_a, out_b, pairs)
+            if gap is not None:
+                return gap
     except (PrismError, ValueError):
         # no valid kernel parameters at these sizes, tensors too large to evaluate, or sizes the program
         # is not defined at (RoPE over an odd dim)
         return None
+    return float("inf")
+
+
+def _gap(out_a, out_b, pairs) -> float | None:
+    """`_gap_at`'s difference of one evaluation; None where an element is defined differently on the two sides."""
     worst = 0.0
     for x, y in pairs:
         va, vb = out_a[x], out_b[y]
         if va.shape != vb.shape:
             return float("inf")
         fa, fb = np.isfinite(va), np.isfinite(vb)
-        overflow = np.isinf(va).any() or np.isinf(vb).any()
-        if (fa != fb).any() and not overflow:
-            return float("inf")  # defined on one side only: a real difference, not float overflow
+        unlike = ~fa & ~fb & ~(np.isnan(va) & np.isnan(vb)) & (va != vb)  # NaN against inf, or +inf against -inf
+        if (fa != fb).any() or unlike.any():
+            return None
         both = fa & fb
         if both.any():
             scale = max(float(np.abs(va[both]).max()), 1e-30)

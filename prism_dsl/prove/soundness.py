@@ -120,7 +120,14 @@ def _compare(way: _Direction, inst: Instance, a: np.ndarray, b: np.ndarray) -> t
         idx = tuple(int(i) for i in np.argwhere(fa != fb)[0])
         return (f"at {inst.describe()} one side is finite and the other is not: "
                 f"{fname} {a[idx]:.6g}, {sname} {b[idx]:.6g} at index {idx}", False)
-    both = fa & fb  # out of an operator's domain on both sides: no evidence either way
+    unlike = ~fa & ~fb & ~(np.isnan(a) & np.isnan(b)) & (a != b)
+    if unlike.any():
+        # Not finite on both sides, but not the same: NaN against a mask's -inf (causal(x) - causal(y) against
+        # causal(x - y)), or +inf against -inf. A draw that overflowed was drawn again above, so this is the rule's.
+        idx = tuple(int(i) for i in np.argwhere(unlike)[0])
+        return (f"at {inst.describe()} its sides are not finite and differ: {fname} {a[idx]:.6g}, {sname} "
+                f"{b[idx]:.6g} at index {idx}", False)
+    both = fa & fb  # NaN on both sides, out of an operator's domain: no evidence either way
     if not both.any():
         return None, False
     a, b = a[both], b[both]
