@@ -134,6 +134,18 @@ def test_layout_rules_and_unsettled_max_are_tested_numerically(tmp_path):
     assert soundness.check_library(load_library([path]), use_cache=False) == {"relu_odd": soundness.NUMERIC_ONLY}
 
 
+def test_a_side_sympy_takes_long_to_build_stops_at_the_rules_time(tmp_path, monkeypatch):
+    """Softmax nested 15 deep: each level's automatic simplification takes longer than the last, so building the
+    sides alone ran for minutes before the time limit was looked at; each operator now looks at it first."""
+    monkeypatch.setattr(symbolic, "SECONDS", 0.5)
+    nested = "x"
+    for _ in range(15):
+        nested = f"softmax({nested})"
+    rule = load_library([rules_file(tmp_path, f"deep: {nested} => {nested} * 1")]).rules[0]
+    outcome = symbolic.decide(rule)
+    assert not outcome.proved and "did not decide it within 0.5 s of CPU time" in outcome.why
+
+
 NON_LAYOUT = [r for r in DEFAULT.rules if r.ruleset != "layout"]
 
 

@@ -120,6 +120,23 @@ SYMPY = Semantics(FORMULAS, lambda n: sympy.Rational(n.text) if _exact(n.text) e
                   lambda x: np.asarray(x, dtype=object))
 
 
+class _OutOfTime(Exception):
+    """The rule's CPU time ran out while SymPy built a side (`_timed`)."""
+
+
+def _timed(deadline: float) -> Semantics:
+    """SYMPY, each operator first checking the rule's deadline: a side SymPy takes long to build (softmax nested
+    15 deep, each level's automatic simplification longer than the last) stops at the first operator past it,
+    where a check between the elements of the built sides would come only after it was built."""
+    def timed(f):
+        def within(*args):
+            if time.process_time() > deadline:
+                raise _OutOfTime
+            return f(*args)
+        return within
+    return Semantics({name: timed(f) for name, f in FORMULAS.items()}, SYMPY.number, SYMPY.asarray)
+
+
 def _exact(text: str) -> bool:
     try:
         sympy.Rational(text)
@@ -154,6 +171,8 @@ def decide(rule: Rule) -> Outcome:
     for inst in shapes:
         try:
             outcome = _decide_at(rule, inst, domains, rng, deadline, scalar=elementwise)
+        except _OutOfTime:
+            return Outcome(why=f"SymPy did not decide it within {SECONDS:g} s of CPU time")
         except (ArithmeticError, TypeError, ValueError, RecursionError, NotImplementedError, BasePolynomialError) as e:
             # SymPy's own errors on formulas it cannot handle (a Max of terms it cannot order, a
             # polynomial it cannot build): not a verdict on the rule, which stays tested numerically.
@@ -237,7 +256,7 @@ def _decide_at(rule: Rule, inst: Instance, domains, rng, deadline: float, scalar
     """Every element of the difference zero (proved), or a point where one clearly is not (refuted)."""
     values = _symbols(inst, domains)
     try:
-        left, right = sides(rule.lhs, rule.rhs, values, inst.dims, SYMPY)
+        left, right = sides(rule.lhs, rule.rhs, values, inst.dims, _timed(deadline))
     except IllFormed:
         return Outcome(why="its right side is ill formed at a small shape")  # the numeric check says more
     if left.shape != right.shape:
@@ -247,7 +266,7 @@ def _decide_at(rule: Rule, inst: Instance, domains, rng, deadline: float, scalar
             return Outcome(why=f"SymPy did not decide it within {SECONDS:g} s of CPU time")
         if _zero(sympy.sympify(left[idx]) - sympy.sympify(right[idx])):
             continue
-        refuted = _refute(rule, inst, values, domains, rng)
+        refuted = _refute(rule, inst, values, domains, rng, deadline)
         if refuted:
             return Outcome(refuted=True, why=f"SymPy shows its sides differ at {refuted}")
         where = "" if scalar else f" at {inst.describe()}, element {list(idx)}"
@@ -290,11 +309,11 @@ def _zero(d) -> bool:
     return sympy.cancel(sympy.together(d)) == 0
 
 
-def _refute(rule: Rule, inst: Instance, symbols: dict[str, np.ndarray], domains, rng) -> str:
+def _refute(rule: Rule, inst: Instance, symbols: dict[str, np.ndarray], domains, rng, deadline: float) -> str:
     """The first point found where the sides clearly differ, or only one is a real number, in words."""
     for magnitude in POINT_MAGNITUDES:
         point = {v: _point(cells, domains.get(v, ""), rng, magnitude) for v, cells in symbols.items()}
-        left, right = sides(rule.lhs, rule.rhs, point, inst.dims, SYMPY)
+        left, right = sides(rule.lhs, rule.rhs, point, inst.dims, _timed(deadline))
         for idx in np.ndindex(*left.shape):
             why = _differ(sympy.sympify(left[idx]), sympy.sympify(right[idx]))
             if why:
