@@ -82,6 +82,20 @@ def test_check_good_and_bad_file(capsys, tmp_path):
     assert code == 1 and "undeclared dim 'n'" in err
 
 
+def test_check_refuses_rule_files_given_together_that_name_a_rule_twice(capsys, tmp_path):
+    """As `prove --rules a.rules --rules b.rules` would: each file alone is sound, together they clash."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.rules").write_text(f"ruleset {name} {{\n    rule add_self: x + x => 2 * x\n}}\n")
+    code, out, err = prismc(capsys, "check", tmp_path / "a.rules", tmp_path / "b.rules")
+    assert code == 1 and "a.rules: ok: 1 rule" in out
+    assert "b.rules:2:10: duplicate rule name 'add_self'" in err and "also defined at " in err and "a.rules:2:10" in err
+    (tmp_path / "p.prism").write_text("dims n = 4\nprogram a(X: f32[n]) {\n    Y = X + X\n    return Y\n}\n"
+                                      "program b(X: f32[n]) {\n    Y = 2 * X\n    return Y\n}\n")
+    code, _, err = prismc(capsys, "prove", tmp_path / "p.prism", "--rules", tmp_path / "a.rules", "--rules",
+                          tmp_path / "b.rules")
+    assert code == 1 and "duplicate rule name 'add_self'" in err
+
+
 @pytest.mark.parametrize("target, message", [("nope.prism", "no such file"), (".", "it is a directory")])
 def test_check_unreadable(capsys, tmp_path, target, message):
     code, _, err = prismc(capsys, "check", tmp_path / target)

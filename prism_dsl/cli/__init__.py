@@ -6,6 +6,8 @@ and text: results on stdout, located diagnostics on stderr, never a traceback fo
 - `main`: the parser and `main(argv)` (what tests call in-process); the commands check, prove, rules,
   run, show, compile (one call of `pipeline.compile.compile_program`) and bench;
 - `values`: the flags' values, read strictly (sizes, dims, counts, seconds);
+- `texts`: what check and rules print (a rule a line, a program in one line), and the check that rule files
+  given together name no rule twice;
 - `show`: a program's kernels instantiated, as text or as a Graphviz picture;
 - `bench`: the generated kernels against PyTorch eager and torch.compile on a GPU;
 - `npz`: the .npz archives of `prismc run`, read defensively, written atomically.

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..prove.egglog_runner import Limits
 from ..base.files import check_writable, write_bytes
 from ..base.errors import PrismError
+from .texts import clashing, count, print_rules, summary
 from .values import Merged, emulate_blocks, jobs, parse_dims, parse_loop, positive_int, seconds, whole
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
@@ -252,6 +253,7 @@ def cmd_check(args) -> int:
     from ..lang.check import load
 
     failed = 0
+    named: dict = {}  # rule name -> the rule, over the .rules files given: prove given them together refuses a clash
     for f in args.files:
         try:
             if f.endswith(".rules"):
@@ -261,20 +263,21 @@ def cmd_check(args) -> int:
                 library, statuses = load_rules([f], defaults=not args.no_default_rules)
                 path = Path(f).resolve()
                 mine = [r for r in library.rules if Path(r.loc.path).resolve() == path]
+                clashing(mine, named)
                 sets = ", ".join(dict.fromkeys(r.ruleset for r in mine)) or "none"
                 proved = sum(statuses[r.name] == SYMBOLIC for r in mine)
                 tested = sum(statuses[r.name] == NUMERIC_ONLY for r in mine)
-                print(f"{f}: ok: {_count(len(mine), 'rule')} (rulesets: {sets}), each sound on random tensors: "
+                print(f"{f}: ok: {count(len(mine), 'rule')} (rulesets: {sets}), each sound on random tensors: "
                       f"{proved} proved symbolically, {tested} tested numerically only")
-                _print_rules(mine, statuses)
+                print_rules(mine, statuses)
             else:
-                progs = "; ".join(_summary(p) for p in load(f).programs.values()) or "no programs"
+                progs = "; ".join(summary(p) for p in load(f).programs.values()) or "no programs"
                 print(f"{f}: ok: {progs}")
         except PrismError as e:
             print(e.render(), file=sys.stderr)
             failed += 1
     if failed and len(args.files) > 1:
-        print(f"{_count(failed, 'file')} of {len(args.files)} failed", file=sys.stderr)
+        print(f"{count(failed, 'file')} of {len(args.files)} failed", file=sys.stderr)
     return EXIT_INPUT if failed else EXIT_OK
 
 
@@ -314,10 +317,10 @@ def cmd_prove(args) -> int:
         print(f"rules used: not narrowed down: {proof.unexplained}; a larger --timeout or --iterations may help")
     if proof.used is not None:
         print(f"rules used ({len(proof.used)}):")
-        _print_rules(proof.used, statuses, words=False)
+        print_rules(proof.used, statuses, words=False)
         tested = sum(statuses.get(r.name) == NUMERIC_ONLY for r in proof.used)
         if tested:
-            print(f"  * {_count(tested, 'rule')} of these {'was' if tested == 1 else 'were'} tested numerically "
+            print(f"  * {count(tested, 'rule')} of these {'was' if tested == 1 else 'were'} tested numerically "
                   "only, not proved symbolically: the proof rests on random testing there")
     return EXIT_OK if proof.proved else EXIT_NOT_PROVED
 
@@ -336,7 +339,7 @@ def _pair(args, load):
         raise UsageError("with one file, give --program twice (the two programs to compare) or not at all")
     if len(src.programs) != 2:
         listed = ", ".join(src.programs) or "none"
-        raise PrismError(f"{args.first} defines {_count(len(src.programs), 'program')} ({listed}); "
+        raise PrismError(f"{args.first} defines {count(len(src.programs), 'program')} ({listed}); "
                          "to prove with one file, it must hold exactly two, or name two with --program")
     return tuple(src.programs.values())
 
@@ -350,44 +353,9 @@ def cmd_rules(args) -> int:
         return EXIT_OK
     for ruleset in library.rulesets:
         rules = [r for r in library.rules if r.ruleset == ruleset]
-        print(f"ruleset {ruleset} ({_count(len(rules), 'rule')})")
-        _print_rules(rules)
+        print(f"ruleset {ruleset} ({count(len(rules), 'rule')})")
+        print_rules(rules)
     return EXIT_OK
-
-
-def _print_rules(rules, statuses=None, *, words: bool = True) -> None:
-    """One line per rule: name, arrow, file:line:col, in aligned columns.
-
-    With `statuses` (rule name -> "symbolic" or "numeric", from the soundness check), each rule's status
-    in words before its location, or, with `words=False`, a '*' after the location of each rule that was
-    tested numerically only (the caller says once what the mark means).
-    """
-    from ..prove.soundness import NUMERIC_ONLY, STATUS_WORDS
-
-    width = max((len(r.name) for r in rules), default=0)
-    shown = max((len(w) for w in STATUS_WORDS.values()), default=0)
-    for r in rules:
-        status = (statuses or {}).get(r.name)
-        if statuses is not None and words:
-            print(f"  {r.name:<{width}}  {r.arrow:<3}  {STATUS_WORDS.get(status, ''):<{shown}}  {r.loc}")
-        else:
-            print(f"  {r.name:<{width}}  {r.arrow:<3}  {r.loc}" + ("  *" if status == NUMERIC_ONLY else ""))
-
-
-def _summary(prog) -> str:
-    from ..kernels.kernel import kernels_of
-
-    ops = sum(1 for n in prog.nodes() if n.op not in ("input", "const", "kernel"))
-    kernels = len(kernels_of(prog))
-    dims = ", ".join(f"{d.name}={d.default}" for d in prog.dims)
-    parts = [_count(len(prog.inputs), "input"), _count(len(prog.outputs), "output"),
-             *([_count(kernels, "custom kernel")] if kernels else []), _count(ops, "op"),
-             *([f"dims {dims}"] if dims else [])]
-    return f"program {prog.name} ({', '.join(parts)})"
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def cmd_run(args) -> int:
