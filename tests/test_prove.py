@@ -303,3 +303,13 @@ def test_a_rules_file_given_as_a_program_is_said_to_be_one(capsys):
     assert main(["prove", str(REPO / "rules" / "algebra.rules"), str(REPO / "programs" / "rmsnorm_linear.prism")]) == 1
     err = capsys.readouterr().err
     assert "algebra.rules: a .rules file holds axioms, not programs" in err and "--rules" in err
+
+
+def test_programs_with_different_numbers_of_outputs_are_refused_at_their_lines(tmp_path):
+    path = tmp_path / "p.prism"
+    path.write_text("dims n = 8\nprogram a(X: f32[n]) {\n    Y = X * 2\n    Z = X * 3\n    return Y, Z\n}\n"
+                    "program b(X: f32[n]) {\n    Y = X * 2\n    return Y\n}\n")
+    a, b = load(path).programs.values()
+    with pytest.raises(PrismError) as e:
+        prove(a, b, DEFAULT)
+    assert str(e.value).startswith(f"{path}:2:9: cannot compare 'a' (2 outputs: Y, Z) with 'b' ({path}:7:9, 1 output: Y)")

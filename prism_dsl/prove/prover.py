@@ -66,10 +66,10 @@ def pair_outputs(a: Program, b: Program) -> list[tuple[str, str]]:
         return [(n, n) for n in names_a]
     if len(names_a) == len(names_b):
         return list(zip(names_a, names_b))
-    raise PrismError(
-        f"cannot compare '{a.name}' ({len(names_a)} outputs: {', '.join(names_a)}) with "
-        f"'{b.name}' ({len(names_b)} outputs: {', '.join(names_b)})"
-    )
+    def outputs(names: list[str]) -> str:
+        return f"{len(names)} output{'' if len(names) == 1 else 's'}: {', '.join(names)}"
+    raise PrismError(f"cannot compare '{a.name}' ({outputs(names_a)}) with '{b.name}' ({b.loc}, {outputs(names_b)}): "
+                     "their outputs are paired by name, or else by position", a.loc)
 
 
 def check_signatures(a: Program, b: Program) -> None:
