@@ -232,7 +232,8 @@ def test_float_overflow_is_not_taken_for_an_unsound_axiom(tmp_path):
     # the guard take every NaN against a finite value for float overflow
     ("causal((X / (A - A)) / (B / (A - A)))", "causal(X / B)", ""),
     # a user's rule sympy proves (it cancels a / a) and the sampler never meets at a = 0
-    ("causal((A - A) / (A - A))", "causal(1 + 0 * (A - A))", "ruleset mine {\n    rule div_self: a / a => 1 + 0 * a\n}\n"),
+    ("causal((A - A) / (A - A))", "causal(1 + 0 * (A - A))",
+     "ruleset mine {\n    rule div_self: a / a => 1 + 0 * a\n}\n"),
 ], ids=["div_cancel at zero", "user rule at zero"])
 def test_a_difference_no_smaller_inputs_remove_is_not_taken_for_overflow(tmp_path, lhs, rhs, rules):
     """Proved by rules true but where a divisor is zero, the programs differ: NaN against finite values at every
@@ -312,4 +313,5 @@ def test_programs_with_different_numbers_of_outputs_are_refused_at_their_lines(t
     a, b = load(path).programs.values()
     with pytest.raises(PrismError) as e:
         prove(a, b, DEFAULT)
-    assert str(e.value).startswith(f"{path}:2:9: cannot compare 'a' (2 outputs: Y, Z) with 'b' ({path}:7:9, 1 output: Y)")
+    assert str(e.value).startswith(
+        f"{path}:2:9: cannot compare 'a' (2 outputs: Y, Z) with 'b' ({path}:7:9, 1 output: Y)")
