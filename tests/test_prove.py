@@ -315,3 +315,13 @@ def test_programs_with_different_numbers_of_outputs_are_refused_at_their_lines(t
         prove(a, b, DEFAULT)
     assert str(e.value).startswith(
         f"{path}:2:9: cannot compare 'a' (2 outputs: Y, Z) with 'b' ({path}:7:9, 1 output: Y)")
+
+
+def test_no_numeric_cross_check_says_why(tmp_path, capsys):
+    """Sizes written as numbers, too large for the float64 reference at every binding the guard tries."""
+    path = tmp_path / "p.prism"
+    path.write_text("program a(X: f32[100000, 100000]) {\n    Y = X * 2\n    return Y\n}\n"
+                    "program b(X: f32[100000, 100000]) {\n    Y = X + X\n    return Y\n}\n")
+    main(["prove", str(path)])
+    out = capsys.readouterr().out
+    assert "note: no numeric cross-check at any of the sizes tried: these sizes are too large: input 'X'" in out

@@ -305,7 +305,8 @@ def cmd_prove(args) -> int:
         label = pair.name if pair.name == pair.other else f"{pair.name} vs {pair.other}"
         print(f"{'proved' if pair.proved else 'not proved'}: {label}")
     if proof.numeric_gap is None:
-        print("note: no numeric cross-check: no valid kernel parameters at any of the sizes tried")
+        why = proof.numeric_why or "none could be evaluated"
+        print(f"note: no numeric cross-check at any of the sizes tried: {why}")
     if proof.proved:
         print(f"{first.name} == {second.name}: proved {stats}")
     else:

@@ -55,6 +55,7 @@ class Proof:
     numeric_gap: float | None = None  # largest relative difference seen numerically; None: not computed
     numeric_at: str = ""  # the dim binding where that difference was seen, "n=1, d=7"
     numeric_bindings: int = 0  # how many dim bindings the numeric guard compared at
+    numeric_why: str = ""  # where it compared none: why the first binding could not be evaluated
     used: tuple[Rule, ...] | None = field(default=None)  # with explain: a set of rules that proves it
     unexplained: str | None = None  # with explain: why no such set was found within the limits
 
@@ -120,6 +121,7 @@ class Evidence:
     gap: float | None
     at: str = ""
     bindings: int = 0
+    why: str = ""  # with no binding compared: why the first one could not be
 
 
 def guard_bindings(a: Program, b: Program) -> list[dict]:
@@ -148,46 +150,45 @@ def numeric_evidence(a: Program, b: Program, pairs) -> Evidence:
     A binding where the program's kernels have no valid parameters is skipped; the declared sizes are
     skipped too when their inputs hold more than GUARD_ELEMENTS elements, unless nothing else could be
     compared (a literal grid size that divides the declared sizes only)."""
-    worst, at, compared = 0.0, "", 0
+    worst, at, compared, why = 0.0, "", 0, ""
     for seed, binding in enumerate(guard_bindings(a, b)):
         if compared and _input_elements(a, binding) > GUARD_ELEMENTS:
             continue
-        gap = _gap_at(a, b, pairs, binding, seed)
-        if gap is None:
+        try:
+            gap = _gap_at(a, b, pairs, binding, seed)
+        except (PrismError, ValueError) as e:
+            # no valid kernel parameters at these sizes, tensors too large to evaluate, or sizes the program
+            # is not defined at (RoPE over an odd dim)
+            why = why or (e.diagnostics[0].message if isinstance(e, PrismError) else str(e))
             continue
         compared += 1
         if gap > worst or not at:
             worst, at = gap, ", ".join(f"{s}={v}" for s, v in binding.items())
         if math.isinf(gap):
             break
-    return Evidence(worst if compared else None, at, compared)
+    return Evidence(worst if compared else None, at, compared, "" if compared else why)
 
 
 def _input_elements(program: Program, binding) -> int:
     return sum(math.prod(concrete_shape(n.shape, binding)) for n in program.inputs)
 
 
-def _gap_at(a: Program, b: Program, pairs, binding, seed: int) -> float | None:
+def _gap_at(a: Program, b: Program, pairs, binding, seed: int) -> float:
     """The largest relative difference of the paired outputs on random inputs at `binding`, where both are finite;
     inf where their shapes differ or an element is finite on one side only, or not finite on both but not the same
     (NaN against -inf: `causal(x) - causal(x)` against `causal(x - x)`). Float overflow can make such a difference
     where the programs agree (exp(1000 * a) / exp(1000 * b) is inf / inf where exp(1000 * (a - b)) is finite), so
     the inputs are halved, up to GUARD_HALVINGS times, while it shows: a difference that stays at every scale is
-    no overflow (a division by a tensor of zeros, a mask's -inf subtracted from itself). None where the programs
-    cannot be evaluated at `binding`."""
-    try:
-        inputs = random_inputs(a, binding, seed)  # refuses tensors too large for the reference
-        for halvings in range(GUARD_HALVINGS + 1):
-            scaled = {k: v * 0.5**halvings for k, v in inputs.items()}
-            # Kernel parameters that split every dim they can: a kernel wrong only across pieces shows.
-            out_a, out_b = evaluate(a, scaled, prefer="split"), evaluate(b, scaled, prefer="split")
-            gap = _gap(out_a, out_b, pairs)
-            if gap is not None:
-                return gap
-    except (PrismError, ValueError):
-        # no valid kernel parameters at these sizes, tensors too large to evaluate, or sizes the program
-        # is not defined at (RoPE over an odd dim)
-        return None
+    no overflow (a division by a tensor of zeros, a mask's -inf subtracted from itself). Raises PrismError or
+    ValueError where the programs cannot be evaluated at `binding`."""
+    inputs = random_inputs(a, binding, seed)  # refuses tensors too large for the reference
+    for halvings in range(GUARD_HALVINGS + 1):
+        scaled = {k: v * 0.5**halvings for k, v in inputs.items()}
+        # Kernel parameters that split every dim they can: a kernel wrong only across pieces shows.
+        out_a, out_b = evaluate(a, scaled, prefer="split"), evaluate(b, scaled, prefer="split")
+        gap = _gap(out_a, out_b, pairs)
+        if gap is not None:
+            return gap
     return float("inf")
 
 
@@ -248,6 +249,7 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
         evidence.gap,
         evidence.at,
         evidence.bindings,
+        numeric_why=evidence.why,
     )
     if proved and evidence.gap is not None and evidence.gap > 1e-6:
         raise PrismError(
