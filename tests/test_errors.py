@@ -16,6 +16,7 @@ from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
 from prism_dsl.base.errors import PrismError
 from prism_dsl.lang.syntax import SYNTAX_ERRORS
+from prism_dsl.prove.rules import load_library
 
 DIMS = "dims n = 4, d = 8\n"
 
@@ -332,6 +333,10 @@ def test_absurd_nesting(write, capsys, default_recursion_limit, name):
 def test_deep_nesting_is_refused_with_advice(write, default_recursion_limit):
     path = write(prog(f"    Y = {DEEP['unary_minus']}\n    return Y\n"))
     assert "nested more than 200 levels deep; split it into statements" in rendered(path)
+    rules = path.with_name("deep.rules")
+    rules.write_text(f"ruleset r {{\n    rule deep: a => {DEEP['unary_minus'].replace('X', 'a')}\n}}\n")
+    with pytest.raises(PrismError, match="nested more than 200 levels deep; split it into rules"):
+        load_library([rules], defaults=False)
 
 
 def test_long_chain_of_defs(write, default_recursion_limit):

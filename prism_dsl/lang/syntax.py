@@ -299,7 +299,8 @@ def check_depth(tree: Tree, path: str, text: str) -> None:
         if depth > MAX_DEPTH:
             meta = node.meta
             loc = Loc(path, getattr(meta, "line", 0), getattr(meta, "column", 0), text)
-            raise PrismError(f"expression is nested more than {MAX_DEPTH} levels deep; split it into statements", loc)
+            advice = "split it into rules" if path.endswith(".rules") else "split it into statements"
+            raise PrismError(f"expression is nested more than {MAX_DEPTH} levels deep; {advice}", loc)
         stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
 
 
