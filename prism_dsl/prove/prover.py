@@ -254,7 +254,8 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
     if proved and evidence.gap is not None and evidence.gap > 1e-6:
         raise PrismError(
             f"the rules prove '{a.name}' equal to '{b.name}', but they differ numerically at {evidence.at} "
-            f"(relative difference {evidence.gap:.3g}): some axiom in use is unsound"
+            f"(relative difference {evidence.gap:.3g}): some axiom in use is unsound, or one of the two loses to "
+            "float64 rounding what the other keeps (a large constant added and taken away again)"
         )
     if proved and explain:
         used = explain_rules(library, setup, goals, limits)
