@@ -161,6 +161,17 @@ def test_conditions_restrict_instances(tmp_path):
     check_library(load_library([path]), use_cache=False)
 
 
+def test_a_condition_on_a_size_the_check_cannot_draw_is_said_so(tmp_path):
+    """Sound at 8192, but the sampled tensors hold at most 4096 elements: it cannot be checked (it was called
+    unsound, no shape making its left side well formed); at 4096 it is checked."""
+    text = "ruleset r {\n  rule m: mean(x, -1) => sum(x, -1) / N if size(x, -1) == N\n}\n"
+    path = write(tmp_path, text.replace("N", "8192"))
+    with pytest.raises(PrismError) as e:
+        check_library(load_library([path]), use_cache=False)
+    assert "t.rules:2:8: rule 'm' cannot be checked: a condition fixes a size of 8192, past the 4096" in str(e.value)
+    check_library(load_library([write(tmp_path, text.replace("N", "4096"))]), use_cache=False)
+
+
 def test_soundness_cache_is_keyed_by_meaning(tmp_path, monkeypatch):
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(soundness, "cacheable", lambda rule: True)  # as the default library's rules are

@@ -248,6 +248,15 @@ def _repair_conditions(rule: Rule, sizes: np.ndarray, index: dict[str, int], env
                 env.dims[:, env.dvars.index(j)] = env.dims[:, env.dvars.index(i)]
 
 
+def oversized(rule: Rule) -> int | None:
+    """A size a condition of `rule` fixes past what a sampled tensor holds (`size(x, -1) == 8192`), or None."""
+    for c in rule.conditions:
+        for a, b in ((c.lhs, c.rhs), (c.rhs, c.lhs)):
+            if c.op == "==" and isinstance(a, SizeOf) and isinstance(b, Lit) and b.value > SAMPLE_MAX_ELEMENTS:
+                return b.value
+    return None
+
+
 def shape_of(e: ast.Expr, inst: Instance) -> tuple[int, ...]:
     zeros = {v: np.ones(s) for v, s in inst.shapes.items()}  # ones: no division by zero warnings
     with np.errstate(all="ignore"):

@@ -26,7 +26,8 @@ from ..base.errors import Collector
 from ..lang import syntax_tree as ast
 from .patterns import IllFormed, distinct_digits, sides, strip_ones
 from .rules import Library, Rule, default_files
-from .sampling import DRAW_KINDS, SHAPE_TRIES, Instance, draw_values, for_values, instances, rule_domains, rule_seed, shape_of
+from .sampling import (DRAW_KINDS, SAMPLE_MAX_ELEMENTS, SHAPE_TRIES, Instance, draw_values, for_values, instances,
+                       oversized, rule_domains, rule_seed, shape_of)
 
 RTOL, ATOL = 1e-7, 1e-9
 OVERFLOW_RETRIES = 9  # a draw that overflows or underflows float64 is halved in scale, this many times at most
@@ -210,6 +211,12 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
     errors = Collector()
     statuses: dict[str, str] = {}
     for rule in library.rules:
+        size = oversized(rule)
+        if size is not None:
+            errors.error(rule.loc, f"rule '{rule.name}' cannot be checked: a condition fixes a size of {size}, past the "
+                         f"{SAMPLE_MAX_ELEMENTS} elements of the tensors its check draws; state it for any size, or for "
+                         "one of at most that")
+            continue
         use = use_cache and cacheable(rule)
         key = verdict_key(rule) if use else ""
         verdict = _cached(key) if use else None
