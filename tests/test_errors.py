@@ -356,3 +356,17 @@ def test_short_chain_of_defs_is_fine(write, default_recursion_limit):
 def test_byte_order_mark_is_not_text(write):
     path = write(b"\xef\xbb\xbf" + prog("    Y = expp(X)\n    return Y\n").encode())
     assert_located(rendered(path), path, "unknown function 'expp'", 3, 9)
+
+
+@pytest.mark.parametrize("command", [["compile", "-o", "OUT", "--arch", "none", "--no-emulate"], ["show"],
+                                     ["run", "--out", "OUT.npz"]])
+def test_an_odd_last_dim_under_rope_inside_a_kernel_is_located(command, tmp_path, capsys):
+    """`--dims dh=63` for causal attention written with its kernel: RoPE's tiles hold the odd last dim; refused at
+    the rope in the kernel's body, as at one outside kernels (it was a ValueError's traceback)."""
+    path = Path(__file__).resolve().parent.parent / "programs" / "fused" / "causal_attention.prism"
+    args = [a.replace("OUT", str(tmp_path / "out")) for a in command]
+    assert main([args[0], str(path), *args[1:], "--dims", "dh=63"]) == 1
+    err = capsys.readouterr().err
+    assert "causal_attention.prism:19:20: rope needs an even last dim (it rotates its two halves); under this binding the last " \
+           "dim of [b, h/gh, q/gq, dh] is 63" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.npz").exists()

@@ -202,10 +202,15 @@ def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
     for node in program.inputs:
         if node.attr in arrays:
             check_input(node, arrays[node.attr], binding)
-    for node in program.nodes():
-        if node.op == "rope" and concrete_shape(node.shape[-1:], binding)[0] % 2:
-            raise PrismError(f"rope needs an even last dim (it rotates its two halves); under this binding "
-                             f"{fmt_shape(node.shape)} is {list(concrete_shape(node.shape, binding))}", program.locs.get(node))
+    for node in program.nodes():  # the program's and its kernels' (a tile holds the whole last dim RoPE rotates)
+        for rope in (node.attr[0].body() if node.op == "kernel" else [node]):
+            try:
+                last = concrete_shape(rope.shape[-1:], binding)[0] if rope.op == "rope" else 0
+            except TypeError:  # a size that names a kernel parameter not chosen yet
+                continue
+            if last % 2:
+                raise PrismError(f"rope needs an even last dim (it rotates its two halves); under this binding the "
+                                 f"last dim of {fmt_shape(rope.shape)} is {last}", program.locs.get(rope))
     _check_causal(program, binding)
     return binding
 
