@@ -80,6 +80,16 @@ def test_verify_at_other_dims_generates_the_kernels_again(capsys, out):
     assert code == 0 and "generated again" in text and "n=16, d=512" in text
 
 
+def test_verify_at_sizes_no_tile_divides_builds_as_compile_would(capsys, tmp_path):
+    """1009 keys (a prime): built for 1024 with the folds past 1009 masked, as `compile --dims kv=1009` builds it,
+    where the kernels generated at 1009 would take one key a tile and the block interpreter's reference ages."""
+    out = tmp_path / "out"
+    assert prismc(capsys, "compile", PROGRAMS / "fused" / "attention.decoding.prism", "--search", "none", "--arch",
+                  "none", "--no-emulate", "--dims", "b=1,h=2,q=1,kv=128,dh=64", "-o", out)[0] == 0
+    code, text, _ = prismc(capsys, "verify", out, "--dims", "kv=1009")
+    assert code == 0 and "at b=1, h=2, q=1, kv=1024, dh=64 (given kv=1009)" in text and "verified: yes" in text
+
+
 def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
     code, text, _ = prismc(capsys, "verify", out, "--emulate-blocks", "1")
     assert code == 0 and "(sampled, seed 0)" in text

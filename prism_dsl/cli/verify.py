@@ -14,6 +14,7 @@ axis unless `--emulate-blocks` says otherwise. Exit 0 when everything agrees, 1 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,10 +25,13 @@ from ..base import files
 from ..base.errors import PrismError
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import free_symbols, kernels_of
+from ..kernels.lower import lowered_for
+from ..kernels.masking import refusal
 from ..lang.check import load
 from ..pipeline import emulation
+from ..pipeline import padding
 from ..pipeline.build import (BuildOptions, build, callers_part, check_inputs, dims_of, padded_inputs,
-                              plan_of, price, reference_outputs, tolerance_of)
+                              plan_of, price, reference_outputs, tolerance_of, tune)
 from ..pipeline.report import EmulationCheck, overflowed, widened
 from ..semantics.reference import bind_dims, check_sizes
 
@@ -169,11 +173,38 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     options = BuildOptions(dims={**compiled_dims, **dims}, grid=grid, loop=loop,
                            params=report["parameters"] if on_disk else {}, archs=(), codegen=_codegen(report),
                            padded=padded if on_disk and isinstance(padded, dict) else {})
+    if not on_disk and not grid and not loop:
+        options = _rounded_as_compile_rounds(program, hardware, options)
     built = build(program, hardware, options)
     header = None
     if on_disk:
         built, header = _as_on_disk(built, directory, report, hardware)
     return built, header, on_disk, source
+
+
+def _rounded_as_compile_rounds(program, hardware, options: BuildOptions) -> BuildOptions:
+    """At sizes no tile divides, the sizes `prismc compile` would build the program for (`pipeline.padding`): each
+    rounded size of `padding.candidates` the program is tuned at, kept where the model, with the copies that pad the
+    inputs, is faster by padding.MARGIN (as compile does, without a search). Built at a prime size as given, every
+    tile would be one row, and the reference's block interpreter would run for hours."""
+    binding = bind_dims(program, dict(options.dims))
+    given = {d.name: int(binding[d.symbol]) for d in program.dims}
+
+    def estimate(at: BuildOptions) -> float:
+        try:
+            return sum(e.time_us for e in tune(lowered_for(program, {}), program, hardware, at).estimates)
+        except PrismError:
+            return math.inf
+    best = (estimate(options), options)
+    for rounded in padding.candidates(program, given):
+        masking = {name: given[name] for name in padding.masked(program, rounded)}
+        if refusal(program, masking, {**given, **rounded}):
+            continue
+        at = replace(options, dims={**options.dims, **rounded}, padded={name: given[name] for name in rounded})
+        us = estimate(at) + padding.copy_us(program, given, rounded, hardware, True, at.codegen)
+        if us < best[0] * (1 - padding.MARGIN):
+            best = (us, at)
+    return best[1]
 
 
 def _codegen(report: dict) -> CodegenConfig:
