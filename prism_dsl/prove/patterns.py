@@ -100,6 +100,12 @@ def sides(first: ast.Expr, second: ast.Expr, values: dict, dims: dict[str, int],
     return tuple(x.reshape(strip_ones(x.shape) or ()) for x in out)
 
 
+def unlike_non_finite(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Where neither side is finite and they still differ: NaN against an inf (a causal mask's -inf subtracted from
+    itself is NaN), or +inf against -inf. NaN on both sides, or the same inf, is alike."""
+    return ~np.isfinite(a) & ~np.isfinite(b) & ~(np.isnan(a) & np.isnan(b)) & (a != b)
+
+
 def distinct_digits(x: float, y: float) -> tuple[str, str]:
     """Two different numbers written with as few digits as show that they differ (6 at least)."""
     for digits in range(6, 18):

@@ -24,6 +24,7 @@ from .egraph import TermWriter, compile_library, program_terms, ruleset_name
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from .layout import to_terms
+from .patterns import unlike_non_finite
 from ..ir.ops import MAX_RANK
 from ..semantics.blocks import evaluate
 from ..semantics.reference import concrete_shape, random_inputs
@@ -200,8 +201,7 @@ def _gap(out_a, out_b, pairs) -> float | None:
         if va.shape != vb.shape:
             return float("inf")
         fa, fb = np.isfinite(va), np.isfinite(vb)
-        unlike = ~fa & ~fb & ~(np.isnan(va) & np.isnan(vb)) & (va != vb)  # NaN against inf, or +inf against -inf
-        if (fa != fb).any() or unlike.any():
+        if (fa != fb).any() or unlike_non_finite(va, vb).any():
             return None
         both = fa & fb
         if both.any():

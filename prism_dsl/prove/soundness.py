@@ -24,7 +24,7 @@ from . import symbolic
 from ..base import cache
 from ..base.errors import Collector
 from ..lang import syntax_tree as ast
-from .patterns import IllFormed, distinct_digits, sides, strip_ones
+from .patterns import IllFormed, distinct_digits, sides, strip_ones, unlike_non_finite
 from .rules import Library, Rule, default_files
 from .sampling import (DRAW_KINDS, SAMPLE_MAX_ELEMENTS, SHAPE_TRIES, Instance, draw_values, for_values, instances,
                        oversized, rule_domains, rule_seed, shape_of)
@@ -121,7 +121,7 @@ def _compare(way: _Direction, inst: Instance, a: np.ndarray, b: np.ndarray) -> t
         idx = tuple(int(i) for i in np.argwhere(fa != fb)[0])
         return (f"at {inst.describe()} one side is finite and the other is not: "
                 f"{fname} {a[idx]:.6g}, {sname} {b[idx]:.6g} at index {idx}", False)
-    unlike = ~fa & ~fb & ~(np.isnan(a) & np.isnan(b)) & (a != b)
+    unlike = unlike_non_finite(a, b)
     if unlike.any():
         # Not finite on both sides, but not the same: NaN against a mask's -inf (causal(x) - causal(y) against
         # causal(x - y)), or +inf against -inf. A draw that overflowed was drawn again above, so this is the rule's.

@@ -202,17 +202,25 @@ def bind_dims(program: Program, overrides: Mapping[str, int] | None = None,
     for node in program.inputs:
         if node.attr in arrays:
             check_input(node, arrays[node.attr], binding)
-    for node in program.nodes():  # the program's and its kernels' (a tile holds the whole last dim RoPE rotates)
-        for rope in (node.attr[0].body() if node.op == "kernel" else [node]):
-            try:
-                last = concrete_shape(rope.shape[-1:], binding)[0] if rope.op == "rope" else 0
-            except TypeError:  # a size that names a kernel parameter not chosen yet
-                continue
-            if last % 2:
-                raise PrismError(f"rope needs an even last dim (it rotates its two halves); under this binding the "
-                                 f"last dim of {fmt_shape(rope.shape)} is {last}", program.locs.get(rope))
+    for _, rope in _with_kernel_bodies(program, "rope"):  # a tile holds the whole last dim RoPE rotates
+        try:
+            last = concrete_shape(rope.shape[-1:], binding)[0]
+        except TypeError:  # a size that names a kernel parameter not chosen yet
+            continue
+        if last % 2:
+            raise PrismError(f"rope needs an even last dim (it rotates its two halves); under this binding the "
+                             f"last dim of {fmt_shape(rope.shape)} is {last}", program.locs.get(rope))
     _check_causal(program, binding)
     return binding
+
+
+def _with_kernel_bodies(program: Program, op: str):
+    """(the kernel or None, node) for each node of `op` in the program and in its kernels' bodies."""
+    for node in program.nodes():
+        kernel = node.attr[0] if node.op == "kernel" else None
+        for n in kernel.body() if kernel is not None else [node]:
+            if n.op == op:
+                yield kernel, n
 
 
 def _check_causal(program: Program, binding: Binding) -> None:
@@ -222,19 +230,15 @@ def _check_causal(program: Program, binding: Binding) -> None:
     def shape_of(node: Node) -> tuple[int, ...]:
         return concrete_shape(node.shape, binding)
 
-    for node in program.nodes():
-        kernel = node.attr[0] if node.op == "kernel" else None
-        for mask in kernel.body() if kernel is not None else [node]:
-            if mask.op != "causal":
-                continue
-            try:
-                rows, cols = extent(shape_of, kernel, mask)
-            except TypeError:  # a size that names a kernel parameter not chosen yet
-                continue
-            if rows > cols:
-                raise PrismError(f"causal needs at least as many columns as rows (the query rows are the last of "
-                                 f"the key positions); under this binding the scores are {rows} x {cols}, so their "
-                                 f"first {rows - cols} rows would have every column masked", program.locs.get(mask))
+    for kernel, mask in _with_kernel_bodies(program, "causal"):
+        try:
+            rows, cols = extent(shape_of, kernel, mask)
+        except TypeError:  # a size that names a kernel parameter not chosen yet
+            continue
+        if rows > cols:
+            raise PrismError(f"causal needs at least as many columns as rows (the query rows are the last of "
+                             f"the key positions); under this binding the scores are {rows} x {cols}, so their "
+                             f"first {rows - cols} rows would have every column masked", program.locs.get(mask))
 
 
 # The float64 reference evaluates tensors of at most this many elements (8 GiB each in float64): a larger
