@@ -189,6 +189,9 @@ def _rounded_as_compile_rounds(program, hardware, options: BuildOptions) -> Buil
     tile would be one row, and the reference's block interpreter would run for hours."""
     binding = bind_dims(program, dict(options.dims))
     given = {d.name: int(binding[d.symbol]) for d in program.dims}
+    tries = padding.candidates(program, given)
+    if not tries:
+        return options
 
     def estimate(at: BuildOptions) -> float:
         try:
@@ -196,7 +199,7 @@ def _rounded_as_compile_rounds(program, hardware, options: BuildOptions) -> Buil
         except PrismError:
             return math.inf
     best = (estimate(options), options)
-    for rounded in padding.candidates(program, given):
+    for rounded in tries:
         masking = {name: given[name] for name in padding.masked(program, rounded)}
         if refusal(program, masking, {**given, **rounded}):
             continue
