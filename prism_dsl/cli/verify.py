@@ -193,21 +193,20 @@ def _rounded_as_compile_rounds(program, hardware, options: BuildOptions) -> Buil
     if not tries:
         return options
 
-    def estimate(at: BuildOptions) -> float:
-        try:
-            return sum(e.time_us for e in tune(lowered_for(program, {}), program, hardware, at).estimates)
-        except PrismError:
-            return math.inf
-    best = (estimate(options), options)
-    for rounded in tries:
-        masking = {name: given[name] for name in padding.masked(program, rounded)}
-        if refusal(program, masking, {**given, **rounded}):
-            continue
-        at = replace(options, dims={**options.dims, **rounded}, padded={name: given[name] for name in rounded})
-        us = estimate(at) + padding.copy_us(program, given, rounded, hardware, True, at.codegen)
-        if us < best[0] * (1 - padding.MARGIN):
-            best = (us, at)
-    return best[1]
+    def sized(rounded: dict[str, int]) -> BuildOptions:
+        return replace(options, dims={**options.dims, **rounded}, padded={name: given[name] for name in rounded})
+
+    def estimate(rounded: dict[str, int], masking: dict[str, int]) -> tuple[float, None]:
+        if why := refusal(program, masking, {**given, **rounded}):
+            raise PrismError(why)
+        at = sized(rounded)
+        return sum(e.time_us for e in tune(lowered_for(program, {}), program, hardware, at).estimates), None
+    try:
+        at_given = estimate({}, {})[0]
+    except PrismError:
+        at_given = math.inf
+    rounded, _ = padding.fastest(program, given, tries, hardware, at_given, estimate, True, options.codegen)
+    return sized(rounded) if rounded else options
 
 
 def _codegen(report: dict) -> CodegenConfig:

@@ -151,25 +151,23 @@ def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None]:
     tries = [] if request.options.grid or request.options.loop else padding.candidates(request.program, given, found)
     if not tries:
         return request, outcome, outcome
-    best = (_estimate(request, outcome), request, outcome)
-    for rounded in tries:
+
+    def sized(rounded: dict[str, int]) -> Request:
         padded = {name: given[name] for name in rounded}
-        sized = replace(request, options=replace(request.options, dims={**request.options.dims, **rounded}, padded=padded))
-        masking = {name: given[name] for name in padding.masked(request.program, rounded)}
-        try:  # the search's programs ranked again there, not searched again
-            found = None if outcome is None else padding.retuned(
-                outcome, request.program, bind_dims(request.program, dict(sized.options.dims)), request.hardware,
-                sized.options.codegen, request.search.use_cache, request.search.jobs, masking)
-            if found is None and (why := refusal(request.program, masking, {**given, **rounded})):
-                raise PrismError(why)
-            copies = padding.copy_us(request.program, given, rounded, request.hardware,
-                                     not request.options.padded_inputs, request.options.codegen)
-            us = _estimate(sized, found) + copies
-        except PrismError:
-            continue
-        if us < best[0] * (1 - padding.MARGIN):
-            best = (us, sized, found)
-    return best[1], best[2], outcome
+        return replace(request, options=replace(request.options, dims={**request.options.dims, **rounded},
+                                                padded=padded))
+
+    def estimate(rounded: dict[str, int], masking: dict[str, int]) -> tuple[float, Outcome | None]:
+        at = sized(rounded)  # the search's programs ranked again there, not searched again
+        found = None if outcome is None else padding.retuned(
+            outcome, request.program, bind_dims(request.program, dict(at.options.dims)), request.hardware,
+            at.options.codegen, request.search.use_cache, request.search.jobs, masking)
+        if found is None and (why := refusal(request.program, masking, {**given, **rounded})):
+            raise PrismError(why)
+        return _estimate(at, found), found
+    rounded, found = padding.fastest(request.program, given, tries, request.hardware, _estimate(request, outcome),
+                                     estimate, not request.options.padded_inputs, request.options.codegen)
+    return (sized(rounded), found, outcome) if rounded else (request, outcome, outcome)
 
 
 def _estimate(request: Request, outcome: Outcome | None) -> float:

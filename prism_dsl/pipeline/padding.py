@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from ..backend.codegen import CodegenConfig
 from ..backend.copies import in_place
@@ -62,6 +62,26 @@ def candidates(program: Program, dims: dict[str, int], found: Sequence[Program] 
             rounded = {name: n for name, n in rounded.items() if name not in drop}
         tries.append(rounded)
     return [t for i, t in enumerate(tries) if t and t not in tries[:i]]
+
+
+def fastest(program: Program, given: dict[str, int], tries: Sequence[dict[str, int]], hardware: Hardware,
+            at_given: float, estimate: Callable[[dict[str, int], dict[str, int]], tuple[float, object]],
+            inputs: bool = True, codegen: CodegenConfig = CodegenConfig()) -> tuple[dict[str, int], object]:
+    """Of the rounded dims `tries`, the one to build for, and what `estimate(rounded, masking)` gave with its time
+    (`masking`: the dims of it built past the size given only masked, with their sizes given; it raises PrismError
+    where the program cannot be built there): the fastest with the copies that pad the call (`copy_us`), where that
+    beats `at_given`, the estimate at the sizes given, by more than MARGIN; else ({}, None)."""
+    best: tuple[float, dict[str, int], object] = (at_given, {}, None)
+    for rounded in tries:
+        masking = {name: given[name] for name in masked(program, rounded)}
+        try:
+            us, found = estimate(rounded, masking)
+            us += copy_us(program, given, rounded, hardware, inputs, codegen)
+        except PrismError:
+            continue
+        if us < best[0] * (1 - MARGIN):
+            best = (us, rounded, found)
+    return best[1], best[2]
 
 
 def masked(program: Program, rounded: Collection[str]) -> list[str]:
