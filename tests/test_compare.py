@@ -48,14 +48,25 @@ def test_a_reference_of_nan_fails_and_says_where_the_program_is_undefined():
                                 "the program is not defined on these inputs")
 
 
-def test_the_tolerance_is_twenty_rounding_units_of_the_narrowest_storage_type_and_at_least_1e_2():
-    assert tolerance({"f16"}) == tolerance({"f32", "f64"}) == tolerance(set()) == 1e-2
+def test_the_tolerance_is_twenty_rounding_units_of_the_narrowest_storage_type_and_at_least_its_floor():
+    assert tolerance({"f16"}) == tolerance({"f16", "f32", "f64"}) == tolerance(set()) == 1e-2
+    assert tolerance({"f32"}) == tolerance({"f32", "f64"}) == 2e-4 and tolerance({"f64"}) == 1e-9
     assert tolerance({"bf16"}) == tolerance({"bf16", "f16", "f32"}) == 20 * 2.0**-8  # 0.078
     # a relative error of 3e-2: over f16's tolerance, within what bf16's roundings reach (causal attention
     # with RoPE, those roundings made exactly: up to 3.7e-2)
     ref = np.linspace(-1, 1, 9)
     got = ref + 3e-2 * (np.abs(ref) + np.sqrt(np.mean(ref**2)))
     assert not check(got, ref, tolerance({"f16"}))["passed"] and check(got, ref, tolerance({"bf16"}))["passed"]
+
+
+def test_an_f32_program_is_held_to_f32_and_an_f32_value_rounded_to_16_bits_fails_it():
+    """An f32 program's outputs 0.5% off, or rounded to f16 on the way (what a kernel that kept an f32 value in
+    16 bits would give), fail its tolerance; f32's own rounding of the float64 values passes it."""
+    ref = np.random.default_rng(0).standard_normal((64, 64))
+    rtol = tolerance({"f32"})
+    assert not check(ref * 1.005, ref, rtol)["passed"]
+    assert not check(ref.astype(np.float16), ref, rtol)["passed"]
+    assert check(ref.astype(np.float32), ref, rtol)["passed"]
 
 
 def test_check_poison_pattern_fails():
@@ -247,9 +258,11 @@ def widened(tmp_path, capsys, text: str, dims: str, says: str) -> Path:
     return out
 
 
-def test_the_rounded_reference_rounds_every_products_operands_to_their_storage_types_and_nothing_else(tmp_path):
+def test_the_rounded_reference_rounds_every_products_operands_to_their_storage_types_and_computes_in_f32(tmp_path):
     """Program as written and custom kernel alike (the block interpreter applies the same rule); a custom
-    kernel's stored output is rounded to its type too, which for the fused form is the output's own rounding."""
+    kernel's stored output is rounded to its type too, which for the fused form is the output's own rounding.
+    Every operation runs in f32, as a kernel's arithmetic does, but where f64 is stored: there it is the
+    float64 reference exactly."""
     path = tmp_path / "p.prism"
     path.write_text("dims n = 8, d = 16\n\nprogram p(X: f16[n, d], W: f16[d, d]) {\n"
                     "    Y = rms_norm(X) * 3.0 @ W + X\n    return Y\n}\n")
@@ -259,8 +272,15 @@ def test_the_rounded_reference_rounds_every_products_operands_to_their_storage_t
     normed = x / np.sqrt(np.mean(x * x, -1, keepdims=True)) * 3.0
     assert np.allclose(evaluate(program, inputs)["Y"], normed @ w + x, rtol=1e-12)
     got = evaluate(program, inputs, rounded=True)["Y"]
-    assert np.allclose(got, quantize(normed, DType.F16) @ w + x, rtol=1e-12)  # W and X: stored f16 already
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)  # W and X: stored f16 already
+    normed32 = x32 / np.sqrt(np.mean(np.square(x32), axis=-1, keepdims=True)) * np.float32(3.0)
+    operand = quantize(normed32.astype(np.float64), DType.F16).astype(np.float32)
+    assert np.allclose(got, operand @ w32 + x32, rtol=1e-6) and np.array_equal(got, quantize(got, DType.F32))
     assert not np.allclose(got, normed @ w + x, rtol=1e-6)
+    path.write_text(path.read_text().replace("f16", "f64"))
+    program = load(path).program()
+    inputs = random_inputs(program, bind_dims(program, {}), 0)
+    assert np.array_equal(evaluate(program, inputs, rounded=True)["Y"], evaluate(program, inputs)["Y"])
     fused = load("programs/fused/rmsnorm_linear.prism").program()
     inputs = random_inputs(fused, bind_dims(fused, {"n": 8, "d": 64}), 0)
     exact, rounded = evaluate(fused, inputs)["Y"], evaluate(fused, inputs, rounded=True)["Y"]

@@ -64,6 +64,21 @@ def test_verify_finds_an_edited_kernel_wrong_with_the_first_wrong_element(capsys
     assert re.search(r"first wrong element Y\[\d+, \d+\] = \S+, expected \S+", text)
 
 
+def test_an_f32_program_is_held_to_f32s_tolerance(capsys, tmp_path):
+    """The same kernel in f32, 0.1% off: within the 1e-2 of a 16-bit program, wrong for one that stores f32
+    (`compare.FLOOR`); as compiled it passes at 2e-4."""
+    path = tmp_path / "f32.prism"
+    path.write_text(FUSED_RMSNORM.read_text().replace("f16", "f32"))
+    out = tmp_path / "out"
+    code, text, _ = prismc(capsys, "compile", path, "--search", "none", "--arch", "none", "--dims", "n=8,d=256", "-o", out)
+    assert code == 0 and "verified: yes" in text
+    assert json.loads((out / "report.json").read_text())["checked"]["emulation"]["rtol"] == 2e-4
+    cu = out / "rmsnorm_matmul.cu"
+    cu.write_text(cu.read_text().replace("/ prism::sqrt_(", "/ real(1.001) / prism::sqrt_("))
+    code, text, _ = prismc(capsys, "verify", out)
+    assert code == 1 and re.search(r"DIFFERS with the reference, max rel err \S+ \(tolerance 2\.00e-04\)", text), text
+
+
 def test_verify_maps_a_race_to_the_edited_line(capsys, out):
     cu = out / "rmsnorm_matmul.cu"
     lines = cu.read_text().splitlines(keepends=True)

@@ -9,7 +9,14 @@ from typing import Callable, Mapping
 import numpy as np
 
 
-RTOL = 1e-2  # the least relative tolerance of a check: 20 rounding units of f16, about three decimal digits
+RTOL = 1e-2  # the least relative tolerance of a 16-bit program's check: 20 rounding units of f16, about three digits
+# The least tolerance by the narrowest type a program stores: a 16-bit program's RTOL (bf16's 20 units are more). An
+# f32 program's kernels compute in f32: within a few 1e-6 of the float64 reference on the checks' inputs (2.2e-5:
+# attention over 8192 keys of 128-wide heads), 9.2e-5 the most measured (scores 48 times sharper, in the hundreds
+# before their exp); an f32 tensor rounded to f16 misses it by 3.0e-4 to 3.3e-4 by `check`'s measure, so 2e-4 sits
+# between the two, and an output that f32 arithmetic moves further is widened (`Tolerance`). An f64 program's
+# kernels compute in f64 and stay within 1e-14.
+FLOOR = {"f16": RTOL, "bf16": RTOL, "f32": 2e-4, "f64": 1e-9}
 # The widest a check is ever widened to (`Tolerance`): 0.1, or 3 times the base (bf16's 0.078: 0.234). Past it a
 # program's own roundings to its storage types lose the output (a sum past f16's range stored in f16 makes every
 # probability 0, 0.5 by `check`'s measure), and a check at twice that would pass a kernel that wrote zeros. The
@@ -30,11 +37,13 @@ def widest(base: float) -> float:
 
 def tolerance(dtypes) -> float:
     """The relative tolerance of a program whose inputs and outputs are stored in `dtypes` (names: "f16",
-    "bf16", ...): 20 rounding units of the narrowest, and never under RTOL. f16 gets 1e-2; bf16, whose 8
-    bits of significand are 3 fewer than f16's, 20 * 2^-8 = 0.078. A kernel on tensor cores must round
-    their operands to the storage type (online softmax's probabilities among them): on causal attention with
-    RoPE those roundings alone, made exactly, reach 3.7e-2 in bf16 (4.3e-3 in f16; benchmarks/roundings.py)."""
-    return max([RTOL] + [ROUNDING_UNITS * UNIT[d] for d in dtypes if d in UNIT])
+    "bf16", ...): 20 rounding units of the narrowest, and never under its FLOOR (RTOL where no type is known).
+    f16 gets 1e-2; bf16, whose 8 bits of significand are 3 fewer than f16's, 20 * 2^-8 = 0.078; f32 2e-4 and
+    f64 1e-9. A kernel on tensor cores must round their operands to the storage type (online softmax's
+    probabilities among them): on causal attention with RoPE those roundings alone, made exactly, reach 3.7e-2
+    in bf16 (4.3e-3 in f16; benchmarks/roundings.py)."""
+    known = [d for d in dtypes if d in UNIT]
+    return max((max(FLOOR[d], ROUNDING_UNITS * UNIT[d]) for d in known), default=RTOL)
 
 
 def _undefined(ref: np.ndarray, where: np.ndarray | None = None) -> str:

@@ -283,7 +283,8 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given
         against = o.get("against", "reference")
         state = "agrees" if o["passed"] else "DIFFERS"
         line = f"  {tensor} ({o['elements']} elements, kernel {writer.get(tensor, '?')}): {state} with the {against}, " \
-               f"max rel err {o['max_rel_err']:.2e}" + widened(o, check.rtol) + overflowed(o)
+               f"max rel err {o['max_rel_err']:.2e}" + (widened(o, check.rtol) or (
+                   "" if o["passed"] else f" (tolerance {o.get('rtol', check.rtol):.2e})")) + overflowed(o)
         if not o["passed"] and o.get("first_wrong"):
             w = o["first_wrong"]
             line += f"; first wrong element {tensor}{w['index']} = {w['got']:.6g}, expected {w['expected']:.6g}"

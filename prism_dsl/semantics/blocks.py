@@ -18,7 +18,7 @@ import numpy as np
 import sympy
 
 from ..ir.accumulators import ACCUMULATORS
-from ..ir.nodes import Node, Program
+from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate_program
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import TileMap, after_loop, free_symbols, stored_dtype
@@ -26,7 +26,7 @@ from ..kernels.masking import given_end
 from ..kernels.params import complete
 from ..kernels.position import causal_loop, loop_end, placed, start, whole
 from ..ir.ops import OPS, Kind
-from .reference import apply, bind_dims, evaluate_nodes, quantize
+from .reference import apply, arithmetic, bind_dims, evaluate_nodes, quantize
 
 
 def _slices(full: tuple[int, ...], tile: tuple[int, ...], tmap: TileMap, grid: Mapping[str, int],
@@ -82,6 +82,8 @@ def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False,
                 for n in accs:
                     operands_ = [_masked(c, n, values[n.args[0]], ends, block, i), *(values[a] for a in n.args[1:])]
                     states[n] = ACCUMULATORS[n.op].advance(states.get(n), *operands_)
+                    if rounded and arithmetic(n) is DType.F32:  # the running state is held in f32 registers
+                        states[n] = tuple(quantize(np.asarray(v, dtype=np.float64), DType.F32) for v in states[n])
             for n in accs:
                 values[n] = ACCUMULATORS[n.op].value(states[n])
             for n in post:

@@ -143,13 +143,22 @@ def concrete_shape(shape, binding: Binding) -> tuple[int, ...]:
 
 def apply(node: Node, args: list[np.ndarray], rounded: bool = False) -> np.ndarray:
     """One node's value from its operands' values, in float64. `rounded`: a product's operands are first
-    rounded to their storage dtypes, as tensor cores take them (`evaluate_nodes`)."""
+    rounded to their storage dtypes, as tensor cores take them, and the arithmetic is a kernel's (`evaluate_nodes`)."""
     if node.op == "const":
         return np.float64(node.attr)
     if rounded and node.op == "matmul":
         args = [quantize(np.asarray(a, dtype=np.float64), n.dtype) for a, n in zip(args, node.args)]
     extra = node.attr if OPS[node.op].kind in (Kind.SPLIT, Kind.CONCAT, Kind.TRANSPOSE) else ((node.attr,) if node.attr is not None else ())
+    if rounded and arithmetic(node) is DType.F32:  # operands, result and NumPy's own steps (a product's sums) in f32
+        single = NUMPY[node.op](*(np.asarray(a, dtype=np.float32) for a in args), *extra)
+        return np.asarray(single, dtype=np.float32).astype(np.float64)
     return np.asarray(NUMPY[node.op](*args, *extra), dtype=np.float64)
+
+
+def arithmetic(node: Node) -> DType:
+    """The type a kernel computes `node` in: f32, or f64 where it or an operand is f64 (`kernels.fusion.compute_dtype`
+    decides it per kernel: one f64 tensor makes all of its arithmetic f64, which this, per node, may count as f32)."""
+    return DType.F64 if DType.F64 in (node.dtype, *(a.dtype for a in node.args)) else DType.F32
 
 
 def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=None,
@@ -158,8 +167,10 @@ def evaluate_nodes(roots: list[Node], env: Mapping[Node, np.ndarray], kernels=No
 
     Outputs of custom kernels are computed by `kernels(node, operand values)` (the block interpreter).
     `rounded`: the operands of every product are rounded to their storage dtypes first, the roundings no
-    kernel on tensor cores can avoid; everything else stays float64. It is not the oracle: the checks
-    measure against it only how far those roundings alone move an output (`backend.compare.Tolerance`)."""
+    kernel on tensor cores can avoid, and every operation runs in the type a kernel computes it in (`arithmetic`:
+    f32 but where f64 is stored), so that an output the program's own conditioning makes sensitive to f32's
+    roundings (scores in the tens before an exp) shows it. It is not the oracle: the checks measure against it
+    only how far those roundings alone move an output (`backend.compare.Tolerance`)."""
     values: dict[Node, np.ndarray] = dict(env)
     with np.errstate(all="ignore"):  # inf/nan are results to report, not exceptions
         for root in roots:
