@@ -158,6 +158,30 @@ def test_run_save_inputs_reproduces_outputs(capsys, tmp_path):
     np.testing.assert_allclose(outputs(tmp_path / "out.npz")["O"], expected, rtol=1e-12)
 
 
+def test_run_writes_tensors_named_as_numpy_savez_names_its_own_arguments(capsys, tmp_path):
+    """An input `file` and an output `allow_pickle` are a program's names like any other."""
+    path = tmp_path / "names.prism"
+    path.write_text("dims n = 4, d = 8\n\nprogram names(file: f32[n, d]) {\n    allow_pickle = file * 2\n"
+                    "    return allow_pickle\n}\n")
+    out, given = tmp_path / "out.npz", tmp_path / "in.npz"
+    assert prismc(capsys, "run", path, "--out", out, "--save-inputs", given)[0] == 0
+    inputs = outputs(given)
+    assert list(inputs) == ["file"] and np.array_equal(outputs(out)["allow_pickle"], 2 * inputs["file"])
+
+
+def test_run_and_show_refuse_to_write_over_what_they_read_or_twice_to_one_file(capsys, tmp_path):
+    program = tmp_path / "p.prism"
+    program.write_text(Path(RMSNORM).read_text())
+    same = ("--out", tmp_path / "a.npz", "--save-inputs", tmp_path / "." / "a.npz")
+    for argv, message in [(("run", program, *same), "--out and --save-inputs name the same file"),
+                          (("run", program, "--out", program), "(--out): it is the program's file"),
+                          (("show", program, "-o", program), "(-o): it is the program's file")]:
+        code, _, err = prismc(capsys, *argv)
+        assert code == 1 and message in err, err
+    assert program.read_text() == Path(RMSNORM).read_text() and not (tmp_path / "a.npz").exists()
+    assert prismc(capsys, "run", program, "--dims", "n=2,d=4", "--out", os.devnull, "--save-inputs", os.devnull)[0] == 0
+
+
 def test_run_program_selection(capsys, tmp_path):
     code, _, err = prismc(capsys, "run", LORA_PAIR, "--dims", "d=4,m=4", "--out", tmp_path / "out.npz")
     assert code == 1 and "defines several programs (lora, lora_merged); choose one with --program" in err

@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator, Mapping
 
 from .errors import PrismError
 
@@ -281,6 +281,29 @@ def check_writable(path: str) -> None:
         if os.path.isdir(probe):
             raise PrismError(f"cannot write '{path}': directory '{target.parent}' does not exist")
         raise PrismError(f"cannot write '{path}': '{probe}' is not a directory")
+
+
+def check_apart(writes: Mapping[str, str | None], reads: Mapping[str, str | None]) -> None:
+    """Refuse, before any work, two of a command's outputs (`writes`: what each is, e.g. "--out", by the path given)
+    naming one file, and an output naming a file the command reads (`reads`, by what it is): the second write
+    would lose the first, or the command its own input. Devices and FIFOs (`/dev/null`) may take several."""
+    def same(a: str, b: str) -> bool:
+        try:
+            return os.path.samefile(a, b)
+        except OSError:  # one of them does not exist yet
+            return os.path.realpath(a) == os.path.realpath(b)
+
+    def regular(path: str) -> bool:
+        return not os.path.exists(path) or os.path.isfile(path)
+
+    named = [(what, path) for what, path in writes.items() if path and regular(path)]
+    for i, (what, path) in enumerate(named):
+        for other, where in named[:i]:
+            if same(path, where):
+                raise PrismError(f"{other} and {what} name the same file '{path}': give each its own")
+        for source, read in reads.items():
+            if read and os.path.exists(read) and same(path, read):
+                raise PrismError(f"cannot write '{path}' ({what}): it is {source}, which this command reads")
 
 
 _PARTIAL = re.compile(scratch_pattern(r"\..+\.").pattern + r"\.tmp")  # `.NAME.prismc-<pid>-XXXXXXXX.tmp`

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..prove.egglog_runner import Limits
-from ..base.files import check_writable, write_bytes
+from ..base.files import check_apart, check_writable, write_bytes
 from ..base.errors import PrismError
 from .texts import clashing, count, print_rules, summary
 from .values import Merged, emulate_blocks, jobs, parse_dims, parse_loop, positive_int, seconds, whole
@@ -371,6 +371,8 @@ def cmd_run(args) -> int:
     program = load(args.file).program(args.program)
     for target in filter(None, (args.out, args.save_inputs)):
         check_writable(target)
+    check_apart({"--out": args.out, "--save-inputs": args.save_inputs},
+                {"the program's file": args.file, "--inputs": args.inputs})
 
     def vet(headers: dict) -> None:  # the .npz's shapes (arrays without data), before its data is read
         check_sizes(program, bind_dims(program, args.dims, headers))
@@ -452,6 +454,7 @@ def cmd_show(args) -> int:
     program = load(args.file).program(args.program)
     if args.output not in (None, "-"):
         check_writable(args.output)
+        check_apart({"-o": args.output}, {"the program's file": args.file})
     text, ok, note = render(program, args.dims, args.grid, args.loop, args.hardware, args.format)
     if args.output not in (None, "-"):
         write_bytes(args.output, text if isinstance(text, bytes) else text.encode())

@@ -123,5 +123,12 @@ def _first_line(e: BaseException) -> str:
 
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-    """`numpy.savez` to `path`, atomically (`files.write_atomic`)."""
-    files.write_atomic(path, lambda f: np.savez(f, **arrays))
+    """The archive `numpy.savez` writes (a stored zip of `NAME.npy` members) to `path`, atomically
+    (`files.write_atomic`); written member by member, since `savez`'s keywords would take a tensor named `file`
+    for its own argument."""
+    def write(f) -> None:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name, array in arrays.items():
+                with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+    files.write_atomic(path, write)
