@@ -191,6 +191,26 @@ def test_failed_compile_leaves_the_earlier_output_untouched(capsys, tmp_path, mo
     assert snapshot(out) == before and scratch_beside(tmp_path) == []
 
 
+@pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler (g++ or clang++) for the emulation")
+def test_a_compile_whose_check_fails_does_not_replace_a_verified_one(capsys, tmp_path):
+    """It writes its files for inspection where nothing verified would be lost (a new directory, or an earlier
+    failed compile's), and says so where it leaves a verified output as it was (exit 1 either way)."""
+    undefined = tmp_path / "sq.prism"  # NaN in the reference on standard-normal inputs: the check fails
+    undefined.write_text("dims n = 2, d = 8\n\nprogram sq(X: f32[n, d]) {\n    Y = sqrt(X)\n    return Y\n}\n")
+    checked = ["--search", "none", "--arch", "none", "--dims", "n=2,d=8"]
+    out, failed = tmp_path / "out", tmp_path / "failed"
+    assert prismc(capsys, "compile", RMSNORM, *checked, "-o", out)[0] == 0
+    before = snapshot(out)
+    code, text, _ = prismc(capsys, "compile", undefined, "--search", "none", "--arch", "none", "-o", out, "--json")
+    assert code == 1 and json.loads(text)["kept"] and json.loads(text)["files"] == []
+    code, text, _ = prismc(capsys, "compile", undefined, "--search", "none", "--arch", "none", "-o", out)
+    assert code == 1 and f"{out}/ left as it was: it holds an earlier compile that was verified" in text
+    assert snapshot(out) == before and scratch_beside(tmp_path) == []
+    for _ in range(2):  # into a new directory, then over that failed compile
+        code, text, _ = prismc(capsys, "compile", undefined, "--search", "none", "--arch", "none", "-o", failed)
+        assert code == 1 and "left as it was" not in text and (failed / "sqrt_Y.cu").is_file()
+
+
 def test_abandoned_scratch_directories_are_swept(capsys, tmp_path):
     """Killed compiles leave `.DIR.prismc-<pid>-XXXXXXXX`; the next compile beside them removes those of
     processes that are gone, puts back an output set aside mid-swap, and leaves everything else."""

@@ -40,7 +40,7 @@ from .build import (Build, BuildOptions, callers_dims, compile_check, count_bank
 from . import optimize as optimize_
 from . import padding
 from .optimize import TOP, Outcome, gpu_timer, optimize
-from .output import check_output, contents, write
+from .output import check_output, contents, verified_before, write
 from .report import Alternative, Checked, HardwareUsed, KernelReport, NvccCheck, Report, Searched, Skipped
 
 
@@ -91,6 +91,8 @@ def compile_program(request: Request) -> Report:
         why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
         report, texts = _first_passing(request, at_given)
         report = replace(report, padding_failed=f"built for {_sizes(sized.options)}, its check failed: {why}")
+    if report.checked.failed and verified_before(request.output):  # a verified result is not lost to a failed one
+        return replace(report, files=(), kept=True)
     write(request.output, {**texts, "report.json": report.to_json()})
     return report
 

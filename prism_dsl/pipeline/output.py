@@ -2,7 +2,9 @@
 
 `-o DIR` is built in a scratch directory beside it (`.DIR.prismc-<pid>-XXXXXXXX`), which takes DIR's place
 only when every file is written; an earlier DIR (only one that `check_output` allows) is then removed, so
-no stale file of an earlier compile remains and a failed or killed compile leaves the old DIR as it was.
+no stale file of an earlier compile remains and a failed or killed compile leaves the old DIR as it was. A
+compile whose check failed writes its files for inspection, but not over an earlier compile that was verified
+(`verified_before`).
 Scratch directories of killed compiles are swept by the next compile beside them.
 """
 
@@ -69,6 +71,15 @@ def check_output(out: Path) -> None:
         raise PrismError(f"cannot write to '{shown}': it holds what prismc did not write ({listed}); prismc "
                          "replaces its output directory whole, so give a new or empty directory, or one "
                          "an earlier compile wrote")
+
+
+def verified_before(out: Path) -> bool:
+    """Whether `out` holds an earlier compile whose report says it was verified (which a failed one leaves alone)."""
+    try:
+        report = json.loads(files.read_regular(out / "report.json", files.MAX_TEXT_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(report, dict) and report.get("verified") is True and _mine(out)("report.json")
 
 
 def _foreign(directory: Path) -> list[str]:
