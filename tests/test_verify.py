@@ -131,6 +131,14 @@ def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
     (lambda d: _edit_kernel(d, block=[1024, 2, 1]), "with 2048 threads"),
     (lambda d: _edit_report(d, parameters={"gx": 0}), "(missing or malformed: parameters)"),
     (lambda d: _edit_report(d, parameters={"zz": 3}), "names what its program does not have (zz)"),
+    (lambda d: _edit_report(d, padded={"n": "x"}), "(missing or malformed: padded)"),
+    (lambda d: _edit_report(d, files="all"), "(missing or malformed: files)"),
+    (lambda d: _edit_codegen(d, threads=0), "not what prismc compiles with: threads=0"),
+    (lambda d: _edit_codegen(d, threads=-32, stages=0), "not what prismc compiles with: threads=-32, stages=0"),
+    # the search's choice, which the report names for `prismc prove`: the program in the directory, lowered
+    (lambda d: _as_best(d, lambda text: text), None),
+    (lambda d: _as_best(d, lambda text: text.replace("acc / rms", "acc")), "best.prism' is not the program"),
+    (lambda d: (_as_best(d, lambda text: text), (d / "best.prism").unlink()), "best.prism' is missing"),
     # the files the GPU runs besides the kernels: as prismc writes them for these kernels, or said
     (lambda d: _edit(d / "launcher.py", "'block': [128, 1, 1]", "'block': [64, 1, 1]"),
      "launcher.py' is not what prismc writes for the kernels"),
@@ -147,7 +155,19 @@ def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
 def test_verify_bad_directories_are_messages(capsys, out, setup, message):
     setup(out)
     code, _, err = prismc(capsys, "verify", out)
-    assert code == 1 and message in err, err
+    assert (code, err) == (0, "") if message is None else code == 1 and message in err, err
+
+
+def _edit_codegen(directory: Path, **changes) -> None:
+    report = json.loads((directory / "report.json").read_text())
+    _edit_report(directory, codegen={**report["codegen"], **changes})
+
+
+def _as_best(directory: Path, edit) -> None:
+    """The directory as a search that chose its program writes it: `best.prism` (edited by `edit`), named."""
+    report = json.loads((directory / "report.json").read_text())
+    (directory / "best.prism").write_text(edit((directory / "rmsnorm_linear.prism").read_text()))
+    _edit_report(directory, best="best.prism", files=[*report["files"], "best.prism"])
 
 
 def _edit_header(directory: Path, old: str, new: str) -> None:

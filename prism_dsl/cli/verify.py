@@ -8,13 +8,16 @@ on random inputs, and every output element is compared with the float64 referenc
 generated again from the program in DIR at those sizes, and the summary says so. `--sanitize thread` or
 `--sanitize address` runs the sanitizer build. `--banks` then counts each kernel's shared-memory wavefronts in the
 emulation (`backend.banks`: bank conflicts, and where they are), over the first and last block along every grid
-axis unless `--emulate-blocks` says otherwise. Exit 0 when everything agrees, 1 otherwise.
+axis unless `--emulate-blocks` says otherwise. The report's launches and code generator's options, the launcher
+and runtime files, and the search's `best.prism` must be what prismc writes for the program in DIR. Exit 0 when
+everything agrees, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from ..kernels.kernel import free_symbols, kernels_of
 from ..kernels.lower import lowered_for
 from ..kernels.masking import refusal
 from ..lang.check import load
+from ..lang.printer import print_program
 from ..pipeline import emulation
 from ..pipeline import padding
 from ..pipeline.build import (BuildOptions, build, callers_part, check_inputs, dims_of, padded_inputs,
@@ -52,6 +56,9 @@ def _well_formed(report) -> list[str]:
         "dims": positive(report.get("dims")),
         "parameters": positive(report.get("parameters")),
         "kernels": isinstance(kernels, list) and all(launch(k) for k in kernels),
+        "padded": report.get("padded") is None or positive(report["padded"]),
+        "files": report.get("files") is None or isinstance(report["files"], list) and all(
+            isinstance(f, str) for f in report["files"]),
     }
     return [key for key, ok in checks.items() if not ok]
 
@@ -160,6 +167,7 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     name = report["program"]
     source = directory / f"{name}.prism"
     program = load(source).program(name)
+    _same_as_best(directory, report, program)
     hardware = load_hardware(report["hardware"]["name"])
     compiled_dims = report["dims"]
     padded = report.get("padded") or {}  # dims the compile rounded up for its tiles: the sizes given
@@ -180,6 +188,26 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     if on_disk:
         built, header = _as_on_disk(built, directory, report, hardware)
     return built, header, on_disk, source
+
+
+def _same_as_best(directory: Path, report: dict, program) -> None:
+    """The search's choice, which the report names (`best.prism`, for `prismc prove`), must be the program in
+    `directory` once lowered at the report's parameters: an edit to either is refused, as is its absence."""
+    best = report.get("best")
+    if best is None:
+        return
+    path = directory / str(best)
+    if not isinstance(best, str) or Path(best).name != best or best not in (report.get("files") or [best]):
+        raise PrismError(f"'{directory}/report.json' names a best program that is not a file of the directory: {best!r}")
+    _text(path)  # missing, unreadable or not text: said as for every file the report lists
+    chosen = load(path).program()
+    try:
+        lowered = print_program(lowered_for(chosen, report["parameters"]), with_dims=False)
+    except PrismError as e:
+        lowered = str(e)
+    if lowered != print_program(program, with_dims=False):
+        raise PrismError(f"'{path}' is not the program in '{directory}' ({program.name}.prism) lowered at the "
+                         "report's parameters: one of them was changed after it was compiled")
 
 
 def _rounded_as_compile_rounds(program, hardware, options: BuildOptions) -> BuildOptions:
@@ -219,10 +247,23 @@ def _codegen(report: dict) -> CodegenConfig:
     if isinstance(given, dict) and "in_place" not in given:  # compiled before inputs were read in place
         given = {**given, "in_place": False}
     if isinstance(given, dict) and all(k in fields and type(v) is fields[k] for k, v in given.items()):
-        return CodegenConfig(**given)
+        config = CodegenConfig(**given)
+        if bad := _unbuildable(config):
+            raise PrismError(f"the codegen options in report.json are not what prismc compiles with: {', '.join(bad)}")
+        return config
     if given is not None:
         raise PrismError(f"the codegen options in report.json are not prismc's: {json.dumps(given)[:200]}")
     return CodegenConfig(threads=report["kernels"][0]["block"][0] if report["kernels"] else 128)
+
+
+def _unbuildable(config: CodegenConfig) -> list[str]:
+    """The options of `config` that no compile gives (as `prismc compile` bounds --threads and --stages)."""
+    bad = {"threads": config.threads % 32 or not 32 <= config.threads <= 1024,
+           "stages": config.stages < 1,
+           "arch": re.fullmatch(r"sm_\d{2,3}a?", config.arch) is None,
+           **{name: getattr(config, name) < 1 for name in ("smem_limit", "sms", "flight", "smem_per_sm")},
+           "ends": not all(len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int and e[1] >= 1 for e in config.ends)}
+    return [f"{name}={getattr(config, name)!r}" for name, wrong in bad.items() if wrong]
 
 
 def _as_on_disk(built, directory: Path, report: dict, hardware):
