@@ -293,6 +293,9 @@ def test_a_compile_past_the_keys_given(tmp_path, capsys):
     assert "(1, 16, 128, 4099) (or (1, 16, 128, 4160), the size built" in capsys.readouterr().err
     assert main(["verify", str(tmp_path / "own"), "--inputs", str(tmp_path / "mixed.npz")]) != 0  # V read in place
     assert "(1, 16, 4099, 128) (the kernels read it in place" in capsys.readouterr().err
+    np.savez(tmp_path / "ints.npz", **{**given, "Q": given["Q"].astype(np.int8)})  # refused as the launcher refuses it
+    assert main(["verify", str(out), "--inputs", str(tmp_path / "ints.npz")]) == 1
+    assert "ints.npz: input 'Q' should hold floats, got int8" in capsys.readouterr().err
 
 
 @needs_cxx

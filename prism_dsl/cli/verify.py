@@ -21,6 +21,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from ..backend import emulate as emulator
 from ..backend.codegen import HEADER, CodegenConfig
 from ..backend import cuda_plan
@@ -123,6 +125,8 @@ def _given(path: str, built) -> dict:
 
     def vet(headers):  # each shape as the launcher takes it (`cuda_plan.padded`), or its message
         for name, a in headers.items():
+            if not np.issubdtype(a.dtype, np.floating):  # as `reference.check_input` says it where nothing is padded
+                raise PrismError(f"{path}: input '{name}' should hold floats, got {a.dtype}")
             try:
                 cuda_plan.padded(plan[name], name, a.shape, PrismError)
             except PrismError as e:

@@ -197,10 +197,10 @@ class Report:
     padded: Mapping[str, int] = field(default_factory=dict)  # dims built rounded up (`padding`): the sizes given
     padded_inputs: bool = False  # the caller passes the inputs at the sizes built (`padding.copy_us`)
     padding_failed: str | None = None  # built past the sizes given, its check failed: built at them (`compile`)
-    kept: bool = False  # its check failed and the output directory, an earlier verified compile's, was kept (`files` empty)
     in_place: tuple[str, ...] = ()  # with `padded`: inputs the kernels read at the sizes given (`masking.read_in_place`)
     launcher_pads: tuple[str, ...] = ()  # and those the launcher pads (or the caller passes padded: `padded_inputs`)
     padding_copies_us: float | None = None  # with `padded`: what the copies that pad and cut cost a call, by the model
+    kept: bool = False  # its check failed and the output directory, an earlier verified compile's, was kept (`files` empty)
 
     @property
     def verified(self) -> bool:
