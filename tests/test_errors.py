@@ -347,6 +347,23 @@ def test_long_chain_of_defs(write, default_recursion_limit):
     assert_located(rendered(path), path, message, 1004, 9)
 
 
+def test_defs_that_double_at_every_level_are_refused_at_the_call():
+    """Each level calls the one below twice on different values: 40 levels would be 2^41 operations."""
+    defs = "def f0(x) = x * 1.5 + x\n" + "".join(f"def f{i}(x) = f{i - 1}(f{i - 1}(x))\n" for i in range(1, 41))
+    text = f"dims n = 4\n{defs}program p(X: f32[n]) {{\n    Y = f40(X) + f2(X)\n    return Y\n}}\n"
+    message = "'f40' makes the program more than 10,000 operations once the defs it calls are inlined"
+    with pytest.raises(PrismError) as err:
+        load("big.prism", text)
+    assert len(err.value.diagnostics) == 1 and f"big.prism:44:9: {message}" in str(err.value)
+
+
+def test_a_def_called_again_on_the_same_values_is_inlined_once():
+    """Twice a level on the same value: the program is one operation a level (nodes are interned)."""
+    defs = "def g0(x) = x * x\n" + "".join(f"def g{i}(x) = g{i - 1}(x) + g{i - 1}(x)\n" for i in range(1, 41))
+    program = load("wide.prism", f"dims n = 4\n{defs}program p(X: f32[n]) {{\n    Y = g40(X)\n    return Y\n}}\n").program()
+    assert len([n for n in program.nodes() if n.op != "input"]) == 41
+
+
 def test_short_chain_of_defs_is_fine(write, default_recursion_limit):
     defs = "".join(f"def f{i}(x) = f{i + 1}(x) * 2\n" for i in range(60)) + "def f60(x) = x\n"
     path = write(f"dims n = 4\n{defs}program p(X: f16[n]) {{\n    Y = f0(X)\n    return Y\n}}\n")

@@ -173,6 +173,16 @@ class _TooDeep(Exception):
     """Inlining made an expression deeper than MAX_DEPTH; unwinds to the outermost call, which reports it."""
 
 
+class _TooLarge(Exception):
+    """Inlining made a program larger than MAX_INLINED; unwinds to the outermost call, which reports it."""
+
+
+# The most operations the defs of one program may inline to (each call inlines its def's body again, so defs
+# that call each other twice a level double at every level: 40 levels would be 2^40). Programs of tens of
+# operations are what the search handles; checking takes about a millisecond an operation.
+MAX_INLINED = 10_000
+
+
 class Checker:
     """Checks one program declaration in a scope, reporting into a shared Collector."""
 
@@ -186,6 +196,9 @@ class Checker:
         # Python stack, so inlining stops at the same bound.
         self.depth = 0
         self.body_depth: dict[str, int] = {}  # each def's body depth, measured once
+        self.body_size: dict[str, int] = {}  # and its operations
+        self.inlined = 0  # operations inlined so far (at most MAX_INLINED)
+        self.calls: dict[tuple, Node] = {}  # a def's value by its name and arguments: inlined once
         self.callable = CALLABLE  # the operators an expression may call here (more inside a kernel)
         self.kernel_names: dict[str, Loc] = {}
 
@@ -349,19 +362,30 @@ class Checker:
         args = [self.expr(a, env, defs_stack) for a in e.args]
         if any(a is POISON for a in args) or e.fn in self.scope.broken:  # a broken body is reported at its def
             return POISON
+        if (known := self.calls.get((e.fn, *args))) is not None:  # nodes are interned: the same call, the same value
+            return known
         try:
             if f.name not in self.body_depth:
-                self.body_depth[f.name] = _ast_depth(f.body)
+                self.body_depth[f.name], self.body_size[f.name] = _ast_depth(f.body), _ast_size(f.body)
             if self.depth + self.body_depth[f.name] > MAX_DEPTH:
                 raise _TooDeep
+            self.inlined += self.body_size[f.name]
+            if self.inlined > MAX_INLINED:
+                raise _TooLarge
             before = len(self.errors.diagnostics)
             value = self.expr(f.body, dict(zip(f.params, args)), defs_stack + (e.fn,))
-        except _TooDeep:
+        except (_TooDeep, _TooLarge) as too:
             if defs_stack:
                 raise
-            message = f"'{e.fn}' nests more than {MAX_DEPTH} levels deep once the defs it calls are inlined"
+            message = (f"'{e.fn}' nests more than {MAX_DEPTH} levels deep once the defs it calls are inlined"
+                       if isinstance(too, _TooDeep) else
+                       f"'{e.fn}' makes the program more than {MAX_INLINED:,} operations once the defs it calls are "
+                       "inlined (each call inlines its def again)")
+            self.inlined = 0
             self.errors.error(e.loc, message)
             return POISON
+        if value is not POISON:
+            self.calls[(e.fn, *args)] = value
         # Errors inside the body are reported where the body is written; say which call led there.
         for i in range(before, len(self.errors.diagnostics)):
             d = self.errors.diagnostics[i]
@@ -377,6 +401,17 @@ def _ast_depth(e: ast.Expr) -> int:
         if isinstance(node, ast.Call):
             stack.extend((a, d + 1) for a in node.args)
     return depth
+
+
+def _ast_size(e: ast.Expr) -> int:
+    """The operations (calls) written in `e`."""
+    size, stack = 0, [e]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Call):
+            size += 1
+            stack.extend(node.args)
+    return size
 
 
 def _text(a: ast.Expr) -> str:
