@@ -578,6 +578,17 @@ def test_a_relative_cache_home_is_ignored(monkeypatch, tmp_path):
     assert cache.cache_dir() == tmp_path / "xdg" / "prism-dsl"
 
 
+def test_a_relative_cache_dir_is_ignored_and_a_tilde_is_home(monkeypatch, tmp_path, capsys):
+    """PRISM_CACHE_DIR='~/pc' (quoted, so no shell expanded it) is the home's; 'pc' would be wherever prismc runs."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("PRISM_CACHE_DIR", "~/pc")
+    assert cache.cache_dir() == tmp_path / "pc"
+    monkeypatch.setenv("PRISM_CACHE_DIR", "rel/pc")
+    assert cache.cache_dir() == tmp_path / ".cache" / "prism-dsl"
+    assert "ignoring PRISM_CACHE_DIR='rel/pc': not an absolute path" in capsys.readouterr().err
+
+
 def test_compile_refuses_an_output_that_holds_the_cache(capsys, tmp_path, monkeypatch):
     """Said before the search, not after it (the whole directory is replaced, so it would take the cache along)."""
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "out" / "cache"))

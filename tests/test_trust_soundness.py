@@ -172,15 +172,28 @@ def test_verdicts_are_cached_by_content_and_a_damaged_entry_is_judged_again(tmp_
     assert soundness.check_library(library) == first
 
 
-def test_an_unsound_verdict_is_cached_too(tmp_path, monkeypatch):
+def test_an_unsound_verdict_from_the_cache_is_judged_again(tmp_path, monkeypatch, capsys):
+    """The default library's rules are sound, so a cached "unsound" for one is an edited entry: judged again, it
+    neither stops prismc nor names a sound rule unsound; a truly unsound rule is found so again."""
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(soundness, "cacheable", lambda rule: True)
-    library = load_library([rules_file(tmp_path, "bad: a - b => b - a")])
+    monkeypatch.setattr(soundness, "cacheable", lambda rule: True)  # as the default library's rules are
+    library = load_library([rules_file(tmp_path, "bad: a - b => b - a", "good: a + b => b + a")])
     for _ in range(2):
-        with pytest.raises(PrismError, match="rule 'bad' is unsound: its sides differ"):
+        with pytest.raises(PrismError, match="rule 'bad' is unsound: its sides differ") as err:
             soundness.check_library(library)
-    key = soundness.verdict_key(library.rules[0])
-    assert cache.read("sound", key)["status"] == soundness.UNSOUND
+        assert "'good'" not in str(err.value)
+    bad, good = (soundness.verdict_key(r) for r in library.rules)
+    assert cache.read("sound", bad)["status"] == soundness.UNSOUND
+    cache.write("sound", good, {"status": soundness.UNSOUND, "why": "edited"})
+    with pytest.raises(PrismError) as err:
+        soundness.check_library(library)
+    assert "'good'" not in str(err.value) and "edited" not in str(err.value)
+    cache.write("sound", good, {"status": soundness.UNSOUND, "why": "edited"})  # judged again, it was rewritten
+    (entry,) = [p for p in (tmp_path / "cache" / "sound").glob("*.json") if good[:32] in p.name]
+    entry.write_text(entry.read_text().replace('"status": "unsound"', '"status": "rejected"'))
+    with pytest.raises(PrismError) as err:
+        soundness.check_library(library)
+    assert "'good'" not in str(err.value) and "its fields are not of the expected types" in capsys.readouterr().err
 
 
 def test_a_rule_whose_expansion_explodes_is_left_to_the_numeric_check(tmp_path):

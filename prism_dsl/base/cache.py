@@ -42,9 +42,14 @@ _TMP = re.compile(scratch_pattern(r"\.tmp-").pattern + r"\.json")  # `.tmp-prism
 
 
 def cache_dir() -> Path:
+    """PRISM_CACHE_DIR (`~` expanded), else $XDG_CACHE_HOME/prism-dsl, else ~/.cache/prism-dsl. A relative path in
+    either variable is ignored (said once): it would put the cache in whatever directory prismc runs in."""
     root = os.environ.get("PRISM_CACHE_DIR")
+    if root and os.path.isabs(expanded := os.path.expanduser(root)):
+        return Path(expanded)
     if root:
-        return Path(root)
+        _say("PRISM_CACHE_DIR", f"prismc: warning: ignoring PRISM_CACHE_DIR={root!r}: not an absolute path (the "
+             "cache would go wherever prismc runs)")
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "prism-dsl"  # a relative one is ignored
 

@@ -191,8 +191,9 @@ def cacheable(rule: Rule) -> bool:
     """Whether a verdict on `rule` may come from the cache: only for the default library's rules.
 
     A cached verdict is a claim anyone who can write the cache can make: for a rule of the default
-    library (sound, and tested by the suite) it can at worst refuse a sound rule, while for a user's rule
-    an edited "sound" would let a false rule into proofs. A user's rules are judged on every load.
+    library (sound, and tested by the suite) an edited "unsound" is judged again (`_cached`), and an edited
+    "symbolic" can at worst say a rule proved that was tested, while for a user's rule an edited "sound" would
+    let a false rule into proofs. A user's rules are judged on every load.
     """
     return Path(rule.loc.path).resolve() in _default_paths(tuple(default_files()))
 
@@ -233,8 +234,9 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
 
 
 def _cached(key: str) -> Verdict | None:
-    value = cache.read("sound", key)
-    if not isinstance(value, dict) or value.get("status") not in (SYMBOLIC, NUMERIC_ONLY, UNSOUND):
-        return None
-    why = value.get("why")
-    return Verdict(value["status"], why) if isinstance(why, str) else None
+    """A cached verdict that the rule is sound (how: symbolically or numerically). One that it is unsound is judged
+    again: the default library's rules are sound (the suite checks them), so such an entry is an edited one, and a
+    cache may make prismc faster, never stop it."""
+    value = cache.read("sound", key, lambda v: isinstance(v, dict) and v.get("status") in (SYMBOLIC, NUMERIC_ONLY, UNSOUND)
+                       and isinstance(v.get("why"), str))
+    return None if value is None or value["status"] == UNSOUND else Verdict(value["status"], value["why"])
