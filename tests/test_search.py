@@ -100,7 +100,7 @@ _SEARCHES: dict = {}
 def searched(src, library, config: SearchConfig = SearchConfig()):
     """`search(src, library, H100, config, jobs=2)`, run once in this process, and saved as its checkpoint for the
     tests after it (`cache_dir`): for tests that read what a search finds, not how it runs."""
-    key = checkpoint_key(src, library, config)
+    key = checkpoint_key(src, library, config, H100)
     if key not in _SEARCHES:
         _SEARCHES[key] = search(src, library, H100, config, jobs=2)
     result = _SEARCHES[key]

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -269,7 +270,7 @@ GOOD_STATS = {"generated": 1, "candidates": 1, "maps": 1, "proofs": 1, "proved":
 def test_checkpoint_of_the_wrong_form_is_reported_once_and_ignored(name, library, source, tmp_path, monkeypatch,
                                                                    capsys, default_recursion_limit):
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
-    key = checkpoint_key(source, library, SearchConfig())
+    key = checkpoint_key(source, library, SearchConfig(), H100)
     if name == "nested too deeply":
         path = cache.path_for("search", key)
         path.parent.mkdir(parents=True)
@@ -289,10 +290,20 @@ def test_checkpoint_of_the_wrong_form_is_reported_once_and_ignored(name, library
 def test_checkpoint_figures_cannot_change_what_the_report_says(library, source, tmp_path, monkeypatch):
     """Extra keys in the saved figures are dropped: they cannot overwrite the report's own fields."""
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
-    key = checkpoint_key(source, library, SearchConfig())
+    key = checkpoint_key(source, library, SearchConfig(), H100)
     cache.write("search", key, {"programs": [], "stats": {**GOOD_STATS, "from_checkpoint": False, "jobs": "all"}})
     programs, stats = load_checkpoint(source, key)
     assert programs == [] and stats == GOOD_STATS
+
+
+def test_a_checkpoint_is_not_reused_where_the_search_would_prune_otherwise(library, source):
+    """The search fits the smallest tiles at the dims the file declares in the hardware's shared memory per block:
+    either changed, the entry is another; a binding given at compile time (`--dims`) is not part of it."""
+    key = checkpoint_key(source, library, SearchConfig(), H100)
+    assert key == checkpoint_key(source, library, SearchConfig(), load_hardware("h200"))  # the same 227 KiB
+    assert key != checkpoint_key(source, library, SearchConfig(), load_hardware("a100"))
+    wider = replace(source, dims=tuple(replace(d, default=2 * d.default) for d in source.dims))
+    assert key != checkpoint_key(wider, library, SearchConfig(), H100)
 
 
 # -- the tuning database -------------------------------------------------------------------------------

@@ -207,7 +207,7 @@ def _unproved(request: Request, outcome: Outcome | None, rank: int) -> str | Non
     if why is None:
         outcome.search["reproved"] = outcome.search.get("reproved", 0) + 1
         return None
-    key = checkpoint_key(request.program, library, request.search.config)
+    key = checkpoint_key(request.program, library, request.search.config, request.hardware)
     if why == "failed its proof" and has_checkpoint(key):  # as when its choice fails (`optimize`): removed, once
         discard(key, f"checkpoint entry for '{request.program.name}': program {rank + 1} failed its proof; removed")
     return f"it {why}"

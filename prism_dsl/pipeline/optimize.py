@@ -241,7 +241,7 @@ def optimize(program: Program, library: Library, hardware: Hardware, binding: di
     to `program` again first (`_from_checkpoint`). One that fails its proof discards the checkpoint: it
     is reported once, the search runs and its result replaces the entry."""
     started = time.perf_counter()
-    key = checkpoint_key(program, library, config)
+    key = checkpoint_key(program, library, config, hardware)
     jobs = jobs or default_jobs()
     show = Progress(progress, started)
     how = Choosing(binding, hardware, codegen, measure, device, use_cache, show)

@@ -1,7 +1,8 @@
 """The search's checkpoint: the proved programs of a complete search, kept in the user cache (`cache`).
 
-An entry is keyed by the input program's structure (printed without its dim values), the rules' text and
-the search limits, so a new binding of the dims reuses it and only re-instantiates. Only complete
+An entry is keyed by the input program's structure (printed without its dim values), the rules' text, the
+search limits, the dims the file declares and the hardware's shared memory per block (`checkpoint_key`), so a
+new binding of the dims reuses it and only re-instantiates. Only complete
 searches are saved (one cut short by the time limit is not reused). The saved programs are NOT trusted:
 what is read here is checked for its form only (one program declaration each, nothing imported, the
 input's name, inputs and outputs); whoever emits or times one proves it again first, and one that fails
@@ -21,6 +22,7 @@ from ..base import cache
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..ir.shapes import same_shape
+from ..kernels.hardware import Hardware
 from ..lang import syntax_tree as ast
 from ..lang.check import load
 from ..lang.printer import print_program
@@ -38,9 +40,14 @@ def structure(program: Program) -> str:
     return print_program(program, with_dims=False)
 
 
-def checkpoint_key(program: Program, library: Library, config: SearchConfig) -> str:
+def checkpoint_key(program: Program, library: Library, config: SearchConfig, hardware: Hardware) -> str:
+    """The entry of a search of `program`: besides its structure, the rules and the limits, what the search reads
+    that the structure leaves out: the dims the file declares (the smallest tiles are fitted at them:
+    `assembly.smallest_tiles_fit`) and the hardware's shared memory per block. The dims a compile binds are not
+    in it: a new binding reuses the entry."""
+    declared = json.dumps({d.name: d.default for d in program.dims}, sort_keys=True)
     return cache.digest("search", SEARCH_VERSION, _code(), structure(program), *library.texts,
-                        json.dumps(asdict(config), sort_keys=True))
+                        json.dumps(asdict(config), sort_keys=True), declared, f"smem_per_block={hardware.smem_per_block}")
 
 
 @functools.cache
