@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -376,6 +378,20 @@ def test_subprocess_user_error_exit_code(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "bad.prism:1:18: undeclared dim 'n'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("after", [0.3, 1.5])
+def test_subprocess_interrupted_while_loading_or_running(after, tmp_path):
+    """Ctrl-C while prismc's modules load (SymPy takes most of a second) or while it works (judging the layout
+    axioms in an empty cache: seconds): said, exit 130."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PRISM_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "prism_dsl", "check", "rules/layout.rules"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip() == "prismc: interrupted", err
 
 
 # -- one flag for the hardware; renamed flags --------------------------------------------------------------

@@ -3,6 +3,7 @@
 Takes argv; gives an exit code (0 success, 1 an error in the user's input, 2 a usage error, 3 not proved)
 and text: results on stdout, located diagnostics on stderr, never a traceback for a user's mistake.
 
+- `entry`: the console script (`main` imported, then run: a Ctrl-C while the modules load is said, not a traceback);
 - `main`: the parser and `main(argv)` (what tests call in-process); the commands check, prove, rules,
   run, show, compile (one call of `pipeline.compile.compile_program`) and bench;
 - `values`: the flags' values, read strictly (sizes, dims, counts, seconds);
