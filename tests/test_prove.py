@@ -12,7 +12,7 @@ from prism_dsl.cli.main import main
 from prism_dsl.prove.egglog_runner import Limits
 from prism_dsl.prove.egraph import compile_library
 from prism_dsl.base.errors import PrismError
-from prism_dsl.prove.prover import prove
+from prism_dsl.prove.prover import pair_outputs, prove
 from prism_dsl.prove.rules import Library, load_library
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,6 +121,25 @@ program second({sig}) {{
     proof = prove(a, b, DEFAULT)
     assert not proof.proved
     assert {(p.name, p.proved) for p in proof.pairs} == {("P", True), ("Q", False)}
+
+
+def test_outputs_pair_by_the_names_they_share_and_the_rest_by_position(tmp_path):
+    """`return A, B` against `return B, C`: B with B, then A with C (not A with B by position)."""
+    path = tmp_path / "some.prism"
+    path.write_text(HEADER + """
+program a(X: f32[n, d]) {
+    A = X + 1
+    B = X * 2
+    return A, B
+}
+program b(X: f32[n, d]) {
+    B = X * 2
+    C = 1 + X
+    return B, C
+}
+""")
+    a, b = load(path).programs.values()
+    assert pair_outputs(a, b) == [("A", "C"), ("B", "B")] and prove(a, b, DEFAULT).proved
 
 
 def test_signature_and_shape_mismatches_are_user_errors(tmp_path):

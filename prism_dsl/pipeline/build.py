@@ -261,7 +261,7 @@ def pricing(built: Build, nvcc: NvccCheck | Skipped | None, archs: tuple[str, ..
 def reference_outputs(built: Tuned, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The float64 oracle: the input program (custom kernels through the block interpreter, with the
     parameters the rendered code uses when it is the program built), its outputs under the built program's
-    names (paired by name, else by position: `prove.prover.pair_outputs`)."""
+    names (paired by name, the others by position: `prove.prover.pair_outputs`)."""
     hardware = built.hardware.name.lower()
     if _at_sizes_given(built):  # on the caller's part of each input, then zeros past it (`padding`)
         parts = callers_part(built)

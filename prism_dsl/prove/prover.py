@@ -62,16 +62,16 @@ class Proof:
 
 
 def pair_outputs(a: Program, b: Program) -> list[tuple[str, str]]:
-    """Outputs matched by name when both programs use the same names, else by position."""
+    """Outputs matched by name where both programs have the name, the others in the order each returns them
+    (`return A, B` against `return B, C`: B with B, A with C); the programs must have as many outputs."""
     names_a, names_b = [n for n, _ in a.outputs], [n for n, _ in b.outputs]
-    if sorted(names_a) == sorted(names_b):
-        return [(n, n) for n in names_a]
     if len(names_a) == len(names_b):
-        return list(zip(names_a, names_b))
+        rest = iter(n for n in names_b if n not in names_a)
+        return [(n, n if n in names_b else next(rest)) for n in names_a]
     def outputs(names: list[str]) -> str:
         return f"{len(names)} output{'' if len(names) == 1 else 's'}: {', '.join(names)}"
     raise PrismError(f"cannot compare '{a.name}' ({outputs(names_a)}) with '{b.name}' ({b.loc}, {outputs(names_b)}): "
-                     "their outputs are paired by name, or else by position", a.loc)
+                     "their outputs are paired by name, the others by position", a.loc)
 
 
 def check_signatures(a: Program, b: Program) -> None:
