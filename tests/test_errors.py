@@ -364,6 +364,16 @@ def test_a_def_called_again_on_the_same_values_is_inlined_once():
     assert len([n for n in program.nodes() if n.op != "input"]) == 41
 
 
+def test_the_words_that_begin_a_kernel_and_a_store_are_names_where_a_name_is_assigned():
+    """`store = ...` was a syntax error after a program's first statement (the kernel body's `store` keyword)."""
+    text = ("dims n = 8, d = 64\nprogram k(X: f32[n, d], W: f32[d, d]) {\n    A = X + 1\n    store = A * 2\n"
+            "    kernel kernel grid(x = gx) loop(F) {\n        xt = load X[:, loop]\n        wt = load W[loop, x]\n"
+            "        store = xt @ wt\n        kernel = acc_sum(store)\n        store Y[:, x] = kernel * 2\n    }\n"
+            "    Z = Y + store\n    return Z\n}\n")
+    program = load("words.prism", text).program()
+    assert program.outputs[0][0] == "Z" and [k.op for k in program.nodes() if k.op == "kernel"] == ["kernel"]
+
+
 def test_short_chain_of_defs_is_fine(write, default_recursion_limit):
     defs = "".join(f"def f{i}(x) = f{i + 1}(x) * 2\n" for i in range(60)) + "def f60(x) = x\n"
     path = write(f"dims n = 4\n{defs}program p(X: f16[n]) {{\n    Y = f0(X)\n    return Y\n}}\n")

@@ -422,7 +422,7 @@ class ModuleBuilder(LocatedBuilder):
         return ast.Return(tuple((str(t), self.loc(t)) for t in toks), self.loc(meta))
 
     def kernel(self, children):
-        name, *rest = children
+        _, name, *rest = children  # the word `kernel`, then its name
         grid = [c for c in rest if isinstance(c, tuple)]
         loop = next((c for c in rest if isinstance(c, ast.Size)), None)
         body = [c for c in rest if not isinstance(c, (tuple, ast.Size)) and c is not None]
@@ -444,7 +444,7 @@ class ModuleBuilder(LocatedBuilder):
         return ast.LoadStmt(str(tile), str(source), tuple(entries or ()), self.loc(tile), self.loc(source))
 
     @v_args(inline=True)
-    def store(self, name, entries, op, expr):
+    def store(self, _, name, entries, op, expr):  # the word `store` first
         return ast.StoreStmt(str(name), tuple(entries or ()), str(op) == "+=", expr, self.loc(name))
 
     def entries(self, children):
