@@ -24,7 +24,7 @@ from prism_dsl.backend import sass
 from prism_dsl.backend.compare import check
 from prism_dsl.backend.cuda_runtime import GpuUnavailable, Launcher, PlanError, marshal, validate_plan
 from prism_dsl.backend.nvcc import nvcc_path
-from prism_dsl.pipeline.output import format_plan
+from prism_dsl.pipeline.output import format_plan, launcher_call
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 
@@ -446,7 +446,7 @@ def render_launcher(directory: Path, plan: dict) -> Path:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined)
     text = env.get_template("launcher.py.j2").render(plan=plan, plan_literal=format_plan(plan),
-                                                     program=plan["program"])
+                                                     program=plan["program"], call=launcher_call(plan["inputs"]))
     shutil.copy(rt.__file__, directory / "prism_runtime.py")
     shutil.copy(Path(rt.__file__).with_name("cuda_plan.py"), directory / "cuda_plan.py")
     path = directory / "launcher.py"
@@ -481,6 +481,32 @@ def test_rendered_launcher_script_exits_1_with_the_reason(tmp_path):
     assert result.returncode == 1
     assert "launcher.py: cannot run 'add' without a usable CUDA GPU: disabled by PRISM_NO_GPU" in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_inputs_named_as_pythons_words_are_passed_and_shown(no_gpu, tmp_path):
+    """An input named `self` reaches the plan (it was the launcher's own argument), and one named `lambda` is shown
+    in the docstring's call as a dict, the only way Python can pass it."""
+    plan = make_plan()
+    names = {"X": "self", "W": "lambda"}
+    plan = {**plan, "inputs": [names[n] for n in plan["inputs"]],
+            "tensors": {names.get(n, n): t for n, t in plan["tensors"].items()},
+            "kernels": [{**k, "args": [names.get(a, a) for a in k["args"]]} for k in plan["kernels"]]}
+    module = import_file(render_launcher(tmp_path, plan), "words_launcher")
+    assert "launcher.run(**{'self': ..., 'lambda': ...})" in module.__doc__
+    with pytest.raises(module.PlanError, match="missing input 'lambda'"):
+        module.run(self=f16(8, 64))
+    with pytest.raises(module.GpuUnavailable):
+        module.run(**{"self": f16(8, 64), "lambda": f16(8, 64)})
+
+
+def test_a_launcher_without_its_runtime_says_so(tmp_path):
+    path = render_launcher(tmp_path, make_plan())
+    (tmp_path / "cuda_plan.py").unlink()
+    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"launcher.py: cuda_plan.py missing from {tmp_path}: the launcher runs the kernels" in result.stderr
+    with pytest.raises(ImportError, match="cuda_plan.py missing from"):
+        import_file(path, "runtimeless_launcher")
 
 
 # ------------------------------------------------------------------------------------------------- on a GPU

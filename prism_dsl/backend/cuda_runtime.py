@@ -329,7 +329,7 @@ class Launcher:
         fn.prepare(form)
         return fn
 
-    def __call__(self, **inputs) -> dict:
+    def __call__(self, /, **inputs) -> dict:  # an input may be named `self`
         """Run the program once; numpy in -> numpy out, torch CUDA tensors in -> torch CUDA tensors out."""
         torch_mode, data = self._bind_inputs(inputs)
         self.compile()

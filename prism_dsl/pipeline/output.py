@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import keyword
 import os
 import pprint
 import re
@@ -152,6 +153,14 @@ def _swap_in(scratch: Path, out: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def launcher_call(inputs) -> str:
+    """The arguments of a call of the launcher's `run` in its docstring: by keyword, or as a dict where an input's
+    name is a Python keyword (`lambda`, `None`)."""
+    if all(name.isidentifier() and not keyword.iskeyword(name) for name in inputs):
+        return ", ".join(f"{name}=..." for name in inputs)
+    return "**{" + ", ".join(f"{name!r}: ..." for name in inputs) + "}"
+
+
 def format_plan(plan: dict) -> str:
     """The runtime plan as readable Python literal text, for writing into a generated launcher.py."""
     return pprint.pformat(plan, width=110, sort_dicts=False)
@@ -163,7 +172,7 @@ def contents(built: build.Build, extra: Mapping[str, str]) -> dict[str, str]:
     search's best.prism)."""
     plan = build.plan_of(built)
     launcher = template_env().get_template("launcher.py.j2").render(
-        plan=plan, program=built.program.name, plan_literal=format_plan(plan))
+        plan=plan, program=built.program.name, plan_literal=format_plan(plan), call=launcher_call(plan["inputs"]))
     return {HEADER: header_source(), **{k.file: k.source for k in built.kernels},
             "prism_runtime.py": Path(cuda_runtime.__file__).read_text(), "launcher.py": launcher,
             "cuda_plan.py": Path(cuda_runtime.__file__).with_name("cuda_plan.py").read_text(),  # the runtime's, beside it
