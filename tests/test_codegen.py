@@ -1122,24 +1122,28 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     assert "PRISM_NO_GPU" in done.stderr
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--rank", "measure"], "--rank measure needs a usable CUDA GPU"),
-    (["--grid", "x=3"], "is not a whole number"),
-    (["--arch", "volta"], "--arch: expected names like sm_90 or sm_80, or none, got 'volta'"),
-    (["--arch", ""], "--arch: expected names like sm_90 or sm_80, or none, got ''"),
-    (["--arch", "sm_90,"], "--arch: expected names like sm_90 or sm_80, or none, got ''"),
-    (["--threads", "100"], "--threads must be a multiple of 32"),
-    (["--hardware", "b200"], "unknown hardware 'b200'"),
+@pytest.mark.parametrize("argv,message,code", [
+    (["--rank", "measure"], "--rank measure needs a usable CUDA GPU", 1),
+    (["--grid", "x=3"], "is not a whole number", 1),
+    (["--arch", "volta"], "argument --arch: expected names like sm_90 or sm_80, or none, got 'volta'", 2),
+    (["--arch", ""], "argument --arch: expected names like sm_90 or sm_80, or none, got ''", 2),
+    (["--arch", "sm_90,"], "argument --arch: expected names like sm_90 or sm_80, or none, got ''", 2),
+    (["--threads", "100"], "argument --threads: expected a multiple of 32 up to 1024, got '100'", 2),
+    (["--threads", "2048"], "argument --threads: expected a multiple of 32 up to 1024, got '2048'", 2),
+    (["--hardware", "b200"], "argument --hardware: unknown hardware 'b200' (known: a100, h100, h200)", 2),
+    pytest.param(["--arch", "sm_12"], "this nvcc does not compile for sm_12 (--arch)", 1, marks=needs_nvcc),
 ])
-def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message):
+def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message, code):
+    """A flag's value that is wrong whatever the program is a usage error (exit 2); one wrong for this program, this
+    machine or this nvcc, exit 1."""
     monkeypatch.setenv("PRISM_NO_GPU", "1")
     from prism_dsl.backend.cuda_runtime import gpu_status
 
     gpu_status.cache_clear()
     out = tmp_path / "out"
-    code = main(["compile", str(ROOT / "programs/fused/rmsnorm_linear.prism"), "-o", str(out), *argv])
+    got = main(["compile", str(ROOT / "programs/fused/rmsnorm_linear.prism"), "-o", str(out), *argv])
     gpu_status.cache_clear()
-    assert code == 1
+    assert got == code
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +17,8 @@ from ..prove.egglog_runner import Limits
 from ..base.files import check_apart, check_writable, write_bytes
 from ..base.errors import PrismError
 from .texts import clashing, count, print_rules, summary
-from .values import Merged, emulate_blocks, jobs, parse_dims, parse_loop, positive_int, seconds, whole
+from .values import (Merged, archs, emulate_blocks, hardware_name, jobs, parse_dims, parse_loop, positive_int, seconds,
+                     threads, whole)
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
 
@@ -106,11 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "'measure', run, checked and timed on the GPU")
     _hardware(co)
     _gone(co, "--target", "use --rank model|measure to choose how programs are ranked, --hardware NAME for the hardware")
-    co.add_argument("--arch", default="sm_90,sm_80", help="architectures nvcc checks, comma-separated "
+    co.add_argument("--arch", type=archs, default="sm_90,sm_80", help="architectures nvcc checks, comma-separated "
                     "(default %(default)s); 'none' to skip")
     co.add_argument("--no-emulate", action="store_true", help="skip the CPU run of the generated code")
     _emulation_options(co)
-    co.add_argument("--threads", type=positive_int, default=128, help="threads per block (default 128)")
+    co.add_argument("--threads", type=threads, default=128, help="threads per block (default 128)")
     co.add_argument("--stages", type=positive_int, default=3,
                     help="pipeline depth: copies run STAGES - 1 iterations ahead (default 3; 1: none); loops of "
                     "small tiles go deeper (up to 16), loops on wgmma hold the stages their batches read besides")
@@ -178,7 +178,7 @@ def _kernel_options(p: argparse.ArgumentParser) -> None:
 
 def _hardware(p: argparse.ArgumentParser) -> None:
     from ..kernels.hardware import hardware_names  # a directory listing: the files in kernels/gpus
-    p.add_argument("--hardware", default="h100", metavar="NAME", help="the hardware, for the limits and the cost "
+    p.add_argument("--hardware", type=hardware_name, default="h100", metavar="NAME", help="the hardware, for the limits and the cost "
                    f"model ({', '.join(hardware_names())}; default h100)")
 
 
@@ -404,12 +404,7 @@ def cmd_compile(args) -> int:
     from ..pipeline.report import summary
     from ..search.config import SearchConfig
 
-    if args.threads % 32 or args.threads > 1024:
-        raise PrismError(f"--threads must be a multiple of 32 up to 1024, got {args.threads}")
-    archs = tuple(a.strip() for a in args.arch.split(",") if a.strip() != "none")
-    bad = [repr(a) for a in archs if not re.fullmatch(r"sm_\d{2,3}a?", a)]
-    if bad or not args.arch.strip():
-        raise PrismError(f"--arch: expected names like sm_90 or sm_80, or none, got {', '.join(bad) or repr('')}")
+    archs = args.arch
     hardware = load_hardware(args.hardware)
     program = load(args.file).program(args.program)
     searching = None

@@ -4,6 +4,7 @@ error (exit 2) that says what was expected, never a traceback or a silently diff
 from __future__ import annotations
 
 import argparse
+import re
 
 from ..lang.syntax import MAX_INT, clip
 
@@ -68,6 +69,31 @@ def jobs(text: str) -> int:
     from ..search.driver import default_jobs
 
     return min(positive_int(text), default_jobs())
+
+
+def threads(text: str) -> int:
+    """--threads: a whole number of warps, at most 1024 threads (CUDA's block limit)."""
+    if not _is_int(text) or not 32 <= int(text) <= 1024 or int(text) % 32:
+        raise argparse.ArgumentTypeError(f"expected a multiple of 32 up to 1024, got {clip(text)!r}")
+    return int(text)
+
+
+def archs(text: str) -> tuple[str, ...]:
+    """--arch: architecture names (sm_90, sm_90a, sm_80...), comma-separated, or none."""
+    names = tuple(a.strip() for a in text.split(","))
+    bad = [a for a in names if not re.fullmatch(r"sm_\d{2,3}a?|none", a)]
+    if bad or not text.strip():
+        raise argparse.ArgumentTypeError(f"expected names like sm_90 or sm_80, or none, got {clip(', '.join(map(repr, bad or [''])))}")
+    return tuple(a for a in names if a != "none")
+
+
+def hardware_name(text: str) -> str:
+    """--hardware: the name of a file of `kernels/gpus` (case aside)."""
+    from ..kernels.hardware import hardware_names
+
+    if text.lower() not in hardware_names():
+        raise argparse.ArgumentTypeError(f"unknown hardware {clip(text)!r} (known: {', '.join(hardware_names())})")
+    return text.lower()
 
 
 def whole(text: str) -> int:

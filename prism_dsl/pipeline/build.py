@@ -218,6 +218,10 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...], pri
     with files.temp_scratch("nvcc") as workdir:
         figures = nvcc_check(kernels, workdir, archs, None if priced is None else (priced,))
     bad = [(f"{k} ({a})", r["stderr"]) for k, per in figures.items() for a, r in per.items() if not r["ok"]]
+    unknown = sorted({a for per in figures.values() for a, r in per.items()
+                      if not r["ok"] and "Unsupported gpu architecture" in r["stderr"]})
+    if unknown:  # the flag's value, not the code
+        raise PrismError(f"this nvcc does not compile for {', '.join(unknown)} (--arch): see `nvcc --list-gpu-arch`")
     if bad:
         raise PrismError(f"nvcc rejected the generated code for {', '.join(w for w, _ in bad)}:\n{bad[0][1]}")
     return NvccCheck(tuple(archs), tuple(k.name for k in kernels if k.wgmma)), figures
