@@ -424,7 +424,7 @@ def test_hardware_is_one_flag_on_every_command(capsys, tmp_path):
     report = json.loads(out)
     assert code == 0 and report["hardware"]["name"] == "A100" and report["rank"] == "model"
     code, _, err = prismc(capsys, "run", RMSNORM, "--hardware", "b200", "--out", tmp_path / "z.npz")
-    assert code == 1 and "b200" in err
+    assert code == 2 and "unknown hardware 'b200'" in err
 
 
 # -- compile's report: typed, written once; proved, checked, verified ----------------------------------------
