@@ -2,7 +2,7 @@
 TMA (`prismc compile --tma`) stopped at its first copy (`cp.async.bulk.tensor`, UTMALDG in its SASS) with "an illegal
 instruction was encountered", while the same programs compiled for cp.async ran and matched the reference. This runs
 two TMA copies through two maps passed as the first parameters, as those kernels take them (benchmarks/tma_probe.cu,
-on prism.cuh's mbarrier and tma_load), in four ways, each in a process of its own since a fault ends its CUDA
+on prism.cuh's mbarrier and tma_load), in five ways, each in a process of its own since a fault ends its CUDA
 context:
 
     program   the reference way: nvcc builds a program that encodes the map on the host and launches with <<<>>>

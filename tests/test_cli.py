@@ -234,6 +234,15 @@ def test_a_causal_mask_over_more_rows_than_columns_is_refused_at_its_call(capsys
     assert code == 0, err
 
 
+def test_check_finds_a_causal_mask_over_more_rows_than_columns_at_the_declared_dims(capsys, tmp_path):
+    path = tmp_path / "wide.prism"
+    path.write_text("dims q = 8, kv = 4\nprogram p(X: f32[q, kv]) {\n    A = causal(X)\n    return A\n}\n")
+    code, _, err = prismc(capsys, "check", path)
+    assert code == 1 and "wide.prism:3:9: causal needs at least as many columns as rows" in err
+    path.write_text(path.read_text().replace("q = 8", "q = 4"))
+    assert prismc(capsys, "check", path)[0] == 0
+
+
 def test_run_input_missing_from_npz(capsys, tmp_path):
     np.savez(tmp_path / "in.npz", X=np.zeros((3, 5)))
     code, _, err = prismc(capsys, "run", RMSNORM, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "out.npz")

@@ -271,7 +271,12 @@ def cmd_check(args) -> int:
                       f"{proved} proved symbolically, {tested} tested numerically only")
                 print_rules(mine, statuses)
             else:
-                progs = "; ".join(summary(p) for p in load(f).programs.values()) or "no programs"
+                from ..semantics.reference import bind_dims
+
+                programs = load(f).programs.values()
+                for program in programs:  # what only sizes can show (a causal mask over more rows than columns), at
+                    bind_dims(program)    # the dims the file declares
+                progs = "; ".join(summary(p) for p in programs) or "no programs"
                 print(f"{f}: ok: {progs}")
         except PrismError as e:
             print(e.render(), file=sys.stderr)
