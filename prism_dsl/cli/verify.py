@@ -278,6 +278,11 @@ def _as_on_disk(built, directory: Path, report: dict, hardware):
     if listed != mine:
         raise PrismError(f"the kernels of '{directory}/report.json' ({', '.join(listed)}) are not those of "
                          f"its program ({', '.join(mine)}): the directory was changed after it was compiled")
+    for r, k in zip(report["kernels"], built.kernels):  # what the report says of each launch, besides the block
+        said = {"name": k.name, "function": k.function, "grid": list(k.grid)}
+        if wrong := [f"{key} {r.get(key)!r} (the program's: {value!r})" for key, value in said.items() if r.get(key) != value]:
+            raise PrismError(f"'{directory}/report.json' says of {k.file}: {'; '.join(wrong)}: the directory was "
+                             "changed after it was compiled")
     header = _text(directory / HEADER)
     if emulator.RUNTIME not in header:
         raise PrismError(f"'{directory / HEADER}' predates the thread-faithful emulation: compile the program again")
@@ -307,9 +312,9 @@ def _runs_as_built(built, directory: Path) -> None:
     written = contents(built, {})
     for name in ("launcher.py", "prism_runtime.py", "cuda_plan.py"):
         if _text(directory / name) != written[name]:
-            raise PrismError(f"'{directory / name}' is not what prismc writes for the kernels of '{directory}' (edited, "
-                             "or from another version of prismc): its launches are not checked; compile the program "
-                             "again")
+            raise PrismError(f"'{directory / name}' is not what prismc writes for the kernels of '{directory}' as its "
+                             "report.json launches them (one of the two edited, or from another version of prismc): "
+                             "its launches are not checked; compile the program again")
 
 
 def _too_far(output: dict) -> bool:
