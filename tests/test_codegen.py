@@ -1189,6 +1189,11 @@ def test_bench_needs_a_gpu(capsys, monkeypatch):
     assert "has no dim 'zz'" in capsys.readouterr().err
     assert main(["bench", str(ROOT / "programs/no_such.prism")]) == 1
     assert "cannot read file" in capsys.readouterr().err
+    rmsnorm = str(ROOT / "programs/rmsnorm_linear.prism")
+    assert main(["bench", rmsnorm, "--baseline", str(ROOT / "programs/swiglu.prism")]) == 1
+    assert "'rmsnorm_linear' reads inputs (X, W) but 'swiglu'" in capsys.readouterr().err
+    assert main(["bench", rmsnorm, "--baseline", str(ROOT / "programs/fused/swiglu.prism")]) == 1
+    assert "the baseline 'swiglu' (" in capsys.readouterr().err
     gpu_status.cache_clear()
 
 

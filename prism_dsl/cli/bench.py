@@ -24,6 +24,7 @@ from ..lang.check import load
 from ..base.errors import PrismError
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import kernels_of
+from ..prove.prover import check_signatures, pair_outputs
 from ..semantics.reference import bind_dims, check_sizes, check_inputs
 
 # How each op of a program runs in PyTorch (x: tensors; attr: a reduction's dim).
@@ -117,8 +118,13 @@ def bench(args) -> int:
     hardware = load_hardware(args.hardware)  # the user's files and flags first: they need no GPU to be wrong
     program = load(args.file).program(args.program)
     baseline = load(args.baseline).program() if args.baseline else program
+    if kernels_of(baseline) and args.baseline:
+        raise PrismError(f"the baseline '{baseline.name}' ({args.baseline}) has custom kernels: PyTorch runs the "
+                         "program as written, in plain operators")
     if kernels_of(baseline):
         raise PrismError(f"'{program.name}' has custom kernels; give --baseline with the program as written")
+    check_signatures(program, baseline)  # the same inputs and outputs as the baseline, said before the GPU is asked for
+    pair_outputs(program, baseline)
     check_sizes(baseline, bind_dims(baseline, dict(args.dims)))
     ok, why = cuda_runtime.gpu_status()
     if not ok:
