@@ -347,6 +347,16 @@ KERNEL_ERRORS = [
 ]
 
 
+def test_an_accumulator_inside_a_stores_expression_is_pointed_at(tmp_path, capsys):
+    """Not at the kernel's name: the accumulator that folds a value the loop does not split."""
+    path = tmp_path / "k.prism"
+    path.write_text("dims n = 8, d = 64\nprogram p(Q: f32[n, d], K: f32[n, d]) {\n    kernel k grid(x = gx) loop(F) {\n"
+                    "        qt = load Q[x, :]\n        kt = load K[x, loop]\n"
+                    "        store Y[x, :] = acc_sum(qt) + acc_sum_last(kt)\n    }\n    return Y\n}\n")
+    assert main(["check", str(path)]) == 1
+    assert f"{path}:6:25: acc_sum accumulates a value that is the same in every iteration" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("header,body,message", KERNEL_ERRORS, ids=[m[2][:40] for m in KERNEL_ERRORS])
 def test_kernel_errors_are_reported_with_their_location(tmp_path, capsys, header, body, message):
     path = tmp_path / "bad.prism"

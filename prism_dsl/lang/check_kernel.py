@@ -38,6 +38,18 @@ class _KernelCheck:
         # two kernels is one node; the program-wide table would point errors at the first kernel.
         self.where: dict[Node, Loc] = {}
 
+    def expr(self, e: ast.Expr, local: dict):
+        """`e` checked, each node it builds placed where this kernel writes it (`where`): an accumulator inside a
+        store's expression is pointed at, not the kernel."""
+        outer, self.c.locs = self.c.locs, {}
+        try:
+            return self.c.expr(e, local, defs_stack=())
+        finally:
+            built, self.c.locs = self.c.locs, outer
+            for node, loc in built.items():
+                self.where.setdefault(node, loc)
+                outer.setdefault(node, loc)
+
     def ok(self) -> bool:
         return len(self.errors.diagnostics) == self.before
 
@@ -130,7 +142,7 @@ class _KernelCheck:
                 if isinstance(stmt, ast.LoadStmt):
                     self.load(stmt, shell, loop is not None, sources, loads, local)
                 elif isinstance(stmt, ast.Stmt):
-                    value = self.c.expr(stmt.expr, local, defs_stack=())
+                    value = self.expr(stmt.expr, local)
                     if stmt.name in local:
                         self.error(stmt.loc, f"'{stmt.name}' is already defined in kernel '{decl.name}'")
                     local[stmt.name] = value
@@ -140,7 +152,7 @@ class _KernelCheck:
                         self.where.setdefault(value, stmt.expr.loc)
                 else:
                     self.storing = True
-                    value = self.c.expr(stmt.expr, local, defs_stack=())
+                    value = self.expr(stmt.expr, local)
                     tmap = self.tile_map(stmt.entries, loop_ok=False)
                     self.storing = False
                     if stmt.name in stored:
