@@ -178,6 +178,6 @@ class Tolerance:
         rtol = min(2 * e, widest(self.base))
         judged = check(got, ref, rtol, dtype, where) | {"rtol": rtol, "rounding": e}
         if not judged["passed"] and 2 * e > rtol:
-            judged["reason"] += (f"; its kernels' own roundings to their storage types alone move it by {e:.3g}, "
-                                 f"more than a check can allow ({rtol:g})")
+            judged["reason"] += (f"; its kernels' own roundings (their arithmetic's, and their storage types') alone "
+                                 f"move it by {e:.3g}, more than a check can allow ({rtol:g})")
         return judged

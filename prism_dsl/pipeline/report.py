@@ -59,8 +59,8 @@ def widened(output: Mapping, rtol: float) -> str:
     """For an output judged at a wider tolerance than `rtol`, the words that say so and why; else ""."""
     if output.get("rtol", rtol) <= rtol:
         return ""
-    what = (f"the {output['rounding']:.2e} that its kernels' own roundings alone make, of products' operands and "
-            f"stored tensors to their storage types")
+    what = (f"the {output['rounding']:.2e} that its kernels' own roundings alone make: their arithmetic in f32, and "
+            f"products' operands and stored tensors in their storage types")
     if output["rtol"] >= 2 * output["rounding"] * (1 - 1e-12):
         return f" (tolerance {output['rtol']:.2e}: twice {what})"
     lost = "" if output.get("passed") else ": they lose this output"
