@@ -11,6 +11,7 @@ Scratch directories of killed compiles are swept by the next compile beside them
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import keyword
 import os
@@ -139,10 +140,15 @@ def _sweep(parent: Path) -> None:
 
 
 def _swap_in(scratch: Path, out: Path) -> None:
-    """`scratch` becomes `out`: renamed into place, an existing `out` set aside first and removed after."""
+    """`scratch` becomes `out`: renamed into place, an existing `out` set aside first and removed after (also one
+    another compile into the same directory put there between the look and the rename)."""
     if not os.path.lexists(out):
-        os.rename(scratch, out)
-        return
+        try:
+            os.rename(scratch, out)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.isdir(out):
+                raise
     aside = out.parent / (files.scratch_prefix(f".{out.name}.") + "old-" + secrets.token_hex(4))
     os.rename(out, aside)
     try:
