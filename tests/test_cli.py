@@ -181,6 +181,11 @@ def test_run_and_show_refuse_to_write_over_what_they_read_or_twice_to_one_file(c
         code, _, err = prismc(capsys, *argv)
         assert code == 1 and message in err, err
     assert program.read_text() == Path(RMSNORM).read_text() and not (tmp_path / "a.npz").exists()
+    (tmp_path / "lib.prism").write_text("def sq(x) = x * x\n")
+    (tmp_path / "uses.prism").write_text('import "lib.prism"\ndims n = 4\nprogram u(X: f32[n]) {\n    Y = sq(X)\n'
+                                         "    return Y\n}\n")
+    code, _, err = prismc(capsys, "show", tmp_path / "uses.prism", "-o", tmp_path / "lib.prism")
+    assert code == 1 and "(-o): it is a file it imports (lib.prism)" in err
     assert prismc(capsys, "run", program, "--dims", "n=2,d=4", "--out", os.devnull, "--save-inputs", os.devnull)[0] == 0
 
 

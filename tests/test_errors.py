@@ -372,6 +372,23 @@ def test_the_words_that_begin_a_kernel_and_a_store_are_names_where_a_name_is_ass
             "    Z = Y + store\n    return Z\n}\n")
     program = load("words.prism", text).program()
     assert program.outputs[0][0] == "Z" and [k.op for k in program.nodes() if k.op == "kernel"] == ["kernel"]
+    tiles = ("dims n = 8, d = 64\nprogram k(X: f32[n, d], W: f32[d, d]) {\n    kernel k grid(x = gx) loop(F) {\n"
+             "        store = load X[:, loop]\n        kernel = load W[loop, x]\n"
+             "        store Y[:, x] = acc_sum(store @ kernel)\n    }\n    return Y\n}\n")
+    assert load("tiles.prism", tiles).program().outputs[0][0] == "Y"
+
+
+def test_a_def_called_in_two_kernels_places_each_kernels_errors_where_the_def_writes_them():
+    """The value of a def on the same tile is remembered per statement, so that the second kernel's errors are placed
+    where the first's are, in the def's body, not at the kernel's name."""
+    kernel = ("    kernel {0} grid(x = 1) loop(F) {{\n        xt = load X[:, loop]\n        store {1}[:, :] += h(xt)\n"
+              "    }}\n")
+    text = ("dims n = 8, d = 64\ndef h(a) = acc_sum(a) * a\nprogram p(X: f32[n, d]) {\n" + kernel.format("k1", "Y")
+            + kernel.format("k2", "Z") + "    return Y, Z\n}\n")
+    with pytest.raises(PrismError) as err:
+        load("two.prism", text)
+    assert {(d.loc.line, d.loc.col) for d in err.value.diagnostics} == {(2, 12)}, str(err.value)
+    assert "'Y' stores a value that changes" in str(err.value) and "'Z' stores a value that changes" in str(err.value)
 
 
 def test_short_chain_of_defs_is_fine(write, default_recursion_limit):

@@ -211,24 +211,22 @@ def test_a_compile_whose_check_fails_does_not_replace_a_verified_one(capsys, tmp
         assert code == 1 and "left as it was" not in text and (failed / "sqrt_Y.cu").is_file()
 
 
-def test_an_output_another_compile_makes_during_the_swap_is_replaced(tmp_path, monkeypatch):
-    """Two compiles into one new directory: the second finds none, the first makes it, the second's rename then
-    meets it; it is set aside and replaced as any earlier output is, not "directory not empty" after all the work."""
-    scratch, out = tmp_path / "scratch", tmp_path / "out"
-    scratch.mkdir()
-    (scratch / "new.txt").write_text("new")
-    looked = os.path.lexists
+def test_an_output_another_process_makes_during_the_swap_is_left_as_it_is(tmp_path, monkeypatch):
+    """Two compiles into one new directory: the second finds none, something makes it, the second's rename then
+    meets it. What it holds was never checked, so it is not replaced: a message, the scratch removed."""
+    out = tmp_path / "out"
+    swap, looked = output._swap_in, os.path.lexists
 
-    def meanwhile(path):
-        seen = looked(path)
-        if Path(path) == out and not seen and not out.exists():
-            out.mkdir()
-            (out / "old.txt").write_text("old")
-        return seen
+    def meanwhile(scratch, target):  # made after the swap looked for it
+        monkeypatch.setattr(output.os.path, "lexists", lambda path: Path(path) != target and looked(path))
+        target.mkdir()
+        (target / "thesis.tex").write_text("mine")
+        swap(scratch, target)
 
-    monkeypatch.setattr(output.os.path, "lexists", meanwhile)
-    output._swap_in(scratch, out)
-    assert sorted(p.name for p in out.iterdir()) == ["new.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    monkeypatch.setattr(output, "_swap_in", meanwhile)
+    with pytest.raises(output.PrismError, match="it was made while this compile ran"):
+        output.write(out, {"report.json": "{}"})
+    assert [p.name for p in out.iterdir()] == ["thesis.tex"] and scratch_beside(tmp_path) == []
 
 
 def test_abandoned_scratch_directories_are_swept(capsys, tmp_path):

@@ -138,6 +138,7 @@ def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
     (lambda d: _edit_report(d, dims={"n": 16, "d": 256}), "launcher.py' is not what prismc writes for the kernels of"),
     (lambda d: _edit_report(d, files="all"), "(missing or malformed: files)"),
     (lambda d: _edit_codegen(d, threads=0), "not what prismc compiles with: threads=0"),
+    (lambda d: _edit_codegen(d, ends=[5]), "not what prismc compiles with: ends=(5,)"),
     (lambda d: _edit_codegen(d, threads=-32, stages=0), "not what prismc compiles with: threads=-32, stages=0"),
     # the search's choice, which the report names for `prismc prove`: the program in the directory, lowered
     (lambda d: _as_best(d, lambda text: text), None),

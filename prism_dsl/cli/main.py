@@ -373,11 +373,12 @@ def cmd_run(args) -> int:
     from ..semantics.blocks import evaluate
     from ..semantics.reference import bind_dims, check_sizes, random_inputs
 
-    program = load(args.file).program(args.program)
+    source = load(args.file)
+    program = source.program(args.program)
     for target in filter(None, (args.out, args.save_inputs)):
         check_writable(target)
     check_apart({"--out": args.out, "--save-inputs": args.save_inputs},
-                {"the program's file": args.file, "--inputs": args.inputs})
+                {"--inputs": args.inputs, **_sources(source)})
 
     def vet(headers: dict) -> None:  # the .npz's shapes (arrays without data), before its data is read
         check_sizes(program, bind_dims(program, args.dims, headers))
@@ -441,6 +442,12 @@ def cmd_verify(args) -> int:
     return verify(args)
 
 
+def _sources(source) -> dict[str, str]:
+    """The files a command read its program from, by what each is (for `check_apart`)."""
+    root = str(Path(source.path).resolve())
+    return {"the program's file" if f == root else f"a file it imports ({Path(f).name})": f for f in source.files}
+
+
 def cmd_bench(args) -> int:
     from .bench import bench
 
@@ -451,10 +458,11 @@ def cmd_show(args) -> int:
     from ..lang.check import load
     from .show import render
 
-    program = load(args.file).program(args.program)
+    source = load(args.file)
+    program = source.program(args.program)
     if args.output not in (None, "-"):
         check_writable(args.output)
-        check_apart({"-o": args.output}, {"the program's file": args.file})
+        check_apart({"-o": args.output}, _sources(source))
     text, ok, note = render(program, args.dims, args.grid, args.loop, args.hardware, args.format)
     if args.output not in (None, "-"):
         write_bytes(args.output, text if isinstance(text, bytes) else text.encode())

@@ -266,7 +266,8 @@ def _unbuildable(config: CodegenConfig) -> list[str]:
            "stages": config.stages < 1,
            "arch": re.fullmatch(r"sm_\d{2,3}a?", config.arch) is None,
            **{name: getattr(config, name) < 1 for name in ("smem_limit", "sms", "flight", "smem_per_sm")},
-           "ends": not all(len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int and e[1] >= 1 for e in config.ends)}
+           "ends": not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int
+                           and e[1] >= 1 for e in config.ends)}
     return [f"{name}={getattr(config, name)!r}" for name, wrong in bad.items() if wrong]
 
 

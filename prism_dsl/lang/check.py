@@ -31,6 +31,7 @@ class Source:
     path: str
     dims: tuple[Dim, ...]
     programs: Mapping[str, Program]
+    files: tuple[str, ...] = ()  # every file read: this one and what it imports, resolved
 
     def program(self, name: str | None = None) -> Program:
         """The named program, or the only one when no name is given."""
@@ -49,7 +50,8 @@ class Source:
 def load(path: str | Path, text: str | None = None) -> Source:
     """Parse and check a .prism file (or `text`, named `path` in messages)."""
     errors = Collector()
-    module, scope = _load_module(Path(path), errors, stack=(), at=None, cache={}, text=text)
+    read: dict = {}  # by resolved path: each file's syntax tree and scope
+    module, scope = _load_module(Path(path), errors, stack=(), at=None, cache=read, text=text)
     programs: dict[str, Program] = {}
     if module is not None and not scope.incomplete:  # after a failed import, every name could be a follow-on error
         for item in module.items:
@@ -65,7 +67,7 @@ def load(path: str | Path, text: str | None = None) -> Source:
                                      "files, and `prismc prove` takes rules with --rules")
     errors.raise_if_any()
     dims = tuple(Dim(dim_symbol(d.name), d.value) for d in scope.dims.values())
-    return Source(str(path), dims, programs)
+    return Source(str(path), dims, programs, tuple(str(f) for f in read))
 
 
 def _load_module(path: Path, errors: Collector, stack: tuple[Path, ...], at: Loc | None, cache: dict,

@@ -42,10 +42,11 @@ class _KernelCheck:
         """`e` checked, each node it builds placed where this kernel writes it (`where`): an accumulator inside a
         store's expression is pointed at, not the kernel."""
         outer, self.c.locs = self.c.locs, {}
+        calls, self.c.calls = self.c.calls, {}  # a def's value remembered elsewhere would not be placed here
         try:
             return self.c.expr(e, local, defs_stack=())
         finally:
-            built, self.c.locs = self.c.locs, outer
+            built, self.c.locs, self.c.calls = self.c.locs, outer, calls
             for node, loc in built.items():
                 self.where.setdefault(node, loc)
                 outer.setdefault(node, loc)

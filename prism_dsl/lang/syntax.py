@@ -62,6 +62,8 @@ SYNTAX_ERRORS: dict[str, list[str]] = {
         "def f(x) = x +",
         "def f(x) = x *",
         "def f(x) = ",
+        "program p(X: f16[n]) { store = \n return X }",
+        "program p(X: f16[n]) { kernel = \n return X }",
     ],
     "a program must end with 'return NAME, ...'": [
         "program p(X: f16[n]) { Y = X }",
@@ -97,6 +99,12 @@ SYNTAX_ERRORS: dict[str, list[str]] = {
         "program p(X: f16[n]) { kernel k grid(x = 1) { t = load X } return X }",
         "program p(X: f16[n]) { kernel k grid(x = 1) { store Y = X } return X }",
         "program p(X: f16[n]) { kernel k grid(x = 1) { return X } return X }",
+    ],
+    "outside a kernel, 'store' is a name ('store = expression'); 'store NAME[map] = ...' is written in a kernel": [
+        "program p(X: f16[n]) { store Y[:] = X\n return X }",
+        "program p(X: f16[n]) { store Y = X\n return X }",
+        "program p(X: f16[n]) { A = X\n store Y[:] = X\n return A }",
+        "program p(X: f16[n]) { store\n return X }",
     ],
     "a statement is 'NAME = expression'": [
         "program p(X: f16[n]) { exp(X) return X }",

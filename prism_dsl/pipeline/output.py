@@ -139,16 +139,22 @@ def _sweep(parent: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+class _Raced(Exception):
+    """`out` appeared between `check_output` and the rename: another process wrote it meanwhile."""
+
+
 def _swap_in(scratch: Path, out: Path) -> None:
-    """`scratch` becomes `out`: renamed into place, an existing `out` set aside first and removed after (also one
-    another compile into the same directory put there between the look and the rename)."""
+    """`scratch` becomes `out`: renamed into place, an existing `out` set aside first and removed after. An `out`
+    that appears between the look and the rename (another compile into the same new directory) is left as it is:
+    what it holds was not checked (`check_output`), so it is not removed (`_Raced`)."""
     if not os.path.lexists(out):
         try:
             os.rename(scratch, out)
             return
         except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.isdir(out):
-                raise
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise _Raced from None
+            raise
     aside = out.parent / (files.scratch_prefix(f".{out.name}.") + "old-" + secrets.token_hex(4))
     os.rename(out, aside)
     try:
@@ -204,3 +210,7 @@ def write(out: Path, texts: Mapping[str, str]) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
     except OSError as e:
         raise PrismError(f"cannot write to '{shown}': {files.describe(e)}") from None
+    except _Raced:
+        raise PrismError(f"cannot write to '{shown}': it was made while this compile ran (another prismc writing the "
+                         "same directory?); it is left as it is, and nothing of this compile was written: run it "
+                         "again") from None
