@@ -299,6 +299,19 @@ def test_a_kernel_on_tensor_cores_is_held_to_the_roundings_it_cannot_avoid(tmp_p
     assert "(tolerance " in capsys.readouterr().out
 
 
+@needs_cxx
+def test_an_f32_layer_norm_of_rows_far_from_zero_meets_f32s_tolerance(tmp_path, capsys):
+    """Split in two kernels, the second adds 256 piece means near 1000: one running f32 sum lost 4.1e-4 of the
+    centred values, past 2e-4; eight interleaved sums added pairwise (`ctext.reduction`) lose 9e-5."""
+    path = tmp_path / "far.prism"
+    path.write_text("dims n = 4, d = 16384\nprogram far(X: f32[n, d]) {\n    Y = layer_norm(X + 1000.0, 1e-5)\n"
+                    "    return Y\n}\n")
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "--search", "none", "--arch", "none", "-o", str(out)]) == 0, capsys.readouterr()
+    y = json.loads((out / "report.json").read_text())["checked"]["emulation"]["outputs"]["Y"]
+    assert y["rtol"] == 2e-4 and y["max_rel_err"] < 1.5e-4 and "part[p] += " in (out / "layer_norm_Y.cu").read_text()
+
+
 def test_a_reference_holding_nan_is_counted_over_the_callers_part():
     """Of a tensor built larger than the caller's (`where`: its part), the NaN the message counts are the part's."""
     ref = np.zeros((4, 3))

@@ -44,7 +44,8 @@ from ..kernels.lifetimes import AFTER, in_use
 from ..kernels.position import causal_loop, longest_first, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
-from .ctext import CTYPE, INT_MAX, address, block_names, comment, decompose, ident, offset, tensor_name, xor_column
+from .ctext import (CTYPE, INT_MAX, address, block_names, comment, decompose, ident, offset, reduction, tensor_name,
+                    xor_column)
 from .copies import TensorMap, load_step, tma_copies
 from .launch import CodegenConfig, dot_lanes, flash_values, layout, stage_elements
 from .row_parts import RowParts, held_in_registers
@@ -273,10 +274,8 @@ class Emitter(TensorCoreSteps, RowParts):
         def body(idx):
             inner = list(idx)
             inner[dim] = "r"
-            term = self.read(x, inner)
-            fold = f"acc = prism::max_(acc, {term});" if node.op == "max" else f"acc += {term};"
             result = f"acc / real({length})" if node.op == "mean" else "acc"
-            return [f"real acc = {init};", f"for (int r = 0; r < {length}; ++r) {fold}", f"{dst}[e] = {result};"]
+            return [*reduction(node.op, length, self.read(x, inner), init), f"{dst}[e] = {result};"]
 
         return self.elements(self.shape(node), body, self.describe(node))
 

@@ -115,8 +115,12 @@ extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(
         // sum(wt, -2)  [1, 64]
         if (const int e = PRISM_TID; e < 64) {
             const int i1 = e;
-            real acc = 0.0f;
-            for (int r = 0; r < 64; ++r) acc += prism::to_f(s_wt[r * 72 + i1]);
+            real part[8] = {};
+            for (int r8 = 0; r8 < 64; r8 += 8) {
+            #pragma unroll
+                for (int p = 0; p < 8; ++p) { const int r = r8 + p; part[p] += prism::to_f(s_wt[r * 72 + i1]); }
+            }
+            const real acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
             s_v5[e] = acc;
         }
         __syncthreads();
