@@ -8,7 +8,8 @@ With `--program`, any program instead, at its dims, compiled as written (each op
 a kernel of its own, `kernels.lower`): what its kernels' roundings, and nothing else, cost each output on the
 compiler's check inputs (seed 0, as `prismc compile` and the GPU check take them): every product's operands and
 every tensor a kernel stores rounded to their storage types, and every operation in f32 as the kernels compute
-(`reference.arithmetic`); and the tolerance the checks then judge it at (`compare.Tolerance`). A program the search fuses differently is measured on its own form by `prismc compile`.
+(`reference.arithmetic`); and the tolerance the checks then judge it at (`compare.Tolerance`). A program the
+search fuses differently is measured on its own form by `prismc compile`.
 
 The RoPE'd queries and keys go to the tensor cores in the storage type, and so do online softmax's
 probabilities; the output is stored in it. Everything else is float64 here. Inputs are the compiler's own

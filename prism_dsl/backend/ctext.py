@@ -161,6 +161,7 @@ def reduction(op: str, length: int, term: str, init: str) -> list[str]:
         parts = [f"({a} + {b})" for a, b in zip(parts[::2], parts[1::2])]
     whole = length - length % SUM_PARTS  # each part indexed by a constant once unrolled: registers, not the stack
     tail = [f"for (int r = {whole}; r < {length}; ++r) part[0] += {term};"] if whole < length else []
-    return [f"real part[{SUM_PARTS}] = {{}};", f"for (int r{SUM_PARTS} = 0; r{SUM_PARTS} < {whole}; r{SUM_PARTS} += {SUM_PARTS}) {{",
-            "#pragma unroll", f"    for (int p = 0; p < {SUM_PARTS}; ++p) {{ const int r = r{SUM_PARTS} + p; part[p] += {term}; }}",
+    step = f"r{SUM_PARTS}"
+    return [f"real part[{SUM_PARTS}] = {{}};", f"for (int {step} = 0; {step} < {whole}; {step} += {SUM_PARTS}) {{",
+            "#pragma unroll", f"    for (int p = 0; p < {SUM_PARTS}; ++p) {{ const int r = {step} + p; part[p] += {term}; }}",
             "}", *tail, f"const real acc = {parts[0][1:-1]};"]
