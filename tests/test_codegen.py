@@ -1131,6 +1131,7 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     (["--threads", "100"], "argument --threads: expected a multiple of 32 up to 1024, got '100'", 2),
     (["--threads", "2048"], "argument --threads: expected a multiple of 32 up to 1024, got '2048'", 2),
     (["--hardware", "b200"], "argument --hardware: unknown hardware 'b200' (known: a100, h100, h200)", 2),
+    (["--no-emulate", "--sanitize", "thread"], "--sanitize thread runs the emulation, which --no-emulate leaves out", 2),
     pytest.param(["--arch", "sm_12"], "this nvcc does not compile for sm_12 (--arch)", 1, marks=needs_nvcc),
 ])
 def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message, code):
@@ -1175,6 +1176,17 @@ def test_measuring_on_a_gpu_the_hardware_file_does_not_describe_is_refused(tmp_p
     monkeypatch.setattr(pipeline_compile.cuda_runtime, "gpu_status", lambda: (False, "no CUDA device found"))
     with pytest.raises(PrismError, match="needs a usable CUDA GPU: no CUDA device found; use --rank model"):
         pipeline_compile.check_device(H100)
+
+
+@needs_nvcc
+def test_a_kernel_on_wgmma_is_not_said_to_compile_for_archs_it_was_not_compiled_for(tmp_path, capsys):
+    """`--arch sm_80` alone: a wgmma kernel compiles for no arch asked, so nvcc checked nothing; said, exit 1."""
+    args = ["compile", str(ROOT / "programs/fused/attention.prism"), "--dims", "b=1,h=2,q=128,kv=256,dh=64", "--grid",
+            "z=1", "--no-emulate", "-o", str(tmp_path / "out")]
+    assert main([*args, "--arch", "sm_80"]) == 1
+    assert "flash_attention runs on wgmma, which needs sm_90 (compiled as sm_90a), and --arch sm_80" in capsys.readouterr().err
+    assert main([*args, "--arch", "sm_80", "--no-wgmma"]) == 0
+    assert "nvcc: every kernel compiles for sm_80" in capsys.readouterr().out
 
 
 def test_bench_needs_a_gpu(capsys, monkeypatch):

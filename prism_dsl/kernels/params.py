@@ -49,8 +49,9 @@ def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sy
             best, best_key = dict(zip(free, values)), key
     if best is None:
         given = "".join(f", {s} = {v}" for s, v in fixed.items())
+        tried = ", ".join(f"{s} = {last_problem[s]}" for s in free) if last_problem else ""
         raise PrismError("no choice of " + ", ".join(str(s) for s in free) + (f" (with{given[1:]} as given)" if given else "")
-                         + " satisfies the constraints:\n  "
+                         + " satisfies the constraints" + (f"; at the last one tried, {tried}" if tried else "") + ":\n  "
                          + "\n  ".join([v for k in kernels_of(program) for c in constraints(k, hardware)
                                         if (v := c.violation(last_problem))] if last_problem else ["no candidates"]))
     return best

@@ -32,7 +32,7 @@ from ..backend import emulate as emulator
 from ..backend.codegen import CodegenConfig, RenderedKernel, render_kernel
 from ..backend.copies import in_place
 from ..backend.cost import Estimate
-from ..backend.nvcc import nvcc_check, nvcc_path, write_sources
+from ..backend.nvcc import kernel_arch, nvcc_check, nvcc_path, write_sources
 from ..backend.tails import in_launch, render_launch
 from ..base import files
 from ..base.errors import PrismError
@@ -215,6 +215,9 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...], pri
         return None, {}
     if not nvcc_path():
         return Skipped("nvcc is not on the PATH"), {}
+    if none := [k.name for k in kernels if all(kernel_arch(k, a) is None for a in archs)]:  # nothing would be checked
+        raise PrismError(f"{', '.join(none)} {'runs' if len(none) == 1 else 'run'} on wgmma, which needs sm_90 (compiled "
+                         f"as sm_90a), and --arch {','.join(archs)} has no such arch: add sm_90, or compile with --no-wgmma")
     with files.temp_scratch("nvcc") as workdir:
         figures = nvcc_check(kernels, workdir, archs, None if priced is None else (priced,))
     bad = [(f"{k} ({a})", r["stderr"]) for k, per in figures.items() for a, r in per.items() if not r["ok"]]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
-from ..backend import cuda_runtime, roofline
+from ..backend import cost, cuda_runtime, roofline
 from ..backend.codegen import RenderedKernel
 from ..base.errors import PrismError
 from ..ir.nodes import Program
@@ -299,7 +299,8 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                                                           **dims_of(built), **built.padded})},
                                     built.hardware),  # the parameters too: an output's shape may hold a grid size
                   None if gpu is None else _us(gpu.timing_ms), nvcc, checked, chosen.proved, seconds, files,
-                  chosen.searched, dict(vars(chosen.options.codegen)), pricing(built, nvcc, chosen.options.archs),
+                  chosen.searched, dict(vars(cost.for_hardware(chosen.options.codegen, built.hardware))),  # as applied
+                  pricing(built, nvcc, chosen.options.archs),
                   counted if isinstance(counted, Skipped) else None, dict(built.padded),
                   bool(built.padded) and chosen.options.padded_inputs, None, tuple(sorted(built.in_place)),
                   tuple(n.attr for n in built.program.inputs if "used" in tensors[n.attr]),
