@@ -71,17 +71,25 @@ def jobs(text: str) -> int:
     return min(positive_int(text), default_jobs())
 
 
+ARCH = re.compile(r"sm_\d{2,3}a?")  # an architecture's name, as nvcc takes it (sm_90, sm_90a, sm_80...)
+
+
+def whole_warps(n: int) -> bool:
+    """Whether `n` threads make a block: whole warps, at most 1024 (CUDA's block limit)."""
+    return 32 <= n <= 1024 and n % 32 == 0
+
+
 def threads(text: str) -> int:
-    """--threads: a whole number of warps, at most 1024 threads (CUDA's block limit)."""
-    if not _is_int(text) or not 32 <= int(text) <= 1024 or int(text) % 32:
+    """--threads: a block's threads (`whole_warps`)."""
+    if not _is_int(text) or not whole_warps(int(text)):
         raise argparse.ArgumentTypeError(f"expected a multiple of 32 up to 1024, got {clip(text)!r}")
     return int(text)
 
 
 def archs(text: str) -> tuple[str, ...]:
-    """--arch: architecture names (sm_90, sm_90a, sm_80...), comma-separated, or none."""
+    """--arch: architecture names (`ARCH`), comma-separated, or none."""
     names = tuple(a.strip() for a in text.split(","))
-    bad = [a for a in names if not re.fullmatch(r"sm_\d{2,3}a?|none", a)]
+    bad = [a for a in names if a != "none" and not ARCH.fullmatch(a)]
     if bad or not text.strip():
         raise argparse.ArgumentTypeError(f"expected names like sm_90 or sm_80, or none, got {clip(', '.join(map(repr, bad or [''])))}")
     return tuple(a for a in names if a != "none")

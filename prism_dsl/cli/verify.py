@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import replace
 from pathlib import Path
-
-import numpy as np
 
 from ..backend import emulate as emulator
 from ..backend.codegen import HEADER, CodegenConfig
@@ -39,7 +36,8 @@ from ..pipeline import padding
 from ..pipeline.build import (BuildOptions, build, callers_part, check_inputs, dims_of, padded_inputs,
                               plan_of, price, reference_outputs, tolerance_of, tune)
 from ..pipeline.report import EmulationCheck, overflowed, widened
-from ..semantics.reference import bind_dims, check_sizes
+from ..semantics.reference import bind_dims, check_sizes, require_floats
+from .values import ARCH, whole_warps
 
 def _well_formed(report) -> list[str]:
     """What of a report.json verify needs is missing or malformed (names of keys)."""
@@ -125,8 +123,10 @@ def _given(path: str, built) -> dict:
 
     def vet(headers):  # each shape as the launcher takes it (`cuda_plan.padded`), or its message
         for name, a in headers.items():
-            if not np.issubdtype(a.dtype, np.floating):  # as `reference.check_input` says it where nothing is padded
-                raise PrismError(f"{path}: input '{name}' should hold floats, got {a.dtype}")
+            try:
+                require_floats(name, a)  # as where nothing is padded (`reference.check_input`)
+            except PrismError as e:
+                raise PrismError(f"{path}: {e}") from None
             try:
                 cuda_plan.padded(plan[name], name, a.shape, PrismError)
             except PrismError as e:
@@ -262,9 +262,9 @@ def _codegen(report: dict) -> CodegenConfig:
 
 def _unbuildable(config: CodegenConfig) -> list[str]:
     """The options of `config` that no compile gives (as `prismc compile` bounds --threads and --stages)."""
-    bad = {"threads": config.threads % 32 or not 32 <= config.threads <= 1024,
+    bad = {"threads": not whole_warps(config.threads),
            "stages": config.stages < 1,
-           "arch": re.fullmatch(r"sm_\d{2,3}a?", config.arch) is None,
+           "arch": ARCH.fullmatch(config.arch) is None,
            **{name: getattr(config, name) < 1 for name in ("smem_limit", "sms", "flight", "smem_per_sm")},
            "ends": not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int
                            and e[1] >= 1 for e in config.ends)}

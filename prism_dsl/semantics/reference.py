@@ -291,8 +291,13 @@ def check_input(node: Node, arr: np.ndarray, binding: Binding) -> None:
         raise PrismError(
             f"input '{node.attr}' should have shape {list(expected)} ({sym}), got {list(np.shape(arr))}"
         )
+    require_floats(node.attr, arr)
+
+
+def require_floats(name: str, arr) -> None:
+    """Input `name`'s array must hold floats (an int or bool array is a mistake, not a value to convert)."""
     if not np.issubdtype(np.asarray(arr).dtype, np.floating):
-        raise PrismError(f"input '{node.attr}' should hold floats, got {np.asarray(arr).dtype}")
+        raise PrismError(f"input '{name}' should hold floats, got {np.asarray(arr).dtype}")
 
 
 def held(name: str, arr: np.ndarray, dtype: DType | None) -> np.ndarray:
