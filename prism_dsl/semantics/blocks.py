@@ -20,13 +20,14 @@ import sympy
 from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate_program
+from ..kernels.fusion import compute_dtype
 from ..kernels.hardware import load_hardware
 from ..kernels.kernel import TileMap, after_loop, free_symbols, stored_dtype
 from ..kernels.masking import given_end
 from ..kernels.params import complete
 from ..kernels.position import causal_loop, loop_end, placed, start, whole
 from ..ir.ops import OPS, Kind
-from .reference import apply, arithmetic, bind_dims, evaluate_nodes, quantize
+from .reference import apply, bind_dims, evaluate_nodes, quantize
 
 
 def _slices(full: tuple[int, ...], tile: tuple[int, ...], tmap: TileMap, grid: Mapping[str, int],
@@ -50,6 +51,7 @@ def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False,
     gave, by name, with those sizes: each fold takes its elements past them as its identity, `kernels.masking`)."""
     k = c.kernel
     body = k.body()
+    arith = compute_dtype(k)  # what `rounded` computes the body in, as the kernel does
     accs = [n for n in body if OPS[n.op].kind is Kind.ACCUMULATE]
     after = after_loop(body)
     in_loop = [n for n in body if n not in after and OPS[n.op].kind is not Kind.ACCUMULATE]
@@ -65,7 +67,7 @@ def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False,
         if n.op == "causal":
             return _causal(c, n, values[n.args[0]], block, i, n in after)
         if n.op != "tile":
-            return apply(n, [values[a] for a in n.args], rounded)
+            return apply(n, [values[a] for a in n.args], rounded, arith)
         load = tiles[n.attr]
         src = operands[load.source]
         return src[_slices(src.shape, c.shape(n), load.map, grid, block, i)]
@@ -82,7 +84,7 @@ def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False,
                 for n in accs:
                     operands_ = [_masked(c, n, values[n.args[0]], ends, block, i), *(values[a] for a in n.args[1:])]
                     states[n] = ACCUMULATORS[n.op].advance(states.get(n), *operands_)
-                    if rounded and arithmetic(n) is DType.F32:  # the running state is held in f32 registers
+                    if rounded and arith is DType.F32:  # the running state is held in f32 registers
                         states[n] = tuple(quantize(np.asarray(v, dtype=np.float64), DType.F32) for v in states[n])
             for n in accs:
                 values[n] = ACCUMULATORS[n.op].value(states[n])

@@ -141,23 +141,25 @@ def concrete_shape(shape, binding: Binding) -> tuple[int, ...]:
     return tuple(int(s.xreplace(binding)) if isinstance(s, sympy.Basic) else int(s) for s in shape)
 
 
-def apply(node: Node, args: list[np.ndarray], rounded: bool = False) -> np.ndarray:
+def apply(node: Node, args: list[np.ndarray], rounded: bool = False, kernel_arithmetic: DType | None = None
+          ) -> np.ndarray:
     """One node's value from its operands' values, in float64. `rounded`: a product's operands are first
-    rounded to their storage dtypes, as tensor cores take them, and the arithmetic is a kernel's (`evaluate_nodes`)."""
+    rounded to their storage dtypes, as tensor cores take them, and the arithmetic is a kernel's (`evaluate_nodes`):
+    `kernel_arithmetic`, that of the kernel the node is in (`kernels.fusion.compute_dtype`), else `arithmetic`'s."""
     if node.op == "const":
         return np.float64(node.attr)
     if rounded and node.op == "matmul":
         args = [quantize(np.asarray(a, dtype=np.float64), n.dtype) for a, n in zip(args, node.args)]
     extra = node.attr if OPS[node.op].kind in (Kind.SPLIT, Kind.CONCAT, Kind.TRANSPOSE) else ((node.attr,) if node.attr is not None else ())
-    if rounded and arithmetic(node) is DType.F32:  # operands, result and NumPy's own steps (a product's sums) in f32
+    if rounded and (kernel_arithmetic or arithmetic(node)) is DType.F32:  # operands, result and NumPy's own steps (a product's sums) in f32
         single = NUMPY[node.op](*(np.asarray(a, dtype=np.float32) for a in args), *extra)
         return np.asarray(single, dtype=np.float32).astype(np.float64)
     return np.asarray(NUMPY[node.op](*args, *extra), dtype=np.float64)
 
 
 def arithmetic(node: Node) -> DType:
-    """The type a kernel computes `node` in: f32, or f64 where it or an operand is f64 (`kernels.fusion.compute_dtype`
-    decides it per kernel: one f64 tensor makes all of its arithmetic f64, which this, per node, may count as f32)."""
+    """The type a kernel computes `node` in, where the kernel is not known: f32, or f64 where it or an operand is f64
+    (`kernels.fusion.compute_dtype` decides it per kernel, from the same dtypes over the kernel's body)."""
     return DType.F64 if DType.F64 in (node.dtype, *(a.dtype for a in node.args)) else DType.F32
 
 
