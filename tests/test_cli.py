@@ -412,6 +412,29 @@ def test_subprocess_interrupted_while_loading_or_running(when, tmp_path):
     assert proc.returncode == 130 and err.strip() == "prismc: interrupted", err
 
 
+def test_interrupt_inside_code_that_c_called_is_an_interruption(capsys, monkeypatch):
+    """A Ctrl-C in a __hash__ that a C function called (SymPy's, while np.matmul multiplies symbols) reaches
+    Python as a SystemError caused by the KeyboardInterrupt: said as an interruption; other SystemErrors are not."""
+    import prism_dsl.cli.main as cli
+
+    def interrupted_in_c(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise SystemError("<function Basic.__hash__> returned a result with an exception set") from e
+
+    monkeypatch.setattr(cli, "cmd_check", interrupted_in_c)
+    code, _, err = prismc(capsys, "check", "programs/attention.prism")
+    assert code == 130 and err.strip() == "prismc: interrupted"
+
+    def broken(args):
+        raise SystemError("something else")
+
+    monkeypatch.setattr(cli, "cmd_check", broken)
+    with pytest.raises(SystemError, match="something else"):
+        prismc(capsys, "check", "programs/attention.prism")
+
+
 # -- one flag for the hardware; renamed flags --------------------------------------------------------------
 
 

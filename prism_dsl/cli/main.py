@@ -197,6 +197,12 @@ def _rule_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-default-rules", action="store_true", help="do not load the default library in rules/")
 
 
+def _from_interrupt(e: BaseException) -> bool:
+    while e is not None and not isinstance(e, KeyboardInterrupt):
+        e = e.__cause__ or e.__context__
+    return e is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -221,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         print("prismc: not enough memory at these sizes; choose smaller dims with --dims", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:
+        print("prismc: interrupted", file=sys.stderr)
+        return 130
+    except SystemError as e:  # a Ctrl-C inside Python code that C called (SymPy's __hash__ under np.matmul) comes so
+        if not _from_interrupt(e):
+            raise
         print("prismc: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `prismc rules | head`: the reader has gone; stop quietly
