@@ -27,6 +27,7 @@ SHAPE_TRIES = 4000  # random shape draws per direction of a rule
 SHAPE_INSTANCES = 40  # well-formed shape instances whose result shapes are compared, per direction
 SPLIT_INSTANCES = 150  # for rules over splits, whose wrong cases need particular dims and sizes
 INSTANCES = 12  # of those, instances whose values are compared (more when the dims need them)
+BROADCAST_INSTANCES = 16  # and at most this many more, one for each way of broadcasting not among them
 SMALL_SIZES = (2, 3, 4, 5)
 LARGE_SIZES = (6, 7, 8, 11, 13, 16, 17, 23, 32, 64)  # primes and powers of two beyond the small sizes
 MAX_LARGE = 2  # large dims per instance, so that a tensor stays small
@@ -292,13 +293,21 @@ def ones(rule: Rule, inst: Instance) -> int:
     return sum(_size(shape, d) == 1 for shape in inst.shapes.values() for d in looked)
 
 
+def broadcast_pattern(inst: Instance) -> tuple:
+    """Which dims of each variable are 1: where broadcasting happens, and the only thing about a shape that can
+    make a rule true at one instance and false at another of the same ranks (causal(a + b) against
+    causal(a) + b differs only where a has one row and b more)."""
+    return tuple((v, tuple(s == 1 for s in shape)) for v, shape in sorted(inst.shapes.items()))
+
+
 def for_values(rule: Rule, found: list[Instance], limit: int = INSTANCES) -> list[Instance]:
     """The instances whose values are compared.
 
     First one for every value each dim variable takes among the instances (a rule false only at a deep
     dim shows), then those with the fewest size-1 dims and scalars, where a wrong rule shows (a size-1
-    factor hides the difference between a sum of products and a product of sums), and the two smallest,
-    where broadcasting by size-1 dims is exercised.
+    factor hides the difference between a sum of products and a product of sums), and the two smallest;
+    then one of every way the variables broadcast (`broadcast_pattern`) not among those yet, up to
+    BROADCAST_INSTANCES more, where a rule wrong only when one operand broadcasts shows.
     """
     if len(found) <= limit:
         return found
@@ -315,7 +324,15 @@ def for_values(rule: Rule, found: list[Instance], limit: int = INSTANCES) -> lis
             break
         if inst not in chosen:
             chosen.append(inst)
-    return chosen + [i for i in found[-2:] if i not in chosen]
+    chosen += [i for i in found[-2:] if i not in chosen]
+    seen = {broadcast_pattern(i) for i in chosen}
+    for inst in reversed(found):  # the smallest first: they cost least
+        if len(chosen) >= limit + BROADCAST_INSTANCES:
+            break
+        if broadcast_pattern(inst) not in seen:
+            chosen.append(inst)
+            seen.add(broadcast_pattern(inst))
+    return chosen
 
 
 # -- values --------------------------------------------------------------------------------------------
