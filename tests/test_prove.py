@@ -53,6 +53,8 @@ EQUAL = [
     ("sub_as_add", "A - B", "A + -1 * B"),
     ("fraction_sum", "A / sum(B, -1) + B / sum(B, -1)", "(A + B) / sum(B, -1)"),
     ("exp_sub", "exp(A - B)", "exp(A) / exp(B)"),
+    ("add_twice", "X @ W + X @ W", "(X * 2) @ W"),
+    ("add_twice_inside", "sum(A, -1) + sum(A, -1)", "sum(2 * A, -1)"),
 ]
 
 NOT_EQUAL = [
@@ -62,6 +64,7 @@ NOT_EQUAL = [
     ("sum_of_product", "sum(A * B, -1)", "sum(A, -1) * sum(B, -1)"),
     ("softmax_wrong_dim", "softmax(A)", "exp(A) / sum(exp(A), -2)"),
     ("doubled", "(X @ W) @ U", "X @ W @ U + X @ W @ U"),
+    ("tripled", "A + A + A", "2 * A"),
 ]
 
 
@@ -156,14 +159,36 @@ def test_signature_and_shape_mismatches_are_user_errors(tmp_path):
         prove(a, load(tmp_path / "h.prism").program(), DEFAULT)
 
 
+def test_outputs_of_different_shapes_are_not_equal_with_no_note_on_numbers(tmp_path, capsys):
+    path = tmp_path / "p.prism"
+    path.write_text("dims n = 4, d = 6\n" + "".join(
+        f"program {p}(X: f32[2, n, d], Y: f32[2, n, d]) {{\n    Z = sum({e})\n    return Z\n}}\n"
+        for p, e in (("a", "X + Y, 0"), ("b", "Y + X, -2"))))
+    assert main(["prove", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "not equal: output 'Z' has shape [1, n, d] but 'Z' has [2, 1, d]" in out and "note:" not in out
+
+
 def test_a_proof_of_numerically_different_programs_is_refused(tmp_path):
     # An unsound axiom smuggled past the soundness check (it is never run here) proves a wrong pair;
     # the numeric guard in prove catches it and blames the axioms.
     bad = tmp_path / "bad.rules"
     bad.write_text("ruleset bad {\n    # wrong on purpose\n    rule exp_add_wrong: exp(a + b) => exp(a) + exp(b)\n}\n")
     a, b = programs(tmp_path, "exp(A + B)", "exp(A) + exp(B)")
-    with pytest.raises(PrismError, match="unsound"):
+    with pytest.raises(PrismError, match="unsound") as e:
         prove(a, b, load_library([bad]))
+    # the user's rules the proof used are named, where they are
+    assert f"these are not the default library's: 'exp_add_wrong' ({bad}:3:10)" in str(e.value)
+
+
+def test_a_proof_that_float64_cannot_follow_is_not_blamed_on_a_users_rule(tmp_path):
+    """exp(X - 1000) is 0 in float64, so the unstable form is 0 / 0 where softmax is defined: the proof rests
+    on the default library alone, and the message says float64 is the likelier cause."""
+    a, b = programs(tmp_path, "softmax(A - 1000.0)", "exp(A - 1000.0) / sum(exp(A - 1000.0), -1)")
+    with pytest.raises(PrismError) as e:
+        prove(a, b, DEFAULT)
+    message = str(e.value)
+    assert "one is not finite where the other is" in message and "uses only the default library's axioms" in message
 
 
 def test_unsound_rules_file_is_rejected_by_prove(tmp_path, capsys):
@@ -263,7 +288,8 @@ def test_a_difference_no_smaller_inputs_remove_is_not_taken_for_overflow(tmp_pat
         library = load_library([tmp_path / "mine.rules"], defaults=True)
     a, b = programs(tmp_path, lhs, rhs, signature="X: f32[n, d], A: f32[n, d], B: f32[n, d]",
                     header="dims n = 8, d = 8\n")
-    with pytest.raises(PrismError, match="differ numerically .* some axiom in use is unsound"):
+    words = "some axiom in use is unsound .*'div_self'" if rules else "uses only the default library's axioms"
+    with pytest.raises(PrismError, match=f"differ numerically .*{words}.*a division by zero that a rule cancels"):
         prove(a, b, library)
 
 

@@ -309,7 +309,7 @@ def load_rules(files: list[str], *, defaults: bool):
 
 def cmd_prove(args) -> int:
     from ..lang.check import load
-    from ..prove.prover import prove
+    from ..prove.prover import SHAPES_DIFFER, prove
     from ..prove.soundness import NUMERIC_ONLY
 
     first, second = _pair(args, load)
@@ -320,7 +320,7 @@ def cmd_prove(args) -> int:
     for pair in proof.pairs:
         label = pair.name if pair.name == pair.other else f"{pair.name} vs {pair.other}"
         print(f"{'proved' if pair.proved else 'not proved'}: {label}")
-    if proof.numeric_gap is None:
+    if proof.numeric_gap is None and proof.numeric_why != SHAPES_DIFFER:
         why = proof.numeric_why or "none could be evaluated"
         print(f"note: no numeric cross-check at any of the sizes tried: {why}")
     if proof.proved:

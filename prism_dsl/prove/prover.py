@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from .patterns import unlike_non_finite
 from ..ir.ops import MAX_RANK
 from ..semantics.blocks import evaluate
 from ..semantics.reference import concrete_shape, random_inputs
-from .rules import Library, Rule
+from .rules import Library, Rule, default_files
 from ..ir.shapes import fmt_shape, same_shape
 
 NUMERIC_DIM_CAP = 24  # numeric evidence is taken at small sizes: it is a guard, not the proof
@@ -36,6 +37,7 @@ GUARD_PRIMES = (5, 3, 7, 2, 11, 13, 17, 19, 23)
 GUARD_SINGLE_ONES = 6  # programs with at most this many dims are also compared with each dim alone at 1
 GUARD_ELEMENTS = 1 << 18  # the declared sizes are compared when the inputs hold at most this many elements
 GUARD_HALVINGS = 8  # an element defined differently on the two sides is looked at again at inputs halved, to 1/256
+SHAPES_DIFFER = "not needed: the outputs' shapes differ"  # `Proof.numeric_why` where no numbers were compared so
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,8 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
     pairs = pair_outputs(a, b)
     mismatch = _shape_mismatch(a, b, pairs)
     if mismatch:
-        return Proof(False, tuple(Pair(x, y, False) for x, y in pairs), f"not equal: {mismatch}")
+        return Proof(False, tuple(Pair(x, y, False) for x, y in pairs), f"not equal: {mismatch}",
+                     numeric_why=SHAPES_DIFFER)
     evidence = numeric_evidence(a, b, pairs) if numeric else Evidence(None)
     program, _ = compile_library(library)
     # Custom kernels become terms over whole tensors with layout operators (`layout`); the layout
@@ -252,11 +255,10 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
         numeric_why=evidence.why,
     )
     if proved and evidence.gap is not None and evidence.gap > 1e-6:
-        raise PrismError(
-            f"the rules prove '{a.name}' equal to '{b.name}', but they differ numerically at {evidence.at} "
-            f"(relative difference {evidence.gap:.3g}): some axiom in use is unsound, or one of the two loses to "
-            "float64 rounding what the other keeps (a large constant added and taken away again)"
-        )
+        differ = ("one is not finite where the other is, at every scale of the inputs tried" if math.isinf(evidence.gap)
+                  else f"relative difference {evidence.gap:.3g}")
+        raise PrismError(f"the rules prove '{a.name}' equal to '{b.name}', but they differ numerically at "
+                         f"{evidence.at} ({differ}): {_suspects(library, setup, goals, limits)}")
     if proved and explain:
         used = explain_rules(library, setup, goals, limits)
         if isinstance(used, str):
@@ -264,6 +266,23 @@ def prove(a: Program, b: Program, library: Library, limits: Limits = Limits(), *
         else:
             result = replace(result, used=used)
     return result
+
+
+def _suspects(library: Library, setup: str, goals, limits: Limits) -> str:
+    """What a proof of two programs that differ numerically rests on: the rules it uses (`explain_rules`) that are
+    not the default library's, which the suite checks, or, where it uses only those, float64's own limits."""
+    used = explain_rules(library, setup, goals, limits)
+    rules = library.rules if isinstance(used, str) else used
+    defaults = {f.resolve() for f in default_files()}
+    theirs = [r for r in rules if Path(r.loc.path).resolve() not in defaults]
+    float64 = ("one of the two programs is not defined, or loses to float64, where the other is (a division by zero "
+               "that a rule cancels; exp of a large negative number, 0, divided by a sum of such; a large constant "
+               "added and taken away again)")
+    if not theirs:
+        return f"the proof uses only the default library's axioms, true wherever both sides are defined: {float64}"
+    named = ", ".join(f"'{r.name}' ({r.loc.path}:{r.loc.line}:{r.loc.col})" for r in theirs)
+    return (f"some axiom in use is unsound (of the rules the proof uses, these are not the default library's: "
+            f"{named}), or {float64}")
 
 
 def proof_terms(a: Program, b: Program, pairs) -> tuple[str, list[tuple[str, str]]]:
