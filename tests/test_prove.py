@@ -159,6 +159,16 @@ def test_signature_and_shape_mismatches_are_user_errors(tmp_path):
         prove(a, load(tmp_path / "h.prism").program(), DEFAULT)
 
 
+def test_a_negative_literal_in_a_rule_matches_a_programs_negative_constant(tmp_path):
+    """A program's `-2` is one constant in the e-graph; a rule's `-2` must be that too, not a negation of 2."""
+    mine = tmp_path / "mine.rules"
+    mine.write_text("ruleset mine {\n    rule negtwo: x * -2 => -(x + x)\n}\n")
+    a, b = programs(tmp_path, "A * -2", "-(A + A)")
+    library = load_library([mine], defaults=False)
+    assert prove(a, b, library).proved
+    assert "(Mul v_x (Num -2.0))" in compile_library(library)[0]
+
+
 def test_outputs_of_different_shapes_are_not_equal_with_no_note_on_numbers(tmp_path, capsys):
     path = tmp_path / "p.prism"
     path.write_text("dims n = 4, d = 6\n" + "".join(

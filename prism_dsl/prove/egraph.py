@@ -234,6 +234,10 @@ def pattern(e: ast.Expr) -> str:
     match e:
         case ast.Num():
             return f"(Num {_float(e.value)})"
+        case ast.Call(fn="neg", args=(ast.Num() as n, *_)):
+            # A negative literal, as a program's constant is in the e-graph (`TermWriter`: a const node holds
+            # its sign); (Neg (Num 2.0)) would match only a negation written around a literal.
+            return f"(Num {_float(-n.value)})"
         case ast.Name():
             return var(e.id)
         case ast.Call():
