@@ -15,6 +15,7 @@ import pytest
 
 from prism_dsl.lang.check import load
 from prism_dsl.ir.nodes import DType, Program
+from prism_dsl.kernels.lower import lower
 from prism_dsl.lang.printer import print_program
 from prism_dsl.semantics.blocks import evaluate
 from prism_dsl.semantics.reference import bind_dims, concrete_shape, random_inputs
@@ -373,7 +374,20 @@ ALL_FILES = PROGRAM_FILES + PROOF_FILES
 @pytest.mark.parametrize("path", ALL_FILES, ids=[str(p.relative_to(REPO / "programs")) for p in ALL_FILES])
 def test_printer_roundtrip_programs(write, path):
     for i, program in enumerate(load(path).programs.values()):
-        roundtrip(write, program, f"printed{i}.prism")
+        again = roundtrip(write, program, f"printed{i}.prism")
+        # and lowers to the same kernels, named alike (a compiled directory's best.prism against its .cu files)
+        assert print_program(lower(again)) == print_program(lower(program))
+
+
+def test_a_value_named_once_used_keeps_its_statement_and_its_kernels_name(write):
+    """Printed inline, `Y` would come back unnamed and its kernel as softmax_t1, not the softmax_Y compiled."""
+    text = ("dims n = 128, d = 64\n\nprogram p(X: bf16[n, d]) {\n    Y = softmax(X @ transpose(X, 0, 1) / 8.0)\n"
+            "    Z = Y @ X\n    return Z\n}\n")
+    program = load(write(text)).program()
+    assert print_program(program) == text
+    again = roundtrip(write, program)
+    assert "kernel softmax_Y" in print_program(lower(again))
+    assert "Z = softmax(X @ transpose(X, 0, 1) / 8.0) @ X" in print_program(program, keep_names=False)
 
 
 @pytest.mark.parametrize("expr", [e for e, _ in OP_CASES] + [

@@ -44,14 +44,19 @@ def node_text(node: Node, names: Mapping[Node, str]) -> str:
     return f"{written(node.op)}({', '.join(args)})"
 
 
-def print_program(program: Program, *, with_dims: bool = True) -> str:
+def print_program(program: Program, *, with_dims: bool = True, keep_names: bool = True) -> str:
+    """`program` as .prism text that reads back as the same program. A value the program names (`Program.names`)
+    keeps its statement where `keep_names`: lowering names a pre-defined kernel and its output after it, so the text
+    read back lowers to the same kernels (a compiled directory's best.prism against its .cu files); the search's
+    candidates, whose every value has a made-up name, are printed without (`keep_names=False`), their single-use
+    values inline."""
     lines = []
     if with_dims and program.dims:
         lines.append("dims " + ", ".join(f"{d.name} = {d.default}" for d in program.dims))
         lines.append("")
     params = ", ".join(f"{n.attr}: {n.dtype}[{', '.join(str(s) for s in n.shape)}]" for n in program.inputs)
     lines.append(f"program {program.name}({params}) {{")
-    names = _statement_names(program)
+    names = _statement_names(program, keep_names)
     text_of: dict[Node, str] = {n: n.attr for n in program.inputs}
     printed: set[int] = set()
     for node in program.nodes():
@@ -73,7 +78,7 @@ def print_program(program: Program, *, with_dims: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _statement_names(program: Program) -> dict[Node, str]:
+def _statement_names(program: Program, keep_names: bool) -> dict[Node, str]:
     uses = Counter(a for node in program.nodes() for a in set(node.args))
     taken = set(program.input_names()) | {n for n, _ in program.outputs}
     names: dict[Node, str] = {}
@@ -88,8 +93,9 @@ def _statement_names(program: Program) -> dict[Node, str]:
         if node.op == "kernel":
             depth[node] = 1
             continue
-        if node in names or node.op in ("input", "const") or (
-                uses[node] < 2 and depth[node] < _INLINE_DEPTH and node not in loaded):
+        if node in names or node.op in ("input", "const") or (uses[node] < 2 and depth[node] < _INLINE_DEPTH
+                                                              and node not in loaded
+                                                              and not (keep_names and node in program.names)):
             continue
         names[node] = _fresh(program.names.get(node), taken)
     return names

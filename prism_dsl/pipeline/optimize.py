@@ -104,8 +104,8 @@ def _dims(binding: dict) -> str:
 def tuning_key(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig = CodegenConfig()) -> str:
     """The model's parameters and estimate for a program at some dims on a hardware, for the code `codegen`
     asks for (threads, tensor cores, wgmma, pipeline stages)."""
-    return cache.digest("tuning", SEARCH_VERSION, cache.code_digest(*MODEL_CODE), structure(program), _dims(binding),
-                        hardware.name, json.dumps(sorted(vars(codegen).items())))
+    return cache.digest("tuning", SEARCH_VERSION, cache.code_digest(*MODEL_CODE), structure(program, names=True),
+                        _dims(binding), hardware.name, json.dumps(sorted(vars(codegen).items())))
 
 
 def measured_key(program: Program, binding: dict, hardware: Hardware, device: str, params: dict[str, int],
@@ -114,8 +114,9 @@ def measured_key(program: Program, binding: dict, hardware: Hardware, device: st
     generated code's sources and templates are in the key too, since a time measured on other code is stale,
     and so are the code generator's options."""
     code = cache.code_digest(*MODEL_CODE, "backend", "pipeline/build.py", extra=TEMPLATES)
-    return cache.digest("measured", SEARCH_VERSION, code, structure(program), _dims(binding), hardware.name, device,
-                        json.dumps(sorted(params.items())), json.dumps(sorted(vars(codegen).items())))
+    return cache.digest("measured", SEARCH_VERSION, code, structure(program, names=True), _dims(binding),
+                        hardware.name, device, json.dumps(sorted(params.items())),
+                        json.dumps(sorted(vars(codegen).items())))
 
 
 def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig,

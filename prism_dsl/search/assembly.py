@@ -169,7 +169,7 @@ class Assembly:
                 return None
         names_map = {nodes[i]: f"t{i}" for i in range(len(self.program.inputs), len(nodes)) if i not in names}
         prog = Program(self.program.name, self.program.dims, self.program.inputs, outs, {}, names_map, self.program.loc)
-        text = print_program(prog)
+        text = print_program(prog, keep_names=False)
         if text in self.seen_texts:
             self.stats.prune(Rejection.DUPLICATE)
             return None

@@ -36,8 +36,10 @@ SEARCH_VERSION = "4"  # bump when the search's meaning changes: old checkpoints 
 STAT_COUNTS = ("generated", "candidates", "maps", "proofs", "proved")  # `Stats.as_dict`'s counters
 
 
-def structure(program: Program) -> str:
-    return print_program(program, with_dims=False)
+def structure(program: Program, *, names: bool = False) -> str:
+    """The program's text without its dims; with the names of its values where `names` (a tuning's parameters are
+    named after the kernels, and those after the values), else as the search sees it, single-use values inline."""
+    return print_program(program, with_dims=False, keep_names=names)
 
 
 def checkpoint_key(program: Program, library: Library, config: SearchConfig, hardware: Hardware) -> str:
