@@ -38,6 +38,7 @@ PAIRS = [
     ("attention_late_div", True, "softmax(X @ W) @ U",
      "(exp(X @ W - max(X @ W, -1)) @ U) / sum(exp(X @ W - max(X @ W, -1)), -1)"),
     ("sum_linear", True, "sum(A + B, -1)", "sum(B, -1) + sum(A, -1)"),
+    ("add_twice", True, "X @ W + X @ W", "(X * 2) @ W"),
     ("exp_add", False, "exp(A + B)", "exp(A) + exp(B)"),
     ("rmsnorm_after", False, "rms_norm(X) @ W", "rms_norm(X @ W)"),
     ("sub_order", False, "A - B", "B - A"),
