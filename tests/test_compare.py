@@ -43,9 +43,19 @@ def test_a_reference_of_nan_fails_and_says_where_the_program_is_undefined():
     ref = np.ones((3, 4))
     ref[1, 2] = ref[2, 0] = np.nan
     result = check(ref.copy(), ref)
-    assert not result["passed"] and result["max_rel_err"] == np.inf
-    assert result["reason"] == ("the reference itself holds NaN (2 of 12 elements, the first at (1, 2)): "
-                                "the program is not defined on these inputs")
+    assert not result["passed"] and result["max_rel_err"] == 0.0
+    held = "the reference itself holds NaN (2 of 12 elements, the first at (1, 2)): the program is not defined on these inputs"
+    assert result["reason"] == result["undefined"] == f"{held}; where it is defined (10 elements) the output agrees with it"
+    # the elements where it is defined are compared: a wrong one is named
+    got = ref.copy()
+    got[0, 3] = 1.5
+    wrong = check(got, ref)
+    assert not wrong["passed"] and wrong["max_rel_err"] > 0.2 and wrong["first_wrong"]["index"] == [0, 3]
+    assert wrong["reason"].endswith("differs from it: the first wrong element at (0, 3) is 1.5, expected 1")
+    # and where it is defined nowhere, nothing is
+    nowhere = check(np.zeros(3), np.full(3, np.nan))
+    assert nowhere["max_rel_err"] == np.inf and nowhere["reason"] == nowhere["undefined"] == (
+        "the reference itself holds NaN (3 of 3 elements, the first at (0,)): the program is not defined on these inputs")
 
 
 def test_the_tolerance_is_twenty_rounding_units_of_the_narrowest_storage_type_and_at_least_its_floor():

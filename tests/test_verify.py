@@ -255,3 +255,25 @@ def test_verify_on_inputs_of_ones_own(capsys, out, tmp_path):
     np.savez(tmp_path / "other.npz", X=x[:, :128], W=rng.standard_normal((256, 256)))
     code, _, err = prismc(capsys, "verify", out, "--inputs", tmp_path / "other.npz")
     assert code == 1 and "input 'X' should have shape [8, 256]" in err and "Traceback" not in err
+
+
+def test_inputs_where_the_program_is_undefined_in_one_row_still_tell_a_right_kernel_from_a_wrong_one(
+        capsys, out, tmp_path):
+    """A row of zeros makes rms_norm 0 / 0 there: that row cannot be verified, so neither can the directory, but the
+    other rows are compared, and an edited kernel shows in them with its first wrong element."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((8, 256))
+    x[3] = 0.0
+    np.savez(tmp_path / "zero_row.npz", X=x, W=rng.standard_normal((256, 256)) * 0.05)
+    code, text, _ = prismc(capsys, "verify", out, "--inputs", tmp_path / "zero_row.npz")
+    held = "the reference itself holds NaN (256 of 2048 elements, the first at (3, 0))"
+    assert code == 1 and "NOT VERIFIED" in text and held in text, text
+    assert "where it is defined (1792 elements) the output agrees with it" in text and "verified: NO" in text
+    cu = out / "rmsnorm_matmul.cu"
+    cu.write_text(cu.read_text().replace("/ prism::sqrt_(", "/ real(2) / prism::sqrt_("))
+    code, text, _ = prismc(capsys, "verify", out, "--inputs", tmp_path / "zero_row.npz")
+    assert code == 1 and held in text
+    assert re.search(r"where it is defined \(1792 elements\) the output differs from it: the first wrong element "
+                     r"at \(0, \d+\) is \S+, expected \S+", text), text

@@ -71,8 +71,9 @@ def check(got, ref, rtol: float = RTOL, dtype: str | None = None, where: np.ndar
     got = np.asarray(got)
     ref = np.asarray(ref, dtype=np.float64)
     unfit = (f"shape {got.shape} differs from the reference's {ref.shape}" if got.shape != ref.shape
-             else f"dtype {got.dtype} is not a real number type" if got.dtype.kind not in "fiu"
-             else _undefined(ref, where) if np.isnan(ref).any() else "")
+             else f"dtype {got.dtype} is not a real number type" if got.dtype.kind not in "fiu" else "")
+    if not unfit and np.isnan(ref).any():
+        return _where_defined(got, ref, rtol, dtype, where)
     if unfit:
         return dict(passed=False, max_rel_err=np.inf, max_abs_err=np.inf, nan=0, worst_index=(), reason=unfit)
     g = got.astype(np.float64)
@@ -106,6 +107,25 @@ def check(got, ref, rtol: float = RTOL, dtype: str | None = None, where: np.ndar
     if passed:
         return out
     return out | {"first_wrong": {"index": list(first), "got": float(g[first]), "expected": float(ref[first])}}
+
+
+def _where_defined(got: np.ndarray, ref: np.ndarray, rtol: float, dtype: str | None, where: np.ndarray | None) -> dict:
+    """`check` of an output whose reference holds NaN: never passed (the program is not defined on these inputs, so
+    nothing vouches for those elements), but the elements where it is defined are compared, so that a right kernel
+    and a wrong one still read differently (a row of zeros in a user's inputs to rms_norm is NaN in that row
+    only); `undefined` says so in words."""
+    defined = ~np.isnan(ref) if where is None else ~np.isnan(ref) & where
+    why = _undefined(ref, where)
+    if not defined.any():
+        return dict(passed=False, max_rel_err=np.inf, max_abs_err=np.inf, nan=0, worst_index=(), reason=why,
+                    undefined=why)
+    inner = check(np.where(defined, got, 0), np.where(defined, ref, 0.0), rtol, dtype, defined)
+    w = inner.get("first_wrong")
+    wrong = f"the first wrong element at {tuple(w['index'])} is {w['got']:.6g}, expected {w['expected']:.6g}" if w \
+        else inner["reason"]
+    note = (f"{why}; where it is defined ({int(defined.sum())} elements) the output "
+            + ("agrees with it" if inner["passed"] else f"differs from it: {wrong}"))
+    return inner | {"passed": False, "reason": note, "undefined": note}
 
 
 def unmasked_finite(ref: np.ndarray, mask: np.ndarray | None) -> np.ndarray:

@@ -337,11 +337,13 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given
     writer = {s.name: k.name for k in kernels_of(built.program) for s in k.stores}
     for tensor, o in check.outputs.items():
         against = o.get("against", "reference")
-        state = "agrees" if o["passed"] else "DIFFERS"
+        state = "agrees" if o["passed"] else "NOT VERIFIED" if o.get("undefined") else "DIFFERS"
         line = f"  {tensor} ({o['elements']} elements, kernel {writer.get(tensor, '?')}): {state} with the {against}, " \
                f"max rel err {o['max_rel_err']:.2e}" + (widened(o, check.rtol) or (
                    f" (tolerance {o.get('rtol', check.rtol):.2e})" if _too_far(o) else "")) + overflowed(o)
-        if not o["passed"] and o.get("first_wrong"):
+        if o.get("undefined"):  # `compare.check`: where it is defined, first wrong element and all, in its words
+            line += f"; {o['undefined']}"
+        elif not o["passed"] and o.get("first_wrong"):
             w = o["first_wrong"]
             line += f"; first wrong element {tensor}{w['index']} = {w['got']:.6g}, expected {w['expected']:.6g}"
         elif not o["passed"] and o.get("reason"):
