@@ -111,6 +111,9 @@ def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
     blocks, total = map(int, re.search(r"(\d+) of (\d+) blocks", text).groups())
     elements = int(re.search(r"Y \((\d+) elements", text).group(1))
     assert blocks < total and elements == 8 * 256 * blocks // total
+    # a count past the grid's blocks is every block, at once (it was a loop of that many random draws)
+    code, text, _ = prismc(capsys, "verify", out, "--emulate-blocks", str(10**20))
+    assert code == 0 and "every block" in text
 
 
 @pytest.mark.parametrize("setup, message", [

@@ -458,6 +458,8 @@ def sample_blocks(c: Concrete, extra: int, rng: np.random.Generator) -> list[tup
     for i, a in enumerate(spread):
         picks.add(tuple(grid[b] - 1 if b == a else 0 for b in spread))
         picks.add(tuple(grid[b] - 1 if j != i else 0 for j, b in enumerate(spread)))
+    if extra >= np.prod([grid[a] for a in spread]):  # every block, not a loop of a count typed past them
+        picks, extra = set(itertools.product(*(range(grid[a]) for a in spread))), 0
     for _ in range(extra):
         picks.add(tuple(int(rng.integers(grid[a])) for a in spread))
     out = []
