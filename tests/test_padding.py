@@ -64,7 +64,8 @@ def test_a_compile_at_rows_no_tile_divides_is_built_for_more_and_checked(tmp_pat
     assert main(["verify", str(out)]) == 0  # the directory as built, the caller's shapes in its plan
     capsys.readouterr()
     assert main(["verify", str(out), "--dims", "n=131"]) == 0  # the sizes given name that build too
-    assert "at n=192, d=1024 (given n=131): the .cu files on disk" in capsys.readouterr().out
+    assert "at n=192, d=1024 (given n=131: that part of each tensor is what is compared): the .cu files on disk" \
+        in capsys.readouterr().out
     assert main([*args, "n=192,d=1024", "-o", str(tmp_path / "at192"), "--no-emulate"]) == 0
     at192 = json.loads((tmp_path / "at192" / "report.json").read_text())
     assert report["estimated_us"] == at192["estimated_us"] and report["roofline"]["floor_us"] < at192["roofline"]["floor_us"]

@@ -280,3 +280,9 @@ def test_inputs_where_the_program_is_undefined_in_one_row_still_tell_a_right_ker
     assert code == 1 and held in text
     assert re.search(r"where it is defined \(1792 elements\) the output differs from it: the first wrong element "
                      r"at \(0, \d+\) is \S+, expected \S+", text), text
+
+
+def test_a_cxx_with_flags_in_it_is_said_as_such(capsys, out, monkeypatch):
+    monkeypatch.setenv("CXX", "g++ -fPIC")
+    code, _, err = prismc(capsys, "verify", out)
+    assert code == 1 and "CXX is 'g++ -fPIC', which is not a program that can be run" in err and "Traceback" not in err

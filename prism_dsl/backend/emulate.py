@@ -122,10 +122,8 @@ class Finding:
 
     def text(self) -> str:
         head = f"{self.kind} in kernel '{self.kernel}'" if self.kernel else self.kind
-        lines = [f"{head}: {self.message}"]
-        lines += [f"  at {w}" for w in self.where]
-        lines += [f"  thread: {t}" for t in self.threads]
-        return "\n".join(lines)
+        return "\n".join([f"{head}: {self.message}", *(f"  at {w}" for w in self.where),
+                          *(f"  thread: {t}" for t in self.threads)])
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "kernel": self.kernel, "message": self.message, "where": list(self.where),
@@ -199,6 +197,9 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     cxx = compiler()
     if cxx is None:
         raise PrismError("no C++ compiler (g++ or clang++) for the CPU emulation; set CXX")
+    if shutil.which(cxx) is None:  # "ccache g++", "g++ -fPIC": one program is run, with the emulation's own flags
+        raise PrismError(f"CXX is '{cxx}', which is not a program that can be run: set it to the C++ compiler alone "
+                         "(g++ or clang++, a name on PATH or a path; the emulation passes its own flags)")
     if sanitizer not in _FLAGS:
         raise PrismError(f"unknown sanitizer '{sanitizer}': one of {', '.join(SANITIZERS)}")
     write_build(kernels, workdir, header)

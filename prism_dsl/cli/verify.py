@@ -328,7 +328,8 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given
     how = ("the .cu files on disk" if on_disk else
            "kernels generated again from the program in the directory (the .cu files on disk hold other sizes)")
     past = ", ".join(f"{k}={v}" for k, v in built.padded.items())  # `pipeline.padding`: the caller's part compared
-    lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}" + (f" (given {past})" if past else "")
+    lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}"
+             + (f" (given {past}: that part of each tensor is what is compared)" if past else "")
              + f": {how}" + (f", on the inputs of {given}" if given else ""),
              f"  emulated: {check.describe()}"]
     if check.finding:
