@@ -1206,6 +1206,11 @@ def test_bench_needs_a_gpu(capsys, monkeypatch):
     assert "'rmsnorm_linear' reads inputs (X, W) but 'swiglu'" in capsys.readouterr().err
     assert main(["bench", rmsnorm, "--baseline", str(ROOT / "programs/fused/swiglu.prism")]) == 1
     assert "the baseline 'swiglu' (" in capsys.readouterr().err
+    # where --json would write is checked before the GPU is asked for, too
+    assert main(["bench", rmsnorm, "--json", rmsnorm]) == 1
+    assert "(--json): it is the program's file, which this command reads" in capsys.readouterr().err
+    assert main(["bench", rmsnorm, "--json", str(ROOT / "no_such_dir" / "t.json")]) == 1
+    assert "no_such_dir' does not exist" in capsys.readouterr().err
     gpu_status.cache_clear()
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import numpy as np
 
 from ..backend import cuda_runtime, roofline
+from ..base.files import check_apart, check_writable, write_bytes
 from ..pipeline.build import BuildOptions, build, measure, reference_outputs, tolerance_of
 from ..pipeline.compile import check_device
+from ..pipeline.report import json_finite
 from ..lang.check import load
 from ..base.errors import PrismError
 from ..kernels.hardware import load_hardware
@@ -126,6 +127,9 @@ def bench(args) -> int:
     check_signatures(program, baseline)  # the same inputs and outputs as the baseline, said before the GPU is asked for
     pair_outputs(program, baseline)
     check_sizes(baseline, bind_dims(baseline, dict(args.dims)))
+    if args.json_out:  # said now, not after the timing
+        check_writable(args.json_out)
+        check_apart({"--json": args.json_out}, {"the program's file": args.file, "--baseline": args.baseline})
     ok, why = cuda_runtime.gpu_status()
     if not ok:
         raise PrismError(f"prismc bench needs a usable CUDA GPU: {why}")
@@ -161,5 +165,5 @@ def bench(args) -> int:
         print(f"  {r['impl']:<16}{r['us']:>12.2f}{r['us'] / roof['floor_us']:>10.2f}{r['max_rel_err']:>14.2e}  "
               f"{'ok' if r['passed'] else 'FAILED'}{'  (host-bound)' if r['host_bound'] else ''}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(table, indent=2) + "\n")
+        write_bytes(args.json_out, (json.dumps(json_finite(table), indent=2, allow_nan=False) + "\n").encode())
     return 0 if all(r["passed"] for r in rows) else 1

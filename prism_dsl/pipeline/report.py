@@ -211,17 +211,17 @@ class Report:
         inputs) is written as the string "inf", "-inf" or "nan"."""
         fields = asdict(self)
         searched = fields.pop("searched") or {}
-        return json.dumps(_finite({**fields, **searched, "verified": self.verified}), indent=2, allow_nan=False) + "\n"
+        return json.dumps(json_finite({**fields, **searched, "verified": self.verified}), indent=2, allow_nan=False) + "\n"
 
 
-def _finite(value):
-    """`value` with every float that JSON cannot hold replaced by its name (`Report.to_json`)."""
+def json_finite(value):
+    """`value` with every float that JSON cannot hold replaced by its name (`Report.to_json`, `prismc bench --json`)."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: json_finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [json_finite(v) for v in value]
     return value
 
 
