@@ -44,7 +44,7 @@ def check_compilable(program: Program) -> None:
     where the program (or the input) is declared, before a search: an output that is an input itself, which
     no kernel computes; one that is another output's value again, which its kernel stores once; an input of no
     dims (`f32[]`), whose tile no kernel's maps can address (one of shape [1] broadcasts alike: x * s is the
-    same for s of shape [] and [1] where x has a dim)."""
+    same for s of shape [] and [1] where x has a dim); an input of more than KERNEL_RANK dims."""
     for i, (name, node) in enumerate(program.outputs):
         if node.op == "input":
             raise PrismError(f"program '{program.name}': output '{name}' is input '{node.attr}' itself: there is "
@@ -56,6 +56,10 @@ def check_compilable(program: Program) -> None:
         if not node.shape:
             raise PrismError(f"program '{program.name}': input '{node.attr}' has no dims, which kernels cannot load; "
                              f"declare it {node.dtype.value}[1], which broadcasts the same way",
+                             program.locs.get(node, program.loc))
+        if node.rank > KERNEL_RANK:  # (no value has a rank its inputs do not: broadcasting and products keep it)
+            raise PrismError(f"program '{program.name}': '{node.attr}' has rank {node.rank}; the kernels take tensors "
+                             f"of rank {KERNEL_RANK} at most (`prismc run` evaluates it)",
                              program.locs.get(node, program.loc))
 
 
