@@ -536,7 +536,10 @@ def test_a_program_undefined_on_the_random_inputs_says_so(capsys, tmp_path):
      "output 'Z' is the value of output 'Y', which its kernel stores once; return each value once"),
     ("X: f32[2, 1, 3, 1, n, d], W: f32[d, 4]", "    Y = softmax(X @ W)\n    return Y\n",
      "'X' has rank 6; the kernels take tensors of rank 5 at most (`prismc run` evaluates it)"),
-], ids=["input-returned", "no-dims", "returned-twice", "rank-6-input"])
+    ("X: f32[n, d]", "    Y = rms_norm(X, 1e-50)\n    return Y\n",
+     "the constant 1e-50 is 0 in the kernels' f32 arithmetic, which holds magnitudes from 1.4e-45 to 3.4e38"),
+    ("X: f16[n, d]", "    Y = X * 1e39\n    return Y\n", "the constant 1e+39 is infinite in the kernels' f32 arithmetic"),
+], ids=["input-returned", "no-dims", "returned-twice", "rank-6-input", "eps-under-f32", "past-f32"])
 def test_compile_refuses_what_no_kernel_takes_where_the_program_is_declared_before_any_search(
         params, body, message, capsys, tmp_path, monkeypatch):
     """`prismc run` evaluates such a program; the kernels cannot take it (an output no kernel computes, an input
@@ -549,7 +552,8 @@ def test_compile_refuses_what_no_kernel_takes_where_the_program_is_declared_befo
     monkeypatch.setattr(driver, "search", lambda *a: pytest.fail("searched"))
     assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--arch", "none"]) == 1
     err = capsys.readouterr().err
-    assert f"p.prism:2:{9 if 'output' in message else 11}: program 'p': {message}" in err
+    col = 9 if "output" in message else 11 if "input" in message or "rank" in message else 9
+    assert f"p.prism:{3 if 'constant' in message else 2}:{col}: program 'p': {message}" in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
     assert main(["run", str(path), "--out", str(tmp_path / "y.npz")]) == 0  # a program all the same
 

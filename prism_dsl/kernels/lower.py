@@ -24,11 +24,13 @@ those of hand-written kernels. Kernel and store names come from the program's na
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import replace
 
+import numpy as np
 import sympy
 
-from ..ir.nodes import Node, Program, dim_symbol
+from ..ir.nodes import DType, Node, Program, dim_symbol
 from .fusion import row_op
 from .kernel import (AXES, DimMap, Kernel, Load, Store, TileMap, free_symbols, fresh_name, kernels_of,
                      output_shape, tile_shape)
@@ -40,11 +42,11 @@ _ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed 
 
 
 def check_compilable(program: Program) -> None:
-    """What the kernels cannot take in a program that `lang.check` accepts (`prismc run` evaluates it), said
-    where the program (or the input) is declared, before a search: an output that is an input itself, which
-    no kernel computes; one that is another output's value again, which its kernel stores once; an input of no
-    dims (`f32[]`), whose tile no kernel's maps can address (one of shape [1] broadcasts alike: x * s is the
-    same for s of shape [] and [1] where x has a dim); an input of more than KERNEL_RANK dims."""
+    """What the kernels cannot take in a program that `lang.check` accepts (`prismc run` evaluates it), said where the
+    program (or the input) is declared, before a search: an output that is an input itself, which no kernel
+    computes; one that is another output's value again, which its kernel stores once; an input of no dims (`f32[]`),
+    whose tile no kernel's maps can address (one of shape [1] broadcasts alike: x * s is the same for s of shape []
+    and [1] where x has a dim), or of more than KERNEL_RANK; a constant f32 (their arithmetic) makes 0 or infinite."""
     for i, (name, node) in enumerate(program.outputs):
         if node.op == "input":
             raise PrismError(f"program '{program.name}': output '{name}' is input '{node.attr}' itself: there is "
@@ -61,6 +63,15 @@ def check_compilable(program: Program) -> None:
             raise PrismError(f"program '{program.name}': '{node.attr}' has rank {node.rank}; the kernels take tensors "
                              f"of rank {KERNEL_RANK} at most (`prismc run` evaluates it)",
                              program.locs.get(node, program.loc))
+    for n in (n for n in program.nodes() if n.dtype is not DType.F64):  # (its kernel computes in f32)
+        for c in (a for a in n.args if a.op == "const"):
+            with np.errstate(over="ignore"):
+                f32 = float(np.float32(c.attr))
+            if (f32 == 0) != (c.attr == 0) or math.isinf(f32):
+                raise PrismError(f"program '{program.name}': the constant {c.attr:g} is "
+                                 f"{'0' if f32 == 0 else 'infinite'} in the kernels' f32 arithmetic, which holds "
+                                 "magnitudes from 1.4e-45 to 3.4e38: write one within that range, or 0",
+                                 program.locs.get(c) or program.locs.get(n, program.loc))
 
 
 def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: bool = False) -> Program:
