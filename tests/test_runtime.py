@@ -360,6 +360,23 @@ def test_cast_converts_other_float_dtypes_but_never_integers():
         marshal(make_plan(), {"X": f16(8, 64), "W": w.astype(np.int64)}, cast=True)
 
 
+def test_a_cast_that_would_make_an_infinity_is_refused_with_the_element():
+    """cast=True rounds to the storage type; a finite value past its range would be an infinity, which the GPU then
+    computes with, silently: refused as `prismc run` refuses it. Lists convert as with cast=True, so the same."""
+    w = np.full((8, 64), 1.5)
+    w[2, 5] = 1e6
+    for given in (w, w.tolist()):
+        with pytest.raises(PlanError, match=r"input 'W'\[2, 5\] = 1e\+06 does not fit f16 \(largest 65504\): stored, it "
+                                            r"would be an infinity"):
+            marshal(make_plan(), {"X": f16(8, 64), "W": given}, cast=True)
+    w[2, 5] = np.inf  # an infinity given stays one: that is the caller's value, not a rounding
+    assert np.isinf(marshal(make_plan(), {"X": f16(8, 64), "W": w}, cast=True)["W"][2, 5])
+    bf16 = _tensor("W", shape=[8, 64], dtype="bf16")
+    w[2, 5] = 1e39
+    with pytest.raises(PlanError, match=r"input 'W'\[2, 5\] = 1e\+39 does not fit bf16"):
+        marshal(bf16, {"X": f16(8, 64), "W": w}, cast=True)
+
+
 def test_lists_are_converted_and_layouts_made_contiguous():
     plan = _tensor("W", shape=[2, 2], dtype="f32")
     x = np.ones((64, 8), np.float16).T  # a transposed view

@@ -1,6 +1,7 @@
 """The runtime plan `cuda_runtime` launches: what a well-formed one holds (`problems`), and the tensor maps of the
 kernels whose loop tiles the tensor memory accelerator copies (`backend.copies`), which the CUDA driver encodes
-for the tensors' device addresses (`encode_map`).
+for the tensors' device addresses (`encode_map`); and what host data becomes in its storage dtype (bf16's bit
+patterns, `to_bf16_bits`; a value past the dtype's range, `past_range`).
 
 A plan is a JSON-compatible dict: the program's name, its inputs and outputs, every tensor's shape and storage
 dtype, and the kernels to launch in order, each with its file, function, grid, block, dynamic shared memory,
@@ -25,7 +26,11 @@ import functools
 import math
 import struct
 
+import numpy as np
+
 ITEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}  # per storage dtype
+LARGEST = {"f16": 65504.0, "bf16": 3.3895313892515355e38, "f32": 3.4028234663852886e38,
+           "f64": 1.7976931348623157e308}  # the largest finite value of each storage dtype
 DTYPES = tuple(ITEM_BYTES)
 MAX_THREADS = 1024
 # CUtensorMapDataType of each storage dtype, and the encoding choices (cuda.h): the 128-byte swizzle wgmma reads
@@ -236,3 +241,33 @@ def kernel_arguments(cubin: bytes, kernel: dict) -> tuple[str, str | None]:
         f"takes {len(layout)} parameters of {', '.join(str(size) for _, size in layout)} bytes"
     return "", (f"kernel '{kernel['name']}': the compiled {kernel['file']} {found}; the plan passes {maps} tensor "
                 f"map(s) of {MAP_BYTES} bytes, then {len(sizes) - maps} pointer(s)")
+
+
+# -- host data ---------------------------------------------------------------------------------------------------
+
+
+def to_bf16_bits(a) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of `a`, rounded to nearest even through float32; NaN stays NaN."""
+    f = np.ascontiguousarray(a, dtype=np.float32)
+    bits = f.view(np.uint32).astype(np.uint64)
+    # Round to nearest even on the 16 bits dropped: add 0x7FFF plus the lowest kept bit, then truncate.
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    quiet_nan = ((bits >> 16) | 0x0040).astype(np.uint16)  # rounding could carry a NaN's payload into inf
+    return np.where(np.isnan(f), quiet_nan, rounded)
+
+
+def from_bf16_bits(bits) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns (exact: bf16 is the top half of a float32)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def past_range(name: str, dtype: str, given, stored) -> str | None:
+    """Where a finite value of input `name` became an infinity stored as `dtype` (`stored`: bf16 as its bits), in
+    words; None where none did."""
+    widened = from_bf16_bits(stored) if dtype == "bf16" and np.asarray(stored).dtype == np.uint16 else stored
+    lost = np.isfinite(given) & ~np.isfinite(widened)
+    if not lost.any():
+        return None
+    at = tuple(int(i) for i in np.argwhere(lost)[0])
+    return (f"input '{name}'{list(at)} = {float(np.asarray(given)[at]):g} does not fit {dtype} (largest "
+            f"{LARGEST[dtype]:g}): stored, it would be an infinity")

@@ -153,19 +153,7 @@ def _nbytes(plan: dict, name: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- host data
-def to_bf16_bits(a) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) of `a`, rounded to nearest even through float32; NaN stays NaN."""
-    f = np.ascontiguousarray(a, dtype=np.float32)
-    bits = f.view(np.uint32).astype(np.uint64)
-    # Round to nearest even on the 16 bits dropped: add 0x7FFF plus the lowest kept bit, then truncate.
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    quiet_nan = ((bits >> 16) | 0x0040).astype(np.uint16)  # rounding could carry a NaN's payload into inf
-    return np.where(np.isnan(f), quiet_nan, rounded)
-
-
-def from_bf16_bits(bits) -> np.ndarray:
-    """float32 values of bfloat16 bit patterns (exact: bf16 is the top half of a float32)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+to_bf16_bits, from_bf16_bits = _plan.to_bf16_bits, _plan.from_bf16_bits  # (kept in cuda_plan, with the ranges)
 
 
 def _is_torch(x) -> bool:
@@ -214,7 +202,11 @@ def _host_input(plan: dict, name: str, value, cast: bool) -> np.ndarray:
         raise PlanError(f"input '{name}' is {value.dtype}; the program stores it as {dtype}: "
                         f"pass {wanted}, or any float array with cast=True (a launcher's get_launcher(cast=True))")
     else:
-        value = to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
+        with np.errstate(over="ignore"):  # said below, in words
+            stored = to_bf16_bits(value) if dtype == "bf16" else np.ascontiguousarray(value, dtype=STORAGE[dtype])
+        if lost := _plan.past_range(name, dtype, value, stored):  # cast=True rounds; it does not make infinities
+            raise PlanError(lost)
+        value = stored
     if not pad:
         return value
     full = np.zeros(_shape(plan, name), value.dtype)  # dims rounded up for tiles: zeros past the caller's rows
@@ -234,7 +226,9 @@ def _torch_input(plan: dict, name: str, t, device: int, cast: bool):
         if not cast or not t.is_floating_point():
             raise PlanError(f"input '{name}' is {t.dtype}; the program stores it as {dtype}: pass {want}, "
                             "or any float tensor with cast=True (a launcher's get_launcher(cast=True); one copy)")
-        t = t.to(want)
+        t, given = t.to(want), t
+        if bool((t.isinf() & given.isfinite()).any()):
+            raise PlanError(_plan.past_range(name, dtype, given.cpu().double().numpy(), t.cpu().double().numpy()))
     if pad:  # dims rounded up for tiles: the caller's part, zeros past it (torch's constant pad: one copy)
         ends = [x for n, m in zip(reversed(t.shape), reversed(_shape(plan, name))) for x in (0, m - n)]
         return torch.nn.functional.pad(t, ends)
