@@ -93,6 +93,9 @@ def test_verify_maps_a_race_to_the_edited_line(capsys, out):
 def test_verify_at_other_dims_generates_the_kernels_again(capsys, out):
     code, text, _ = prismc(capsys, "verify", out, "--dims", "n=16,d=512", "--grid", "x=8")
     assert code == 0 and "generated again" in text and "n=16, d=512" in text
+    assert "(the .cu files on disk hold other kernel parameters)" in text  # --grid given: the reason said
+    code, text, _ = prismc(capsys, "verify", out, "--dims", "n=16,d=512")
+    assert code == 0 and "(the .cu files on disk hold other sizes)" in text
 
 
 def test_verify_at_sizes_no_tile_divides_builds_as_compile_would(capsys, tmp_path):

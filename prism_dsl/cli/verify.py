@@ -101,7 +101,8 @@ def verify(args) -> int:
     check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
                             rtol=tolerance_of(built, inputs), checked_against=f"program in {source}",
                             sanitizer=args.sanitize, extra=args.blocks, header=header, callers=callers_part(built))
-    print(_summary(check, directory, built, on_disk, args.inputs))
+    print(_summary(check, directory, built, on_disk, args.inputs, "kernel parameters" if args.grid or args.loop
+                   else "sizes"))
     if args.banks and check.passed:
         counted = emulation.wavefronts(built, plan_of(built), inputs, seed=args.seed, header=header,
                                        extra=0 if args.blocks == "auto" else args.blocks)
@@ -323,10 +324,11 @@ def _too_far(output: dict) -> bool:
     return not output["passed"] and not output.get("nan") and math.isfinite(output["max_rel_err"])
 
 
-def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given: str | None = None) -> str:
+def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given: str | None = None,
+             other: str = "sizes") -> str:
     dims = ", ".join(f"{k}={v}" for k, v in check.emulation["dims"].items())
     how = ("the .cu files on disk" if on_disk else
-           "kernels generated again from the program in the directory (the .cu files on disk hold other sizes)")
+           f"kernels generated again from the program in the directory (the .cu files on disk hold other {other})")
     past = ", ".join(f"{k}={v}" for k, v in built.padded.items())  # `pipeline.padding`: the caller's part compared
     lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}"
              + (f" (given {past}: that part of each tensor is what is compared)" if past else "")
