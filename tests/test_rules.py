@@ -188,3 +188,27 @@ def test_a_program_given_as_rules_is_refused(tmp_path):
     path = write(tmp_path, "dims n = 4\n", name="p.prism")
     with pytest.raises(PrismError, match=r"is a \.prism program; axioms come from \.rules files"):
         load_library([path])
+
+
+def test_the_repositorys_rules_beside_an_installed_library_are_that_library(tmp_path, monkeypatch, capsys):
+    """Installed, prismc's default library is its package's copy of rules/; `prismc check rules/algebra.rules` in the
+    repository then names a copy of a default file, which stands in for it instead of clashing with it rule by
+    rule. An edited copy is another file: its rules clash, as any file's of the same names would."""
+    import shutil
+
+    from prism_dsl.cli.main import main
+    from prism_dsl.prove import rules as rules_module
+
+    installed = tmp_path / "installed"
+    shutil.copytree(REPO / "rules", installed)
+    monkeypatch.setattr(rules_module, "default_files", lambda: sorted(installed.glob("*.rules")))
+    given = REPO / "rules" / "algebra.rules"
+    library = load_library([given], defaults=True)
+    assert {r.loc.path for r in library.rules if r.ruleset == "algebra"} == {str(given)}
+    assert len(library.rules) == len(load_library([], defaults=True).rules)
+    assert main(["check", str(given)]) == 0
+    assert f"{given}: ok: {sum(r.ruleset == 'algebra' for r in library.rules)} rules" in capsys.readouterr().out
+    edited = tmp_path / "algebra.rules"
+    edited.write_text(given.read_text() + "\n")
+    with pytest.raises(PrismError, match="duplicate rule name 'add_comm'"):
+        load_library([edited], defaults=True)

@@ -10,6 +10,7 @@ egglog program is `egraph.py`'s.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 from dataclasses import dataclass, field
@@ -225,7 +226,12 @@ def default_files() -> list[Path]:
 def load_library(paths, *, defaults: bool = False) -> Library:
     """Read rule files (and their imports, each once) into one Library; raise every error found."""
     errors = Collector()
-    files: list[Path] = (default_files() if defaults else []) + [Path(p) for p in paths]
+    given = [Path(p) for p in paths]
+    library = default_files() if defaults else []
+    # A copy of a default file given by name (the repository's rules/ beside an installed prismc, whose library is
+    # the package's own copy) stands in for it, rather than clash with it rule by rule.
+    copies = {d: g for d in library for g in given if g.name == d.name and same_bytes(d, g)}
+    files = [copies.get(d, d) for d in library] + [g for g in given if g not in copies.values()]
     seen: dict[Path, None] = {}
     rules: list[Rule] = []
     texts: list[str] = []
@@ -234,6 +240,13 @@ def load_library(paths, *, defaults: bool = False) -> Library:
     _check_unique(rules, errors)
     errors.raise_if_any()
     return Library(tuple(rules), tuple(str(p) for p in seen), tuple(texts))
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    """Whether regular file `b` holds what `a` does (a default file and a copy of it)."""
+    with contextlib.suppress(OSError):
+        return b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+    return False
 
 
 def _load_file(path: Path, errors: Collector, seen: dict, rules: list, texts: list, stack: tuple, at) -> None:

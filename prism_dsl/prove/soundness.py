@@ -25,7 +25,7 @@ from ..base import cache
 from ..base.errors import Collector
 from ..lang import syntax_tree as ast
 from .patterns import IllFormed, distinct_digits, sides, strip_ones, unlike_non_finite
-from .rules import Library, Rule, default_files
+from .rules import Library, Rule, default_files, same_bytes
 from .sampling import (DRAW_KINDS, SAMPLE_MAX_ELEMENTS, SHAPE_TRIES, Instance, draw_values, for_values, instances,
                        oversized, rule_domains, rule_seed, shape_of)
 
@@ -195,12 +195,13 @@ def cacheable(rule: Rule) -> bool:
     "symbolic" can at worst say a rule proved that was tested, while for a user's rule an edited "sound" would
     let a false rule into proofs. A user's rules are judged on every load.
     """
-    return Path(rule.loc.path).resolve() in _default_paths(tuple(default_files()))
+    return _in_library(Path(rule.loc.path).resolve(), tuple(default_files()))
 
 
 @functools.cache
-def _default_paths(files: tuple[Path, ...]) -> frozenset[Path]:
-    return frozenset(f.resolve() for f in files)
+def _in_library(path: Path, files: tuple[Path, ...]) -> bool:
+    """A default file, or a copy of one under its name (`load_library`: the repository's beside an installed one)."""
+    return any(path == f.resolve() or path.name == f.name and same_bytes(f, path) for f in files)
 
 
 def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]:
