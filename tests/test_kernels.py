@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import sympy
 
+from prism_dsl.backend import emulate
 from prism_dsl.base.errors import PrismError
 from prism_dsl.lang.check import load
 from prism_dsl.cli.main import main
@@ -998,3 +999,15 @@ def test_online_softmax_over_a_piece_the_causal_mask_hides_whole_holds_nothing(t
                  "--dims", ",".join(f"{k}={v}" for k, v in dims.items()), "--grid", "x=1,y=2,z=2", "--loop", "F=1",
                  "--sanitize", "address"]) == 0
     assert "verified: yes" in capsys.readouterr().out
+
+
+def test_a_plain_reduction_over_a_kernels_pieces_is_tuned_with_that_kernel(tmp_path, capsys):
+    """`sum(P, 0)` walks the S pieces kernel k stored: its kernel's estimate depends on S, so S is tuned with it (the
+    tuner priced the reduction with S unbound, and compile stopped on a traceback)."""
+    path = tmp_path / "pieces.prism"
+    path.write_text("dims n = 8, d = 64\nprogram p(X: f16[n, d]) {\n    kernel k grid(z = S) loop(F) {\n"
+                    "        xt = load X[:, z*loop]\n        store P[z, :, :] = acc_sum_last(xt)\n    }\n"
+                    "    R = sum(P, 0)\n    return R\n}\n")
+    args = ["compile", str(path), "--search", "none", "--arch", "none", "-o", str(tmp_path / "out")]
+    assert main(args + ([] if emulate.compiler() else ["--no-emulate"])) == 0
+    assert "Traceback" not in capsys.readouterr().err

@@ -7,6 +7,7 @@ Where it sits: the pipeline's tune pass (`pipeline.build.tune`) and the search's
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import replace
@@ -104,13 +105,13 @@ def tune(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[symp
     by_name = {k.name: k for k in kernels_of(program)}
     firsts = pairs(program) if config.one_launch else {}  # combining kernel -> the kernel whose launch it may run in
     for group in _groups(program, free, firsts):
-        syms = sorted({s for k in group for s in k.symbols() if s in free}, key=str)
+        syms = sorted({s for k in group for s in _reads(k) if s in free}, key=str)
         cands = [candidates(program, s, binding) for s in syms]
         # a kernel's estimate depends on its own parameters, and a combining kernel's on its first kernel's too
-        own = [(k, [i for i, s in enumerate(syms) if s in k.symbols()
-                    or k.name in firsts and s in by_name[firsts[k.name]].symbols()]) for k in group]
+        own = [(k, [i for i, s in enumerate(syms) if s in _reads(k)
+                    or k.name in firsts and s in _reads(by_name[firsts[k.name]])]) for k in group]
         # (a first kernel whose parameters are all given is in no group: it takes none of `syms`)
-        mine_only = {k.name: [i for i, s in enumerate(syms) if s in k.symbols()] for k in by_name.values()}
+        mine_only = {k.name: [i for i, s in enumerate(syms) if s in _reads(k)] for k in by_name.values()}
         memo: dict = {}
         concretes: dict = {}
         prices: dict = {}
@@ -185,14 +186,21 @@ def _descend(start: tuple[int, ...], cands: list[list[int]], time_of) -> tuple[i
     return current
 
 
+@functools.cache
+def _reads(k: Kernel) -> frozenset[sympy.Symbol]:
+    """The parameters a kernel's estimate depends on: its own, and those in its inputs' shapes (the pieces of a
+    split another kernel stored, which a plain reduction over them walks)."""
+    return frozenset(k.symbols().union(*(sympy.sympify(s).free_symbols for n in k.inputs for s in n.shape)))
+
+
 def _groups(program: Program, free: set, firsts: Mapping[str, str]) -> list[list]:
     """Kernels joined when they share a free parameter (FlashDecoding's split count, say), and a combining
     kernel with the kernel whose launch it may run in (`firsts`: its estimate depends on that one's parameters)."""
     groups: list[list] = []
     by_name = {k.name: k for k in kernels_of(program)}
     for k in kernels_of(program):
-        mine = (k.symbols() | (by_name[firsts[k.name]].symbols() if k.name in firsts else set())) & free
-        joined = [g for g in groups if any(mine & (kk.symbols() & free) for kk in g)]
+        mine = (_reads(k) | (_reads(by_name[firsts[k.name]]) if k.name in firsts else set())) & free
+        joined = [g for g in groups if any(mine & (_reads(kk) & free) for kk in g)]
         merged = [k] + [kk for g in joined for kk in g]
         groups = [g for g in groups if g not in joined] + [merged]
     return groups
