@@ -118,6 +118,9 @@ def constraints(kernel: Kernel, hardware: Hardware) -> list[Constraint]:
                              + ([f"the loop ({kernel.loop_range})"] if dm.loop else []))
             out.append(Constraint("divides", tile_dim(size, dm, kernel), None,
                                   f"kernel '{kernel.name}': tile '{load.tile}' splits dim {i} of size {size} by {by}"))
+    for n in (n for n in kernel.body() if n.op == "rope"):  # it pairs each element with one half a row away
+        out.append(Constraint("divides", sympy.sympify(n.shape[-1]) / 2, None,
+                              f"kernel '{kernel.name}': rope's rows in a tile ({n.shape[-1]} elements) must be even"))
     # a block's threads walk each tile by one flat int index (a tile of 57344 x 57344 elements wraps it); a tile
     # with a shared buffer is bounded far below by the shared memory's limit
     held = {b.node for b in plan(kernel).buffers}
