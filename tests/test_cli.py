@@ -239,6 +239,17 @@ def test_a_causal_mask_over_more_rows_than_columns_is_refused_at_its_call(capsys
     assert code == 0, err
 
 
+def test_a_kernels_mask_over_a_reduced_tile_is_judged_by_its_sizes_not_skipped(capsys, tmp_path):
+    """causal(sum(xt, -1)) is n x 1 whatever the kernel's parameters, which name only its rows' piece: `check`
+    refuses it as it refuses causal(sum(X, -1)) (it skipped every mask whose shape names a parameter)."""
+    path = tmp_path / "reduced.prism"
+    path.write_text("dims n = 8, d = 16\nprogram r(X: f16[n, d]) {\n    kernel k grid(x = gx) {\n"
+                    "        xt = load X[x, :]\n        store Y[x, :] = causal(sum(xt, -1))\n    }\n    return Y\n}\n")
+    code, _, err = prismc(capsys, "check", path)
+    assert code == 1 and "reduced.prism:5:25: causal needs at least as many columns as rows" in err
+    assert "the scores are 8 x 1, so their first 7 rows would have every column masked" in err
+
+
 def test_check_finds_a_causal_mask_over_more_rows_than_columns_at_the_declared_dims(capsys, tmp_path):
     path = tmp_path / "wide.prism"
     path.write_text("dims q = 8, kv = 4\nprogram p(X: f32[q, kv]) {\n    A = causal(X)\n    return A\n}\n")

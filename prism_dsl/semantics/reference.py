@@ -10,6 +10,7 @@ defaults, `--dims` overrides, and whatever the given input arrays fix. A whole p
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Mapping
 
@@ -240,15 +241,17 @@ def _check_causal(program: Program, binding: Binding) -> None:
     """`causal` places the query rows at the end of the key positions, so it needs at least as many columns as
     rows: with more, the first rows would have every column masked, and their softmax no value. Checked
     under the binding, for the program's masks and those in its kernels (placed in the whole scores)."""
-    def shape_of(node: Node) -> tuple[int, ...]:
-        return concrete_shape(node.shape, binding)
+    def size(s) -> int | None:  # None: a size that names a kernel parameter not chosen yet
+        with contextlib.suppress(TypeError):
+            return concrete_shape((s,), binding)[0]
+        return None
+
+    def shape_of(node: Node) -> tuple[int | None, ...]:  # (a tile's rows may hold a parameter where its columns
+        return tuple(size(s) for s in node.shape)       # do not: causal(sum(xt, -1)) is n x 1 at every one)
 
     for kernel, mask in _with_kernel_bodies(program, "causal"):
-        try:
-            rows, cols = extent(shape_of, kernel, mask)
-        except TypeError:  # a size that names a kernel parameter not chosen yet
-            continue
-        if rows > cols:
+        rows, cols = extent(shape_of, kernel, mask)
+        if rows is not None and cols is not None and rows > cols:
             raise PrismError(f"causal needs at least as many columns as rows (the query rows are the last of "
                              f"the key positions); under this binding the scores are {rows} x {cols}, so their "
                              f"first {rows - cols} rows would have every column masked", program.locs.get(mask))
