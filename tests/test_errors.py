@@ -61,6 +61,11 @@ BAD = [
     (prog("    Y = X * exp\n    return Y\n"), "'exp' is a function; call it as exp(...)", 3, 13),
     (prog("    exp = X\n    return exp\n"), "'exp' is a function name; choose another name", 3, 5),
     (prog("    C = 2\n    return C\n"), "'C' is a constant; a program returns tensors", 4, 12),
+    # a store that puts a tile of the whole rows side by side per block: the output grows with the blocks
+    (prog("    kernel k grid(x = gx) {\n        xt = load X[:, x]\n        store Y[:, x] = xt @ transpose(xt, 0, 1)\n"
+          "    }\n    return Y\n"),
+     "'Y' has shape [n, gx*n], which depends on kernel parameters (gx): a returned tensor's shape must follow from "
+     "the dims alone, whatever the parameters", 7, 12),
     # arity and integer parameters
     (prog("    Y = exp(X, X)\n    return Y\n"), "exp takes 1 tensor operand, got 2 arguments", 3, 9),
     (prog("    Y = sum(X)\n    return Y\n"), "sum takes 1 tensor operand and an integer dim, got 1 argument", 3, 9),

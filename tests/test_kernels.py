@@ -766,8 +766,9 @@ POST_LOOP_CAUSAL = """dims n = 8, m = 16
 program p(X: f32[n, m]) {
     kernel k grid(x = gx) loop(F) {
         xt = load X[x, loop]
-        store Y[x, :] = causal(acc_sum(xt))
+        store P[x, :] = causal(acc_sum(xt))
     }
+    Y = sum(P, -1)
     return Y
 }
 """
@@ -781,13 +782,17 @@ def test_a_mask_after_the_loop_over_a_dim_the_loop_splits_is_refused_alike(write
     inputs = random_inputs(program, bind_dims(program, {}), seed=1)
     with pytest.raises(PrismError, match="causal after the loop over a dim the loop splits has no place"):
         evaluate(program, inputs, {"gx": 2, "F": 2})
-    plain = "dims n = 8, m = 16\nprogram p(X: f32[n, m]) {\n    Y = causal(X)\n    return Y\n}\n"
+    plain = "dims n = 8, m = 16\nprogram p(X: f32[n, m]) {\n    Y = sum(causal(X), -1)\n    return Y\n}\n"
     want = evaluate(load(write(plain, "plain.prism")).program(), inputs)["Y"]
     np.testing.assert_allclose(evaluate(program, inputs, {"gx": 2, "F": 1})["Y"], want)
     path = write(POST_LOOP_CAUSAL)
     assert main(["compile", str(path), "-o", str(tmp_path / "o"), "--search", "none", "--loop", "F=2"]) == 1
     err = capsys.readouterr()
     assert "has no place" in err.out + err.err and "Traceback" not in err.out + err.err
+    # returned as it is, its shape [n, m/F] would follow the loop's range: refused where it is returned
+    returned = write(POST_LOOP_CAUSAL.replace("    Y = sum(P, -1)\n    return Y", "    return P"), "returned.prism")
+    with pytest.raises(PrismError, match=r"'P' has shape \[n, m/F\], which depends on kernel parameters \(F\)"):
+        load(returned)
 
 
 ROPED_KEYS = """dims b = 1, h = 2, q = 64, kv = 96, dh = 16

@@ -241,6 +241,11 @@ class Checker:
             elif isinstance(env[name], Node):
                 if env[name].op == "const":
                     self.errors.error(loc, f"'{name}' is a constant; a program returns tensors")
+                sizes = {str(x) for s in env[name].shape for x in sympy.sympify(s).free_symbols}
+                if params := sorted(sizes - set(self.scope.dims)):  # a store whose tile and map miss the whole
+                    self.errors.error(loc, f"'{name}' has shape {fmt_shape(env[name].shape)}, which depends on kernel "
+                                      f"parameters ({', '.join(params)}): a returned tensor's shape must follow from "
+                                      "the dims alone, whatever the parameters")
                 outputs.append((name, env[name]))
         if len(self.errors.diagnostics) > before:
             return None
