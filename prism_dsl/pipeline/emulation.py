@@ -155,10 +155,19 @@ def _setup(built, plan: Mapping, inputs: Mapping[str, np.ndarray], extra: str | 
     dtypes = {n: DTYPES[t["dtype"]] for n, t in plan["tensors"].items()}
     shapes = {n: tuple(t["shape"]) for n, t in plan["tensors"].items()}
     blocks = choose_blocks(built, extra, seed)
-    values = stored_values(built, inputs) if blocks else {}
+    values = stored_values(built, inputs) if blocks and _fed(built) else {}
     sms = built.hardware.sms
     launched = {name: [_launched(built.concrete[name], b, sms) for b in bs] for name, bs in blocks.items()}
     return dtypes, shapes, blocks, launched, values
+
+
+def _fed(built) -> bool:
+    """Whether a sampled emulation needs the block interpreter's values of what the kernels store (every block of
+    every kernel, which at prefill sizes costs more than the emulation): where a kernel reads what another stored
+    (it is fed them), or stores what the program does not return (they are compared)."""
+    kernels, outputs = kernels_of(built.program), {name for name, _ in built.program.outputs}
+    return any(i.op == "kernel" for k in kernels for i in k.inputs) or any(
+        s.name not in outputs for k in kernels for s in k.stores)
 
 
 def _launched(c, block: tuple[int, int, int], sms: int) -> tuple[int, int, int]:
