@@ -1032,3 +1032,14 @@ def test_rope_in_a_kernel_needs_tiles_of_even_rows(tmp_path, capsys):
     assert main(["run", str(path), "--grid", "x=8", "--out", str(tmp_path / "y.npz")]) == 0
     args = ["compile", str(path), "--search", "none", "--arch", "none", "-o", str(tmp_path / "out")]
     assert main(args + ([] if emulate.compiler() else ["--no-emulate"])) == 0
+
+
+def test_a_literal_grid_size_no_dim_divides_is_said_at_the_tile_it_splits(tmp_path, capsys):
+    path = tmp_path / "three.prism"
+    path.write_text("dims n = 8, d = 256\nprogram p(X: f16[n, d], W: f16[d, d]) {\n"
+                    "    kernel k grid(x = 3) loop(F) {\n        xt = load X[:, loop]\n        wt = load W[loop, x]\n"
+                    "        store Y[:, x] = acc_sum(xt @ wt)\n    }\n    return Y\n}\n")
+    assert main(["run", str(path), "--out", str(tmp_path / "y.npz")]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:5:9: no choice of F satisfies the constraints" in err
+    assert "tile 'wt' splits dim 1 of size d by grid axis x (3): d/3 = 256/3 is not a whole number" in err

@@ -232,13 +232,13 @@ def instantiate(kernel: Kernel, binding: Mapping[sympy.Symbol, int], hardware: H
 def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], hardware: Hardware,
                         generated: Callable[[Concrete], int] | None = None) -> dict[str, Concrete]:
     """Every kernel instantiated (`generated` as `instantiate` takes it); raises one PrismError listing every
-    violated constraint, each where the program writes the kernel (`_written_at`) if it does."""
+    violated constraint, each where the program writes the kernel (`written_at`) if it does."""
     out: dict[str, Concrete] = {}
     problems: list[Diagnostic] = []
     for k in kernels_of(program):
         c = instantiate(k, binding, hardware, generated)
         if isinstance(c, list):
-            problems += [Diagnostic(_written_at(program, k, p), f"the kernel parameters are not valid: {p}") for p in c]
+            problems += [Diagnostic(written_at(program, k, p), f"the kernel parameters are not valid: {p}") for p in c]
         else:
             out[k.name] = c
     if problems:
@@ -246,7 +246,7 @@ def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], h
     return out
 
 
-def _written_at(program: Program, kernel: Kernel, problem: str) -> Loc | None:
+def written_at(program: Program, kernel: Kernel, problem: str) -> Loc | None:
     """Where the program writes what `problem` is about: the load of the tile it names, else the kernel's first
     store; None for a kernel the program does not write (a pre-defined one, `lower`)."""
     tiles = [n for n in kernel.body() if n.op == "tile" and f"tile '{n.attr}'" in problem]

@@ -13,7 +13,7 @@ import sympy
 
 from ..base.errors import PrismError
 from ..ir.nodes import Program
-from .constraints import constraints, instantiate_program, valid
+from .constraints import constraints, instantiate_program, valid, written_at
 from .hardware import Hardware
 from .kernel import AXES, free_symbols, kernels_of, splits, tile_dim
 from .sizes import int_value, value
@@ -50,10 +50,12 @@ def choose(program: Program, dims: Mapping[sympy.Symbol, int], fixed: Mapping[sy
     if best is None:
         given = "".join(f", {s} = {v}" for s, v in fixed.items())
         tried = ", ".join(f"{s} = {last_problem[s]}" for s in free) if last_problem else ""
+        violated = [(k, v) for k in kernels_of(program) for c in constraints(k, hardware)
+                    if (v := c.violation(last_problem))] if last_problem else []
         raise PrismError("no choice of " + ", ".join(str(s) for s in free) + (f" (with{given[1:]} as given)" if given else "")
                          + " satisfies the constraints" + (f"; at the last one tried, {tried}" if tried else "") + ":\n  "
-                         + "\n  ".join([v for k in kernels_of(program) for c in constraints(k, hardware)
-                                        if (v := c.violation(last_problem))] if last_problem else ["no candidates"]))
+                         + "\n  ".join([v for _, v in violated] or ["no candidates"]),
+                         written_at(program, *violated[0]) if violated else None)  # the first's tile or store
     return best
 
 
