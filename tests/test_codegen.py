@@ -997,16 +997,20 @@ def test_compile_writes_kernels_launcher_program_and_report(tmp_path, capsys):
     assert main(["run", str(out / "rmsnorm_linear.prism"), "--dims", "n=4,d=256", "--out", str(tmp_path / "y.npz")]) == 0
 
 
-def test_an_output_whose_shape_holds_a_grid_size_is_compiled_and_its_floor_priced(write, tmp_path, capsys):
-    """`V` is [n, gx]: its blocks' row sums side by side. The roofline took the dims alone and stopped on the grid
-    size with a TypeError; it takes the chosen parameters too."""
-    src = write("dims n = 16, d = 64\nprogram p(X: f32[n, d]) {\n    kernel k grid(x = gx) loop(F) {\n"
-                "        xt = load X[:, x*loop]\n        store V[:, x] = acc_sum_last(xt)\n    }\n    return V\n}\n")
+def test_pieces_whose_shape_holds_a_grid_size_are_compiled_and_the_floor_priced_from_the_outputs(write, tmp_path,
+                                                                                                   capsys):
+    """`V` is [n, gx]: its blocks' row sums side by side. Returned, its shape would follow the tuning (an error at the
+    return, `lang.check`); summed by a plain op, it is compiled, and the roofline counts the program's inputs and
+    outputs, whose shapes the dims give (it took the dims alone and stopped on the grid size with a TypeError)."""
+    body = ("dims n = 16, d = 64\nprogram p(X: f32[n, d]) {\n    kernel k grid(x = gx) loop(F) {\n"
+            "        xt = load X[:, x*loop]\n        store V[:, x] = acc_sum_last(xt)\n    }\n")
+    assert main(["check", str(write(body + "    return V\n}\n", "returned.prism"))]) == 1
+    assert "'V' has shape [n, gx], which depends on kernel parameters (gx)" in capsys.readouterr().err
+    src = write(body + "    R = sum(V, -1)\n    return R\n}\n")
     out = tmp_path / "o"
     assert main(["compile", str(src), "--search", "none", "--arch", "none", "--no-emulate", "-o", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    gx = report["parameters"]["gx"]
-    assert report["roofline"]["bytes"] == 4 * (16 * 64 + 16 * gx)
+    assert report["parameters"]["gx"] > 1 and report["roofline"]["bytes"] == 4 * (16 * 64 + 16)
 
 
 def planted_failure(check):

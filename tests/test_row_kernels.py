@@ -139,7 +139,7 @@ def test_the_compiled_softmax_stores_its_row_from_registers(write, tmp_path):
     # two row-wise ops in one stored chain: neither writes the output itself (each chain would read the other)
     ("X: f16[n, d], G: f16[d]", "xt = load X[x, :]\n        store Z[x, :] = softmax(xt) + rms_norm(xt)", "gx"),
     # a store map of more dims than the value: the row's indices do not name the output's
-    ("X: f16[n, d], G: f16[d]", "xt = load X[x, :]\n        gt = load G[:]\n        store Z[x, :, :] = rms_norm(xt) * gt",
+    ("X: f16[n, d], G: f16[d]", "xt = load X[x, :]\n        gt = load G[:]\n        store Z[:, x, :] = rms_norm(xt) * gt",
      "gx"),
     # and of fewer
     ("X: f16[1, n, d], G: f16[d]", "xt = load X[:, y, :]\n        gt = load G[:]\n        store Z[y, :] = rms_norm(xt) * gt",
