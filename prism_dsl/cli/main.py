@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default %(default)s); 'none' to skip")
     co.add_argument("--no-emulate", action="store_true", help="skip the CPU run of the generated code")
     _emulation_options(co)
-    co.add_argument("--threads", type=threads, default=128, help="threads per block, at least (default 128; a kernel on tensor cores takes the warps its "
+    co.add_argument("--threads", type=threads, default=128,
+                    help="threads per block, at least (default 128; a kernel on tensor cores takes the warps its "
                     "tiles need where that is more)")
     co.add_argument("--stages", type=positive_int, default=3,
                     help="pipeline depth: copies run STAGES - 1 iterations ahead (default 3; 1: none); loops of "

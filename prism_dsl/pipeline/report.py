@@ -211,7 +211,8 @@ class Report:
         inputs) is written as the string "inf", "-inf" or "nan"."""
         fields = asdict(self)
         searched = fields.pop("searched") or {}
-        return json.dumps(json_finite({**fields, **searched, "verified": self.verified}), indent=2, allow_nan=False) + "\n"
+        return json.dumps(json_finite({**fields, **searched, "verified": self.verified}), indent=2,
+                          allow_nan=False) + "\n"
 
 
 def json_finite(value):

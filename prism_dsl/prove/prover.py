@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from .patterns import unlike_non_finite
 from ..ir.ops import MAX_RANK
 from ..semantics.blocks import evaluate
 from ..semantics.reference import concrete_shape, random_inputs
-from .rules import Library, Rule, default_files
+from .rules import Library, Rule, in_default_library
 from ..ir.shapes import fmt_shape, same_shape
 
 NUMERIC_DIM_CAP = 24  # numeric evidence is taken at small sizes: it is a guard, not the proof
@@ -273,8 +272,7 @@ def _suspects(library: Library, setup: str, goals, limits: Limits) -> str:
     not the default library's, which the suite checks, or, where it uses only those, float64's own limits."""
     used = explain_rules(library, setup, goals, limits)
     rules = library.rules if isinstance(used, str) else used
-    defaults = {f.resolve() for f in default_files()}
-    theirs = [r for r in rules if Path(r.loc.path).resolve() not in defaults]
+    theirs = [r for r in rules if not in_default_library(r.loc.path)]
     float64 = ("one of the two programs is not defined, or loses to float64, where the other is (a division by zero "
                "that a rule cancels; exp of a large negative number, 0, divided by a sum of such; a large constant "
                "added and taken away again)")

@@ -249,6 +249,17 @@ def same_bytes(a: Path, b: Path) -> bool:
     return False
 
 
+def in_default_library(path: str | Path) -> bool:
+    """Whether a rule from `path` is the default library's: one of its files, or a copy of one under its name
+    (`load_library`: the repository's beside an installed prismc)."""
+    return _in_library(Path(path).resolve(), tuple(default_files()))
+
+
+@functools.cache
+def _in_library(path: Path, files: tuple[Path, ...]) -> bool:
+    return any(path == f.resolve() or path.name == f.name and same_bytes(f, path) for f in files)
+
+
 def _load_file(path: Path, errors: Collector, seen: dict, rules: list, texts: list, stack: tuple, at) -> None:
     key = path.resolve()
     if key in stack:

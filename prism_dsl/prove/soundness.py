@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -25,7 +24,7 @@ from ..base import cache
 from ..base.errors import Collector
 from ..lang import syntax_tree as ast
 from .patterns import IllFormed, distinct_digits, sides, strip_ones, unlike_non_finite
-from .rules import Library, Rule, default_files, same_bytes
+from .rules import Library, Rule, in_default_library
 from .sampling import (DRAW_KINDS, SAMPLE_MAX_ELEMENTS, SHAPE_TRIES, Instance, draw_values, for_values, instances,
                        oversized, rule_domains, rule_seed, shape_of)
 
@@ -195,13 +194,7 @@ def cacheable(rule: Rule) -> bool:
     "symbolic" can at worst say a rule proved that was tested, while for a user's rule an edited "sound" would
     let a false rule into proofs. A user's rules are judged on every load.
     """
-    return _in_library(Path(rule.loc.path).resolve(), tuple(default_files()))
-
-
-@functools.cache
-def _in_library(path: Path, files: tuple[Path, ...]) -> bool:
-    """A default file, or a copy of one under its name (`load_library`: the repository's beside an installed one)."""
-    return any(path == f.resolve() or path.name == f.name and same_bytes(f, path) for f in files)
+    return in_default_library(rule.loc.path)
 
 
 def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]:
