@@ -986,3 +986,12 @@ class TestOnGpu:
         out = launcher(**inputs)
         assert out["Y"].shape == (5, 40) and out["Y"].is_contiguous()
         assert check(out["Y"], (inputs["X"].double() + 2 * inputs["W"].double()).cpu().numpy())["passed"]
+
+
+def test_the_standalone_runtime_knows_the_storage_ranges_the_package_does():
+    """cuda_plan, copied beside the kernels, keeps its own table of each dtype's largest value: the same as the
+    one `prismc run` and `verify --inputs` refuse a user's values by."""
+    from prism_dsl.backend.cuda_plan import LARGEST
+    from prism_dsl.semantics.reference import _LARGEST
+
+    assert {d.value: v for d, v in _LARGEST.items()} == LARGEST

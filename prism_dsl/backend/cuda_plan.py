@@ -29,8 +29,10 @@ import struct
 import numpy as np
 
 ITEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}  # per storage dtype
+# The largest finite value of each storage dtype. The package's own table is `semantics.reference`'s, which says
+# the same of a user's .npz (`held`); this module is standalone (copied beside the kernels), so it keeps its own.
 LARGEST = {"f16": 65504.0, "bf16": 3.3895313892515355e38, "f32": 3.4028234663852886e38,
-           "f64": 1.7976931348623157e308}  # the largest finite value of each storage dtype
+           "f64": 1.7976931348623157e308}
 DTYPES = tuple(ITEM_BYTES)
 MAX_THREADS = 1024
 # CUtensorMapDataType of each storage dtype, and the encoding choices (cuda.h): the 128-byte swizzle wgmma reads
