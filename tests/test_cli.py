@@ -569,6 +569,21 @@ def test_compile_refuses_what_no_kernel_takes_where_the_program_is_declared_befo
     assert main(["run", str(path), "--out", str(tmp_path / "y.npz")]) == 0  # a program all the same
 
 
+def test_a_constant_f32_cannot_hold_in_a_kernel_written_by_hand_is_said_where_it_is_written(capsys, tmp_path):
+    """The kernel's body is checked as the program's ops are: `xt * 1e-50` used to be rendered `1e-50f` (0), and
+    the emulation then blamed the kernels' roundings."""
+    path = tmp_path / "p.prism"
+    path.write_text("dims n = 64, d = 128\nprogram p(X: f16[n, d]) {\n    kernel k grid(x = gx) loop(F) {\n"
+                    "        xt = load X[x, loop]\n        s = acc_sum_last(xt * 1e-50)\n"
+                    "        store Y[x, :] = s\n    }\n    return Y\n}\n")
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--arch", "none"]) == 1
+    err = capsys.readouterr().err
+    assert "p.prism:5:26: program 'p': the constant 1e-50 is 0 in the kernels' f32 arithmetic" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    path.write_text(path.read_text().replace("1e-50", "1e-30"))
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--arch", "none", "--no-emulate"]) == 0
+
+
 def test_a_grid_size_written_in_the_program_that_does_not_divide_its_dim_is_said_at_the_load(capsys, tmp_path):
     """`prismc check` cannot know (`--dims` may rebind n to a multiple of 3); compile says where the tile is."""
     path = tmp_path / "p.prism"

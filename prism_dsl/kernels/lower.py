@@ -43,10 +43,10 @@ _ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE)  # computed 
 
 def check_compilable(program: Program) -> None:
     """What the kernels cannot take in a program that `lang.check` accepts (`prismc run` evaluates it), said where the
-    program (or the input) is declared, before a search: an output that is an input itself, which no kernel
-    computes; one that is another output's value again, which its kernel stores once; an input of no dims (`f32[]`),
-    whose tile no kernel's maps can address (one of shape [1] broadcasts alike: x * s is the same for s of shape []
-    and [1] where x has a dim), or of more than KERNEL_RANK; a constant f32 (their arithmetic) makes 0 or infinite."""
+    program (or the input) is declared, before a search: an output that is an input itself, which no kernel computes;
+    one that is another output's value again, which its kernel stores once; an input of no dims (`f32[]`), whose tile
+    no kernel's maps can address (one of shape [1] broadcasts alike: x * s is the same for s of shape [] and [1] where
+    x has a dim), or of more than KERNEL_RANK; a constant f32 (their arithmetic) makes 0 or infinite, kernels' too."""
     for i, (name, node) in enumerate(program.outputs):
         if node.op == "input":
             raise PrismError(f"program '{program.name}': output '{name}' is input '{node.attr}' itself: there is "
@@ -63,7 +63,8 @@ def check_compilable(program: Program) -> None:
             raise PrismError(f"program '{program.name}': '{node.attr}' has rank {node.rank}; the kernels take tensors "
                              f"of rank {KERNEL_RANK} at most (`prismc run` evaluates it)",
                              program.locs.get(node, program.loc))
-    for n in (n for n in program.nodes() if n.dtype is not DType.F64):  # (its kernel computes in f32)
+    for n in (n for n in program.nodes() + [n for k in kernels_of(program) for n in k.body()]
+              if n.dtype is not DType.F64):  # (its kernel computes in f32)
         for c in (a for a in n.args if a.op == "const"):
             with np.errstate(over="ignore"):
                 f32 = float(np.float32(c.attr))
