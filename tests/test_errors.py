@@ -204,6 +204,19 @@ def test_errors_in_independent_statements_are_all_reported(write):
     assert "3 errors" in text  # and no follow-on errors for A, B and C
 
 
+def test_a_kernel_that_loads_what_a_failed_kernel_stores_adds_no_error_of_its_own(write):
+    """The first kernel's error is said once; the second kernel, which loads its output, stores names that stay
+    known (no 'undefined name U' at the return)."""
+    path = write("dims n = 64, d = 128\nprogram p(X: f16[n, d], W: f16[d, d]) {\n"
+                 "    kernel k grid(x = gx) loop(F) {\n        xt = load X[x, loop]\n"
+                 "        s = acc_sum_last(xt * foo)\n        store Y[x, :] = s\n    }\n    Z = Y @ W\n"
+                 "    kernel k2 grid(x = gx) {\n        yt = load Y[x, :]\n        store U[x, :] = yt * 2\n    }\n"
+                 "    return Z, U\n}\n")
+    text = rendered(path)
+    assert_located(text, path, "undefined name 'foo'", 5, 31)
+    assert "errors" not in text and "'U'" not in text
+
+
 def test_error_inside_a_def_says_which_call_led_there(write):
     path = write("dims n = 4, d = 8\ndef f(x) = x @ x\nprogram p(X: f16[n, d]) {\n    Y = f(X)\n    return Y\n}\n")
     assert re.search(r"note: in the call to 'f' at \S*t\.prism:4:9", rendered(path))

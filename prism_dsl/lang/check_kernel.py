@@ -167,7 +167,7 @@ class _KernelCheck:
             self.c.callable = old_callable
         if not any(isinstance(stmt, ast.StoreStmt) for stmt in decl.body):
             self.error(decl.loc, f"kernel '{decl.name}' stores nothing; add 'store NAME[map] = value'")
-        if not self.ok():
+        if not self.ok() or len(stores) < len(stored):  # (a value from a kernel that failed: said there, not here)
             return self.poison_outputs()
         kernel = Kernel(decl.name, tuple(grid), loop, tuple(loads), (), tuple(sources))
         checked = [s for s in (self.store(stmt, value, tmap, kernel) for stmt, value, tmap in stores) if s]
