@@ -172,6 +172,16 @@ def test_a_condition_on_a_size_the_check_cannot_draw_is_said_so(tmp_path):
     check_library(load_library([write(tmp_path, text.replace("N", "4096"))]), use_cache=False)
 
 
+def test_a_rule_no_drawn_shape_makes_well_formed_cannot_be_checked_and_is_not_called_unsound(tmp_path):
+    """`a @ b` with a's last dim 1 and b's rows 4 never holds: nothing is compared, so nothing is shown false; the
+    rule is refused all the same, for what it is."""
+    path = write(tmp_path, "ruleset r {\n  rule never: a @ b => b @ a if size(a, -1) == 1 and size(b, -2) == 4\n}\n")
+    with pytest.raises(PrismError) as e:
+        check_library(load_library([path]), use_cache=False)
+    assert ("t.rules:2:8: rule 'never' cannot be checked: no shapes make its left side well formed (tried 4000 "
+            "random shapes): it could never apply") in str(e.value) and "unsound" not in str(e.value)
+
+
 def test_soundness_cache_is_keyed_by_meaning(tmp_path, monkeypatch):
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(soundness, "cacheable", lambda rule: True)  # as the default library's rules are

@@ -50,8 +50,13 @@ def _directions(rule: Rule) -> list[_Direction]:
     return out
 
 
+class Unchecked(str):
+    """Why a rule could not be checked at all (no shapes found, or no finite values): not a counterexample."""
+
+
 def check_numerically(rule: Rule) -> str | None:
-    """None if the rule holds on every instance and value draw tried; otherwise why not, in words."""
+    """None if the rule holds on every instance and value draw tried; otherwise why not, in words (an `Unchecked`
+    where nothing could be compared)."""
     seed = rule_seed(rule)
     nrng = np.random.default_rng(seed)
     domains = rule_domains(rule)
@@ -59,7 +64,8 @@ def check_numerically(rule: Rule) -> str | None:
     for n, way in enumerate(_directions(rule)):
         found = instances(rule, way.first, seed + n)
         if not found:
-            return f"no shapes make its {way.fname} side well formed (tried {SHAPE_TRIES} random shapes)"
+            return Unchecked(f"no shapes make its {way.fname} side well formed (tried {SHAPE_TRIES} random shapes): "
+                             "it could never apply, or only at shapes too rare to draw")
         problem = _compare_shapes(way, found)
         if problem:
             return problem
@@ -76,7 +82,7 @@ def check_numerically(rule: Rule) -> str | None:
                 return problem
             evaluated += finite
     if not evaluated:
-        return "no instance gave finite values on both sides, so it could not be checked"
+        return Unchecked("no instance gave finite values on both sides")
     return None
 
 
@@ -144,21 +150,21 @@ def _compare(way: _Direction, inst: Instance, a: np.ndarray, b: np.ndarray) -> t
 
 # -- verdicts ------------------------------------------------------------------------------------------
 
-SYMBOLIC, NUMERIC_ONLY, UNSOUND = "symbolic", "numeric", "unsound"
+SYMBOLIC, NUMERIC_ONLY, UNSOUND, UNCHECKED = "symbolic", "numeric", "unsound", "unchecked"
 STATUS_WORDS = {SYMBOLIC: "proved symbolically", NUMERIC_ONLY: "tested numerically"}
 
 
 @dataclass(frozen=True)
 class Verdict:
-    status: str  # SYMBOLIC, NUMERIC_ONLY or UNSOUND
-    why: str = ""  # UNSOUND: why, in words; NUMERIC_ONLY: why SymPy did not decide it
+    status: str  # SYMBOLIC, NUMERIC_ONLY, UNSOUND, or UNCHECKED (refused like UNSOUND: nothing could be compared)
+    why: str = ""  # UNSOUND, UNCHECKED: why, in words; NUMERIC_ONLY: why SymPy did not decide it
 
 
 def judge(rule: Rule) -> Verdict:
     """Test the rule numerically, then try to decide it with SymPy."""
     problem = check_numerically(rule)
     if problem:
-        return Verdict(UNSOUND, problem)
+        return Verdict(UNCHECKED if isinstance(problem, Unchecked) else UNSOUND, problem)
     outcome = symbolic.decide(rule)
     if outcome.refuted:
         return Verdict(UNSOUND, outcome.why)
@@ -168,7 +174,7 @@ def judge(rule: Rule) -> Verdict:
 def check_rule(rule: Rule) -> str | None:
     """None if the rule is sound as far as the checks can tell; otherwise why not, in words."""
     verdict = judge(rule)
-    return verdict.why if verdict.status == UNSOUND else None
+    return verdict.why if verdict.status in (UNSOUND, UNCHECKED) else None
 
 
 # Bump when the check's meaning changes in a way its code does not show (the code is in the key too).
@@ -219,8 +225,9 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
             verdict = judge(rule)
             if use:
                 cache.write("sound", key, {"status": verdict.status, "why": verdict.why})
-        if verdict.status == UNSOUND:
-            errors.error(rule.loc, f"rule '{rule.name}' is unsound: {verdict.why}")
+        if verdict.status in (UNSOUND, UNCHECKED):
+            errors.error(rule.loc, f"rule '{rule.name}' {'is unsound' if verdict.status == UNSOUND else 'cannot be checked'}"
+                         f": {verdict.why}")
         else:
             statuses[rule.name] = verdict.status
     errors.raise_if_any()
@@ -228,9 +235,9 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
 
 
 def _cached(key: str) -> Verdict | None:
-    """A cached verdict that the rule is sound (how: symbolically or numerically). One that it is unsound is judged
-    again: the default library's rules are sound (the suite checks them), so such an entry is an edited one, and a
-    cache may make prismc faster, never stop it."""
-    value = cache.read("sound", key, lambda v: isinstance(v, dict) and v.get("status") in (SYMBOLIC, NUMERIC_ONLY, UNSOUND)
-                       and isinstance(v.get("why"), str))
-    return None if value is None or value["status"] == UNSOUND else Verdict(value["status"], value["why"])
+    """A cached verdict that the rule is sound (how: symbolically or numerically). One that it is unsound (or could
+    not be checked) is judged again: the default library's rules are sound (the suite checks them), so such an entry
+    is an edited one, and a cache may make prismc faster, never stop it."""
+    value = cache.read("sound", key, lambda v: isinstance(v, dict) and isinstance(v.get("why"), str)
+                       and v.get("status") in (SYMBOLIC, NUMERIC_ONLY, UNSOUND, UNCHECKED))
+    return None if value is None or value["status"] in (UNSOUND, UNCHECKED) else Verdict(value["status"], value["why"])
