@@ -813,6 +813,21 @@ program causal_attention(Q: f16[b, h, q, dh], K: f16[b, h, kv, dh], V: f16[b, h,
 """
 
 
+@pytest.mark.parametrize("dims, floor_us, bound", [
+    (dict(n=8, d=4096), 10.06, "memory"),  # 33.7 MB at 3.35 TB/s
+    (dict(n=4096, d=4096), 138.91, "math"),  # 137 GFLOP at 989.4 TFLOP/s
+], ids=["decode", "prefill"])
+def test_the_floor_is_at_the_datasheets_peaks_not_at_the_rates_the_model_takes(dims, floor_us, bound):
+    """rms_norm(X) @ W on an H100 SXM: the floors the kernels are judged against are those of its datasheet, not
+    the hardware file's measured copy bandwidth and matrix rate (3.0 TB/s, 800 TFLOP/s), which the cost model
+    reads: at those the floor was 11-24% higher, and every estimate that much nearer to it."""
+    from prism_dsl.backend.roofline import roofline
+
+    plain = load(REPO / "programs" / "rmsnorm_linear.prism").program()
+    floor = roofline(plain, bind_dims(plain, dims), H100)
+    assert (floor["floor_us"], floor["bound"]) == (pytest.approx(floor_us, abs=0.01), bound)
+
+
 def test_the_floor_counts_only_what_a_causal_mask_keeps():
     """Both products of causal attention count at the kept share of the scores (row i keeps columns up to
     i + kv - q), in the program as written and in its fused kernel alike; attention without a mask counts
@@ -887,7 +902,8 @@ def test_a_hardware_file_like_another_takes_the_figures_it_does_not_give(tmp_pat
     from prism_dsl.kernels import hardware
 
     h100, h200 = asdict(load_hardware("h100")), asdict(load_hardware("h200"))
-    assert {k for k in h100 if h100[k] != h200[k]} == {"name", "bandwidth_gbs", "launch_overhead_us", "dram_latency_ns"}
+    assert {k for k in h100 if h100[k] != h200[k]} == {"name", "bandwidth_gbs", "launch_overhead_us", "dram_latency_ns",
+                                                           "datasheet_bandwidth_gbs"}
     assert (h200["bandwidth_gbs"], h200["launch_overhead_us"], h200["dram_latency_ns"]) == (4300.0, 2.7, 660)
     (tmp_path / "loop.toml").write_text('name = "Loop"\nlike = "loop"\n')
     monkeypatch.setattr(hardware, "HARDWARE_DIR", tmp_path)

@@ -1,8 +1,9 @@
 """The GPUs a kernel is instantiated for: one TOML file per GPU in `gpus/`.
 
-A hardware gives the limits the constraints check (shared memory per block, grid size) and the figures the
-cost model reads (SMs, bandwidths, peak rates, launch overhead). Adding a GPU is adding a file; `like = "NAME"`
-takes every figure the file does not give from another GPU's.
+A hardware gives the limits the constraints check (shared memory per block, grid size), the figures the
+cost model reads (SMs, bandwidths and matrix rates as kernels reach them, launch overhead), and the datasheet's
+peaks, which only the roofline floor reads (`backend.roofline`: a time no program beats). Adding a GPU is adding a
+file; `like = "NAME"` takes every figure the file does not give from another GPU's.
 """
 
 import tomllib
@@ -32,6 +33,8 @@ class Hardware:
     dram_latency_ns: float
     max_threads_per_sm: int
     max_blocks_per_sm: int
+    datasheet_bandwidth_gbs: float  # the memory's peak, as the datasheet gives it (the floor's)
+    datasheet_tflops: Mapping[str, float]  # the peak rates by type, dense (the floor's; f32: the CUDA cores')
 
     def __hash__(self) -> int:
         return hash(self.name)
