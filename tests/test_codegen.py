@@ -1218,6 +1218,44 @@ def test_bench_needs_a_gpu(capsys, monkeypatch):
     gpu_status.cache_clear()
 
 
+def test_bench_times_its_own_kernels_as_many_times_as_pytorchs(monkeypatch):
+    """`prismc bench --repeat N` timed PyTorch N times and the program's kernels 100 times whatever N was: the
+    count reaches the launcher's timings of the whole program and of each kernel."""
+    from prism_dsl.backend import cuda_runtime
+    from prism_dsl.pipeline import build as builder
+
+    asked = []
+
+    class Launcher:  # the GPU's launcher, as far as `check_gpu` uses it
+        def __init__(self, plan, directory, cast):
+            pass
+
+        def __call__(self, **inputs):
+            return {}
+
+        def time(self, sets, repeat=100):
+            asked.append(("program", repeat))
+            return {"median_ms": 0.01}
+
+        def time_kernels(self, sets, repeat=100):
+            asked.append(("kernels", repeat))
+            return {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cuda_runtime, "Launcher", Launcher)
+    monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "a GPU"))
+    monkeypatch.setattr(builder, "_compared", lambda *a: {"passed": True, "rtol": 0.01, "seed": 0,
+                                                          "checked_against": "input program", "outputs": {}})
+    built, _ = build_of(ROOT / "programs/rmsnorm_linear.prism", emulate=False, archs=())
+    assert builder.measure(built, 0, 7).timing_ms == {"median_ms": 0.01}
+    assert asked == [("program", 7), ("kernels", 7)]
+    import inspect
+    from prism_dsl.cli import bench
+    assert "measure(built, options.seed, args.repeat)" in inspect.getsource(bench.bench)
+
+
 # -- names from user text ---------------------------------------------------------------------------------
 
 

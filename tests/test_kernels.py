@@ -496,14 +496,17 @@ def test_show_draws_the_kernel_graph_as_dot(tmp_path, capsys):
     assert 'label="store M[z, x, y, :, :] ="' in dot
 
 
-def test_show_svg_without_graphviz_writes_dot_text_and_says_so(tmp_path, capsys, monkeypatch):
+def test_show_svg_without_graphviz_is_refused_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """It used to write the DOT text into g.svg, exit 0, and say so in a note only."""
     import shutil
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     out = tmp_path / "g.svg"
-    assert main(["show", str(REPO / "programs" / "fused" / "swiglu.prism"), "--format", "svg", "-o", str(out)]) == 0
+    assert main(["show", str(REPO / "programs" / "fused" / "swiglu.prism"), "--format", "svg", "-o", str(out)]) == 1
+    assert not out.exists()
+    assert "--format svg needs Graphviz's 'dot', which is not on PATH" in capsys.readouterr().err
+    assert main(["show", str(REPO / "programs" / "fused" / "swiglu.prism"), "--format", "dot", "-o", str(out)]) == 0
     assert out.read_text().startswith("digraph")
-    assert "Graphviz's 'dot' is not installed" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("shutil").which("dot") is None, reason="Graphviz's dot is not installed")
@@ -517,7 +520,7 @@ def test_show_binary_format_needs_an_output_file(capsys, monkeypatch):
     import shutil
 
     if shutil.which("dot") is None:
-        pytest.skip("Graphviz's dot is not installed (without it the output is DOT text)")
+        pytest.skip("Graphviz's dot is not installed (without it --format png is refused)")
     assert main(["show", str(REPO / "programs" / "fused" / "swiglu.prism"), "--format", "png"]) == 2
 
 

@@ -12,14 +12,16 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
     occ    = blocks resident per SM: by shared memory (`layout.smem`), threads, registers (an estimate:
              REGISTERS_BASE plus every register-tiled product's accumulators and one's fragments, and what a
              thread holds for its copies of the loop's tiles: REGISTERS_PER_TILE, or REGISTERS_PER_COPY a
-             copy) and the block limit
+             copy; an online softmax's running state and rows, at most 255; or ptxas's count where the kernel
+             was compiled) and the block limit
     resident = min(blocks, SMs * occ);  waves = ceil(blocks / resident);  busy = min(blocks, SMs)
 
     Memory, by Little's law: the bandwidth a kernel reaches is the bytes it keeps in flight over the
     latency, at most the achievable share of the peak:
         flight = per SM, the loop tiles of every resident block (as many iterations of them as the pipeline
-                 loads ahead: stages - 1, stages - 2 with a wgmma batch in flight; one unpipelined); the
-                 once-loaded tiles and stores count as one tile
+                 loads ahead, `Layout.lead`: stages - 1; stages - 2 with a wgmma batch in flight or p @ v a step
+                 late; stages - 3 where warpgroups take turns; one unpipelined); a kernel without loop tiles
+                 keeps its largest tile in flight (`intake.bytes_in_flight`); stores are not counted
         fill   = busy * min(SM_FILL_BYTES_PER_CLOCK, warps * WARP_FILL_BYTES_PER_CLOCK) * clock: what the busy
                  SMs can take in at all, with `warps` resident on each
         bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency, fill)

@@ -1,7 +1,7 @@
 """The `prismc` command line. `main(argv)` is what tests call in-process.
 
-Exit codes: 0 success, 1 an error in the user's input (files, programs, rules, parameters), 2 a usage
-error on the command line. User errors are printed as located diagnostics; no traceback reaches a user
+Exit codes: 0 success, 1 an error in the user's input (files, programs, rules, parameters) or a check that
+failed, 2 a usage error on the command line, 3 not proved (`prove`), 130 interrupted. User errors are printed as located diagnostics; no traceback reaches a user
 for bad input. Outputs are written atomically, so a failed run leaves nothing half-written.
 """
 
@@ -131,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ve = sub.add_parser("verify", help="check a compiled output directory again, its .cu files as they are on disk",
                         description="Build the kernels of a directory `prismc compile -o` wrote, as they are on disk, in the "
-                        "thread-faithful CPU emulation; run them on random inputs (or --inputs) and compare every output "
-                        "element with the float64 reference of the program in the directory. Exit 0 when all agree, 1 otherwise.")
+                        "thread-faithful CPU emulation; run them on random inputs (or --inputs) and compare the outputs "
+                        "with the float64 reference of the program in the directory: every element of the blocks run "
+                        "(--emulate-blocks: all of them where that is quick, else a sample, which the summary says). "
+                        "Exit 0 when all agree, 1 otherwise.")
     ve.add_argument("directory", metavar="DIR")
     ve.add_argument("--dims", type=parse_dims, action=Merged, default={},
                     help="other sizes (the kernels are then generated again from the directory's program)")
@@ -478,7 +480,7 @@ def cmd_show(args) -> int:
     if args.output not in (None, "-"):
         check_writable(args.output)
         check_apart({"-o": args.output}, _sources(source))
-    text, ok, note = render(program, args.dims, args.grid, args.loop, args.hardware, args.format)
+    text, ok = render(program, args.dims, args.grid, args.loop, args.hardware, args.format)
     if args.output not in (None, "-"):
         write_bytes(args.output, text if isinstance(text, bytes) else text.encode())
         print(f"{program.name}: {args.format} -> {args.output}")
@@ -486,8 +488,6 @@ def cmd_show(args) -> int:
         raise UsageError(f"--format {args.format} is binary; give -o FILE")
     else:
         print(text, end="")
-    if note:
-        print(note, file=sys.stderr)
     return EXIT_OK if ok else EXIT_INPUT
 
 

@@ -215,21 +215,22 @@ def _bound(expr, binding, eq: str = "=") -> str:
     return "" if bind(expr, binding) == expr else f"{eq}{_value(expr, binding)}"
 
 
-def render(program: Program, dims, grid, loop, hardware_name: str, fmt: str) -> tuple[str | bytes, bool, str | None]:
-    """(text or image bytes, whether every kernel is valid, a note for the terminal)."""
+def render(program: Program, dims, grid, loop, hardware_name: str, fmt: str) -> tuple[str | bytes, bool]:
+    """(text or image bytes, whether every kernel is valid)."""
     hardware = load_hardware(hardware_name)
     binding, notes = _binding(program, dims, grid, loop, hardware)
     text, ok = text_report(program, binding, notes, hardware)
     if fmt == "text":
-        return text, ok, None
+        return text, ok
     dot = dot_graph(program, binding)
     if fmt == "dot":
-        return dot, ok, None
+        return dot, ok
     exe = shutil.which("dot")
-    if exe is None:
-        return dot, ok, f"Graphviz's 'dot' is not installed, so this is the graph as DOT text, not {fmt}"
+    if exe is None:  # (DOT text in a file named .png would be no picture, and nothing would say so but a note)
+        raise PrismError(f"--format {fmt} needs Graphviz's 'dot', which is not on PATH: install Graphviz, or write the "
+                         "graph as DOT text with --format dot")
     try:
         done = subprocess.run([exe, f"-T{fmt}"], input=dot.encode(), capture_output=True, timeout=60, check=True)
     except (subprocess.SubprocessError, OSError) as e:
         raise PrismError(f"Graphviz's dot failed to draw the graph: {e}") from None
-    return done.stdout, ok, None
+    return done.stdout, ok

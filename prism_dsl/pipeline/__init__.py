@@ -1,6 +1,6 @@
 """The pipeline stage: `prismc compile` as one function, and its passes.
 
-Takes a `compile.Request`: the input program (a checked `ir.Program`), the output directory, the hardware
+Takes a `compile.Request`: the input program (a checked `ir.nodes.Program`), the output directory, the hardware
 (`kernels.hardware.Hardware`), the build options (`build.BuildOptions`: dims, kernel parameters, how launch
 parameters are ranked, nvcc architectures, the CPU emulation, the seed) and the search's settings
 (`compile.Searching`; none to compile the program as written). Gives a `report.Report`, frozen and

@@ -404,20 +404,21 @@ def emulate(built: Build, options: BuildOptions) -> EmulationCheck | Skipped | N
     return check_emulated(built, options.seed, options.sanitize, options.emulate_blocks)
 
 
-def check_gpu(built: Build, directory: Path, seed: int) -> GpuCheck:
-    """Run on the GPU the kernels written in `directory`, check every output, time the whole program."""
+def check_gpu(built: Build, directory: Path, seed: int, repeat: int = 100) -> GpuCheck:
+    """Run on the GPU the kernels written in `directory`, check every output, time the whole program (`repeat`
+    timed runs, and as many of each kernel)."""
     plan = plan_of(built)
     with contextlib.closing(cuda_runtime.Launcher(plan, directory, cast=True)) as launcher:
         full = [check_inputs(built, seed + i) for i in range(3)]  # the first is the one checked
         cut = callers_part(built)
         sets = [{name: a[cut.get(name, ())] for name, a in s.items()} for s in full]  # as the caller passes them
         checked = _compared(built, launcher(**sets[0]), full[0], seed, cut)
-        return GpuCheck(**checked, device=cuda_runtime.gpu_status()[1], timing_ms=launcher.time(sets),
-                        kernels_ms=launcher.time_kernels(sets))
+        return GpuCheck(**checked, device=cuda_runtime.gpu_status()[1], timing_ms=launcher.time(sets, repeat=repeat),
+                        kernels_ms=launcher.time_kernels(sets, repeat=repeat))
 
 
-def measure(built: Build, seed: int) -> GpuCheck:
+def measure(built: Build, seed: int, repeat: int = 100) -> GpuCheck:
     """The GPU's check and times of the program, its kernels written to a scratch directory."""
     with files.temp_scratch("measure") as directory:  # removes those of killed runs too
         write_sources(built.kernels, directory)
-        return check_gpu(built, directory, seed)
+        return check_gpu(built, directory, seed, repeat)

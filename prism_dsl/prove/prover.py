@@ -2,7 +2,8 @@
 
 `prove(a, b, library, limits)` pairs the two programs' outputs, writes both as terms into one e-graph
 loaded with the library's rules, and saturates under the limits. An output pair is *proved* only when
-egglog puts both terms in one e-class; any limit, error or doubt is "not proved", with the reason.
+egglog puts both terms in one e-class; a limit reached is "not proved", with the reason; a proof that could
+not run (egglog's child failed) is an error, never taken for either answer.
 As a guard on the axioms themselves, both programs are also evaluated with the reference interpreter,
 at several bindings of the dims (size-1 dims and primes among them) with a new random seed each: a
 proof of two programs that differ numerically means an unsound rule, and is reported as such, never

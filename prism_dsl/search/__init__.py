@@ -1,8 +1,8 @@
 """The search stage: programs of fused custom kernels, each proved equal to the input program.
 
-Takes the input program (a checked `ir.Program` of pre-defined ops), the rules (`prove.rules.Library`),
+Takes the input program (a checked `ir.nodes.Program` of pre-defined ops), the rules (`prove.rules.Library`),
 the hardware (`kernels.hardware.Hardware`, for shared memory) and the limits (`config.SearchConfig`).
-Gives `driver.Result`: the proved programs (`ir.Program`s with custom kernels whose sizes stay symbolic,
+Gives `driver.Result`: the proved programs (`ir.nodes.Program`s with custom kernels whose sizes stay symbolic,
 so each holds for every binding of the dims), in the order found, and `config.Stats` (counts, pruning by
 typed `config.Rejection`, the messages of proofs that could not run).
 
