@@ -69,10 +69,9 @@ def check_compilable(program: Program) -> None:
             with np.errstate(over="ignore"):
                 f32 = float(np.float32(c.attr))
             if (f32 == 0) != (c.attr == 0) or math.isinf(f32):
-                raise PrismError(f"program '{program.name}': the constant {c.attr:g} is "
-                                 f"{'0' if f32 == 0 else 'infinite'} in the kernels' f32 arithmetic, which holds "
-                                 "magnitudes from 1.4e-45 to 3.4e38: write one within that range, or 0",
-                                 program.locs.get(c) or program.locs.get(n, program.loc))
+                raise PrismError(f"program '{program.name}': the constant {c.attr:g} is {'0' if f32 == 0 else 'infinite'} "
+                                 "in the kernels' f32 arithmetic, which holds magnitudes from 1.4e-45 to 3.4e38: write "
+                                 "one within that range, or 0", program.locs.get(c) or program.locs.get(n, program.loc))
 
 
 def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: bool = False) -> Program:
