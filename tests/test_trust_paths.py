@@ -596,6 +596,31 @@ def test_a_relative_cache_home_is_ignored(monkeypatch, tmp_path):
     assert cache.cache_dir() == tmp_path / "xdg" / "prism-dsl"
 
 
+@pytest.mark.parametrize("home", [None, "", "rel"], ids=["unset-no-passwd-entry", "empty", "relative"])
+def test_without_a_home_prismc_goes_on_without_a_cache(monkeypatch, tmp_path, capsys, home):
+    """`docker run --user N` with no HOME and no passwd entry for N: Path.home() raised a RuntimeError, a traceback
+    on every command (`--no-cache` too); an empty or relative HOME put the cache at /.cache or in the current
+    directory. Now: one warning, nothing read or written, and the command runs."""
+    import os
+
+    for name in ("PRISM_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+    if home is None:
+        monkeypatch.setattr(os.path, "expanduser", lambda path: path)  # no passwd entry: '~' stays '~'
+    else:
+        monkeypatch.setenv("HOME", home)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cache, "_said", {})
+    monkeypatch.setattr(cache, "_off", {})
+    assert cache.cache_dir() == cache.NOWHERE
+    cache.write("kind", KEY, {"a": 1})
+    assert cache.read("kind", KEY) is None and list(tmp_path.iterdir()) == []
+    assert main(["check", str(ROOT / "rules" / "algebra.rules")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "prismc: warning: no cache directory: HOME is " in err
+    assert "going on without a cache" in err and "Traceback" not in err
+
+
 def test_a_relative_cache_dir_is_ignored_and_a_tilde_is_home(monkeypatch, tmp_path, capsys):
     """PRISM_CACHE_DIR='~/pc' (quoted, so no shell expanded it) is the home's; 'pc' would be wherever prismc runs."""
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -1,7 +1,8 @@
 """The user cache directory: small JSON records written atomically and read defensively.
 
 Location: `$PRISM_CACHE_DIR` (`~` expanded), else `$XDG_CACHE_HOME/prism-dsl`, else `~/.cache/prism-dsl`; a
-relative path in either variable is ignored (`cache_dir`). Nothing is ever written to the current directory. A
+relative path in either variable is ignored, and without a home there is no cache (`cache_dir`). Nothing is ever
+written to the current directory. A
 cache may make the tool faster, never wrong, and never stop it:
 
 - a record is read only from a regular file of at most MAX_RECORD_BYTES (a FIFO, a device or a link to
@@ -42,9 +43,14 @@ _swept: set[Path] = set()  # directories whose abandoned temporary files were re
 _TMP = re.compile(scratch_pattern(r"\.tmp-").pattern + r"\.json")  # `.tmp-prismc-<pid>-XXXXXXXX.json`
 
 
+NOWHERE = Path(os.devnull) / "prism-dsl"  # the cache where there is none: nothing can be made under a device
+
+
 def cache_dir() -> Path:
     """PRISM_CACHE_DIR (`~` expanded), else $XDG_CACHE_HOME/prism-dsl, else ~/.cache/prism-dsl. A relative path in
-    either variable is ignored (said once): it would put the cache in whatever directory prismc runs in."""
+    either variable is ignored (said once): it would put the cache in whatever directory prismc runs in. Without
+    a home (HOME unset with no passwd entry, as under `docker run --user N`, or empty, or relative), NOWHERE: no
+    cache, said once."""
     root = os.environ.get("PRISM_CACHE_DIR")
     if root and os.path.isabs(expanded := os.path.expanduser(root)):
         return Path(expanded)
@@ -52,7 +58,15 @@ def cache_dir() -> Path:
         _say("PRISM_CACHE_DIR", f"prismc: warning: ignoring PRISM_CACHE_DIR={root!r}: not an absolute path (the "
              "cache would go wherever prismc runs)")
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "prism-dsl"  # a relative one is ignored
+    if xdg and os.path.isabs(xdg):  # a relative one is ignored
+        return Path(xdg) / "prism-dsl"
+    home = os.environ.get("HOME", os.path.expanduser("~"))  # (unset: the passwd entry's, '~' where there is none)
+    if home and os.path.isabs(home):
+        return Path(home) / ".cache" / "prism-dsl"
+    _off[str(NOWHERE)] = {"read", "write"}
+    _say(str(NOWHERE), f"prismc: warning: no cache directory: HOME is {'not set' if home == '~' else repr(home)}, "
+         "and neither PRISM_CACHE_DIR nor XDG_CACHE_HOME names one; going on without a cache")
+    return NOWHERE
 
 
 def digest(*parts: str) -> str:
