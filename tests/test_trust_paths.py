@@ -621,6 +621,33 @@ def test_without_a_home_prismc_goes_on_without_a_cache(monkeypatch, tmp_path, ca
     assert "going on without a cache" in err and "Traceback" not in err
 
 
+def test_entries_another_user_owns_are_said_once_per_directory(monkeypatch, tmp_path, capsys):
+    """A cache shared with another user (a 1777 directory, or one root wrote into under sudo): each entry of theirs
+    is private, and every read and every write gave a warning of its own (150 lines a run)."""
+    import errno
+
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setattr(cache, "_said", {})
+    monkeypatch.setattr(cache, "_off", {})
+    keys = [str(i) * 64 for i in range(5)]
+    for key in keys:
+        cache.write("kind", key, {"a": 1})
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(cache, "read_regular", denied)
+    monkeypatch.setattr(os, "replace", denied)
+    for key in keys:
+        assert cache.read("kind", key) is None
+        cache.write("kind", key, {"a": 2})
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(str(tmp_path / "c" / "kind") in line for line in err), err
+    assert "ignoring the cache entries in" in err[0] and "that this user cannot read (permission denied" in err[0]
+    assert "not replacing the cache entries in" in err[1]
+    assert not [p for p in (tmp_path / "c" / "kind").iterdir() if p.name.startswith(".tmp")]
+
+
 def test_a_relative_cache_dir_is_ignored_and_a_tilde_is_home(monkeypatch, tmp_path, capsys):
     """PRISM_CACHE_DIR='~/pc' (quoted, so no shell expanded it) is the home's; 'pc' would be wherever prismc runs."""
     monkeypatch.setenv("HOME", str(tmp_path))

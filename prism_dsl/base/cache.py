@@ -110,6 +110,9 @@ def read(kind: str, key: str, valid: Callable[[Any], bool] | None = None) -> Any
     except OSError as e:
         if not os.access(path.parent, os.R_OK | os.X_OK):  # the directory, not this entry
             unusable("read", f"{describe(e)}")
+        elif e.errno in _NOT_OURS:  # a cache shared with another user, who wrote it: said once per directory
+            _say(f"{path.parent}:unreadable", f"prismc: warning: ignoring the cache entries in {path.parent} that "
+                 f"this user cannot read ({describe(e)}; another user's?)")
         else:
             warn(path, f"unreadable ({describe(e)})")
         return None
@@ -190,11 +193,15 @@ def write(kind: str, key: str, value: Any) -> None:
     except OSError as e:
         if e.errno in _FULL:  # every entry would fail alike: said once, and no more tries
             unusable("write", describe(e))
+        elif e.errno in _NOT_OURS:
+            _say(f"{path.parent}:unwritable", f"prismc: warning: not replacing the cache entries in {path.parent} "
+                 f"that this user cannot write ({describe(e)}; another user's?)")
         else:
             warn(path, f"not writable ({describe(e)})")
 
 
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # a full disk, a quota reached, a read-only file system
+_NOT_OURS = {errno.EACCES, errno.EPERM}  # an entry another user owns
 
 
 def remove(kind: str, key: str) -> None:
