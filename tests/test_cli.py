@@ -690,3 +690,40 @@ def test_sigterm_and_sighup_end_a_command_in_order():
     finally:
         for signum, handler in replaced.items():
             signal.signal(signum, handler)
+
+
+def test_compile_with_stdout_closed_writes_its_directory_and_exits_0(tmp_path, monkeypatch):
+    """`prismc compile ... >&-` (a cron job, a daemon): the summary went to `sys.stdout.write` on None, an
+    AttributeError after every file was written."""
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["compile", str(REPO / "programs/fused/rmsnorm_linear.prism"), "--search", "none", "--dims",
+                 "n=8,d=256", "--arch", "none", "--no-emulate", "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.json").is_file()
+
+
+def test_a_file_system_refusal_with_no_file_named_says_what_it_was(capsys, tmp_path, monkeypatch):
+    """`ulimit -f`, a full stdout: the OSError names no file, and the message was 'prismc: cannot use: File too
+    large'. Where prismc's own directory was removed under it, that is said too."""
+    import errno
+
+    from prism_dsl.cli import main as cli
+
+    def refuse(*args):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(cli, "build_parser", lambda: _parser_running(refuse))
+    assert main(["rules"]) == 1
+    assert capsys.readouterr().err == "prismc: a file system call failed: File too large\n"
+    monkeypatch.setattr(os, "getcwd", lambda: refuse())
+    assert main(["rules"]) == 1
+    assert capsys.readouterr().err == ("prismc: a file system call failed: File too large (the current directory "
+                                       "was removed)\n")
+
+
+def _parser_running(command):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("name")
+    parser.set_defaults(run=command)
+    return parser

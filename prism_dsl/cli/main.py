@@ -201,6 +201,13 @@ def _rule_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-default-rules", action="store_true", help="do not load the default library in rules/")
 
 
+def _cwd_exists() -> bool:
+    try:
+        return bool(os.getcwd())
+    except OSError:
+        return False
+
+
 def _from_interrupt(e: BaseException) -> bool:
     while e is not None and not isinstance(e, KeyboardInterrupt):
         e = e.__cause__ or e.__context__
@@ -242,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except OSError as e:  # a file system refusal not foreseen where it happened: still the user's setup, in words
-        where = f" '{e.filename}'" if e.filename else ""
-        print(f"prismc: cannot use{where}: {e.strerror or e}", file=sys.stderr)
+        where = f"cannot use '{e.filename}'" if e.filename else "a file system call failed"
+        print(f"prismc: {where}: {e.strerror or e}{'' if _cwd_exists() else ' (the current directory was removed)'}",
+              file=sys.stderr)
         return EXIT_INPUT
     finally:
         sys.setrecursionlimit(limit)
@@ -447,7 +455,7 @@ def cmd_compile(args) -> int:
                                                  stages=args.stages, wgmma=not args.no_wgmma, tma=args.tma,
                                                  pingpong=not args.no_pingpong, one_launch=not args.two_launches))
     report = compile_program(Request(program, Path(args.output), hardware, options, searching))
-    sys.stdout.write(report.to_json() if args.json else summary(report, Path(args.output)) + "\n")
+    print(report.to_json() if args.json else summary(report, Path(args.output)) + "\n", end="")  # (stdout may be closed)
     return EXIT_INPUT if report.checked.failed else EXIT_OK
 
 
@@ -489,7 +497,3 @@ def cmd_show(args) -> int:
     else:
         print(text, end="")
     return EXIT_OK if ok else EXIT_INPUT
-
-
-if __name__ == "__main__":
-    sys.exit(main())

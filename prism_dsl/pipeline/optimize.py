@@ -192,7 +192,7 @@ class Progress:
     """One status line on stderr, rewritten in place; silent when stderr is not a terminal."""
 
     def __init__(self, enabled: bool, started: float) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
+        self.enabled = enabled and sys.stderr is not None and sys.stderr.isatty()  # (None: closed)
         self.started = started
         self.last = 0.0
 
