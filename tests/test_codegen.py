@@ -1288,6 +1288,20 @@ def test_a_kernel_nvcc_rejects_is_named_alone_where_its_program_compiles_as_one_
     assert all(results[k.name]["sm_90"]["ok"] and results[k.name]["sm_90"]["registers"] > 0 for k in rest)
 
 
+def test_an_nvcc_that_exits_0_without_a_cubin_is_not_taken_for_a_compile(tmp_path, monkeypatch):
+    """A wrapper named nvcc that exits 0 and writes nothing was reported as "every kernel compiles", 0 registers."""
+    from prism_dsl.backend import nvcc
+
+    fake = tmp_path / "bin" / "nvcc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: str(fake))
+    built, _ = build_of(ROOT / "programs" / "gpt2_mlp.prism")
+    results = nvcc_check(built.kernels, tmp_path, ("sm_90",))
+    assert all(not r["sm_90"]["ok"] and "exited 0 but wrote no" in r["sm_90"]["stderr"] for r in results.values())
+
+
 @needs_cxx
 def test_a_broadcast_row_is_read_where_its_copy_put_it(tmp_path):
     """A bias of one row (B: [1, m]) added to a product whose output tiles have rows of 16 16-bit elements: those

@@ -790,3 +790,35 @@ def test_the_runtime_is_compiled_once_per_set_of_flags_and_checked_where_it_is_k
     assert len(list(kept.glob("*.o"))) == emulate.RUNTIME_OBJECTS_KEPT
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "build0" / "prism_emu.o"))  # a file: no cache there
     assert len(runtime(plain)) == 1 and len(runtime(plain)) == 1
+
+
+def test_a_compiler_that_fails_saying_nothing_is_said_so():
+    """`CXX=false`: the message ended at "does not compile:" with nothing after it."""
+    done = subprocess.CompletedProcess(["false"], 1, "", "")
+    assert emulate._compiler_errors(done) == "(it exited 1, saying nothing)"
+    done = subprocess.CompletedProcess(["g++"], 1, "", "a.cc:1: warning: w\nt.cu:3:1: error: e\n")
+    assert emulate._compiler_errors(done) == "t.cu:3:1: error: e"
+
+
+def test_an_emulation_the_scratch_directory_cannot_run_says_why(tmp_path, monkeypatch):
+    """A TMPDIR on a file system mounted noexec: 'prismc: cannot use ...emulate-plain: Permission denied' named no
+    cause and no way out."""
+    from prism_dsl.base.errors import PrismError
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", args[0][0])
+
+    monkeypatch.setattr(emulate.subprocess, "run", refused)
+    with pytest.raises(PrismError, match=r"cannot run the emulation's program .*emulate-plain \(permission denied\): "
+                       r"is its file system mounted noexec\? Set TMPDIR to a directory programs may run from"):
+        emulate._execute(tmp_path / "emulate-plain", tmp_path, [], 1.0)
+
+
+def test_a_scratch_directory_whose_name_is_not_utf8_still_runs(tmp_path):
+    """TMPDIR=$'/tmp/t\\xe9mp': the commands file, which names the data files by their paths, was written as UTF-8
+    text and failed on the name's undecodable byte (a UnicodeEncodeError's traceback)."""
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/t\xe9mp"))
+    odd.mkdir()
+    k = kernel("    g_Y[threadIdx.x] = g_X[threadIdx.x];", {"X": "const float*", "Y": "float*"}, 1)
+    got = run(k, {"X": DType.F32, "Y": DType.F32}, {"Y": (32,)}, {"X": np.arange(32.0)}, odd)
+    assert got.finding is None and (got.outputs["Y"] == np.arange(32.0)).all()

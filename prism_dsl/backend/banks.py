@@ -118,7 +118,7 @@ def _lines(executable: Path, offsets: Sequence[str]) -> dict[str, str]:
     if not offsets or tool is None or not executable.is_file():
         return {}
     calls = [hex(int(o, 16) - 1) for o in offsets]  # the call is the instruction before its return address
-    done = subprocess.run([tool, "-a", "-i", "-e", str(executable), *calls], capture_output=True, text=True)
+    done = subprocess.run([tool, "-a", "-i", "-e", str(executable), *calls], capture_output=True, text=True, errors="replace")
     if done.returncode != 0:
         return {}
     frames: dict[str, list[str]] = {}

@@ -34,7 +34,7 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -126,8 +126,7 @@ class Finding:
                           *(f"  thread: {t}" for t in self.threads)])
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "kernel": self.kernel, "message": self.message, "where": list(self.where),
-                "threads": list(self.threads)}
+        return {**asdict(self), "where": list(self.where), "threads": list(self.threads)}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Finding":
@@ -214,7 +213,7 @@ def build(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes
     cmd = [cxx, *flags, *extra, "-x", "c++", "harness.cpp", "-x", "none", runtime.name, "-o", exe.name]
     done = files.run_in(cmd, workdir)
     if done.returncode != 0:
-        raise PrismError("the generated kernels do not compile for the CPU emulation:\n" + _compiler_errors(done.stderr))
+        raise PrismError("the generated kernels do not compile for the CPU emulation:\n" + _compiler_errors(done))
     return exe
 
 
@@ -248,7 +247,7 @@ def runtime_object(cxx: str, flags: Sequence[str], workdir: Path) -> Path:
         (workdir / unit).write_text(runtime_source(unit))
     done = files.run_in([cxx, *flags, "-c", "-x", "c++", unit, "-o", obj.name], workdir)
     if done.returncode != 0:
-        raise PrismError("the emulation's runtime does not compile:\n" + _compiler_errors(done.stderr))
+        raise PrismError("the emulation's runtime does not compile:\n" + _compiler_errors(done))
     data = obj.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     try:
@@ -270,7 +269,7 @@ def _object_name(key: str, digest: str) -> str:
 def _compiler_identity(cxx: str) -> tuple[str, str]:
     """The compiler's path and what `--version` says: an object another compiler made is not linked."""
     path = shutil.which(cxx) or cxx
-    done = subprocess.run([path, "--version"], capture_output=True, text=True)
+    done = subprocess.run([path, "--version"], capture_output=True, text=True, errors="replace")
     return os.path.realpath(path), done.stdout
 
 
@@ -286,11 +285,10 @@ def _prune(folder: Path) -> None:
                 (folder / f"{old.name[:32]}.json").unlink(missing_ok=True)
 
 
-def _compiler_errors(stderr: str) -> str:
+def _compiler_errors(done: subprocess.CompletedProcess) -> str:
     """The compiler's errors, those in a kernel's .cu first (what a person who edited one needs to see)."""
-    errors = [line for line in stderr.splitlines() if ": error:" in line]
-    errors.sort(key=lambda line: ".cu:" not in line)
-    return "\n".join(errors[:10]) or stderr[-4000:]
+    errors = sorted((line for line in done.stderr.splitlines() if ": error:" in line), key=lambda e: ".cu:" not in e)
+    return "\n".join(errors[:10]) or done.stderr[-4000:] or f"(it exited {done.returncode}, saying nothing)"
 
 
 # -- running --------------------------------------------------------------------------------------------------------
@@ -316,8 +314,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
         names = _tensors(kernels)
         data = workdir / "data"
         data.mkdir(exist_ok=True)
-        missing = [a for a in names if a not in inputs and not any(a in _written_by(k) for k in kernels)]
-        if missing:
+        if missing := [a for a in names if a not in inputs and not any(a in _written_by(k) for k in kernels)]:
             raise PrismError(f"the kernels read {', '.join(missing)}, which nothing gives or writes")
         commands = []
         for name, arr in inputs.items():
@@ -339,7 +336,7 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
             commands.append(f"launch {kernels.index(k)} {where}")
             for name in _written_by(k):
                 commands.append(f"save {names.index(name)} {data / f'out-{name}'}")
-        (workdir / "commands.txt").write_text("\n".join(commands) + "\n")
+        (workdir / "commands.txt").write_text("\n".join(commands) + "\n", errors="surrogateescape")  # (paths' bytes)
         finding, log = _execute(exe, workdir, kernels, timeout)
         counts = {k.name: (len(blocks[k.name]) if k.name in blocks else int(np.prod(k.grid)), int(np.prod(k.grid)))
                   for k in kernels}
@@ -355,7 +352,10 @@ def _execute(exe: Path, workdir: Path, kernels: Sequence[RenderedKernel], timeou
     env = {**os.environ, **_ENV, "PRISM_PARENT": str(os.getpid())}  # the emulation dies with this process
     try:
         done = subprocess.run([str(exe), "commands.txt"], cwd=workdir, capture_output=True, text=True,
-                              timeout=timeout, env=env)
+                              errors="replace", timeout=timeout, env=env)
+    except PermissionError as e:  # (a scratch directory on a file system mounted noexec)
+        raise PrismError(f"cannot run the emulation's program {exe} ({files.describe(e)}): is its file system mounted "
+                         "noexec? Set TMPDIR to a directory programs may run from") from None
     except subprocess.TimeoutExpired:
         return Finding("timeout", None, f"the emulation did not finish in {timeout:g} s"), ""
     if done.returncode == 0:

@@ -79,6 +79,8 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
         cubin = f"unit{unit}.{target}.cubin"  # (each kernel alone, where a unit failed: in turn)
         cmd = [nvcc, "-cubin", f"-arch={target}", *NVCC_OPTIONS, "-Xptxas", "-v", "-o", cubin, file]
         done = files.run_in(cmd, workdir)
+        if done.returncode == 0 and not (workdir / cubin).is_file():  # (an nvcc that is not one, or a wrapper)
+            done.returncode, done.stderr = 1, f"{done.stderr}{nvcc} exited 0 but wrote no {cubin}\n"
         if done.returncode != 0:
             if len(members) > 1:  # each kernel alone: its own verdict and messages
                 return {name: r for k in members for name, r in compile_unit((unit, target, (k,), reading)).items()}

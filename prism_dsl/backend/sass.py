@@ -63,7 +63,7 @@ def available() -> bool:
 
 
 def disassemble(cubin: Path) -> str:
-    done = subprocess.run([tool() or "cuobjdump", "-sass", str(cubin)], capture_output=True, text=True)
+    done = subprocess.run([tool() or "cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, errors="replace")
     if done.returncode != 0:
         raise RuntimeError(f"cuobjdump failed: {done.stderr.strip()[-500:]}")
     return done.stdout

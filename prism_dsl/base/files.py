@@ -203,7 +203,7 @@ def run_in(cmd: list[str], workdir: Path) -> subprocess.CompletedProcess:
     """A compiler run in `workdir` with its output captured, its own temporary files there too (TMPDIR): one
     stopped by a signal is killed before it can remove them, and they go with the workdir."""
     env = {**os.environ, "TMPDIR": str(Path(workdir).resolve())}
-    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
+    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, errors="replace", env=env)
 
 
 def process_gone(pid: int) -> bool:
