@@ -485,6 +485,17 @@ def test_show_lists_violations_and_exits_1(capsys):
     assert "NOT VALID:" in out and "d/gx = 128/3 is not a whole number" in out
 
 
+def test_show_says_why_no_parameters_fit_and_fractions_unreduced(capsys):
+    """`show` kept the chooser's heading alone ("...; at the last one tried, ...:" and nothing after it), where `run`
+    said the reasons; a quotient was shown reduced (kv/(F*S) = 1/8 at kv = 96), as if kv were 1."""
+    path = REPO / "programs" / "fused" / "attention.decoding.prism"
+    assert main(["show", str(path), "--dims", "b=96,h=96,q=96,kv=96,dh=96", "--hardware", "a100"]) == 1
+    out = capsys.readouterr().out
+    assert "at the last one tried, gb = 96, gh = 12, S = 48, F = 16:\n    kernel 'partial': tile 'kt' splits dim 3" in out
+    assert "kv/(F*S) = 96/768 = 1/8 is not a whole number" in out
+    assert "kernel 'combine': shared memory per block (bytes) is 897920, above the limit of 166912" in out
+
+
 def test_show_draws_the_kernel_graph_as_dot(tmp_path, capsys):
     path = REPO / "programs" / "fused" / "attention.decoding.prism"
     out = tmp_path / "g.dot"

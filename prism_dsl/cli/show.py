@@ -44,8 +44,8 @@ def _binding(program: Program, dims: Mapping[str, int], grid, loop, hardware) ->
         chosen = choose(program, binding, fixed, hardware)  # not empty: some parameter is not given
         binding.update(chosen)
         notes.append("chosen: " + ", ".join(f"{s} = {v}" for s, v in chosen.items()))
-    except PrismError as e:
-        notes.append(str(e).splitlines()[0])
+    except PrismError as e:  # what the last choice tried breaks: the reasons, not only the heading
+        notes += [line for d in e.diagnostics for line in (f"{d.loc}: {d.message}" if d.loc else d.message).splitlines()]
     return binding, notes
 
 

@@ -91,7 +91,12 @@ class Constraint:
             return f"{self.what}: no value for {missing}"
         shown = sympy.Rational(v.numerator, v.denominator)
         if self.kind == "divides":
-            return None if v.denominator == 1 else f"{self.what}: {self.expr} = {shown} is not a whole number"
+            if v.denominator == 1:
+                return None
+            top, bottom = (value(e, binding) for e in sympy.fraction(sympy.together(self.expr)))  # (not reduced: 96/768)
+            if top is not None and bottom is not None and top.denominator == bottom.denominator == 1 and bottom != v.denominator:
+                shown = f"{top}/{bottom} = {shown}"
+            return f"{self.what}: {self.expr} = {shown} is not a whole number"
         if self.kind == "positive":
             return None if v >= 1 else f"{self.what} must be at least 1, got {shown}"
         return f"{self.what} is {int(v)}, above the limit of {self.limit}" if v > self.limit else None
