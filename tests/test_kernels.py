@@ -185,7 +185,7 @@ def test_instantiate_gives_a_concrete_kernel():
 def test_a_tile_that_does_not_divide_is_reported():
     problems = instantiate(rmsnorm_kernel(), binding(n=16, d=4096, gx=96, F=64), H100)
     assert problems == ["kernel 'rmsnorm_matmul': tile 'wt' splits dim 1 of size d by grid axis x (gx): "
-                        "d/gx = 128/3 is not a whole number"]
+                        "d/gx = 4096/96 = 128/3 is not a whole number"]
 
 
 def test_too_much_shared_memory_is_reported():
@@ -211,7 +211,7 @@ def test_every_violation_is_listed_at_once():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--grid", "x=96", "--loop", "64"], "d/gx = 128/3 is not a whole number"),
+    (["--grid", "x=96", "--loop", "64"], "d/gx = 4096/96 = 128/3 is not a whole number"),
     (["--dims", "n=1024,d=8192", "--grid", "x=1", "--loop", "1"], "above the limit of 232448"),
     (["--grid", "z=4"], "no kernel has a grid axis z of free size (kernel parameters of 'rmsnorm_linear': F, gx)"),
     (["--grid", "d=4"], "'d' is a dim of the program; set it with --dims"),
@@ -482,7 +482,7 @@ def test_show_lists_violations_and_exits_1(capsys):
     path = REPO / "programs" / "fused" / "rmsnorm_linear.prism"
     assert main(["show", str(path), "--dims", "n=16", "--grid", "x=96", "--loop", "64"]) == 1
     out = capsys.readouterr().out
-    assert "NOT VALID:" in out and "d/gx = 128/3 is not a whole number" in out
+    assert "NOT VALID:" in out and "d/gx = 4096/96 = 128/3 is not a whole number" in out
 
 
 def test_show_says_why_no_parameters_fit_and_fractions_unreduced(capsys):
