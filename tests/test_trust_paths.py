@@ -665,6 +665,11 @@ def test_compile_refuses_an_output_that_holds_the_cache(capsys, tmp_path, monkey
     code, _, err = prismc(capsys, "compile", RMSNORM, *FAST, "-o", tmp_path / "out")
     assert code == 1 and f"cannot write to '{tmp_path / 'out'}': it holds prismc's cache" in err
     assert not (tmp_path / "out").exists()
+    # inside the cache: refused as early (it used to search, write its checkpoint there, then call it foreign)
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = prismc(capsys, "compile", RMSNORM, *FAST, "-o", tmp_path / "cache" / "search")
+    assert code == 1 and f"cannot write to '{tmp_path / 'cache' / 'search'}': it is inside prismc's cache" in err
+    assert not (tmp_path / "cache" / "search").exists()
 
 
 def test_compile_refuses_an_output_it_cannot_write(capsys, tmp_path, monkeypatch):

@@ -65,6 +65,8 @@ def check_output(out: Path) -> None:
     if target == kept or target in kept.parents:
         raise PrismError(f"cannot write to '{shown}': it holds prismc's cache ({kept}), and prismc replaces its "
                          "output directory whole; give another directory, or move the cache (PRISM_CACHE_DIR)")
+    if kept in target.parents:  # (the search would write its own entries there, then find them foreign)
+        raise PrismError(f"cannot write to '{shown}': it is inside prismc's cache ({kept}); give a directory outside it")
     if os.path.isdir(out) and not os.access(out, os.W_OK | os.X_OK):  # what it holds could not be removed
         raise PrismError(f"cannot write to '{shown}': it is not writable, and prismc replaces its output "
                          "directory whole")
