@@ -1132,6 +1132,7 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     (["--arch", "volta"], "argument --arch: expected names like sm_90 or sm_80, or none, got 'volta'", 2),
     (["--arch", ""], "argument --arch: expected names like sm_90 or sm_80, or none, got ''", 2),
     (["--arch", "sm_90,"], "argument --arch: expected names like sm_90 or sm_80, or none, got ''", 2),
+    (["--arch", "sm_80,none"], "argument --arch: 'none' skips the compile check: give it alone, got 'sm_80,none'", 2),
     (["--threads", "100"], "argument --threads: expected a multiple of 32 up to 1024, got '100'", 2),
     (["--threads", "2048"], "argument --threads: expected a multiple of 32 up to 1024, got '2048'", 2),
     (["--hardware", "b200"], "argument --hardware: unknown hardware 'b200' (known: a100, h100, h200)", 2),
@@ -1152,6 +1153,19 @@ def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@needs_nvcc
+def test_sm_90a_is_the_h100s_arch_for_pricing_and_an_arch_given_twice_is_compiled_once(tmp_path, capsys):
+    """`--arch sm_90a` compiled the kernels for the H100's SMs, but the estimates were priced from the code's
+    structure, "sm_90, the hardware's architecture, not among --arch"; `--arch sm_90,sm_90` compiled twice."""
+    out = tmp_path / "o"
+    assert main(["compile", str(ROOT / "programs/fused/swiglu.prism"), "-o", str(out), "--dims", "n=256,d=1024",
+                 "--search", "none", "--no-emulate", "--arch", "sm_90a,sm_90a"]) == 0
+    text = capsys.readouterr().out
+    assert "priced from the compiled code (sm_90: ptxas's registers, the instructions in its SASS)" in text
+    assert "nvcc: every kernel compiles for sm_90a (on wgmma" in text
+    assert json.loads((out / "report.json").read_text())["nvcc"]["archs"] == ["sm_90a"]
 
 
 def test_measuring_on_a_gpu_the_hardware_file_does_not_describe_is_refused(tmp_path, capsys, monkeypatch):

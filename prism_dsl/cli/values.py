@@ -88,10 +88,12 @@ def threads(text: str) -> int:
 
 def archs(text: str) -> tuple[str, ...]:
     """--arch: architecture names (`ARCH`), comma-separated, or none."""
-    names = tuple(a.strip() for a in text.split(","))
+    names = tuple(dict.fromkeys(a.strip() for a in text.split(",")))  # each once: `sm_90,sm_90` compiled twice
     bad = [a for a in names if a != "none" and not ARCH.fullmatch(a)]
     if bad or not text.strip():
         raise argparse.ArgumentTypeError(f"expected names like sm_90 or sm_80, or none, got {clip(', '.join(map(repr, bad or [''])))}")
+    if "none" in names and len(names) > 1:
+        raise argparse.ArgumentTypeError(f"'none' skips the compile check: give it alone, got {clip(text)!r}")
     return tuple(a for a in names if a != "none")
 
 

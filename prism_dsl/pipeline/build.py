@@ -219,7 +219,7 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...], pri
         raise PrismError(f"{', '.join(none)} {'runs' if len(none) == 1 else 'run'} on wgmma, which needs sm_90 (compiled "
                          f"as sm_90a), and --arch {','.join(archs)} has no such arch: add sm_90, or compile with --no-wgmma")
     with files.temp_scratch("nvcc") as workdir:
-        figures = nvcc_check(kernels, workdir, archs, None if priced is None else (priced,))
+        figures = nvcc_check(kernels, workdir, archs, None if priced is None else (priced, f"{priced}a"))
     bad = [(f"{k} ({a})", r["stderr"]) for k, per in figures.items() for a, r in per.items() if not r["ok"]]
     unknown = sorted({a for per in figures.values() for a, r in per.items()
                       if not r["ok"] and "Unsupported gpu architecture" in r["stderr"]})
@@ -236,7 +236,8 @@ def price(built: Build, figures: Mapping[str, Mapping], config: CodegenConfig,
     for the hardware's arch (`cost.estimate`'s `compiled`), else from its structure as before; and from the
     shared-memory wavefronts `counted` in the emulation (`count_banks`), where given."""
     config, arch = cost.for_hardware(config, built.hardware), built.hardware.arch
-    compiled = {name: per[arch] for name, per in figures.items() if arch in per}
+    compiled = {name: per.get(arch) or per[f"{arch}a"] for name, per in figures.items()  # (--arch sm_90a: the same SMs)
+                if arch in per or f"{arch}a" in per}
     for name, w in (counted or {}).items():
         compiled[name] = {**compiled.get(name, {}), "wavefronts": w.per_block}
     estimates = tuning.estimates(built.program, built.concrete, built.hardware, config, compiled)
@@ -254,7 +255,7 @@ def pricing(built: Build, nvcc: NvccCheck | Skipped | None, archs: tuple[str, ..
     if all(k == "sass" for k in kinds):
         return f"the compiled code ({arch}: ptxas's registers, the instructions in its SASS)" + aside + counted
     why = ("no architecture compiled (--arch none)" if nvcc is None else nvcc.skipped if isinstance(nvcc, Skipped)
-           else f"{arch}, the hardware's architecture, not among --arch" if arch not in archs
+           else f"{arch}, the hardware's architecture, not among --arch" if arch not in archs and f"{arch}a" not in archs
            else "cuobjdump not found (pip install 'prism-dsl[sass]')" if not sass.available()
            else "the SASS's loops not matched to the source's main loop for "
            + ", ".join(e.kernel for e in own if e.priced != "sass"))
