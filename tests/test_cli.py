@@ -727,3 +727,17 @@ def _parser_running(command):
     parser.add_argument("name")
     parser.set_defaults(run=command)
     return parser
+
+
+def test_a_compiled_directorys_programs_declare_the_sizes_compiled_for(capsys, tmp_path):
+    """best.prism and the copy of the program kept the source file's dims (n = 8, d = 4096) after `--dims
+    n=16,d=64`, so `prismc run DIR/best.prism` ran another problem than the one compiled."""
+    out = tmp_path / "out"
+    assert main(["compile", str(REPO / "programs/rmsnorm_linear.prism"), "--dims", "n=16,d=64", "--arch", "none",
+                 "--no-emulate", "--time-limit", "20", "-o", str(out)]) == 0
+    for name in ("best.prism", "rmsnorm_linear.prism"):
+        assert (out / name).read_text().startswith("dims n = 16, d = 64\n"), name
+    capsys.readouterr()
+    assert main(["run", str(out / "best.prism"), "--out", str(tmp_path / "y.npz")]) == 0
+    assert "Y[16, 64]" in capsys.readouterr().out
+    assert main(["verify", str(out)]) == 0

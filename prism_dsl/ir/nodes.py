@@ -12,7 +12,7 @@ Later levels (custom kernels and their block graphs) reuse this node type with m
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Iterator, Mapping
 
@@ -132,6 +132,10 @@ class Program:
     locs: Mapping[Node, Loc] = field(default_factory=dict)
     names: Mapping[Node, str] = field(default_factory=dict)
     loc: Loc | None = None
+
+    def at(self, sizes: Mapping[str, int]) -> "Program":
+        """The program with `sizes` as its dims' defaults (what a compiled directory's .prism files declare)."""
+        return replace(self, dims=tuple(Dim(d.symbol, sizes.get(d.name, d.default)) for d in self.dims))
 
     def same_as(self, other: "Program") -> bool:
         return (

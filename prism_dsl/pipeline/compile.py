@@ -226,7 +226,8 @@ def _build(request: Request, chosen: Choice) -> tuple[Report, dict[str, str]]:
     counted = count_banks(built, chosen.options, checked.emulation)
     if isinstance(counted, dict):
         built = price(built, figures, chosen.options.codegen, counted)
-    texts = contents(built, {} if chosen.searched is None else {chosen.searched.best: print_program(chosen.program)})
+    texts = contents(built, {} if chosen.searched is None else
+                     {chosen.searched.best: print_program(chosen.program.at(callers_dims(built)))})
     seconds = round(time.perf_counter() - started, 3)  # the chosen program's build, from lowering to its checks
     report = _report(chosen, built, seconds, nvcc, figures, checked, (*texts, "report.json"), counted)
     return report, texts

@@ -183,14 +183,14 @@ def format_plan(plan: dict) -> str:
 def contents(built: build.Build, extra: Mapping[str, str]) -> dict[str, str]:
     """Every file of an output but report.json, name -> text: prism.cuh and the kernels, the runtime (with the
     plan module it loads from beside itself) and a launcher for it, the program as compiled, and `extra` (the
-    search's best.prism)."""
+    search's best.prism). The .prism files declare the sizes given as their dims' defaults."""
     plan = build.plan_of(built)
     launcher = template_env().get_template("launcher.py.j2").render(
         plan=plan, program=built.program.name, plan_literal=format_plan(plan), call=launcher_call(plan["inputs"]))
     return {HEADER: header_source(), **{k.file: k.source for k in built.kernels},
             "prism_runtime.py": Path(cuda_runtime.__file__).read_text(), "launcher.py": launcher,
             "cuda_plan.py": Path(cuda_runtime.__file__).with_name("cuda_plan.py").read_text(),  # the runtime's, beside it
-            f"{built.program.name}.prism": print_program(built.program), **extra}
+            f"{built.program.name}.prism": print_program(built.program.at(build.callers_dims(built))), **extra}
 
 
 def write(out: Path, texts: Mapping[str, str]) -> None:
