@@ -741,3 +741,10 @@ def test_a_compiled_directorys_programs_declare_the_sizes_compiled_for(capsys, t
     assert main(["run", str(out / "best.prism"), "--out", str(tmp_path / "y.npz")]) == 0
     assert "Y[16, 64]" in capsys.readouterr().out
     assert main(["verify", str(out)]) == 0
+
+
+def test_prismc_says_its_version(capsys):
+    from prism_dsl import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"prismc {__version__}\n"

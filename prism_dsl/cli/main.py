@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from .. import __version__
 from ..prove.egglog_runner import Limits
 from ..base.files import check_apart, check_writable, write_bytes
 from ..base.errors import PrismError
@@ -34,6 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="prismc", description="A symbolic superoptimizer for tensor programs.")
+    p.add_argument("--version", action="version", version=f"prismc {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -42,10 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-default-rules", action="store_true", help="check .rules files on their own, not beside the default library")
     c.set_defaults(run=cmd_check)
 
-    pv = sub.add_parser(
-        "prove", help="prove two programs equal with the axioms (exit 0 proved, 3 not proved)",
-        description="Prove two programs equal: the programs of two files, or the two programs of one file.",
-    )
+    pv = sub.add_parser("prove", help="prove two programs equal with the axioms (exit 0 proved, 3 not proved)",
+                        description="Prove two programs equal: the programs of two files, or the two programs of one file.")
     pv.add_argument("first", metavar="A.prism")
     pv.add_argument("second", metavar="B.prism", nargs="?", help="omit it to compare the two programs of A.prism")
     pv.add_argument("--program", action="append", default=[], metavar="NAME",
