@@ -1073,3 +1073,11 @@ def test_a_literal_grid_size_no_dim_divides_is_said_at_the_tile_it_splits(tmp_pa
     err = capsys.readouterr().err
     assert f"{path}:5:9: no choice of F satisfies the constraints" in err
     assert "tile 'wt' splits dim 1 of size d by grid axis x (3): d/3 = 256/3 is not a whole number" in err
+
+
+def test_kernel_parameters_for_a_program_without_kernels_say_where_they_apply(capsys, tmp_path):
+    """`run programs/swiglu.prism --grid x=4` said "every grid size and loop range is fixed": there are none, and
+    `compile` takes the flag for the kernels it lowers the operators into."""
+    assert main(["run", str(REPO / "programs" / "swiglu.prism"), "--grid", "x=4", "--out", str(tmp_path / "y.npz")]) == 1
+    assert "(kernel parameters of 'swiglu': none: it has no custom kernels; `prismc compile` lowers its operators " \
+           "into kernels with parameters of their own" in capsys.readouterr().err

@@ -130,7 +130,9 @@ def resolve_params(program: Program, grid: Mapping[str, int], loop: Mapping[str,
     out: dict[str, int] = {}
 
     def known() -> str:
-        listed = ", ".join(sorted(grid_syms | loop_syms)) or "none: every grid size and loop range is fixed"
+        listed = ", ".join(sorted(grid_syms | loop_syms)) or (
+            "none: every grid size and loop range is fixed" if kernels else "none: it has no custom kernels; `prismc "
+            "compile` lowers its operators into kernels with parameters of their own (--search none to keep them)")
         return f" (kernel parameters of '{program.name}': {listed})"
 
     def put(names: list[str], given: int, none: str = "") -> None:
