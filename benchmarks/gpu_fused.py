@@ -245,7 +245,8 @@ def table(results: list[dict]) -> str:
              f"each sample {BATCH} calls back to back over {BATCH}; \"alone\" is one call of ours between two events. "
              "A spinning kernel queued ahead of each sample keeps the host's time to queue the calls out of it: the "
              "times are the GPU's own (\"host-bound\" marks one where the host could not be kept out). "
-             f"\"model\" is the cost model's estimate, \"floor\" the roofline floor, both for the hardware {file_s} "
+             f"\"model\" is the cost model's estimate, \"floor\" the roofline floor (at the datasheet's peak bandwidth and "
+             f"matrix rate), both for the hardware {file_s} "
              f"{', '.join(files)}, which the programs were tuned for.", "",
              "| workload | kernels | ours | ours alone | torch eager | torch.compile | sdpa | model | floor | ours / floor "
              "| ours / torch.compile | max rel err (ours) | checks |",
