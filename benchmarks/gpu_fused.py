@@ -75,18 +75,22 @@ def prepare(args, workloads=WORKLOADS) -> int:
         if args.only and args.only not in name:
             continue
         out = directory / slug(name)
-        if out.exists():
-            shutil.rmtree(out)
+        new = out.with_name(out.name + ".new")  # (a failed compile keeps what `out` holds, a gpu.json brought back)
+        shutil.rmtree(new, ignore_errors=True)
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
-                               "--dims", dims, "-o", str(out), "--no-emulate",
+                               "--dims", dims, "-o", str(new), "--no-emulate",
                                "--arch", load_hardware(args.hardware).arch,
                                "--hardware", args.hardware, "--time-limit", str(args.time_limit),
                                *shlex.split(args.options)], capture_output=True, text=True)
         if done.returncode:
             failed += 1
-            print(f"{name}: prismc compile failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+            print(f"{name}: prismc compile failed:\n{done.stderr.strip() or f'exit {done.returncode}'}", file=sys.stderr)
+            shutil.rmtree(new, ignore_errors=True)
             continue
+        if out.exists():
+            shutil.rmtree(out)
+        new.rename(out)
         shutil.copy(ROOT / "programs" / f"{program}.prism", out / "baseline.prism")
         case = {"workload": name, "program": program, "dims": dims, "hardware": args.hardware,
                 "options": shlex.split(args.options)}
@@ -362,9 +366,10 @@ def profile(args) -> int:
     return 1 if failed else 0
 
 
-def write_table(directory: Path, results_md: Path) -> int:
-    """`results_md` from every gpu.json under `directory`, in the workloads' order; 1 if one of ours failed."""
-    saved = [directory / slug(name) / "gpu.json" for name, _, _ in WORKLOADS]
+def write_table(directory: Path, results_md: Path, only: str | None = None) -> int:
+    """`results_md` from every gpu.json under `directory` (of the workloads whose name holds `only`), in the
+    workloads' order; 1 if one of ours failed."""
+    saved = [directory / slug(name) / "gpu.json" for name, _, _ in WORKLOADS if not only or only in name]
     results = [json.loads(path.read_text()) for path in saved if path.exists()]
     if not results:
         print(f"no measured workloads (gpu.json) in {directory}", file=sys.stderr)
@@ -395,9 +400,15 @@ def main() -> int:
     for p in (go, tab):
         p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"), help="the table's file")
     args = parser.parse_args()
+    if args.only and not any(args.only in name for name, _, _ in WORKLOADS):
+        parser.error(f"--only {args.only!r} names no workload (they are: {', '.join(w[0] for w in WORKLOADS)})")
+    try:
+        shlex.split(getattr(args, "options", ""))
+    except ValueError as e:
+        parser.error(f"--options {args.options!r}: {e}")
     with contextlib.suppress(KeyboardInterrupt):
         return {"prepare": prepare, "run": run, "profile": profile,
-                "table": lambda a: write_table(Path(a.dir), Path(a.results))}[args.step](args)
+                "table": lambda a: write_table(Path(a.dir), Path(a.results), a.only)}[args.step](args)
     return 130
 
 

@@ -18,11 +18,16 @@
 # workload measured by an
 # earlier step or call (its gpu.json) is not measured again. RESULTS (default out/session) gets steps.txt
 # (each step's exit status and time) and session.tar.gz (every gpu.json, probe.json and each step's log,
-# under their paths in the repository).
+# under their paths in the repository). Exits 1 where a step failed or was cut short (steps.txt says which), 2 on
+# an argument it does not take.
 
 set -u
 cd "$(dirname "$0")/.."
 budget=${1:-540}
+if ! [[ $budget =~ ^[0-9]+$ ]]; then
+    echo "the first argument is the budget in whole seconds (then the steps), got '$budget'" >&2
+    exit 2
+fi
 shift $(( $# ? 1 : 0 ))
 steps=("$@")
 (( ${#steps[@]} )) || steps=(first tmacopy decode probe profile prefill profile-prefill tma tests)
@@ -37,6 +42,7 @@ rm -rf out/logs "$results/steps.txt"
 mkdir -p "$results" out/logs
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 begun=$SECONDS
+failures=0
 
 step() {  # step NAME SECONDS COMMAND...: runs COMMAND for at most SECONDS, or what is left of the budget
     local name=$1 limit=$2 left=$((budget - (SECONDS - begun))) at=$SECONDS rc
@@ -48,6 +54,7 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND for at most SECONDS, or w
     fi
     timeout --kill-after=5 "$limit" "$@" >"out/logs/$name.log" 2>&1
     rc=$?
+    (( rc == 0 )) || failures=$((failures + 1))
     echo "$name: exit $rc in $((SECONDS - at)) s (limit $limit s)$( ((rc == 124)) && echo ', cut short')" \
         | tee -a "$results/steps.txt"
     tail -n 4 "out/logs/$name.log"
@@ -81,4 +88,6 @@ for name in "${steps[@]}"; do
 done
 
 tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-tma.md out/gpu*/*/gpu.json 2>/dev/null)
-echo "session: $((SECONDS - begun)) s; $(tar tzf "$results/session.tar.gz" | grep -c gpu.json) workloads measured"
+echo "session: $((SECONDS - begun)) s; $(tar tzf "$results/session.tar.gz" | grep -c gpu.json) workloads measured;" \
+    "$failures step(s) failed"
+exit $(( failures ? 1 : 0 ))

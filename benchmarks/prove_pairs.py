@@ -4,7 +4,8 @@
 
 Each pair is written to a temporary .prism file, checked, and handed to `prove` with the default
 rules and limits; the table gives the answer, the wall-clock time of the whole query (worker start
-included) and the e-graph size when it stopped. Pairs marked "=" must be proved, "≠" must not be.
+included) and the e-graph size when it stopped. Pairs marked "=" must be proved, "≠" must not be: a wrong
+answer is marked, and the script then exits 1.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,11 +53,14 @@ def program(name: str, expr: str) -> str:
     return f"program {name}({SIGNATURE}) {{\n    Y = {expr}\n    return Y\n}}\n"
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--timeout", type=float, default=Limits.seconds)
     ap.add_argument("--repeat", type=int, default=3, help="runs per pair; the median is shown")
     args = ap.parse_args()
+    if args.repeat < 1 or not args.timeout > 0:
+        ap.error("--repeat and --timeout must be at least 1 and above 0")
+    wrong = 0
     library = load_library([], defaults=True)
     check_library(library)
     limits = Limits(seconds=args.timeout)
@@ -76,9 +81,11 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
             answer = "proved" if proof.proved else "not proved"
             flag = "" if proof.proved == equal else "  <-- WRONG"
+            wrong += bool(flag)
             print(f"{name:<18} {'=' if equal else '≠':<6} {answer:<10} {statistics.median(times):>9.2f} "
                   f"{proof.iterations:>5} {proof.nodes:>9,}  {proof.reason}{flag}")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -85,6 +85,10 @@ def main() -> int:
     ap.add_argument("--program", help="a .prism file: its own roundings instead of the table")
     ap.add_argument("--dims", type=parse_dims, default={}, help="sizes for --program, e.g. q=4096,kv=4096")
     args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error("--seeds must be at least 1")
+    if args.dims and not args.program:
+        ap.error("--dims sizes the program of --program; the table's programs have sizes of their own")
     if args.program:
         try:
             program_roundings(args.program, args.dims)

@@ -13,11 +13,13 @@ include), and its worst place; that takes minutes a prefill workload (each block
     python benchmarks/static_report.py [--only NAME] [--time-limit SECONDS] [--banks]
 
 Prints a markdown table (the one in benchmarks/NOTES.md) and the machine it ran on, then which of the static
-targets each workload meets.
+targets each workload meets. Exits 1 where a workload did not compile (prismc's message in its row; a missed
+target is a finding of the report, not a failure of it), 2 where `--only` names no workload.
 """
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -149,27 +151,31 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
     parser.add_argument("--banks", action="store_true", help="count shared-memory wavefronts in the emulation too")
     args = parser.parse_args()
+    chosen = [w for w in WORKLOADS if not args.only or args.only in w[0]]
+    if not chosen:
+        parser.error(f"--only {args.only!r} names no workload (they are: {', '.join(w[0] for w in WORKLOADS)})")
     if nvcc_path() is None or not sass.available():
         print("needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')", file=sys.stderr)
         return 2
-    print(f"machine: {platform.machine()} {platform.processor() or ''}, Python {platform.python_version()}; "
+    nvcc = subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True, errors="replace").stdout
+    release = next((line.split("release")[-1].split(",")[0].strip() for line in nvcc.splitlines() if "release" in line), "?")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, nvcc {release}; "
           f"SASS for sm_90a by {Path(sass.tool()).name}; model: H100 (no GPU ran)")
-    print("| workload | program | kernel | grid x threads | hot loop HMMA / HGMMA / LDSM / LDGSTS / UTMALDG / FFMA / LDS / BAR / all | "
+    print("| workload | launches | kernel | grid x threads | hot loop HMMA / HGMMA / LDSM / LDGSTS / UTMALDG / FFMA / LDS / BAR / all | "
           "issued per iteration / copying ahead | HMMA per LDSM | registers | spills | shared | blocks/SM | model us | "
           "program model us | floor us |" + (" shared wavefronts a block (x conflict-free, us; worst place) |" if args.banks
                                              else ""))
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.banks else ""))
-    summary, sms = [], load_hardware("h100").sms
-    for name, program, dims in WORKLOADS:
-        if args.only and args.only not in name:
-            continue
+    summary, sms, failed = [], load_hardware("h100").sms, 0
+    for name, program, dims in chosen:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "o"
             done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
                                    "--dims", dims, "-o", str(out), "--json", "--no-emulate", "--arch", "sm_90",
                                    "--time-limit", str(args.time_limit)], capture_output=True, text=True)
-            if not done.stdout.strip().startswith("{"):
-                print(f"| {name} | error: {(done.stderr.strip().splitlines() or ['?'])[-1]} |")
+            if not done.stdout.strip().startswith("{"):  # prismc's message whole, on one line of the table
+                failed += 1
+                print(f"| {name} | error: {' / '.join(done.stderr.strip().splitlines()) or f'exit {done.returncode}'} |")
                 continue
             report = json.loads(done.stdout)
             head = f"| {name} ({dims}) | {len(report['kernels'])} launch(es) | "
@@ -183,7 +189,7 @@ def main() -> int:
             summary.append(targets(name, report, [facts for _, facts in rows], sms))
     print("\n| workload | model / floor | static targets |\n|---|---|---|")
     print("\n".join(summary))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -62,17 +62,17 @@ OPTIONS = [[], ["--threads", "64"], ["--threads", "256"], ["--stages", "2"], ["-
 
 def runs(rng: random.Random, table: dict, source: Path, options: bool, only: str):
     """(file, sizes, extra arguments) of every run: each searched program twice (plain, then a sanitizer),
-    its fused form once as written; the programs whose name contains `only`."""
+    its fused form once as written; the programs whose name contains `only`. Every program's draws are made, those
+    not run too, so that a run of the whole sweep is the same run under `--only` with the same seed."""
     for name, choices in table.items():
-        if only not in name:
-            continue
         dims = ",".join(f"{k}={rng.choice(v)}" for k, v in choices.items())
         for path, searched in ((source / f"{name}.prism", True), (source / "fused" / f"{name}.prism", False)):
             if not path.exists():
                 continue
             for sanitizer in ([], ["--sanitize", rng.choice(["thread", "address"])]) if searched else ([],):
                 extra = (rng.choice(OPTIONS) if options else []) + sanitizer
-                yield path, dims, extra + ([] if searched else ["--search", "none"])
+                if only in name:
+                    yield path, dims, extra + ([] if searched else ["--search", "none"])
 
 
 def in_bf16(directory: Path) -> Path:
@@ -92,6 +92,8 @@ def main() -> int:
     ap.add_argument("--large", action="store_true", help="sizes that take tensor-core tiles")
     ap.add_argument("--only", default="", help="programs whose name contains this")
     args = ap.parse_args()
+    if not any(args.only in name for name in (LARGE if args.large else SMALL)):
+        ap.error(f"--only {args.only!r} names no program (they are: {', '.join(LARGE if args.large else SMALL)})")
     rng = random.Random(args.seed)
     print(f"machine: {platform.machine()}, Python {platform.python_version()}; seed {args.seed}"
           f"{', bf16' if args.bf16 else ''}{', options' if args.options else ''}\n")

@@ -129,6 +129,9 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--variant":  # a child: one variant, its finding on stdout
         print(variant(sys.argv[2], Path(sys.argv[3])))
         return 0
+    if len(sys.argv) > 1:  # (it takes no arguments: --help and anything else get the docstring)
+        print(__doc__.strip())
+        return 0 if sys.argv[1] in ("-h", "--help") else 2
     usable, why = gpu_status()
     if not usable:
         print(f"tma_probe.py needs a usable CUDA GPU: {why}", file=sys.stderr)

@@ -465,6 +465,37 @@ def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path,
     assert "| swiglu decode (n=8,d=4096) [--no-wgmma --stages 2] | 1 | 12.0 | 15.0 |" in written
 
 
+def test_a_failed_prepare_keeps_what_the_directory_held_and_says_prismcs_message(tmp_path, monkeypatch, capsys):
+    """The workload's directory was removed before the compile, so a compile that failed (a flag mistyped in
+    --options) took a gpu.json brought back from the GPU with it, and only prismc's last line was shown."""
+    out = tmp_path / "swiglu_decode"
+    out.mkdir()
+    (out / "gpu.json").write_text("{}")
+
+    def failing(cmd, **kw):
+        Path(cmd[cmd.index("-o") + 1]).mkdir(parents=True)  # (a scratch directory prismc would not leave)
+        return subprocess.CompletedProcess(cmd, 2, "", "prismc: unrecognized arguments: --no-such-flag\n(see help)\n")
+    monkeypatch.setattr(fused.subprocess, "run", failing)
+    args = type("Args", (), {"dir": str(tmp_path), "only": "swiglu decode", "time_limit": 5.0, "hardware": "h100",
+                             "options": "--no-such-flag"})
+    assert fused.prepare(args) == 1
+    assert (out / "gpu.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["swiglu_decode"]
+    assert "prismc: unrecognized arguments: --no-such-flag\n(see help)" in capsys.readouterr().err
+
+
+def test_table_takes_only_the_workloads_named(tmp_path):
+    rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
+            "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0}}
+    for name in ("swiglu decode", "rmsnorm_linear decode"):
+        (tmp_path / fused.slug(name)).mkdir()
+        (tmp_path / fused.slug(name) / "gpu.json").write_text(json.dumps(
+            {"workload": name, "dims": "d", "device": "a GPU", "hardware": "h100", "sets": 3, "floor_us": 10.0,
+             "model_us": 13.0, "kernels": 1, "rows": rows}))
+    assert fused.write_table(tmp_path, tmp_path / "r.md", "swiglu") == 0
+    text = (tmp_path / "r.md").read_text()
+    assert "| swiglu decode (d) |" in text and "rmsnorm_linear" not in text
+
+
 def test_the_results_table_says_where_the_device_is_not_the_one_tuned_for():
     rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
             "torch eager": {"passed": True, "max_rel_err": 1e-3, "us": 40.0},
@@ -538,6 +569,29 @@ def test_the_sweep_draws_sizes_every_program_accepts(tmp_path):
             for path, dims, extra in sweep.runs(random.Random(seed), table, source, True, ""):
                 bind_dims(load(path).program(), parse_dims(dims))  # refuses what the program cannot take
                 assert ("--search" in extra) == (path.parent.name == "fused")
+
+
+def test_a_sweep_under_only_makes_the_runs_of_the_whole_sweep():
+    """Only the programs named drew sizes, so `--only NAME --seed S`, the way to rerun a row that failed, drew
+    other sizes and other sanitizers than the whole sweep with seed S had."""
+    import random
+
+    sweep = script("sweep")
+    source = BENCHMARKS.parent / "programs"
+    for only in ("rmsnorm_linear", "attention", "gqa"):
+        whole = [r for r in sweep.runs(random.Random(3), sweep.SMALL, source, True, "") if only in r[0].stem]
+        assert list(sweep.runs(random.Random(3), sweep.SMALL, source, True, only)) == whole != []
+
+
+def test_the_prover_benchmark_exits_1_on_a_wrong_answer(monkeypatch, capsys):
+    """It marked the pair "<-- WRONG" and exited 0: a regression of the prover passed any script that ran it."""
+    pairs = script("prove_pairs")
+    monkeypatch.setattr(pairs, "PAIRS", [("sub_order", True, "A - B", "B - A")])
+    monkeypatch.setattr(pairs, "check_library", lambda library: None)  # (the suite checks the library elsewhere)
+    monkeypatch.setattr(sys, "argv", ["prove_pairs.py", "--repeat", "1"])
+    assert pairs.main() == 1 and "<-- WRONG" in capsys.readouterr().out
+    monkeypatch.setattr(pairs, "PAIRS", [("sub_order", False, "A - B", "B - A")])
+    assert pairs.main() == 0
 
 
 def test_the_results_table_lists_the_workloads_whose_tolerance_was_widened():
