@@ -7,7 +7,8 @@ where blocks are sampled.
     python benchmarks/emulation.py --prefill    # and the sampled check at n=4096, d=4096 (about 1 more)
 
 Seconds are wall-clock for one `pipeline.emulation.check` (build + run + compare); "blocks" are those
-emulated of all the grids' blocks; "threads" the threads per block (each one a fiber).
+emulated of all the grids' blocks; "threads" the threads per block (each one a fiber). Exits 1 where a row did
+not pass.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main() -> int:
     print(f"machine: {machine()}\n")
     print("| program | kernels | threads | blocks | plain s | thread s | address s | passed |")
     print("|---|---|---|---|---|---|---|---|")
+    failed = 0
     ragged = [(ROOT / name, given, built) for name, given, built in RAGGED]
     for path, given, past in [(p, None, None) for p in FUSED + PROGRAMS] + ragged:
         if given is None:
@@ -80,6 +82,7 @@ def main() -> int:
             seconds, result = timed(built, sanitizer)
             times.append(seconds)
             ok = ok and result.passed
+        failed += not ok
         blocks = sum(b["emulated"] for b in result.emulation["blocks"].values())
         at = "" if given is None else " " + ",".join(f"{k}={given[k]}->{v}" for k, v in past.items()) + (
             f" (in place: {', '.join(sorted(built.in_place))})" if built.in_place else "")
@@ -94,7 +97,8 @@ def main() -> int:
         print(f"\nprefill rmsnorm_linear (fused) n=4096, d=4096: {seconds:.1f} s, blocks {blocks}, "
               f"work {emulation.work(built):.3g} (whole grid below {emulation.WHOLE_GRID_WORK:.3g}), "
               f"passed {result.passed}")
-    return 0
+        failed += not result.passed
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

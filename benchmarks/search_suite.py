@@ -45,7 +45,9 @@ def main() -> None:
     parser.add_argument("--jobs-compare", action="store_true", help="time the recompile in one process and in two")
     args = parser.parse_args()
     only = args.only
-    os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")
+    if only and not any(only in name for name in PROGRAMS):
+        parser.error(f"--only {only!r} names no program (they are: {', '.join(PROGRAMS)})")
+    os.environ["PRISM_CACHE_DIR"] = tempfile.mkdtemp(prefix="prism-bench-")  # (a fresh one, left for a look after)
     if args.jobs_compare:
         return jobs_compare(only)
     from prism_dsl.lang.check import load
