@@ -621,7 +621,7 @@ def emulated_gpu(monkeypatch):
         pytest.skip("no C++ compiler (g++ or clang++) to emulate the generated code")
     seen = []
 
-    def check_gpu(built, directory, seed):
+    def check_gpu(built, directory, seed, repeat=100):
         seen.append(sorted(p.name for p in Path(directory).iterdir()))
         checked = build.check_emulated(built, seed)
         result = {f: getattr(checked, f) for f in Check.__dataclass_fields__}
