@@ -1137,6 +1137,7 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     (["--threads", "2048"], "argument --threads: expected a multiple of 32 up to 1024, got '2048'", 2),
     (["--hardware", "b200"], "argument --hardware: unknown hardware 'b200' (known: a100, h100, h200)", 2),
     (["--no-emulate", "--sanitize", "thread"], "--sanitize thread runs the emulation, which --no-emulate leaves out", 2),
+    (["--no-emulate", "--emulate-blocks", "3"], "--emulate-blocks 3 runs the emulation, which --no-emulate leaves out", 2),
     pytest.param(["--arch", "sm_12"], "this nvcc does not compile for sm_12 (--arch)", 1, marks=needs_nvcc),
 ])
 def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message, code):

@@ -433,8 +433,9 @@ def cmd_compile(args) -> int:
     from ..pipeline.report import summary
     from ..search.config import SearchConfig
 
-    if args.no_emulate and args.sanitize:
-        raise UsageError(f"--sanitize {args.sanitize} runs the emulation, which --no-emulate leaves out: give one of them")
+    if args.no_emulate and (args.sanitize or args.blocks != "auto"):  # (each would be ignored)
+        flag = f"--sanitize {args.sanitize}" if args.sanitize else f"--emulate-blocks {args.blocks}"
+        raise UsageError(f"{flag} runs the emulation, which --no-emulate leaves out: give one of them")
     archs = args.arch
     hardware = load_hardware(args.hardware)
     program = load(args.file).program(args.program)
