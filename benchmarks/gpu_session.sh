@@ -68,7 +68,7 @@ step machine 30 sh -c 'nvidia-smi; nvcc --version; python3 -c "import sys, torch
 print(sys.version); print(torch.__version__, numpy.__version__, pycuda.VERSION_TEXT)"'
 # Nsight Compute on the kernels of the workloads whose name holds $1, each run once (`gpu_fused.py profile`)
 profiled='ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-    [ -n "$ncu" ] || { echo "no ncu (Nsight Compute) on this machine"; exit 1; }
+    [ -n "$ncu" ] || { echo "skipped: no ncu (Nsight Compute) on this machine"; exit 0; }
     exec "$ncu" --clock-control none --kernel-name regex:^prism_ --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         python3 benchmarks/gpu_fused.py profile --only'

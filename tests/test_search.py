@@ -357,16 +357,21 @@ def test_steadiness_puts_the_rows_of_a_transposed_tensor_far_from_zero_too(libra
         steady.close()
 
 
-@pytest.mark.parametrize("dtype, steady", [("f32", False), ("f16", True)])
-def test_layer_norms_centring_moved_through_the_product_is_unsteady_in_f32_only(library, write, dtype, steady):
+@pytest.mark.parametrize("dtype, weights, steady", [("f32", "f32", False), ("f32", "f16", False), ("f16", "f16", True)])
+def test_layer_norms_centring_moved_through_the_product_is_unsteady_in_f32_only(library, write, dtype, weights, steady):
     """X @ W - mean(X) * colsum(W) (GPT-2's fused form) loses 1.5e-10 in float64 on rows 1e6 from zero: under the
     1e-8 a program may lose, but in f32 arithmetic the kernel then missed an f32 check (2e-4) at rows 100 times
     their spread from zero where the program as written met it; and the check's widening for the kernels' own
     roundings counted that loss as theirs, passing it at 3000 where the program as written failed. f16 tensors
-    cannot sit that far from zero and their checks allow 50 times more: the form stays steady there."""
-    from prism_dsl.search.assembly import Assembly
+    cannot sit that far from zero and their checks allow 50 times more: the form stays steady there. An f32 input
+    beside f16 weights can, under the f16 check (1e-2 over 2^29): unsteady too. The limits' checks are the
+    comparison's floors."""
+    from prism_dsl.backend.compare import FLOOR
+    from prism_dsl.search.assembly import STEADY_CHECKS, Assembly
 
-    text = ("dims n = 4, d = 16, f = 8\nprogram p(X: {0}[n, d], W: {0}[d, f]) {{\n    Y = {1}\n    return Y\n}}\n")
+    assert STEADY_CHECKS == {"wide": FLOOR["f32"], "narrow": FLOOR["f16"]}
+    text = ("dims n = 4, d = 16, f = 8\nprogram p(X: {0}[n, d], W: " + weights + "[d, f]) {{\n    Y = {1}\n"
+            "    return Y\n}}\n")
     src = load(write(text.format(dtype, "layer_norm(X, 1e-5) @ W"), "p.prism")).program()
     moved = load(write(text.format(dtype, "(X @ W - mean(X, -1) * sum(W, -2)) / sqrt(mean(square(X - mean(X, -1)), -1) "
                                           "+ 1e-5)"), "m.prism")).program()
