@@ -2,8 +2,7 @@
 
 Location: `$PRISM_CACHE_DIR` (`~` expanded), else `$XDG_CACHE_HOME/prism-dsl`, else `~/.cache/prism-dsl`; a
 relative path in either variable is ignored, and without a home there is no cache (`cache_dir`). Nothing is ever
-written to the current directory. A
-cache may make the tool faster, never wrong, and never stop it:
+written to the current directory. A cache may make the tool faster, never wrong, and never stop it:
 
 - a record is read only from a regular file of at most MAX_RECORD_BYTES (a FIFO, a device or a link to
   one is refused unread), and must be JSON without NaN or infinities, nested at most MAX_NESTING deep,

@@ -1,8 +1,8 @@
 """The `prismc` command line. `main(argv)` is what tests call in-process.
 
-Exit codes: 0 success, 1 an error in the user's input (files, programs, rules, parameters) or a check that
-failed, 2 a usage error on the command line, 3 not proved (`prove`), 130 interrupted. User errors are printed as located diagnostics; no traceback reaches a user
-for bad input. Outputs are written atomically, so a failed run leaves nothing half-written.
+Exit codes: 0 success, 1 an error in the user's input (files, programs, rules, parameters) or a failed check, 2
+a usage error, 3 not proved (`prove`), 130 interrupted. User errors are printed as located diagnostics; no traceback
+reaches a user for bad input. Outputs are written atomically, so a failed run leaves nothing half-written.
 """
 
 from __future__ import annotations
