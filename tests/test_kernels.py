@@ -215,6 +215,9 @@ def test_every_violation_is_listed_at_once():
     (["--dims", "n=1024,d=8192", "--grid", "x=1", "--loop", "1"], "above the limit of 232448"),
     (["--grid", "z=4"], "no kernel has a grid axis z of free size (kernel parameters of 'rmsnorm_linear': F, gx)"),
     (["--grid", "d=4"], "'d' is a dim of the program; set it with --dims"),
+    (["--loop", "d=4"], "'d' is a dim of the program; set it with --dims"),
+    (["--loop", "gx=4"], "'gx' is a grid size; set it with --grid"),
+    (["--grid", "F=4"], "'F' is a loop range; set it with --loop"),
     (["--loop", "G=4"], "--loop G=...: no loop symbol 'G'"),
     (["--grid", "x=0"], "gx must be at least 1, got 0"),
 ])

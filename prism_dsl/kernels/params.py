@@ -154,6 +154,8 @@ def resolve_params(program: Program, grid: Mapping[str, int], loop: Mapping[str,
                 given, f"no kernel has a grid axis {name} of free size")
         elif program.dim(name) is not None:
             raise PrismError(f"'{name}' is a dim of the program; set it with --dims{known()}")
+        elif name in loop_syms:
+            raise PrismError(f"'{name}' is a loop range; set it with --loop{known()}")
         else:
             raise PrismError(f"--grid {name}=...: no grid axis or grid symbol '{name}'{known()}")
     for name, given in loop.items():
@@ -162,6 +164,10 @@ def resolve_params(program: Program, grid: Mapping[str, int], loop: Mapping[str,
                 given, "no kernel has a loop of free range")
         elif name in loop_syms:
             put([name], given)
+        elif program.dim(name) is not None:
+            raise PrismError(f"'{name}' is a dim of the program; set it with --dims{known()}")
+        elif name in grid_syms:
+            raise PrismError(f"'{name}' is a grid size; set it with --grid{known()}")
         else:
             raise PrismError(f"--loop {name}=...: no loop symbol '{name}'{known()}")
     return out
