@@ -8,15 +8,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from ..semantics.precision import FLOOR, RTOL, UNIT  # the storage types' units and least tolerances
 
-RTOL = 1e-2  # the least relative tolerance of a 16-bit program's check: 20 rounding units of f16, about three digits
-# The least tolerance by the narrowest type a program stores: a 16-bit program's RTOL (bf16's 20 units are more). An
-# f32 program's kernels compute in f32: within a few 1e-6 of the float64 reference on the checks' inputs (2.2e-5:
-# attention over 8192 keys of 128-wide heads), 9.2e-5 the most measured (scores 48 times sharper, in the hundreds
-# before their exp); an f32 tensor rounded to f16 misses it by 3.0e-4 to 3.3e-4 by `check`'s measure, so 2e-4 sits
-# between the two, and an output that f32 arithmetic moves further is widened (`Tolerance`). An f64 program's
-# kernels compute in f64 and stay within 1e-14.
-FLOOR = {"f16": RTOL, "bf16": RTOL, "f32": 2e-4, "f64": 1e-9}
 # The widest a check is ever widened to (`Tolerance`): 0.1, or 3 times the base (bf16's 0.078: 0.234). Past it a
 # program's own roundings to its storage types lose the output (a sum past f16's range stored in f16 makes every
 # probability 0, 0.5 by `check`'s measure), and a check at twice that would pass a kernel that wrote zeros. The
@@ -24,7 +17,6 @@ FLOOR = {"f16": RTOL, "bf16": RTOL, "f32": 2e-4, "f64": 1e-9}
 WIDEST = 0.1
 WIDEST_BASES = 3
 ROUNDING_UNITS = 20
-UNIT = {"f16": 2.0**-11, "bf16": 2.0**-8, "f32": 2.0**-24, "f64": 2.0**-53}  # half the spacing of numbers near 1
 # The least magnitude each storage type rounds to an infinity (to nearest, ties to even): its largest number and
 # half a spacing more. An f16 output of 84136 is stored as inf, whatever computes it.
 OVERFLOW = {"f16": 65520.0, "bf16": 2.0**128 - 2.0**119, "f32": 2.0**128 - 2.0**103}

@@ -35,6 +35,7 @@ from ..prove.layout import to_terms
 from ..prove.prover import pair_outputs, proof_terms, schedule
 from ..prove.rules import Library
 from ..semantics.blocks import evaluate
+from ..semantics.precision import FLOOR, UNIT
 from ..semantics.reference import evaluate_nodes, random_inputs
 from .config import Rejection, SearchConfig, Stats
 from .generate import Candidate, Predefined, Sketch, meaning_of, small_binding
@@ -45,12 +46,10 @@ PROOF_LIMITS = Limits(iterations=30, nodes=150_000, seconds=20.0)
 NUMERIC_RTOL = 1e-6  # float64 on both sides: anything above this is a real difference
 FAR = 1e6  # how far from zero `far_inputs` puts each row
 STEADY_RTOL = 1e-8  # `steady`: what a candidate may lose on them (the steady lost <= 6e-14, the others >= 3.8e-5)
-# ... where an input is f32 or f64, which can sit that far from zero (f16 and bf16 cannot): the program's check
-# (its narrowest type's floor, `backend.compare.FLOOR`: 2e-4 where every tensor is f32 or f64, else 1e-2) over the
-# units of f32 and f64 (2^29), so that what a candidate loses in float64 there, at the f32 precision its kernels
-# compute in, stays within what the check allows.
-STEADY_CHECKS = {"wide": 2e-4, "narrow": 1e-2}
-F32_PER_F64_UNIT = 2.0**29
+# ... where an input is f32 or f64, which can sit that far from zero (f16 and bf16 cannot): the check's floor of the
+# program's narrowest type short of f64 (`semantics.precision.FLOOR`: 2e-4 where every tensor is f32 or f64, else
+# 1e-2), scaled from f32's unit to f64's (2^-29), so that what a candidate loses in float64 there, at the f32
+# precision its kernels compute in, stays within what the check allows (`_steady_limit`).
 MAX_COMBINATIONS = 64  # kernel-map combinations proved per generated candidate
 
 
@@ -219,11 +218,11 @@ class Assembly:
 
 
 def _steady_limit(program: Program) -> float:
-    """What a candidate may lose far from zero (STEADY_RTOL, STEADY_CHECKS)."""
+    """What a candidate may lose far from zero (STEADY_RTOL, and the comment below it)."""
     if not any(n.dtype in (DType.F32, DType.F64) for n in program.inputs):
         return STEADY_RTOL
-    narrow = any(n.dtype in (DType.F16, DType.BF16) for n in [*program.inputs, *(v for _, v in program.outputs)])
-    return STEADY_CHECKS["narrow" if narrow else "wide"] / F32_PER_F64_UNIT
+    stored = {n.dtype.value for n in [*program.inputs, *(v for _, v in program.outputs)] if n.dtype is not DType.F64}
+    return max((FLOOR[d] for d in stored), default=FLOOR["f32"]) * UNIT["f64"] / UNIT["f32"]
 
 
 def far_inputs(program: Program, binding, seed: int, whole: bool = False) -> dict[str, np.ndarray]:
