@@ -1073,6 +1073,16 @@ __device__ __forceinline__ bool last_of(unsigned* ticket, unsigned pieces PRISM_
 #endif
 }
 
+// A sum across blocks, read by the tile's last block after its ticket (prism_dsl/backend/sums.py): the other blocks'
+// atomics were made at L2, so the read goes there too (ld.global.cg), past an L1 that might hold an older line.
+__device__ __forceinline__ float load_sum(const float* p) {
+#if defined(PRISM_CPU)
+    return *p;
+#else
+    return __ldcg(p);
+#endif
+}
+
 }  // namespace prism
 
 // -- wmma, emulated (the GPU takes nvcuda::wmma from <mma.h>) ---------------------------------------------------

@@ -97,6 +97,8 @@ BAD_PLANS = [
     (with_kernel(block=[64, 32, 1]), "a block of [64, 32, 1] has 2048 threads; CUDA allows at most 1024"),
     (with_kernel(smem=-1), "'smem' must be a non-negative int (bytes), not -1"),
     (with_kernel(tickets=0), "'tickets' must be a positive int (tiles whose pieces it combines), not 0"),
+    (with_kernel(sums=8), "'sums' must be a positive int (f32 elements its blocks add into), with 'tickets', not 8"),
+    (with_kernel(tickets=2, sums=0), "'sums' must be a positive int (f32 elements its blocks add into), with 'tickets'"),
     (with_kernel(function=None), "kernel 0 ('add'): 'function' must be a string"),
     (make_plan(kernels=[with_kernel()["kernels"][0]] * 2), "kernel name 'add' is used twice"),
     (make_plan(kernels=["add"]), "kernel 0 is a str, not a dict"),
@@ -652,6 +654,10 @@ class FakeDriver:
         self.log.append(("memset", ptr, value))
         self.memory[ptr][:count] = bytes([value]) * count
 
+    def memset_d32(self, ptr, value, count):
+        self.log.append(("memset32", ptr, value))
+        self.memory[int(ptr)][:4 * count] = np.full(count, value, np.uint32).tobytes()
+
     def memset_d8_async(self, ptr, value, count):
         self.queue(0.0)
         self.memset_d8(ptr, value, count)
@@ -771,6 +777,28 @@ def test_launch_poisons_zeroes_and_reads_back(fake_gpu, tmp_path, monkeypatch):
     assert fake_gpu.functions[0].fmt == "PPPP" and fake_gpu.functions[0].attributes == {}
     launcher.close()
     assert fake_gpu.memory == {} and fake_gpu.depth == 0
+
+
+def test_the_tickets_and_sums_of_a_kernel_are_zeroed_once_and_passed_after_its_tensors(fake_gpu, tmp_path):
+    """A kernel that finishes its sums across blocks in its launch (`backend.sums`) takes its tiles' counters and its
+    f32 workspaces after its tensors; the runtime zeroes them once, when it compiles, and keeps them between launches
+    (the last block of each tile puts them back to zero), and frees them on close."""
+    def finished_add(drv, threads, x, w, y, s, tickets, sums):  # the workspace and counters must be back at zero
+        assert not drv.view(tickets, np.uint32).any() and not drv.view(sums, np.float32).any()
+        fake_add(drv, threads, x, w, y, s)
+        drv.view(sums, np.float32)[:3] = 1.0  # used, then put back by the fake "last block"
+        drv.view(sums, np.float32)[:] = 0.0
+    fake_gpu.kernels["add"] = finished_add
+    plan = gpu_plan(tmp_path)
+    plan["kernels"][0].update(tickets=4, sums=64)
+    launcher = Launcher(plan, tmp_path)
+    for _ in range(2):
+        launcher(**gpu_inputs())
+    assert [e[0] for e in fake_gpu.log].count("memset32") == 2 and fake_gpu.functions[0].fmt == "PPPPPP"
+    launched = [struct.unpack("6Q", b)[4:] for b in fake_gpu.functions[0].buffers]
+    assert launched[0] == launched[1] and {len(fake_gpu.memory[p]) for p in launched[0]} == {16, 256}
+    launcher.close()
+    assert fake_gpu.memory == {}
 
 
 def test_the_primary_context_is_retained_once_and_never_released(fake_gpu, tmp_path):

@@ -201,16 +201,21 @@ def test_no_cache_neither_reads_nor_writes_the_checkpoint_or_the_tuning_database
 
 def test_lora_reaches_one_kernel_with_the_adapter_product_after_the_loop(library):
     """X @ W + (X @ A) @ B: the base product and the adapter's first product accumulated in the same loop,
-    the adapter's second product after it (B loaded for it), equal to the reference in the interpreter."""
+    the adapter's second product after it (B loaded for it), equal to the reference in the interpreter. At these
+    small dims the model prefers the adapter merged into each block's slice of W, the blocks' parts of the
+    contraction summed across a grid axis (`+=`, stored once in f16: backend/sums.py): one launch too."""
     src = program("lora")
     dims = dict(n=4, d=64, m=128, r=16)
     out = optimize(src, library, H100, bind_dims(src, dims))
-    text = print_program(out.best.program)
-    assert custom_kernels(out.best.program) == 1 and len(kernels_of(out.best.program)) == 1, text
-    assert "acc_sum(xt @ wt) + acc_sum(xt @ at) @ bt" in text, text
     inputs = random_inputs(src, bind_dims(src, dims), seed=3)
-    got, want = evaluate(out.best.program, inputs, params=out.best.params)["Y"], evaluate(src, inputs)["Y"]
-    assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    want = evaluate(src, inputs)["Y"]
+    after = next(r for r in out.ranked if "acc_sum(xt @ wt) + acc_sum(xt @ at) @ bt" in print_program(r.program))
+    for ranked in (after, out.best):
+        text = print_program(ranked.program)
+        assert custom_kernels(ranked.program) == 1 and len(kernels_of(ranked.program)) == 1, text
+        got = evaluate(ranked.program, inputs, params=ranked.params)["Y"]
+        assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    assert out.best.estimated_us <= after.estimated_us
 
 
 def test_layer_norm_before_a_projection_reaches_one_kernel_with_four_accumulators(library):
@@ -228,12 +233,17 @@ def test_layer_norm_before_a_projection_reaches_one_kernel_with_four_accumulator
         texts = [print_program(r.program) for r in out.ranked]
         assert any(variance in t for t in texts) is True, texts
         assert steady is not any("acc_mean_last(xt * xt)" in t for t in texts), texts
-        text = print_program(out.best.program)
-        assert custom_kernels(out.best.program) == 1 and "Y = t3 @ W2" in text, text  # then a plain product
+        four = next(r for r in out.ranked if variance in print_program(r.program))
+        text = print_program(four.program)
+        assert custom_kernels(four.program) == 1 and "Y = t3 @ W2" in text, text  # then a plain product
         for part in ("acc_sum(xt @ w1t)", "acc_mean_last(xt)", "acc_sum(sum(w1t, 0))", "gelu_tanh("):
             assert part in text, text
         written = next(r for r in out.ranked if r.as_written)
-        assert out.best.estimated_us < written.estimated_us
+        assert four.estimated_us < written.estimated_us
+        # faster still: the whole MLP in one kernel, each block's columns of the activation multiplied by its rows
+        # of W2 and summed across blocks into Y (`+=`, in f16: backend/sums.py)
+        (kernel,) = kernels_of(out.best.program)
+        assert [s.add for s in kernel.stores] == [True], print_program(out.best.program)
         got = evaluate(lower(out.best.program), inputs, params=out.best.params)["Y"]
         assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
 

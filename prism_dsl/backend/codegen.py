@@ -9,7 +9,7 @@ every size a compile-time constant:
     loop:      tiles the loop splits loaded (16-byte copies where rows allow); the body's materialized
                values computed; each accumulator folds its operand(s); a barrier after each step
     epilogue:  tiles read only after the loop loaded; post-loop values; stores at the block's place
-               (atomic adds for grid axes that write no dim)
+               (atomic adds for grid axes that write no dim, finished by the tile's last block: `stores`)
 
 `fusion.plan` decides where each value lives (shared memory, registers, accumulator state). Element-wise
 values fused into registers are evaluated where they are read, so a chain like `silu(gate) * up` costs
@@ -44,11 +44,13 @@ from ..kernels.lifetimes import AFTER, in_use
 from ..kernels.position import causal_loop, longest_first, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
-from .ctext import (CTYPE, INT_MAX, address, block_names, comment, decompose, ident, offset, reduction, tensor_name,
+from .ctext import (CTYPE, INT_MAX, block_names, comment, decompose, ident, offset, reduction, tensor_name,
                     xor_column)
 from .copies import TensorMap, load_step, tma_copies
 from .launch import CodegenConfig, dot_lanes, flash_values, layout, stage_elements
+from . import sums
 from .row_parts import RowParts, held_in_registers
+from .stores import StoreSteps
 from .tensor_steps import TensorCoreSteps, shared_operand
 
 __all__ = ["CTYPE", "CodegenConfig", "Emitter", "RenderedKernel", "comment", "ident", "render_kernel"]
@@ -77,12 +79,13 @@ class RenderedKernel:
     smem: int  # dynamic shared memory, bytes
     args: tuple[str, ...]  # tensor names, one pointer each, in parameter order: inputs, then outputs
     stores: int  # how many of `args` (the last ones) the kernel writes
-    zero: tuple[str, ...]  # outputs that blocks add into: zeroed before the launch
+    zero: tuple[str, ...]  # outputs that blocks add into (f64: `sums`): zeroed before the launch
     tensor_cores: bool  # a wmma path is in the code
     wgmma: bool = False  # its products run on wgmma: it compiles for sm_90a only
     combines: str | None = None  # the combining kernel it also runs (`render_launch`), by name
-    tickets: int = 0  # with `combines`: its tiles, one counter each, zero before the first launch (the last parameter)
+    tickets: int = 0  # with `combines` or `sums`: its tiles, a counter each, zero before the first launch (after `args`)
     maps: tuple[TensorMap, ...] = ()  # the tensor maps of its TMA copies (`copies`), its first parameters
+    sums: int = 0  # f32 elements of the workspaces its blocks add into (`sums`), zero before the first launch (last)
 
 
 @cache
@@ -101,7 +104,7 @@ def header_source() -> str:
 # -- one kernel -----------------------------------------------------------------------------------------
 
 
-class Emitter(TensorCoreSteps, RowParts):
+class Emitter(TensorCoreSteps, RowParts, StoreSteps):
     """One concrete kernel's code: `context` what the template renders it from, `render` the kernel alone
     (`tails.render_launch` renders two kernels in one launch from their contexts)."""
 
@@ -357,40 +360,6 @@ class Emitter(TensorCoreSteps, RowParts):
                          self.fold(acc, p_at + [lambda idx, a=a: self.read(a, idx) for a in acc.args[1:]], scale=scale))
         return steps
 
-    def store_target(self, index: int):
-        """Store `index`'s output: (its C name, its element type, the block's tile of it, and where element `idx` of
-        the tile goes, as a function of `idx`)."""
-        store, out, grid = self.k.stores[index], self.c.output_shape(index), dict(self.c.grid)
-        tile = tuple(s // grid[dm.axis] if dm.axis else s for s, dm in zip(out, store.map.dims))
-
-        def where(idx) -> str:
-            return address([([f"{self.blk}{dm.axis} * {t}"] if dm.axis and grid[dm.axis] > 1 else [])
-                            + ([i] if i != "0" else []) for t, dm, i in zip(tile, store.map.dims, idx)], out)
-        return f"g_{ident(store.name)}", CTYPE[stored_dtype(self.k, index)], tile, where
-
-    def store_step(self, index: int) -> dict:
-        store, out, grid = self.k.stores[index], self.c.output_shape(index), dict(self.c.grid)
-        name, ctype, tile, where = self.store_target(index)
-        atomic = store.add and any(g > 1 and a not in store.map.axes() for a, g in grid.items())
-
-        def body(idx):
-            v = self.read(store.value, idx)
-            return [f"prism::atomic_add(&{name}[{where(idx)}], {v});" if atomic else
-                    f"{name}[{where(idx)}] = prism::from_f<{ctype}>({v});"]
-
-        text = comment(f"store {store.name}{store.map} {'+=' if store.add else '='} {self.describe(store.value)}")
-        vec = 16 // stored_dtype(self.k, index).bytes  # elements a 16-byte store writes
-        if atomic or not self.config.vector_loads or tile[-1] % vec or out[-1] % vec:
-            return self.elements(tile, body, text)
-        # vec adjacent elements of a row by one 16-byte store: the row's start, the tile's and each group's are
-        # multiples of vec, and the runtime's tensors are 16-byte aligned (`cuda_runtime`, ALIGNMENT)
-        found = self.vectored(store.value, tile, own=False) if vec == 8 else None
-        lines, idx = decompose("e", tile, "i")
-        vectors, value = found[2:] if found else ([], self.read(store.value, idx[:-1] + [f"({idx[-1]} + c)"]))
-        return {"kind": "vector_elements", "comment": f"{text}: {vec} elements a thread, one 16-byte store",
-                "units": math.prod(tile) // vec, "vec": vec, "idx": lines, "vectors": vectors, "value": value,
-                "store": f"prism::store16({name} + {where(idx)}, w);"}
-
     # the whole kernel
     def render(self) -> RenderedKernel:
         ctx = self.context()
@@ -401,9 +370,10 @@ class Emitter(TensorCoreSteps, RowParts):
         k, c = self.k, self.c
         grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
-        zero = tuple(s.name for s in k.stores if s.add and any(g > 1 and a not in s.map.axes() for a, g in c.grid))
+        zero = tuple(s.name for i, s in enumerate(k.stores) if sums.summed_axes(c, i) and not sums.finished(c, i))
         return RenderedKernel(k.name, ctx["function"], ctx["file"], source, grid3, (self.threads, 1, 1), ctx["smem"],
-                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0, ctx["wgmma"], maps=ctx["maps"])
+                              tuple(args), len(k.stores), zero, self.tensor_core_steps > 0, ctx["wgmma"], maps=ctx["maps"],
+                              tickets=sums.tickets(c), sums=sums.offsets(c)[1])
 
     def context(self, phase: int = 0) -> dict:
         """What the template renders the kernel from; its shared buffers' phases (`kernels.lifetimes`) counted
@@ -446,6 +416,7 @@ class Emitter(TensorCoreSteps, RowParts):
         epilogue += self._merge([load_step(self, n) for n in post if n.op == "tile"])
         epilogue += [self.compute_step(n) for n in post if n.op != "tile" and self.plan.computed(n)]
         epilogue += [self.store_step(i) for i in range(len(k.stores)) if i not in self.plan.writes.values()]
+        epilogue += self.finish_steps()
 
         pipelined = {st["cname"] for st in staged}
         buffers = [{"cname": self.cname[b.name] + ("_stages" if self.cname[b.name] in pipelined else ""),
@@ -470,7 +441,7 @@ class Emitter(TensorCoreSteps, RowParts):
                "file": f"{ident(k.name)}.cu", "grid_text": " x ".join(f"{a}={g}" for a, g in c.grid) or "1",
                "loop": c.loop, "loop_end": self.loop_end(), "threads": self.threads, "smem": smem, "summary": summary,
                "order": block_names(self.k, dict(c.grid), self.config.sms) if self.blk == "blk_" else [],
-               "params": inputs + outputs, "inputs": inputs, "outputs": outputs, "phase": phase,
+               "params": inputs + outputs + sums.parameters(c), "inputs": inputs, "outputs": outputs, "phase": phase,
                "registers": registers, "parts": parts, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
                "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead, "maps": maps,
                "tma": by_tma, "tma_bytes": sum(st["bytes"] for st in by_tma),

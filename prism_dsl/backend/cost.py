@@ -188,6 +188,7 @@ from ..kernels.constraints import Concrete
 from ..kernels.hardware import Hardware
 from ..kernels.position import mean_iterations, stretch
 from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
+from .sums import finished
 from ..ir.ops import OPS, Kind
 
 MMA_SYNC_REACH = 0.5
@@ -260,9 +261,10 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
         l2 += traffic
         dram += whole if whole <= hardware.l2_bytes else traffic
     for i, store in enumerate(k.stores):
-        out = math.prod(c.output_shape(i)) * stored_dtype(k, i).bytes
+        elements = math.prod(c.output_shape(i))
         summed = math.prod(g for a, g in c.grid if a not in store.map.axes())
-        dram += out * (summed if store.add else 1)
+        dram += elements * stored_dtype(k, i).bytes * (summed if store.add and not finished(c, i) else 1)
+        dram += elements * (4 * summed + 8) if finished(c, i) else 0  # f32 adds; the last blocks' reads and zeroing
     p, after = plan(k), after_loop(k.body())
     flops = tc = vec = looped = 0
     # Values made once: after the loop, or before it from tiles it does not split (and the values evaluated

@@ -6,8 +6,9 @@ patterns, `to_bf16_bits`; a value past the dtype's range, `past_range`).
 A plan is a JSON-compatible dict: the program's name, its inputs and outputs, every tensor's shape and storage
 dtype, and the kernels to launch in order, each with its file, function, grid, block, dynamic shared memory,
 the tensors it takes (`args`, in parameter order), those zeroed before it (`zero`), the tile counters of a
-combining kernel in its launch (`tickets`), and the tensor maps its first parameters are (`maps`: per map the
-tensor and the box one copy brings, outer dims first).
+combining kernel in its launch or of sums across blocks (`tickets`), the f32 workspaces those sums add into
+(`sums`, elements), and the tensor maps its first parameters are (`maps`: per map the tensor and the box one copy
+brings, outer dims first).
 
 A kernel's parameters go to the GPU as one buffer (pycuda packs it by a struct format), which must hold each at
 the offset the compiled code reads it from (`parameter_layout`, `argument_format`): pointers alone fall one after
@@ -115,6 +116,9 @@ def _kernel_problems(i: int, kernel, tensors: dict, inputs: list) -> list[str]:
         found.append(f"{where}: 'smem' must be a non-negative int (bytes), not {smem!r}")
     if "tickets" in kernel and not _positive_int(tickets := kernel["tickets"]):  # tiles whose pieces it combines
         found.append(f"{where}: 'tickets' must be a positive int (tiles whose pieces it combines), not {tickets!r}")
+    if "sums" in kernel and not (_positive_int(n := kernel["sums"]) and kernel.get("tickets")):  # sums' workspaces
+        found.append(f"{where}: 'sums' must be a positive int (f32 elements its blocks add into), with 'tickets', "
+                     f"not {n!r}")
     for key in ("args", "zero"):
         names = kernel.get(key, [] if key == "zero" else None)
         if not isinstance(names, list):
@@ -234,7 +238,8 @@ def kernel_arguments(cubin: bytes, kernel: dict) -> tuple[str, str | None]:
     not say, pointers alone one after another (the offsets of a kernel without maps), and a kernel with maps is
     refused, as is one whose cubin takes other parameters than the plan passes."""
     maps = len(kernel.get("maps", []))
-    sizes = [MAP_BYTES] * maps + [POINTER_BYTES] * (len(kernel["args"]) + bool(kernel.get("tickets")))
+    sizes = [MAP_BYTES] * maps + [POINTER_BYTES] * (len(kernel["args"]) + bool(kernel.get("tickets"))
+                                                    + bool(kernel.get("sums")))
     layout = parameter_layout(cubin, kernel["function"])
     form = argument_format(layout, sizes)
     if form is not None or (layout is None and not maps):

@@ -253,7 +253,7 @@ class Launcher:
         self.plan, self.directory, self.cast, self.device = plan, Path(directory).resolve(), cast, device
         self._functions, self._modules = None, []  # compiled on first use
         self._buffers: dict = {}  # name -> DeviceAllocation, reused by every numpy-fed call
-        self._tickets: dict = {}  # kernel name -> its tiles' counters (plan's "tickets"), allocated by `compile`
+        self._tickets: dict = {}  # kernel name -> its tiles' counters and sums (plan's "tickets", "sums"): `compile`
         self._maps: dict = {}  # (kernel name, tensor pointers) -> its tensor maps' bytes (plan's "maps")
 
     @contextlib.contextmanager
@@ -314,9 +314,13 @@ class Launcher:
                             f"allows {optin} per block")
         if smem > DEFAULT_SMEM_LIMIT:
             fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-        if kernel.get("tickets"):  # a counter per tile whose pieces it combines: zero between launches, so zeroed once
-            self._tickets[kernel["name"]] = drv.mem_alloc(4 * kernel["tickets"])
-            drv.memset_d32(self._tickets[kernel["name"]], 0, kernel["tickets"])
+        # a counter per tile whose pieces it combines or sums, and the sums' f32 workspaces (`sums`): zero between
+        # launches (the tile's last block puts them back), so zeroed once
+        self._tickets[kernel["name"]] = []
+        for words in (kernel.get("tickets", 0), kernel.get("sums", 0)):
+            if words:
+                self._tickets[kernel["name"]].append(drv.mem_alloc(4 * words))
+                drv.memset_d32(self._tickets[kernel["name"]][-1], 0, words)
         form, problem = _plan.kernel_arguments(cubin, kernel)  # each parameter where the compiled code reads it
         if problem:
             raise PlanError(problem)
@@ -391,7 +395,7 @@ class Launcher:
                 events[i].record()
             for name in kernel.get("zero", []):
                 drv.memset_d8_async(ptrs[name], 0, _nbytes(self.plan, name))
-            tickets = (int(self._tickets[kernel["name"]]),) if kernel.get("tickets") else ()
+            tickets = tuple(int(buf) for buf in self._tickets[kernel["name"]])
             fn.prepared_call(tuple(kernel["grid"]), tuple(kernel["block"]), *self._maps_of(kernel, ptrs),
                              *(ptrs[n] for n in kernel["args"]), *tickets, shared_size=kernel.get("smem", 0))
         if events is not None and last:
@@ -458,7 +462,7 @@ class Launcher:
 
     def close(self) -> None:
         """Free the device memory this launcher holds (the primary context stays retained: `_primary`)."""
-        if held := [*self._buffers.values(), *self._tickets.values()]:
+        if held := [*self._buffers.values(), *(buf for bufs in self._tickets.values() for buf in bufs)]:
             with self._active():
                 for buf in held:
                     buf.free()

@@ -165,9 +165,11 @@ def _harness(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], sha
                  f"{{{', '.join(map(str, shapes[m.tensor]))}}}, {{{', '.join(map(str, m.box))}}}, {SWIZZLE_BYTES}, {int(m.fill)})"
                   for m in k.maps]
         casts += [f"({'const ' if i < n_inputs else ''}{CTYPE[dtypes[a]]}*)a[{i}]" for i, a in enumerate(k.args)]
-        if k.tickets:  # a combining kernel in the launch: its tiles' counters, zero before it and after it
-            lines.append(f"static unsigned tickets_{k.function}[{k.tickets}];")
-            casts.append(f"tickets_{k.function}")
+        # its tiles' counters (a combining kernel in its launch, or sums across blocks: `sums`) and the sums' f32
+        for what, ctype, n in (("tickets", "unsigned", k.tickets), ("sums", "float", k.sums)):  # zero before and after
+            if n:
+                lines.append(f"alignas(16) static {ctype} {what}_{k.function}[{n}];")
+                casts.append(f"{what}_{k.function}")
         lines += [f"static void launch_{k.function}(void* const* a) {{ {k.function}({', '.join(casts)}); }}"]
     lines += ["int main(int argc, char** argv) {", "    const std::vector<prism::emu::TensorEntry> tensors = {"]
     lines += [f'        {{"{n}", {int(np.prod(shapes[n], dtype=np.int64)) * STORAGE[dtypes[n].value].itemsize}u}},'
@@ -304,8 +306,8 @@ def run(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], shapes: 
     `blocks`: per kernel name, the blocks to emulate (all of the grid when a kernel is not named).
     `feed`: tensors some kernels write, given instead: loaded just before the first kernel that reads them
     (a kernel whose producer ran only some blocks reads the reference's values instead).
-    Tensors a kernel writes start as NaN, so an element no block writes can never pass a check; those
-    written with atomic adds start at zero."""
+    Tensors a kernel writes start as NaN, so an element no block writes can never pass a check; those an f64 sum
+    across blocks adds into start at zero (`RenderedKernel.zero`)."""
     blocks, feed = blocks or {}, feed or {}
     shapes = {**{n: np.shape(a) for n, a in inputs.items()}, **shapes}  # inputs' shapes from their arrays
     started = time.perf_counter()
@@ -473,11 +475,9 @@ def sample_blocks(c: Concrete, extra: int, rng: np.random.Generator) -> list[tup
 
 def written(c: Concrete, blocks: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
     """Per store of `c`: which elements of its output the given blocks write (a boolean mask)."""
-    grid = dict(c.grid)
-    masks = []
+    grid, masks = dict(c.grid), []
     for i, store in enumerate(c.kernel.stores):
-        shape = c.output_shape(i)
-        mask = np.zeros(shape, dtype=bool)
+        mask = np.zeros(shape := c.output_shape(i), dtype=bool)
         for b in blocks:
             at = dict(zip(("x", "y", "z"), b))
             where = tuple(slice(at[dm.axis] * (size // grid[dm.axis]), (at[dm.axis] + 1) * (size // grid[dm.axis]))

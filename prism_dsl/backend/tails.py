@@ -43,6 +43,7 @@ from ..ir.nodes import Program
 from ..kernels.constraints import Concrete
 from ..kernels.kernel import DimMap, Kernel, kernels_of
 from ..kernels.position import longest_first
+from . import sums
 from .codegen import Emitter, RenderedKernel, template_env
 from .launch import CodegenConfig, layout
 
@@ -102,7 +103,7 @@ def in_launch(program: Program, concrete: Mapping[str, Concrete], config: Codege
 
 def joins(first: Concrete, second: Concrete, config: CodegenConfig) -> bool:
     """Whether the combining kernel `second` of a pair (`pairs`) runs in `first`'s launch at these parameters."""
-    if not config.one_launch:
+    if not config.one_launch or sums.groups(first) or sums.groups(second):  # a sum's tickets are the kernel's own
         return False
     if longest_first(first.kernel, dict(first.grid), config.sms) or longest_first(second.kernel, dict(second.grid),
                                                                                     config.sms):

@@ -288,17 +288,18 @@ def splits_loop(kernel: Kernel) -> bool:
 @cache
 def stored_dtype(kernel: Kernel, index: int) -> DType:
     """How a store's tensor is kept in device memory. Partial results are kept in f32 even when the values
-    are f16/bf16: a sum across blocks (`+=`, added by f32 atomics), what a split reduction's blocks
-    store from their accumulators (FlashDecoding's running max, sum and unnormalised output; split-K's
-    partial products), which another kernel combines, and an online softmax's state stored as it is.
-    Rounding those to 16 bits loses more than the final rounding does (and an unnormalised f16 output can
-    overflow). Everything else is stored in its
-    value's dtype; the value's dtype stays the program's (a combining kernel's result is f16 again)."""
+    are f16/bf16: what a split reduction's blocks store from their accumulators (FlashDecoding's running max,
+    sum and unnormalised output; split-K's partial products), which another kernel combines, and an online
+    softmax's state stored as it is. Rounding those to 16 bits loses more than the final rounding does (and an
+    unnormalised f16 output can overflow). Everything else is stored in its value's dtype; the value's dtype
+    stays the program's (a combining kernel's result is f16 again). A sum across blocks (`+=`) is a whole
+    result: the blocks add in f32 apart and the tile's last block stores the sum once, in the value's dtype
+    (`backend.sums`)."""
     store = kernel.stores[index]
     dtype = store.value.dtype or DType.F32
     if dtype not in (DType.F16, DType.BF16):
         return dtype
-    partial = store.add or (splits_loop(kernel) and any(OPS[n.op].kind is Kind.ACCUMULATE for n in store.value.walk()))
+    partial = not store.add and splits_loop(kernel) and any(OPS[n.op].kind is Kind.ACCUMULATE for n in store.value.walk())
     return DType.F32 if partial or _unnormalised(store.value) else dtype
 
 

@@ -199,7 +199,7 @@ def plan_of(built: Build) -> dict:
         "tensors": tensors,
         "kernels": [{"name": r.name, "file": r.file, "function": r.function, "grid": list(r.grid),
                      "block": list(r.block), "smem": r.smem, "args": list(r.args), "zero": list(r.zero)}
-                    | ({"tickets": r.tickets} if r.tickets else {}) | ({"maps": [m.as_plan() for m in r.maps]} if r.maps else {})
+                    | ({"tickets": r.tickets} if r.tickets else {}) | ({"sums": r.sums} if r.sums else {}) | ({"maps": [m.as_plan() for m in r.maps]} if r.maps else {})
                     for r in built.kernels],
     }
 

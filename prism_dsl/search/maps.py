@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import sympy
 
 from ..ir.accumulators import ACCUMULATORS
-from ..ir.nodes import DType, Node, dim_symbol
+from ..ir.nodes import Node, dim_symbol
 from ..ir.ops import OPS, Kind
 from ..ir.shapes import ShapeError, rebuild
 from ..kernels.kernel import AXES, DimMap, Kernel, Load, Store, TileMap, output_shape, tile_shape
@@ -113,7 +113,7 @@ class NoKernel(enum.Enum):
     TWO_DIMS_LOADED = "a tensor with two dims that must be split alike"  # no map splits them alike
     TWO_DIMS_STORED = "an output with two dims that must be split alike"
     SHAPES = "the body does not build at the tiles' sizes"
-    SUMMED = "a split's result summed across blocks"  # only f32/f64 plain stores are summed
+    SUMMED = "a split's result summed across blocks"  # a split's pieces are stored apart, for its combining kernel
     NO_COMBINING_FORM = "no combining form"
     NO_SPLIT_AXIS = "no grid axis left to split the loop's dim"
 
@@ -230,7 +230,8 @@ def stores_of(outputs, names: list[str], new: dict, uf: IndexClasses, by_class: 
               lead: DimMap | None = None, summed: bool = True) -> tuple[Store, ...] | NoKernel:
     """The stores of a kernel's outputs (`new`: body node -> its node in the kernel), each split by the
     grid axes of its classes (after `lead`, a new leading dim, for a split's partial results). An output
-    that some grid axis does not split is summed across blocks (`+=`) where `summed` allows."""
+    that some grid axis does not split is summed across blocks (`+=`) where `summed` allows (added in f32, stored
+    once in its own type by the tile's last block: backend/sums.py)."""
     stores = []
     for out, name in zip(outputs, names):
         tmap = tensor_map(out, uf, by_class)
@@ -239,8 +240,8 @@ def stores_of(outputs, names: list[str], new: dict, uf: IndexClasses, by_class: 
         dims = ((lead,) if lead is not None else ()) + tmap.dims
         written = {d.axis for d in dims if d.axis}
         add = any(a not in written for a in axes)
-        if add and (not summed or new[out].dtype in (DType.F16, DType.BF16)):
-            return NoKernel.SUMMED  # 16-bit sums would change the output's dtype (`stored_dtype`): split instead
+        if add and not summed:
+            return NoKernel.SUMMED
         stores.append(Store(name, new[out], TileMap(dims), add))
     return tuple(stores)
 
