@@ -5,7 +5,6 @@ now offers such a store for f16 outputs (GPT-2's MLP without LayerNorm in one ke
 
 from __future__ import annotations
 
-
 from prism_dsl.backend.codegen import header_source
 from prism_dsl.ir.nodes import DType
 from prism_dsl.kernels.kernel import kernels_of, stored_dtype
