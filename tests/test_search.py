@@ -218,6 +218,25 @@ def test_lora_reaches_one_kernel_with_the_adapter_product_after_the_loop(library
     assert out.best.estimated_us <= after.estimated_us
 
 
+def test_an_mlp_with_its_residual_is_one_launch(library, tmp_path):
+    """X + gelu_tanh(X @ W1) @ W2 at decode: the MLP in one kernel, its blocks' parts of the down-projection summed
+    across a grid axis, and the residual added as the sum is stored (`kernels.finishing`): one launch, where the
+    program as written takes two and the kernel before it took a third for the add; equal to the reference."""
+    path = tmp_path / "residual.prism"
+    path.write_text("dims n = 8, d = 64, f = 256\nprogram res(X: f16[n, d], W1: f16[d, f], W2: f16[f, d]) {\n"
+                    "    Y = X + gelu_tanh(X @ W1) @ W2\n    return Y\n}\n")
+    src = load(path).program()
+    binding = bind_dims(src, {})
+    out = optimize(src, library, H100, binding)
+    lowered = lower(out.best.program)
+    (kernel,) = kernels_of(lowered)
+    assert [s.then is not None for s in kernel.stores] == [True], print_program(out.best.program)
+    assert out.best.estimated_us < next(r for r in out.ranked if r.as_written).estimated_us
+    inputs = random_inputs(src, binding, seed=3)
+    got, want = evaluate(lowered, inputs, params=out.best.params)["Y"], evaluate(src, inputs)["Y"]
+    assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+
+
 def test_layer_norm_before_a_projection_reaches_one_kernel_with_four_accumulators(library):
     """GPT-2's MLP: LayerNorm, the first projection and GELU in one loop kernel (the product, the row means of X,
     their variance about the running mean, W1's column sums), storing the activation the second projection

@@ -1,7 +1,8 @@
 """Sums across blocks finished in their launch (`backend.sums`): a `+=` store kept in its own type, its blocks'
-f32 additions in a workspace that the tile's last block stores and zeroes; the plan and the runtime that carry the
-workspace; what the thread sanitizer finds where the tickets do not order the additions; and the search, which
-now offers such a store for f16 outputs (GPT-2's MLP without LayerNorm in one kernel)."""
+f32 additions in a workspace that the tile's last block stores and zeroes; what the thread sanitizer finds where
+the tickets do not order the additions; and the element-wise work after such a sum done as it is stored
+(`kernels.finishing`: a residual after an MLP), guarded where it reads an input in place. The search's use of
+them: tests/test_search.py (GPT-2's MLP, an MLP with its residual); the runtime's: tests/test_runtime.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ from prism_dsl.backend.codegen import header_source
 from prism_dsl.ir.nodes import DType
 from prism_dsl.kernels.kernel import kernels_of, stored_dtype
 from prism_dsl.lang.check import load
-from prism_dsl.lang.printer import print_program
 from prism_dsl.pipeline import emulation
 from prism_dsl.pipeline.build import BuildOptions, build, check_inputs, emulate, plan_of, reference_outputs, rtol_of
-from prism_dsl.prove.rules import default_files, load_library
-from prism_dsl.search.driver import search
+from prism_dsl.kernels.lower import lower
 from test_codegen import H100, needs_cxx
 
 MLP = """dims n = 8, d = 32, f = 128
@@ -86,14 +85,52 @@ def test_f64_sums_and_grids_that_sum_nothing_keep_the_plain_store(tmp_path):
     assert added.dram_bytes - plain.dram_bytes == y * (4 * 4 + 8), (added, plain)
 
 
-def test_the_search_offers_a_sum_across_blocks_for_sixteen_bit_outputs(tmp_path):
-    """GPT-2's MLP without its LayerNorm, in f16: the up-projection's columns across blocks, each block's part of
-    the down-projection added into Y, is proved (it was refused where Y is f16, for the type it would change)."""
-    path = tmp_path / "plain.prism"
-    path.write_text("dims n = 8, d = 64, f = 256\nprogram mlp(X: f16[n, d], W1: f16[d, f], W2: f16[f, d]) {\n"
-                    "    Y = gelu_tanh(X @ W1) @ W2\n    return Y\n}\n")
+RESIDUAL = MLP.format(t="f16").replace("X: f16[n, d], W1", "X: f16[n, d], B: f16[d], W1").replace(
+    "store Y[y, x] +=", "store T[y, x] +=").replace("    return Y", "    Y = (X + T) * 0.5 + B\n    return Y")
+
+
+@needs_cxx
+def test_the_work_after_a_sum_across_blocks_is_done_as_it_is_stored(tmp_path):
+    """`(X + T) * 0.5 + B` after the sum T: one kernel, whose last block of each tile applies the chain to the
+    finished sum (B broadcast along the rows), checked under ThreadSanitizer; the model reads X and B once more."""
+    path = tmp_path / "residual.prism"
+    path.write_text(RESIDUAL)
     program = load(path).program()
-    result = search(program, load_library(default_files(), defaults=True), H100, jobs=1)
-    assert result.complete
-    summed = [p for p in result.proved if "store Y[y, x] += acc_sum(gelu_tanh(" in print_program(p)]
-    assert summed and all(stored_dtype(kernels_of(p)[0], 0) is DType.F16 for p in summed)
+    (kernel,) = kernels_of(lower(program))
+    (store,) = kernel.stores
+    assert store.name == "Y" and store.add and store.then is not None
+    assert [n.attr for n in kernel.inputs] == ["X", "W1", "W2", "B"]  # X loaded already; B for the chain alone
+    options = BuildOptions(dims={}, archs=(), sanitize="thread", emulate_blocks="all", **PARAMS)
+    built = build(program, H100, options)
+    (k,) = built.kernels
+    assert "then (((X + sum) * 0.5) + B)" in k.source and "prism::to_f(g_B[blockIdx.x * 16 + i1])" in k.source
+    check = emulate(built, options)
+    assert check.passed, check.errors()
+
+
+@needs_cxx
+def test_an_input_the_chain_reads_in_place_is_guarded_past_the_callers_rows(tmp_path):
+    """Rows built past the caller's 13 (16): X, read as the caller passes it, is read only where its rows are;
+    AddressSanitizer finds no read past its end."""
+    path = tmp_path / "residual.prism"
+    path.write_text(RESIDUAL)
+    options = BuildOptions(dims={"n": 16}, archs=(), grid={"gx": 1, "gy": 2, "gz": 4}, loop={"F": 2}, padded={"n": 13},
+                           sanitize="address", emulate_blocks="all")
+    built = build(load(path).program(), H100, options)
+    assert "(blockIdx.y * 8 + i0 < 13 ? prism::to_f(g_X[(blockIdx.y * 8 + i0) * 32 + i1]) : real(0))" in \
+        built.kernels[0].source
+    check = emulate(built, options)
+    assert check.passed, check.errors()
+
+
+def test_work_that_another_reader_or_value_needs_keeps_its_kernel(tmp_path):
+    """The sum also returned, read twice, or the chain reading a computed value: the chain stays a kernel of its
+    own, and so does an f64 sum's (added in the output itself)."""
+    for old, new in (("    return Y", "    return Y, T"), ("(X + T) * 0.5 + B", "(X + T) * T"),
+                     ("(X + T) * 0.5 + B", "(X * X + T) * 0.5")):
+        path = tmp_path / "variant.prism"
+        path.write_text(RESIDUAL.replace(old, new))
+        lowered = lower(load(path).program())
+        assert len(kernels_of(lowered)) == 2 and not any(s.then for k in kernels_of(lowered) for s in k.stores), new
+    path.write_text(RESIDUAL.replace("f16", "f64"))
+    assert len(kernels_of(lower(load(path).program()))) == 2

@@ -44,7 +44,7 @@ from ..kernels.lifetimes import AFTER, in_use
 from ..kernels.position import causal_loop, longest_first, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
-from .ctext import (CTYPE, INT_MAX, block_names, comment, decompose, ident, offset, reduction, tensor_name,
+from .ctext import (C_OPS, CTYPE, INT_MAX, block_names, comment, decompose, ident, offset, reduction, tensor_name,
                     xor_column)
 from .copies import TensorMap, load_step, tma_copies
 from .launch import CodegenConfig, dot_lanes, flash_values, layout, stage_elements
@@ -57,15 +57,6 @@ __all__ = ["CTYPE", "CodegenConfig", "Emitter", "RenderedKernel", "comment", "id
 
 TEMPLATES = data_dir("templates", "templates")
 HEADER = "prism.cuh"
-
-# How each element-wise op reads in C, over the arithmetic type `real` (helpers live in prism.cuh).
-C_OPS = {
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-    "neg": "(-{0})", "exp": "prism::exp_({0})", "sqrt": "prism::sqrt_({0})", "rsqrt": "prism::rsqrt_({0})",
-    "square": "({0} * {0})", "sigmoid": "prism::sigmoid_({0})", "silu": "prism::silu_({0})",
-    "gelu": "prism::gelu_({0})", "relu": "prism::relu_({0})", "tanh": "prism::tanh_({0})",
-    "gelu_tanh": "prism::gelu_tanh_({0})",
-}
 
 
 @dataclass(frozen=True)

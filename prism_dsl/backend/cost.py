@@ -187,7 +187,7 @@ from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
 from ..kernels.hardware import Hardware
 from ..kernels.position import mean_iterations, stretch
-from ..kernels.kernel import after_loop, loop_varying, storage, stored_dtype
+from ..kernels.kernel import SUM, after_loop, loop_varying, storage, stored_dtype
 from .sums import finished
 from ..ir.ops import OPS, Kind
 
@@ -265,6 +265,9 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
         summed = math.prod(g for a, g in c.grid if a not in store.map.axes())
         dram += elements * stored_dtype(k, i).bytes * (summed if store.add and not finished(c, i) else 1)
         dram += elements * (4 * summed + 8) if finished(c, i) else 0  # f32 adds; the last blocks' reads and zeroing
+        if store.then is not None:  # the tensors its chain reads at the elements stored (`kernels.finishing`)
+            dram += sum(math.prod(c.shape(n)) * storage(n).bytes for n in store.then.walk() if n.op == "input"
+                        and n.attr != SUM)
     p, after = plan(k), after_loop(k.body())
     flops = tc = vec = looped = 0
     # Values made once: after the loop, or before it from tiles it does not split (and the values evaluated

@@ -17,6 +17,14 @@ from ..kernels.kernel import Kernel
 from ..kernels.position import launch_order, longest_first
 
 CTYPE = {DType.F16: "half", DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.F64: "double"}
+# How each element-wise op reads in C, over the arithmetic type `real` (helpers live in prism.cuh).
+C_OPS = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "neg": "(-{0})", "exp": "prism::exp_({0})", "sqrt": "prism::sqrt_({0})", "rsqrt": "prism::rsqrt_({0})",
+    "square": "({0} * {0})", "sigmoid": "prism::sigmoid_({0})", "silu": "prism::silu_({0})",
+    "gelu": "prism::gelu_({0})", "relu": "prism::relu_({0})", "tanh": "prism::tanh_({0})",
+    "gelu_tanh": "prism::gelu_tanh_({0})",
+}
 # A thread's sum over a row of at least twice this many values keeps that many interleaved partial sums, added
 # pairwise at the end: the rounding grows with a sum's length, and one running sum over 256 piece means near 1000
 # lost 4e-4 of a LayerNorm's centred values in f32 (8 partial sums: a quarter of that), besides the 8 independent

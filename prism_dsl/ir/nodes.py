@@ -150,6 +150,14 @@ class Program:
         roots = list(self.inputs) + [n for _, n in self.outputs]
         return list(dict.fromkeys(node for root in roots for node in root.walk()))
 
+    def users(self) -> dict[Node, list[Node]]:
+        """Each node's users (an operand twice: twice), in the order of `nodes`."""
+        users: dict[Node, list[Node]] = {n: [] for n in self.nodes()}
+        for n in users:
+            for a in n.args:
+                users[a].append(n)
+        return users
+
     def input_names(self) -> tuple[str, ...]:
         return tuple(n.attr for n in self.inputs)
 

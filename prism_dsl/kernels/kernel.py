@@ -114,12 +114,18 @@ class Load:
     map: TileMap
 
 
+SUM = "+="  # the name of the input node that stands for a store's sum across blocks in its `then`
+
+
 @dataclass(frozen=True)
 class Store:
     name: str  # the program-level name of the output
     value: Node  # the block-level value stored
     map: TileMap  # no loop entries; extra leading entries add dims where the tile has size 1
     add: bool  # written `+=`: blocks along axes that write no dim add their results
+    # with `add`, made by lowering only (`kernels.finishing`): what is stored, an element-wise function of the sum
+    # (an input node named SUM, of the output's whole shape) and of the kernel's inputs, read at the element
+    then: Node | None = None
 
 
 class _Interned(type):
@@ -177,7 +183,7 @@ class Kernel(metaclass=_Interned):
                 return tuple((d.axis, d.loop) for d in m.dims)
             flat = (self.name, self.grid, self.loop,
                     tuple((l.tile, l.source, dims(l.map)) for l in self.loads),
-                    tuple((s.name, id(s.value), dims(s.map), s.add) for s in self.stores),
+                    tuple((s.name, id(s.value), dims(s.map), s.add, id(s.then)) for s in self.stores),
                     tuple(id(n) for n in self.inputs))
             object.__setattr__(self, "_flat_fields", flat)
         return flat
@@ -296,7 +302,7 @@ def stored_dtype(kernel: Kernel, index: int) -> DType:
     result: the blocks add in f32 apart and the tile's last block stores the sum once, in the value's dtype
     (`backend.sums`)."""
     store = kernel.stores[index]
-    dtype = store.value.dtype or DType.F32
+    dtype = (store.then or store.value).dtype or DType.F32
     if dtype not in (DType.F16, DType.BF16):
         return dtype
     partial = not store.add and splits_loop(kernel) and any(OPS[n.op].kind is Kind.ACCUMULATE for n in store.value.walk())

@@ -31,6 +31,7 @@ import numpy as np
 import sympy
 
 from ..ir.nodes import DType, Node, Program, dim_symbol
+from .finishing import finish_sums
 from .fusion import row_op
 from .kernel import (AXES, DimMap, Kernel, Load, Store, TileMap, free_symbols, fresh_name, kernels_of,
                      output_shape, tile_shape)
@@ -75,22 +76,19 @@ def check_compilable(program: Program) -> None:
 
 
 def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: bool = False) -> Program:
-    """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused
-    into its element-wise user's). A program with nothing left outside kernels comes back as it is.
-    `long_rows`: each softmax or norm of rank 3 at most (`_long`; or those of them in the set given) in two kernels
-    that never hold a row whole (`_long_rows`), for rows a block's shared memory cannot hold (a
-    vocabulary's logits); `lowered_forms`
-    offers it, and the tuner takes it where the usual form has no valid parameters or is slower by the model
-    (`pipeline.build.tune`, `pipeline.optimize.rank`). `rows_apart`: each softmax or norm in a kernel of its own,
-    the element-wise chains before and after it (and a softmax or norm in its row) in kernels of theirs, so that
-    a kernel holds one row's tiles, not each of a chain's."""
-    nodes = program.nodes()
-    users: dict[Node, list[Node]] = {n: [] for n in nodes}
-    for n in nodes:
-        for a in n.args:
-            users[a].append(n)
-    outputs = {id(node): name for name, node in reversed(program.outputs)}
+    """The program with every op outside custom kernels in a pre-defined kernel of its own (or fused into its
+    element-wise user's), the element-wise work after a sum across blocks done as it is stored (`finish_sums`).
+    A program with nothing left outside kernels comes back as it is. `long_rows`: each softmax or norm of rank 3
+    at most (`_long`; or those of them in the set given) in two kernels that never hold a row whole (`_long_rows`),
+    for rows a block's shared memory cannot hold (a vocabulary's logits); `lowered_forms` offers it, and the tuner
+    takes it where the usual form has no valid parameters or is slower by the model (`pipeline.build.tune`,
+    `pipeline.optimize.rank`). `rows_apart`: each softmax or norm in a kernel of its own, the element-wise chains
+    before and after it (and a softmax or norm in its row) in kernels of theirs, so that a kernel holds one row's
+    tiles, not each of a chain's."""
     check_compilable(program)
+    program = finish_sums(program)
+    nodes, users = program.nodes(), program.users()
+    outputs = {id(node): name for name, node in reversed(program.outputs)}
 
     def long(n: Node) -> bool:  # in two kernels for its long rows
         return _long(n) and (long_rows is True or bool(long_rows) and n in long_rows)

@@ -22,7 +22,7 @@ from ..ir.nodes import DType, Node, Program
 from ..kernels.constraints import Concrete, instantiate_program
 from ..kernels.fusion import compute_dtype
 from ..kernels.hardware import load_hardware
-from ..kernels.kernel import TileMap, after_loop, free_symbols, stored_dtype
+from ..kernels.kernel import SUM, TileMap, after_loop, free_symbols, stored_dtype
 from ..kernels.masking import given_end
 from ..kernels.params import complete
 from ..kernels.position import causal_loop, loop_end, placed, start, whole
@@ -92,7 +92,17 @@ def run_kernel(c: Concrete, operands: list[np.ndarray], rounded: bool = False,
                 values[n] = value(n, values, block, 0)
             for out, store in zip(outs, k.stores):
                 _write(out, values[store.value], store, block)
+        for i, store in enumerate(k.stores):  # a chain after a sum across blocks, over the whole sum (`finishing`)
+            if store.then is not None:
+                outs[i] = _then(store.then, outs[i], dict(zip(k.inputs, operands)), rounded, arith)
     return [quantize(o, stored_dtype(k, i)) for i, o in enumerate(outs)] if rounded else outs
+
+
+def _then(n: Node, total: np.ndarray, tensors: Mapping[Node, np.ndarray], rounded: bool, arith: DType) -> np.ndarray:
+    """A store's `then` at every element: its sum (the input named SUM) and the kernel's operands it reads, whole."""
+    if n.op == "input":
+        return total if n.attr == SUM else np.asarray(tensors[n], dtype=np.float64)
+    return apply(n, [_then(a, total, tensors, rounded, arith) for a in n.args], rounded, arith)
 
 
 def _masked(c: Concrete, acc: Node, x: np.ndarray, ends: Mapping[str, int], block: Mapping[str, int], i: int):
