@@ -18,8 +18,8 @@ from prism_dsl.cli.main import main
 from prism_dsl.prove.egglog_runner import Limits
 from prism_dsl.kernels.constraints import _bound, instantiate, shared_memory, shared_memory_at
 from prism_dsl.kernels.hardware import load_hardware
-from prism_dsl.ir.nodes import DType
-from prism_dsl.kernels.kernel import (WHOLE, SymbolicMap, free_symbols, kernels_of, output_shape, storage, stored_dtype,
+from prism_dsl.ir.nodes import DType, Node
+from prism_dsl.kernels.kernel import (SUM, WHOLE, SymbolicMap, free_symbols, kernels_of, output_shape, storage, stored_dtype,
                                      tile_shape)
 from prism_dsl.kernels.params import choose
 from prism_dsl.kernels.sizes import int_value, value
@@ -987,7 +987,9 @@ def test_kernels_are_interned_and_compare_as_their_fields_do():
     assert replace(k) is k and replace(k, name=k.name + "2") != k
     assert [f.name for f in fields(k)] == ["name", "grid", "loop", "loads", "stores", "inputs"]
     assert [f.name for f in fields(k.loads[0])] == ["tile", "source", "map"]
-    assert [f.name for f in fields(k.stores[0])] == ["name", "value", "map", "add"]
+    assert [f.name for f in fields(k.stores[0])] == ["name", "value", "map", "add", "then"]
+    then = Node("input", (), SUM, k.stores[0].value.dtype, k.stores[0].value.shape)
+    assert replace(k, stores=(replace(k.stores[0], then=then),) + k.stores[1:]) != k
     assert [f.name for f in fields(k.stores[0].map)] == ["dims"] and [f.name for f in fields(WHOLE)] == ["axis", "loop"]
     assert replace(k, loop=None) != k and replace(k, stores=k.stores[:1]) != k and replace(k, loads=k.loads[::-1]) != k
     hash(k), k.body(), k._flat()  # what a kernel works out once stays out of its pickle

@@ -94,7 +94,7 @@ class Outcome:
 
 # What the cost model's estimates come from: its code, and what it reads (the hardware files), nothing else.
 MODEL_CODE = ("ir", "kernels", "backend/cost.py", "backend/intake.py", "backend/launch.py", "backend/copies.py",
-              "backend/warp_mma.py")
+              "backend/warp_mma.py", "backend/sums.py")
 
 
 def _dims(binding: dict) -> str:
