@@ -7,12 +7,15 @@ them: tests/test_search.py (GPT-2's MLP, an MLP with its residual); the runtime'
 from __future__ import annotations
 
 from prism_dsl.backend.codegen import header_source
-from prism_dsl.ir.nodes import DType
+from prism_dsl.ir.nodes import DType, Node
+from prism_dsl.ir.shapes import build as build_node
 from prism_dsl.kernels.kernel import kernels_of, stored_dtype
+from prism_dsl.kernels.lower import lower
 from prism_dsl.lang.check import load
 from prism_dsl.pipeline import emulation
 from prism_dsl.pipeline.build import BuildOptions, build, check_inputs, emulate, plan_of, reference_outputs, rtol_of
-from prism_dsl.kernels.lower import lower
+from prism_dsl.search.generate import Sketch
+from prism_dsl.search.maps import index_classes, sums_over
 from test_codegen import H100, needs_cxx
 
 MLP = """dims n = 8, d = 32, f = 128
@@ -134,3 +137,18 @@ def test_work_that_another_reader_or_value_needs_keeps_its_kernel(tmp_path):
         assert len(kernels_of(lowered)) == 2 and not any(s.then for k in kernels_of(lowered) for s in k.stores), new
     path.write_text(RESIDUAL.replace("f16", "f64"))
     assert len(kernels_of(lower(load(path).program()))) == 2
+
+
+def test_only_sums_over_the_blocks_pieces_are_summed_across_them():
+    """`search.maps.sums_over`, the search's screen before its numeric check: gelu_tanh(x @ w1) @ w2 adds up across
+    blocks that split f (the second product contracts it), not across blocks that split d (gelu of a partial product);
+    a term the pieces do not split (+ x @ w3, added again by every block), or a partial mean, never."""
+    x, w1, w2, w3 = (Node("tile", (), name, DType.F16, shape)
+                     for name, shape in (("x", (8, 64)), ("w1", (64, 256)), ("w2", (256, 64)), ("w3", (64, 64))))
+    mlp = build_node("matmul", [build_node("gelu_tanh", [build_node("matmul", [x, w1])]), w2])
+    plus = build_node("add", [mlp, build_node("matmul", [x, w3])])
+    mean = build_node("mean", [build_node("matmul", [x, w1])], [1])
+    for out, tiles in ((mlp, (x, w1, w2)), (plus, (x, w1, w2, w3)), (mean, (x, w1))):
+        uf, _ = index_classes(Sketch((), tiles, (out,), False))
+        f, d = uf.find((w1, -1)), uf.find((w1, -2))
+        assert (sums_over(out, f, uf), sums_over(out, d, uf)) == ((True, False) if out is mlp else (False, False))

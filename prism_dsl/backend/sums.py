@@ -12,9 +12,9 @@ T's type, and puts them back to zero for the next launch. T is written once, by 
 
 f64 stores keep the plain form (their atomics add in f64 into T, zeroed before the launch: `RenderedKernel.zero`).
 
-The stores summed over the same grid axes share the tile's tickets (`Group`); the tickets of every group, then
-(where the kernel also runs a combining kernel: never, `tails.joins` keeps the two apart) none else, make the
-kernel's counters, and the workspaces one f32 buffer (`prism_sums`), each store's at an offset of it.
+The stores summed over the same grid axes share their tiles' tickets (`Group`). The groups' tickets, one after
+another, are the kernel's counters (`prism_tickets`: a kernel that finishes sums never also runs a combining
+kernel in its launch, `tails.joins`), and the stores' workspaces one f32 buffer (`prism_sums`), each at an offset.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ def finish_sums(program: Program) -> Program:
     if not chains:
         return program
     new: dict[Node, Node] = {}  # program node -> what stands for it now
+    gone = {m for chain in chains.values() for m in chain[:-1]}  # done by the stores, read by their chains alone
     kernels: dict[int, object] = {}  # id of a kernel -> the kernel with its chains (and operands) in place
     names = dict(program.names)
     for n in nodes:
@@ -54,7 +55,7 @@ def finish_sums(program: Program) -> Program:
             names[node] = k.stores[index].name
             if n is not end:
                 new[n] = node  # (read by the chain alone, which no longer runs)
-        elif n not in new and any(a in new for a in n.args):
+        elif n not in new and n not in gone and any(a in new for a in n.args):
             new[n] = rebuild(n, [new.get(a, a) for a in n.args])
     outs = tuple((name, new.get(node, node)) for name, node in program.outputs)
     return Program(program.name, program.dims, program.inputs, outs, {}, names, program.loc)

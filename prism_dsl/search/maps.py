@@ -114,6 +114,7 @@ class NoKernel(enum.Enum):
     TWO_DIMS_STORED = "an output with two dims that must be split alike"
     SHAPES = "the body does not build at the tiles' sizes"
     SUMMED = "a split's result summed across blocks"  # a split's pieces are stored apart, for its combining kernel
+    NOT_A_SUM = "a result summed across blocks that is not a sum over them"  # `sums_over`
     NO_COMBINING_FORM = "no combining form"
     NO_SPLIT_AXIS = "no grid axis left to split the loop's dim"
 
@@ -242,8 +243,39 @@ def stores_of(outputs, names: list[str], new: dict, uf: IndexClasses, by_class: 
         add = any(a not in written for a in axes)
         if add and not summed:
             return NoKernel.SUMMED
+        if add and not all(sums_over(out, root, uf) for root, a in by_class.items() if a not in written):
+            return NoKernel.NOT_A_SUM
         stores.append(Store(name, new[out], TileMap(dims), add))
     return tuple(stores)
+
+
+def sums_over(out: Node, root, uf: IndexClasses) -> bool:
+    """Whether the blocks' values of `out`, each over its piece of index class `root` (which no dim of `out` is in:
+    the grid axis that splits it writes none), add up to `out` over the whole class: `out` is a sum over the class
+    (a product or reduction contracting it, a running sum folding it) seen through linear ops only, every one of its
+    terms over it. Anything else (gelu of a partial product, a partial mean, a term the pieces do not split, which
+    every block would add again) the numeric check would refuse anyway, at the cost of running the kernel."""
+    def over(n: Node, dim: int) -> bool:
+        return -n.rank <= dim and n.shape[dim] != 1 and uf.find((n, dim)) == root
+
+    def reads(n: Node) -> bool:
+        return n.op == "tile" and any(over(n, d) for d in range(-n.rank, 0)) or any(reads(a) for a in n.args)
+
+    def linear(n: Node) -> bool:
+        a = n.args
+        if n.op == "matmul":
+            return over(a[0], -1) or linear(a[0]) and not reads(a[1]) or linear(a[1]) and not reads(a[0])
+        if n.op == "sum":
+            return over(a[0], n.attr - a[0].rank) or linear(a[0])
+        if n.op in ("acc_sum", "acc_sum_last"):
+            return n.op == "acc_sum_last" and over(a[0], -1) or linear(a[0])
+        if n.op in ("add", "sub"):
+            return linear(a[0]) and linear(a[1])
+        if n.op in ("mul", "div"):
+            return linear(a[0]) and not reads(a[1]) or n.op == "mul" and linear(a[1]) and not reads(a[0])
+        return n.op in ("neg", "transpose") and linear(a[0])
+
+    return linear(out)
 
 
 def kernel_outputs(kernel: Kernel) -> list[Node]:
