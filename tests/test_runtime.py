@@ -968,6 +968,36 @@ class TestOnGpu:
         again = launcher(**{k: torch.from_numpy(v).cuda() for k, v in inputs.items()})["O"]
         assert got.shape == (1, 16, 1, 128) and check(again.float().cpu().numpy(), got.astype(np.float64), 1e-3)["passed"]
 
+    def test_a_sum_across_blocks_with_its_residual_matches_the_reference_launch_after_launch(self, tmp_path, capsys):
+        """An MLP whose blocks add their parts of Y in f32 and whose tiles' last blocks store Y + X in f16
+        (`backend.sums`, `kernels.finishing`): checked against the float64 reference on the GPU, then run three
+        times more through the launcher, the same each time (the workspace and tickets put back to zero)."""
+        import json
+
+        from prism_dsl.cli.main import main
+
+        source = tmp_path / "residual.prism"
+        source.write_text("dims n = 8, d = 768, f = 3072\nprogram res(X: f16[n, d], W1: f16[d, f], W2: f16[f, d]) {\n"
+                          "    kernel mlp grid(x = gx, y = gy, z = gz) loop(F) {\n        xt = load X[y, :]\n"
+                          "        w1t = load W1[:, z*loop]\n        w2t = load W2[z*loop, x]\n"
+                          "        store T[y, x] += acc_sum(gelu_tanh(xt @ w1t) @ w2t)\n    }\n    Y = X + T\n"
+                          "    return Y\n}\n")
+        out = tmp_path / "out"
+        assert main(["compile", str(source), "--search", "none", "--rank", "measure", "--arch", "none", "--no-emulate",
+                     "-o", str(out), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert len(report["kernels"]) == 1 and report["checked"]["gpu"]["passed"], report["checked"]["gpu"]
+        spec = importlib.util.spec_from_file_location("launcher", out / "launcher.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        launcher = module.get_launcher()
+        inputs = rt.random_inputs(launcher.plan)
+        first = launcher(**inputs)["Y"]
+        assert first.dtype == np.float16 and first.shape == (8, 768)
+        for _ in range(3):  # a workspace left with the last launch's sums would add them again
+            assert check(launcher(**inputs)["Y"].astype(np.float64), first.astype(np.float64), 1e-2)["passed"]
+        launcher.close()
+
     def test_unwritten_output_is_poisoned(self, tmp_path):
         plan = gpu_plan(tmp_path, block=128)
         plan["kernels"][0]["grid"] = [2, 1, 1]  # half the elements are never written
