@@ -7,11 +7,13 @@ them: tests/test_search.py (GPT-2's MLP, an MLP with its residual); the runtime'
 from __future__ import annotations
 
 from prism_dsl.backend.codegen import header_source
+from prism_dsl.cli.main import main
 from prism_dsl.ir.nodes import DType, Node
 from prism_dsl.ir.shapes import build as build_node
 from prism_dsl.kernels.kernel import kernels_of, stored_dtype
 from prism_dsl.kernels.lower import lower
 from prism_dsl.lang.check import load
+from prism_dsl.lang.printer import print_program
 from prism_dsl.pipeline import emulation
 from prism_dsl.pipeline.build import BuildOptions, build, check_inputs, emulate, plan_of, reference_outputs, rtol_of
 from prism_dsl.search.generate import Sketch
@@ -152,3 +154,21 @@ def test_only_sums_over_the_blocks_pieces_are_summed_across_them():
         uf, _ = index_classes(Sketch((), tiles, (out,), False))
         f, d = uf.find((w1, -1)), uf.find((w1, -2))
         assert (sums_over(out, f, uf), sums_over(out, d, uf)) == ((True, False) if out is mlp else (False, False))
+
+
+def test_a_lowered_chain_is_printed_after_its_kernel_and_verifies_from_its_directory(tmp_path, capsys):
+    """The language has no `then`: the lowered program is printed with the chain after its kernel, over the sum
+    stored as Y_sum, and reads back to the same kernel; a compiled directory's program copy so written is what
+    `prismc verify` rebuilds and checks its .cu files against."""
+    path = tmp_path / "residual.prism"
+    path.write_text(RESIDUAL)
+    lowered = lower(load(path).program())
+    text = print_program(lowered)
+    assert "store Y_sum[y, x] += acc_sum(" in text and "    Y = (X + Y_sum) * 0.5 + B\n" in text, text
+    again = tmp_path / "again.prism"
+    again.write_text(text)
+    assert kernels_of(lower(load(again).program())) == kernels_of(lowered)
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "--search", "none", "--arch", "none", "-o", str(out)]) == 0
+    assert main(["verify", str(out)]) == 0
+    assert "Y (256 elements, kernel fused): agrees with the reference" in capsys.readouterr().out

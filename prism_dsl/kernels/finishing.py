@@ -11,6 +11,9 @@ parameters chosen) applies it, reading the chain's other tensors at the element 
 What qualifies: the kernel's output is read by one element-wise op of the output's shape and nothing else, and so
 on along the chain, whose end is what the store then writes; every other operand of the chain is a constant or a
 program input whose shape broadcasts to the output's. f64 sums, added in the output itself, are left as they are.
+
+The language has no `then`: a lowered program is printed with each chain written out again after its kernel
+(`unfinished`, which `lang.printer` applies), which lowering takes back to the same kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import replace
 from ..ir.nodes import DType, Node, Program
 from ..ir.ops import OPS, Kind
 from ..ir.shapes import rebuild, same
-from .kernel import SUM, stored_dtype
+from .kernel import SUM, fresh_name, kernels_of, stored_dtype
 
 
 def finish_sums(program: Program) -> Program:
@@ -105,3 +108,46 @@ def _with_chains(kernel, chains: dict[int, list[Node]], program: Program, new: d
         name = next((nm for nm, o in program.outputs if o is chain[-1]), None) or program.names.get(chain[-1], store.name)
         stores[index] = replace(store, name=name, then=here[chain[-1]])
     return replace(kernel, inputs=tuple(inputs), stores=tuple(stores))
+
+
+def unfinished(program: Program) -> Program:
+    """The program with each store's `then` written out again as the ops after its kernel, over the sum stored under a
+    name of its own (`{name}_sum`), the kernel taking only the tensors it loads: what `finish_sums` takes back to the
+    same kernels, and the language can write."""
+    if not any(s.then is not None for k in kernels_of(program) for s in k.stores):
+        return program
+    taken = {n.attr for n in program.inputs} | {name for name, _ in program.outputs} | set(program.names.values())
+    taken |= {s.name for k in kernels_of(program) for s in k.stores}
+    new: dict[Node, Node] = {}
+    kernels: dict[int, object] = {}
+    names = dict(program.names)
+    for n in program.nodes():
+        if n.op != "kernel":
+            if any(a in new for a in n.args):
+                new[n] = rebuild(n, [new.get(a, a) for a in n.args])
+            continue
+        kernel, index = n.attr
+        if id(kernel) not in kernels:
+            loaded = 1 + max((load.source for load in kernel.loads), default=-1)
+            stores = tuple(replace(s, name=fresh_name(f"{s.name}_sum", taken), then=None) if s.then is not None else s
+                           for s in kernel.stores)
+            taken |= {s.name for s in stores}
+            kernels[id(kernel)] = replace(kernel, inputs=tuple(new.get(a, a) for a in kernel.inputs[:loaded]),
+                                          stores=stores)
+        k, store = kernels[id(kernel)], kernel.stores[index]
+        node = Node("kernel", k.inputs, (k, index), store.value.dtype, n.shape)
+        names[node] = k.stores[index].name
+        if store.then is None:
+            new[n] = node
+            continue
+        here: dict[Node, Node] = {}
+
+        def written(m: Node) -> Node:
+            if m not in here:
+                here[m] = node if m.op == "input" and m.attr == SUM else m if not m.args else \
+                    rebuild(m, [written(a) for a in m.args])
+            return here[m]
+        new[n] = written(store.then)
+        names[new[n]] = store.name
+    outs = tuple((name, new.get(node, node)) for name, node in program.outputs)
+    return Program(program.name, program.dims, program.inputs, outs, {}, names, program.loc)

@@ -13,6 +13,7 @@ from typing import Mapping
 from ..ir.nodes import Node, Program
 from ..ir.ops import OPS, Kind, written
 from ..ir.shapes import dim_params
+from ..kernels.finishing import unfinished
 
 # Binding strength, as in the grammar: sums < products < unary minus < atoms.
 _PREC = {"add": 1, "sub": 1, "mul": 2, "div": 2, "matmul": 2, "neg": 3}
@@ -49,7 +50,9 @@ def print_program(program: Program, *, with_dims: bool = True, keep_names: bool 
     keeps its statement where `keep_names`: lowering names a pre-defined kernel and its output after it, so the text
     read back lowers to the same kernels (a compiled directory's best.prism against its .cu files); the search's
     candidates, whose every value has a made-up name, are printed without (`keep_names=False`), their single-use
-    values inline."""
+    values inline. The work a lowered kernel's store does after its sum across blocks is written as the ops after
+    the kernel (`kernels.finishing.unfinished`)."""
+    program = unfinished(program)
     lines = []
     if with_dims and program.dims:
         lines.append("dims " + ", ".join(f"{d.name} = {d.default}" for d in program.dims))
