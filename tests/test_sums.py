@@ -6,7 +6,6 @@ them: tests/test_search.py (GPT-2's MLP, an MLP with its residual); the runtime'
 
 from __future__ import annotations
 
-from prism_dsl.backend.codegen import header_source
 from prism_dsl.cli.main import main
 from prism_dsl.ir.nodes import DType, Node
 from prism_dsl.ir.shapes import build as build_node
@@ -14,11 +13,11 @@ from prism_dsl.kernels.kernel import kernels_of, stored_dtype
 from prism_dsl.kernels.lower import lower
 from prism_dsl.lang.check import load
 from prism_dsl.lang.printer import print_program
-from prism_dsl.pipeline import emulation
-from prism_dsl.pipeline.build import BuildOptions, build, check_inputs, emulate, plan_of, reference_outputs, rtol_of
+from prism_dsl.pipeline.build import BuildOptions, build, emulate, plan_of
 from prism_dsl.search.generate import Sketch
 from prism_dsl.search.maps import index_classes, sums_over
 from test_codegen import H100, needs_cxx
+from test_tails import race_with_relaxed_tickets
 
 MLP = """dims n = 8, d = 32, f = 128
 
@@ -66,14 +65,7 @@ def test_a_sum_across_blocks_is_stored_once_in_its_own_type(tmp_path):
 def test_tickets_that_do_not_order_the_sums_are_a_race_under_the_thread_sanitizer(tmp_path):
     """Taken with a relaxed atomic, the ticket no longer orders the other blocks' additions before the last block's
     reads of the sums: ThreadSanitizer reports the race, in the kernel's own lines."""
-    built = build(mlp(tmp_path), H100, BuildOptions(dims={}, archs=(), **PARAMS))
-    relaxed = header_source().replace("__ATOMIC_ACQ_REL) == pieces - 1", "__ATOMIC_RELAXED) == pieces - 1")
-    inputs = check_inputs(built, 0)
-    check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=0,
-                            rtol=rtol_of(built.reference), checked_against="input program", sanitizer="thread",
-                            extra="all", header=relaxed)
-    assert not check.passed and check.finding["kind"] == "data race", check.finding
-    assert any(w.startswith("fused.cu:") for w in check.finding["where"]), check.finding
+    race_with_relaxed_tickets(build(mlp(tmp_path), H100, BuildOptions(dims={}, archs=(), **PARAMS)), "fused.cu")
 
 
 def test_f64_sums_and_grids_that_sum_nothing_keep_the_plain_store(tmp_path):

@@ -69,7 +69,13 @@ def test_one_launch_agrees_with_two_and_with_the_reference():
 def test_tickets_that_do_not_order_the_pieces_are_a_race_under_the_thread_sanitizer():
     """Taken with a relaxed atomic, the ticket no longer orders the other pieces' stores before the combining
     block's reads: ThreadSanitizer reports the race, in the kernel's own lines."""
-    built = build(load(DECODING).program(), H100, BuildOptions(dims=DIMS, archs=(), **PARAMS))
+    race_with_relaxed_tickets(build(load(DECODING).program(), H100, BuildOptions(dims=DIMS, archs=(), **PARAMS)),
+                              "partial.cu")
+
+
+def race_with_relaxed_tickets(built, file: str) -> None:
+    """The emulation of `built` under ThreadSanitizer with its tickets taken by a relaxed atomic: a data race, in
+    the lines of `file` (a kernel's .cu)."""
     header = header_source()
     assert header.count("__ATOMIC_ACQ_REL) == pieces - 1") == 1
     relaxed = header.replace("__ATOMIC_ACQ_REL) == pieces - 1", "__ATOMIC_RELAXED) == pieces - 1")
@@ -78,7 +84,7 @@ def test_tickets_that_do_not_order_the_pieces_are_a_race_under_the_thread_saniti
                             rtol=rtol_of(built.reference), checked_against="input program", sanitizer="thread",
                             extra="all", header=relaxed)
     assert not check.passed and check.finding["kind"] == "data race", check.finding
-    assert any(w.startswith("partial.cu:") for w in check.finding["where"]), check.finding
+    assert any(w.startswith(f"{file}:") for w in check.finding["where"]), check.finding
 
 
 @needs_cxx
