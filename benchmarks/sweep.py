@@ -70,7 +70,8 @@ def runs(rng: random.Random, table: dict, source: Path, options: bool, only: str
             if not path.exists():
                 continue
             for sanitizer in ([], ["--sanitize", rng.choice(["thread", "address"])]) if searched else ([],):
-                extra = (rng.choice(OPTIONS) if options else []) + sanitizer
+                drawn = rng.choice(OPTIONS) if options else []  # (a limit of the search: not where there is none)
+                extra = [o for o in drawn if searched or o != "--no-split"] + sanitizer
                 if only in name:
                     yield path, dims, extra + ([] if searched else ["--search", "none"])
 

@@ -1138,6 +1138,10 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     (["--hardware", "b200"], "argument --hardware: unknown hardware 'b200' (known: a100, h100, h200)", 2),
     (["--no-emulate", "--sanitize", "thread"], "--sanitize thread runs the emulation, which --no-emulate leaves out", 2),
     (["--no-emulate", "--emulate-blocks", "3"], "--emulate-blocks 3 runs the emulation, which --no-emulate leaves out", 2),
+    (["--search", "none", "--time-limit", "5", "--no-split"],
+     "--time-limit, --no-split limit the search, which --search none leaves out: give one of them", 2),
+    (["--search", "none", "--unsteady"], "--unsteady limits the search, which --search none leaves out", 2),
+    (["--tma", "--no-wgmma"], "--tma copies the loop tiles of wgmma products, which --no-wgmma leaves out", 2),
     pytest.param(["--arch", "sm_12"], "this nvcc does not compile for sm_12 (--arch)", 1, marks=needs_nvcc),
 ])
 def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message, code):

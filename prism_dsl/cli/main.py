@@ -18,8 +18,8 @@ from ..prove.egglog_runner import Limits
 from ..base.files import check_apart, check_writable, write_bytes
 from ..base.errors import PrismError
 from .texts import clashing, count, print_rules, summary
-from .values import (Merged, archs, emulate_blocks, hardware_name, jobs, parse_dims, parse_loop, positive_int, seconds,
-                     threads, whole)
+from .values import (TIME_LIMIT, Merged, archs, emulate_blocks, hardware_name, ignored, jobs, parse_dims, parse_loop,
+                     positive_int, seconds, threads, whole)
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_NOT_PROVED = 0, 1, 2, 3
 
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the results into")
     co.add_argument("--search", choices=("full", "none"), default="full",
                     help="'full': search fused programs (default); 'none': compile the program as written")
-    co.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
+    co.add_argument("--time-limit", type=seconds, default=TIME_LIMIT, metavar="SECONDS",
                     help="stop the search after this long and use the best proved program so far (default 60)")
     co.add_argument("--jobs", type=jobs, default=None, help="processes proving, then tuning, at once (default and most: the cores)")
     co.add_argument("--max-kernels", type=positive_int, default=None, help="custom kernels a program may use (default 1)")
@@ -433,9 +433,8 @@ def cmd_compile(args) -> int:
     from ..pipeline.report import summary
     from ..search.config import SearchConfig
 
-    if args.no_emulate and (args.sanitize or args.blocks != "auto"):  # (each would be ignored)
-        flag = f"--sanitize {args.sanitize}" if args.sanitize else f"--emulate-blocks {args.blocks}"
-        raise UsageError(f"{flag} runs the emulation, which --no-emulate leaves out: give one of them")
+    if problem := ignored(args):
+        raise UsageError(problem)
     archs = args.arch
     hardware = load_hardware(args.hardware)
     program = load(args.file).program(args.program)
