@@ -164,3 +164,43 @@ def test_a_lowered_chain_is_printed_after_its_kernel_and_verifies_from_its_direc
     assert main(["compile", str(path), "--search", "none", "--arch", "none", "-o", str(out)]) == 0
     assert main(["verify", str(out)]) == 0
     assert "Y (256 elements, kernel fused): agrees with the reference" in capsys.readouterr().out
+
+
+TWO_SUMS = """dims n = 8, d = 64, e = 64
+program two(X: f16[n, d], W: f16[d, e], A: f16[n, e], M: f16[e, d], B: f16[e]) {
+    kernel k grid(x = gx, y = gy, z = gz) {
+        xt = load X[y, z]
+        wt = load W[z, x]
+        at = load A[y, x]
+        mt = load M[x, z]
+        store T[y, x] += xt @ wt
+        store U[y, z] += at @ mt
+    }
+    Y = T + B
+    Z = relu(U)
+    return Y, Z
+}
+"""
+
+
+@needs_cxx
+def test_two_sums_over_different_axes_each_finish_when_blocks_are_sampled(tmp_path):
+    """T summed over z, U over x, in one kernel (two groups of tickets, each with its chain): sampled, the emulation
+    runs every block along both axes for the places of y it takes, so every tile it checks is finished."""
+    path = tmp_path / "two.prism"
+    path.write_text(TWO_SUMS)
+    options = BuildOptions(dims={}, archs=(), grid={"gx": 2, "gy": 4, "gz": 4}, emulate_blocks=1)
+    built = build(load(path).program(), H100, options)
+    (k,) = built.kernels
+    assert (k.tickets, k.sums) == (2 * 4 + 4 * 4, 8 * 64 * 2)
+    check = emulate(built, options)
+    assert check.passed and not check.emulation["whole_grid"], check.errors()
+
+
+def test_a_chain_of_f64_stays_a_kernel_of_its_own(tmp_path):
+    """An f64 bias makes the chain's result f64, which blocks add in the output itself: the chain is not taken into
+    the store (it was, and dropped there: the raw sum was stored)."""
+    path = tmp_path / "f64.prism"
+    path.write_text(RESIDUAL.replace("B: f16[d]", "B: f64[d]").replace("(X + T) * 0.5 + B", "T + B"))
+    kernels = kernels_of(lower(load(path).program()))
+    assert len(kernels) == 2 and not any(s.then for k in kernels for s in k.stores)

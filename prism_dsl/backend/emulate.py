@@ -49,6 +49,7 @@ from .codegen import CTYPE, HEADER, RenderedKernel
 from .copies import SWIZZLE_BYTES
 from .cuda_runtime import STORAGE, from_bf16_bits, to_bf16_bits
 from .nvcc import write_sources
+from .sums import summed_axes
 
 RUNTIME = "prism_emu.h"  # the emulation's runtime, beside prism.cuh in templates/: what kernels see of it
 RUNTIME_DEFINITIONS = "prism_emu.cc"  # the rest of it, compiled once per set of flags (`runtime_object`)
@@ -451,12 +452,10 @@ def _short(site: str) -> str:
 
 
 def sample_blocks(c: Concrete, extra: int, rng: np.random.Generator) -> list[tuple[int, int, int]]:
-    """The first and last block along every grid axis whose blocks write different elements, `extra` more at
-    random, each with every block along the axes whose results are summed (they write the same elements)."""
-    grid = dict(c.grid)
-    written = {a for s in c.kernel.stores for a in s.map.axes()}
-    spread = [a for a in ("x", "y", "z") if grid.get(a, 1) > 1 and a in written]
-    summed = [a for a in ("x", "y", "z") if grid.get(a, 1) > 1 and a not in written]
+    """The first and last block along every grid axis whose blocks write different elements, `extra` more at random,
+    each with every block along the axes some store is summed over (`sums.summed_axes`: the last of them stores it)."""
+    grid, summed = dict(c.grid), sorted({a for i in range(len(c.kernel.stores)) for a in summed_axes(c, i)})
+    spread = [a for a in ("x", "y", "z") if grid.get(a, 1) > 1 and a not in summed]
     picks = {tuple(0 for _ in spread), tuple(grid[a] - 1 for a in spread)}
     for i, a in enumerate(spread):
         picks.add(tuple(grid[b] - 1 if b == a else 0 for b in spread))

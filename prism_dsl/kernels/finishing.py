@@ -77,10 +77,10 @@ def _summed(n: Node) -> bool:
 
 
 def _follows(user: Node, at: Node) -> bool:
-    """Whether `user` is an element-wise op of `at`'s shape whose other operands are constants or program inputs
-    that broadcast to it."""
-    if OPS[user.op].kind not in (Kind.UNARY, Kind.BINARY) or user.rank != at.rank:
-        return False
+    """Whether `user` is an element-wise op of `at`'s shape, not of f64, whose other operands are constants or program
+    inputs that broadcast to it."""
+    if OPS[user.op].kind not in (Kind.UNARY, Kind.BINARY) or user.rank != at.rank or user.dtype is DType.F64:
+        return False  # (an f64 result is added in the output itself, where no block sees the whole sum)
     if not all(same(a, b) for a, b in zip(user.shape, at.shape)):
         return False
     return all(a is at or a.op == "const" or a.op == "input" and _broadcasts(a, at) for a in user.args)
