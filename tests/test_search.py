@@ -218,13 +218,20 @@ def test_lora_reaches_one_kernel_with_the_adapter_product_after_the_loop(library
     assert out.best.estimated_us <= after.estimated_us
 
 
-def test_an_mlp_with_its_residual_is_one_launch(library, tmp_path):
-    """X + gelu_tanh(X @ W1) @ W2 at decode: the MLP in one kernel, its blocks' parts of the down-projection summed
-    across a grid axis, and the residual added as the sum is stored (`kernels.finishing`): one launch, where the
-    program as written takes two and the kernel before it took a third for the add; equal to the reference."""
+@pytest.mark.parametrize("inputs, body", [
+    ("", "X + gelu_tanh(X @ W1) @ W2"),
+    (", B1: f16[f], B2: f16[d]", "X + gelu_tanh(layer_norm(X, 1e-5) @ W1 + B1) @ W2 + B2"),  # GPT-2's MLP block
+    ("", "tanh(relu(X + silu(X @ W1) @ W2))"),
+], ids=["residual", "gpt2-block", "three-ops-after"])
+def test_an_mlp_with_its_residual_is_one_launch(library, tmp_path, inputs, body):
+    """An MLP and the element-wise work after it at decode: the MLP in one kernel, its blocks' parts of the
+    down-projection summed across a grid axis, the work after it done as the sum is stored (`kernels.finishing`):
+    one launch, where the program as written takes two or three. GPT-2's block (LayerNorm, biases) takes a kernel
+    without a loop storing the intermediate sum (`Generator._no_loop`); three ops after the sum take a step past
+    the limits (`_chain`). Equal to the reference."""
     path = tmp_path / "residual.prism"
-    path.write_text("dims n = 8, d = 64, f = 256\nprogram res(X: f16[n, d], W1: f16[d, f], W2: f16[f, d]) {\n"
-                    "    Y = X + gelu_tanh(X @ W1) @ W2\n    return Y\n}\n")
+    path.write_text(f"dims n = 4, d = 64, f = 256\nprogram res(X: f16[n, d], W1: f16[d, f], W2: f16[f, d]{inputs}) {{\n"
+                    f"    Y = {body}\n    return Y\n}}\n")
     src = load(path).program()
     binding = bind_dims(src, {})
     out = optimize(src, library, H100, binding)

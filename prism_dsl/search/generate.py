@@ -114,7 +114,8 @@ class Generator:
         take an element-wise step of its own (`_epilogue`)."""
         inputs = list(self.program.inputs)
         classes = [self.eclass(n) for n in inputs]
-        for depth in range(1, self.config.max_kernels + 2 * self.config.max_predefined + 1):
+        deepest = self.config.max_kernels + 2 * self.config.max_predefined + max(0, _chain(self.program) - 2)
+        for depth in range(1, deepest + 1):
             yield from self._kernel_level([], inputs, classes, depth)
 
     # -- kernel level ----------------------------------------------------------------------------------
@@ -294,16 +295,13 @@ class Generator:
                     if _fits(op, [s[1], v[1]]):
                         yield (s, v)
 
-    def _post_loop(self, classes: list, leaves: dict[str, Node]) -> tuple[list, list[Node]] | Rejection:
-        """The missing outputs' e-classes and their terms over `leaves` (e-class -> block node), the
-        cheapest the e-graph holds; or why there are none."""
-        goals = self._missing(classes)
+    def _post_loop(self, goals: list, leaves: dict[str, Node]) -> list[Node] | Rejection:
+        """The goals' terms over `leaves` (e-class -> block node), the cheapest the e-graph holds; or why there are
+        none."""
         outs = self.graph.extract(goals, leaves)
         if outs is None:
             return Rejection.NO_POST_LOOP_FORM
-        if self.stable and any(_unstable(o) for o in outs):
-            return Rejection.UNSTABLE_EXP
-        return goals, outs
+        return Rejection.UNSTABLE_EXP if self.stable and any(_unstable(o) for o in outs) else outs
 
     def _close(self, steps, values, classes, depth, chosen, tiles, combo):
         """A loop kernel with these accumulators. Its post-loop work is extracted: the missing outputs
@@ -316,11 +314,11 @@ class Generator:
             if not all(isinstance(k, str) for _, k in accumulated):
                 self.stats.prune(Rejection.NO_POST_LOOP_FORM)
                 return
-            found = self._post_loop(classes, {k: n for n, k in after + accumulated})
-            if isinstance(found, Rejection):
-                self.stats.prune(found)
+            new_classes = self._missing(classes)
+            outs = self._post_loop(new_classes, {k: n for n, k in after + accumulated})
+            if isinstance(outs, Rejection):
+                self.stats.prune(outs)
                 return
-            new_classes, outs = found
             reached = {m for o in outs for m in o.walk()}
             if any(n not in reached for n, _ in after + accumulated):
                 self.stats.prune(Rejection.UNUSED_ACCUMULATOR)
@@ -373,20 +371,19 @@ class Generator:
             yield from self._step(steps, values, classes, depth, sketch, [goal])
 
     def _no_loop(self, steps, values, classes, depth, chosen, tiles):
-        """A kernel without a loop (the last step only): the missing outputs built from whole tiles."""
-        if len(steps) + 1 != depth:
-            return
-        self.stats.generated += 1
-        found = self._post_loop(classes, {classes[i]: t for i, t in zip(chosen, tiles)})
-        if isinstance(found, Rejection):
-            self.stats.prune(found)
-            return
-        goals, outs = found
-        reached = {m for o in outs for m in o.walk()}
-        if any(t not in reached for t in tiles):
-            return  # the kernel with fewer inputs covers it
-        sketch = Sketch(tuple(chosen), tuple(tiles), tuple(outs), False)
-        yield from self._step(steps, values, classes, depth, sketch, goals)
+        """A kernel without a loop: at the last step the missing outputs built from whole tiles; before it, each
+        intermediate value of the input program so built from every tile, which a step after it reads (an MLP whose
+        down-projection's contraction the grid splits, summed across blocks, then its residual added)."""
+        leaves, last = {classes[i]: t for i, t in zip(chosen, tiles)}, len(steps) + 1 == depth
+        for goals in [self._missing(classes)] if last else [[g] for g in self.intermediate if g not in classes]:
+            self.stats.generated += 1
+            found = self._post_loop(goals, leaves)
+            if isinstance(found, Rejection):
+                if last:  # (an intermediate is one of many tried)
+                    self.stats.prune(found)
+            elif not set(tiles) - {m for o in found for m in o.walk()}:  # (else: the kernel with fewer inputs)
+                yield from self._step(steps, values, classes, depth, Sketch(tuple(chosen), tuple(tiles), tuple(found),
+                                                                            False), goals)
 
 
 # What a loop value may be made of: ops on the elements of its tiles (and per-element ops: RoPE), products.
@@ -459,6 +456,18 @@ def _epilogue(before, op: Node, args, last: int) -> bool:
     """Whether a pre-defined step for `op` on the values `args` runs in the kernel of the pre-defined step `before`
     it (a residual added as a projection stores): an element-wise op reading that step's value (`last`)."""
     return isinstance(before, Predefined) and OPS[op.op].kind in (Kind.UNARY, Kind.BINARY) and last in args
+
+
+def _chain(program: Program) -> int:
+    """The most element-wise ops of the program one after another, each the only reader of the one before: steps
+    past the limits that a kernel before them takes as its epilogue (`_epilogue`)."""
+    users = program.users()
+    longest: dict[Node, int] = {}
+    for n in reversed(program.nodes()):
+        u = users[n][0] if len(set(users[n])) == 1 else None
+        longest[n] = (OPS[n.op].kind in (Kind.UNARY, Kind.BINARY)) + (longest[u] if u is not None and OPS[n.op].kind
+                                                                      in (Kind.UNARY, Kind.BINARY) else 0)
+    return max(longest.values(), default=0)
 
 
 def _predefined_kernels(steps: list, made: int) -> int:
