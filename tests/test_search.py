@@ -36,7 +36,7 @@ from prism_dsl.prove.soundness import check_library
 from prism_dsl.search.checkpoint import checkpoint_key, save_checkpoint
 from prism_dsl.search.config import Rejection, SearchConfig, Stats
 from prism_dsl.search.driver import search
-from prism_dsl.search.generate import loop_ops
+from prism_dsl.search.reach import loop_ops
 from prism_dsl.search.maps import hoisted_scales
 from prism_dsl.ir.nodes import DType, Node, const
 from prism_dsl.ir.shapes import build
@@ -228,7 +228,7 @@ def test_an_mlp_with_its_residual_is_one_launch(library, tmp_path, inputs, body)
     down-projection summed across a grid axis, the work after it done as the sum is stored (`kernels.finishing`):
     one launch, where the program as written takes two or three. GPT-2's block (LayerNorm, biases) takes a kernel
     without a loop storing the intermediate sum (`Generator._no_loop`); three ops after the sum take a step past
-    the limits (`_chain`). Equal to the reference."""
+    the limits (`reach.chain`). Equal to the reference."""
     path = tmp_path / "residual.prism"
     path.write_text(f"dims n = 4, d = 64, f = 256\nprogram res(X: f16[n, d], W1: f16[d, f], W2: f16[f, d]{inputs}) {{\n"
                     f"    Y = {body}\n    return Y\n}}\n")

@@ -128,7 +128,7 @@ class InputGraph:
             except (PrismError, ShapeError):
                 continue
             # A computed leaf's own ops count too (inputs and tiles do not): a loop value over a pre-defined
-            # kernel's result is no longer than the input program's own values (`generate.loop_ops`).
+            # kernel's result is no longer than the input program's own values (`reach.loop_ops`).
             if reads_leaf(term) and len(self._ops_in(term)) <= max_ops:
                 out[c] = term
         return out

@@ -33,10 +33,8 @@ from ..ir.shapes import ShapeError, build, rebuild
 from ..semantics.reference import evaluate_nodes, random_inputs
 from .abstract import InputGraph
 from .config import Rejection, SearchConfig, Stats, Stop
+from .reach import chain, loop_ops
 
-# Ops in the loop value an accumulator folds (extracted from the e-graph): at least this many, more where
-# the input program writes a longer one (`loop_ops`: attention's scores with RoPE on both operands).
-MAX_LOOP_OPS = 3
 NUMERIC_CAP = 16  # dims are capped at this size for the numeric checks of the search
 
 
@@ -114,7 +112,7 @@ class Generator:
         take an element-wise step of its own (`_epilogue`)."""
         inputs = list(self.program.inputs)
         classes = [self.eclass(n) for n in inputs]
-        deepest = self.config.max_kernels + 2 * self.config.max_predefined + max(0, _chain(self.program) - 2)
+        deepest = self.config.max_kernels + 2 * self.config.max_predefined + max(0, chain(self.program) - 2)
         for depth in range(1, deepest + 1):
             yield from self._kernel_level([], inputs, classes, depth)
 
@@ -386,25 +384,6 @@ class Generator:
                                                                             False), goals)
 
 
-# What a loop value may be made of: ops on the elements of its tiles (and per-element ops: RoPE), products.
-_LOOP_KINDS = (Kind.UNARY, Kind.BINARY, Kind.MASK, Kind.TRANSPOSE, Kind.MATMUL)
-
-
-def loop_ops(program: Program) -> int:
-    """The ops a loop value may have: MAX_LOOP_OPS, or the most that one of the input program's values
-    made from its inputs by loop-value ops alone has (so the search can fuse what the user wrote)."""
-    size: dict[Node, int | None] = {}
-    for n in program.nodes():
-        if n.op in ("input", "const"):
-            size[n] = 0
-        elif OPS[n.op].kind in _LOOP_KINDS or OPS[n.op].per_element:
-            parts = [size[a] for a in n.args]
-            size[n] = None if None in parts else 1 + sum(parts)
-        else:
-            size[n] = None
-    return max([MAX_LOOP_OPS] + [v for v in size.values() if v is not None])
-
-
 def small_binding(program: Program) -> dict[sympy.Symbol, int]:
     """Dims for the search's numeric checks: the defaults, capped (even sizes keep splits possible)."""
     out = {}
@@ -456,18 +435,6 @@ def _epilogue(before, op: Node, args, last: int) -> bool:
     """Whether a pre-defined step for `op` on the values `args` runs in the kernel of the pre-defined step `before`
     it (a residual added as a projection stores): an element-wise op reading that step's value (`last`)."""
     return isinstance(before, Predefined) and OPS[op.op].kind in (Kind.UNARY, Kind.BINARY) and last in args
-
-
-def _chain(program: Program) -> int:
-    """The most element-wise ops of the program one after another, each the only reader of the one before: steps
-    past the limits that a kernel before them takes as its epilogue (`_epilogue`)."""
-    users = program.users()
-    longest: dict[Node, int] = {}
-    for n in reversed(program.nodes()):
-        u = users[n][0] if len(set(users[n])) == 1 else None
-        longest[n] = (OPS[n.op].kind in (Kind.UNARY, Kind.BINARY)) + (longest[u] if u is not None and OPS[n.op].kind
-                                                                      in (Kind.UNARY, Kind.BINARY) else 0)
-    return max(longest.values(), default=0)
 
 
 def _predefined_kernels(steps: list, made: int) -> int:
