@@ -166,8 +166,9 @@ def _harness(kernels: Sequence[RenderedKernel], dtypes: Mapping[str, DType], sha
                  f"{{{', '.join(map(str, shapes[m.tensor]))}}}, {{{', '.join(map(str, m.box))}}}, {SWIZZLE_BYTES}, {int(m.fill)})"
                   for m in k.maps]
         casts += [f"({'const ' if i < n_inputs else ''}{CTYPE[dtypes[a]]}*)a[{i}]" for i, a in enumerate(k.args)]
-        # its tiles' counters (a combining kernel in its launch, or sums across blocks: `sums`) and the sums' f32
-        for what, ctype, n in (("tickets", "unsigned", k.tickets), ("sums", "float", k.sums)):  # zero before and after
+        # its tiles' counters (a combining kernel in its launch, or sums across blocks: `sums`) and its sums' f32
+        # workspaces, zero before it runs (its tiles' last blocks zero them again)
+        for what, ctype, n in (("tickets", "unsigned", k.tickets), ("sums", "float", k.sums)):
             if n:
                 lines.append(f"alignas(16) static {ctype} {what}_{k.function}[{n}];")
                 casts.append(f"{what}_{k.function}")
