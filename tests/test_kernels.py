@@ -333,8 +333,10 @@ KERNEL_ERRORS = [
      "mul combines a value from inside the loop with one from after it"),
     ("grid(x = 1) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] += acc_sum(acc_sum_last(xt))",
      "acc_sum reads a value computed after the loop; accumulators cannot be nested"),
-    ("grid(x = gx) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_sum_last(xt)",
+    ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nstore Y[:, :] = acc_sum_last(xt)",
      "grid axis x writes no dim of 'Y', so its blocks' results must be added"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_sum_last(xt)",  # not '+=': that adds copies
+     "every block along grid axis x would compute the same 'Y': no tile it is computed from is split by it"),
     ("grid(x = gx)", "xt = load X[:, x]\nstore Y[:, x] += xt", "every axis writes a dim of 'Y'; write '='"),
     ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nstore Y[x] = acc_sum(xt)",
      "the stored tile has shape [n, d/(F*gx)] but the map has 1 entries"),

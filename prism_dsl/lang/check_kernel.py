@@ -231,18 +231,18 @@ class _KernelCheck:
         if any(not same(s, ONE) for s in extra):
             return self.error(stmt.loc, f"the stored tile has shape {fmt_shape(value.shape)} but the map has {rank} "
                               f"entries; only leading dims of size 1 can be left out")
+        split_by = {a for n in value.walk() if n.op == "tile" for a in kernel.load(n.attr).map.axes()}
+        alike = [a for a, g in kernel.grid if a not in split_by and not same(g, ONE)]
+        if alike:  # (before '+=': adding such blocks' results would add copies of one)
+            return self.error(stmt.loc, f"every block along grid axis {', '.join(alike)} would compute the same "
+                              f"'{stmt.name}': no tile it is computed from is split by "
+                              f"{'it' if len(alike) == 1 else 'them'}; split a tile by the axis, or drop the axis "
+                              f"from the grid")
         unmapped = [a for a, g in kernel.grid if a not in tmap.axes()]
         summed = [a for a in unmapped if not same(kernel.size(a), ONE)]
         if summed and not stmt.add:
             return self.error(stmt.loc, f"grid axis {', '.join(summed)} writes no dim of '{stmt.name}', so its blocks' "
                               f"results must be added: write 'store {stmt.name}[...] += ...', or map the axis to a dim")
-        split_by = {a for n in value.walk() if n.op == "tile" for a in kernel.load(n.attr).map.axes()}
-        alike = [a for a, g in kernel.grid if a not in split_by and not same(g, ONE)]
-        if alike:
-            return self.error(stmt.loc, f"every block along grid axis {', '.join(alike)} would compute the same "
-                              f"'{stmt.name}': no tile it is computed from is split by "
-                              f"{'it' if len(alike) == 1 else 'them'}; split a tile by the axis, or drop the axis "
-                              f"from the grid")
         if stmt.add and not unmapped:
             return self.error(stmt.loc, f"'+=' adds the results of blocks along axes that write no dim, but every "
                               f"axis writes a dim of '{stmt.name}'; write '='")
