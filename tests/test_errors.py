@@ -52,6 +52,8 @@ BAD = [
     ("dims n = 99999999999999999999\n", "integer 99999999999999999999 is too large (at most 2^63 - 1)", 1, 10),
     (prog("    return X\n", params="X: f16[n, 10000000000000000000]"), "integer 10000000000000000000 is too large", 2, 21),
     ("dims n = \u0663\n", "syntax error: unexpected character '\u0663'", 1, 10),
+    (prog("    kernel k grid(x = gx) {\n        xt = load X[:, x]\n        store Y[:, x] + = xt\n    }\n"
+          "    return Y\n"), "syntax error: unexpected '+'; expected '=' or '+='", 5, 23),
     # names
     (prog("    Y = expp(X)\n    return Y\n"), "unknown function 'expp'; did you mean 'exp'?", 3, 9),
     (prog("    Y = exp(Z)\n    return Y\n"), "undefined name 'Z'", 3, 13),

@@ -285,6 +285,9 @@ def syntax_message(parser: Lark, u: UnexpectedInput, text: str, table: dict[str,
     return f"{msg}; expected {expected}" if expected else msg
 
 
+_SHOWN = {"STORE_OP": "'=' or '+='"}  # terminals of alternatives, as the text would write them
+
+
 def _expected(parser: Lark, u: UnexpectedInput) -> str:
     names = getattr(u, "expected", None) or ()
     shown = []
@@ -295,7 +298,7 @@ def _expected(parser: Lark, u: UnexpectedInput) -> str:
             pattern = parser.get_terminal(name).pattern
         except KeyError:
             continue
-        shown.append(repr(pattern.value) if pattern.type == "str" else name.lower().split("__")[-1])
+        shown.append(repr(pattern.value) if pattern.type == "str" else _SHOWN.get(name, name.lower().split("__")[-1]))
     return " or ".join(sorted(set(shown)))
 
 
