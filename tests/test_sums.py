@@ -53,7 +53,7 @@ def test_a_sum_across_blocks_is_stored_once_in_its_own_type(tmp_path):
     (k,) = built.kernels
     assert (k.zero, k.tickets, k.sums) == ((), 4, 8 * 32)
     assert "unsigned* __restrict__ prism_tickets,\n    float* __restrict__ prism_sums)" in k.source
-    assert "if (prism::last_of(&prism_tickets[(int)blockIdx.x + (int)blockIdx.y * 2], 4)) {" in k.source
+    assert "if (prism::last_of(&prism_tickets[blockIdx.x + blockIdx.y * 2], 4)) {" in k.source
     plan = plan_of(built)
     assert plan["tensors"]["Y"]["dtype"] == "f16" and (plan["kernels"][0]["tickets"], plan["kernels"][0]["sums"]) == (4, 256)
     check = emulate(built, options)

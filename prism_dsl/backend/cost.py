@@ -263,8 +263,9 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
     for i, store in enumerate(k.stores):
         elements = math.prod(c.output_shape(i))
         summed = math.prod(g for a, g in c.grid if a not in store.map.axes())
-        dram += elements * stored_dtype(k, i).bytes * (summed if store.add and not finished(c, i) else 1)
-        dram += elements * (4 * summed + 8) if finished(c, i) else 0  # f32 adds; the last blocks' reads and zeroing
+        done = finished(c, i)  # f32 adds into a workspace; the last blocks' reads and zeroing (`sums`)
+        dram += elements * stored_dtype(k, i).bytes * (summed if store.add and not done else 1)
+        dram += elements * (4 * summed + 8) if done else 0
         if store.then is not None:  # the tensors its chain reads at the elements stored (`kernels.finishing`)
             dram += sum(math.prod(c.shape(n)) * storage(n).bytes for n in store.then.walk() if n.op == "input"
                         and n.attr != SUM)

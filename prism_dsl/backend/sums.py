@@ -86,10 +86,16 @@ def tickets(c: Concrete) -> int:
 def ticket_index(c: Concrete, group: Group, blk: str) -> str:
     """The C expression of the block's counter in `group`: its place along the grid axes the group is not summed
     over (`blk`: the prefix of the block's indices, blockIdx. or a causal launch order's blk_)."""
-    index, stride = [str(group.ticket)] if group.ticket else [], 1
-    for axis, size in c.grid:
-        if size > 1 and axis not in group.axes:
-            index.append(f"(int){blk}{axis}" + (f" * {stride}" if stride > 1 else ""))
+    return place_index([(a, g) for a, g in c.grid if a not in group.axes], blk, group.ticket)
+
+
+def place_index(grid, blk: str, start: int = 0) -> str:
+    """The C expression of a block's place along the axes of `grid` ((axis, size) pairs), counted from `start`: the
+    tile counter it takes (here, and a split's combining kernel's in `tails`)."""
+    index, stride = [str(start)] if start else [], 1
+    for axis, size in grid:
+        if size > 1:
+            index.append(f"{blk}{axis}" + (f" * {stride}" if stride > 1 else ""))
             stride *= size
     return " + ".join(index) or "0"
 

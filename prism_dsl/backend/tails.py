@@ -119,15 +119,11 @@ def render_launch(first: Concrete, second: Concrete, program: Program,
     b = Emitter(second, program, tail_config(first, config), blk="tile_")  # the tile's place, the split axis left out
     ka, kb = a.context(), b.context(phase=3)
     split, pieces = first.grid[-1]
-    index, stride = [], 1  # the tile's ticket: its place in the combining kernel's grid (never the split axis)
-    for axis, size in second.grid:
-        if size > 1:
-            index.append(f"blockIdx.{axis}" + (f" * {stride}" if stride > 1 else ""))
-            stride *= size
     # what `second` reads that `first` does not write or read, then the outputs of both
     taken = {p.rsplit(" ", 1)[1] for p in ka["params"]}
     extra = [p for p in kb["inputs"] if p.rsplit(" ", 1)[1] not in taken]
-    kb |= {"pieces": pieces, "ticket": " + ".join(index) or "0",
+    # the tile's ticket: its place in the combining kernel's grid (never the split axis)
+    kb |= {"pieces": pieces, "ticket": sums.place_index(second.grid, "blockIdx."),
            "tiles": [f"[[maybe_unused]] const int tile_{axis} = {'0' if axis == split else f'blockIdx.{axis}'};"
                      for axis, _ in second.grid]}
     ka |= {"params": ka["inputs"] + extra + ka["outputs"] + kb["outputs"] + ["unsigned* __restrict__ prism_tickets"],

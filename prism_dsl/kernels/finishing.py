@@ -53,7 +53,7 @@ def finish_sums(program: Program) -> Program:
                                                             if k.attr[0] is kernel}, program, new)
             k = kernels[id(kernel)]
             end = chains[n][-1] if n in chains else n
-            node = Node("kernel", k.inputs, (k, index), stored_type(k, index), end.shape)
+            node = Node("kernel", k.inputs, (k, index), k.stores[index].result.dtype, end.shape)
             new[end] = node
             names[node] = k.stores[index].name
             if n is not end:
@@ -62,12 +62,6 @@ def finish_sums(program: Program) -> Program:
             new[n] = rebuild(n, [new.get(a, a) for a in n.args])
     outs = tuple((name, new.get(node, node)) for name, node in program.outputs)
     return Program(program.name, program.dims, program.inputs, outs, {}, names, program.loc)
-
-
-def stored_type(kernel, index: int) -> DType | None:
-    """The dtype of the kernel's output `index` as the program sees it (the value's, or its chain's)."""
-    store = kernel.stores[index]
-    return (store.then or store.value).dtype
 
 
 def _summed(n: Node) -> bool:

@@ -127,6 +127,11 @@ class Store:
     # (an input node named SUM, of the output's whole shape) and of the kernel's inputs, read at the element
     then: Node | None = None
 
+    @property
+    def result(self) -> Node:
+        """What the program sees stored: the value, or its `then`."""
+        return self.then or self.value
+
 
 class _Interned(type):
     """Metaclass that returns the kernel already built when an equal one is built again (as `ir.nodes` does
@@ -302,7 +307,7 @@ def stored_dtype(kernel: Kernel, index: int) -> DType:
     result: the blocks add in f32 apart and the tile's last block stores the sum once, in the value's dtype
     (`backend.sums`)."""
     store = kernel.stores[index]
-    dtype = (store.then or store.value).dtype or DType.F32
+    dtype = store.result.dtype or DType.F32
     if dtype not in (DType.F16, DType.BF16):
         return dtype
     partial = not store.add and splits_loop(kernel) and any(OPS[n.op].kind is Kind.ACCUMULATE for n in store.value.walk())
