@@ -236,7 +236,8 @@ def gpu_usable() -> bool:
         return False
 
 
-def table(results: list[dict]) -> str:
+def table(results: list[dict], unmeasured: list[str] = ()) -> str:
+    """The RESULTS.md text of measured `results`, naming the workloads `unmeasured` (no gpu.json) under the table."""
     devices = sorted({r["device"] for r in results})
     files = sorted({load_hardware(r["hardware"]).name for r in results})
     file_s = "file" if len(files) == 1 else "files"
@@ -278,6 +279,9 @@ def table(results: list[dict]) -> str:
                f"{max(row.get('rounding', 0.0) for row in r['rows'].values()):.1e}; every implementation judged at "
                f"{max(row.get('rtol', RTOL) for row in r['rows'].values()):.1e} (twice that; `compare.Tolerance`)"
                for r in results if max(row.get("rtol", RTOL) for row in r["rows"].values()) > RTOL]
+    if unmeasured:
+        lines += ["", f"Prepared but not measured (no gpu.json in the directory): "
+                  f"{', '.join(unmeasured)}."]
     if widened:
         lines += ["", "Tolerances widened:", *widened]
     elsewhere = [f"- {r['workload']}: tuned and modelled for {load_hardware(r['hardware']).name}, measured on "
@@ -369,12 +373,13 @@ def profile(args) -> int:
 def write_table(directory: Path, results_md: Path, only: str | None = None) -> int:
     """`results_md` from every gpu.json under `directory` (of the workloads whose name holds `only`), in the
     workloads' order; 1 if one of ours failed."""
-    saved = [directory / slug(name) / "gpu.json" for name, _, _ in WORKLOADS if not only or only in name]
-    results = [json.loads(path.read_text()) for path in saved if path.exists()]
+    names = [name for name, _, _ in WORKLOADS if not only or only in name]
+    saved = {name: directory / slug(name) / "gpu.json" for name in names}
+    results = [json.loads(path.read_text()) for path in saved.values() if path.exists()]
     if not results:
         print(f"no measured workloads (gpu.json) in {directory}", file=sys.stderr)
         return 1
-    text = table(results)
+    text = table(results, [name for name, path in saved.items() if not path.exists() and path.parent.is_dir()])
     results_md.write_text(text)
     print(text)
     return 1 if any(not r["rows"]["prism-dsl"]["passed"] for r in results) else 0

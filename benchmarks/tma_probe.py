@@ -78,8 +78,8 @@ def launch(how: str) -> str:
 
             cubin = to_cubin(source, no_extern_c=True, options=NVCC_OPTIONS, include_dirs=[str(TEMPLATES)], **target)
             fn = drv.module_from_buffer(cubin).get_function("tma_probe")
-            form, at = "<", 0  # each parameter where the cubin has it: two maps, a pointer, two ints
-            for (offset, size), code in zip(cuda_plan.parameter_layout(cubin, "tma_probe"), ("128s", "128s", "Q", "i", "i")):
+            form, at = "", 0  # each parameter where the cubin has it: two maps, a pointer, two ints
+            for (offset, size), code in zip(cuda_plan.parameter_layout(cubin, "tma_probe"), ("128s", "128s", "P", "i", "i")):
                 form, at = form + (f"{offset - at}x" if offset > at else "") + code, offset + size
             fn.prepare(form if how == "runtime" else "%ds" % cuda_plan.MAP_BYTES * 2 + "Pii")
             fn.prepared_call((1, 1, 1), (128, 1, 1), tmap, tmap, int(out), np.int32(ROW0), np.int32(COL0),
@@ -117,8 +117,15 @@ def variant(name: str, exe: Path) -> str:
         done = subprocess.run([str(exe), "encode", hex(ADDRESS), str(ROWS), str(COLS)], capture_output=True, text=True,
                               timeout=60)
         theirs = done.stdout.strip()
-        ctypes.CDLL("libcuda.so.1").cuInit(0)
-        ours = cuda_plan.encode_map(ADDRESS, "f16", [ROWS, COLS], [64, 64]).hex()
+        import pycuda.driver as drv
+
+        drv.init()  # the driver encodes a map only in a current context
+        context = drv.Device(0).retain_primary_context()
+        context.push()
+        try:
+            ours = cuda_plan.encode_map(ADDRESS, "f16", [ROWS, COLS], [64, 64]).hex()
+        finally:
+            context.pop()
         if ours == theirs:
             return "the same 128 bytes"
         return f"differ: program {theirs}, encode_map {ours}"

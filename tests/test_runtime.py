@@ -198,11 +198,11 @@ def test_a_kernels_parameters_are_read_from_its_cubin():
     assert cuda_plan.parameter_layout(cubin, "prism") is None  # another kernel's section, not a prefix of one
     assert cuda_plan.parameter_layout(b"a cubin", "prism_k") is None and cuda_plan.parameter_layout(cubin[:90], "prism_k") is None
     form = cuda_plan.argument_format(layout, [128, 128, 8, 8])
-    assert form == "<112x128s128sQQ" and struct.calcsize(form) == 0x180
+    assert form == "112x128s128sPP" and struct.calcsize(form) == 0x180
     packed = struct.pack(form, b"A" * 128, b"B" * 128, 0x1234, 0x5678)
     assert packed[0x70:0xF0] == b"A" * 128 and struct.unpack_from("<Q", packed, 0x178) == (0x5678,)
     assert cuda_plan.argument_format(layout, [128, 8, 8, 8]) is None and cuda_plan.argument_format(None, [8]) is None
-    assert cuda_plan.argument_format([(0, 8), (8, 8)], [8, 8]) == "<QQ"
+    assert cuda_plan.argument_format([(0, 8), (8, 8)], [8, 8]) == "PP"
     assert cuda_plan.parameter_layout(cubin_with_parameters("k", [(0, 8), (0x10, 8)])[:-64], "k") is None  # no section
 
 
@@ -247,7 +247,7 @@ def test_a_kernel_with_tensor_maps_takes_them_first_encoded_for_its_tensors(fake
     launcher(**gpu_inputs(0))
     launcher(**gpu_inputs(1))  # the same buffers
     function = fake_gpu.functions[0]
-    assert function.fmt == "<112x128sQQQQ" and seen == [bytes([1]) * 128] * 2
+    assert function.fmt == "112x128sPPPP" and seen == [bytes([1]) * 128] * 2
     assert function.buffers[0][0x70:0xF0] == bytes([1]) * 128 and len(function.buffers[0]) == 0x110
     assert len(fake.calls) == 1 and fake.calls[0]["dims"] == [64, 8] and fake.calls[0]["box"] == [64, 8]
     assert launcher.time([gpu_inputs(0), gpu_inputs(1)], warmup=0, repeat=2)["repeat"] == 2  # two buffers of X: two maps
@@ -696,6 +696,8 @@ class FakeDriver:
                 self.attributes[attribute] = value
 
             def prepare(self, fmt):
+                # pycuda packs by its own struct module, native layout only: a byte-order prefix is "bad char"
+                assert not fmt or fmt[0] not in "<>!=@", f"pycuda cannot pack {fmt!r}"
                 self.fmt = fmt
 
             def prepared_call(self, grid, block, *ptrs, shared_size):

@@ -222,11 +222,11 @@ def argument_format(layout: list[tuple[int, int]] | None, sizes: list[int]) -> s
     None where the layout is missing or does not have those sizes."""
     if layout is None or [size for _, size in layout] != list(sizes):
         return None
-    form, at = "<", 0
+    form, at = "", 0  # native: pycuda's own struct packer takes no byte-order prefix
     for offset, size in layout:
-        if offset < at or size not in (MAP_BYTES, POINTER_BYTES):
+        if offset < at or size not in (MAP_BYTES, POINTER_BYTES) or (size == POINTER_BYTES and offset % 8):
             return None
-        form += (f"{offset - at}x" if offset > at else "") + (f"{size}s" if size == MAP_BYTES else "Q")
+        form += (f"{offset - at}x" if offset > at else "") + (f"{size}s" if size == MAP_BYTES else "P")
         at = offset + size
     return form
 
