@@ -443,6 +443,43 @@ def test_a_product_with_too_few_rows_for_tensor_cores_reads_8_columns_per_load(g
     assert check.passed, check
 
 
+ROWDOT = """dims d = {d}, m = {m}
+program rowdot(Q: {q}[2, d], K: f16[m, d]) {{
+    kernel k grid(x = gx) {{
+        qt = load Q[:, :]
+        kt = load K[x, :]
+        store S[:, x] = {a} @ transpose(kt, 1, 0)
+    }}
+    return S
+}}
+"""
+
+
+@needs_cxx
+@pytest.mark.parametrize("d, m, gx, q, a, lanes, sanitizer", [
+    (128, 256, 2, "f16", "qt", 1, "address"), (64, 32, 2, "f16", "qt * 0.125", 4, "thread"),
+    (256, 8, 1, "f32", "exp(qt)", 8, "thread"), (512, 4, 1, "f16", "qt", 16, None)],
+    ids=["1-lane", "4-lanes", "8-lanes-f32-queries", "16-lanes"])
+def test_a_product_with_a_transposed_tile_reads_its_rows_16_bytes_a_load(d, m, gx, q, a, lanes, sanitizer, tmp_path):
+    """Scores at decode (`q @ transpose(kt)`, two rows: no mma shape takes them): each output's row of q and of
+    the key tile run along the contraction, so a lane reads 8 elements of each by one 16-byte load ("dotrows",
+    `dots.row_lanes`), one lane a row where the outputs fill the threads, up to 16 sharing one by shuffles
+    where they are few; the left operand element by element where it is no 16-bit buffer (f32 queries). The emulated code
+    matches the reference, the shuffles under each sanitizer."""
+    path = tmp_path / "rowdot.prism"
+    path.write_text(ROWDOT.format(d=d, m=m, q=q, a=a))
+    options = BuildOptions(grid={"gx": gx}, archs=(), sanitize=sanitizer)
+    built = build(load(path).program(), H100, options)
+    src = built.kernels[0].source
+    per = f"per {lanes} lanes" if lanes > 1 else "a lane"
+    assert f"one output {per}, rows by 16-byte loads" in src and "prism::load8(w, s_kt + " in src, src
+    assert "real dot = real(0)" not in src and "mma" not in src
+    assert ("prism::shfl_xor(dot, o)" in src) == (lanes > 1)
+    assert ("prism::load8(x, " in src) == (q == "f16")  # f32 queries: read element by element
+    check = emulate(built, options)
+    assert check.passed, check
+
+
 def test_a_product_computed_on_its_own_stays_on_wmma(tmp_path):
     path = tmp_path / "product.prism"
     path.write_text("""dims n = 64, k = 32, m = 64

@@ -5,8 +5,8 @@ Takes concrete custom kernels (`kernels.constraints.Concrete`) of a lowered prog
 - `codegen`: CUDA C per kernel through the Jinja templates (`RenderedKernel`), and those templates; `launch`, the
   kernel's shape (threads, tensor-core layouts, pipeline stages, shared memory) decided once for it and `cost`;
   `tensor_steps` its tensor-core steps, `warp_mma` their warp layouts, `row_parts` row sums held in registers
-  through a loop, `tails` a split's combining kernel in its first kernel's launch, `ctext` C names and index
-  arithmetic;
+  through a loop, `dots` the plain dot products (off the tensor cores) 16 bytes a load, `tails` a split's
+  combining kernel in its first kernel's launch, `ctext` C names and index arithmetic;
 - `cost`: the cost model: an `Estimate` per kernel; `intake`, its memory side (what the SMs take in, and a
   pipeline's own floor); `tuning`, kernel parameters chosen by it;
 - `roofline`: a program's floor, the time no program computing it beats;

@@ -47,7 +47,8 @@ from ..lang.printer import format_number, node_text
 from .ctext import (C_OPS, CTYPE, INT_MAX, block_names, comment, decompose, ident, offset, reduction, tensor_name,
                     xor_column)
 from .copies import TensorMap, load_step, tma_copies
-from .launch import CodegenConfig, dot_lanes, flash_values, layout, stage_elements
+from .dots import dot_lanes, lane_groups, row_lanes
+from .launch import CodegenConfig, flash_values, layout, stage_elements
 from . import sums
 from .row_parts import RowParts, held_in_registers
 from .stores import StoreSteps
@@ -238,13 +239,15 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         if out_node in self.registers:  # an acc_sum whose product runs register-tiled (sm_80 or later)
             return self.warp_mma(out_node, dst, text)
         plain = self.product(lambda ix: self.read(a, ix), lambda ix: self.read(b, ix), self.shape(a)[-1], shape, dst,
-                             lambda idx: f"{dst}[e]" if accumulate else "real(0)", text, b)
+                             lambda idx: f"{dst}[e]" if accumulate else "real(0)", text, b, a)
         mma = self._mma(a, b, shape, dst, accumulate, text)
         return mma | {"plain": plain} if mma else plain
 
-    def product(self, read_a, read_b, length: int, shape, dst: str, start, text: str, b: Node | None = None) -> dict:
+    def product(self, read_a, read_b, length: int, shape, dst: str, start, text: str, b: Node | None = None,
+                a: Node | None = None) -> dict:
         """dst = start + a @ b over dst's elements, where read_a(idx), read_b(idx), start(idx) are C expressions;
-        8 outputs at a time from 16-byte loads of `b` where `launch.dot_lanes` allows ("dot8")."""
+        8 outputs at a time from 16-byte loads of `b` where `dots.dot_lanes` allows ("dot8"); where `b` is a
+        tile read transposed, one output at a time from 16-byte loads of its rows (`dots.row_lanes`: "dotrows")."""
         lanes = dot_lanes(self.c, b, tuple(shape), length, self.threads, self.config) if b is not None else 0
         lines, idx = decompose("e", shape, "i")
         # dot8 computes the index of the first of its 8 outputs only: a start that reads the column keeps the scalar form
@@ -252,13 +255,31 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
             buf = self.plan.buffer(b)
             return {"kind": "dot8", "comment": text, "units": math.prod(shape) // 8, "lanes": lanes, "length": length,
                     "idx": lines, "a": read_a(idx[:-2] + [idx[-2], "k"]), "start": start(idx), "dst": dst,
-                    "b": f"{self.cname[buf.name]} + {self.offset(buf, idx[:-2] + ['k', idx[-1]], self.shape(b))}"}
+                    "b": f"{self.cname[buf.name]} + {self.offset(buf, idx[:-2] + ['k', idx[-1]], self.shape(b))}",
+                    "group": lane_groups(lanes)}
+        if b is not None and (lanes := row_lanes(self.c, b, tuple(shape), length, self.threads, self.config)):
+            tile = self.plan.buffer(b.args[0])
+            row = self.offset(tile, idx[:-2] + [idx[-1], "k"], self.shape(b.args[0]))
+            return {"kind": "dotrows", "comment": text, "units": math.prod(shape), "lanes": lanes, "length": length,
+                    "idx": lines, "start": start(idx), "dst": dst, "b": f"{self.cname[tile.name]} + {row}",
+                    "a": self.row_chunk(a, idx[:-2] + [idx[-2], "k"], length) if a is not None else None,
+                    "a_at": read_a(idx[:-2] + [idx[-2], "(k + c)"]), "group": lane_groups(lanes)}
 
         def body(idx):
             lead, i, j = idx[:-2], idx[-2], idx[-1]
             ra, rb = read_a(lead + [i, "k"]), read_b(lead + ["k", j])
             return [f"real dot = {start(idx)};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};", f"{dst}[e] = dot;"]
         return self.elements(shape, body, text)
+
+    def row_chunk(self, a: Node, idx: list[str], length: int) -> str | None:
+        """The address of 8 elements of `a` from `idx` on along its rows, for one 16-byte load (`prism::load8`),
+        where `a` is a 16-bit buffer in shared memory whose rows, `length` long, start 16 bytes apart; else None."""
+        if a in self.held_in or self.plan.place.get(a) is not Place.SMEM:
+            return None
+        buf = self.plan.buffer(a)
+        if buf.dtype.bytes != 2 or self.shape(a)[-1] != length or self.pad[buf.name] % 8:
+            return None
+        return f"{self.cname[buf.name]} + {self.offset(buf, idx, self.shape(a))}"
 
     def reduce(self, node: Node, dst: str) -> dict:
         x, dim = node.args[0], node.attr
@@ -306,11 +327,12 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
             return [self.matmul(x.args[0], x.args[1], acc, self.cname[self.held(acc).name], True, self.describe(acc))]
         if held_in_registers(acc):
             return [self.row_parts(acc)]
-        return [self.fold(acc, [lambda idx, a=a: self.read(a, idx) for a in acc.args])]
+        return [self.fold(acc, [lambda idx, a=a: self.read(a, idx) for a in acc.args], operand=acc.args[0])]
 
-    def fold(self, acc: Node, reads: list, **names: str) -> dict:
+    def fold(self, acc: Node, reads: list, operand: Node | None = None, **names: str) -> dict:
         """One iteration of `acc`, from its `cuda_*` strings (see `accumulators`): `reads[i](idx)` is operand
-        i at an index; `names` adds buffers of the online-softmax group ("scale")."""
+        i at an index (`operand`: the node `reads[0]` reads, where it is one); `names` adds buffers of the
+        online-softmax group ("scale")."""
         a, x, text = ACCUMULATORS[acc.op], self.shape(acc.args[0]), self.describe(acc)
         names |= {role: self.cname[b.name] for role, b in self.plan.state[acc].items()}
         if a.row:
@@ -319,7 +341,8 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         if a.like == "matmul":  # its fold is the dot product's start; {row}: the element's row in per-row state
             def start(idx) -> str:
                 return a.cuda_fold[0].format(row=offset(idx[:-1] + ["0"], x[:-1] + (1,)), **names)
-            return self.product(reads[0], reads[1], x[-1], self.shape(acc), names[a.state[-1]], start, text, acc.args[1])
+            return self.product(reads[0], reads[1], x[-1], self.shape(acc), names[a.state[-1]], start, text, acc.args[1],
+                                operand)
 
         def lines(idx) -> list[str]:
             return [line.format(*[r(idx) for r in reads], **names) for line in a.cuda_fold]

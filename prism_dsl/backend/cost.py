@@ -150,7 +150,10 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
 - WMMA_REACH = 0.04: the wmma path reloads and stores its accumulator in shared memory every k step and
   its 256-512-byte row strides conflict 8 ways: about 30-40 TFLOP/s as generated.
 - SCALAR_REACH = 0.2: a plain dot product issues 2 shared loads and 2 conversions per FFMA: about 12 of
-  the 60 TFLOP/s f32 peak.
+  the 60 TFLOP/s f32 peak. Scores read from a transposed tile's rows ("dotrows", `dots.row_lanes`) are priced
+  the same: by their SASS (nvcc 13, sm_90a) they issue as many conversions per FFMA (32 FFMA among 104 a 4-step
+  unroll, 8 of them LDS.128), what they save is shared-memory wavefronts (half as many, none conflicting),
+  which this model does not count.
 - VECTOR_REACH = 0.4: read from the SASS of "dot8" (nvcc 13, sm_90): its unrolled inner loop issues 32
   FFMA among 79-83 instructions (one HADD2.F32 conversion per 16-bit element, 8 LDS of which 4 are
   16-byte), so FFMA takes 0.4 of the issue slots; the shuffles that add the lanes' parts come after it.
@@ -180,7 +183,8 @@ from typing import Mapping, NamedTuple
 
 from .intake import CLOCK_GHZ, bytes_in_flight, pipeline_seconds, reachable_bandwidth, reachable_l2_bandwidth
 from .copies import apart, in_place, vector_width
-from .launch import CodegenConfig, Layout, blocks_per_sm, dot_lanes, layout, uses_tensor_cores
+from .dots import dot_lanes
+from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
 from ..ir.nodes import DType, Node
@@ -291,7 +295,7 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
 
 
 def _vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenConfig) -> int:
-    """Of a node's f32 flops, those of a plain product that `codegen` writes as "dot8" (`launch.dot_lanes`)."""
+    """Of a node's f32 flops, those of a plain product that `codegen` writes as "dot8" (`dots.dot_lanes`)."""
     kind, shape = OPS[n.op].kind, c.shape
     if not f32 or len(n.args) < 2 or not (kind is Kind.MATMUL or kind is Kind.ACCUMULATE
                                           and ACCUMULATORS[n.op].like == "matmul"):

@@ -272,24 +272,6 @@ def _only_wgmma_reads(c: Concrete, registers: dict[Node, Tiling], flash_of: dict
                    for n in others for x in (n.args[0], stored_operand(n.args[1])[0]))
 
 
-def dot_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, threads: int, config: CodegenConfig) -> int:
-    """Lanes per 8 adjacent outputs of a product on the plain path that reads its right operand `b` 8 columns
-    at a time (one 16-byte shared-memory load for 8 FMAs, `prism::load8`), or 0 where it cannot: b must be a
-    loaded 16-bit tile of the product's own columns and contraction, with rows (padded) a multiple of 16
-    bytes. Where the outputs are fewer than the threads, up to 32 lanes (a power of two) share each group's
-    contraction and add their parts by shuffles, no more than keep each lane's shuffles below its FMAs."""
-    if not config.vector_loads or b.op != "tile":
-        return 0
-    buf, sb = plan(c.kernel).buffer(b), c.shape(b)
-    if (buf.dtype.bytes != 2 or len(sb) < 2 or sb[-1] != out_shape[-1] or sb[-2] != length or sb[-1] % 8
-            or padding(c, buf) % 8):
-        return 0
-    units, lanes = math.prod(out_shape) // 8, 1
-    while lanes < 32 and units * lanes < threads and 2 * lanes * ((2 * lanes).bit_length() - 1) <= length:
-        lanes *= 2  # while a lane's shuffles (8 per halving) stay below its FMAs (8 per step it takes)
-    return lanes
-
-
 def padding(c: Concrete, b: Buffer) -> int:
     """Elements after each row of a buffer: its `Buffer.pad` (the most the shared-memory constraint allows
     for) where rows are 64 bytes or more and a multiple of 32, whose 8 rows of an ldmatrix would otherwise
