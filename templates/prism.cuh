@@ -1042,6 +1042,26 @@ template <class T, class R> __device__ __forceinline__ void atomic_add(T* p, R v
 #endif
 }
 
+// Four adjacent f32 sums across blocks added at once (prism_dsl/backend/sums.py: a block's part of a tile into its
+// workspace): one 16-byte reduction on sm_90 (REDG.E.ADD.F32x4: each element added atomically on its own, as four
+// atomicAdds would), four elsewhere. `p` must be 16-byte aligned (the emulation says where it is not).
+template <class R> __device__ __forceinline__ void atomic_add4(float* p, const R (&v)[4] PRISM_AT) {
+#if defined(PRISM_CPU)
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+        emu::fail({{at_file, at_line, "atomic_add4"}}, "a 16-byte atomic add at %p in %s: the address must be "
+                  "16-byte aligned", static_cast<const void*>(p), emu::who(emu::self()).c_str());
+    for (int i = 0; i < 4; ++i) atomic_add(p + i, v[i]);
+#elif __CUDA_ARCH__ >= 900
+    // a reduction, which returns nothing (atomicAdd on a float4 compiles to ATOMG, which does)
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(__cvta_generic_to_global(p)),
+                 "f"(static_cast<float>(v[0])), "f"(static_cast<float>(v[1])), "f"(static_cast<float>(v[2])),
+                 "f"(static_cast<float>(v[3])) : "memory");
+#else
+    PRISM_UNROLL
+    for (int i = 0; i < 4; ++i) atomicAdd(p + i, static_cast<float>(v[i]));
+#endif
+}
+
 // -- a split's combining kernel in the launch of its pieces (prism_dsl/backend/tails.py) --------------------
 // Every thread of the block calls last_of after storing its part of the block's piece of the tile; it is true in
 // every thread of the block that takes the tile's last ticket (`pieces` blocks take one each), which then sees

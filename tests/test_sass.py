@@ -2,6 +2,7 @@
 generated prefill kernel: its hot loop runs on tensor cores (wgmma, or mma.sync fed by ldmatrix), with async
 copies, no spills."""
 
+import re
 import shutil
 
 import pytest
@@ -382,3 +383,29 @@ def test_the_models_registers_are_near_what_ptxas_gives(name, dims, params, thre
             continue  # 32 registers against the base's 64: a loop of one copy per thread, too small to matter
         ptxas = figures[k.name]["sm_90"]["registers"]
         assert ptxas / 1.6 <= e.registers <= ptxas * 1.6, (k.name, e.registers, ptxas)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not sass.available(), reason="nvcc or cuobjdump is missing")
+def test_sums_across_blocks_add_16_bytes_an_atomic_on_sm_90_and_4_floats_before(tmp_path):
+    """A block's part of a sum across blocks goes into its f32 workspace 4 adjacent sums a thread: on sm_90 one
+    vector reduction (REDG.E.ADD.F32x4), on sm_80, which has none, four scalar ones (tests/test_sums.py: the
+    same code under the emulation)."""
+    import subprocess
+
+    from prism_dsl.backend.cuda_runtime import NVCC_OPTIONS
+    from prism_dsl.backend.nvcc import nvcc_path, write_sources
+    from test_sums import PARAMS, mlp
+
+    if nvcc_path() is None or not sass.available():
+        pytest.skip("nvcc or cuobjdump is missing")
+    (kernel,) = build(mlp(tmp_path), H100, BuildOptions(dims={}, archs=(), **PARAMS)).kernels
+    write_sources([kernel], tmp_path)
+    found = {}
+    for arch in ("sm_90", "sm_80"):
+        done = subprocess.run([nvcc_path(), "-cubin", f"-arch={arch}", *NVCC_OPTIONS, "-o", f"{arch}.cubin",
+                               kernel.file], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        listing = sass.disassemble(tmp_path / f"{arch}.cubin")
+        found[arch] = (listing.count("REDG.E.ADD.F32x4"), len(re.findall(r"\bREDG?\.E\.ADD\.F32\.FTZ\.RN", listing)))
+    assert found["sm_90"][0] >= 1 and found["sm_90"][1] == 0, found
+    assert found["sm_80"][0] == 0 and found["sm_80"][1] >= 4, found

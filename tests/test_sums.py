@@ -43,7 +43,7 @@ def mlp(tmp_path, dtype: str = "f16"):
 @needs_cxx
 def test_a_sum_across_blocks_is_stored_once_in_its_own_type(tmp_path):
     """The f16 output stays f16 (no memset before the launch); the blocks add into an f32 workspace through the
-    kernel's last two parameters, one ticket per tile of Y; the emulation under ThreadSanitizer agrees with the
+    kernel's last two parameters, 4 sums a thread at once, one ticket per tile of Y; the emulation under ThreadSanitizer agrees with the
     reference (the tickets order every block's additions before the last block's reads)."""
     program = mlp(tmp_path)
     (kernel,) = kernels_of(program)
@@ -54,6 +54,8 @@ def test_a_sum_across_blocks_is_stored_once_in_its_own_type(tmp_path):
     assert (k.zero, k.tickets, k.sums) == ((), 4, 8 * 32)
     assert "unsigned* __restrict__ prism_tickets,\n    float* __restrict__ prism_sums)" in k.source
     assert "if (prism::last_of(&prism_tickets[blockIdx.x + blockIdx.y * 2], 4)) {" in k.source
+    # 4 adjacent sums a thread by one 16-byte reduction (REDG.E.ADD.F32x4 on sm_90), each element atomic on its own
+    assert "4 sums a thread, one 16-byte atomic add" in k.source and "prism::atomic_add4(&prism_sums[" in k.source
     plan = plan_of(built)
     assert plan["tensors"]["Y"]["dtype"] == "f16" and (plan["kernels"][0]["tickets"], plan["kernels"][0]["sums"]) == (4, 256)
     check = emulate(built, options)

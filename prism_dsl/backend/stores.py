@@ -81,17 +81,22 @@ class StoreSteps:
 
         text = comment(f"store {store.name}{store.map} {'+=' if store.add else '='} {self.describe(store.value)}"
                        + (f", then {then_text(store.then)}" if store.then is not None else ""))
-        vec = 16 // stored_dtype(self.k, index).bytes  # elements a 16-byte store writes
-        if atomic or store.then is not None or not self.config.vector_loads or tile[-1] % vec or out[-1] % vec:
+        finished = atomic and sums.finished(self.c, index)
+        # elements a 16-byte store writes; a finished sum's 4 adds of f32 into its workspace by one 16-byte reduction
+        vec = 4 if finished else 16 // stored_dtype(self.k, index).bytes
+        if ((atomic and not finished) or (store.then is not None and not finished) or not self.config.vector_loads
+                or tile[-1] % vec or out[-1] % vec):
             return self.elements(tile, body, text)
         # vec adjacent elements of a row by one 16-byte store: the row's start, the tile's and each group's are
         # multiples of vec, and the runtime's tensors are 16-byte aligned (`cuda_runtime`, ALIGNMENT)
         found = self.vectored(store.value, tile, own=False) if vec == 8 else None
         lines, idx = decompose("e", tile, "i")
         vectors, value = found[2:] if found else ([], self.read(store.value, idx[:-1] + [f"({idx[-1]} + c)"]))
-        return {"kind": "vector_elements", "comment": f"{text}: {vec} elements a thread, one 16-byte store",
-                "units": math.prod(tile) // vec, "vec": vec, "idx": lines, "vectors": vectors, "value": value,
-                "store": f"prism::store16({name} + {where(idx)}, w);"}
+        how, write = ((f"{vec} sums a thread, one 16-byte atomic add", f"prism::atomic_add4(&{into(where(idx))}, w);")
+                      if finished else (f"{vec} elements a thread, one 16-byte store",
+                                        f"prism::store16({name} + {where(idx)}, w);"))
+        return {"kind": "vector_elements", "comment": f"{text}: {how}", "units": math.prod(tile) // vec, "vec": vec,
+                "idx": lines, "vectors": vectors, "value": value, "store": write}
 
     def finish_steps(self) -> list[dict]:
         """The steps that finish each group of sums across blocks (`sums`): the tile's last block to take its ticket
