@@ -64,6 +64,14 @@ if [ -d .whl ] && ! python3 -c "import pycuda, lark" 2>/dev/null; then
     step wheels 60 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target out/site .whl/*.whl
     export PYTHONPATH="$PYTHONPATH:$PWD/out/site"
 fi
+# Each prepared workload runs the runtime copied beside its kernels when it was prepared; a fix to the runtime made
+# since (2026-11-30: its parameters' struct format) reaches them only if they are prepared again, so the copies
+# are brought up to date here, and the log says which were stale.
+for copy in out/gpu*/*/prism_runtime.py out/gpu*/*/cuda_plan.py; do
+    [ -f "$copy" ] || continue
+    case $copy in */prism_runtime.py) src=prism_dsl/backend/cuda_runtime.py ;; *) src=prism_dsl/backend/cuda_plan.py ;; esac
+    cmp -s "$src" "$copy" || { cp "$src" "$copy" && echo "brought up to date: $copy" >>"$results/steps.txt"; }
+done
 step machine 30 sh -c 'nvidia-smi; nvcc --version; python3 -c "import sys, torch, numpy, pycuda; \
 print(sys.version); print(torch.__version__, numpy.__version__, pycuda.VERSION_TEXT)"'
 # Nsight Compute on the kernels of the workloads whose name holds $1, each run once (`gpu_fused.py profile`)
