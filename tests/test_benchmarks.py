@@ -483,6 +483,55 @@ def test_a_failed_prepare_keeps_what_the_directory_held_and_says_prismcs_message
     assert "prismc: unrecognized arguments: --no-such-flag\n(see help)" in capsys.readouterr().err
 
 
+def test_the_table_names_the_prepared_workloads_not_measured(tmp_path):
+    """A workload prepared (its directory) but with no gpu.json (the GPU session's time ran out, or it failed) is
+    named under the table, not left out silently; one never prepared is not named."""
+    rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
+            "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0}}
+    for name in ("swiglu decode", "attention prefill"):
+        (tmp_path / fused.slug(name)).mkdir()
+    (tmp_path / fused.slug("swiglu decode") / "gpu.json").write_text(json.dumps(
+        {"workload": "swiglu decode", "dims": "d", "device": "a GPU", "hardware": "h100", "sets": 3, "floor_us": 10.0,
+         "model_us": 13.0, "kernels": 1, "rows": rows}))
+    assert fused.write_table(tmp_path, tmp_path / "r.md") == 0
+    text = (tmp_path / "r.md").read_text()
+    assert "Prepared but not measured (no gpu.json in the directory): attention prefill.\n" in text
+    assert "rmsnorm_linear decode" not in text
+
+
+calibrate = script("calibrate")
+
+
+def test_calibrate_prices_the_measured_kernels_again_and_with_other_constants(prepared, capsys, monkeypatch):
+    """benchmarks/calibrate.py: each kernel the GPU timed (gpu.json) beside the model's estimate as the model is now,
+    built again from the workload's program, dims and parameters; with --set, the constant changed for the run
+    (a tenth of the warps' intake makes the memory-bound decode kernel slower by the model); a name that is no
+    constant of the model is refused by argparse."""
+    report = json.loads((prepared / "report.json").read_text())
+    (kernel,) = report["kernels"]
+    (prepared / "gpu.json").write_text(json.dumps({"hardware": "h100", "per_kernel": [
+        {"name": kernel["name"], "us": 20.0}]}))
+    try:
+        def run(*args):
+            monkeypatch.setattr(sys, "argv", ["calibrate.py", "--dir", str(prepared.parent), "--structure", *args])
+            assert calibrate.main() == 0
+            row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| rmsnorm_mlp_small |")]
+            (cells,) = [[c.strip() for c in line.strip("|").split("|")] for line in row]
+            return float(cells[2].split()[0]), cells
+        model, cells = run()
+        assert cells[:2] == ["rmsnorm_mlp_small", kernel["name"]] and cells[3] == "20.0"
+        assert float(cells[4]) == pytest.approx(20.0 / model, rel=0.03)  # the model us printed to 0.1
+        monkeypatch.setattr(calibrate.intake, "WARP_FILL_BYTES_PER_CLOCK", calibrate.intake.WARP_FILL_BYTES_PER_CLOCK)
+        slower, _ = run("--set", f"intake.WARP_FILL_BYTES_PER_CLOCK={calibrate.intake.WARP_FILL_BYTES_PER_CLOCK / 10}")
+        assert slower > model
+        monkeypatch.setattr(sys, "argv", ["calibrate.py", "--set", "intake.bandwidth=2"])
+        with pytest.raises(SystemExit) as stop:
+            calibrate.main()
+        assert stop.value.code == 2 and "no numeric constant of intake or cost" in capsys.readouterr().err
+    finally:
+        (prepared / "gpu.json").unlink()
+
+
 def test_table_takes_only_the_workloads_named(tmp_path):
     rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
             "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0}}

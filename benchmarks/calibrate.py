@@ -1,0 +1,127 @@
+"""The kernels a GPU measured, priced again by the cost model as it is now: how far each estimate is from its
+measurement, and how far it would be with other values of the model's constants. No GPU needed: it reads the
+gpu.json files `gpu_fused.py run` wrote (brought back from the GPU machine) beside each prepared workload's
+program, dims and parameters, builds each kernel again with those parameters, compiles it with nvcc where nvcc is
+here (the estimate is then priced from its SASS, as `prepare` priced it), and sets each estimate beside the
+kernel's measured time.
+
+    python benchmarks/calibrate.py                                    # out/gpu, the model as it is
+    python benchmarks/calibrate.py --set intake.WARP_FILL_BYTES_PER_CLOCK=1.82 --set cost.SCALAR_REACH=0.15
+    python benchmarks/calibrate.py --dir out/gpu-tma --only prefill --structure   # no nvcc: from the structure
+
+Each --set names a constant of prism_dsl.backend's `intake` or `cost` module and a number; the table is priced
+with all of them set. The summary gives the geometric mean of measured over estimated and the spread about it (the
+root mean square of the logarithms' differences: 0.1 is about 10%), over all kernels and by the term the model
+found binding. A change to the model that fits the decode kernels better and the prefill ones worse shows here
+before any search runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from prism_dsl.backend import cost, intake  # noqa: E402
+from prism_dsl.backend.launch import CodegenConfig  # noqa: E402
+from prism_dsl.base.errors import PrismError  # noqa: E402
+from prism_dsl.kernels.hardware import load_hardware  # noqa: E402
+from prism_dsl.lang.check import load  # noqa: E402
+from prism_dsl.pipeline.build import BuildOptions, build  # noqa: E402
+
+MODULES = {"intake": intake, "cost": cost}
+CODEGEN = {"--tma": {"tma": True}, "--no-tma": {"tma": False}, "--no-wgmma": {"wgmma": False}}
+
+
+def constant(text: str) -> tuple[object, str, float]:
+    """MODULE.NAME=NUMBER, a numeric constant of `intake` or `cost`; argparse's error otherwise."""
+    where, _, value = text.partition("=")
+    module, _, name = where.partition(".")
+    if module not in MODULES or not name.isupper() or not isinstance(getattr(MODULES[module], name, None), (int, float)):
+        raise argparse.ArgumentTypeError(f"'{where}' is no numeric constant of {' or '.join(MODULES)} "
+                                         "(intake.WARP_FILL_BYTES_PER_CLOCK, cost.SCALAR_REACH, ...)")
+    try:
+        return MODULES[module], name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number (in {text})") from None
+
+
+def measured_workloads(directory: Path, only: str | None) -> list[Path]:
+    return sorted(p.parent for p in directory.glob("*/gpu.json") if not only or only in p.parent.name)
+
+
+def priced(workload: Path, structure: bool) -> tuple[list[tuple], str | None]:
+    """(workload, kernel, estimate, measured us) for each kernel the GPU timed; or why the workload is skipped."""
+    measured = json.loads((workload / "gpu.json").read_text())
+    report = json.loads((workload / "report.json").read_text())
+    case = json.loads((workload / "case.json").read_text())
+    unknown = [o for o in case.get("options", []) if o not in CODEGEN]
+    if unknown:
+        return [], f"compiled with {' '.join(unknown)}, which this script does not set"
+    config = CodegenConfig(**{k: v for o in case.get("options", []) for k, v in CODEGEN[o].items()})
+    hardware = load_hardware(measured["hardware"])
+    options = BuildOptions(dims=report["dims"], params=report["parameters"], emulate=False, codegen=config,
+                           archs=() if structure else (hardware.arch,), padded=report.get("padded") or {},
+                           padded_inputs=bool(report.get("padded_inputs")))
+    built = build(load(workload / "best.prism").program(), hardware, options)
+    times = {k["name"]: k["us"] for k in measured.get("per_kernel", []) if "us" in k}
+    return [(workload.name, e, times[e.kernel]) for e in built.estimates if e.kernel in times], None
+
+
+def spread(ratios: list[float]) -> tuple[float, float]:
+    """(geometric mean, root mean square of the logarithms about it) of `ratios`."""
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / len(logs)
+    return math.exp(mean), math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default=str(ROOT / "out" / "gpu"), help="the prepared workloads with their gpu.json")
+    parser.add_argument("--only", help="workloads whose directory name contains this")
+    parser.add_argument("--set", action="append", type=constant, default=[], metavar="MODULE.NAME=NUMBER",
+                        help="a constant of the cost model set for this run (repeatable)")
+    parser.add_argument("--structure", action="store_true", help="price from the code's structure, without nvcc")
+    args = parser.parse_args()
+    workloads = measured_workloads(Path(args.dir), args.only)
+    if not workloads:
+        print(f"no measured workloads (gpu.json) in {args.dir}", file=sys.stderr)
+        return 1
+    for module, name, value in args.set:
+        setattr(module, name, value)
+    rows, skipped = [], []
+    for workload in workloads:
+        try:
+            found, why = priced(workload, args.structure)
+        except (PrismError, OSError, KeyError, ValueError) as err:
+            found, why = [], str(err).splitlines()[0]
+        rows += found
+        if why:
+            skipped.append(f"- {workload.name}: {why}")
+    if not rows:
+        print("no kernel of the measured workloads could be priced", *skipped, sep="\n", file=sys.stderr)
+        return 1
+    setting = ", ".join(f"{m.__name__.rsplit('.', 1)[-1]}.{n} = {v:g}" for m, n, v in args.set) or "as it is"
+    print(f"# The measured kernels priced again (the model {setting}; priced from "
+          f"{'the structure' if args.structure else 'the SASS where nvcc is here'})\n")
+    print("| workload | kernel | model us (bound) | measured us | measured / model |\n|---|---|---|---|---|")
+    for name, e, us in rows:
+        print(f"| {name} | {e.kernel} | {e.time_us:.1f} ({e.bound}) | {us:.1f} | {us / e.time_us:.2f} |")
+    print("\n| kernels | count | geometric mean of measured / model | spread |\n|---|---|---|---|")
+    groups = {"all": rows, **{f"{b}-bound": [r for r in rows if r[1].bound == b]
+                             for b in sorted({r[1].bound for r in rows})}}
+    for label, group in groups.items():
+        mean, rms = spread([us / e.time_us for _, e, us in group])
+        print(f"| {label} | {len(group)} | {mean:.2f} | {rms:.2f} |")
+    if skipped:
+        print("\nNot priced:", *skipped, sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
