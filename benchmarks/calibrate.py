@@ -5,7 +5,7 @@ program, dims and parameters, builds each kernel again with those parameters, co
 here (the estimate is then priced from its SASS, as `prepare` priced it), and sets each estimate beside the
 kernel's measured time.
 
-    python benchmarks/calibrate.py                                    # out/gpu, the model as it is
+    python benchmarks/calibrate.py                       # the last GPU run (benchmarks/measured/), the model as it is
     python benchmarks/calibrate.py --set intake.WARP_FILL_BYTES_PER_CLOCK=1.82 --set cost.SCALAR_REACH=0.15
     python benchmarks/calibrate.py --dir out/gpu-tma --only prefill --structure   # no nvcc: from the structure
 
@@ -82,7 +82,8 @@ def spread(ratios: list[float]) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", default=str(ROOT / "out" / "gpu"), help="the prepared workloads with their gpu.json")
+    parser.add_argument("--dir", default=str(ROOT / "benchmarks" / "measured" / "h200-2026-11-30"),
+                        help="the workloads a GPU measured, each with its gpu.json (default: the last run's, kept here)")
     parser.add_argument("--only", help="workloads whose directory name contains this")
     parser.add_argument("--set", action="append", type=constant, default=[], metavar="MODULE.NAME=NUMBER",
                         help="a constant of the cost model set for this run (repeatable)")
