@@ -532,6 +532,13 @@ def test_calibrate_prices_the_measured_kernels_again_and_with_other_constants(pr
         (prepared / "gpu.json").unlink()
 
 
+def test_calibrate_reads_the_last_gpu_runs_kept_measurements(capsys, monkeypatch):
+    """The measurements kept in the repository (benchmarks/measured/) still build and price with the code as it is."""
+    monkeypatch.setattr(sys, "argv", ["calibrate.py", "--only", "rmsnorm_linear_decode", "--structure"])
+    assert calibrate.main() == 0
+    assert "| rmsnorm_linear_decode | fused | " in capsys.readouterr().out
+
+
 def test_table_takes_only_the_workloads_named(tmp_path):
     rows = {"prism-dsl": {"passed": True, "max_rel_err": 3e-4, "us": 12.0, "alone_us": 15.0},
             "torch.compile": {"passed": True, "max_rel_err": 1e-3, "us": 24.0}}
