@@ -18,7 +18,7 @@
 # workload measured by an
 # earlier step or call (its gpu.json) is not measured again. RESULTS (default out/session) gets steps.txt
 # (each step's exit status and time) and session.tar.gz (every gpu.json, probe.json and each step's log,
-# under their paths in the repository). Exits 1 where a step failed or was cut short (steps.txt says which), 2 on
+# under their paths in the repository; a relative RESULTS is taken from the repository's root). Exits 1 where a step failed or was cut short (steps.txt says which), 2 on
 # an argument it does not take.
 
 set -u
@@ -70,7 +70,7 @@ fi
 for copy in out/gpu*/*/prism_runtime.py out/gpu*/*/cuda_plan.py; do
     [ -f "$copy" ] || continue
     case $copy in */prism_runtime.py) src=prism_dsl/backend/cuda_runtime.py ;; *) src=prism_dsl/backend/cuda_plan.py ;; esac
-    cmp -s "$src" "$copy" || { cp "$src" "$copy" && echo "brought up to date: $copy" >>"$results/steps.txt"; }
+    cmp -s "$src" "$copy" || { cp "$src" "$copy" && echo "brought up to date: $copy" | tee -a "$results/steps.txt"; }
 done
 step machine 30 sh -c 'nvidia-smi; nvcc --version; python3 -c "import sys, torch, numpy, pycuda; \
 print(sys.version); print(torch.__version__, numpy.__version__, pycuda.VERSION_TEXT)"'

@@ -190,8 +190,10 @@ def test_scores_reading_a_key_row_16_bytes_a_load_are_free_of_conflicts_at_every
     from prism_dsl.pipeline.build import BuildOptions, build
     from test_codegen import H100
 
-    program = load(write(ROWS.format(d=d, m=m))).program()
-    built = build(program, H100, BuildOptions(grid={"gx": 1}, archs=()))
+    from prism_dsl.backend.launch import CodegenConfig
+
+    program = load(write(ROWS.format(d=d, m=m))).program()  # the plain path: with tensor cores, "mmarows"
+    built = build(program, H100, BuildOptions(grid={"gx": 1}, archs=(), codegen=CodegenConfig(tensor_cores=False)))
     k = built.kernels[0]
     assert ("one output a lane" if lanes == 1 else f"one output per {lanes} lanes") in k.source
     w = shared_wavefronts(built, extra="all")[k.name]

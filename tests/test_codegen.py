@@ -458,17 +458,20 @@ program rowdot(Q: {q}[2, d], K: f16[m, d]) {{
 @needs_cxx
 @pytest.mark.parametrize("d, m, gx, q, a, lanes, sanitizer", [
     (128, 256, 2, "f16", "qt", 1, "address"), (64, 32, 2, "f16", "qt * 0.125", 4, "thread"),
-    (256, 8, 1, "f32", "exp(qt)", 8, "thread"), (512, 4, 1, "f16", "qt", 16, None)],
-    ids=["1-lane", "4-lanes", "8-lanes-f32-queries", "16-lanes"])
+    (256, 8, 1, "f32", "exp(qt)", 8, "thread"), (512, 4, 1, "f16", "qt", 16, None),
+    (40, 16, 1, "f16", "qt", 4, "thread")],
+    ids=["1-lane", "4-lanes", "8-lanes-f32-queries", "16-lanes", "rows-of-5-chunks"])
 def test_a_product_with_a_transposed_tile_reads_its_rows_16_bytes_a_load(d, m, gx, q, a, lanes, sanitizer, tmp_path):
     """Scores at decode (`q @ transpose(kt)`, two rows: no mma shape takes them): each output's row of q and of
     the key tile run along the contraction, so a lane reads 8 elements of each by one 16-byte load ("dotrows",
     `dots.row_lanes`), one lane a row where the outputs fill the threads, up to 16 sharing one by shuffles
-    where they are few; the left operand element by element where it is no 16-bit buffer (f32 queries). The emulated code
-    matches the reference, the shuffles under each sanitizer."""
+    where they are few; the left operand element by element where it is no 16-bit buffer (f32 queries); unpadded
+    rows of 40 elements (5 chunks: a lane a row, then doubled to a power of two, never 5). The emulated code
+    matches the reference, the shuffles under each sanitizer. (Without tensor cores: with them, the f16 cases take
+    the next test's path.)"""
     path = tmp_path / "rowdot.prism"
     path.write_text(ROWDOT.format(d=d, m=m, q=q, a=a))
-    options = BuildOptions(grid={"gx": gx}, archs=(), sanitize=sanitizer)
+    options = BuildOptions(grid={"gx": gx}, archs=(), sanitize=sanitizer, codegen=CodegenConfig(tensor_cores=False))
     built = build(load(path).program(), H100, options)
     src = built.kernels[0].source
     per = f"per {lanes} lanes" if lanes > 1 else "a lane"
@@ -478,6 +481,49 @@ def test_a_product_with_a_transposed_tile_reads_its_rows_16_bytes_a_load(d, m, g
     assert ("prism::load8(x, " in src) == (q == "f16")  # f32 queries: read element by element
     check = emulate(built, options)
     assert check.passed, check
+
+
+SCORES = """dims h = {h}, m = {m}, d = {d}, n = {n}
+program scores(Q: {t}[h, m, d], K: {t}[h, n, d]) {{
+    kernel k grid(x = gx) {{
+        qt = load Q[:, :, :]
+        kt = load K[:, x, :]
+        store S[:, :, x] = qt @ transpose(kt, 2, 1)
+    }}
+    return S
+}}
+"""
+
+
+@needs_cxx
+@pytest.mark.parametrize("h, m, d, n, t, sanitizer", [
+    (1, 1, 128, 64, "f16", "thread"), (2, 2, 64, 48, "bf16", "address"), (2, 4, 32, 32, "f16", None)],
+    ids=["one-query", "two-heads-bf16", "four-queries"])
+def test_scores_of_a_few_queries_run_on_tensor_cores_with_the_queries_as_an_mma_s_columns(h, m, d, n, t, sanitizer,
+                                                                                           tmp_path):
+    """`q @ transpose(kt)` with 1 to 4 rows of q (decode: one query, or a group sharing its keys): no mma shape takes
+    q's rows, so the keys are the m16n8k16 tile's 16 rows (ldmatrix from the padded tile) and the queries its 8
+    columns ("mmarows", `dots.row_mma`), each warp taking 16 keys of a head at a time (48 keys: 3 tiles over 4
+    warps); the plain path ("dotrows") stays for targets without tensor cores. The emulated mma.sync matches the
+    reference, under each sanitizer; the cost model counts the product on tensor cores at 8 columns."""
+    from prism_dsl.backend.cost import kernel_work
+    from prism_dsl.backend.dots import row_mma
+
+    path = tmp_path / "scores.prism"
+    path.write_text(SCORES.format(h=h, m=m, d=d, n=n, t=t))
+    options = BuildOptions(grid={"gx": 1}, archs=(), sanitize=sanitizer)
+    built = build(load(path).program(), H100, options)
+    k = built.kernels[0]
+    assert "on tensor cores, 16 keys a warp's m16n8k16 tiles" in k.source and k.tensor_cores
+    assert f"prism::mma_m16n8k16<{'half' if t == 'f16' else '__nv_bfloat16'}>(d, a, b, d);" in k.source
+    assert "#else" in k.source and "rows by 16-byte loads" in k.source  # the plain path, for older targets
+    check = emulate(built, options)
+    assert check.passed, check
+    (c,) = built.concrete.values()
+    work = kernel_work(c, H100)
+    assert work.flops == 0 and work.rows == work.tensor_core_flops == 2 * h * n * 8 * d
+    product = next(x for x in c.kernel.body() if x.op == "matmul")
+    assert not row_mma(c, *product.args, (h, m, n), d, 128, CodegenConfig(tensor_cores=False))
 
 
 def test_a_product_computed_on_its_own_stays_on_wmma(tmp_path):

@@ -47,7 +47,7 @@ from ..lang.printer import format_number, node_text
 from .ctext import (C_OPS, CTYPE, INT_MAX, block_names, comment, decompose, ident, offset, reduction, tensor_name,
                     xor_column)
 from .copies import TensorMap, load_step, tma_copies
-from .dots import dot_lanes, lane_groups, row_lanes
+from .dots import dot_lanes, lane_groups, row_lanes, row_mma
 from .launch import CodegenConfig, flash_values, layout, stage_elements
 from . import sums
 from .row_parts import RowParts, held_in_registers
@@ -260,16 +260,38 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         if b is not None and (lanes := row_lanes(self.c, b, tuple(shape), length, self.threads, self.config)):
             tile = self.plan.buffer(b.args[0])
             row = self.offset(tile, idx[:-2] + [idx[-1], "k"], self.shape(b.args[0]))
-            return {"kind": "dotrows", "comment": text, "units": math.prod(shape), "lanes": lanes, "length": length,
+            rows = {"kind": "dotrows", "comment": text, "units": math.prod(shape), "lanes": lanes, "length": length,
                     "idx": lines, "start": start(idx), "dst": dst, "b": f"{self.cname[tile.name]} + {row}",
                     "a": self.row_chunk(a, idx[:-2] + [idx[-2], "k"], length) if a is not None else None,
                     "a_at": read_a(idx[:-2] + [idx[-2], "(k + c)"]), "group": lane_groups(lanes)}
+            if (a is not None and self.real == "float" and rows["start"] == "real(0)"
+                    and row_mma(self.c, a, b, tuple(shape), length, self.threads, self.config)):
+                return self.keys_on_tensor_cores(a, b, tuple(shape), length, dst, text, rows)
+            return rows
 
         def body(idx):
             lead, i, j = idx[:-2], idx[-2], idx[-1]
             ra, rb = read_a(lead + [i, "k"]), read_b(lead + ["k", j])
             return [f"real dot = {start(idx)};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};", f"{dst}[e] = dot;"]
         return self.elements(shape, body, text)
+
+    def keys_on_tensor_cores(self, a: Node, b: Node, shape: tuple[int, ...], length: int, dst: str, text: str,
+                             plain: dict) -> dict:
+        """dst = a @ transpose(t) as S^T = t @ a^T on m16n8k16 tiles (`dots.row_mma`): each warp takes 16 keys (t's
+        rows, by ldmatrix) of one leading index at a time against a's rows as the tile's 8 columns; `plain` the
+        plain path ("dotrows") for targets without tensor cores."""
+        tile = b.args[0]
+        lead, m, keys = shape[:-2], shape[-2], shape[-1]
+        lines, at = decompose("p", lead, "j") if lead else ([], [])
+        abuf, tbuf = self.plan.buffer(a), self.plan.buffer(tile)
+        self.tensor_core_steps += 1
+        return {"kind": "mmarows", "comment": text, "plain": plain, "T": CTYPE[tbuf.dtype], "m": m, "nkeys": keys,
+                "length": length, "tiles": math.prod(lead) * keys // 16, "idx": lines, "dst": dst,
+                "q": [f"{self.cname[abuf.name]}[{self.offset(abuf, at + ['g', col], self.shape(a))}]"
+                      for col in ("(kk + 2 * t)", "(kk + 2 * t + 8)")],  # where rows are permuted too (xor_rows)
+                "kt": f"{self.cname[tbuf.name]} + "
+                      f"{self.offset(tbuf, at + ['(key0 + lane % 16)', '(kk + lane / 16 * 8)'], self.shape(tile))}",
+                "out": f"p * {m * keys}" if lead else "0"}
 
     def row_chunk(self, a: Node, idx: list[str], length: int) -> str | None:
         """The address of 8 elements of `a` from `idx` on along its rows, for one 16-byte load (`prism::load8`),

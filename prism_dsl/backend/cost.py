@@ -183,7 +183,7 @@ from typing import Mapping, NamedTuple
 
 from .intake import CLOCK_GHZ, bytes_in_flight, pipeline_seconds, reachable_bandwidth, reachable_l2_bandwidth
 from .copies import apart, in_place, vector_width
-from .dots import dot_lanes
+from .dots import ROW_MMA_ROWS, dot_lanes, row_mma
 from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
@@ -243,6 +243,7 @@ class Work(NamedTuple):
     tensor_core_flops: int
     vector: int  # of `flops`, those in products that read their right operand 8 columns at a time
     looped: int  # of `flops` less `vector`, those evaluated on every loop iteration
+    rows: int = 0  # of `tensor_core_flops`, those of products whose few rows are an mma's columns (`dots.row_mma`)
 
 
 def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
@@ -285,13 +286,18 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
         if n in after or (n not in varying and (p.place[n] in (Place.SMEM, Place.STORED)
                                                   or (readers and all(u in once for u in readers)))):
             once.add(n)
+    rows = 0
     for n in k.body():
         times = blocks * (1 if n in once else loop)
         f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
+        if f and OPS[n.op].kind is Kind.MATMUL and row_mma(c, *n.args, shape(n), shape(n.args[0])[-1], laid.threads,
+                                                           config):
+            f, t = 0, 2 * math.prod(shape(n)[:-2]) * shape(n)[-1] * ROW_MMA_ROWS * shape(n.args[0])[-1]  # 8 columns
+            rows += t * times
         v = _vector_flops(c, n, f, laid.threads, config)
         flops, tc, vec = flops + f * times, tc + t * times, vec + v * times
         looped += 0 if n in once else (f - v) * times
-    return Work(dram, l2, round(flops), round(tc), round(vec), round(looped))
+    return Work(dram, l2, round(flops), round(tc), round(vec), round(looped), round(rows))
 
 
 def _vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenConfig) -> int:
@@ -337,7 +343,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     `launched` False: the kernel runs in another's launch (`tails`), which pays the launch overhead."""
     config = config or for_hardware(CodegenConfig(threads=threads), hardware)
     shape = layout(c, config)
-    dram, l2, flops, tc, vec, looped = kernel_work(c, hardware, shape, config)
+    dram, l2, flops, tc, vec, looped, rows = kernel_work(c, hardware, shape, config)
     blocks = c.blocks()
     regs = min(255, REGISTERS_BASE + sum(t.accumulators for t in shape.registers.values())  # all live at once
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
@@ -356,7 +362,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     t_mem = max(dram / reachable_bandwidth(hardware, busy, flight, warps),
                 l2 / reachable_l2_bandwidth(hardware, busy, warps),
                 pipeline_seconds(c, shape, hardware, on_sm, warps, iterations(c))) * us
-    t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped) * us / (busy / hardware.sms)
+    t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped, rows) * us / (busy / hardware.sms)
     issued = (compiled or {}).get("issued")
     t_issue = _issue_seconds(c, shape, hardware, issued, occ) * us if issued else 0.0
     wavefronts = float((compiled or {}).get("wavefronts") or 0.0)
@@ -419,7 +425,7 @@ def _product_warps(shape: Layout, warps: int) -> int:
 
 
 def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc: int, occ: int = 1,
-                  vec: int = 0, looped: int = 0) -> float:
+                  vec: int = 0, looped: int = 0, rows: int = 0) -> float:
     """Seconds of math on the whole GPU: each product by its path, the rest as f32 work (`vec` of it in
     products that read 8 columns per 16-byte load; `looped` of the rest evaluated on every iteration, which
     runs beside a wgmma batch in flight)."""
@@ -473,6 +479,10 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
             seconds += mma_sync(qk, f.warps, 4096 * f.tm * f.n / 8 / ((256 * f.tm + 16 * f.n) * 2))
             seconds += mma_sync(pv, f.warps, 16.0 * f.tm)
         registered += qk + pv
+    # a few rows as an mma's 8 columns (`dots.row_mma`), `rows` counted at those 8: each warp's k step reads 16
+    # rows of t by ldmatrix (512 bytes) and the 8 columns from shared memory (256) for 4096 flops
+    seconds += mma_sync(rows, shape.threads // 32, 4096 / 768) if rows else 0.0
+    registered += rows
     seconds += (tc - registered) / (peak * WMMA_REACH)
     return seconds + (flops - vec) / (f32 * SCALAR_REACH) + vec / (f32 * VECTOR_REACH) - hidden
 

@@ -4,7 +4,9 @@ bytes a load. Two forms, chosen per product by what its right operand is:
     dot8     `a @ b` with b a 16-bit tile of the product's own columns: a group of lanes computes 8 adjacent outputs,
              each step one 16-byte load of b's row (`dot_lanes`)
     dotrows  `a @ transpose(t)` with t a 16-bit tile whose rows run along the contraction (attention's scores): a
-             group of lanes computes one output, each lane 8 elements of both rows a load (`row_lanes`)
+             group of lanes computes one output, each lane 8 elements of both rows a load (`row_lanes`); on
+             tensor cores where the shapes allow (`row_mma`: 8 rows of a at most, keys in 16s), t's rows are the
+             16 rows of an mma.sync tile read by ldmatrix and a's rows its 8 columns ("mmarows")
 
 Where the outputs are fewer than the threads, a group's lanes share the contraction and add their parts by
 shuffles (`lane_groups` lays the groups over the warps). The templates are templates/steps.j2's `dot8` and
@@ -15,10 +17,10 @@ from __future__ import annotations
 
 import math
 
-from ..ir.nodes import Node
+from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
-from ..kernels.fusion import Place, plan
-from .launch import CodegenConfig, padding
+from ..kernels.fusion import Place, compute_dtype, plan
+from .launch import CodegenConfig, layout, padding
 
 
 def dot_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, threads: int, config: CodegenConfig) -> int:
@@ -46,8 +48,9 @@ def row_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, thr
     reads 8 of a row's elements by one 16-byte shared-memory load ("dotrows") where one lane a step would read
     2 bytes ("real dot", rows apart by the tile's row: 4 to 8 ways on the same banks). 0 where it cannot: the
     tile's rows must be the contraction, 16-byte aligned. A lane alone takes a whole row where the tile's rows
-    are padded (the 8 rows a quarter warp reads then start on 8 distinct 16-byte bank groups), else 8 lanes share
-    one (a quarter warp reads a row's 8 adjacent chunks); where the outputs are fewer than the threads, more
+    are padded, an odd number of 16-byte chunks long or have their chunks permuted (the 8 rows a quarter warp reads
+    then start on 8 distinct 16-byte bank groups), else 8 lanes share one (a quarter warp reads a row's 8 adjacent
+    chunks; 2 or 4 for rows that short); where the outputs are fewer than the threads, more
     lanes share each row, up to 32, while each lane keeps a load of its own, adding their parts by shuffles."""
     if not config.vector_loads or b.op != "transpose" or sorted(d - b.rank for d in b.attr) != [-2, -1]:
         return 0
@@ -58,7 +61,11 @@ def row_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, thr
     if (buf.dtype.bytes != 2 or len(st) < 2 or st[-1] != length or st[-2] != out_shape[-1] or length % 8
             or padding(c, buf) % 8):
         return 0
-    outputs, lanes = math.prod(out_shape), 1 if padding(c, buf) else min(8, length // 8)
+    outputs, chunks = math.prod(out_shape), length // 8  # 16-byte chunks a row
+    # rows an odd number of chunks apart, padded, or with their chunks permuted (`launch.xor_rows`) start 8 in a
+    # row on 8 distinct bank groups: a lane a row; else 8 lanes (fewer for shorter rows) read a row's chunks
+    alone = padding(c, buf) or chunks % 2 or buf.name in layout(c, config).xor_rows
+    lanes = 1 if alone else 1 << (min(8, chunks).bit_length() - 1)  # a power of two: `lane_groups`
     while lanes < 32 and outputs * lanes < threads and 16 * lanes <= length:
         lanes *= 2
     return lanes
@@ -72,6 +79,7 @@ def lane_groups(lanes: int) -> dict:
     are adjacent, so a quarter warp is 8 lanes of one group; with 2 or 4 they are `spread` = 32 / lanes apart in
     their warp (lane g + i * spread), so a quarter warp is one lane of each of 8 groups (steps.j2 says, for each
     step, why that keeps a quarter warp's 8 loads on distinct banks)."""
+    assert lanes & (lanes - 1) == 0 and 0 < lanes <= 32, lanes  # the shuffles halve a group
     if 1 < lanes < 8:
         spread = 32 // lanes
         return {"unit": f"PRISM_TID / PRISM_WARP * {spread} + PRISM_TID % {spread}",
@@ -79,3 +87,28 @@ def lane_groups(lanes: int) -> dict:
                 "offsets": f"o = 16; o >= {spread}"}
     return {"unit": f"PRISM_TID / {lanes}", "step": f"PRISM_TID % {lanes}", "writer": f"PRISM_TID % {lanes} == 0",
             "offsets": f"o = {lanes // 2}; o > 0"}
+
+
+ROW_MMA_ROWS = 8  # an m16n8k16 tile's columns: the rows of `a` one mma.sync takes (its keys are the tile's 16 rows)
+
+
+def row_mma(c: Concrete, a: Node, b: Node, out_shape: tuple[int, ...], length: int, threads: int,
+            config: CodegenConfig) -> bool:
+    """Whether `a @ transpose(t)` ("dotrows", `row_lanes`) runs on tensor cores instead: t's rows (the keys) as the
+    16 rows of m16n8k16 tiles (ldmatrix from the padded tile), a's rows (8 at most: a query at decode, a group of
+    queries sharing their keys) as the tile's 8 columns, read from shared memory as the B fragment. So the
+    product S^T = t @ a^T takes an mma.sync for 16 keys and 16 of the contraction, where the plain path takes a
+    conversion and an FMA for every element of every row of t. Both operands must be 16-bit buffers of one type
+    in shared memory, the contraction and the keys multiples of 16; the product is written whole (its start 0,
+    `codegen`), and the arithmetic is f32 (`compute_dtype`)."""
+    if (not config.tensor_cores or compute_dtype(c.kernel) is not DType.F32
+            or not row_lanes(c, b, out_shape, length, threads, config)):
+        return False
+    p = plan(c.kernel)
+    if p.place.get(a) is not Place.SMEM or len(out_shape) < 2:
+        return False
+    tile, abuf = p.buffer(b.args[0]), p.buffer(a)
+    return (abuf.dtype is tile.dtype and abuf.dtype in (DType.F16, DType.BF16) and c.shape(a)[-1] == length
+            and length % 16 == 0 and out_shape[-1] % 16 == 0 and out_shape[-2] <= ROW_MMA_ROWS
+            and padding(c, abuf) % 2 == 0)
+
