@@ -493,30 +493,43 @@ program scores(Q: {t}[h, m, d], K: {t}[h, n, d]) {{
     return S
 }}
 """
+SCORES_KT = """dims h = {h}, m = {m}, d = {d}, n = {n}
+program scores(Q: {t}[h, m, d], K: {t}[h, d, n]) {{
+    kernel k grid(x = gx) {{
+        qt = load Q[:, :, :]
+        kt = load K[:, :, x]
+        store S[:, :, x] = qt @ kt
+    }}
+    return S
+}}
+"""
 
 
 @needs_cxx
-@pytest.mark.parametrize("h, m, d, n, t, sanitizer", [
-    (1, 1, 128, 64, "f16", "thread"), (2, 2, 64, 48, "bf16", "address"), (2, 4, 32, 32, "f16", None)],
-    ids=["one-query", "two-heads-bf16", "four-queries"])
-def test_scores_of_a_few_queries_run_on_tensor_cores_with_the_queries_as_an_mma_s_columns(h, m, d, n, t, sanitizer,
-                                                                                           tmp_path):
+@pytest.mark.parametrize("h, m, d, n, t, keys, sanitizer", [
+    (1, 1, 128, 64, "f16", "rows", "thread"), (2, 2, 64, 48, "bf16", "rows", "address"),
+    (2, 4, 32, 32, "f16", "rows", None), (2, 1, 64, 32, "f16", "cols", "thread")],
+    ids=["one-query", "two-heads-bf16", "four-queries", "keys-as-columns"])
+def test_scores_of_a_few_queries_run_on_tensor_cores_with_the_queries_as_an_mma_s_columns(h, m, d, n, t, keys,
+                                                                                           sanitizer, tmp_path):
     """`q @ transpose(kt)` with 1 to 4 rows of q (decode: one query, or a group sharing its keys): no mma shape takes
-    q's rows, so the keys are the m16n8k16 tile's 16 rows (ldmatrix from the padded tile) and the queries its 8
-    columns ("mmarows", `dots.row_mma`), each warp taking 16 keys of a head at a time (48 keys: 3 tiles over 4
+    q's rows, so the keys are the m16n8k16 tile's 16 rows (ldmatrix from the padded tile; ldmatrix.trans where the
+    keys are the tile's columns, `q @ kt`) and the queries its 8 columns ("mmarows", `dots.row_mma`), each warp taking 16 keys of a head at a time (48 keys: 3 tiles over 4
     warps); the plain path ("dotrows") stays for targets without tensor cores. The emulated mma.sync matches the
     reference, under each sanitizer; the cost model counts the product on tensor cores at 8 columns."""
     from prism_dsl.backend.cost import kernel_work
     from prism_dsl.backend.dots import row_mma
 
     path = tmp_path / "scores.prism"
-    path.write_text(SCORES.format(h=h, m=m, d=d, n=n, t=t))
+    path.write_text((SCORES if keys == "rows" else SCORES_KT).format(h=h, m=m, d=d, n=n, t=t))
     options = BuildOptions(grid={"gx": 1}, archs=(), sanitize=sanitizer)
     built = build(load(path).program(), H100, options)
     k = built.kernels[0]
     assert "on tensor cores, 16 keys a warp's m16n8k16 tiles" in k.source and k.tensor_cores
     assert f"prism::mma_m16n8k16<{'half' if t == 'f16' else '__nv_bfloat16'}>(d, a, b, d);" in k.source
-    assert "#else" in k.source and "rows by 16-byte loads" in k.source  # the plain path, for older targets
+    assert f"prism::ldmatrix<4{'' if keys == 'rows' else ', true'}>(a, s_kt + " in k.source
+    plain = "rows by 16-byte loads" if keys == "rows" else "8 outputs per"
+    assert "#else" in k.source and plain in k.source  # the plain path, for older targets
     check = emulate(built, options)
     assert check.passed, check
     (c,) = built.concrete.values()

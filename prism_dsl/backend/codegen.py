@@ -250,24 +250,24 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         tile read transposed, one output at a time from 16-byte loads of its rows (`dots.row_lanes`: "dotrows")."""
         lanes = dot_lanes(self.c, b, tuple(shape), length, self.threads, self.config) if b is not None else 0
         lines, idx = decompose("e", shape, "i")
+        mma = (a is not None and self.real == "float" and start(idx) == "real(0)"
+               and row_mma(self.c, a, b, tuple(shape), length, self.threads, self.config))
         # dot8 computes the index of the first of its 8 outputs only: a start that reads the column keeps the scalar form
         if lanes and not re.search(rf"\b{idx[-1]}\b", start(idx)):
             buf = self.plan.buffer(b)
-            return {"kind": "dot8", "comment": text, "units": math.prod(shape) // 8, "lanes": lanes, "length": length,
-                    "idx": lines, "a": read_a(idx[:-2] + [idx[-2], "k"]), "start": start(idx), "dst": dst,
-                    "b": f"{self.cname[buf.name]} + {self.offset(buf, idx[:-2] + ['k', idx[-1]], self.shape(b))}",
-                    "group": lane_groups(lanes)}
+            plain = {"kind": "dot8", "comment": text, "units": math.prod(shape) // 8, "lanes": lanes,
+                     "length": length, "idx": lines, "a": read_a(idx[:-2] + [idx[-2], "k"]), "start": start(idx),
+                     "dst": dst, "group": lane_groups(lanes),
+                     "b": f"{self.cname[buf.name]} + {self.offset(buf, idx[:-2] + ['k', idx[-1]], self.shape(b))}"}
+            return self.keys_on_tensor_cores(a, b, tuple(shape), length, dst, text, plain) if mma else plain
         if b is not None and (lanes := row_lanes(self.c, b, tuple(shape), length, self.threads, self.config)):
             tile = self.plan.buffer(b.args[0])
             row = self.offset(tile, idx[:-2] + [idx[-1], "k"], self.shape(b.args[0]))
-            rows = {"kind": "dotrows", "comment": text, "units": math.prod(shape), "lanes": lanes, "length": length,
-                    "idx": lines, "start": start(idx), "dst": dst, "b": f"{self.cname[tile.name]} + {row}",
-                    "a": self.row_chunk(a, idx[:-2] + [idx[-2], "k"], length) if a is not None else None,
-                    "a_at": read_a(idx[:-2] + [idx[-2], "(k + c)"]), "group": lane_groups(lanes)}
-            if (a is not None and self.real == "float" and rows["start"] == "real(0)"
-                    and row_mma(self.c, a, b, tuple(shape), length, self.threads, self.config)):
-                return self.keys_on_tensor_cores(a, b, tuple(shape), length, dst, text, rows)
-            return rows
+            plain = {"kind": "dotrows", "comment": text, "units": math.prod(shape), "lanes": lanes, "length": length,
+                     "idx": lines, "start": start(idx), "dst": dst, "b": f"{self.cname[tile.name]} + {row}",
+                     "a": self.row_chunk(a, idx[:-2] + [idx[-2], "k"], length) if a is not None else None,
+                     "a_at": read_a(idx[:-2] + [idx[-2], "(k + c)"]), "group": lane_groups(lanes)}
+            return self.keys_on_tensor_cores(a, b, tuple(shape), length, dst, text, plain) if mma else plain
 
         def body(idx):
             lead, i, j = idx[:-2], idx[-2], idx[-1]
@@ -277,20 +277,23 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
 
     def keys_on_tensor_cores(self, a: Node, b: Node, shape: tuple[int, ...], length: int, dst: str, text: str,
                              plain: dict) -> dict:
-        """dst = a @ transpose(t) as S^T = t @ a^T on m16n8k16 tiles (`dots.row_mma`): each warp takes 16 keys (t's
-        rows, by ldmatrix) of one leading index at a time against a's rows as the tile's 8 columns; `plain` the
-        plain path ("dotrows") for targets without tensor cores."""
-        tile = b.args[0]
+        """dst = a @ b as S^T = b^T @ a^T on m16n8k16 tiles (`dots.row_mma`): each warp takes 16 keys (b's columns:
+        a transposed tile's rows by ldmatrix, or a tile's columns by ldmatrix.trans) of one leading index at a time
+        against a's rows as the tile's 8 columns; `plain` the plain path ("dotrows", "dot8") for targets without
+        tensor cores."""
+        rows = b.op == "transpose"
+        tile = b.args[0] if rows else b
         lead, m, keys = shape[:-2], shape[-2], shape[-1]
         lines, at = decompose("p", lead, "j") if lead else ([], [])
         abuf, tbuf = self.plan.buffer(a), self.plan.buffer(tile)
+        place = (["(key0 + lane % 16)", "(kk + lane / 16 * 8)"] if rows  # row, column of this lane's 8 elements
+                 else ["(kk + lane / 16 * 8 + lane % 8)", "(key0 + lane / 8 % 2 * 8)"])
         self.tensor_core_steps += 1
         return {"kind": "mmarows", "comment": text, "plain": plain, "T": CTYPE[tbuf.dtype], "m": m, "nkeys": keys,
-                "length": length, "tiles": math.prod(lead) * keys // 16, "idx": lines, "dst": dst,
+                "length": length, "tiles": math.prod(lead) * keys // 16, "idx": lines, "dst": dst, "trans": not rows,
+                "kt": f"{self.cname[tbuf.name]} + {self.offset(tbuf, at + place, self.shape(tile))}",
                 "q": [f"{self.cname[abuf.name]}[{self.offset(abuf, at + ['g', col], self.shape(a))}]"
                       for col in ("(kk + 2 * t)", "(kk + 2 * t + 8)")],  # where rows are permuted too (xor_rows)
-                "kt": f"{self.cname[tbuf.name]} + "
-                      f"{self.offset(tbuf, at + ['(key0 + lane % 16)', '(kk + lane / 16 * 8)'], self.shape(tile))}",
                 "out": f"p * {m * keys}" if lead else "0"}
 
     def row_chunk(self, a: Node, idx: list[str], length: int) -> str | None:

@@ -93,22 +93,28 @@ ROW_MMA_ROWS = 8  # an m16n8k16 tile's columns: the rows of `a` one mma.sync tak
 
 
 def row_mma(c: Concrete, a: Node, b: Node, out_shape: tuple[int, ...], length: int, threads: int,
-            config: CodegenConfig) -> bool:
-    """Whether `a @ transpose(t)` ("dotrows", `row_lanes`) runs on tensor cores instead: t's rows (the keys) as the
-    16 rows of m16n8k16 tiles (ldmatrix from the padded tile), a's rows (8 at most: a query at decode, a group of
-    queries sharing their keys) as the tile's 8 columns, read from shared memory as the B fragment. So the
-    product S^T = t @ a^T takes an mma.sync for 16 keys and 16 of the contraction, where the plain path takes a
-    conversion and an FMA for every element of every row of t. Both operands must be 16-bit buffers of one type
-    in shared memory, the contraction and the keys multiples of 16; the product is written whole (its start 0,
-    `codegen`), and the arithmetic is f32 (`compute_dtype`)."""
-    if (not config.tensor_cores or compute_dtype(c.kernel) is not DType.F32
-            or not row_lanes(c, b, out_shape, length, threads, config)):
-        return False
+            config: CodegenConfig) -> str | None:
+    """How a product of a few rows on the plain path runs on tensor cores instead, or None: as S^T = b^T @ a^T on
+    m16n8k16 tiles, b's columns (the keys) the tiles' 16 rows, a's rows (8 at most: a query at decode, a group of
+    queries sharing their keys) their 8 columns, read from shared memory as the B fragment. "rows": b is a tile
+    read transposed ("dotrows", `row_lanes`), whose rows are the keys: ldmatrix; "cols": b is a tile of the
+    product's own columns ("dot8", `dot_lanes`): ldmatrix.trans. So an mma.sync takes 16 keys and 16 of the
+    contraction, where the plain path takes a conversion and an FMA for every element of b and every row of a.
+    Both operands must be 16-bit buffers of one type in shared memory, the contraction and the keys multiples of
+    16; the product is written whole (its start 0, `codegen`), and the arithmetic is f32 (`compute_dtype`)."""
+    if not config.tensor_cores or compute_dtype(c.kernel) is not DType.F32 or len(out_shape) < 2:
+        return None
+    if row_lanes(c, b, out_shape, length, threads, config):
+        how, tile = "rows", b.args[0]
+    elif dot_lanes(c, b, out_shape, length, threads, config):
+        how, tile = "cols", b
+    else:
+        return None
     p = plan(c.kernel)
-    if p.place.get(a) is not Place.SMEM or len(out_shape) < 2:
-        return False
-    tile, abuf = p.buffer(b.args[0]), p.buffer(a)
-    return (abuf.dtype is tile.dtype and abuf.dtype in (DType.F16, DType.BF16) and c.shape(a)[-1] == length
+    if p.place.get(a) is not Place.SMEM:
+        return None
+    tbuf, abuf = p.buffer(tile), p.buffer(a)
+    fits = (abuf.dtype is tbuf.dtype and abuf.dtype in (DType.F16, DType.BF16) and c.shape(a)[-1] == length
             and length % 16 == 0 and out_shape[-1] % 16 == 0 and out_shape[-2] <= ROW_MMA_ROWS
             and padding(c, abuf) % 2 == 0)
-
+    return how if fits else None
