@@ -241,16 +241,20 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         plain = self.product(lambda ix: self.read(a, ix), lambda ix: self.read(b, ix), self.shape(a)[-1], shape, dst,
                              lambda idx: f"{dst}[e]" if accumulate else "real(0)", text, b, a)
         mma = self._mma(a, b, shape, dst, accumulate, text)
+        if mma and plain["kind"] == "mmarows":  # wmma takes 8 rows too: its fallback is the plain path's own
+            plain = plain["plain"]
         return mma | {"plain": plain} if mma else plain
 
     def product(self, read_a, read_b, length: int, shape, dst: str, start, text: str, b: Node | None = None,
-                a: Node | None = None) -> dict:
+                a: Node | None = None, rounded: bool = False) -> dict:
         """dst = start + a @ b over dst's elements, where read_a(idx), read_b(idx), start(idx) are C expressions;
         8 outputs at a time from 16-byte loads of `b` where `dots.dot_lanes` allows ("dot8"); where `b` is a
-        tile read transposed, one output at a time from 16-byte loads of its rows (`dots.row_lanes`: "dotrows")."""
+        tile read transposed, one output at a time from 16-byte loads of its rows (`dots.row_lanes`: "dotrows");
+        on tensor cores where a has few rows (`dots.row_mma`: "mmarows"), a being the node `read_a` reads, or with
+        `rounded` values that may be rounded to b's type (online softmax's p)."""
         lanes = dot_lanes(self.c, b, tuple(shape), length, self.threads, self.config) if b is not None else 0
         lines, idx = decompose("e", shape, "i")
-        mma = (a is not None and self.real == "float" and start(idx) == "real(0)"
+        mma = (b is not None and (a is not None or rounded) and self.real == "float"
                and row_mma(self.c, a, b, tuple(shape), length, self.threads, self.config))
         # dot8 computes the index of the first of its 8 outputs only: a start that reads the column keeps the scalar form
         if lanes and not re.search(rf"\b{idx[-1]}\b", start(idx)):
@@ -259,7 +263,7 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
                      "length": length, "idx": lines, "a": read_a(idx[:-2] + [idx[-2], "k"]), "start": start(idx),
                      "dst": dst, "group": lane_groups(lanes),
                      "b": f"{self.cname[buf.name]} + {self.offset(buf, idx[:-2] + ['k', idx[-1]], self.shape(b))}"}
-            return self.keys_on_tensor_cores(a, b, tuple(shape), length, dst, text, plain) if mma else plain
+            return self.keys_on_tensor_cores(a, read_a, b, tuple(shape), length, plain) if mma else plain
         if b is not None and (lanes := row_lanes(self.c, b, tuple(shape), length, self.threads, self.config)):
             tile = self.plan.buffer(b.args[0])
             row = self.offset(tile, idx[:-2] + [idx[-1], "k"], self.shape(b.args[0]))
@@ -267,7 +271,7 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
                      "idx": lines, "start": start(idx), "dst": dst, "b": f"{self.cname[tile.name]} + {row}",
                      "a": self.row_chunk(a, idx[:-2] + [idx[-2], "k"], length) if a is not None else None,
                      "a_at": read_a(idx[:-2] + [idx[-2], "(k + c)"]), "group": lane_groups(lanes)}
-            return self.keys_on_tensor_cores(a, b, tuple(shape), length, dst, text, plain) if mma else plain
+            return self.keys_on_tensor_cores(a, read_a, b, tuple(shape), length, plain) if mma else plain
 
         def body(idx):
             lead, i, j = idx[:-2], idx[-2], idx[-1]
@@ -275,26 +279,32 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
             return [f"real dot = {start(idx)};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};", f"{dst}[e] = dot;"]
         return self.elements(shape, body, text)
 
-    def keys_on_tensor_cores(self, a: Node, b: Node, shape: tuple[int, ...], length: int, dst: str, text: str,
+    def keys_on_tensor_cores(self, a: Node | None, read_a, b: Node, shape: tuple[int, ...], length: int,
                              plain: dict) -> dict:
-        """dst = a @ b as S^T = b^T @ a^T on m16n8k16 tiles (`dots.row_mma`): each warp takes 16 keys (b's columns:
-        a transposed tile's rows by ldmatrix, or a tile's columns by ldmatrix.trans) of one leading index at a time
-        against a's rows as the tile's 8 columns; `plain` the plain path ("dotrows", "dot8") for targets without
-        tensor cores."""
+        """plain's dst = start + a @ b as S^T = b^T @ a^T on m16n8k16 tiles (`dots.row_mma`): each warp takes 16
+        keys (b's columns: a transposed tile's rows by ldmatrix, or a tile's columns by ldmatrix.trans) of one
+        leading index at a time against a's rows as the tile's 8 columns (two 16-bit elements a word: straight from
+        a's buffer, or `read_a`'s values rounded to b's type where `a` is None), each output then written as `plain`
+        writes it (its start, its index names); `plain` is also the path for targets without tensor cores."""
         rows = b.op == "transpose"
         tile = b.args[0] if rows else b
         lead, m, keys = shape[:-2], shape[-2], shape[-1]
         lines, at = decompose("p", lead, "j") if lead else ([], [])
-        abuf, tbuf = self.plan.buffer(a), self.plan.buffer(tile)
+        tbuf, ctype = self.plan.buffer(tile), CTYPE[self.plan.buffer(tile).dtype]
         place = (["(key0 + lane % 16)", "(kk + lane / 16 * 8)"] if rows  # row, column of this lane's 8 elements
                  else ["(kk + lane / 16 * 8 + lane % 8)", "(key0 + lane / 8 % 2 * 8)"])
+        if a is not None:  # where rows are permuted too (xor_rows), each pair's own offset
+            abuf = self.plan.buffer(a)
+            pairs = [f"*reinterpret_cast<const uint32_t*>(&{self.cname[abuf.name]}"
+                     f"[{self.offset(abuf, at + ['g', col], self.shape(a))}])" for col in ("(kk + 2 * t)", "(kk + 2 * t + 8)")]
+        else:
+            pairs = [f"prism::pack2<{ctype}>({read_a(at + ['g', f'(kk + 2 * t + {i})'])}, "
+                     f"{read_a(at + ['g', f'(kk + 2 * t + {i + 1})'])})" for i in (0, 8)]
         self.tensor_core_steps += 1
-        return {"kind": "mmarows", "comment": text, "plain": plain, "T": CTYPE[tbuf.dtype], "m": m, "nkeys": keys,
-                "length": length, "tiles": math.prod(lead) * keys // 16, "idx": lines, "dst": dst, "trans": not rows,
-                "kt": f"{self.cname[tbuf.name]} + {self.offset(tbuf, at + place, self.shape(tile))}",
-                "q": [f"{self.cname[abuf.name]}[{self.offset(abuf, at + ['g', col], self.shape(a))}]"
-                      for col in ("(kk + 2 * t)", "(kk + 2 * t + 8)")],  # where rows are permuted too (xor_rows)
-                "out": f"p * {m * keys}" if lead else "0"}
+        return {"kind": "mmarows", "comment": plain["comment"], "plain": plain, "T": ctype, "m": m, "nkeys": keys,
+                "length": length, "tiles": math.prod(lead) * keys // 16, "idx": lines, "trans": not rows,
+                "kt": f"{self.cname[tbuf.name]} + {self.offset(tbuf, at + place, self.shape(tile))}", "pairs": pairs,
+                "rounded": a is None, "out": f"p * {m * keys}" if lead else "0"}
 
     def row_chunk(self, a: Node, idx: list[str], length: int) -> str | None:
         """The address of 8 elements of `a` from `idx` on along its rows, for one 16-byte load (`prism::load8`),
@@ -354,7 +364,7 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
             return [self.row_parts(acc)]
         return [self.fold(acc, [lambda idx, a=a: self.read(a, idx) for a in acc.args], operand=acc.args[0])]
 
-    def fold(self, acc: Node, reads: list, operand: Node | None = None, **names: str) -> dict:
+    def fold(self, acc: Node, reads: list, operand: Node | None = None, rounded: bool = False, **names: str) -> dict:
         """One iteration of `acc`, from its `cuda_*` strings (see `accumulators`): `reads[i](idx)` is operand
         i at an index (`operand`: the node `reads[0]` reads, where it is one); `names` adds buffers of the
         online-softmax group ("scale")."""
@@ -367,7 +377,7 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
             def start(idx) -> str:
                 return a.cuda_fold[0].format(row=offset(idx[:-1] + ["0"], x[:-1] + (1,)), **names)
             return self.product(reads[0], reads[1], x[-1], self.shape(acc), names[a.state[-1]], start, text, acc.args[1],
-                                operand)
+                                operand, rounded)
 
         def lines(idx) -> list[str]:
             return [line.format(*[r(idx) for r in reads], **names) for line in a.cuda_fold]
@@ -396,7 +406,8 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         p_at = [lambda idx: self.at(g["p"], idx)]
         for acc in (u for u in users if ACCUMULATORS[u.op].online == "softmax"):  # a row sum: in registers (`row_parts`)
             steps.append(self.row_parts(acc, p_at[0], scale) if ACCUMULATORS[acc.op].row else
-                         self.fold(acc, p_at + [lambda idx, a=a: self.read(a, idx) for a in acc.args[1:]], scale=scale))
+                         self.fold(acc, p_at + [lambda idx, a=a: self.read(a, idx) for a in acc.args[1:]], rounded=True,
+                                   scale=scale))
         return steps
 
     # the whole kernel

@@ -290,10 +290,10 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
     for n in k.body():
         times = blocks * (1 if n in once else loop)
         f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
-        if f and OPS[n.op].kind is Kind.MATMUL and row_mma(c, *n.args, shape(n), shape(n.args[0])[-1], laid.threads,
-                                                           config):
-            f, t = 0, 2 * math.prod(shape(n)[:-2]) * shape(n)[-1] * ROW_MMA_ROWS * shape(n.args[0])[-1]  # 8 columns
-            rows += t * times
+        few = _few_rows_product(c, n, f, laid, config)
+        if few:  # on tensor cores at 8 columns (`dots.row_mma`), out of the f32 work
+            f, t = f - 2 * math.prod(shape(n)) * shape(n.args[0])[-1], t + few
+            rows += few * times
         v = _vector_flops(c, n, f, laid.threads, config)
         flops, tc, vec = flops + f * times, tc + t * times, vec + v * times
         looped += 0 if n in once else (f - v) * times
@@ -309,6 +309,21 @@ def _vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenC
     work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
     # work > f32: online softmax's product, counted on tensor cores, not among the f32 flops
     return work if work <= f32 and dot_lanes(c, n.args[1], shape(n), shape(n.args[0])[-1], threads, config) else 0
+
+
+def _few_rows_product(c: Concrete, n: Node, f32: int, laid: Layout, config: CodegenConfig) -> int:
+    """The tensor-core flops, at an mma's 8 columns, of a product of a few rows that `codegen` runs on tensor
+    cores (`dots.row_mma`): a plain product, or online softmax's p @ v outside registers (p rounded); else 0."""
+    if not f32 or len(n.args) < 2 or n.args[0] in laid.flash:
+        return 0
+    kind, acc = OPS[n.op].kind, ACCUMULATORS.get(n.op)
+    a = n.args[0] if kind is Kind.MATMUL else None
+    if not (kind is Kind.MATMUL or acc is not None and acc.like == "matmul" and acc.online == "softmax"):
+        return 0
+    length, out = c.shape(n.args[0])[-1], c.shape(n)
+    if not row_mma(c, a, n.args[1], out, length, laid.threads, config):
+        return 0
+    return 2 * math.prod(out[:-2]) * out[-1] * ROW_MMA_ROWS * length
 
 
 def iterations(c: Concrete) -> float:

@@ -92,7 +92,7 @@ def lane_groups(lanes: int) -> dict:
 ROW_MMA_ROWS = 8  # an m16n8k16 tile's columns: the rows of `a` one mma.sync takes (its keys are the tile's 16 rows)
 
 
-def row_mma(c: Concrete, a: Node, b: Node, out_shape: tuple[int, ...], length: int, threads: int,
+def row_mma(c: Concrete, a: Node | None, b: Node, out_shape: tuple[int, ...], length: int, threads: int,
             config: CodegenConfig) -> str | None:
     """How a product of a few rows on the plain path runs on tensor cores instead, or None: as S^T = b^T @ a^T on
     m16n8k16 tiles, b's columns (the keys) the tiles' 16 rows, a's rows (8 at most: a query at decode, a group of
@@ -100,8 +100,9 @@ def row_mma(c: Concrete, a: Node, b: Node, out_shape: tuple[int, ...], length: i
     read transposed ("dotrows", `row_lanes`), whose rows are the keys: ldmatrix; "cols": b is a tile of the
     product's own columns ("dot8", `dot_lanes`): ldmatrix.trans. So an mma.sync takes 16 keys and 16 of the
     contraction, where the plain path takes a conversion and an FMA for every element of b and every row of a.
-    Both operands must be 16-bit buffers of one type in shared memory, the contraction and the keys multiples of
-    16; the product is written whole (its start 0, `codegen`), and the arithmetic is f32 (`compute_dtype`)."""
+    a must be a 16-bit buffer of b's type in shared memory, or None: values rounded to b's type for the mma
+    (online softmax's p, in [0, 1], as the prefill kernels round it); the contraction and the keys multiples of
+    16, and the arithmetic f32 (`compute_dtype`). What the product adds to (its start) is added as it is written."""
     if not config.tensor_cores or compute_dtype(c.kernel) is not DType.F32 or len(out_shape) < 2:
         return None
     if row_lanes(c, b, out_shape, length, threads, config):
@@ -111,10 +112,13 @@ def row_mma(c: Concrete, a: Node, b: Node, out_shape: tuple[int, ...], length: i
     else:
         return None
     p = plan(c.kernel)
-    if p.place.get(a) is not Place.SMEM:
-        return None
-    tbuf, abuf = p.buffer(tile), p.buffer(a)
-    fits = (abuf.dtype is tbuf.dtype and abuf.dtype in (DType.F16, DType.BF16) and c.shape(a)[-1] == length
-            and length % 16 == 0 and out_shape[-1] % 16 == 0 and out_shape[-2] <= ROW_MMA_ROWS
-            and padding(c, abuf) % 2 == 0)
+    tbuf = p.buffer(tile)
+    if a is not None:
+        if p.place.get(a) is not Place.SMEM:
+            return None
+        abuf = p.buffer(a)
+        if abuf.dtype is not tbuf.dtype or c.shape(a)[-1] != length or padding(c, abuf) % 2:
+            return None
+    fits = (tbuf.dtype in (DType.F16, DType.BF16) and length % 16 == 0 and out_shape[-1] % 16 == 0
+            and out_shape[-2] <= ROW_MMA_ROWS)
     return how if fits else None

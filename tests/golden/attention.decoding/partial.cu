@@ -106,6 +106,31 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
         prism::cp_async_commit();  // a group every iteration (empty past the end): the wait above counts groups
         half* const s_kt = s_kt_stages + it % 2 * 1024;
         half* const s_vt = s_vt_stages + it % 2 * 1152;
+        #if PRISM_TENSOR_CORES
+        // s = (qt @ kt)  [1, 1, 1, 16]: on tensor cores, 16 keys a warp's m16n8k16 tiles, 1 row of 8 columns
+        for (int f = PRISM_TID / PRISM_WARP; f < 1; f += kThreads / PRISM_WARP) {
+            const int lane = PRISM_TID % PRISM_WARP, g = lane / 4, t = lane % 4;
+            const int p = f / 1, key0 = f % 1 * 16;
+            float d[4] = {};
+            PRISM_UNROLL_BY(2)
+            for (int kk = 0; kk < 64; kk += 16) {
+                uint32_t a[4], b[2];  // b: row g of a (zeros past its 1 row)
+                prism::ldmatrix<4, true>(a, s_kt + (kk + lane / 16 * 8 + lane % 8) * 16 + (((key0 + lane / 8 % 2 * 8)) ^ ((kk + lane / 16 * 8 + lane % 8)) / 4 % 2 * 8));
+                b[0] = g < 1 ? *reinterpret_cast<const uint32_t*>(&s_qt[(kk + 2 * t)]) : 0u;
+                b[1] = g < 1 ? *reinterpret_cast<const uint32_t*>(&s_qt[(kk + 2 * t + 8)]) : 0u;
+                prism::mma_m16n8k16<half>(d, a, b, d);
+            }
+            // d[i]: key key0 + g (+ 8 for i = 2, 3) of row 2t (+ 1 for i = 1, 3), added to what the product starts from
+            PRISM_UNROLL
+            for (int i = 0; i < 4; ++i) {
+                const int row = 2 * t + i % 2, key = key0 + g + i / 2 * 8;
+                if (row >= 1) continue;
+                const int e = p * 16 + row * 16 + key;
+                const int i3 = e;
+                s_v2[e] = real(0) + d[i];
+            }
+        }
+        #else
         // s = (qt @ kt)  [1, 1, 1, 16]: 8 outputs per 16 lanes, 16-byte loads
         for (int u0 = 0; u0 < 2; u0 += kThreads / 16) {
             const int u = u0 + PRISM_TID / 16, e = (u < 2 ? u : 0) * 8;
@@ -134,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 }
             }
         }
+        #endif
         __syncthreads();
         // online softmax over s: running row max, rescaling factor, p
         {
@@ -175,6 +201,31 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 }
             }
         }
+        #if PRISM_TENSOR_CORES
+        // acc_softmax_out(s, vt)  [1, 1, 1, 64]: on tensor cores, 16 keys a warp's m16n8k16 tiles, 1 row of 8 columns
+        for (int f = PRISM_TID / PRISM_WARP; f < 4; f += kThreads / PRISM_WARP) {
+            const int lane = PRISM_TID % PRISM_WARP, g = lane / 4, t = lane % 4;
+            const int p = f / 4, key0 = f % 4 * 16;
+            float d[4] = {};
+            PRISM_UNROLL_BY(2)
+            for (int kk = 0; kk < 16; kk += 16) {
+                uint32_t a[4], b[2];  // b: row g of a (zeros past its 1 row), rounded to half
+                prism::ldmatrix<4, true>(a, s_vt + (kk + lane / 16 * 8 + lane % 8) * 72 + (key0 + lane / 8 % 2 * 8));
+                b[0] = g < 1 ? prism::pack2<half>(s_a3_p[(kk + 2 * t + 0)], s_a3_p[(kk + 2 * t + 1)]) : 0u;
+                b[1] = g < 1 ? prism::pack2<half>(s_a3_p[(kk + 2 * t + 8)], s_a3_p[(kk + 2 * t + 9)]) : 0u;
+                prism::mma_m16n8k16<half>(d, a, b, d);
+            }
+            // d[i]: key key0 + g (+ 8 for i = 2, 3) of row 2t (+ 1 for i = 1, 3), added to what the product starts from
+            PRISM_UNROLL
+            for (int i = 0; i < 4; ++i) {
+                const int row = 2 * t + i % 2, key = key0 + g + i / 2 * 8;
+                if (row >= 1) continue;
+                const int e = p * 64 + row * 64 + key;
+                const int i3 = e;
+                s_a6[e] = s_a6[e] * s_a3_scale[0] + d[i];
+            }
+        }
+        #else
         // acc_softmax_out(s, vt)  [1, 1, 1, 64]: 8 outputs per 4 lanes, 16-byte loads
         for (int u0 = 0; u0 < 8; u0 += kThreads / 4) {
             const int u = u0 + PRISM_TID / PRISM_WARP * 8 + PRISM_TID % 8, e = (u < 8 ? u : 0) * 8;
@@ -203,6 +254,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 }
             }
         }
+        #endif
     }
     __syncthreads();  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
