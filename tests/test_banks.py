@@ -158,8 +158,10 @@ def test_a_dot_product_reading_8_columns_a_load_is_free_of_conflicts_at_every_la
     from prism_dsl.pipeline.build import BuildOptions, build
     from test_codegen import H100
 
-    program = load(write(DOT.format(d=d, m=m))).program()
-    built = build(program, H100, BuildOptions(grid={"gx": 1}, archs=()))
+    from prism_dsl.backend.launch import CodegenConfig
+
+    program = load(write(DOT.format(d=d, m=m))).program()  # the plain path: with tensor cores, "mmarows"
+    built = build(program, H100, BuildOptions(grid={"gx": 1}, archs=(), codegen=CodegenConfig(tensor_cores=False)))
     k = built.kernels[0]
     assert f"8 outputs per {lanes} lanes" in k.source
     w = shared_wavefronts(built, extra="all")[k.name]

@@ -433,8 +433,9 @@ def test_a_product_with_too_few_rows_for_tensor_cores_reads_8_columns_per_load(g
     loads of the weight tile, the contraction split over the lanes where the outputs are fewer than the
     threads; the emulated code matches the reference (the split contraction's shuffles under each sanitizer)."""
     path = tmp_path / "gemv.prism"
-    path.write_text(GEMV)
-    options = BuildOptions(grid={"gx": gx}, loop={"F": 2}, archs=(), sanitize=sanitizer)
+    path.write_text(GEMV)  # the plain path: with tensor cores the two rows take "mmarows" (the scores' tests below)
+    options = BuildOptions(grid={"gx": gx}, loop={"F": 2}, archs=(), sanitize=sanitizer,
+                           codegen=CodegenConfig(tensor_cores=False))
     built = build(load(path).program(), H100, options)
     src = built.kernels[0].source
     assert f"8 outputs per {lanes} lane" in src and "prism::load8(w, s_bt + k * " in src and "mma" not in src
