@@ -279,33 +279,6 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
             return [f"real dot = {start(idx)};", f"for (int k = 0; k < {length}; ++k) dot += {ra} * {rb};", f"{dst}[e] = dot;"]
         return self.elements(shape, body, text)
 
-    def keys_on_tensor_cores(self, a: Node | None, read_a, b: Node, shape: tuple[int, ...], length: int,
-                             plain: dict) -> dict:
-        """plain's dst = start + a @ b as S^T = b^T @ a^T on m16n8k16 tiles (`dots.row_mma`): each warp takes 16
-        keys (b's columns: a transposed tile's rows by ldmatrix, or a tile's columns by ldmatrix.trans) of one
-        leading index at a time against a's rows as the tile's 8 columns (two 16-bit elements a word: straight from
-        a's buffer, or `read_a`'s values rounded to b's type where `a` is None), each output then written as `plain`
-        writes it (its start, its index names); `plain` is also the path for targets without tensor cores."""
-        rows = b.op == "transpose"
-        tile = b.args[0] if rows else b
-        lead, m, keys = shape[:-2], shape[-2], shape[-1]
-        lines, at = decompose("p", lead, "j") if lead else ([], [])
-        tbuf, ctype = self.plan.buffer(tile), CTYPE[self.plan.buffer(tile).dtype]
-        place = (["(key0 + lane % 16)", "(kk + lane / 16 * 8)"] if rows  # row, column of this lane's 8 elements
-                 else ["(kk + lane / 16 * 8 + lane % 8)", "(key0 + lane / 8 % 2 * 8)"])
-        if a is not None:  # where rows are permuted too (xor_rows), each pair's own offset
-            abuf = self.plan.buffer(a)
-            pairs = [f"*reinterpret_cast<const uint32_t*>(&{self.cname[abuf.name]}"
-                     f"[{self.offset(abuf, at + ['g', col], self.shape(a))}])" for col in ("(kk + 2 * t)", "(kk + 2 * t + 8)")]
-        else:
-            pairs = [f"prism::pack2<{ctype}>({read_a(at + ['g', f'(kk + 2 * t + {i})'])}, "
-                     f"{read_a(at + ['g', f'(kk + 2 * t + {i + 1})'])})" for i in (0, 8)]
-        self.tensor_core_steps += 1
-        return {"kind": "mmarows", "comment": plain["comment"], "plain": plain, "T": ctype, "m": m, "nkeys": keys,
-                "length": length, "tiles": math.prod(lead) * keys // 16, "idx": lines, "trans": not rows,
-                "kt": f"{self.cname[tbuf.name]} + {self.offset(tbuf, at + place, self.shape(tile))}", "pairs": pairs,
-                "rounded": a is None, "out": f"p * {m * keys}" if lead else "0"}
-
     def row_chunk(self, a: Node, idx: list[str], length: int) -> str | None:
         """The address of 8 elements of `a` from `idx` on along its rows, for one 16-byte load (`prism::load8`),
         where `a` is a 16-bit buffer in shared memory whose rows, `length` long, start 16 bytes apart; else None."""

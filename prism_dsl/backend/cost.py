@@ -183,7 +183,7 @@ from typing import Mapping, NamedTuple
 
 from .intake import CLOCK_GHZ, bytes_in_flight, pipeline_seconds, reachable_bandwidth, reachable_l2_bandwidth
 from .copies import apart, in_place, vector_width
-from .dots import ROW_MMA_ROWS, dot_lanes, row_mma
+from .dots import few_rows_flops, vector_flops
 from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
 from ..kernels.fusion import Place, Plan, plan
@@ -290,40 +290,14 @@ def kernel_work(c: Concrete, hardware: Hardware, laid: Layout | None = None,
     for n in k.body():
         times = blocks * (1 if n in once else loop)
         f, t = _node_flops(n, shape, p, registered, flash=n.args[0] in laid.flash if n.args else False)
-        few = _few_rows_product(c, n, f, laid, config)
+        few = few_rows_flops(c, n, f, laid, config)
         if few:  # on tensor cores at 8 columns (`dots.row_mma`), out of the f32 work
             f, t = f - 2 * math.prod(shape(n)) * shape(n.args[0])[-1], t + few
             rows += few * times
-        v = _vector_flops(c, n, f, laid.threads, config)
+        v = vector_flops(c, n, f, laid.threads, config)
         flops, tc, vec = flops + f * times, tc + t * times, vec + v * times
         looped += 0 if n in once else (f - v) * times
     return Work(dram, l2, round(flops), round(tc), round(vec), round(looped), round(rows))
-
-
-def _vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenConfig) -> int:
-    """Of a node's f32 flops, those of a plain product that `codegen` writes as "dot8" (`dots.dot_lanes`)."""
-    kind, shape = OPS[n.op].kind, c.shape
-    if not f32 or len(n.args) < 2 or not (kind is Kind.MATMUL or kind is Kind.ACCUMULATE
-                                          and ACCUMULATORS[n.op].like == "matmul"):
-        return 0
-    work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
-    # work > f32: online softmax's product, counted on tensor cores, not among the f32 flops
-    return work if work <= f32 and dot_lanes(c, n.args[1], shape(n), shape(n.args[0])[-1], threads, config) else 0
-
-
-def _few_rows_product(c: Concrete, n: Node, f32: int, laid: Layout, config: CodegenConfig) -> int:
-    """The tensor-core flops, at an mma's 8 columns, of a product of a few rows that `codegen` runs on tensor
-    cores (`dots.row_mma`): a plain product, or online softmax's p @ v outside registers (p rounded); else 0."""
-    if not f32 or len(n.args) < 2 or n.args[0] in laid.flash:
-        return 0
-    kind, acc = OPS[n.op].kind, ACCUMULATORS.get(n.op)
-    a = n.args[0] if kind is Kind.MATMUL else None
-    if not (kind is Kind.MATMUL or acc is not None and acc.like == "matmul" and acc.online == "softmax"):
-        return 0
-    length, out = c.shape(n.args[0])[-1], c.shape(n)
-    if not row_mma(c, a, n.args[1], out, length, laid.threads, config):
-        return 0
-    return 2 * math.prod(out[:-2]) * out[-1] * ROW_MMA_ROWS * length
 
 
 def iterations(c: Concrete) -> float:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import math
 
+from ..ir.accumulators import ACCUMULATORS
 from ..ir.nodes import DType, Node
+from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import Place, compute_dtype, plan
-from .launch import CodegenConfig, layout, padding
+from .launch import CodegenConfig, Layout, layout, padding
 
 
 def dot_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, threads: int, config: CodegenConfig) -> int:
@@ -122,3 +124,32 @@ def row_mma(c: Concrete, a: Node | None, b: Node, out_shape: tuple[int, ...], le
     fits = (tbuf.dtype in (DType.F16, DType.BF16) and length % 16 == 0 and out_shape[-1] % 16 == 0
             and out_shape[-2] <= ROW_MMA_ROWS)
     return how if fits else None
+
+
+# -- what the cost model counts of each form (`cost.kernel_work`)
+
+
+def vector_flops(c: Concrete, n: Node, f32: int, threads: int, config: CodegenConfig) -> int:
+    """Of a node's f32 flops, those of a plain product that `codegen` writes as "dot8" (`dot_lanes`)."""
+    kind, shape = OPS[n.op].kind, c.shape
+    if not f32 or len(n.args) < 2 or not (kind is Kind.MATMUL or kind is Kind.ACCUMULATE
+                                          and ACCUMULATORS[n.op].like == "matmul"):
+        return 0
+    work = 2 * math.prod(shape(n)) * shape(n.args[0])[-1]
+    # work > f32: online softmax's product, counted on tensor cores, not among the f32 flops
+    return work if work <= f32 and dot_lanes(c, n.args[1], shape(n), shape(n.args[0])[-1], threads, config) else 0
+
+
+def few_rows_flops(c: Concrete, n: Node, f32: int, laid: Layout, config: CodegenConfig) -> int:
+    """The tensor-core flops, at an mma's 8 columns, of a product of a few rows that `codegen` runs on tensor
+    cores (`row_mma`): a plain product, or online softmax's p @ v outside registers (p rounded); else 0."""
+    if not f32 or len(n.args) < 2 or n.args[0] in laid.flash:
+        return 0
+    kind, acc = OPS[n.op].kind, ACCUMULATORS.get(n.op)
+    a = n.args[0] if kind is Kind.MATMUL else None
+    if not (kind is Kind.MATMUL or acc is not None and acc.like == "matmul" and acc.online == "softmax"):
+        return 0
+    length, out = c.shape(n.args[0])[-1], c.shape(n)
+    if not row_mma(c, a, n.args[1], out, length, laid.threads, config):
+        return 0
+    return 2 * math.prod(out[:-2]) * out[-1] * ROW_MMA_ROWS * length

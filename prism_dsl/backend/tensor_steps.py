@@ -4,6 +4,8 @@ Where it sits: a part of `codegen.Emitter` (it inherits these), kept apart becau
 its own shape in templates/steps.j2 and its own layout decision in `launch`:
 
 - "mma": a product into a shared buffer on wmma tiles, one warp per output tile (`launch.mma_shape`);
+- "mmarows": a product of a few rows (8 at most: the scores and `p @ v` at decode) as S^T = b^T @ a^T on
+  m16n8k16 tiles, b's columns the tiles' rows and a's rows their 8 columns (`dots.row_mma`);
 - "warp_mma": a loop's `acc_sum(a @ b)` with the accumulators in registers for the whole loop
   (`warp_mma.Tiling`: mma.sync fed by ldmatrix, or wgmma from the swizzled tiles, "wg"), written to its
   state after the loop ("warp_mma_store"); those with the
@@ -17,7 +19,7 @@ its own shape in templates/steps.j2 and its own layout decision in `launch`:
   running max moves only where a row's scores pass it by more than `prism::kLazyMax` ("lazy"), so the
   outputs are rescaled only then, unless the max is itself stored (`acc_max_last`: it must be exact).
 
-An "mma" step keeps the plain form of its work beside it (`plain`), the path for GPUs without tensor
+An "mma" or "mmarows" step keeps the plain form of its work beside it (`plain`), the path for GPUs without tensor
 cores. "warp_mma" and "flash" have none: their states are written only after the loop, in bytes the
 loop's buffers also use (`kernels.lifetimes`), and online softmax's scores and exp have no shared buffer
 (`launch.unbuffered`); their kernels need sm_80, and `--no-tensor-cores` writes the plain form.
@@ -25,10 +27,12 @@ loop's buffers also use (`kernels.lifetimes`), and online softmax's scores and e
 
 from __future__ import annotations
 
+import math
+
 from ..ir.accumulators import ACCUMULATORS, RUNNING_MAX
 from ..ir.nodes import Node
 from ..kernels.fusion import Plan
-from .ctext import CTYPE, comment, ident
+from .ctext import CTYPE, comment, decompose, ident
 from .launch import mma_shape, scores_product, stage_elements, stored_operand, uses_tensor_cores
 
 
@@ -48,6 +52,33 @@ class TensorCoreSteps:
         return {"kind": "mma", "comment": text, "fm": frag[0], "fn": frag[1], "m": m, "k": k, "ncols": n,
                 "a": self.cname[ba.name], "c": dst, "ab": CTYPE[ba.dtype], "lda": k + self.pad[ba.name],
                 **self._right(b), "accumulate": accumulate}
+
+    def keys_on_tensor_cores(self, a: Node | None, read_a, b: Node, shape: tuple[int, ...], length: int,
+                             plain: dict) -> dict:
+        """plain's dst = start + a @ b as S^T = b^T @ a^T on m16n8k16 tiles (`dots.row_mma`): each warp takes 16
+        keys (b's columns: a transposed tile's rows by ldmatrix, or a tile's columns by ldmatrix.trans) of one
+        leading index at a time against a's rows as the tile's 8 columns (two 16-bit elements a word: straight from
+        a's buffer, or `read_a`'s values rounded to b's type where `a` is None), each output then written as `plain`
+        writes it (its start, its index names); `plain` is also the path for targets without tensor cores."""
+        rows = b.op == "transpose"
+        tile = b.args[0] if rows else b
+        lead, m, keys = shape[:-2], shape[-2], shape[-1]
+        lines, at = decompose("p", lead, "j") if lead else ([], [])
+        tbuf, ctype = self.plan.buffer(tile), CTYPE[self.plan.buffer(tile).dtype]
+        place = (["(key0 + lane % 16)", "(kk + lane / 16 * 8)"] if rows  # row, column of this lane's 8 elements
+                 else ["(kk + lane / 16 * 8 + lane % 8)", "(key0 + lane / 8 % 2 * 8)"])
+        if a is not None:  # where rows are permuted too (xor_rows), each pair's own offset
+            abuf = self.plan.buffer(a)
+            pairs = [f"*reinterpret_cast<const uint32_t*>(&{self.cname[abuf.name]}"
+                     f"[{self.offset(abuf, at + ['g', col], self.shape(a))}])" for col in ("(kk + 2 * t)", "(kk + 2 * t + 8)")]
+        else:
+            pairs = [f"prism::pack2<{ctype}>({read_a(at + ['g', f'(kk + 2 * t + {i})'])}, "
+                     f"{read_a(at + ['g', f'(kk + 2 * t + {i + 1})'])})" for i in (0, 8)]
+        self.tensor_core_steps += 1
+        return {"kind": "mmarows", "comment": plain["comment"], "plain": plain, "T": ctype, "m": m, "nkeys": keys,
+                "length": length, "tiles": math.prod(lead) * keys // 16, "idx": lines, "trans": not rows,
+                "kt": f"{self.cname[tbuf.name]} + {self.offset(tbuf, at + place, self.shape(tile))}", "pairs": pairs,
+                "rounded": a is None, "out": f"p * {m * keys}" if lead else "0"}
 
     def causal_fragment(self, s: Node) -> dict:
         """Where the scores' rows and columns sit in the whole tensors (C terms added to a fragment
