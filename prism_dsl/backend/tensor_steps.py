@@ -70,7 +70,8 @@ class TensorCoreSteps:
         if a is not None:  # where rows are permuted too (xor_rows), each pair's own offset
             abuf = self.plan.buffer(a)
             pairs = [f"*reinterpret_cast<const uint32_t*>(&{self.cname[abuf.name]}"
-                     f"[{self.offset(abuf, at + ['g', col], self.shape(a))}])" for col in ("(kk + 2 * t)", "(kk + 2 * t + 8)")]
+                     f"[{self.offset(abuf, at + ['g', col], self.shape(a))}])"
+                     for col in ("(kk + 2 * t)", "(kk + 2 * t + 8)")]
         else:
             pairs = [f"prism::pack2<{ctype}>({read_a(at + ['g', f'(kk + 2 * t + {i})'])}, "
                      f"{read_a(at + ['g', f'(kk + 2 * t + {i + 1})'])})" for i in (0, 8)]
