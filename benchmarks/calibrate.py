@@ -28,14 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prism_dsl.backend import cost, intake  # noqa: E402
-from prism_dsl.backend.launch import CodegenConfig  # noqa: E402
 from prism_dsl.base.errors import PrismError  # noqa: E402
+from prism_dsl.cli.verify import codegen_of  # noqa: E402
 from prism_dsl.kernels.hardware import load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
 from prism_dsl.pipeline.build import BuildOptions, build  # noqa: E402
 
 MODULES = {"intake": intake, "cost": cost}
-CODEGEN = {"--tma": {"tma": True}, "--no-tma": {"tma": False}, "--no-wgmma": {"wgmma": False}}
 
 
 def constant(text: str) -> tuple[object, str, float]:
@@ -55,22 +54,18 @@ def measured_workloads(directory: Path, only: str | None) -> list[Path]:
     return sorted(p.parent for p in directory.glob("*/gpu.json") if not only or only in p.parent.name)
 
 
-def priced(workload: Path, structure: bool) -> tuple[list[tuple], str | None]:
-    """(workload, kernel, estimate, measured us) for each kernel the GPU timed; or why the workload is skipped."""
+def priced(workload: Path, structure: bool) -> list[tuple]:
+    """(workload, kernel, estimate, measured us) for each kernel the GPU timed, built with the code generator's
+    options its report records (`prismc verify`'s reading of them)."""
     measured = json.loads((workload / "gpu.json").read_text())
     report = json.loads((workload / "report.json").read_text())
-    case = json.loads((workload / "case.json").read_text())
-    unknown = [o for o in case.get("options", []) if o not in CODEGEN]
-    if unknown:
-        return [], f"compiled with {' '.join(unknown)}, which this script does not set"
-    config = CodegenConfig(**{k: v for o in case.get("options", []) for k, v in CODEGEN[o].items()})
     hardware = load_hardware(measured["hardware"])
-    options = BuildOptions(dims=report["dims"], params=report["parameters"], emulate=False, codegen=config,
+    options = BuildOptions(dims=report["dims"], params=report["parameters"], emulate=False, codegen=codegen_of(report),
                            archs=() if structure else (hardware.arch,), padded=report.get("padded") or {},
                            padded_inputs=bool(report.get("padded_inputs")))
     built = build(load(workload / "best.prism").program(), hardware, options)
     times = {k["name"]: k["us"] for k in measured.get("per_kernel", []) if "us" in k}
-    return [(workload.name, e, times[e.kernel]) for e in built.estimates if e.kernel in times], None
+    return [(workload.name, e, times[e.kernel]) for e in built.estimates if e.kernel in times]
 
 
 def spread(ratios: list[float]) -> tuple[float, float]:
@@ -98,12 +93,9 @@ def main() -> int:
     rows, skipped = [], []
     for workload in workloads:
         try:
-            found, why = priced(workload, args.structure)
+            rows += priced(workload, args.structure)
         except (PrismError, OSError, KeyError, ValueError) as err:
-            found, why = [], str(err).splitlines()[0]
-        rows += found
-        if why:
-            skipped.append(f"- {workload.name}: {why}")
+            skipped.append(f"- {workload.name}: {str(err).splitlines()[0]}")
     if not rows:
         print("no kernel of the measured workloads could be priced", *skipped, sep="\n", file=sys.stderr)
         return 1

@@ -142,7 +142,7 @@ def priced_with(built, directory: Path, on_disk: bool, counted: dict):
     report = read_report(directory)
     figures = {k.get("name"): k.get("nvcc") for k in report["kernels"]} if on_disk else {}
     figures = {name: per for name, per in figures.items() if isinstance(per, dict)}
-    return price(built, figures, _codegen(report), counted)
+    return price(built, figures, codegen_of(report), counted)
 
 
 def _banks(counted: dict, built) -> str:
@@ -184,7 +184,7 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
         raise PrismError(f"'{directory}/report.json' names what its program does not have ({', '.join(unknown)}): "
                          "the directory was changed after it was compiled")
     options = BuildOptions(dims={**compiled_dims, **dims}, grid=grid, loop=loop,
-                           params=report["parameters"] if on_disk else {}, archs=(), codegen=_codegen(report),
+                           params=report["parameters"] if on_disk else {}, archs=(), codegen=codegen_of(report),
                            padded=padded if on_disk and isinstance(padded, dict) else {})
     if not on_disk and not grid and not loop:
         options = _rounded_as_compile_rounds(program, hardware, options)
@@ -242,7 +242,7 @@ def _rounded_as_compile_rounds(program, hardware, options: BuildOptions) -> Buil
     return sized(rounded) if rounded else options
 
 
-def _codegen(report: dict) -> CodegenConfig:
+def codegen_of(report: dict) -> CodegenConfig:
     """The code generator's options the directory was compiled with (a report from before they were recorded:
     the defaults with its block's threads), so kernels generated again at other dims are the same code."""
     fields = {f: type(v) for f, v in vars(CodegenConfig()).items()}
