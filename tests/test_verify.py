@@ -237,10 +237,10 @@ def test_verify_launches_the_kernels_on_disk_as_they_were_compiled(capsys, tmp_p
     assert code == 0 and "the .cu files on disk" in text and "agrees" in text, text
     # generated again at other dims, with the options the directory was compiled with (report.json keeps them)
     from prism_dsl.backend.launch import CodegenConfig
-    from prism_dsl.cli.verify import _codegen
+    from prism_dsl.cli.verify import codegen_of
     report = json.loads((out / "report.json").read_text())
-    assert _codegen(report) == CodegenConfig(wgmma=False)
-    assert _codegen({"kernels": [{"block": [256, 1, 1]}]}) == CodegenConfig(threads=256)  # an older report
+    assert codegen_of(report) == CodegenConfig(wgmma=False)
+    assert codegen_of({"kernels": [{"block": [256, 1, 1]}]}) == CodegenConfig(threads=256)  # an older report
     report["codegen"]["stages"] = "3"
     (out / "report.json").write_text(json.dumps(report))
     code, _, err = prismc(capsys, "verify", out, "--dims", "n=64")
