@@ -241,8 +241,6 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         plain = self.product(lambda ix: self.read(a, ix), lambda ix: self.read(b, ix), self.shape(a)[-1], shape, dst,
                              lambda idx: f"{dst}[e]" if accumulate else "real(0)", text, b, a)
         mma = self._mma(a, b, shape, dst, accumulate, text)
-        if mma and plain["kind"] == "mmarows":  # wmma takes 8 rows too: its fallback is the plain path's own
-            plain = plain["plain"]
         return mma | {"plain": plain} if mma else plain
 
     def product(self, read_a, read_b, length: int, shape, dst: str, start, text: str, b: Node | None = None,

@@ -22,7 +22,7 @@ from ..ir.nodes import DType, Node
 from ..ir.ops import OPS, Kind
 from ..kernels.constraints import Concrete
 from ..kernels.fusion import Place, compute_dtype, plan
-from .launch import CodegenConfig, Layout, layout, padding
+from .launch import CodegenConfig, Layout, layout, padding, uses_tensor_cores
 
 
 def dot_lanes(c: Concrete, b: Node, out_shape: tuple[int, ...], length: int, threads: int, config: CodegenConfig) -> int:
@@ -115,8 +115,8 @@ def row_mma(c: Concrete, a: Node | None, b: Node, out_shape: tuple[int, ...], le
         return None
     p = plan(c.kernel)
     tbuf = p.buffer(tile)
-    if a is not None:
-        if p.place.get(a) is not Place.SMEM:
+    if a is not None:  # a product wmma takes (8 rows and keys in 32s) stays there (`launch.uses_tensor_cores`)
+        if p.place.get(a) is not Place.SMEM or uses_tensor_cores(a, b, p, c.shape):
             return None
         abuf = p.buffer(a)
         if abuf.dtype is not tbuf.dtype or c.shape(a)[-1] != length or padding(c, abuf) % 2:

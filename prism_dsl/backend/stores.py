@@ -84,7 +84,7 @@ class StoreSteps:
         finished = atomic and sums.finished(self.c, index)
         # elements a 16-byte store writes; a finished sum's 4 adds of f32 into its workspace by one 16-byte reduction
         vec = 4 if finished else 16 // stored_dtype(self.k, index).bytes
-        if ((atomic and not finished) or (store.then is not None and not finished) or not self.config.vector_loads
+        if ((atomic or store.then is not None) and not finished or not self.config.vector_loads
                 or tile[-1] % vec or out[-1] % vec):
             return self.elements(tile, body, text)
         # vec adjacent elements of a row by one 16-byte store: the row's start, the tile's and each group's are

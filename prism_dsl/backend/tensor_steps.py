@@ -64,7 +64,8 @@ class TensorCoreSteps:
         tile = b.args[0] if rows else b
         lead, m, keys = shape[:-2], shape[-2], shape[-1]
         lines, at = decompose("p", lead, "j") if lead else ([], [])
-        tbuf, ctype = self.plan.buffer(tile), CTYPE[self.plan.buffer(tile).dtype]
+        tbuf = self.plan.buffer(tile)
+        ctype = CTYPE[tbuf.dtype]
         place = (["(key0 + lane % 16)", "(kk + lane / 16 * 8)"] if rows  # row, column of this lane's 8 elements
                  else ["(kk + lane / 16 * 8 + lane % 8)", "(key0 + lane / 8 % 2 * 8)"])
         if a is not None:  # where rows are permuted too (xor_rows), each pair's own offset
