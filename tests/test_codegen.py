@@ -413,6 +413,31 @@ def test_parameters_are_tuned_for_the_code_asked_for(write):
     keys = {tuning_key(program, dims, H100, cfg) for cfg in (CodegenConfig(), CodegenConfig(wgmma=False))}
     assert len(keys) == 2
 
+
+def test_the_choices_to_time_on_a_gpu_are_the_models_best_then_other_numbers_of_blocks():
+    """`tuning.choices`: `tune`'s choice first, then the model's next best that launch other numbers of blocks, each
+    valid, none twice; a FlashDecoding pair (two kernels sharing the split) varied together; never more than
+    asked for."""
+    from prism_dsl.backend import tuning
+    from prism_dsl.kernels.constraints import valid
+
+    for name, dims in (("rmsnorm_linear", dict(n=8, d=4096)), ("attention.decoding", dict(b=2, h=8, q=1, kv=4096,
+                                                                                          dh=128))):
+        lowered = lower(load(ROOT / "programs" / "fused" / f"{name}.prism").program())
+        binding = lowered.default_binding() | {s: dims[s.name] for s in lowered.default_binding() if s.name in dims}
+        picks = tuning.choices(lowered, binding, {}, H100, count=4)
+        assert picks[0] == tuning.tune(lowered, binding, {}, H100) and len(picks) == 4
+        assert len({tuple(sorted((str(s), v) for s, v in p.items())) for p in picks}) == 4
+        times = [sum(e.time_us for e in tuning.parameters(lowered, binding, {s.name: v for s, v in p.items()},
+                                                          H100)[2]) for p in picks]
+        assert times[0] == min(times)
+        blocks = [tuple(c.blocks() for c in tuning.parameters(lowered, binding, {s.name: v for s, v in p.items()},
+                                                               H100)[1].values()) for p in picks]
+        assert len(set(blocks)) == 4, blocks  # each launches other numbers of blocks
+        assert all(valid(k, {**binding, **p}, H100, smem=False) for p in picks for k in kernels_of(lowered))
+        assert len(tuning.choices(lowered, binding, {}, H100, count=1)) == 1
+
+
 GEMV = """dims n = 2, k = 256, m = 512
 program gemv(A: f16[n, k], B: f16[k, m]) {
     kernel mv grid(x = gx) loop(F) {

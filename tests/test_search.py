@@ -40,7 +40,8 @@ from prism_dsl.search.reach import loop_ops
 from prism_dsl.search.maps import hoisted_scales
 from prism_dsl.ir.nodes import DType, Node, const
 from prism_dsl.ir.shapes import build
-from prism_dsl.pipeline.optimize import MEASURED, Measurement, _to_measure, optimize
+from prism_dsl.pipeline.measuring import MEASURED, PARAMETER_CHOICES, Measurement, to_measure
+from prism_dsl.pipeline.optimize import optimize
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_hardware("h100")
@@ -631,40 +632,54 @@ def test_between_equal_estimates_the_program_that_keeps_more_sms_busy_is_chosen(
 
 def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(library):
     """On a GPU the best few by the model (and the best of each other shape) are timed; a program that
-    disagrees is never chosen, and a repeated compile on the same GPU does no timing. (The GPU is stood
-    in for by a function here.)"""
+    disagrees is never chosen; the fastest is timed again with the model's next choices of its kernel
+    parameters, and the fastest of those is kept; a repeated compile on the same GPU does no timing. (The GPU is
+    stood in for by a function here.)"""
     src = program("rmsnorm_linear")
     binding = bind_dims(src, dict(n=4, d=64))
     by_model = optimize(src, library, H100, binding).ranked
     assert len(by_model) >= MEASURED
     first, second, third = (print_program(r.program) for r in by_model[:MEASURED])
+    modelled = by_model[2].params  # the model's parameters for the third
     calls = []
 
     def fake_gpu(prog, params):
-        calls.append(print_program(prog))
         text = print_program(prog)
+        calls.append((text, dict(params)))
         if text == first:
             return Measurement(None, "disagreed with the reference (y: max rel err 1.00e+00)")
-        return Measurement(5.0 if text == third else 9.0, "checked")
+        if text == third:  # the fastest program, and faster still with other parameters than the model's
+            return Measurement(5.0 if params == modelled else 4.0 + 0.1 * len(calls), "checked")
+        return Measurement(9.0, "checked")
 
     # The best three by the model, and the best of every other shape (here the program as written).
-    picked = _to_measure(by_model)
+    picked = to_measure(by_model)
     assert [print_program(r.program) for r in picked[:MEASURED]] == [first, second, third]
     assert any(r.as_written for r in picked[MEASURED:])
     out = optimize(src, library, H100, binding, measure=fake_gpu, device="Fake GPU, sm_90, driver 1")
-    assert sorted(calls) == sorted(print_program(r.program) for r in picked)
-    assert print_program(out.best.program) == third and out.best.measured_us == 5.0
+    programs = [c for c in calls if c[0] != third or c[1] == modelled]
+    assert sorted(c[0] for c in programs) == sorted(print_program(r.program) for r in picked)
+    others = [c[1] for c in calls if c[0] == third and c[1] != modelled]  # its other parameters, each timed once
+    assert 1 <= len(others) < PARAMETER_CHOICES and all(others.count(p) == 1 for p in others)
+    assert print_program(out.best.program) == third and out.best.params == others[0]
+    assert out.best.measured_us == min(4.0 + 0.1 * (calls.index((third, p)) + 1) for p in others)
+    assert [t["params"] for t in out.best.timed] == [modelled, *others]  # the model's order, its own first
+    assert out.best.timed[0]["measured_us"] == 5.0 and all(t["measurement"] == "checked" for t in out.best.timed)
     assert print_program(out.ranked[-1].program) == first  # the one that disagreed comes last
-    assert out.search["measured"]["timed"] == len(picked) and len(out.search["measured"]["failed"]) == 1
+    assert out.search["measured"]["timed"] == len(calls) and len(out.search["measured"]["failed"]) == 1
+    timed = len(calls)
     calls.clear()
     again = optimize(src, library, H100, binding, measure=fake_gpu, device="Fake GPU, sm_90, driver 1")
-    assert calls == [] and again.search["measured"]["from_database"] == len(picked)
-    assert print_program(again.best.program) == third
-    # Another GPU or driver is timed afresh; a failure to build or run is not remembered.
+    assert calls == [] and again.search["measured"]["from_database"] == timed
+    assert print_program(again.best.program) == third and again.best.params == out.best.params
+    # Another GPU or driver is timed afresh; a failure to build or run is not remembered (nor, with no program
+    # timed, are other parameters tried).
     optimize(src, library, H100, binding, device="Fake GPU, sm_90, driver 2",
              measure=lambda p, q: calls.append(1) or Measurement(None, "could not be built", lasting=False))
+    assert len(calls) == len(picked)
+    calls.clear()
     optimize(src, library, H100, binding, device="Fake GPU, sm_90, driver 2", measure=fake_gpu)
-    assert len(calls) == 2 * len(picked)
+    assert len(calls) == timed
 
 
 @pytest.fixture
@@ -741,6 +756,48 @@ def test_a_host_bound_time_ranks_its_program_but_is_not_kept(tmp_path, capsys, e
     assert timed and all(a["measurement"].startswith("checked; host-bound") for a in timed)
     assert report["alternatives"][0]["measured_us"] == min(a["measured_us"] for a in timed)
     assert (tmp_path / "cache" / "search").is_dir() and not (tmp_path / "cache" / "measured").exists()
+
+
+def test_compile_as_written_rank_measure_builds_its_fastest_parameters(tmp_path, capsys, monkeypatch):
+    """With --search none, --rank measure times the model's choices of the program's kernel parameters (its own
+    first, then other numbers of blocks) and builds the fastest that agreed; one that disagreed is listed, never
+    built. The GPU is stood in for: a program built with fewer blocks runs faster, one with 32 disagrees."""
+    from prism_dsl.pipeline import build
+    from prism_dsl.backend import cuda_runtime
+
+    def check_gpu(built, directory, seed, repeat=100):
+        blocks = sum(e.blocks for e in built.estimates)
+        outputs = {"Y": {"passed": blocks != 32, "max_rel_err": 1e-4 if blocks != 32 else 1.0}}
+        return build.GpuCheck(blocks != 32, 0.01, seed, "input program", outputs, "Fake GPU",
+                              {"median_ms": blocks / 1000, "host_bound": False},
+                              {k.name: {"median_ms": blocks / 1000} for k in built.kernels})
+
+    monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "Fake GPU"))
+    monkeypatch.setattr(cuda_runtime, "device_identity", lambda: "Fake GPU, sm_90, driver 0")
+    monkeypatch.setattr(build, "check_gpu", check_gpu)
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["compile", str(ROOT / "programs" / "fused" / "rmsnorm_linear.prism"), "-o", str(tmp_path / "out"),
+            "--dims", "n=4,d=256", "--search", "none", "--arch", "none", "--no-emulate", "--rank", "measure"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    timed = report["parameters_timed"]
+    assert 2 <= len(timed) <= PARAMETER_CHOICES and len({json.dumps(t["params"]) for t in timed}) == len(timed)
+    agreed = [t for t in timed if t["measured_us"] is not None]
+    fastest = min(agreed, key=lambda t: t["measured_us"])
+    assert report["parameters"] == fastest["params"] != timed[0]["params"] and report["checked"]["gpu"]["passed"]
+    assert any(t["measured_us"] is None for t in timed)  # the one with 32 blocks
+    assert report["measured_us"] == fastest["measured_us"] and report["verified"]
+    assert [t["estimated_us"] for t in timed[:1]] == [min(t["estimated_us"] for t in timed)]  # the model's first
+    assert all(t["measurement"].startswith("disagreed") for t in timed if t["measured_us"] is None)
+    # In words; and a repeated compile times nothing but the chosen program's own check.
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "kernel parameters timed (the fastest that agreed is built):" in out
+    assert f"measured {fastest['measured_us']} us" in out
+    # Parameters given are built as given: nothing else is timed.
+    assert main([*args, "--json", "--grid", "x=4"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["parameters_timed"] == [] and given["parameters"]["gx"] == 4
 
 
 @pytest.mark.gpu

@@ -31,7 +31,8 @@ from prism_dsl.prove.rules import load_library
 from prism_dsl.search.config import SearchConfig
 from prism_dsl.prove.soundness import check_library
 from prism_dsl.backend.launch import CodegenConfig
-from prism_dsl.pipeline.optimize import Measurement, optimize, rank, tuning_key
+from prism_dsl.pipeline.measuring import Measurement
+from prism_dsl.pipeline.optimize import optimize, rank, tuning_key
 from prism_dsl.search.checkpoint import checkpoint_key, load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent

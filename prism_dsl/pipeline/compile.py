@@ -39,7 +39,8 @@ from .build import (Build, BuildOptions, callers_dims, compile_check, count_bank
                     price, pricing, render, tune)
 from . import optimize as optimize_
 from . import padding
-from .optimize import TOP, Outcome, gpu_timer, optimize
+from .measuring import Timing, gpu_timer, time_parameters, timed
+from .optimize import TOP, Outcome, optimize
 from .output import check_output, contents, verified_before, write
 from .report import Alternative, Checked, HardwareUsed, KernelReport, NvccCheck, Report, Searched, Skipped
 
@@ -70,6 +71,7 @@ class Choice:
     options: BuildOptions  # with the parameters the search tuned (or measured) for the program
     proved: bool  # the input itself, or proved equal to it in this run
     searched: Searched | None = None
+    timed: tuple[dict, ...] = ()  # with --rank measure: its kernel parameters timed (`measuring.time_parameters`)
 
 
 # Programs tried past the first when the chosen one fails its check (its own emulation against the reference):
@@ -269,7 +271,7 @@ def search(request: Request) -> Outcome | None:
 def choose(request: Request, outcome: Outcome | None, rank: int = 0) -> Choice:
     """The program of `rank` (0: the fastest) among the search's, or the input itself without a search."""
     if outcome is None:
-        return Choice(request.program, request.options, proved=True)  # the input itself
+        return _as_written(request)
     best = outcome.ranked[rank]
     alternatives = tuple(
         Alternative(i + 1, r.as_written, len(kernels_of(lowered_for(r.program, r.params))), round(r.estimated_us, 3),
@@ -281,7 +283,26 @@ def choose(request: Request, outcome: Outcome | None, rank: int = 0) -> Choice:
     kernels = len(kernels_of(lowered_for(best.program, best.params)))
     searched = Searched(file, best.as_written, kernels, outcome.search,
                         outcome.search["search_seconds"], alternatives)
-    return Choice(best.program, replace(request.options, params=best.params), best.proved, searched)
+    return Choice(best.program, replace(request.options, params=best.params), best.proved, searched, tuple(best.timed))
+
+
+def _as_written(request: Request) -> Choice:
+    """The input itself; with --rank measure and no parameters given, with the fastest of the model's choices of
+    its kernel parameters on the GPU (`measuring.time_parameters`), the model's own first. Where none of them agrees
+    with the reference (or none can be built or run), the model's choice is built, and its check says why."""
+    o = request.options
+    if o.rank != "measure" or o.grid or o.loop or o.params:
+        return Choice(request.program, o, proved=True)
+    binding = bind_dims(request.program, dict(o.dims))
+    ranked = optimize_.rank(request.program, binding, request.hardware, o.codegen)
+    if ranked is None:  # no valid parameters: the build says why
+        return Choice(request.program, o, proved=True)
+    ranked.as_written = ranked.proved = True
+    timing = Timing(binding, request.hardware, o.codegen, gpu_timer(request.hardware, o, request.program),
+                    cuda_runtime.device_identity())
+    timed(ranked, timing)
+    best, _ = time_parameters(ranked, timing)
+    return Choice(request.program, replace(o, params=best.params), proved=True, timed=tuple(best.timed))
 
 
 def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skipped | None, figures: Mapping,
@@ -307,7 +328,7 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                   tuple(n.attr for n in built.program.inputs if "used" in tensors[n.attr]),
                   round(padding.copy_us(built.reference, callers_dims(built), {k: dims_of(built)[k] for k in built.padded},
                                         built.hardware, not chosen.options.padded_inputs, chosen.options.codegen), 3)
-                  if built.padded else None)
+                  if built.padded else None, parameters_timed=chosen.timed)
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

@@ -6,10 +6,11 @@
     search       kernel generation and program assembly (`search.driver`), when there is no usable checkpoint
     tune         per proved program, kernel parameters for the dims chosen by the cost model; on a GPU
                  (`--rank measure`) the best few by the model, and the best of each other shape, are then
-                 built, checked against the float64 reference of the input program and timed
-                 (`gpu_timer`). Both go into the tuning database (user cache): the model's choice keyed by
-                 structure, dims, hardware and the model's code; a measured time also by the GPU, its driver
-                 and the generated code's sources. An entry is used only when it is valid here: parameters
+                 built, checked against the float64 reference of the input program and timed, and the
+                 fastest of those again with the model's next best kernel parameters (`measuring`). Both go
+                 into the tuning database (user cache): the model's choice keyed by structure, dims, hardware
+                 and the model's code; a measured time also by the GPU, its driver and the generated code's
+                 sources. An entry is used only when it is valid here: parameters
                  that meet every kernel's constraints at these dims, a finite positive time
     choose       the fastest; the program as written (pre-defined kernels) competes too, so the answer is
                  never worse than it and is it when nothing better was found
@@ -31,11 +32,10 @@ import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import dataclass
 
-from ..backend import cost, cuda_runtime, tuning
-from ..backend.codegen import TEMPLATES, CodegenConfig
+from ..backend import cost, tuning
+from ..backend.codegen import CodegenConfig
 from ..base import cache
 from ..base.errors import PrismError
 from ..ir.nodes import Program
@@ -50,38 +50,10 @@ from ..search.assembly import Prover, proof_error
 from ..search.config import SearchConfig, Stats
 from ..search.driver import default_jobs, search
 from . import build
+from .measuring import (MODEL_CODE, Measure, Ranked, Timing, dims_key, measure_best, time_parameters,
+                        to_measure, usable)
 
 TOP = 5  # alternatives listed in report.json
-MEASURED = 3  # programs timed on a GPU, best by the model first
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One program timed on the GPU, its outputs checked against the float64 reference first."""
-
-    us: float | None  # None: not usable (it disagreed with the reference, or could not be built or run)
-    note: str  # "checked", or what went wrong
-    lasting: bool = True  # worth keeping in the tuning database (a failure to build or launch is not, nor a
-    # time the host's queueing is in)
-
-
-Measure = Callable[[Program, dict[str, int]], Measurement]
-
-
-@dataclass
-class Ranked:
-    program: Program
-    params: dict[str, int]
-    estimated_us: float
-    busy: int = 0  # the SMs its kernels keep busy, on average over its time: between equal estimates, more first
-    work: int = 0  # the flops its kernels do (f32 and tensor cores): then, between those, fewer first
-    measured: Measurement | None = None
-    as_written: bool = False
-    proved: bool = False  # proved equal to the input in this run (by the search or again), or the input itself
-
-    @property
-    def measured_us(self) -> float | None:
-        return None if self.measured is None else self.measured.us
 
 
 @dataclass
@@ -92,31 +64,11 @@ class Outcome:
     from_checkpoint: bool
 
 
-# What the cost model's estimates come from: its code, and what it reads (the hardware files), nothing else.
-MODEL_CODE = ("ir", "kernels", "backend/cost.py", "backend/intake.py", "backend/launch.py", "backend/copies.py",
-              "backend/warp_mma.py", "backend/sums.py")
-
-
-def _dims(binding: dict) -> str:
-    return json.dumps(sorted((str(k), int(v)) for k, v in binding.items()))
-
-
 def tuning_key(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig = CodegenConfig()) -> str:
     """The model's parameters and estimate for a program at some dims on a hardware, for the code `codegen`
     asks for (threads, tensor cores, wgmma, pipeline stages)."""
     return cache.digest("tuning", SEARCH_VERSION, cache.code_digest(*MODEL_CODE), structure(program, names=True),
-                        _dims(binding), hardware.name, json.dumps(sorted(vars(codegen).items())))
-
-
-def measured_key(program: Program, binding: dict, hardware: Hardware, device: str, params: dict[str, int],
-                 codegen: CodegenConfig = CodegenConfig()) -> str:
-    """A time measured on a GPU: the device string names the GPU, its compute capability and driver; the
-    generated code's sources and templates are in the key too, since a time measured on other code is stale,
-    and so are the code generator's options."""
-    code = cache.code_digest(*MODEL_CODE, "backend", "pipeline/build.py", extra=TEMPLATES)
-    return cache.digest("measured", SEARCH_VERSION, code, structure(program, names=True), _dims(binding),
-                        hardware.name, device, json.dumps(sorted(params.items())),
-                        json.dumps(sorted(vars(codegen).items())))
+                        dims_key(binding), hardware.name, json.dumps(sorted(vars(codegen).items())))
 
 
 def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig,
@@ -126,7 +78,7 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     False (`--no-cache`): the database is neither read nor written."""
     forms = lowered_forms(program, binding)  # the usual form, and those for long rows where there are
     key = tuning_key(program, binding, hardware, codegen)
-    hit = _usable("tuning", key, lambda h: _tuning_problem(h, forms, binding, hardware, codegen), "tuning entry",
+    hit = usable("tuning", key, lambda h: _tuning_problem(h, forms, binding, hardware, codegen), "tuning entry",
                   "tuning") if use_cache else None
     if hit is not None:
         return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"], hit["work"])
@@ -140,16 +92,6 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     if use_cache:
         cache.write("tuning", key, {"params": params, "us": us, "busy": busy, "work": work})
     return Ranked(program, params, us, busy, work)
-
-
-def _usable(kind: str, key: str, problem: Callable[[object], str | None], entry: str, redo: str):
-    """The database's `kind` entry under `key` when `problem` finds nothing wrong with it, else None; an
-    entry that is there but unusable is reported once ("not a valid <entry> (<problem>); <redo> again")."""
-    hit = cache.read(kind, key)
-    why = None if hit is None else problem(hit)
-    if why is not None:
-        cache.warn(cache.path_for(kind, key), f"not a valid {entry} ({why}); {redo} again")
-    return None if why is not None else hit
 
 
 def _tuning_problem(hit, forms: list[Program], binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
@@ -235,7 +177,7 @@ def optimize(program: Program, library: Library, hardware: Hardware, binding: di
              progress: bool = False, stop_event: threading.Event | None = None,
              measure: Measure | None = None, device: str = "") -> Outcome:
     """Search (or reuse the checkpoint), tune every proved program by the model, and choose the fastest;
-    with `measure` (on a GPU named by `device`), the programs `_to_measure` picks are timed and the fastest
+    with `measure` (on a GPU named by `device`), the programs `measuring.to_measure` picks are timed and the fastest
     of those that agreed with the reference is chosen.
 
     A checkpoint is trusted for nothing: the program chosen from it, and every one timed, is proved equal
@@ -333,12 +275,18 @@ def choose_ranked(program: Program, proved: list[Program], how: Choosing, prover
     # stable: search order breaks the remaining ties.
     ranked.sort(key=lambda r: (round(r.estimated_us, 3), -r.busy, r.work, not r.as_written))
     if how.measure is not None:
-        if problem := confirm(_to_measure(ranked), prover):
+        if problem := confirm(to_measure(ranked), prover):
             return problem
-        info["measured"] = _measure_best(ranked, how)
+        timing = Timing(how.binding, how.hardware, how.codegen, how.measure, how.device, how.use_cache)
+        info["measured"] = measure_best(ranked, timing)
         # The fastest that agreed with the reference; then the rest, by the model.
         ranked.sort(key=lambda r: (r.measured_us is None, r.measured_us or 0.0, r.measured is not None,
                                    r.estimated_us))
+        if ranked[0].measured_us is not None:  # and it again with other kernel parameters, the fastest kept
+            ranked[0], counts = time_parameters(ranked[0], timing)
+            info["measured"]["timed"] += counts["timed"]
+            info["measured"]["from_database"] += counts["from_database"]
+            info["measured"]["parameters"] = ranked[0].timed
     if problem := confirm(ranked[:1], prover):
         return problem
     info["proved_programs"] = len(proved)
@@ -429,68 +377,3 @@ def confirm(ranked: list[Ranked], prover: Prover | None) -> str | None:
         return None
     crashed = [e for e in errors if e]
     return f"could not be proved again ({crashed[0]})" if crashed else "failed its proof"
-
-
-def _to_measure(ranked: list[Ranked]) -> list[Ranked]:
-    """The best MEASURED by the model, and the best of each other shape (number of custom kernels; the
-    program as written): the model may misjudge a whole shape (a split reduction's second launch, say),
-    and timing its best is how that is caught."""
-    def shape(r: Ranked) -> tuple:
-        return r.as_written, len(kernels_of(r.program))
-
-    first: dict[tuple, int] = {}  # each shape's best, by its place in `ranked`
-    for i, r in enumerate(ranked):
-        first.setdefault(shape(r), i)
-    return ranked[:MEASURED] + [ranked[i] for i in first.values() if i >= MEASURED]
-
-
-def _measure_best(ranked: list[Ranked], how: Choosing) -> dict:
-    """Time the programs `_to_measure` picks (the tuning database first); what report.json says of it."""
-    timed = reused = 0
-    failures: list[str] = []
-    by_model = {id(r): i + 1 for i, r in enumerate(ranked)}
-    for r in _to_measure(ranked):
-        key = measured_key(r.program, how.binding, how.hardware, how.device, r.params, how.codegen)
-        hit = _usable("measured", key, _measured_problem, "measurement", "timing") if how.use_cache else None
-        if hit is not None:
-            r.measured = Measurement(None if hit["us"] is None else float(hit["us"]), hit["note"])
-            reused += 1
-        else:
-            r.measured = how.measure(r.program, r.params)
-            timed += 1
-            if r.measured.lasting and how.use_cache:
-                cache.write("measured", key, {"us": r.measured.us, "note": r.measured.note})
-        if r.measured.us is None:
-            what = "the program as written" if r.as_written else f"the model's number {by_model[id(r)]}"
-            failures.append(f"{what}: {r.measured.note}")
-    return {"device": how.device, "timed": timed, "from_database": reused, "failed": failures}
-
-
-def _measured_problem(hit) -> str | None:
-    """What makes a measured entry unusable, or None: a note in words, and a time that is a finite
-    positive number or null (the program was not usable)."""
-    if not isinstance(hit, dict) or not isinstance(hit.get("note"), str) or "us" not in hit:
-        return "not a time with a note"
-    if hit["us"] is not None and not is_time(hit["us"]):
-        return f"the time {clip(repr(hit['us']))} is not a finite positive number"
-    return None
-
-
-def gpu_timer(hardware: Hardware, options: build.BuildOptions, reference: Program) -> Measure:
-    """`measure` for `optimize` on a GPU: builds a program with the given parameters (`options` say how),
-    runs it, checks every output against the float64 reference of `reference` (the input program) and
-    times it (`build.measure`). A program that disagrees is never timed into a result."""
-    def measure(program: Program, params: dict[str, int]) -> Measurement:
-        try:
-            gpu = build.measure(build.build(program, hardware, replace(options, params=dict(params)), reference),
-                                options.seed)
-        except (PrismError, cuda_runtime.PlanError, cuda_runtime.KernelCompileError) as e:
-            return Measurement(None, f"could not be built or run: {str(e).splitlines()[0]}", lasting=False)
-        if not gpu.passed:
-            return Measurement(None, f"disagreed with the reference ({gpu.errors()})")
-        if gpu.timing_ms["host_bound"]:  # ranked as measured, but not kept: a later run may time the GPU alone
-            return Measurement(gpu.timing_ms["median_ms"] * 1000, "checked; host-bound (the host's time to queue "
-                               "its launches is in it)", lasting=False)
-        return Measurement(gpu.timing_ms["median_ms"] * 1000, "checked")
-
-    return measure

@@ -201,6 +201,8 @@ class Report:
     launcher_pads: tuple[str, ...] = ()  # and those the launcher pads (or the caller passes padded: `padded_inputs`)
     padding_copies_us: float | None = None  # with `padded`: what the copies that pad and cut cost a call, by the model
     kept: bool = False  # its check failed and the output directory, an earlier verified compile's, was kept (`files` empty)
+    parameters_timed: tuple[Mapping, ...] = ()  # with --rank measure: choices of the kernel parameters timed on the
+    # GPU, the model's order (`measuring.time_parameters`): params, estimated_us, measured_us, measurement
 
     @property
     def verified(self) -> bool:
@@ -269,6 +271,11 @@ def summary(report: Report, out: Path) -> str:
                  + (f"; measured {report.measured_us} us{_host(gpu.timing_ms)}" if report.measured_us is not None
                     else ""))
     lines.append(f"    estimates priced from {report.priced}")
+    if report.parameters_timed:
+        lines.append("  kernel parameters timed (the fastest that agreed is built):")
+        lines += [f"    {', '.join(f'{k}={v}' for k, v in t['params'].items()) or 'none'}: estimated {t['estimated_us']} us, "
+                  + (f"measured {t['measured_us']} us" if t["measured_us"] is not None else t["measurement"])
+                  for t in report.parameters_timed]
     if report.banks is not None:
         lines.append(f"  shared-memory count (--banks): skipped ({report.banks.skipped})")
     checks = {"nvcc": report.nvcc, "emulation": report.checked.emulation, "gpu": report.checked.gpu}
