@@ -3,7 +3,8 @@ measurement, and how far it would be with other values of the model's constants.
 gpu.json files `gpu_fused.py run` wrote (brought back from the GPU machine) beside each prepared workload's
 program, dims and parameters, builds each kernel again with those parameters, compiles it with nvcc where nvcc is
 here (the estimate is then priced from its SASS, as `prepare` priced it), and sets each estimate beside the
-kernel's measured time.
+kernel's measured time. The workloads' other choices of kernel parameters (`gpu_fused.py prepare --choices`, `run
+--choices`) are priced too: the same kernel at other numbers of blocks, which is what the tuner chooses between.
 
     python benchmarks/calibrate.py                       # the last GPU run (benchmarks/measured/), the model as it is
     python benchmarks/calibrate.py --set intake.WARP_FILL_BYTES_PER_CLOCK=1.82 --set cost.SCALAR_REACH=0.15
@@ -51,7 +52,14 @@ def constant(text: str) -> tuple[object, str, float]:
 
 
 def measured_workloads(directory: Path, only: str | None) -> list[Path]:
-    return sorted(p.parent for p in directory.glob("*/gpu.json") if not only or only in p.parent.name)
+    """The measured workloads, and their other choices of kernel parameters (`gpu_fused.py prepare --choices`)."""
+    found = [*directory.glob("*/gpu.json"), *directory.glob("*/choices/*/gpu.json")]
+    return sorted(p.parent for p in found if not only or only in label(p.parent))
+
+
+def label(workload: Path) -> str:
+    """A measured directory's name in the tables: a choice of parameters by its workload's name and number."""
+    return f"{workload.parent.parent.name}, choice {workload.name}" if workload.parent.name == "choices" else workload.name
 
 
 def priced(workload: Path, structure: bool) -> list[tuple]:
@@ -63,9 +71,9 @@ def priced(workload: Path, structure: bool) -> list[tuple]:
     options = BuildOptions(dims=report["dims"], params=report["parameters"], emulate=False, codegen=codegen_of(report),
                            archs=() if structure else (hardware.arch,), padded=report.get("padded") or {},
                            padded_inputs=bool(report.get("padded_inputs")))
-    built = build(load(workload / "best.prism").program(), hardware, options)
+    built = build(load(workload / (report.get("best") or f"{report['program']}.prism")).program(), hardware, options)
     times = {k["name"]: k["us"] for k in measured.get("per_kernel", []) if "us" in k}
-    return [(workload.name, e, times[e.kernel]) for e in built.estimates if e.kernel in times]
+    return [(label(workload), e, times[e.kernel]) for e in built.estimates if e.kernel in times]
 
 
 def spread(ratios: list[float]) -> tuple[float, float]:
@@ -95,7 +103,7 @@ def main() -> int:
         try:
             rows += priced(workload, args.structure)
         except (PrismError, OSError, KeyError, ValueError) as err:
-            skipped.append(f"- {workload.name}: {str(err).splitlines()[0]}")
+            skipped.append(f"- {label(workload)}: {str(err).splitlines()[0]}")
     if not rows:
         print("no kernel of the measured workloads could be priced", *skipped, sep="\n", file=sys.stderr)
         return 1

@@ -44,12 +44,18 @@ import sys
 import time
 from pathlib import Path
 
+import sympy
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from static_report import WORKLOADS  # noqa: E402
 
 from prism_dsl.backend.compare import RTOL, Tolerance  # noqa: E402
+from prism_dsl.cli.verify import codegen_of  # noqa: E402
+from prism_dsl.kernels.kernel import kernels_of  # noqa: E402
+from prism_dsl.kernels.lower import lowered_for  # noqa: E402
+from prism_dsl.pipeline.measuring import Ranked, parameter_choices  # noqa: E402
 from prism_dsl.cli.bench import TORCH, time_torch, torch_function  # noqa: E402
 from prism_dsl.kernels.hardware import for_device, hardware_names, load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
@@ -57,6 +63,7 @@ from prism_dsl.pipeline.build import rtol_of  # noqa: E402
 from prism_dsl.semantics.blocks import evaluate  # noqa: E402
 from prism_dsl.semantics.reference import bind_dims, check_inputs, concrete_shape  # noqa: E402
 
+CHOICES = 4  # choices of each workload's kernel parameters prepared, the model's own among them
 BATCH = 20  # calls between two events
 REPEAT = 30
 L2_SPAN = 3  # the rotating input sets span at least this many times the hardware's L2 cache
@@ -96,7 +103,44 @@ def prepare(args, workloads=WORKLOADS) -> int:
                 "options": shlex.split(args.options)}
         (out / "case.json").write_text(json.dumps(case) + "\n")
         print(f"{name}: {out} ({time.monotonic() - started:.0f} s)")
+        for problem in prepare_choices(out, case, getattr(args, "choices", CHOICES)):
+            failed += 1
+            print(f"{name}: {problem}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def prepare_choices(out: Path, case: dict, count: int) -> list[str]:
+    """The program `out` holds compiled again (`--search none`) with the model's next best choices of its kernel
+    parameters, `count` in all with its own (`measuring.parameter_choices`, as `--rank measure` times them on a
+    GPU), each into out/choices/<k>/ with a case.json naming them: `run --choices` checks and times them beside it,
+    and `calibrate.py` prices them. What failed, in words (a workload built past its sizes has no choices: its
+    parameters hold only at the sizes it was built for, which its launcher pads to)."""
+    shutil.rmtree(out / "choices", ignore_errors=True)
+    if count < 2 or (report := json.loads((out / "report.json").read_text())).get("padded"):
+        return []
+    source = out / (report.get("best") or f"{report['program']}.prism")
+    program = load(source).program()
+    hardware = load_hardware(case["hardware"])
+    binding = bind_dims(program, report["dims"])
+    chosen = Ranked(program, report["parameters"], report["estimated_us"])
+    lowered = lowered_for(program, report["parameters"])
+    grid = {s.name for k in kernels_of(lowered) for _, g in k.grid for s in sympy.sympify(g).free_symbols}
+    problems = []
+    for k, choice in enumerate(parameter_choices(chosen, binding, hardware, codegen_of(report), count)[1:], 1):
+        there = out / "choices" / str(k)
+        given = [f"--grid={n}={v}" if n in grid else f"--loop={n}={v}" for n, v in choice.params.items()]
+        done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(source), "--search", "none",
+                               "--dims", case["dims"], "-o", str(there), "--no-emulate", "--arch", hardware.arch,
+                               "--hardware", case["hardware"], *given, *case["options"]], capture_output=True, text=True)
+        if done.returncode:
+            problems.append(f"parameters {choice.params}: prismc compile failed:\n"
+                            f"{done.stderr.strip() or f'exit {done.returncode}'}")
+            shutil.rmtree(there, ignore_errors=True)
+            continue
+        shutil.copy(out / "baseline.prism", there / "baseline.prism")
+        (there / "case.json").write_text(json.dumps({**case, "choice_of": case["workload"],
+                                                     "params": choice.params}) + "\n")
+    return problems
 
 
 # -- run: on the GPU ---------------------------------------------------------------------------------------
@@ -169,7 +213,8 @@ def verdict(outputs: dict, reference: dict, pairs, tol: Tolerance) -> dict:
             "rtol": max(c["rtol"] for c in checks), "rounding": max(c.get("rounding", 0.0) for c in checks)}
 
 
-def run_case(out: Path) -> dict:
+def run_case(out: Path, baselines: bool = True) -> dict:
+    """One prepared directory checked and timed: ours, and (`baselines`) PyTorch eager, torch.compile and SDPA."""
     import torch
 
     case = json.loads((out / "case.json").read_text())
@@ -204,8 +249,9 @@ def run_case(out: Path) -> dict:
     device_sets = [[torch.tensor(s[n], dtype=dtypes[n], device="cuda") for n in names] for s in sets]
     eager = torch_function(baseline)
     call = lambda fn: lambda *xs: fn(**dict(zip(names, xs)))  # noqa: E731
-    impls = [("torch eager", call(eager), device_sets), ("torch.compile", call(torch.compile(eager)), device_sets)]
-    if (attention := sdpa(torch, case["program"], {**report["dims"], **(report.get("padded") or {})})) is not None:
+    impls = [("torch eager", call(eager), device_sets),
+             ("torch.compile", call(torch.compile(eager)), device_sets)] if baselines else []
+    if baselines and (attention := sdpa(torch, case["program"], {**report["dims"], **(report.get("padded") or {})})) is not None:
         attend, arrange = attention
         impls.append(("sdpa", lambda *xs: (attend(*xs),), [arrange(*xs) for xs in device_sets]))
     for impl, fn, arg_sets in impls:
@@ -221,7 +267,7 @@ def run_case(out: Path) -> dict:
             "device": rt.gpu_status()[1],
             "hardware": hardware_name, "sets": len(sets),
             "floor_us": report["roofline"]["floor_us"], "model_us": report["estimated_us"],
-            "kernels": len(plan["kernels"]), "per_kernel": per_kernel, "rows": rows}
+            "kernels": len(plan["kernels"]), "per_kernel": per_kernel, "rows": rows, "params": report["parameters"]}
 
 
 def gpu_usable() -> bool:
@@ -236,8 +282,9 @@ def gpu_usable() -> bool:
         return False
 
 
-def table(results: list[dict], unmeasured: list[str] = ()) -> str:
-    """The RESULTS.md text of measured `results`, naming the workloads `unmeasured` (no gpu.json) under the table."""
+def table(results: list[dict], unmeasured: list[str] = (), choices: dict[str, list[dict]] | None = None) -> str:
+    """The RESULTS.md text of measured `results`, naming the workloads `unmeasured` (no gpu.json) under the table;
+    with `choices` (by workload, the measured results of its other kernel parameters), their table too."""
     devices = sorted({r["device"] for r in results})
     files = sorted({load_hardware(r["hardware"]).name for r in results})
     file_s = "file" if len(files) == 1 else "files"
@@ -268,7 +315,7 @@ def table(results: list[dict], unmeasured: list[str] = ()) -> str:
             return (f"{rows[impl]['us']:.1f}" + ("" if rows[impl]["passed"] else " (wrong)")
                     + (" (host-bound)" if rows[impl].get("host_bound") else ""))
         failed = [impl for impl, row in rows.items() if not row["passed"]]
-        versus = f"{ours['us'] / rows['torch.compile']['us']:.2f}" if "us" in rows["torch.compile"] else "-"
+        versus = f"{ours['us'] / rows['torch.compile']['us']:.2f}" if "us" in rows.get("torch.compile", {}) else "-"
         options = f" [{' '.join(r['options'])}]" if r.get("options") else ""
         lines.append(f"| {r['workload']} ({r['dims']}){options} | {r['kernels']} | {us('prism-dsl')} "
                      f"| {ours['alone_us']:.1f} "
@@ -303,7 +350,40 @@ def table(results: list[dict], unmeasured: list[str] = ()) -> str:
               if "error" in row]
     if errors:
         lines += ["", "Baselines that did not run:", *errors]
+    lines += choices_table(results, choices or {})
     return "\n".join(lines) + "\n"
+
+
+def choices_table(results: list[dict], choices: dict[str, list[dict]]) -> list[str]:
+    """The lines of the table of each workload's kernel parameters timed (`run --choices`), the model's own first;
+    none where no choice was measured."""
+    rows, workloads, won, gains = [], 0, 0, []
+    for r in results:
+        if not (others := choices.get(r["workload"], [])):
+            continue
+        workloads += 1
+        mine = r["rows"]["prism-dsl"]
+        passed = [c for c in (r, *others) if c["rows"]["prism-dsl"]["passed"]]
+        fastest = min(passed, key=lambda c: c["rows"]["prism-dsl"]["us"]) if passed else None
+        won += fastest is r
+        if fastest not in (None, r) and mine["passed"]:
+            gains.append(mine["us"] / fastest["rows"]["prism-dsl"]["us"])
+        for c in (r, *others):
+            ours = c["rows"]["prism-dsl"]
+            params = ", ".join(f"{n}={v}" for n, v in c.get("params", {}).items()) or "-"
+            grids = "; ".join(f"{'x'.join(map(str, k['grid']))} x {k['block'][0]}" for k in c.get("per_kernel", []))
+            name, whose = (r["workload"], " (the model's)") if c is r else ("", "")
+            rows.append(f"| {name} | {params}{whose} | {grids} | {c['model_us']:.1f} "
+                        f"| {ours['us']:.1f}{'' if ours['passed'] else ' (wrong)'} | {ours['alone_us']:.1f} "
+                        f"| {ours['us'] / mine['us']:.2f} | {'fastest' if c is fastest else ''} |")
+    if not rows:
+        return []
+    faster = f"; elsewhere the fastest was {min(gains):.2f}x to {max(gains):.2f}x faster than it" if gains else ""
+    return ["", "Each workload's chosen program with the model's next best choices of its kernel parameters (`prepare "
+            "--choices`, timed by `run --choices` as ours is above): what `prismc compile --rank measure` chooses "
+            f"between. The model's own choice was the fastest in {won} of {workloads}{faster}.", "",
+            "| workload | parameters | grid x threads | model us | ours | ours alone | / the model's choice | |",
+            "|---|---|---|---|---|---|---|---|", *rows]
 
 
 def run(args) -> int:
@@ -320,6 +400,9 @@ def run(args) -> int:
         print(f"no prepared workloads in {directory}: run `python benchmarks/gpu_fused.py prepare` first",
               file=sys.stderr)
         return 1
+    if getattr(args, "choices", False):  # each workload's other kernel parameters (`prepare_choices`), ours alone
+        cases = [(f"{name}, choice {c.parent.name}", c.parent) for name, out in cases
+                 for c in sorted((out / "choices").glob("*/case.json"))]
     failed = 0
     for name, out in cases:
         saved = out / "gpu.json"
@@ -327,7 +410,7 @@ def run(args) -> int:
             continue
         started = time.monotonic()
         try:
-            result = run_case(out)
+            result = run_case(out, baselines=not getattr(args, "choices", False))
         except Exception as err:  # pycuda's errors derive from Exception only; one workload's failure is its row's
             failed += 1
             print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
@@ -379,7 +462,10 @@ def write_table(directory: Path, results_md: Path, only: str | None = None) -> i
     if not results:
         print(f"no measured workloads (gpu.json) in {directory}", file=sys.stderr)
         return 1
-    text = table(results, [name for name, path in saved.items() if not path.exists() and path.parent.is_dir()])
+    choices = {name: [json.loads(c.read_text()) for c in sorted(path.parent.glob("choices/*/gpu.json"))]
+               for name, path in saved.items() if path.exists()}
+    text = table(results, [name for name, path in saved.items() if not path.exists() and path.parent.is_dir()],
+                 choices)
     results_md.write_text(text)
     print(text)
     return 1 if any(not r["rows"]["prism-dsl"]["passed"] for r in results) else 0
@@ -392,11 +478,15 @@ def main() -> int:
     pre.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
     pre.add_argument("--hardware", default="h100", choices=hardware_names(), help="the hardware file to tune for and "
                      "to take the model and the floor from: the GPU's")
+    pre.add_argument("--choices", type=int, default=CHOICES, help="choices of each workload's kernel parameters to "
+                     "prepare, the model's own among them, for `run --choices` (0: none)")
     pre.add_argument("--options", default="", help="more options for prismc compile, as one quoted argument: "
                      "--options=\"--no-wgmma\" "
                      "(into a --dir of their own: the table names them beside each workload)")
     go = sub.add_parser("run", help="check and time the prepared workloads (a CUDA GPU)")
     go.add_argument("--again", action="store_true", help="measure workloads that already have a gpu.json")
+    go.add_argument("--choices", action="store_true", help="check and time each workload's other choices of kernel "
+                    "parameters (`prepare --choices`), ours alone, instead of the workloads")
     tab = sub.add_parser("table", help="write benchmarks/RESULTS.md from the gpu.json files in DIR (any machine)")
     prof = sub.add_parser("profile", help="run each prepared workload's kernels once, for a profiler (a CUDA GPU)")
     for p in (pre, go, tab, prof):

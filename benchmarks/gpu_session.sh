@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One sitting on a GPU machine, in the order that matters most when its time may run out: one workload to see
 # the chain work, two TMA copies made four ways (tma_probe.py), the decode workloads (checked and timed,
-# gpu_fused.py run), the model's memory and launch figures (gpu_probe.py), the prefill workloads, the prefill
-# workloads compiled with TMA where `prepare --dir out/gpu-tma` made them, and the tests that need a GPU. Each step has a time limit and the whole a budget; a step cut short
-# keeps what it measured (each workload's gpu.json is written as soon as it is measured).
+# gpu_fused.py run), their other choices of kernel parameters (run --choices), the model's memory and launch
+# figures (gpu_probe.py), the prefill workloads and their choices, the prefill workloads compiled with TMA where
+# `prepare --dir out/gpu-tma` made them, and the tests that need a GPU. Each step has a time limit and the whole a
+# budget; a step cut short keeps what it measured (each workload's gpu.json is written as soon as it is measured).
 #
 #     python benchmarks/gpu_fused.py prepare --hardware h200                                  # here first
 #     python benchmarks/gpu_fused.py prepare --hardware h200 --dir out/gpu-tma --only prefill --options="--tma"
@@ -11,15 +12,16 @@
 #     benchmarks/gpu_session.sh [BUDGET_SECONDS [STEP...]]     # on the GPU machine, from anywhere
 #     # bring back $RESULTS/session.tar.gz; here: tar xzf it, then python benchmarks/gpu_fused.py table
 #
-# STEPs, in the order given (default: first tmacopy decode probe profile prefill profile-prefill tma tests): first
-# (one decode workload, to see that the whole chain works before the rest), tmacopy, decode, probe, profile (Nsight
-# Compute on our decode kernels, each run once by `gpu_fused.py profile`: where their time goes), prefill,
-# profile-prefill (the same on the prefill kernels: whether the tensor pipes or L2 bound them), tma, tests. A
-# workload measured by an
-# earlier step or call (its gpu.json) is not measured again. RESULTS (default out/session) gets steps.txt
-# (each step's exit status and time) and session.tar.gz (every gpu.json, probe.json and each step's log,
-# under their paths in the repository; a relative RESULTS is taken from the repository's root). Exits 1 where a step failed or was cut short (steps.txt says which), 2 on
-# an argument it does not take.
+# STEPs, in the order given (default: first tmacopy decode choices probe profile prefill choices-prefill
+# profile-prefill tma tests): first (one decode workload, to see that the whole chain works before the rest),
+# tmacopy, decode, choices (the decode workloads' other kernel parameters, ours alone: `prepare --choices`), probe,
+# profile (Nsight Compute on our decode kernels, each run once by `gpu_fused.py profile`: where their time goes),
+# prefill, choices-prefill, profile-prefill (the same on the prefill kernels: whether the tensor pipes or L2 bound
+# them), tma, tests. A workload measured by an earlier step or call (its gpu.json) is not measured again. RESULTS
+# (default out/session) gets steps.txt (each step's exit status and time) and session.tar.gz (every gpu.json,
+# probe.json and each step's log, under their paths in the repository; a relative RESULTS is taken from the
+# repository's root). Exits 1 where a step failed or was cut short (steps.txt says which), 2 on an argument it
+# does not take.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -30,10 +32,12 @@ if ! [[ $budget =~ ^[0-9]+$ ]]; then
 fi
 shift $(( $# ? 1 : 0 ))
 steps=("$@")
-(( ${#steps[@]} )) || steps=(first tmacopy decode probe profile prefill profile-prefill tma tests)
+(( ${#steps[@]} )) || steps=(first tmacopy decode choices probe profile prefill choices-prefill profile-prefill tma tests)
 for name in "${steps[@]}"; do
-    case $name in first | tmacopy | decode | probe | profile | prefill | profile-prefill | tma | tests) ;;
-        *) echo "unknown step '$name' (first, tmacopy, decode, probe, profile, prefill, profile-prefill, tma, tests)" >&2
+    case $name in first | tmacopy | decode | choices | probe | profile | prefill | choices-prefill | profile-prefill | tma \
+                  | tests) ;;
+        *) echo "unknown step '$name' (first, tmacopy, decode, choices, probe, profile, prefill, choices-prefill," \
+                "profile-prefill, tma, tests)" >&2
            exit 2 ;;
     esac
 done
@@ -86,6 +90,8 @@ for name in "${steps[@]}"; do
         first) step first 90 python3 benchmarks/gpu_fused.py run --only "rmsnorm_linear decode" ;;
         tmacopy) step tmacopy 90 python3 benchmarks/tma_probe.py ;;
         decode) step decode 200 python3 benchmarks/gpu_fused.py run --only decode ;;
+        choices) step choices 200 python3 benchmarks/gpu_fused.py run --choices --only decode ;;
+        choices-prefill) step choices-prefill 150 python3 benchmarks/gpu_fused.py run --choices --only prefill ;;
         probe) step probe 120 python3 benchmarks/gpu_probe.py --json out/probe.json ;;
         profile) step profile 150 sh -c "$profiled decode" ;;
         prefill) step prefill 240 python3 benchmarks/gpu_fused.py run --only prefill ;;
@@ -95,7 +101,8 @@ for name in "${steps[@]}"; do
     esac
 done
 
-tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-tma.md out/gpu*/*/gpu.json 2>/dev/null)
+tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-tma.md out/gpu*/*/gpu.json \
+    out/gpu*/*/choices/*/gpu.json 2>/dev/null)
 echo "session: $((SECONDS - begun)) s; $(tar tzf "$results/session.tar.gz" | grep -c gpu.json) workloads measured;" \
     "$failures step(s) failed"
 exit $(( failures ? 1 : 0 ))

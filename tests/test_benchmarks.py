@@ -312,7 +312,7 @@ def prepared(tmp_path_factory):
     """One small workload compiled by `gpu_fused.py prepare`, as the GPU step finds it."""
     directory = tmp_path_factory.mktemp("gpu")
     args = type("Args", (), {"dir": str(directory), "only": None, "time_limit": 10.0, "hardware": "h100",
-                             "options": ""})
+                             "options": "", "choices": 2})
     assert fused.prepare(args, [("rmsnorm_mlp small", "rmsnorm_mlp", "n=8,d=256")]) == 0
     return directory / "rmsnorm_mlp_small"
 
@@ -325,6 +325,22 @@ def test_prepare_writes_what_the_gpu_step_reads(prepared):
                                                                 "program": "rmsnorm_mlp", "dims": "n=8,d=256",
                                                                 "hardware": "h100", "options": []}
     assert (prepared / "baseline.prism").read_text() == (BENCHMARKS.parent / "programs/rmsnorm_mlp.prism").read_text()
+
+
+def test_prepare_compiles_the_chosen_program_with_the_models_next_choice_of_parameters(prepared):
+    """`prepare --choices 2`: the chosen program again with the model's next best kernel parameters (other numbers
+    of blocks), compiled as written with them into choices/1/, with what the GPU step reads and the parameters
+    named in its case.json."""
+    report = json.loads((prepared / "report.json").read_text())
+    assert sorted(p.name for p in (prepared / "choices").iterdir()) == ["1"]
+    there = prepared / "choices" / "1"
+    for name in ("case.json", "baseline.prism", "report.json", "launcher.py", "prism_runtime.py", "prism.cuh"):
+        assert (there / name).is_file(), name
+    case, other = json.loads((there / "case.json").read_text()), json.loads((there / "report.json").read_text())
+    assert case["choice_of"] == case["workload"] == "rmsnorm_mlp small" and case["params"] == other["parameters"]
+    assert set(other["parameters"]) == set(report["parameters"]) and other["parameters"] != report["parameters"]
+    assert [k["grid"] for k in other["kernels"]] != [k["grid"] for k in report["kernels"]]
+    assert other["dims"] == report["dims"] and other["program"] == report["program"]
 
 
 def test_the_gpu_steps_oracle_is_the_program_as_written_on_inputs_of_their_dtype(prepared):
@@ -365,7 +381,7 @@ def test_the_gpu_step_records_a_failed_workload_and_stops_at_a_launch_failure(tm
     raised = iter([ValueError("a plan error"), LogicError("an illegal memory access"), AssertionError("never reached")])
     usable = iter([True, False])  # the context after each: the plan error leaves it working, the fault does not
 
-    def run_case(out):
+    def run_case(out, baselines=True):
         raise next(raised)
     monkeypatch.setattr(fused, "run_case", run_case)
     monkeypatch.setattr(fused, "gpu_usable", lambda: next(usable))
@@ -450,7 +466,7 @@ def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path,
         return subprocess.CompletedProcess(cmd, 0, "", "")
     monkeypatch.setattr(fused.subprocess, "run", compile_run)
     args = type("Args", (), {"dir": str(tmp_path / "mma"), "only": "swiglu decode", "time_limit": 5.0,
-                             "hardware": "h100", "options": "--no-wgmma --stages 2"})
+                             "hardware": "h100", "options": "--no-wgmma --stages 2", "choices": 0})
     assert fused.prepare(args) == 0
     assert len(seen) == 1 and seen[0][-3:] == ["--no-wgmma", "--stages", "2"] and "n=8,d=4096" in seen[0]
     case = json.loads((tmp_path / "mma" / "swiglu_decode" / "case.json").read_text())
@@ -477,10 +493,50 @@ def test_a_failed_prepare_keeps_what_the_directory_held_and_says_prismcs_message
         return subprocess.CompletedProcess(cmd, 2, "", "prismc: unrecognized arguments: --no-such-flag\n(see help)\n")
     monkeypatch.setattr(fused.subprocess, "run", failing)
     args = type("Args", (), {"dir": str(tmp_path), "only": "swiglu decode", "time_limit": 5.0, "hardware": "h100",
-                             "options": "--no-such-flag"})
+                             "options": "--no-such-flag", "choices": 0})
     assert fused.prepare(args) == 1
     assert (out / "gpu.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["swiglu_decode"]
     assert "prismc: unrecognized arguments: --no-such-flag\n(see help)" in capsys.readouterr().err
+
+
+def test_run_choices_times_ours_alone_in_each_choice_and_the_table_sets_them_beside_the_models(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """`run --choices`: each prepared choice of a workload's parameters checked and timed, ours alone (no
+    baselines), its gpu.json in its own directory; the table lists them under the model's own choice, marks the
+    fastest that agreed and says by how much it beat the model's."""
+    out = tmp_path / fused.slug("swiglu decode")
+    for k in ("1", "2"):
+        (out / "choices" / k).mkdir(parents=True)
+        (out / "choices" / k / "case.json").write_text("{}")
+    (out / "case.json").write_text("{}")
+    seen = []
+
+    def result(us, passed, params, grid):
+        return {"workload": "swiglu decode", "dims": "n=8,d=4096", "device": "a GPU", "hardware": "h100", "sets": 3,
+                "floor_us": 10.0, "model_us": 13.0 + len(params), "kernels": 1, "params": params,
+                "per_kernel": [{"name": "fused", "grid": grid, "block": [128, 1, 1], "model_us": 13.0, "bound": "memory",
+                                "us": us}],
+                "rows": {"prism-dsl": {"passed": passed, "max_rel_err": 3e-4, "us": us, "alone_us": us + 1}}}
+
+    def run_case(there, baselines=True):
+        seen.append((there.relative_to(tmp_path).as_posix(), baselines))
+        return {"1": result(15.0, True, {"gx": 128}, [128, 1, 1]),
+                "2": result(11.0, False, {"gx": 64}, [64, 1, 1])}[there.name]
+    monkeypatch.setattr(fused, "run_case", run_case)
+    monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "a GPU"))
+    (out / "gpu.json").write_text(json.dumps(result(20.0, True, {"gx": 256}, [256, 1, 1])))
+    args = type("Args", (), {"dir": str(tmp_path), "only": None, "again": False, "results": str(tmp_path / "r.md"),
+                             "choices": True})
+    assert fused.run(args) == 0
+    assert seen == [("swiglu_decode/choices/1", False), ("swiglu_decode/choices/2", False)]
+    assert (out / "choices" / "1" / "gpu.json").is_file()
+    text = (tmp_path / "r.md").read_text()
+    assert "The model's own choice was the fastest in 0 of 1; elsewhere the fastest was 1.33x to 1.33x faster" in text
+    assert "| swiglu decode | gx=256 (the model's) | 256x1x1 x 128 | 14.0 | 20.0 | 21.0 | 1.00 |  |" in text
+    assert "|  | gx=128 | 128x1x1 x 128 | 14.0 | 15.0 | 21.0 | 0.75 | fastest |".replace("21.0", "16.0") in text
+    assert "|  | gx=64 | 64x1x1 x 128 | 14.0 | 11.0 (wrong) | 12.0 | 0.55 |  |" in text  # fastest, but wrong
+    assert fused.run(args) == 0 and len(seen) == 2  # measured already
+    capsys.readouterr()
 
 
 def test_the_table_names_the_prepared_workloads_not_measured(tmp_path):
@@ -530,6 +586,17 @@ def test_calibrate_prices_the_measured_kernels_again_and_with_other_constants(pr
         assert stop.value.code == 2 and "no numeric constant of intake or cost" in capsys.readouterr().err
     finally:
         (prepared / "gpu.json").unlink()
+
+
+def test_calibrate_takes_each_workloads_choices_of_parameters_too(tmp_path):
+    for path in ("swiglu_decode/gpu.json", "swiglu_decode/choices/1/gpu.json", "gqa_decode/gpu.json",
+                 "gqa_decode/choices/2/gpu.json", "gqa_decode/choices/3/case.json"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("{}")
+    found = calibrate.measured_workloads(tmp_path, None)
+    assert [calibrate.label(w) for w in found] == ["gqa_decode", "gqa_decode, choice 2", "swiglu_decode",
+                                                   "swiglu_decode, choice 1"]
+    assert [calibrate.label(w) for w in calibrate.measured_workloads(tmp_path, "choice 1")] == ["swiglu_decode, choice 1"]
 
 
 def test_calibrate_reads_the_last_gpu_runs_kept_measurements(capsys, monkeypatch):
