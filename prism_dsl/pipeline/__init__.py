@@ -9,7 +9,9 @@ written once as report.json, and the output directory, replaced whole or not at 
 - `compile`: `compile_program`, the passes in order: search (and size: `padding`), choose, lower, tune, render, compile-check,
   emulate, measure, write;
 - `optimize`: search and choose: the proved programs (a search, or its checkpoint proved again), each
-  tuned by the cost model or timed on the GPU, ranked; the tuning database of estimates and measured times;
+  tuned by the cost model or timed on the GPU, ranked; the tuning database of estimates;
+- `measuring`: timing on the GPU (`--rank measure`): which programs and which choices of their kernel parameters
+  are timed, the timer, the database's measured times;
 - `padding`: the dims a compile is built for, where no tile divides a size given (rounded up, the launcher
   padding the inputs and cutting the outputs);
 - `build`: lower, tune, render, compile-check, emulate and measure, for one program (`Tuned`, `Build`);
