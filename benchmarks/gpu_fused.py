@@ -111,10 +111,11 @@ def prepare(args, workloads=WORKLOADS) -> int:
 
 def prepare_choices(out: Path, case: dict, count: int) -> list[str]:
     """The program `out` holds compiled again (`--search none`) with the model's next best choices of its kernel
-    parameters, `count` in all with its own (`measuring.parameter_choices`, as `--rank measure` times them on a
-    GPU), each into out/choices/<k>/ with a case.json naming them: `run --choices` checks and times them beside it,
-    and `calibrate.py` prices them. What failed, in words (a workload built past its sizes has no choices: its
-    parameters hold only at the sizes it was built for, which its launcher pads to)."""
+    parameters and with its own at twice the threads, `count` in all with its own (`measuring.parameter_choices`,
+    as `--rank measure` times them on a GPU), each into out/choices/<k>/ with a case.json naming them: `run
+    --choices` checks and times them beside it, and `calibrate.py` prices them. What failed, in words (a workload
+    built past its sizes has no choices: its parameters hold only at the sizes it was built for, which its
+    launcher pads to)."""
     shutil.rmtree(out / "choices", ignore_errors=True)
     if count < 2 or (report := json.loads((out / "report.json").read_text())).get("padded"):
         return []
@@ -131,15 +132,17 @@ def prepare_choices(out: Path, case: dict, count: int) -> list[str]:
         given = [f"--grid={n}={v}" if n in grid else f"--loop={n}={v}" for n, v in choice.params.items()]
         done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(source), "--search", "none",
                                "--dims", case["dims"], "-o", str(there), "--no-emulate", "--arch", hardware.arch,
-                               "--hardware", case["hardware"], *given, *case["options"]], capture_output=True, text=True)
+                               "--hardware", case["hardware"], *given, *case["options"],
+                               *(["--threads", str(choice.threads)] if choice.threads else [])],
+                              capture_output=True, text=True)
         if done.returncode:
-            problems.append(f"parameters {choice.params}: prismc compile failed:\n"
-                            f"{done.stderr.strip() or f'exit {done.returncode}'}")
+            problems.append(f"parameters {choice.params}, threads {choice.threads or 'as chosen'}: prismc compile "
+                            f"failed:\n{done.stderr.strip() or f'exit {done.returncode}'}")
             shutil.rmtree(there, ignore_errors=True)
             continue
         shutil.copy(out / "baseline.prism", there / "baseline.prism")
-        (there / "case.json").write_text(json.dumps({**case, "choice_of": case["workload"],
-                                                     "params": choice.params}) + "\n")
+        (there / "case.json").write_text(json.dumps({**case, "choice_of": case["workload"], "params": choice.params,
+                                                     "threads": choice.threads}) + "\n")
     return problems
 
 

@@ -327,10 +327,10 @@ def test_prepare_writes_what_the_gpu_step_reads(prepared):
     assert (prepared / "baseline.prism").read_text() == (BENCHMARKS.parent / "programs/rmsnorm_mlp.prism").read_text()
 
 
-def test_prepare_compiles_the_chosen_program_with_the_models_next_choice_of_parameters(prepared):
-    """`prepare --choices 2`: the chosen program again with the model's next best kernel parameters (other numbers
-    of blocks), compiled as written with them into choices/1/, with what the GPU step reads and the parameters
-    named in its case.json."""
+def test_prepare_compiles_the_chosen_program_with_other_choices_of_parameters(prepared):
+    """`prepare --choices 2`: the chosen program again with its own parameters at twice the threads (the last of
+    `measuring.parameter_choices`; with more choices, the model's next best parameters come before it), compiled
+    as written into choices/1/, with what the GPU step reads and the choice named in its case.json."""
     report = json.loads((prepared / "report.json").read_text())
     assert sorted(p.name for p in (prepared / "choices").iterdir()) == ["1"]
     there = prepared / "choices" / "1"
@@ -338,8 +338,8 @@ def test_prepare_compiles_the_chosen_program_with_the_models_next_choice_of_para
         assert (there / name).is_file(), name
     case, other = json.loads((there / "case.json").read_text()), json.loads((there / "report.json").read_text())
     assert case["choice_of"] == case["workload"] == "rmsnorm_mlp small" and case["params"] == other["parameters"]
-    assert set(other["parameters"]) == set(report["parameters"]) and other["parameters"] != report["parameters"]
-    assert [k["grid"] for k in other["kernels"]] != [k["grid"] for k in report["kernels"]]
+    assert other["parameters"] == report["parameters"] and case["threads"] == other["codegen"]["threads"] == 256
+    assert [k["block"][0] for k in other["kernels"]] == [256] and [k["block"][0] for k in report["kernels"]] == [128]
     assert other["dims"] == report["dims"] and other["program"] == report["program"]
 
 

@@ -643,9 +643,9 @@ def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(lib
     modelled = by_model[2].params  # the model's parameters for the third
     calls = []
 
-    def fake_gpu(prog, params):
+    def fake_gpu(prog, params, codegen):
         text = print_program(prog)
-        calls.append((text, dict(params)))
+        calls.append((text, dict(params), codegen.threads))
         if text == first:
             return Measurement(None, "disagreed with the reference (y: max rel err 1.00e+00)")
         if text == third:  # the fastest program, and faster still with other parameters than the model's
@@ -657,13 +657,17 @@ def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(lib
     assert [print_program(r.program) for r in picked[:MEASURED]] == [first, second, third]
     assert any(r.as_written for r in picked[MEASURED:])
     out = optimize(src, library, H100, binding, measure=fake_gpu, device="Fake GPU, sm_90, driver 1")
-    programs = [c for c in calls if c[0] != third or c[1] == modelled]
-    assert sorted(c[0] for c in programs) == sorted(print_program(r.program) for r in picked)
-    others = [c[1] for c in calls if c[0] == third and c[1] != modelled]  # its other parameters, each timed once
-    assert 1 <= len(others) < PARAMETER_CHOICES and all(others.count(p) == 1 for p in others)
-    assert print_program(out.best.program) == third and out.best.params == others[0]
-    assert out.best.measured_us == min(4.0 + 0.1 * (calls.index((third, p)) + 1) for p in others)
-    assert [t["params"] for t in out.best.timed] == [modelled, *others]  # the model's order, its own first
+    mine = [c for c in calls if c[0] == third]  # its own parameters first, then the choices
+    assert sorted(c[0] for c in calls if c not in mine[1:]) == sorted(print_program(r.program) for r in picked)
+    assert all(c[2] == 128 for c in calls if c[0] != third) and mine[0] == (third, modelled, 128)
+    others = [c[1] for c in mine if c[1] != modelled]  # other parameters, each timed once
+    assert mine[-1] == (third, modelled, 256)  # and its own at twice the threads, last
+    assert len(mine) == PARAMETER_CHOICES and len(others) == PARAMETER_CHOICES - 2
+    assert all(others.count(p) == 1 for p in others)
+    assert print_program(out.best.program) == third and out.best.params == others[0] and out.best.threads is None
+    assert out.best.measured_us == min(4.0 + 0.1 * (calls.index((third, p, 128)) + 1) for p in others)
+    assert [(t["params"], t["threads"]) for t in out.best.timed] == [(modelled, 128), *((p, 128) for p in others),
+                                                                     (modelled, 256)]
     assert out.best.timed[0]["measured_us"] == 5.0 and all(t["measurement"] == "checked" for t in out.best.timed)
     assert print_program(out.ranked[-1].program) == first  # the one that disagreed comes last
     assert out.search["measured"]["timed"] == len(calls) and len(out.search["measured"]["failed"]) == 1
@@ -675,7 +679,7 @@ def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(lib
     # Another GPU or driver is timed afresh; a failure to build or run is not remembered (nor, with no program
     # timed, are other parameters tried).
     optimize(src, library, H100, binding, device="Fake GPU, sm_90, driver 2",
-             measure=lambda p, q: calls.append(1) or Measurement(None, "could not be built", lasting=False))
+             measure=lambda p, q, c: calls.append(1) or Measurement(None, "could not be built", lasting=False))
     assert len(calls) == len(picked)
     calls.clear()
     optimize(src, library, H100, binding, device="Fake GPU, sm_90, driver 2", measure=fake_gpu)
@@ -760,20 +764,26 @@ def test_a_host_bound_time_ranks_its_program_but_is_not_kept(tmp_path, capsys, e
 
 def test_compile_as_written_rank_measure_builds_its_fastest_parameters(tmp_path, capsys, monkeypatch):
     """With --search none, --rank measure times the model's choices of the program's kernel parameters (its own
-    first, then other numbers of blocks) and builds the fastest that agreed; one that disagreed is listed, never
-    built. The GPU is stood in for: a program built with fewer blocks runs faster, one with 32 disagrees."""
+    first, then other numbers of blocks, then its own at twice the threads) and builds the fastest that agreed;
+    one that disagreed is listed, never built. The GPU is stood in for: first a program built with fewer blocks
+    runs faster and one with 32 disagrees; then (on another driver) one of 256 threads runs fastest."""
     from prism_dsl.pipeline import build
     from prism_dsl.backend import cuda_runtime
 
+    fastest_by = {"blocks": lambda blocks, threads: blocks / 1000,
+                  "threads": lambda blocks, threads: 1.0 if threads == 128 else 0.5}
+    by = "blocks"
+
     def check_gpu(built, directory, seed, repeat=100):
-        blocks = sum(e.blocks for e in built.estimates)
-        outputs = {"Y": {"passed": blocks != 32, "max_rel_err": 1e-4 if blocks != 32 else 1.0}}
-        return build.GpuCheck(blocks != 32, 0.01, seed, "input program", outputs, "Fake GPU",
-                              {"median_ms": blocks / 1000, "host_bound": False},
-                              {k.name: {"median_ms": blocks / 1000} for k in built.kernels})
+        blocks, threads = sum(e.blocks for e in built.estimates), built.kernels[0].block[0]
+        ok = blocks != 32 or by != "blocks"
+        ms = fastest_by[by](blocks, threads)
+        return build.GpuCheck(ok, 0.01, seed, "input program", {"Y": {"passed": ok, "max_rel_err": 1e-4 if ok else 1.0}},
+                              "Fake GPU", {"median_ms": ms, "host_bound": False},
+                              {k.name: {"median_ms": ms} for k in built.kernels})
 
     monkeypatch.setattr(cuda_runtime, "gpu_status", lambda: (True, "Fake GPU"))
-    monkeypatch.setattr(cuda_runtime, "device_identity", lambda: "Fake GPU, sm_90, driver 0")
+    monkeypatch.setattr(cuda_runtime, "device_identity", lambda: f"Fake GPU, sm_90, {by}")
     monkeypatch.setattr(build, "check_gpu", check_gpu)
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
     args = ["compile", str(ROOT / "programs" / "fused" / "rmsnorm_linear.prism"), "-o", str(tmp_path / "out"),
@@ -781,19 +791,27 @@ def test_compile_as_written_rank_measure_builds_its_fastest_parameters(tmp_path,
     assert main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     timed = report["parameters_timed"]
-    assert 2 <= len(timed) <= PARAMETER_CHOICES and len({json.dumps(t["params"]) for t in timed}) == len(timed)
+    assert len(timed) == PARAMETER_CHOICES and len({json.dumps(t) for t in timed}) == len(timed)
+    assert [t["threads"] for t in timed] == [128] * (PARAMETER_CHOICES - 1) + [256]
+    assert timed[-1]["params"] == timed[0]["params"]  # the model's own, at twice the threads
     agreed = [t for t in timed if t["measured_us"] is not None]
     fastest = min(agreed, key=lambda t: t["measured_us"])
     assert report["parameters"] == fastest["params"] != timed[0]["params"] and report["checked"]["gpu"]["passed"]
-    assert any(t["measured_us"] is None for t in timed)  # the one with 32 blocks
     assert report["measured_us"] == fastest["measured_us"] and report["verified"]
-    assert [t["estimated_us"] for t in timed[:1]] == [min(t["estimated_us"] for t in timed)]  # the model's first
-    assert all(t["measurement"].startswith("disagreed") for t in timed if t["measured_us"] is None)
+    assert report["codegen"]["threads"] == 128 and report["kernels"][0]["block"][0] == 128
+    assert timed[0]["estimated_us"] == min(t["estimated_us"] for t in timed[:-1])  # the model's first
+    assert any(t["measured_us"] is None and t["measurement"].startswith("disagreed") for t in timed)  # 32 blocks
     # In words; and a repeated compile times nothing but the chosen program's own check.
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "kernel parameters timed (the fastest that agreed is built):" in out
-    assert f"measured {fastest['measured_us']} us" in out
+    assert f"measured {fastest['measured_us']} us" in out and ", 256 threads: estimated" in out
+    # Where the wider blocks run fastest, they are built.
+    by = "threads"
+    assert main([*args, "--json"]) == 0
+    wide = json.loads(capsys.readouterr().out)
+    assert wide["parameters"] == wide["parameters_timed"][0]["params"] and wide["measured_us"] == 500.0
+    assert wide["codegen"]["threads"] == 256 and wide["kernels"][0]["block"][0] == 256
     # Parameters given are built as given: nothing else is timed.
     assert main([*args, "--json", "--grid", "x=4"]) == 0
     given = json.loads(capsys.readouterr().out)

@@ -397,7 +397,7 @@ def test_measured_times_that_are_not_times_are_timed_again(cache_dir, library, s
     binding = bind_dims(source, SMALL)
     calls = []
 
-    def fake_gpu(program, params):
+    def fake_gpu(program, params, codegen):
         calls.append(print_program(program))
         return Measurement(10.0 + len(calls), "checked")
 

@@ -283,7 +283,8 @@ def choose(request: Request, outcome: Outcome | None, rank: int = 0) -> Choice:
     kernels = len(kernels_of(lowered_for(best.program, best.params)))
     searched = Searched(file, best.as_written, kernels, outcome.search,
                         outcome.search["search_seconds"], alternatives)
-    return Choice(best.program, replace(request.options, params=best.params), best.proved, searched, tuple(best.timed))
+    return Choice(best.program, replace(request.options, params=best.params, codegen=best.codegen(request.options.codegen)),
+                  best.proved, searched, tuple(best.timed))
 
 
 def _as_written(request: Request) -> Choice:
@@ -302,7 +303,8 @@ def _as_written(request: Request) -> Choice:
                     cuda_runtime.device_identity())
     timed(ranked, timing)
     best, _ = time_parameters(ranked, timing)
-    return Choice(request.program, replace(o, params=best.params), proved=True, timed=tuple(best.timed))
+    return Choice(request.program, replace(o, params=best.params, codegen=best.codegen(o.codegen)), proved=True,
+                  timed=tuple(best.timed))
 
 
 def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skipped | None, figures: Mapping,

@@ -9,9 +9,13 @@ timed:
   the best of each other shape (number of custom kernels; the program as written), since the model may misjudge
   a whole shape (a split reduction's second launch, say);
 - parameters (`time_parameters`): the fastest of those, once timed, again with the model's next best choices of
-  its kernel parameters, up to PARAMETER_CHOICES in all (`tuning.choices`: other numbers of blocks first). The
-  GPU runs of `benchmarks/RESULTS.md` found the model off by 1.1x to 4.3x at decode, by different factors for
-  different kernels, and a ranking by a model that far off is settled only by the clock.
+  its kernel parameters (`tuning.choices`: other numbers of blocks first) and with its own choice at twice the
+  threads per block, PARAMETER_CHOICES in all. The GPU runs of `benchmarks/RESULTS.md` found the model off by
+  1.1x to 4.3x at decode, by different factors for different kernels, and a ranking by a model that far off is
+  settled only by the clock. Threads are among them because what an SM takes in grew with a block's warps there
+  (`benchmarks/gpu_probe.py`: 7.3 bytes a clock for a block of 128 threads, 12.4 for 256), which the model's
+  bandwidth ceiling hides at decode: it prices 128 and 256 threads alike. `--threads` is a least count, so more
+  threads are a choice it allows.
 
 A time measured on a GPU is kept in the tuning database, keyed by the device, its driver and the generated code's
 sources (`measured_key`), so a repeated compile times nothing again.
@@ -25,6 +29,7 @@ from typing import Callable
 
 from ..backend import cost, cuda_runtime, tuning
 from ..backend.codegen import TEMPLATES, CodegenConfig
+from ..backend.launch import layout
 from ..base import cache
 from ..base.errors import PrismError
 from ..ir.nodes import Program
@@ -53,7 +58,7 @@ class Measurement:
     # time the host's queueing is in)
 
 
-Measure = Callable[[Program, dict[str, int]], Measurement]
+Measure = Callable[[Program, dict[str, int], CodegenConfig], Measurement]  # built with these params and this code
 
 
 @dataclass
@@ -67,6 +72,11 @@ class Ranked:
     as_written: bool = False
     proved: bool = False  # proved equal to the input in this run (by the search or again), or the input itself
     timed: list[dict] = field(default_factory=list)  # its kernel parameters timed (`time_parameters`), as reported
+    threads: int | None = None  # threads per block where not the code generator's (`parameter_choices`)
+
+    def codegen(self, config: CodegenConfig) -> CodegenConfig:
+        """The code it is built as: `config`, with its own threads per block where it has them."""
+        return config if self.threads is None else replace(config, threads=self.threads)
 
     @property
     def measured_us(self) -> float | None:
@@ -127,12 +137,13 @@ def to_measure(ranked: list[Ranked]) -> list[Ranked]:
 
 def timed(r: Ranked, timing: Timing) -> bool:
     """`r` timed (`r.measured`), from the tuning database where it holds a usable time; whether it was timed now."""
-    key = measured_key(r.program, timing.binding, timing.hardware, timing.device, r.params, timing.codegen)
+    codegen = r.codegen(timing.codegen)
+    key = measured_key(r.program, timing.binding, timing.hardware, timing.device, r.params, codegen)
     hit = usable("measured", key, measured_problem, "measurement", "timing") if timing.use_cache else None
     if hit is not None:
         r.measured = Measurement(None if hit["us"] is None else float(hit["us"]), hit["note"])
         return False
-    r.measured = timing.measure(r.program, r.params)
+    r.measured = timing.measure(r.program, r.params, codegen)
     if r.measured.lasting and timing.use_cache:
         cache.write("measured", key, {"us": r.measured.us, "note": r.measured.note})
     return True
@@ -156,29 +167,40 @@ def measure_best(ranked: list[Ranked], timing: Timing) -> dict:
 
 def parameter_choices(r: Ranked, binding: dict, hardware: Hardware, codegen: CodegenConfig,
                       count: int = PARAMETER_CHOICES) -> list[Ranked]:
-    """`r`, then the model's next best choices of its kernel parameters (`tuning.choices`), up to `count` in all,
-    each with the model's estimate; `r` alone where its parameters name no lowered form's (none to choose)."""
+    """`r`, the model's next best choices of its kernel parameters (`tuning.choices`), and `r`'s own parameters at
+    twice the threads per block where its kernels then take more (the last), up to `count` in all, each with the
+    model's estimate; `r` alone where its parameters name no lowered form's (none to choose)."""
     names = set(r.params)
     forms = [f for f in lowered_forms(r.program, binding) if {s.name for s in free_symbols(f)} == names]
-    if not forms or not names or count < 2:
+    if not forms or count < 2:
         return [r]
-    config = cost.for_hardware(codegen, hardware)
+    form, config = forms[0], r.codegen(codegen)
+
+    def priced(params: dict[str, int], threads: int | None) -> Ranked | None:
+        """The choice with the model's estimate; None where it is no valid choice, or (with other threads) where
+        the kernels take as many threads as with the code generator's."""
+        other = replace(config, threads=threads) if threads else config
+        try:
+            _, concrete, estimates = tuning.parameters(form, binding, params, hardware, other)
+        except PrismError:
+            return None
+        wider = [layout(c, cost.for_hardware(other, hardware)).threads for c in concrete.values()]
+        if threads and wider == [layout(c, cost.for_hardware(config, hardware)).threads for c in concrete.values()]:
+            return None
+        return Ranked(r.program, params, sum(e.time_us for e in estimates), as_written=r.as_written, proved=r.proved,
+                      threads=threads or r.threads)
+
+    wide = priced(r.params, 2 * config.threads) if 2 * config.threads <= hardware.max_threads_per_block else None
     try:
-        picks = tuning.choices(forms[0], binding, {}, hardware, config, count)
+        picks = tuning.choices(form, binding, {}, hardware, cost.for_hardware(config, hardware), count)
     except ValueError:
-        return [r]
+        picks = []
     out = [r]
     for pick in picks:
         params = {s.name: v for s, v in pick.items()}
-        if params == r.params or len(out) >= count:
-            continue
-        try:
-            _, _, estimates = tuning.parameters(forms[0], binding, params, hardware, codegen)
-        except PrismError:
-            continue
-        out.append(Ranked(r.program, params, sum(e.time_us for e in estimates), as_written=r.as_written,
-                          proved=r.proved))
-    return out
+        if params != r.params and len(out) < count - (wide is not None) and (c := priced(params, None)) is not None:
+            out.append(c)
+    return out + ([wide] if wide is not None else [])
 
 
 def time_parameters(r: Ranked, timing: Timing, count: int = PARAMETER_CHOICES) -> tuple[Ranked, dict]:
@@ -187,7 +209,7 @@ def time_parameters(r: Ranked, timing: Timing, count: int = PARAMETER_CHOICES) -
     estimate and time, in the model's order), with how many were timed now and how many came from the database."""
     choices = parameter_choices(r, timing.binding, timing.hardware, timing.codegen, count)
     now = sum(timed(c, timing) for c in choices[1:])
-    listed = [{"params": c.params, "estimated_us": round(c.estimated_us, 3),
+    listed = [{"params": c.params, "threads": c.codegen(timing.codegen).threads, "estimated_us": round(c.estimated_us, 3),
                "measured_us": None if c.measured_us is None else round(c.measured_us, 3),
                "measurement": c.measured.note} for c in choices]
     agreed = [c for c in choices if c.measured_us is not None]
@@ -211,10 +233,10 @@ def gpu_timer(hardware: Hardware, options: build.BuildOptions, reference: Progra
     """`measure` on a GPU: builds a program with the given parameters (`options` say how), runs it, checks every
     output against the float64 reference of `reference` (the input program) and times it (`build.measure`). A
     program that disagrees is never timed into a result."""
-    def measure(program: Program, params: dict[str, int]) -> Measurement:
+    def measure(program: Program, params: dict[str, int], codegen: CodegenConfig) -> Measurement:
         try:
-            gpu = build.measure(build.build(program, hardware, replace(options, params=dict(params)), reference),
-                                options.seed)
+            gpu = build.measure(build.build(program, hardware, replace(options, params=dict(params), codegen=codegen),
+                                            reference), options.seed)
         except (PrismError, cuda_runtime.PlanError, cuda_runtime.KernelCompileError) as e:
             return Measurement(None, f"could not be built or run: {str(e).splitlines()[0]}", lasting=False)
         if not gpu.passed:
