@@ -116,9 +116,9 @@ def main() -> int:
     print("\n| kernels | count | geometric mean of measured / model | spread |\n|---|---|---|---|")
     groups = {"all": rows, **{f"{b}-bound": [r for r in rows if r[1].bound == b]
                              for b in sorted({r[1].bound for r in rows})}}
-    for label, group in groups.items():
+    for kind, group in groups.items():
         mean, rms = spread([us / e.time_us for _, e, us in group])
-        print(f"| {label} | {len(group)} | {mean:.2f} | {rms:.2f} |")
+        print(f"| {kind} | {len(group)} | {mean:.2f} | {rms:.2f} |")
     if skipped:
         print("\nNot priced:", *skipped, sep="\n")
     return 0
