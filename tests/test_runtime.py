@@ -217,7 +217,8 @@ def test_nvcc_places_a_tensor_map_where_the_runtime_packs_it(tmp_path):
         pytest.skip("nvcc is missing: no cubin to read")
     out = tmp_path / "out"
     assert main(["compile", str(Path(__file__).resolve().parents[1] / "programs" / "fused" / "rmsnorm_linear.prism"),
-                 "--search", "none", "--dims", "n=256,d=1024", "--tma", "--arch", "none", "--no-emulate", "-o", str(out)]) == 0
+                 "--search", "none", "--dims", "n=256,d=1024", "--grid", "x=16", "--tma", "--arch", "none", "--no-emulate",
+                 "-o", str(out)]) == 0  # 64 columns a block: wide enough for wgmma, whose tiles TMA copies
     (kernel,) = import_file(out / "launcher.py", "tma_launcher").PLAN["kernels"]
     assert kernel["maps"], "the kernel copies its loop tiles by TMA"
     cubin = tmp_path / "k.cubin"

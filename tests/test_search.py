@@ -42,6 +42,7 @@ from prism_dsl.ir.nodes import DType, Node, const
 from prism_dsl.ir.shapes import build
 from prism_dsl.pipeline.measuring import MEASURED, PARAMETER_CHOICES, Measurement, to_measure
 from prism_dsl.pipeline.optimize import optimize
+from prism_dsl.backend.launch import CodegenConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_hardware("h100")
@@ -659,15 +660,19 @@ def test_measured_tuning_picks_the_fastest_checked_program_and_is_remembered(lib
     out = optimize(src, library, H100, binding, measure=fake_gpu, device="Fake GPU, sm_90, driver 1")
     mine = [c for c in calls if c[0] == third]  # its own parameters first, then the choices
     assert sorted(c[0] for c in calls if c not in mine[1:]) == sorted(print_program(r.program) for r in picked)
-    assert all(c[2] == 128 for c in calls if c[0] != third) and mine[0] == (third, modelled, 128)
+    threads = {print_program(r.program): r.codegen(CodegenConfig()).threads for r in by_model}  # the model's
+    assert all(c[2] == threads[c[0]] for c in calls if c[0] != third)
+    own = threads[third]
+    assert mine[0] == (third, modelled, own)
     others = [c[1] for c in mine if c[1] != modelled]  # other parameters, each timed once
-    assert mine[-1] == (third, modelled, 256)  # and its own at twice the threads, last
+    assert mine[-1] == (third, modelled, 2 * own)  # and its own at twice the threads, last
     assert len(mine) == PARAMETER_CHOICES and len(others) == PARAMETER_CHOICES - 2
     assert all(others.count(p) == 1 for p in others)
-    assert print_program(out.best.program) == third and out.best.params == others[0] and out.best.threads is None
-    assert out.best.measured_us == min(4.0 + 0.1 * (calls.index((third, p, 128)) + 1) for p in others)
-    assert [(t["params"], t["threads"]) for t in out.best.timed] == [(modelled, 128), *((p, 128) for p in others),
-                                                                     (modelled, 256)]
+    assert print_program(out.best.program) == third and out.best.params == others[0]
+    assert out.best.codegen(CodegenConfig()).threads == own
+    assert out.best.measured_us == min(4.0 + 0.1 * (calls.index((third, p, own)) + 1) for p in others)
+    assert [(t["params"], t["threads"]) for t in out.best.timed] == [(modelled, own), *((p, own) for p in others),
+                                                                     (modelled, 2 * own)]
     assert out.best.timed[0]["measured_us"] == 5.0 and all(t["measurement"] == "checked" for t in out.best.timed)
     assert print_program(out.ranked[-1].program) == first  # the one that disagreed comes last
     assert out.search["measured"]["timed"] == len(calls) and len(out.search["measured"]["failed"]) == 1

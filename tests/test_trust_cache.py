@@ -357,6 +357,22 @@ def test_tuning_parameters_are_checked_against_the_kernels(params, tmp_path, mon
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("threads", [64, 512, 256.0, "256", True, -256, [256]])
+def test_a_tuning_entry_whose_threads_are_not_the_two_counts_tried_is_tuned_again(threads, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """The threads a program was tuned at are `--threads` (null) or twice that (`optimize.rank`): anything else
+    in an entry is reported once and tuned again, never built."""
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
+    program = load("<fused>", FUSED).program()
+    binding = bind_dims(program, SMALL)
+    clean = rank(program, binding, H100, CodegenConfig())
+    key = tuning_key(program, binding, H100)
+    cache.write("tuning", key, {**cache.read("tuning", key), "threads": threads})
+    r = rank(program, binding, H100, CodegenConfig())
+    assert "not a valid tuning entry (the threads" in capsys.readouterr().err
+    assert (r.params, r.threads) == (clean.params, clean.threads) and cache.read("tuning", key)["threads"] == clean.threads
+
+
 @pytest.mark.parametrize("busy", [None, 0, -1, True, 2.0, "4", [1], 133, 10**6])
 def test_a_tuning_entry_without_a_count_of_busy_sms_is_tuned_again(busy, tmp_path, monkeypatch, capsys):
     """The SMs a program keeps busy break ties between equal estimates: an entry must say how many."""

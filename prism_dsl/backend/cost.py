@@ -27,7 +27,9 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
         bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency, fill)
         t_pipe = a pipelined loop's floor: each iteration's tiles land a latency and their own transfer
                  through the SM's intake after they were issued, `lead` iterations ahead (`intake`)
-        t_mem  = max(dram / bw, l2 / min(l2 bandwidth, fill), t_pipe)
+        t_line = the 128-byte lines the copies fill, at LINES_PER_CLOCK an SM (`intake`: strips of a row fill
+                 a line for a few of its bytes)
+        t_mem  = max(dram / bw, l2 / min(l2 bandwidth, fill), t_line, t_pipe)
 
     Math, per path (each a rate for the whole GPU, scaled by busy / SMs):
         register-tiled mma.sync   min(peak * MMA_SYNC_REACH * min(1, warps * occ / SUBPARTITIONS),
@@ -181,7 +183,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple
 
-from .intake import CLOCK_GHZ, bytes_in_flight, pipeline_seconds, reachable_bandwidth, reachable_l2_bandwidth
+from .intake import (CLOCK_GHZ, bytes_in_flight, line_seconds, pipeline_seconds, reachable_bandwidth,
+                     reachable_l2_bandwidth)
 from .copies import apart, in_place, vector_width
 from .dots import few_rows_flops, vector_flops
 from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
@@ -350,6 +353,7 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     flight, warps = on_sm * bytes_in_flight(c, shape), on_sm * shape.threads / 32
     t_mem = max(dram / reachable_bandwidth(hardware, busy, flight, warps),
                 l2 / reachable_l2_bandwidth(hardware, busy, warps),
+                line_seconds(c, shape, hardware, iterations(c)),
                 pipeline_seconds(c, shape, hardware, on_sm, warps, iterations(c))) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped, rows) * us / (busy / hardware.sms)
     issued = (compiled or {}).get("issued")

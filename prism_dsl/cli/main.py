@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     _emulation_options(co)
     co.add_argument("--threads", type=threads, default=128,
                     help="threads per block, at least (default 128; a kernel on tensor cores takes the warps its "
-                    "tiles need where that is more)")
+                    "tiles need where that is more, and the tuner takes twice this where the model finds it faster)")
     co.add_argument("--stages", type=positive_int, default=3,
                     help="pipeline depth: copies run STAGES - 1 iterations ahead (default 3; 1: none); loops of "
                     "small tiles go deeper (up to 16), loops on wgmma hold the stages their batches read besides")

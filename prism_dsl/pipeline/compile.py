@@ -288,16 +288,20 @@ def choose(request: Request, outcome: Outcome | None, rank: int = 0) -> Choice:
 
 
 def _as_written(request: Request) -> Choice:
-    """The input itself; with --rank measure and no parameters given, with the fastest of the model's choices of
-    its kernel parameters on the GPU (`measuring.time_parameters`), the model's own first. Where none of them agrees
-    with the reference (or none can be built or run), the model's choice is built, and its check says why."""
+    """The input itself, with the parameters and threads per block the model chose for it (`optimize.rank`, which
+    may take twice `--threads`); with --rank measure, the fastest of the model's choices of them on the GPU
+    (`measuring.time_parameters`), the model's own first. Where none of them agrees with the reference (or none
+    can be built or run), the model's choice is built, and its check says why. Parameters given (`--grid`,
+    `--loop`) are kept, and the rest tuned by the model at `--threads`."""
     o = request.options
-    if o.rank != "measure" or o.grid or o.loop or o.params:
+    if o.grid or o.loop or o.params:
         return Choice(request.program, o, proved=True)
     binding = bind_dims(request.program, dict(o.dims))
     ranked = optimize_.rank(request.program, binding, request.hardware, o.codegen)
     if ranked is None:  # no valid parameters: the build says why
         return Choice(request.program, o, proved=True)
+    if o.rank != "measure":
+        return Choice(request.program, replace(o, params=ranked.params, codegen=ranked.codegen(o.codegen)), proved=True)
     ranked.as_written = ranked.proved = True
     timing = Timing(binding, request.hardware, o.codegen, gpu_timer(request.hardware, o, request.program),
                     cuda_runtime.device_identity())

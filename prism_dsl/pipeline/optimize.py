@@ -32,7 +32,7 @@ import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..backend import cost, tuning
 from ..backend.codegen import CodegenConfig
@@ -73,25 +73,45 @@ def tuning_key(program: Program, binding: dict, hardware: Hardware, codegen: Cod
 
 def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenConfig,
          use_cache: bool = True) -> Ranked | None:
-    """Parameters and estimated time for one program at these dims, from the tuning database when it has
-    a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again. `use_cache`
-    False (`--no-cache`): the database is neither read nor written."""
+    """Parameters, threads per block and estimated time for one program at these dims, from the tuning database
+    when it has a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again.
+    `use_cache` False (`--no-cache`): the database is neither read nor written.
+
+    The threads are `codegen.threads` (a least count), or twice that where the model's estimate for the same
+    parameters is then lower: tried only where a kernel is bound by memory with fewer warps on a busy SM than fill
+    its intake (`tuning.INTAKE_WARPS`), since what an SM takes in grows with the warps copying into it (`intake`).
+    (The parameters are not tuned again at twice the threads: that would double the tuning of every program the
+    search proves, for what `--rank measure` times anyway, `measuring.parameter_choices`.)"""
     forms = lowered_forms(program, binding)  # the usual form, and those for long rows where there are
     key = tuning_key(program, binding, hardware, codegen)
     hit = usable("tuning", key, lambda h: _tuning_problem(h, forms, binding, hardware, codegen), "tuning entry",
-                  "tuning") if use_cache else None
+                 "tuning") if use_cache else None
     if hit is not None:
-        return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"], hit["work"])
+        return Ranked(program, dict(hit["params"]), float(hit["us"]), hit["busy"], hit["work"],
+                      threads=hit.get("threads"))
     best, _ = build.fastest_form(forms, binding, hardware, codegen)  # each form that fits, the faster taken
     if best is None:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
+    threads = None
+    if wider_threads(best[3], codegen, hardware):  # the same form and parameters, priced at twice the threads
+        wider = replace(codegen, threads=2 * codegen.threads)
+        other, _ = build.fastest_form([best[0]], binding, hardware, wider, lambda form: best[1])
+        if other is not None and round(sum(e.time_us for e in other[3]), 3) < round(sum(e.time_us for e in best[3]), 3):
+            best, threads = other, wider.threads
     _, params, _, estimates = best
     us = sum(e.time_us for e in estimates)
     busy = round(sum(e.time_us * min(e.blocks, hardware.sms) for e in estimates) / us)  # a kernel at a time
     work = sum(e.flops + e.tensor_core_flops for e in estimates)
     if use_cache:
-        cache.write("tuning", key, {"params": params, "us": us, "busy": busy, "work": work})
-    return Ranked(program, params, us, busy, work)
+        cache.write("tuning", key, {"params": params, "us": us, "busy": busy, "work": work, "threads": threads})
+    return Ranked(program, params, us, busy, work, threads=threads)
+
+
+def wider_threads(estimates, codegen: CodegenConfig, hardware: Hardware) -> bool:
+    """Whether twice `codegen.threads` is worth pricing (`rank`): a kernel bound by memory with fewer warps on a
+    busy SM than fill its intake, and twice the threads within the hardware's block."""
+    return (2 * codegen.threads <= hardware.max_threads_per_block
+            and any(e.bound == "memory" and e.warps < tuning.INTAKE_WARPS for e in estimates))
 
 
 def _tuning_problem(hit, forms: list[Program], binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
@@ -116,6 +136,10 @@ def _form_problem(hit, lowered: Program, binding: dict, hardware: Hardware, code
         return f"the busy SMs {clip(repr(hit.get('busy')))} are not a whole number from 1 to {hardware.sms}"
     if not is_count(hit.get("work")):
         return f"the work {clip(repr(hit.get('work')))} is not a whole number"
+    if (threads := hit.get("threads")) is not None and not (is_count(threads) and threads == 2 * codegen.threads):
+        return f"the threads {clip(repr(threads))} are neither null nor {2 * codegen.threads}"
+    if threads is not None:
+        codegen = replace(codegen, threads=threads)
     symbols = {s.name: s for s in free_symbols(lowered)}
     if set(params) != set(symbols):
         return f"parameters {clip(repr(sorted(params)))} are not the program's ({', '.join(symbols) or 'none'})"
@@ -336,7 +360,7 @@ def _ranked(futures, programs: list[Program], how: Choosing):
                 cache.relay(reports)
         if got == _AGAIN:
             got = rank(p, how.binding, how.hardware, how.codegen, how.use_cache)
-        yield Ranked(p, *got) if isinstance(got, tuple) else got
+        yield Ranked(p, *got[:4], threads=got[4]) if isinstance(got, tuple) else got
 
 
 def _ignore_interrupt() -> None:
@@ -350,7 +374,8 @@ def _ignore_interrupt() -> None:
 
 
 def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:
-    """In a forked ranker: `rank` of the i-th program `rankers` was given, as (params, estimate, busy), or
+    """In a forked ranker: `rank` of the i-th program `rankers` was given, as (params, estimate, busy, work,
+    threads), or
     `_AGAIN`; and the warnings it gave (`cache.said`), which the parent prints, its stderr not being the
     parent's `sys.stderr` (a test's captured one, say)."""
     programs, how = _FORKED
@@ -361,7 +386,7 @@ def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:
     except Exception:  # raised again, or not, where the parent ranks it
         return _AGAIN, {}
     reports = {about: message for about, message in cache.said().items() if about not in before}
-    return (None if r is None else (r.params, r.estimated_us, r.busy, r.work)), reports
+    return (None if r is None else (r.params, r.estimated_us, r.busy, r.work, r.threads)), reports
 
 
 def confirm(ranked: list[Ranked], prover: Prover | None) -> str | None:
