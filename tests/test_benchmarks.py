@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -312,7 +313,7 @@ def prepared(tmp_path_factory):
     """One small workload compiled by `gpu_fused.py prepare`, as the GPU step finds it."""
     directory = tmp_path_factory.mktemp("gpu")
     args = type("Args", (), {"dir": str(directory), "only": None, "time_limit": 10.0, "hardware": "h100",
-                             "options": "", "choices": 2})
+                             "options": "", "choices": 0})
     assert fused.prepare(args, [("rmsnorm_mlp small", "rmsnorm_mlp", "n=8,d=256")]) == 0
     return directory / "rmsnorm_mlp_small"
 
@@ -327,20 +328,37 @@ def test_prepare_writes_what_the_gpu_step_reads(prepared):
     assert (prepared / "baseline.prism").read_text() == (BENCHMARKS.parent / "programs/rmsnorm_mlp.prism").read_text()
 
 
-def test_prepare_compiles_the_chosen_program_with_other_choices_of_parameters(prepared):
-    """`prepare --choices 2`: the chosen program again with its own parameters at twice the threads (the last of
-    `measuring.parameter_choices`; with more choices, the model's next best parameters come before it), compiled
-    as written into choices/1/, with what the GPU step reads and the choice named in its case.json."""
+def test_prepare_compiles_the_chosen_program_with_other_choices_of_parameters(prepared, monkeypatch):
+    """`prepare --choices`: the chosen program compiled again as written with each other choice of
+    `measuring.parameter_choices` (its kernel parameters by --grid and --loop, twice the threads by --threads) into
+    choices/<k>/, with the program as written beside it and the choice named in its case.json. (prismc's compile
+    is stood in for: its options are what is checked.)"""
+    seen = []
+
+    def compile_run(cmd, **kw):
+        seen.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).mkdir(parents=True)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(fused.subprocess, "run", compile_run)
     report = json.loads((prepared / "report.json").read_text())
-    assert sorted(p.name for p in (prepared / "choices").iterdir()) == ["1"]
-    there = prepared / "choices" / "1"
-    for name in ("case.json", "baseline.prism", "report.json", "launcher.py", "prism_runtime.py", "prism.cuh"):
-        assert (there / name).is_file(), name
-    case, other = json.loads((there / "case.json").read_text()), json.loads((there / "report.json").read_text())
-    assert case["choice_of"] == case["workload"] == "rmsnorm_mlp small" and case["params"] == other["parameters"]
-    assert other["parameters"] == report["parameters"] and case["threads"] == other["codegen"]["threads"] == 256
-    assert [k["block"][0] for k in other["kernels"]] == [256] and [k["block"][0] for k in report["kernels"]] == [128]
-    assert other["dims"] == report["dims"] and other["program"] == report["program"]
+    case = json.loads((prepared / "case.json").read_text())
+    try:
+        assert fused.prepare_choices(prepared, case, 4) == []
+        assert sorted(p.name for p in (prepared / "choices").iterdir()) == ["1", "2", "3"]
+        cases = [json.loads((prepared / "choices" / k / "case.json").read_text()) for k in "123"]
+        assert all(c["choice_of"] == c["workload"] == "rmsnorm_mlp small" for c in cases)
+        assert [c["threads"] for c in cases] == [None, None, 256] and cases[2]["params"] == report["parameters"]
+        assert len({json.dumps(c["params"]) for c in cases[:2]} | {json.dumps(report["parameters"])}) == 3
+        for cmd, c in zip(seen, cases):
+            assert cmd[cmd.index("--search") + 1] == "none" and "n=8,d=256" in cmd and "--no-emulate" in cmd
+            given = {a.split("=", 1)[1] for a in cmd if a.startswith(("--grid=", "--loop="))}
+            assert given == {f"{n}={v}" for n, v in c["params"].items()}
+            assert all(a.startswith("--loop=F") for a in cmd if a.startswith("--loop="))  # the loop by --loop
+            assert ("--threads" in cmd) == (c["threads"] is not None)
+        assert (prepared / "choices" / "1" / "baseline.prism").read_text() == (prepared / "baseline.prism").read_text()
+        assert fused.prepare_choices(prepared, case, 0) == [] and not (prepared / "choices").exists()
+    finally:
+        shutil.rmtree(prepared / "choices", ignore_errors=True)
 
 
 def test_the_gpu_steps_oracle_is_the_program_as_written_on_inputs_of_their_dtype(prepared):

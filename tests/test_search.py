@@ -719,7 +719,10 @@ def emulated_gpu(monkeypatch):
     return seen
 
 
-def test_compile_rank_measure_times_the_best_few(tmp_path, capsys, emulated_gpu):
+def test_compile_rank_measure_times_the_best_few(tmp_path, capsys, emulated_gpu, monkeypatch):
+    from prism_dsl.pipeline import measuring
+
+    monkeypatch.setattr(measuring, "PARAMETER_CHOICES", 1)  # the programs alone (their parameters: tests below)
     out = tmp_path / "out"
     args = ["compile", str(ROOT / "programs" / "swiglu.prism"), "-o", str(out), "--dims", "n=4,d=64",
             "--arch", "none", "--rank", "measure", "--json"]
@@ -747,8 +750,9 @@ def test_a_host_bound_time_ranks_its_program_but_is_not_kept(tmp_path, capsys, e
     and stays out of the tuning database, so that the next compile times it again."""
     import dataclasses
 
-    from prism_dsl.pipeline import build
+    from prism_dsl.pipeline import build, measuring
 
+    monkeypatch.setattr(measuring, "PARAMETER_CHOICES", 1)  # the programs alone (their parameters: tests below)
     emulated = build.check_gpu
 
     def host_bound(*args):

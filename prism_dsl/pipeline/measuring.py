@@ -166,10 +166,11 @@ def measure_best(ranked: list[Ranked], timing: Timing) -> dict:
 
 
 def parameter_choices(r: Ranked, binding: dict, hardware: Hardware, codegen: CodegenConfig,
-                      count: int = PARAMETER_CHOICES) -> list[Ranked]:
+                      count: int | None = None) -> list[Ranked]:
     """`r`, the model's next best choices of its kernel parameters (`tuning.choices`), and `r`'s own parameters at
     twice the threads per block where its kernels then take more (the last), up to `count` in all, each with the
     model's estimate; `r` alone where its parameters name no lowered form's (none to choose)."""
+    count = PARAMETER_CHOICES if count is None else count
     names = set(r.params)
     forms = [f for f in lowered_forms(r.program, binding) if {s.name for s in free_symbols(f)} == names]
     if not forms or count < 2:
@@ -203,10 +204,11 @@ def parameter_choices(r: Ranked, binding: dict, hardware: Hardware, codegen: Cod
     return out + ([wide] if wide is not None else [])
 
 
-def time_parameters(r: Ranked, timing: Timing, count: int = PARAMETER_CHOICES) -> tuple[Ranked, dict]:
+def time_parameters(r: Ranked, timing: Timing, count: int | None = None) -> tuple[Ranked, dict]:
     """`r` (timed already) with the fastest of its `parameter_choices` that agreed with the reference, each timed
     (the tuning database first); and what report.json says of them (`Ranked.timed`: each choice's parameters,
-    estimate and time, in the model's order), with how many were timed now and how many came from the database."""
+    estimate and time, in the model's order), with how many were timed now and how many came from the database.
+    `count`: PARAMETER_CHOICES unless given."""
     choices = parameter_choices(r, timing.binding, timing.hardware, timing.codegen, count)
     now = sum(timed(c, timing) for c in choices[1:])
     listed = [{"params": c.params, "threads": c.codegen(timing.codegen).threads, "estimated_us": round(c.estimated_us, 3),
