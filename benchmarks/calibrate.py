@@ -14,7 +14,9 @@ Each --set names a constant of prism_dsl.backend's `intake` or `cost` module and
 with all of them set. The summary gives the geometric mean of measured over estimated and the spread about it (the
 root mean square of the logarithms' differences: 0.1 is about 10%), over all kernels and by the term the model
 found binding. A change to the model that fits the decode kernels better and the prefill ones worse shows here
-before any search runs on it.
+before any search runs on it. The table's last column is the lines a clock an SM each kernel's copies would have
+taken in, were its time (less a launch) all spent taking them in: where the lines bind (strips of a row), it is what
+`intake.LINES_PER_CLOCK` is fitted to.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prism_dsl.backend import cost, intake  # noqa: E402
+from prism_dsl.backend.launch import layout  # noqa: E402
 from prism_dsl.base.errors import PrismError  # noqa: E402
 from prism_dsl.cli.verify import codegen_of  # noqa: E402
 from prism_dsl.kernels.hardware import load_hardware  # noqa: E402
@@ -73,7 +76,17 @@ def priced(workload: Path, structure: bool) -> list[tuple]:
                            padded_inputs=bool(report.get("padded_inputs")))
     built = build(load(workload / (report.get("best") or f"{report['program']}.prism")).program(), hardware, options)
     times = {k["name"]: k["us"] for k in measured.get("per_kernel", []) if "us" in k}
-    return [(label(workload), e, times[e.kernel]) for e in built.estimates if e.kernel in times]
+    return [(label(workload), e, times[e.kernel], line_rate(built.concrete[e.kernel], options.codegen, hardware,
+                                                             times[e.kernel]))
+            for e in built.estimates if e.kernel in times]
+
+
+def line_rate(c, codegen, hardware, us: float) -> float:
+    """The lines a clock an SM the kernel's copies took in, were its whole time less a launch's spent taking them
+    in (`intake.line_seconds` the other way round): what `intake.LINES_PER_CLOCK` is fitted to where they bind."""
+    lines = intake.lines(c, layout(c, cost.for_hardware(codegen, hardware)), cost.iterations(c))
+    seconds = max(us - hardware.launch_overhead_us, 1e-3) * 1e-6
+    return lines / (seconds * min(c.blocks(), hardware.sms) * intake.CLOCK_GHZ * 1e9)
 
 
 def spread(ratios: list[float]) -> tuple[float, float]:
@@ -110,14 +123,15 @@ def main() -> int:
     setting = ", ".join(f"{m.__name__.rsplit('.', 1)[-1]}.{n} = {v:g}" for m, n, v in args.set) or "as it is"
     print(f"# The measured kernels priced again (the model {setting}; priced from "
           f"{'the structure' if args.structure else 'the SASS where nvcc is here'})\n")
-    print("| workload | kernel | model us (bound) | measured us | measured / model |\n|---|---|---|---|---|")
-    for name, e, us in rows:
-        print(f"| {name} | {e.kernel} | {e.time_us:.1f} ({e.bound}) | {us:.1f} | {us / e.time_us:.2f} |")
+    print("| workload | kernel | model us (bound) | measured us | measured / model | lines a clock an SM |\n"
+          "|---|---|---|---|---|---|")
+    for name, e, us, rate in rows:
+        print(f"| {name} | {e.kernel} | {e.time_us:.1f} ({e.bound}) | {us:.1f} | {us / e.time_us:.2f} | {rate:.2f} |")
     print("\n| kernels | count | geometric mean of measured / model | spread |\n|---|---|---|---|")
     groups = {"all": rows, **{f"{b}-bound": [r for r in rows if r[1].bound == b]
                              for b in sorted({r[1].bound for r in rows})}}
     for kind, group in groups.items():
-        mean, rms = spread([us / e.time_us for _, e, us in group])
+        mean, rms = spread([us / e.time_us for _, e, us, _ in group])
         print(f"| {kind} | {len(group)} | {mean:.2f} | {rms:.2f} |")
     if skipped:
         print("\nNot priced:", *skipped, sep="\n")

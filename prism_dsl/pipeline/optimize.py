@@ -54,6 +54,7 @@ from .measuring import (MODEL_CODE, Measure, Ranked, Timing, dims_key, measure_b
                         to_measure, usable)
 
 TOP = 5  # alternatives listed in report.json
+WIDER_GAIN = 0.98  # twice the threads are taken where the model's estimate is at most this share of it at --threads
 
 
 @dataclass
@@ -78,7 +79,7 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     `use_cache` False (`--no-cache`): the database is neither read nor written.
 
     The threads are `codegen.threads` (a least count), or twice that where the model's estimate for the same
-    parameters is then lower: tried only where a kernel is bound by memory with fewer warps on a busy SM than fill
+    parameters is then lower by a margin (WIDER_GAIN: not where the two differ in their last digits): tried only where a kernel is bound by memory with fewer warps on a busy SM than fill
     its intake (`tuning.INTAKE_WARPS`), since what an SM takes in grows with the warps copying into it (`intake`).
     (The parameters are not tuned again at twice the threads: that would double the tuning of every program the
     search proves, for what `--rank measure` times anyway, `measuring.parameter_choices`.)"""
@@ -96,7 +97,7 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     if wider_threads(best[3], codegen, hardware):  # the same form and parameters, priced at twice the threads
         wider = replace(codegen, threads=2 * codegen.threads)
         other, _ = build.fastest_form([best[0]], binding, hardware, wider, lambda form: best[1])
-        if other is not None and round(sum(e.time_us for e in other[3]), 3) < round(sum(e.time_us for e in best[3]), 3):
+        if other is not None and sum(e.time_us for e in other[3]) < WIDER_GAIN * sum(e.time_us for e in best[3]):
             best, threads = other, wider.threads
     _, params, _, estimates = best
     us = sum(e.time_us for e in estimates)
