@@ -318,6 +318,20 @@ def prepared(tmp_path_factory):
     return directory / "rmsnorm_mlp_small"
 
 
+@pytest.fixture
+def compiles(monkeypatch):
+    """`prismc compile` stood in for in `gpu_fused.py`: each command line kept (the list given), its output directory
+    made empty."""
+    seen = []
+
+    def compile_run(cmd, **kw):
+        seen.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).mkdir(parents=True)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(fused.subprocess, "run", compile_run)
+    return seen
+
+
 def test_prepare_writes_what_the_gpu_step_reads(prepared):
     for name in ("case.json", "baseline.prism", "report.json", "launcher.py", "prism_runtime.py", "cuda_plan.py",
                  "prism.cuh"):
@@ -328,18 +342,12 @@ def test_prepare_writes_what_the_gpu_step_reads(prepared):
     assert (prepared / "baseline.prism").read_text() == (BENCHMARKS.parent / "programs/rmsnorm_mlp.prism").read_text()
 
 
-def test_prepare_compiles_the_chosen_program_with_other_choices_of_parameters(prepared, monkeypatch):
+def test_prepare_compiles_the_chosen_program_with_other_choices_of_parameters(prepared, compiles):
     """`prepare --choices`: the chosen program compiled again as written with each other choice of
     `measuring.parameter_choices` (its kernel parameters by --grid and --loop, twice the threads by --threads) into
     choices/<k>/, with the program as written beside it and the choice named in its case.json. (prismc's compile
     is stood in for: its options are what is checked.)"""
-    seen = []
-
-    def compile_run(cmd, **kw):
-        seen.append(cmd)
-        Path(cmd[cmd.index("-o") + 1]).mkdir(parents=True)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-    monkeypatch.setattr(fused.subprocess, "run", compile_run)
+    seen = compiles
     report = json.loads((prepared / "report.json").read_text())
     case = json.loads((prepared / "case.json").read_text())
     try:
@@ -473,16 +481,10 @@ def test_the_results_table_names_every_implementation_and_every_failure():
             "| w | fused_combine | 8x2x1 x 128 | 3.7 (launch) | 1.9 (host-bound) | 0.50 |\n") in text
 
 
-def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path, monkeypatch):
+def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path, compiles):
     """A second directory compiled another way (the products on mma.sync) beside the first: prismc gets the
     options, case.json keeps them, and the table, written where `--results` says, names them."""
-    seen = []
-
-    def compile_run(cmd, **kw):
-        seen.append(cmd)
-        Path(cmd[cmd.index("-o") + 1]).mkdir(parents=True)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-    monkeypatch.setattr(fused.subprocess, "run", compile_run)
+    seen = compiles
     args = type("Args", (), {"dir": str(tmp_path / "mma"), "only": "swiglu decode", "time_limit": 5.0,
                              "hardware": "h100", "options": "--no-wgmma --stages 2", "choices": 0})
     assert fused.prepare(args) == 0
