@@ -467,6 +467,22 @@ def test_strips_of_rows_are_priced_by_the_lines_they_fill_and_the_tuner_gives_th
     assert prefill.threads is None
 
 
+@needs_cxx
+def test_a_decode_projection_of_32_columns_on_256_threads_passes_the_thread_sanitizer(tmp_path, capsys):
+    """The shape the tuner now gives the decode projections (32 columns a block, 256 threads: each product's
+    mma.sync tiles over 2 column groups and 4 slices of the contraction, 1x2x4 warps), two products sharing X's
+    tile, emulated under the thread sanitizer."""
+    from prism_dsl.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["compile", str(ROOT / "programs" / "fused" / "rmsnorm_mlp.prism"), "--search", "none", "--dims",
+                 "n=8,d=512", "--grid", "x=16", "--threads", "256", "--arch", "none", "--sanitize", "thread",
+                 "-o", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verified"] and report["checked"]["emulation"]["emulation"]["sanitizer"] == "thread"
+    assert report["kernels"][0]["block"][0] == 256 and "1x2x4 warps" in (out / f"{report['kernels'][0]['file']}").read_text()
+
+
 GEMV = """dims n = 2, k = 256, m = 512
 program gemv(A: f16[n, k], B: f16[k, m]) {
     kernel mv grid(x = gx) loop(F) {

@@ -814,7 +814,7 @@ def test_compile_as_written_rank_measure_builds_its_fastest_parameters(tmp_path,
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "kernel parameters timed (the fastest that agreed is built):" in out
-    assert f"measured {fastest['measured_us']} us" in out and ", 256 threads: estimated" in out
+    assert f"measured {fastest['measured_us']} us" in out and ", --threads 256: estimated" in out
     # Where the wider blocks run fastest, they are built.
     by = "threads"
     assert main([*args, "--json"]) == 0

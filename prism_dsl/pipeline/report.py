@@ -202,7 +202,8 @@ class Report:
     padding_copies_us: float | None = None  # with `padded`: what the copies that pad and cut cost a call, by the model
     kept: bool = False  # its check failed and the output directory, an earlier verified compile's, was kept (`files` empty)
     parameters_timed: tuple[Mapping, ...] = ()  # with --rank measure: choices of the kernel parameters timed on the
-    # GPU (`measuring.time_parameters`): params, threads, estimated_us, measured_us, measurement
+    # GPU (`measuring.time_parameters`): params, threads (the least count, as --threads), estimated_us, measured_us,
+    # measurement
 
     @property
     def verified(self) -> bool:
@@ -273,7 +274,7 @@ def summary(report: Report, out: Path) -> str:
     lines.append(f"    estimates priced from {report.priced}")
     if report.parameters_timed:
         lines.append("  kernel parameters timed (the fastest that agreed is built):")
-        lines += [f"    {', '.join(f'{k}={v}' for k, v in t['params'].items()) or 'no parameters'}, {t['threads']} threads: "
+        lines += [f"    {', '.join(f'{k}={v}' for k, v in t['params'].items()) or 'no parameters'}, --threads {t['threads']}: "
                   f"estimated {t['estimated_us']} us, "
                   + (f"measured {t['measured_us']} us" if t["measured_us"] is not None else t["measurement"])
                   for t in report.parameters_timed]
