@@ -43,9 +43,10 @@ from . import build
 MEASURED = 3  # programs timed on a GPU, best by the model first
 PARAMETER_CHOICES = 4  # choices of the fastest program's kernel parameters timed, the model's own among them
 
-# What the cost model's estimates come from: its code, and what it reads (the hardware files), nothing else.
+# What the cost model's choices come from: its code, what it reads (the hardware files), and the ranking that
+# prices twice the threads (`optimize.rank`), nothing else.
 MODEL_CODE = ("ir", "kernels", "backend/cost.py", "backend/intake.py", "backend/launch.py", "backend/copies.py",
-              "backend/warp_mma.py", "backend/sums.py")
+              "backend/warp_mma.py", "backend/sums.py", "backend/tuning.py", "pipeline/optimize.py")
 
 
 @dataclass(frozen=True)
