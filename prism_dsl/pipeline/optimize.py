@@ -55,6 +55,7 @@ from .measuring import (MODEL_CODE, Measure, Ranked, Timing, dims_key, measure_b
 
 TOP = 5  # alternatives listed in report.json
 WIDER_GAIN = 0.98  # twice the threads are taken where the model's estimate is at most this share of it at --threads
+FEW_WARPS = 8  # or no higher, where a memory-bound kernel has fewer warps than this on an SM (`rank`)
 
 
 @dataclass
@@ -78,11 +79,14 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     when it has a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again.
     `use_cache` False (`--no-cache`): the database is neither read nor written.
 
-    The threads are `codegen.threads` (a least count), or twice that where the model's estimate for the same
-    parameters is then lower by a margin (WIDER_GAIN: not where the two differ in their last digits): tried only where a kernel is bound by memory with fewer warps on a busy SM than fill
-    its intake (`tuning.INTAKE_WARPS`), since what an SM takes in grows with the warps copying into it (`intake`).
-    (The parameters are not tuned again at twice the threads: that would double the tuning of every program the
-    search proves, for what `--rank measure` times anyway, `measuring.parameter_choices`.)"""
+    The threads are `codegen.threads` (a least count), or twice that for the same parameters (`wider_threads`:
+    only where a kernel is bound by memory with fewer warps on a busy SM than fill its intake, `tuning.INTAKE_WARPS`)
+    where the model's estimate is then lower by a margin (WIDER_GAIN: not where the two differ in their last
+    digits), or no higher where such a kernel has fewer than FEW_WARPS warps on an SM: where the bandwidth's ceiling
+    binds the model sees no gain in more warps, but `benchmarks/gpu_probe.py` measured one block's intake grow 1.7x
+    from 4 warps to 8 (7.3 bytes a clock to 12.4, H200) and 1.3x from 8 to 16. (The parameters are not tuned again
+    at twice the threads: that would double the tuning of every program the search proves, for what `--rank
+    measure` times anyway, `measuring.parameter_choices`.)"""
     forms = lowered_forms(program, binding)  # the usual form, and those for long rows where there are
     key = tuning_key(program, binding, hardware, codegen)
     hit = usable("tuning", key, lambda h: _tuning_problem(h, forms, binding, hardware, codegen), "tuning entry",
@@ -97,7 +101,9 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     if wider_threads(best[3], codegen, hardware):  # the same form and parameters, priced at twice the threads
         wider = replace(codegen, threads=2 * codegen.threads)
         other, _ = build.fastest_form([best[0]], binding, hardware, wider, lambda form: best[1])
-        if other is not None and sum(e.time_us for e in other[3]) < WIDER_GAIN * sum(e.time_us for e in best[3]):
+        mine, theirs = sum(e.time_us for e in best[3]), None if other is None else sum(e.time_us for e in other[3])
+        few = any(e.bound == "memory" and e.warps < FEW_WARPS and e.launched_by is None for e in best[3])
+        if theirs is not None and (theirs < WIDER_GAIN * mine or few and round(theirs, 3) <= round(mine, 3)):
             best, threads = other, wider.threads
     _, params, _, estimates = best
     us = sum(e.time_us for e in estimates)
@@ -110,9 +116,10 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
 
 def wider_threads(estimates, codegen: CodegenConfig, hardware: Hardware) -> bool:
     """Whether twice `codegen.threads` is worth pricing (`rank`): a kernel bound by memory with fewer warps on a
-    busy SM than fill its intake, and twice the threads within the hardware's block."""
+    busy SM than fill its intake, in a launch of its own (a combining kernel runs on its first kernel's threads),
+    and twice the threads within the hardware's block."""
     return (2 * codegen.threads <= hardware.max_threads_per_block
-            and any(e.bound == "memory" and e.warps < tuning.INTAKE_WARPS for e in estimates))
+            and any(e.bound == "memory" and e.warps < tuning.INTAKE_WARPS and e.launched_by is None for e in estimates))
 
 
 def _tuning_problem(hit, forms: list[Program], binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
