@@ -1440,6 +1440,8 @@ def test_bench_times_its_own_kernels_as_many_times_as_pytorchs(monkeypatch):
     import inspect
     from prism_dsl.cli import bench
     assert "measure(built, options.seed, args.repeat)" in inspect.getsource(bench.bench)
+    # and it builds what `prismc compile --search none` builds: the parameters and threads `optimize.rank` chose
+    assert "rank(program, bind_dims(program, dict(args.dims)), hardware, options.codegen)" in inspect.getsource(bench.bench)
 
 
 # -- names from user text ---------------------------------------------------------------------------------

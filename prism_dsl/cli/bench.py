@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from ..backend import cuda_runtime, roofline
 from ..base.files import check_apart, check_writable, write_bytes
 from ..pipeline.build import BuildOptions, build, measure, reference_outputs, tolerance_of
 from ..pipeline.compile import check_device
+from ..pipeline.optimize import rank
 from ..pipeline.report import json_finite
 from ..lang.check import load
 from ..base.errors import PrismError
@@ -137,6 +139,9 @@ def bench(args) -> int:
 
     check_device(hardware, "prismc bench")  # a GPU the kernels made for `hardware` can run on
     options = BuildOptions(dims=args.dims, rank="measure", emulate=False, archs=())
+    if (chosen := rank(program, bind_dims(program, dict(args.dims)), hardware, options.codegen)) is not None:
+        # the parameters and threads `prismc compile --search none` builds it with (`optimize.rank`)
+        options = replace(options, params=chosen.params, codegen=chosen.codegen(options.codegen))
     built = build(program, hardware, options, baseline)  # checked against the program as written
     binding = bind_dims(baseline, dict(args.dims))
     inputs = [check_inputs(baseline, binding, seed) for seed in range(3)]  # as `measure` checks ours
