@@ -62,7 +62,9 @@ def measured_workloads(directory: Path, only: str | None) -> list[Path]:
 
 def label(workload: Path) -> str:
     """A measured directory's name in the tables: a choice of parameters by its workload's name and number."""
-    return f"{workload.parent.parent.name}, choice {workload.name}" if workload.parent.name == "choices" else workload.name
+    if workload.parent.name == "choices":
+        return f"{workload.parent.parent.name}, choice {workload.name}"
+    return workload.name
 
 
 def priced(workload: Path, structure: bool) -> list[tuple]:

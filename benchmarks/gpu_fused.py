@@ -254,7 +254,8 @@ def run_case(out: Path, baselines: bool = True) -> dict:
     call = lambda fn: lambda *xs: fn(**dict(zip(names, xs)))  # noqa: E731
     impls = [("torch eager", call(eager), device_sets),
              ("torch.compile", call(torch.compile(eager)), device_sets)] if baselines else []
-    if baselines and (attention := sdpa(torch, case["program"], {**report["dims"], **(report.get("padded") or {})})) is not None:
+    sized = {**report["dims"], **(report.get("padded") or {})}  # the sizes the caller gives
+    if baselines and (attention := sdpa(torch, case["program"], sized)) is not None:
         attend, arrange = attention
         impls.append(("sdpa", lambda *xs: (attend(*xs),), [arrange(*xs) for xs in device_sets]))
     for impl, fn, arg_sets in impls:

@@ -283,8 +283,8 @@ def choose(request: Request, outcome: Outcome | None, rank: int = 0) -> Choice:
     kernels = len(kernels_of(lowered_for(best.program, best.params)))
     searched = Searched(file, best.as_written, kernels, outcome.search,
                         outcome.search["search_seconds"], alternatives)
-    return Choice(best.program, replace(request.options, params=best.params, codegen=best.codegen(request.options.codegen)),
-                  best.proved, searched, tuple(best.timed))
+    options = replace(request.options, params=best.params, codegen=best.codegen(request.options.codegen))
+    return Choice(best.program, options, best.proved, searched, tuple(best.timed))
 
 
 def _as_written(request: Request) -> Choice:

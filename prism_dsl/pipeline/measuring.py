@@ -212,7 +212,8 @@ def time_parameters(r: Ranked, timing: Timing, count: int | None = None) -> tupl
     `count`: PARAMETER_CHOICES unless given."""
     choices = parameter_choices(r, timing.binding, timing.hardware, timing.codegen, count)
     now = sum(timed(c, timing) for c in choices[1:])
-    listed = [{"params": c.params, "threads": c.codegen(timing.codegen).threads, "estimated_us": round(c.estimated_us, 3),
+    listed = [{"params": c.params, "threads": c.codegen(timing.codegen).threads,
+               "estimated_us": round(c.estimated_us, 3),
                "measured_us": None if c.measured_us is None else round(c.measured_us, 3),
                "measurement": c.measured.note} for c in choices]
     agreed = [c for c in choices if c.measured_us is not None]

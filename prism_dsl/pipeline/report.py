@@ -274,8 +274,8 @@ def summary(report: Report, out: Path) -> str:
     lines.append(f"    estimates priced from {report.priced}")
     if report.parameters_timed:
         lines.append("  kernel parameters timed (the fastest that agreed is built):")
-        lines += [f"    {', '.join(f'{k}={v}' for k, v in t['params'].items()) or 'no parameters'}, --threads {t['threads']}: "
-                  f"estimated {t['estimated_us']} us, "
+        lines += [f"    {', '.join(f'{k}={v}' for k, v in t['params'].items()) or 'no parameters'}, "
+                  f"--threads {t['threads']}: estimated {t['estimated_us']} us, "
                   + (f"measured {t['measured_us']} us" if t["measured_us"] is not None else t["measurement"])
                   for t in report.parameters_timed]
     if report.banks is not None:
