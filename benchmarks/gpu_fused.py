@@ -127,22 +127,23 @@ def prepare_choices(out: Path, case: dict, count: int) -> list[str]:
     lowered = lowered_for(program, report["parameters"])
     grid = {s.name for k in kernels_of(lowered) for _, g in k.grid for s in sympy.sympify(g).free_symbols}
     problems = []
-    for k, choice in enumerate(parameter_choices(chosen, binding, hardware, codegen_of(report), count)[1:], 1):
+    built_as = codegen_of(report)  # the threads the chosen program was built with, which its choices start from
+    for k, choice in enumerate(parameter_choices(chosen, binding, hardware, built_as, count)[1:], 1):
         there = out / "choices" / str(k)
+        threads = choice.codegen(built_as).threads
         given = [f"--grid={n}={v}" if n in grid else f"--loop={n}={v}" for n, v in choice.params.items()]
         done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(source), "--search", "none",
                                "--dims", case["dims"], "-o", str(there), "--no-emulate", "--arch", hardware.arch,
-                               "--hardware", case["hardware"], *given, *case["options"],
-                               *(["--threads", str(choice.threads)] if choice.threads else [])],
+                               "--hardware", case["hardware"], *given, *case["options"], "--threads", str(threads)],
                               capture_output=True, text=True)
         if done.returncode:
-            problems.append(f"parameters {choice.params}, threads {choice.threads or 'as chosen'}: prismc compile "
-                            f"failed:\n{done.stderr.strip() or f'exit {done.returncode}'}")
+            problems.append(f"parameters {choice.params}, --threads {threads}: prismc compile failed:\n"
+                            f"{done.stderr.strip() or f'exit {done.returncode}'}")
             shutil.rmtree(there, ignore_errors=True)
             continue
         shutil.copy(out / "baseline.prism", there / "baseline.prism")
         (there / "case.json").write_text(json.dumps({**case, "choice_of": case["workload"], "params": choice.params,
-                                                     "threads": choice.threads}) + "\n")
+                                                     "threads": threads}) + "\n")
     return problems
 
 

@@ -344,7 +344,8 @@ def test_prepare_writes_what_the_gpu_step_reads(prepared):
 
 def test_prepare_compiles_the_chosen_program_with_other_choices_of_parameters(prepared, compiles):
     """`prepare --choices`: the chosen program compiled again as written with each other choice of
-    `measuring.parameter_choices` (its kernel parameters by --grid and --loop, twice the threads by --threads) into
+    `measuring.parameter_choices` (its kernel parameters by --grid and --loop, its threads by --threads: the chosen
+    program's, which may be twice the default, or twice those) into
     choices/<k>/, with the program as written beside it and the choice named in its case.json. (prismc's compile
     is stood in for: its options are what is checked.)"""
     seen = compiles
@@ -355,14 +356,15 @@ def test_prepare_compiles_the_chosen_program_with_other_choices_of_parameters(pr
         assert sorted(p.name for p in (prepared / "choices").iterdir()) == ["1", "2", "3"]
         cases = [json.loads((prepared / "choices" / k / "case.json").read_text()) for k in "123"]
         assert all(c["choice_of"] == c["workload"] == "rmsnorm_mlp small" for c in cases)
-        assert [c["threads"] for c in cases] == [None, None, 256] and cases[2]["params"] == report["parameters"]
+        built = report["codegen"]["threads"]  # the chosen program's, which each choice starts from
+        assert [c["threads"] for c in cases] == [built, built, 2 * built] and cases[2]["params"] == report["parameters"]
         assert len({json.dumps(c["params"]) for c in cases[:2]} | {json.dumps(report["parameters"])}) == 3
         for cmd, c in zip(seen, cases):
             assert cmd[cmd.index("--search") + 1] == "none" and "n=8,d=256" in cmd and "--no-emulate" in cmd
             given = {a.split("=", 1)[1] for a in cmd if a.startswith(("--grid=", "--loop="))}
             assert given == {f"{n}={v}" for n, v in c["params"].items()}
             assert all(a.startswith("--loop=F") for a in cmd if a.startswith("--loop="))  # the loop by --loop
-            assert ("--threads" in cmd) == (c["threads"] is not None)
+            assert cmd[cmd.index("--threads") + 1] == str(c["threads"])
         assert (prepared / "choices" / "1" / "baseline.prism").read_text() == (prepared / "baseline.prism").read_text()
         assert fused.prepare_choices(prepared, case, 0) == [] and not (prepared / "choices").exists()
     finally:
