@@ -79,8 +79,8 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     when it has a valid entry for them (`_tuning_problem`); an invalid one is reported once, and tuned again.
     `use_cache` False (`--no-cache`): the database is neither read nor written.
 
-    The threads are `codegen.threads` (a least count), or twice that for the same parameters (`wider_threads`:
-    only where a kernel is bound by memory with fewer warps on a busy SM than fill its intake, `tuning.INTAKE_WARPS`)
+    The threads are `codegen.threads` (a least count), or twice that for the same parameters (only
+    where a kernel is bound by memory with fewer warps on a busy SM than fill its intake, `tuning.INTAKE_WARPS`)
     where the model's estimate is then lower by a margin (WIDER_GAIN: not where the two differ in their last
     digits), or no higher where such a kernel has fewer than FEW_WARPS warps on an SM: where the bandwidth's ceiling
     binds the model sees no gain in more warps, but `benchmarks/gpu_probe.py` measured one block's intake grow 1.7x
@@ -98,11 +98,14 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     if best is None:
         return None  # no valid parameters at these dims (a tile that does not fit, say)
     threads = None
-    if wider_threads(best[3], codegen, hardware):  # the same form and parameters, priced at twice the threads
+    # the warps on an SM of each kernel bound by memory in a launch of its own (a combining kernel runs on its first
+    # kernel's threads): where they are fewer than fill its intake, the same form and parameters at twice the threads
+    starved = [e.warps for e in best[3] if e.bound == "memory" and e.launched_by is None]
+    if 2 * codegen.threads <= hardware.max_threads_per_block and any(w < tuning.INTAKE_WARPS for w in starved):
         wider = replace(codegen, threads=2 * codegen.threads)
         other, _ = build.fastest_form([best[0]], binding, hardware, wider, lambda form: best[1])
         mine, theirs = sum(e.time_us for e in best[3]), None if other is None else sum(e.time_us for e in other[3])
-        few = any(e.bound == "memory" and e.warps < FEW_WARPS and e.launched_by is None for e in best[3])
+        few = any(w < FEW_WARPS for w in starved)
         if theirs is not None and (theirs < WIDER_GAIN * mine or few and round(theirs, 3) <= round(mine, 3)):
             best, threads = other, wider.threads
     _, params, _, estimates = best
@@ -112,14 +115,6 @@ def rank(program: Program, binding: dict, hardware: Hardware, codegen: CodegenCo
     if use_cache:
         cache.write("tuning", key, {"params": params, "us": us, "busy": busy, "work": work, "threads": threads})
     return Ranked(program, params, us, busy, work, threads=threads)
-
-
-def wider_threads(estimates, codegen: CodegenConfig, hardware: Hardware) -> bool:
-    """Whether twice `codegen.threads` is worth pricing (`rank`): a kernel bound by memory with fewer warps on a
-    busy SM than fill its intake, in a launch of its own (a combining kernel runs on its first kernel's threads),
-    and twice the threads within the hardware's block."""
-    return (2 * codegen.threads <= hardware.max_threads_per_block
-            and any(e.bound == "memory" and e.warps < tuning.INTAKE_WARPS and e.launched_by is None for e in estimates))
 
 
 def _tuning_problem(hit, forms: list[Program], binding: dict, hardware: Hardware, codegen: CodegenConfig) -> str | None:
