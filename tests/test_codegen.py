@@ -97,6 +97,25 @@ def test_rendered_tma_kernel_matches_the_golden_file():
     check_golden(GOLDEN / "attention.tma" / k.file, k.source)
 
 
+@needs_cxx
+def test_a_copy_warp_fills_an_rmsnorm_projections_stages(tmp_path):
+    """RMSNorm's projection on wgmma with --tma (128 x 128 tiles, 8 k steps of 64): its batch in flight, its sum of
+    squares in registers, so a copy warp of 32 threads after the 256 computing ones issues every stage's boxes, each
+    once the stage's empty mbarrier has every computing thread's arrival; the loop has no block-wide barrier. It
+    matches the reference under AddressSanitizer. `--no-copy-warp`: thread 0, behind the block's barrier."""
+    program = load(ROOT / "programs/fused/rmsnorm_linear.prism").program()
+    options = BuildOptions(dims={"n": 128, "d": 512}, grid={"gx": 4}, loop={"F": 8}, archs=(), sanitize="address",
+                           codegen=CodegenConfig(tma=True))
+    built = build(program, H100, options)
+    k = built.kernels[0]
+    assert k.block == (288, 1, 1) and "__syncthreads" not in k.source and k.source.count("prism::tma_load(") == 3
+    check_golden(GOLDEN / "rmsnorm_linear.copy_warp" / k.file, k.source)
+    check = emulate(built, options)
+    assert check.passed, check
+    plain = build(program, H100, replace(options, codegen=CodegenConfig(tma=True, copy_warp=False))).kernels[0]
+    assert plain.block == (256, 1, 1) and "empty" not in plain.source and "__syncthreads();  // and every" in plain.source
+
+
 def test_generated_code_names_the_program_and_uses_tensor_cores_where_tiles_allow():
     built, _ = build_of(ROOT / "programs/fused/rmsnorm_linear.prism", {"gx": 8}, {"F": 4})
     src = built.kernels[0].source
@@ -184,10 +203,15 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     assert src["gain"].count("prism::wgmma<64, half, true>") == 1
     assert src["gated"].count("prism::wgmma<128, half, true>") == 2 and src["gated"].count("WgmmaDesc da") == 1
     assert src["kmajor"].count("prism::wgmma<64, half, false>") == 1
-    assert all(k["block"][0] == 256 for k in report["kernels"])
     # in flight: the gated pair (loop tiles only, 4 iterations: 4 stages, the batch's one besides); not gain * x
-    # (computed in the loop) nor kmajor (2 iterations: 2 stages)
+    # (computed in the loop) nor kmajor (2 iterations: 2 stages). The gated pair's copies are a warp's of their own,
+    # launched after the 256 computing threads: no block-wide barrier in its loop, each stage released at its empty
+    # mbarrier once the batch that read it is done
+    assert [k["block"][0] for k in report["kernels"]] == [256, 288, 256]
     assert "wgmma_wait<1>" in src["gated"] and "mbarrier_wait(&full[it % 4], it / 4 % 2);  // this iteration's" in src["gated"]
+    assert "if (warpgroup == kThreads / 128) {" in src["gated"] and "__syncthreads" not in src["gated"]
+    assert "if (it > 0) prism::mbarrier_arrive(&empty[(it - 1) % 4]);" in src["gated"]
+    assert "__launch_bounds__(288)" in src["gated"] and "warpgroup == kThreads" not in src["kmajor"]
     assert "wgmma_wait<1>" not in src["gain"] + src["kmajor"]
     assert "tma_load(" in src["gated"] and "tma_load(" in src["kmajor"] and "tma_load(" not in src["gain"]
     sm80 = tmp_path / "sm80"  # --no-wgmma: the same products on mma.sync, for sm_80 and later
@@ -207,12 +231,14 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     # two batches left in flight where the pipeline refills the stage of the older one (8 iterations: with the
     # copies two ahead, the 4 stages come round to the older batch's from the fourth)
     longer = replace(options, dims={"d": 512}, loop={"F1": 4, "F2": 8, "F3": 2})
-    deep = build(program, H100, longer)
-    k = deep.kernels[1]
-    assert "4-stage TMA pipeline" in k.source and "ahead = it + 2;" in k.source
-    wrong = k.source.replace("wgmma_wait<1>", "wgmma_wait<2>")
-    found = emulate(replace(deep, kernels=(deep.kernels[0], replace(k, source=wrong), deep.kernels[2])), longer)
-    assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
+    for warp in (True, False):  # the copy warp's, or thread 0's behind the block's barrier (--no-copy-warp)
+        config = replace(longer, codegen=CodegenConfig(tma=True, copy_warp=warp))
+        deep = build(program, H100, config)
+        k = deep.kernels[1]
+        assert "4-stage TMA pipeline" in k.source and ("ahead = it + 2;" in k.source) != warp
+        wrong = k.source.replace("wgmma_wait<1>", "wgmma_wait<2>")
+        found = emulate(replace(deep, kernels=(deep.kernels[0], replace(k, source=wrong), deep.kernels[2])), config)
+        assert found.finding and "changed before the wgmma.wait_group" in found.finding["message"], found.errors()
     # the fences removed: gain * x, stored by the threads, read by a wgmma with no fence.proxy.async since; a
     # batch with no wgmma.fence before it
     for at, fence, message in ((0, "prism::fence_async_shared();", "as written since the last fence.proxy.async"),
@@ -1309,6 +1335,7 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
      "--time-limit, --no-split limit the search, which --search none leaves out: give one of them", 2),
     (["--search", "none", "--unsteady"], "--unsteady limits the search, which --search none leaves out", 2),
     (["--tma", "--no-wgmma"], "--tma copies the loop tiles of wgmma products, which --no-wgmma leaves out", 2),
+    (["--no-copy-warp"], "--no-copy-warp says who issues the TMA copies, which only --tma asks for", 2),
     pytest.param(["--arch", "sm_12"], "this nvcc does not compile for sm_12 (--arch)", 1, marks=needs_nvcc),
 ])
 def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message, code):

@@ -78,7 +78,8 @@ def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(na
     is still pending without ptxas serializing the instructions: the products' batch of the iteration
     before, or online softmax's p @ v beside the next scores' softmax (attention's two warpgroups taking
     turns at named barriers, the stages paced by mbarriers); its tiles come by cp.async (LDGSTS), or with
-    --tma by TMA (UTMALDG, no LDGSTS; one thread's, at an mbarrier that counts their bytes). On mma.sync, 4
+    --tma by TMA (UTMALDG, no LDGSTS; one thread's, at an mbarrier that counts their bytes: a copy warp's, in a
+    loop of its own, where the products' batch stays in flight). On mma.sync, 4
     HMMA or more per LDSM, and cp.async."""
     import subprocess
 
@@ -106,8 +107,11 @@ def test_a_prefill_kernel_runs_its_hot_loop_on_tensor_cores_with_async_copies(na
         loop = sass.hot_loop(listing)
         assert sum(op.startswith("R2UR") for op in ops[loop.start: loop.end + 1]) <= 1
     if tma:
-        assert hot["LDGSTS"] == 0 and hot["UTMALDG"] > 0, hot
+        assert hot["LDGSTS"] == 0 and "UTMALDG" in listing and (hot["UTMALDG"] == 0) == (name == "rmsnorm_linear"), hot
         assert "SYNCS.ARRIVE.TRANS64 RZ" in listing and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in listing  # expect_tx, wait
+        # rmsnorm_linear's copies are a copy warp's, in a loop of their own: the products' loop passes no barrier,
+        # and is matched to the source's by its mbarrier wait (`sass.issued`); attention's, thread 0's
+        assert (hot["BAR"] == 0) == (name == "rmsnorm_linear") and sass.issued(listing, kernel.source).loop > 0
     else:
         assert hot["LDGSTS"] > 0 and hot["UTMALDG"] == 0, hot
     if name == "attention":  # two warpgroups taking turns: named barriers, the stages paced by mbarriers
@@ -200,6 +204,20 @@ def test_what_a_warp_issues_is_matched_to_the_sources_main_loop_by_its_barriers(
                              "        /*0068*/")
     if n > 1 and barriers == 1:  # two barriers per pass where an iteration has one: nvcc unrolled it twice
         assert sass.issued(twice, source) == sass.Issued(4, 2, 4)
+
+
+def test_a_loop_paced_by_mbarriers_alone_is_matched_by_its_waits():
+    """A copy warp's computing threads pass no barrier in their main loop (`launch.Layout.copy_warp`): its SASS loop is
+    matched to the source's by the mbarrier waits a pass holds (SYNCS.PHASECHK), against the source's per iteration;
+    two a pass where an iteration has one: nvcc unrolled it twice. A loop with neither stays unmatched."""
+    source = MAIN_LOOP.format(n=16, barriers="prism::mbarrier_wait(&full[it % 4], it / 4 % 2);")
+    assert sass.main_loop_barriers(source) == 0
+    wait = "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2+URZ], R3 ;"
+    paced = SKIPPING.replace("BAR.SYNC.DEFER_BLOCKING 0x0 ;", wait)
+    assert sass.issued(paced, source) == sass.Issued(8, 2, 8)
+    twice = paced.replace("IADD3 R1, R1, 0x1, RZ ;", wait)
+    assert sass.issued(twice, source) == sass.Issued(4, 2, 4)
+    assert sass.issued(SKIPPING.replace("BAR.SYNC.DEFER_BLOCKING 0x0 ;", "NOP ;"), source) is None
 
 
 # A pipelined loop: the copies of the iteration ahead behind a branch (`if (ahead < N)`, not taken on the last

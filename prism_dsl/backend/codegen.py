@@ -392,7 +392,7 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         grid3 = tuple(dict(c.grid).get(a, 1) for a in ("x", "y", "z"))
         args = [tensor_name(n) for n in k.inputs] + [s.name for s in k.stores]
         zero = tuple(s.name for i, s in enumerate(k.stores) if sums.summed_axes(c, i) and not sums.finished(c, i))
-        return RenderedKernel(k.name, ctx["function"], ctx["file"], source, grid3, (self.threads, 1, 1), ctx["smem"],
+        return RenderedKernel(k.name, ctx["function"], ctx["file"], source, grid3, (self.layout.launched, 1, 1), ctx["smem"],
                               tuple(args), len(k.stores), zero, self.tensor_core_steps > 0, ctx["wgmma"], maps=ctx["maps"],
                               tickets=sums.tickets(c), sums=sums.offsets(c)[1])
 
@@ -466,7 +466,8 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
                "registers": registers, "parts": parts, "flash": flash, "stages": stages, "staged": staged, "ahead": ahead,
                "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead, "maps": maps,
                "tma": by_tma, "tma_bytes": sum(st["bytes"] for st in by_tma),
-               "pingpong": self.layout.pingpong, "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
+               "pingpong": self.layout.pingpong, "copy_warp": self.layout.copy_warp, "launched": self.layout.launched,
+               "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
         return ctx
 
     @staticmethod

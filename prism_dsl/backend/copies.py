@@ -16,7 +16,9 @@ tensor of at most 5 dims whose rows are a multiple of 16 bytes (the map's stride
 (`ctext.swizzled`): one box per 64 columns, each landing on a 1024-byte boundary (the rows a multiple of 8),
 where the 128-byte swizzle TMA writes is the layout wgmma's descriptors read. Every staged tile of the kernel
 qualifies, or none is copied by TMA: one thread then issues a stage's boxes after `mbarrier.arrive.expect_tx` of
-their bytes at the stage's mbarrier, which every thread waits for in place of cp.async's groups.
+their bytes at the stage's mbarrier, which every thread waits for in place of cp.async's groups. Where the
+loop allows it (`copy_warp`), that thread is lane 0 of a warp of their own, which refills each stage as soon as
+its readers release it, where thread 0 refilled it after the block's barrier at the top of the next iteration.
 """
 
 from __future__ import annotations
@@ -31,16 +33,22 @@ import numpy as np
 
 from ..ir.nodes import DType, Node
 from ..kernels.constraints import Concrete
-from ..kernels.fusion import plan
-from ..kernels.kernel import storage
+from ..ir.ops import OPS, Kind
+from ..kernels.fusion import Place, plan
+from ..kernels.kernel import after_loop, in_loop, loop_varying, storage
 from ..kernels.masking import callers_shape, read_in_place
 from ..kernels.sizes import int_value
+from . import sums
 from .ctext import INT_MAX, address, comment, decompose, ident, tensor_name
+from .row_parts import held_in_registers
 
 SWIZZLE_BYTES = 128  # a row of wgmma's 128-byte swizzle, and a box's inner dim in bytes
 SWIZZLE_COLUMNS = SWIZZLE_BYTES // 2  # of 16-bit elements
 MAX_BOX = 256  # elements of a box along any dim
 MAX_RANK = 5
+COPY_WARP = 32  # the threads of a kernel's copy warp (`copy_warp`), launched after its computing ones
+REGISTERS_PER_COPY = 2  # per copy a thread issues per loop iteration where they are not evenly apart: its source
+REGISTERS_PER_TILE = 3  # per loop tile whose copies are: one source pointer and one shared offset
 
 
 def copy_bytes(c: Concrete, tile: Node, config) -> int:
@@ -192,6 +200,32 @@ def copied_by_tma(c: Concrete, staged: set[str], swizzled: frozenset[str], confi
     return frozenset(staged)
 
 
+def copy_warp(c: Concrete, registers: dict, in_flight: bool, pingpong: bool, tma: frozenset[str], config) -> bool:
+    """Whether a warp of its own issues the kernel's TMA copies (`launch.Layout.copy_warp`: warp specialization).
+    Where thread 0 of a computing warp issues them, every iteration begins with a block-wide barrier, so that the
+    stage it refills is free: the tensor cores wait at it for the slowest warp, and the copies for the barrier. A
+    copy warp instead refills each stage once every computing thread has arrived at the stage's empty mbarrier,
+    and the computing threads wait only for their tiles (its full one). That leaves nothing to order what the
+    computing threads write to shared memory in one iteration against what they read in the next, so it is done
+    only where they write none in the loop: every product folded in registers on wgmma with its batch in flight
+    (`launch.in_flight`), every other fold a row sum in registers (`row_parts.held_in_registers`), no value kept in
+    shared memory; not beside warpgroups taking turns (their own barriers), nor in a kernel that sums across blocks
+    (`sums`), whose tickets take the whole block's barrier."""
+    if not (config.copy_warp and tma and in_flight) or pingpong or sums.groups(c):
+        return False
+    k, p = c.kernel, plan(c.kernel)
+    body, varying = k.body(), loop_varying(k)
+    for n in in_loop(body, after_loop(body)):
+        if n.op == "tile":
+            continue
+        if OPS[n.op].kind is Kind.ACCUMULATE:
+            if n not in registers and not held_in_registers(n):
+                return False
+        elif n in varying and p.place.get(n) is Place.SMEM:
+            return False
+    return True
+
+
 def _fits(c: Concrete, tile: Node, config) -> bool:
     """Whether a tile's box fits the tensor's map: a tensor read in place has the caller's dims there, which a box
     may not exceed (where the size built is a tile's multiple and the caller's is smaller than a tile)."""
@@ -233,3 +267,24 @@ def tma_step(e, tile: Node, m: TensorMap, dst: str, bar: str, it: str = "ahead")
                    + (" (read in place: the map's zeros past the caller's end)" if m.fill else ""))
     return {"kind": "tma", "comment": text, "map": m.param, "bar": bar, "copies": copies,
             "bytes": math.prod(shape) * storage(src).bytes}
+
+
+def copy_registers(c: Concrete, shape, config) -> int:
+    """What a thread holds across the loop for its copies of the loop's tiles: REGISTERS_PER_TILE for a tile whose
+    copies fall a fixed distance apart (one source pointer, one shared offset: `copies.apart`, here at the source
+    end), REGISTERS_PER_COPY for each copy of another; nothing for tiles whose rows' 16-byte chunks are permuted
+    (`launch.xor_rows`: ptxas computes their addresses in the loop) or that TMA copies. The constants are the cost
+    model's (`cost`, whose docstring anchors them)."""
+    if c.loop <= 1 or shape.tma:
+        return 0
+    k, p, varying, total = c.kernel, plan(c.kernel), loop_varying(c.kernel), 0
+    for load in k.loads:
+        n = k.tile_node(load.tile)
+        if n is None or n not in varying or p.buffer(n).name in shape.xor_rows:
+            continue
+        vec = vector_width(c, n, config)
+        src = k.inputs[load.source]
+        tile, full = c.shape(n), c.shape(src)
+        spaced = not in_place(src, config) and apart(tuple(tile), tuple(full), vec, shape.threads, "0")
+        total += REGISTERS_PER_TILE if spaced else REGISTERS_PER_COPY * -(-math.prod(tile) // (vec * shape.threads))
+    return total

@@ -23,7 +23,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
                  late; stages - 3 where warpgroups take turns; one unpipelined); a kernel without loop tiles
                  keeps its largest tile in flight (`intake.bytes_in_flight`); stores are not counted
         fill   = busy * min(SM_FILL_BYTES_PER_CLOCK, warps * WARP_FILL_BYTES_PER_CLOCK) * clock: what the busy
-                 SMs can take in at all, with `warps` resident on each
+                 SMs can take in at all, with `warps` resident on each (TMA's copies, issued by one thread, at
+                 SM_FILL_BYTES_PER_CLOCK: the warps' share was measured of cp.async, which they issue themselves)
         bw     = min(bandwidth * BANDWIDTH_REACH, busy * flight / dram_latency, fill)
         t_pipe = a pipelined loop's floor: each iteration's tiles land a latency and their own transfer
                  through the SM's intake after they were issued, `lead` iterations ahead (`intake`)
@@ -48,7 +49,8 @@ decision `codegen` renders, and the work is counted from the instantiated tiles:
                                         peak * WGMMA_IN_FLIGHT, whatever the warpgroups; the iteration's
                                         f32 work (an RMSNorm's sum of squares) then runs beside the batch
                                         before it, and the shorter of the two is not counted (but for the
-                                        first iteration, which has no batch before it)
+                                        first iteration, which has no batch before it);
+                                        with a copy warp (`Layout.copy_warp`) peak * WGMMA_COPY_WARP
         wmma with the accumulator in shared memory each k step   peak * WMMA_REACH
         plain f32 dot products and element-wise work   f32 peak * SCALAR_REACH
         plain dot products reading 8 columns per 16-byte load ("dot8")   f32 peak * VECTOR_REACH
@@ -123,6 +125,12 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   whose p @ v runs one iteration late, beside the next scores' max and exp, has the same rate: that
   ablation puts FlashAttention-3 with only one of its two overlaps (warp specialization, or this pipelining
   of the two products with the softmax) at 570-582 TFLOP/s, against 661 with both.
+  WGMMA_COPY_WARP = 0.82 (656 TFLOP/s): each iteration's batch in flight as above, and the loop's TMA copies
+  issued by a warp of their own, which refills each stage once its readers have released it, so the loop has
+  no block-wide barrier (`Layout.copy_warp`): the two overlaps together, at 1% under FlashAttention-3's 661
+  (its copy warp also hands the computing warpgroups its registers, setmaxnreg, which this one does not), and
+  inside the 600-750 TFLOP/s that cuBLAS's GEMMs, built the same way, reach on H100. Unmeasured: the in-flight
+  kernels an H200 timed (cp.async, a block-wide barrier an iteration) ran at 530-560 TFLOP/s (2026-11-30).
 - WGMMA_PINGPONG = 0.78 (624 TFLOP/s): two warpgroups taking turns on the tensor cores, one's batch beside the
   other's softmax, as well as p @ v one iteration late in each: the two overlaps of FlashAttention-3, whose
   ablation (H100, head dim 128) puts the kernel with both at 661 TFLOP/s. With cp.async (`--no-tma`) the
@@ -185,7 +193,7 @@ from typing import Mapping, NamedTuple
 
 from .intake import (CLOCK_GHZ, bytes_in_flight, line_seconds, pipeline_seconds, reachable_bandwidth,
                      reachable_l2_bandwidth)
-from .copies import apart, in_place, vector_width
+from .copies import copy_registers
 from .dots import few_rows_flops, vector_flops
 from .launch import CodegenConfig, Layout, blocks_per_sm, layout, uses_tensor_cores
 from ..ir.accumulators import ACCUMULATORS
@@ -202,6 +210,7 @@ MMA_SYNC_REACH = 0.5
 WGMMA_REACH = 0.65
 WGMMA_LONE = 0.75  # the share of WGMMA_REACH one warpgroup per SM keeps busy
 WGMMA_IN_FLIGHT = 0.72  # with each iteration's batch in flight into the next (`Layout.in_flight`)
+WGMMA_COPY_WARP = 0.82  # the same with a copy warp issuing the TMA copies (`Layout.copy_warp`)
 WGMMA_PINGPONG = 0.78  # two warpgroups taking turns on the tensor cores (`Layout.pingpong`)
 WGMMA_PINGPONG_TMA = 0.81  # the same with the loop tiles copied by TMA (`Layout.tma`)
 SOFTMAX_BESIDE = 0.5  # the share of online softmax's f32 work issued while p @ v runs (`Layout.overlap`)
@@ -210,8 +219,6 @@ SCALAR_REACH = 0.2
 VECTOR_REACH = 0.4
 SMEM_BYTES_PER_CLOCK = 128  # per SM
 REGISTERS_BASE = 32  # registers per thread besides a register-tiled product's accumulators and fragments
-REGISTERS_PER_COPY = 2  # per copy a thread issues per loop iteration where they are not evenly apart: its source
-REGISTERS_PER_TILE = 3  # per loop tile whose copies are: one source pointer and one shared offset
 SUBPARTITIONS = 4  # warp schedulers (and tensor-core units) per SM: one warp keeps at most one busy
 
 
@@ -341,20 +348,21 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
                + max([6 * t.tm + 2 * t.tn if t.orient != "wg" else 8  # one product's fragments (wgmma: descriptors)
                       for t in shape.registers.values()] + [0])
                + max([f.accumulators + 4 * f.tm for f in shape.flash.values()], default=0)
-               + _copy_registers(c, shape, config))
+               + copy_registers(c, shape, config))
     if compiled and compiled.get("registers"):  # what ptxas gave it, in place of the estimate
         regs = compiled["registers"]
-    occ = max(1, blocks_per_sm(shape.smem, shape.threads, regs, hardware))
+    occ = max(1, blocks_per_sm(shape.smem, shape.launched, regs, hardware))
     resident = min(blocks, hardware.sms * occ)
     waves = math.ceil(blocks / resident)
     busy = min(blocks, hardware.sms)
     us = 1e6
     on_sm = math.ceil(resident / busy)  # blocks resident on a busy SM
     flight, warps = on_sm * bytes_in_flight(c, shape), on_sm * shape.threads / 32
-    t_mem = max(dram / reachable_bandwidth(hardware, busy, flight, warps),
-                l2 / reachable_l2_bandwidth(hardware, busy, warps),
+    copying = math.inf if shape.tma else warps  # TMA's copies are not the warps': the SM's own intake bounds them
+    t_mem = max(dram / reachable_bandwidth(hardware, busy, flight, copying),
+                l2 / reachable_l2_bandwidth(hardware, busy, copying),
                 line_seconds(c, shape, hardware, iterations(c)),
-                pipeline_seconds(c, shape, hardware, on_sm, warps, iterations(c))) * us
+                pipeline_seconds(c, shape, hardware, on_sm, copying, iterations(c))) * us
     t_math = _math_seconds(c, shape, hardware, flops, tc, occ, vec, looped, rows) * us / (busy / hardware.sms)
     issued = (compiled or {}).get("issued")
     t_issue = _issue_seconds(c, shape, hardware, issued, occ) * us if issued else 0.0
@@ -375,26 +383,6 @@ def estimate(c: Concrete, hardware: Hardware, threads: int = 128, config: Codege
     return Estimate(c.kernel.name, blocks, waves, occ, dram, l2, flops, tc, round(overhead + body, 3), bound,
                     "sass" if issued else "ptxas" if compiled and compiled.get("registers") else "structure", regs,
                     warps=int(warps), wavefronts=round(wavefronts, 1), shared_us=round(t_shared, 3))
-
-
-def _copy_registers(c: Concrete, shape: Layout, config: CodegenConfig) -> int:
-    """What a thread holds across the loop for its copies of the loop's tiles: REGISTERS_PER_TILE for a tile whose
-    copies fall a fixed distance apart (one source pointer, one shared offset: `copies.apart`, here at the source
-    end), REGISTERS_PER_COPY for each copy of another; nothing for tiles whose rows' 16-byte chunks are permuted
-    (`launch.xor_rows`: ptxas computes their addresses in the loop) or that TMA copies."""
-    if c.loop <= 1 or shape.tma:
-        return 0
-    k, p, varying, total = c.kernel, plan(c.kernel), loop_varying(c.kernel), 0
-    for load in k.loads:
-        n = k.tile_node(load.tile)
-        if n is None or n not in varying or p.buffer(n).name in shape.xor_rows:
-            continue
-        vec = vector_width(c, n, config)
-        src = k.inputs[load.source]
-        tile, full = c.shape(n), c.shape(src)
-        spaced = not in_place(src, config) and apart(tuple(tile), tuple(full), vec, shape.threads, "0")
-        total += REGISTERS_PER_TILE if spaced else REGISTERS_PER_COPY * -(-math.prod(tile) // (vec * shape.threads))
-    return total
 
 
 def _issue_seconds(c: Concrete, shape: Layout, hardware: Hardware, issued: Mapping, occ: int) -> float:
@@ -442,7 +430,8 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         p = sharing[acc.args[0].args[0], t]  # products on the same fragments of a (`tensor_steps.shared_operand`)
         if t.orient == "wg":  # per group and k step: tm blocks of A (64 x 16) and B (16 x N_w), A shared by p
             read = t.tm * (64 * 16 / p + 16 * t.tn * 8) * 2
-            reach = WGMMA_IN_FLIGHT if shape.in_flight else WGMMA_REACH * (WGMMA_LONE if t.groups * occ < 2 else 1.0)
+            reach = (WGMMA_COPY_WARP if shape.copy_warp else WGMMA_IN_FLIGHT if shape.in_flight
+                     else WGMMA_REACH * (WGMMA_LONE if t.groups * occ < 2 else 1.0))
             product = work / min(peak * reach, smem * 2 * 64 * 16 * 8 * t.tn * t.tm / read)
             seconds += product
             batches += product if shape.in_flight else 0.0

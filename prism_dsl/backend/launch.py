@@ -29,6 +29,8 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   per SM (`held_by_batches`: a tile's latency and transfer take longer than an iteration's products). On
   sm_90a the loop tiles such a kernel reads by wgmma are copied by the tensor memory accelerator where each
   is a box of its tensor (`copies`): one thread issues them, an mbarrier per stage says when they have landed;
+  where the batch stays in flight and the loop writes no shared memory, a warp of their own launched after the
+  computing threads (`copy_warp`, `copies.copy_warp`), and the loop has no block-wide barrier;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
   at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
   scores, their exp or its rescaling factors, and it and register-tiled products write their state only
@@ -48,7 +50,7 @@ from ..kernels.fusion import ALIGN, Buffer, Place, Plan, buffer_shapes, compute_
 from ..ir.ops import OPS, Kind
 from ..kernels.kernel import after_loop, in_loop, loop_varying, storage
 from ..kernels.lifetimes import AFTER, Lifetime, arrange, lifetimes
-from .copies import copied_by_tma, copy_bytes
+from .copies import COPY_WARP, copied_by_tma, copy_bytes, copy_warp
 from .warp_mma import MAX_ACCUMULATORS, Flash, Tiling, flash, tiling, wgmma_tiling
 
 WGMMA_ARCHS = ("sm_90", "sm_90a")  # the targets with wgmma (compiled as sm_90a: its arch-specific features)
@@ -77,6 +79,7 @@ class CodegenConfig:
     tma: bool = False  # a kernel on wgmma copies its loop tiles by the tensor memory accelerator where it can
     # (`copies`); off unless asked for (`prismc compile --tma`) until a GPU runs it: on an H200 (their maps packed at
     # the wrong offsets, `cuda_plan.parameter_layout`) such kernels stopped at their first copy
+    copy_warp: bool = True  # a warp of its own issues those TMA copies where it can (`copies.copy_warp`)
 
     @property
     def warpgroups(self) -> bool:
@@ -103,6 +106,13 @@ class Layout:
     # empty one per stage, with `tma` alone a full one
     tma: frozenset[str] = frozenset()  # the loop tiles copied by TMA (`copies.copied_by_tma`): every staged one, or none
     xor_rows: frozenset[str] = frozenset()  # loaded tiles with each row's 16-byte chunks permuted (`xor_rows`; no padding)
+    copy_warp: bool = False  # a warp besides `threads` issues the TMA copies (`copies.copy_warp`): an empty mbarrier
+    # per stage beside the full one, and no block-wide barrier in the loop
+
+    @property
+    def launched(self) -> int:
+        """The block's threads as launched: `threads`, and the copy warp's 32 after them."""
+        return self.threads + COPY_WARP * self.copy_warp
 
     @property
     def lead(self) -> int:
@@ -335,23 +345,25 @@ def _layout(c: Concrete, config: CodegenConfig) -> Layout:
             offsets, smem = arrange(names, taken, live)
             pingpong = turns and stages >= PINGPONG_STAGES
             tma = by_tma if stages > 1 else frozenset()
+            warp = copy_warp(c, registers, in_flight(c, registers, flash_of, stages, staged), pingpong, tma, config)
             mbarriers = _aligned(smem, 16)
-            if pingpong or tma:
-                smem = mbarriers + (16 if pingpong else 8) * stages  # a full (and, taking turns, an empty) one per stage
+            if pingpong or tma:  # a full one per stage (and, taking turns or with a copy warp, an empty one)
+                smem = mbarriers + (16 if pingpong or warp else 8) * stages
             if smem <= config.smem_limit:
                 break
-        return stages, taken, offsets, smem, pingpong, tma, mbarriers
-    stages, taken, offsets, smem, pingpong, tma, mbarriers = fit(most)
+        return stages, taken, offsets, smem, pingpong, tma, mbarriers, warp
+    stages, taken, offsets, smem, pingpong, tma, mbarriers, warp = fit(most)
     if most > 1 and (held := held_by_batches(c, registers, flash_of, staged, threads, config)):
         deeper = fit(min(most + held, c.loop))  # only where it leaves as many blocks per SM
         if deeper[0] > stages and config.smem_per_sm // deeper[3] >= config.smem_per_sm // smem:
-            stages, taken, offsets, smem, pingpong, tma, mbarriers = deeper
+            stages, taken, offsets, smem, pingpong, tma, mbarriers, warp = deeper
     if swizzle and smem > config.smem_limit:  # the atoms' alignment costs what the limit lacks: no wgmma
         return layout(c, replace(config, wgmma=False))
     sizes = {n: taken[n] if n in staged and stages > 1 else size[n] for n in names}
     return Layout(threads, registers, flash_of, stages, pads, swizzle, offsets, sizes, max(smem, 16),
                   {n: live[n] for n in names}, in_flight(c, registers, flash_of, stages, staged),
-                  overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong or tma else 0, tma, xor)
+                  overlap(c, flash_of, stages, staged, threads), pingpong, mbarriers if pingpong or tma else 0, tma, xor,
+                  warp)
 
 
 def tile_bytes(c: Concrete) -> list[tuple[Node, int]]:

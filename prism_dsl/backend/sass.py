@@ -148,11 +148,13 @@ class Issued:
 
 _MAIN_LOOP = re.compile(r"for \(int it = 0; it < (\w+); \+\+it\) \{")
 _SOURCE_BARRIERS = re.compile(r"__syncthreads\(\)|prism::named_(?:sync|arrive)\(")
+_SOURCE_WAITS = re.compile(r"prism::mbarrier_wait\(")
+WAIT = "SYNCS.PHASECHK"  # an mbarrier's try-wait in the SASS (its retry may follow the kernel's end)
 
 
-def main_loop_barriers(source: str) -> int | None:
-    """The barriers one iteration of a generated kernel's main loop passes (`__syncthreads`, named barriers),
-    as its CUDA source has them; None without a loop of more than one iteration."""
+def main_loop_body(source: str) -> str | None:
+    """The code of a generated kernel's main loop, as its CUDA source has it; None without a loop of more than one
+    iteration."""
     m = _MAIN_LOOP.search(source)
     if m is None or m.group(1) == "1":
         return None
@@ -161,7 +163,14 @@ def main_loop_barriers(source: str) -> int | None:
         depth += {"{": 1, "}": -1}.get(source[i], 0)
         if depth == 0:
             break
-    return len(_SOURCE_BARRIERS.findall(source[m.end(): i]))
+    return source[m.end(): i]
+
+
+def main_loop_barriers(source: str) -> int | None:
+    """The barriers one iteration of a generated kernel's main loop passes (`__syncthreads`, named barriers),
+    as its CUDA source has them; None without a loop of more than one iteration."""
+    body = main_loop_body(source)
+    return None if body is None else len(_SOURCE_BARRIERS.findall(body))
 
 
 def fewest(sass: str, start: int = 0, end: int | None = None, copying: bool = False, products: bool = True) -> int:
@@ -210,8 +219,12 @@ def issued(sass: str, source: str) -> Issued | None:
     barriers, hot = main_loop_barriers(source), hot_loop(sass)
     if barriers is None or hot is None or barriers and not hot.counts["BAR"]:
         return Issued(0, whole)
-    unrolled, rest = divmod(hot.counts["BAR"], barriers) if barriers else (0, 1)
-    if rest:
+    if barriers:
+        unrolled, rest = divmod(hot.counts["BAR"], barriers)
+    else:  # a loop paced by mbarriers alone (a copy warp's computing threads): their waits per pass, as the BAR above
+        waits = len(_SOURCE_WAITS.findall(main_loop_body(source) or ""))
+        unrolled, rest = divmod(sum(op.startswith(WAIT) for op in parsed[0][hot.start: hot.end + 1]), waits or 1)
+    if rest or not unrolled:
         return None
     per_pass = _fewest(parsed, hot.start, hot.end)
     spare = per_pass - _fewest(parsed, hot.start, hot.end, products=False)

@@ -108,6 +108,8 @@ def joins(first: Concrete, second: Concrete, config: CodegenConfig) -> bool:
     if longest_first(first.kernel, dict(first.grid), config.sms) or longest_first(second.kernel, dict(second.grid),
                                                                                     config.sms):
         return False
+    if layout(first, config).copy_warp:  # its copy warp has left before the ticket's block-wide barriers
+        return False
     return layout(second, tail_config(first, config)).threads == layout(first, config).threads
 
 

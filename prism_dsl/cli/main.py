@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "iteration behind a block-wide barrier, not taking turns on the tensor cores")
     co.add_argument("--tma", action=argparse.BooleanOptionalAction, default=False, help="loop tiles of wgmma kernels "
                     "copied by TMA, not cp.async (off until a GPU runs them: on an H200 they faulted, since fixed)")
+    co.add_argument("--no-copy-warp", action="store_true", help="with --tma, the copies issued by thread 0 behind a "
+                    "block-wide barrier each iteration, not by a warp of their own")
     co.add_argument("--two-launches", action="store_true", help="a split's combining kernel in a launch of its own")
     co.add_argument("--padded-inputs", action="store_true", help="where dims are rounded up for tiles, the caller passes "
                     "the inputs at the sizes built, zeros past its own (a cache allocated that large): their copies are not counted")
@@ -435,9 +437,7 @@ def cmd_compile(args) -> int:
 
     if problem := ignored(args):
         raise UsageError(problem)
-    archs = args.arch
-    hardware = load_hardware(args.hardware)
-    program = load(args.file).program(args.program)
+    hardware, program = load_hardware(args.hardware), load(args.file).program(args.program)
     searching = None
     if args.search == "full" and any(n.op == "kernel" for n in program.nodes()):
         print(f"prismc: '{program.name}' already has custom kernels: compiling it as written (no search)",
@@ -448,12 +448,13 @@ def cmd_compile(args) -> int:
         limits = {"steady": not args.unsteady} | ({} if args.max_kernels is None else {"max_kernels": args.max_kernels})
         searching = Searching(SearchConfig(**limits, split_reductions=not args.no_split), args.time_limit, args.jobs,
                               use_cache=not args.no_cache, progress=not args.json)
-    options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=archs, banks=args.banks,
+    options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=args.arch, banks=args.banks,
                            emulate=not args.no_emulate, sanitize=args.sanitize, emulate_blocks=args.blocks, seed=args.seed,
                            padded_inputs=args.padded_inputs,
                            codegen=CodegenConfig(threads=args.threads, tensor_cores=not args.no_tensor_cores,
                                                  stages=args.stages, wgmma=not args.no_wgmma, tma=args.tma,
-                                                 pingpong=not args.no_pingpong, one_launch=not args.two_launches))
+                                                 copy_warp=not args.no_copy_warp, pingpong=not args.no_pingpong,
+                                                 one_launch=not args.two_launches))
     report = compile_program(Request(program, Path(args.output), hardware, options, searching))
     print(report.to_json() if args.json else summary(report, Path(args.output)) + "\n", end="")  # (stdout may be closed)
     return EXIT_INPUT if report.checked.failed else EXIT_OK

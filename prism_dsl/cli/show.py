@@ -100,6 +100,7 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
         pipeline = (f"a {laid.stages}-stage {'TMA' if laid.tma else 'cp.async'} pipeline" if laid.stages > 1
                     else "no pipeline")
         pipeline += ", paced by mbarriers, the two warpgroups taking turns on the tensor cores" if laid.pingpong else ""
+        pipeline += ", filled by a copy warp (32 threads more), paced by mbarriers" if laid.copy_warp else ""
         flash = "".join(f", online softmax over {names.get(s, 's')} in registers ({f.warps} warps of {16 * f.tm} rows"
                         f"{', on wgmma' if f.wg else ''})"
                         for s, f in laid.flash.items())

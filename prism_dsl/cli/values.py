@@ -15,7 +15,7 @@ TIME_LIMIT = 60.0  # `compile --time-limit`'s default, seconds
 def ignored(args) -> str | None:
     """What `prismc compile` was given that would do nothing with the rest, said (a usage error): an option of the
     emulation with --no-emulate, a limit of the search with --search none, --tma without the wgmma products whose
-    tiles it copies."""
+    tiles it copies, --no-copy-warp without --tma."""
     if args.no_emulate and (args.sanitize or args.blocks != "auto"):
         flag = f"--sanitize {args.sanitize}" if args.sanitize else f"--emulate-blocks {args.blocks}"
         return f"{flag} runs the emulation, which --no-emulate leaves out: give one of them"
@@ -28,6 +28,8 @@ def ignored(args) -> str | None:
     if args.tma and (args.no_wgmma or args.no_tensor_cores):
         flag = "--no-wgmma" if args.no_wgmma else "--no-tensor-cores"
         return f"--tma copies the loop tiles of wgmma products, which {flag} leaves out: give one of them"
+    if args.no_copy_warp and not args.tma:
+        return "--no-copy-warp says who issues the TMA copies, which only --tma asks for: give both or neither"
     return None
 
 

@@ -251,6 +251,8 @@ def codegen_of(report: dict) -> CodegenConfig:
         given = {**given, "ends": tuple(tuple(e) if isinstance(e, list) else e for e in ends)}
     if isinstance(given, dict) and "in_place" not in given:  # compiled before inputs were read in place
         given = {**given, "in_place": False}
+    if isinstance(given, dict) and "copy_warp" not in given:  # compiled before TMA copies had a warp of their own
+        given = {**given, "copy_warp": False}
     if isinstance(given, dict) and all(k in fields and type(v) is fields[k] for k, v in given.items()):
         config = CodegenConfig(**given)
         if bad := _unbuildable(config):
