@@ -819,13 +819,20 @@ void named_barrier(int id, int count, bool wait, const char* file, int line) {
 // -- the scheduler ------------------------------------------------------------------------------------------------
 [[noreturn]] static void deadlock(const std::vector<Block*>& wave) {
     for (Block* b : wave) {
-        std::vector<int> done, at_barrier, at_warp, at_other;
-        Site barrier_site, warp_site, other_site;
+        std::vector<int> done, at_barrier, at_warp;
+        std::vector<std::pair<Site, std::vector<int>>> at_other;  // by where they wait (a named barrier, an mbarrier)
+        Site barrier_site, warp_site;
         for (Thread* t : b->threads) {
             if (t->state == State::kDone) done.push_back(t->linear);
             if (t->state == State::kBarrier) at_barrier.push_back(t->linear), barrier_site = t->site;
             if (t->state == State::kWarp) at_warp.push_back(t->linear), warp_site = t->site;
-            if (t->state == State::kNamed || t->state == State::kMbarrier) at_other.push_back(t->linear), other_site = t->site;
+            if (t->state == State::kNamed || t->state == State::kMbarrier) {
+                auto same = std::find_if(at_other.begin(), at_other.end(), [&](const auto& g) {
+                    return g.first.line == t->site.line && std::strcmp(g.first.file, t->site.file) == 0;
+                });
+                if (same == at_other.end()) at_other.push_back({t->site, {}}), same = at_other.end() - 1;
+                same->second.push_back(t->linear);
+            }
         }
         if (at_barrier.empty() && at_warp.empty() && at_other.empty()) continue;
         std::string text = "block (" + std::to_string(b->idx.x) + "," + std::to_string(b->idx.y) + "," +
@@ -835,12 +842,12 @@ void named_barrier(int id, int count, bool wait, const char* file, int line) {
         if (!at_warp.empty())
             text += " threads " + ranges(at_warp) + " wait for their warps at " + where(warp_site).c_str() + " (" +
                     warp_site.what + ");";
-        if (!at_other.empty())
-            text += " threads " + ranges(at_other) + " wait at " + where(other_site).c_str() + " (" + other_site.what +
+        for (const auto& [site, threads] : at_other)
+            text += " threads " + ranges(threads) + " wait at " + where(site).c_str() + " (" + site.what +
                     ") for arrivals that never come;";
         if (!done.empty()) text += " threads " + ranges(done) + " have finished;";
         text += " a barrier or warp collective not reached by every thread";
-        fail({!at_barrier.empty() ? barrier_site : !at_warp.empty() ? warp_site : other_site}, "%s", text.c_str());
+        fail({!at_barrier.empty() ? barrier_site : !at_warp.empty() ? warp_site : at_other[0].first}, "%s", text.c_str());
     }
     fail({}, "no emulated thread can go on");
 }

@@ -86,15 +86,19 @@ def check_golden(golden: Path, source: str) -> None:
     assert source == golden.read_text(), f"{golden} differs; if the change is meant, PRISM_REGEN_GOLDEN=1"
 
 
-def test_rendered_tma_kernel_matches_the_golden_file():
+@pytest.mark.parametrize("warp", [True, False], ids=["copy-warp", "thread0"])
+def test_rendered_tma_kernel_matches_the_golden_file(warp):
     """Attention at tiles wgmma takes (128 query rows on two warpgroups taking turns, 64-key tiles, dh = 64): its
-    loop tiles copied by TMA, one thread issuing each stage's boxes after the expect_tx of their bytes."""
+    loop tiles copied by TMA, each stage's boxes issued after the expect_tx of their bytes by a copy warp's lane 0
+    (32 threads after the 256), once the stage's empty mbarrier has every computing thread's arrival; with
+    --no-copy-warp by thread 0, in the loop and before it."""
     program = load(ROOT / "programs/fused/attention.prism").program()
     options = BuildOptions(dims={"b": 1, "h": 2, "q": 128, "kv": 256, "dh": 64}, grid={"gb": 1, "gh": 2, "gq": 1},
-                           loop={"F": 4}, archs=(), codegen=CodegenConfig(tma=True))
+                           loop={"F": 4}, archs=(), codegen=CodegenConfig(tma=True, copy_warp=warp))
     k = build(program, H100, options).kernels[0]
-    assert [m.tensor for m in k.maps] == ["K", "V"] and k.source.count("prism::tma_load(") == 4
-    check_golden(GOLDEN / "attention.tma" / k.file, k.source)
+    assert [m.tensor for m in k.maps] == ["K", "V"] and k.source.count("prism::tma_load(") == (2 if warp else 4)
+    assert k.block == ((288 if warp else 256), 1, 1)
+    check_golden(GOLDEN / ("attention.tma" if warp else "attention.tma.thread0") / k.file, k.source)
 
 
 @needs_cxx
@@ -344,17 +348,20 @@ def test_a_kernel_over_its_bound_is_held_to_the_shared_memory_its_code_takes(wri
 def test_warpgroups_taking_turns_are_paced_by_their_barriers():
     """Attention on two warpgroups that take turns on the tensor cores (`launch.takes_turns`), with 5 stages
     so that the copies run 2 iterations ahead and a stage is refilled while the later warpgroup may still
-    be reading it: the emulation passes the code as generated, its tiles copied by TMA (one thread, after the
-    stage's last readers have arrived at its empty mbarrier), and reports each barrier taken out, a copy
-    whose bytes its stage does not wait for, and an mbarrier the TMA unit was not shown. With cp.async
-    (the default) every thread copies, and the fence that hands the landed tiles to the tensor cores is needed."""
+    be reading it: the emulation passes the code as generated, its tiles copied by TMA (a copy warp's lane 0,
+    after the stage's last readers have arrived at its empty mbarrier; with --no-copy-warp thread 0, in the
+    loop), and reports each barrier taken out, a copy whose bytes its stage does not wait for, and an mbarrier
+    the TMA unit was not shown. With cp.async (the default) every thread copies, and the fence that hands the
+    landed tiles to the tensor cores is needed."""
     program = load(ROOT / "programs/fused/attention.prism").program()
     options = BuildOptions(dims=parse_dims("b=1,h=1,q=128,kv=512,dh=64"), grid=parse_dims("gb=1,gh=1,gq=1"),
                            loop=parse_dims("F=8"), archs=(), codegen=CodegenConfig(tma=True))
     built = build(program, H100, options)
     k = built.kernels[0]
-    assert "5-stage TMA pipeline paced by mbarriers" in k.source and "ahead = it + 2;" in k.source
+    assert "5-stage TMA pipeline paced by mbarriers" in k.source and "if (warpgroup == kThreads / 128) {" in k.source
     assert emulate(built, options).passed
+    by_thread0 = build(program, H100, replace(options, codegen=CodegenConfig(tma=True, copy_warp=False)))
+    assert "ahead = it + 2;" in by_thread0.kernels[0].source and emulate(by_thread0, options).passed
 
     def found(old: str, new: str, *more: str, within=built) -> str:
         k = within.kernels[0]
@@ -365,8 +372,12 @@ def test_warpgroups_taking_turns_are_paced_by_their_barriers():
         result = emulate(replace(within, kernels=(replace(k, source=wrong),)), options)
         assert not result.passed and result.finding, result.errors()
         return result.finding["message"]
-    # a stage refilled before the other warpgroup's p @ v of it has landed
-    assert "changed before the wgmma.wait_group" in found(r"prism::mbarrier_wait\(&empty", "if (0) prism::mbarrier_wait(&empty")
+    # a stage refilled before the other warpgroup's p @ v of it has landed (thread 0's copies, one an iteration; the
+    # copy warp's run ahead over stages no thread has read yet: their scores are NaN)
+    assert "changed before the wgmma.wait_group" in found(r"prism::mbarrier_wait\(&empty", "if (0) prism::mbarrier_wait(&empty",
+                                                          within=by_thread0)
+    unpaced = k.source.replace("prism::mbarrier_wait(&empty", "if (0) prism::mbarrier_wait(&empty")
+    assert "are NaN" in emulate(replace(built, kernels=(replace(k, source=unpaced),)), options).errors()
     give_back = "if (it > 0) prism::mbarrier_arrive(&empty[(it - 1) % 5]);"
     assert "changed before the wgmma.wait_group" in found(  # the stage given back when p @ v is issued, not landed
         re.escape(give_back), ";", r"(prism::named_arrive\(2 - PRISM_TID / 128, 256\);)", r"\1 " + give_back)

@@ -209,10 +209,13 @@ def copy_warp(c: Concrete, registers: dict, in_flight: bool, pingpong: bool, tma
     computing threads write to shared memory in one iteration against what they read in the next, so it is done
     only where they write none in the loop: every product folded in registers on wgmma with its batch in flight
     (`launch.in_flight`), every other fold a row sum in registers (`row_parts.held_in_registers`), no value kept in
-    shared memory; not beside warpgroups taking turns (their own barriers), nor in a kernel that sums across blocks
-    (`sums`), whose tickets take the whole block's barrier."""
-    if not (config.copy_warp and tma and in_flight) or pingpong or sums.groups(c):
+    shared memory; or where two warpgroups of online softmax take turns (`launch.takes_turns`: that is their whole
+    loop, whose stages empty mbarriers pace already, FlashAttention-3's producer and consumers). Not in a kernel
+    that sums across blocks (`sums`), whose tickets take the whole block's barrier."""
+    if not (config.copy_warp and tma and (in_flight or pingpong)) or sums.groups(c):
         return False
+    if pingpong:  # the loop is online softmax and its tiles alone (`launch.takes_turns`), its stages paced already
+        return True
     k, p = c.kernel, plan(c.kernel)
     body, varying = k.body(), loop_varying(k)
     for n in in_loop(body, after_loop(body)):

@@ -131,6 +131,8 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   (its copy warp also hands the computing warpgroups its registers, setmaxnreg, which this one does not), and
   inside the 600-750 TFLOP/s that cuBLAS's GEMMs, built the same way, reach on H100. Unmeasured: the in-flight
   kernels an H200 timed (cp.async, a block-wide barrier an iteration) ran at 530-560 TFLOP/s (2026-11-30).
+  Warpgroups taking turns with a copy warp (`Layout.pingpong` and `copy_warp`) are FlashAttention-3's own
+  kernel: the same rate.
 - WGMMA_PINGPONG = 0.78 (624 TFLOP/s): two warpgroups taking turns on the tensor cores, one's batch beside the
   other's softmax, as well as p @ v one iteration late in each: the two overlaps of FlashAttention-3, whose
   ablation (H100, head dim 128) puts the kernel with both at 661 TFLOP/s. With cp.async (`--no-tma`) the
@@ -140,7 +142,7 @@ The constants, and what anchors them (H100 SXM; read every figure as +-30%):
   FlashAttention-3 copies them: 2% under its 661, since FlashAttention-3 gives the copies a producer warp of
   their own and the computing warpgroups the registers it frees (setmaxnreg), where here thread 0 of a
   computing warp issues them, after waiting for the stage's readers (who read it three iterations before, so
-  the wait seldom holds it). Read from the SASS (nvcc 13, sm_90a, attention at q = kv = 4096, dh = 128, the
+  the wait seldom holds it; `--no-copy-warp`: with a copy warp, WGMMA_COPY_WARP above). Read from the SASS (nvcc 13, sm_90a, attention at q = kv = 4096, dh = 128, the
   static report's kernel): its loop holds 434 instructions, 3 UTMALDG and no LDGSTS (417 with cp.async, 8
   LDGSTS), a warp issues at least 273 an iteration (329 on those that copy; 269 and 312 with cp.async), and
   ptxas gives 138 registers (154).
@@ -449,7 +451,8 @@ def _math_seconds(c: Concrete, shape: Layout, hardware: Hardware, flops: int, tc
         qk, pv = 2 * f.m * f.n * f.d * times, 2 * f.m * f.dv * f.n * f.outs * times
         softmax = _softmax_flops(c, s) * times / (f32 * SCALAR_REACH) if f.wg else 0.0  # its f32 work's seconds
         if f.wg and shape.pingpong:  # one warpgroup's softmax beside the other's products
-            products = (qk + pv) / (peak * (WGMMA_PINGPONG_TMA if shape.tma else WGMMA_PINGPONG))
+            products = (qk + pv) / (peak * (WGMMA_COPY_WARP if shape.copy_warp else WGMMA_PINGPONG_TMA if shape.tma
+                                            else WGMMA_PINGPONG))
             seconds += products
             hidden += min(products, softmax)
         elif f.wg and shape.overlap:  # p @ v one iteration late, beside the next iteration's softmax

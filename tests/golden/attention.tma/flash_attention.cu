@@ -7,7 +7,7 @@
 // Compiles on its own: nvcc --ptx -arch=sm_90a flash_attention.cu
 #include "prism.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
+extern "C" __global__ void __launch_bounds__(288) prism_flash_attention(
     const __grid_constant__ prism::TensorMap tm_kt,
     const __grid_constant__ prism::TensorMap tm_vt,
     const half* __restrict__ g_Q,
@@ -38,6 +38,23 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
         }
         prism::mbarrier_init_fence();  // visible to the TMA unit that completes their bytes
     }
+    // the copy warp, after the computing threads: its lane 0 issues every stage's TMA copies, each stage's once every
+    // computing thread has arrived at the stage's empty mbarrier; they wait for it only at the stages' full ones
+    if (warpgroup == kThreads / 128) {
+        prism::named_sync(4, kThreads + 32);  // the computing threads are done with what comes before the loop
+        PRISM_PHASE(1);
+        if (PRISM_TID == kThreads)
+            for (int ahead = 0; ahead < 4; ++ahead)
+                {  // the stage's last readers, iteration ahead - 4: every computing thread has released it
+                    prism::mbarrier_wait(&empty[ahead % 4], (ahead / 4 + 1) % 2);
+                    prism::mbarrier_expect_tx(&full[ahead % 4], 16384);
+                    // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 256]: by TMA, 1 box of [1, 1, 64, 64]
+                    prism::tma_load(s_kt_stages + ahead % 4 * 4096, tm_kt, &full[ahead % 4], {ahead * 64, 0, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
+                    // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 256, 64]: by TMA, 1 box of [1, 1, 64, 64]
+                    prism::tma_load(s_vt_stages + ahead % 4 * 4096, tm_vt, &full[ahead % 4], {0, ahead * 64, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
+                }
+        return;
+    }
 #if PRISM_TENSOR_CORES
     // online softmax over s = (qt @ kt)  [1, 1, 128, 64], folded by o, l: this warp's rows, in registers through the loop
     float f_v2_m[1][2], f_v2_l[1][2] = {};  // running row max; this thread's part of the row sums
@@ -57,37 +74,18 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
     }
     prism::cp_async_wait_all();
     prism::fence_async_shared();
-    __syncthreads();
+    prism::named_sync(3, kThreads);
 
+    prism::named_sync(4, kThreads + 32);  // the copy warp may fill the loop's stages from here
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 4-stage TMA pipeline paced by mbarriers, iteration it + 1 in flight while it
     // computes. The two warpgroups take turns on the tensor cores (named barriers 1 and 2): one's batch runs while
     // the other computes its softmax, so the later one may still read the stage of iteration it - 2 (p @ v runs one
-    // iteration late): a stage is refilled once every thread has arrived at its empty mbarrier
-    for (int ahead = 0; ahead < 1; ++ahead) {
-        if (PRISM_TID == 0) {  // one thread issues the stage's copies
-            prism::mbarrier_expect_tx(&full[ahead % 4], 16384);
-            // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 256]: by TMA, 1 box of [1, 1, 64, 64]
-            prism::tma_load(s_kt_stages + ahead % 4 * 4096, tm_kt, &full[ahead % 4], {ahead * 64, 0, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
-            // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 256, 64]: by TMA, 1 box of [1, 1, 64, 64]
-            prism::tma_load(s_vt_stages + ahead % 4 * 4096, tm_vt, &full[ahead % 4], {0, ahead * 64, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
-        }
-    }
+    // iteration late): a stage is refilled by the copy warp once every thread has arrived at its empty mbarrier
     if (PRISM_TID / 128 == 1) prism::named_arrive(1, 256);  // the first turn is warpgroup 0's
 
     for (int it = 0; it < 4; ++it) {
         prism::mbarrier_wait(&full[it % 4], it / 4 % 2);  // this iteration's tiles have landed
-        if (const int ahead = it + 1; ahead < 4) {
-            if (PRISM_TID == 0) {  // one thread issues the stage's copies
-                // the stage's last reader, iteration ahead - 4: its p @ v has landed in every thread
-                prism::mbarrier_wait(&empty[ahead % 4], (ahead / 4 + 1) % 2);
-                prism::mbarrier_expect_tx(&full[ahead % 4], 16384);
-                // kt = load K[x, y, :, loop]  tile [1, 1, 64, 64] of [1, 2, 64, 256]: by TMA, 1 box of [1, 1, 64, 64]
-                prism::tma_load(s_kt_stages + ahead % 4 * 4096, tm_kt, &full[ahead % 4], {ahead * 64, 0, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
-                // vt = load V[x, y, loop, :]  tile [1, 1, 64, 64] of [1, 2, 256, 64]: by TMA, 1 box of [1, 1, 64, 64]
-                prism::tma_load(s_vt_stages + ahead % 4 * 4096, tm_vt, &full[ahead % 4], {0, ahead * 64, (int)blockIdx.y * 1, (int)blockIdx.x * 1});
-            }
-        }
         half* const s_kt = s_kt_stages + it % 4 * 4096;
         [[maybe_unused]] half* const s_vt = s_vt_stages + it % 4 * 4096;
         #if PRISM_WGMMA
@@ -179,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
     }
     #endif
     prism::fence_async_shared();
-    __syncthreads();  // every thread is done with the loop's buffers
+    prism::named_sync(3, kThreads);  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     #if PRISM_TENSOR_CORES
@@ -210,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
     }
     #endif
     prism::fence_async_shared();
-    __syncthreads();
+    prism::named_sync(3, kThreads);
     // store O[x, y, z, :] = (o / l)  [1, 1, 128, 64]: 8 elements a thread, one 16-byte store
     for (int u0 = 0; u0 < 1024; u0 += kThreads) {
         const int u = u0 + PRISM_TID;

@@ -37,11 +37,11 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
     // the copy warp, after the computing threads: its lane 0 issues every stage's TMA copies, each stage's once every
     // computing thread has arrived at the stage's empty mbarrier; they wait for it only at the stages' full ones
     if (warpgroup == kThreads / 128) {
-        prism::named_sync(2, kThreads + 32);  // the computing threads are done with what comes before the loop
+        prism::named_sync(4, kThreads + 32);  // the computing threads are done with what comes before the loop
         PRISM_PHASE(1);
         if (PRISM_TID == kThreads)
             for (int ahead = 0; ahead < 8; ++ahead)
-                {  // the stage's last readers, iteration ahead - 3: every computing thread has arrived, its batch done with it
+                {  // the stage's last readers, iteration ahead - 3: every computing thread has released it
                     prism::mbarrier_wait(&empty[ahead % 3], (ahead / 3 + 1) % 2);
                     prism::mbarrier_expect_tx(&full[ahead % 3], 32768);
                     // xt = load X[:, loop]  tile [128, 64] of [128, 512]: by TMA, 1 box of [128, 64]
@@ -63,9 +63,9 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
         s_a4[e] = 0.0f;
     }
     prism::fence_async_shared();
-    prism::named_sync(1, kThreads);
+    prism::named_sync(3, kThreads);
 
-    prism::named_sync(2, kThreads + 32);  // the copy warp may fill the loop's stages from here
+    prism::named_sync(4, kThreads + 32);  // the copy warp may fill the loop's stages from here
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 3-stage TMA pipeline filled by the copy warp. The wgmma batch of iteration it - 1 may
     // still read its stage while iteration it computes: every computing thread arrives at that stage's empty mbarrier
@@ -125,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
     prism::wgmma_wait<0>(reinterpret_cast<float (&)[64]>(r_a3));  // acc = acc_sum((xt @ wt))  [128, 128]: the last batch
 #endif
     prism::fence_async_shared();
-    prism::named_sync(1, kThreads);  // every thread is done with the loop's buffers
+    prism::named_sync(3, kThreads);  // every thread is done with the loop's buffers
     PRISM_PHASE(2);  // after the loop: its buffers are free from here
 
     // rms = acc_rms_last(xt)  [128, 1]: the parts of each row added, into its state
@@ -143,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
         }
     }
     prism::fence_async_shared();
-    prism::named_sync(1, kThreads);
+    prism::named_sync(3, kThreads);
     #if PRISM_TENSOR_CORES
     // acc = acc_sum((xt @ wt))  [128, 128]: the accumulators, from registers into s_a3
     for (int q = 0; q < 1; ++q) {
@@ -163,11 +163,11 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
                     }
             }
         }
-        prism::named_sync(1, kThreads);
+        prism::named_sync(3, kThreads);
     }
     #endif
     prism::fence_async_shared();
-    prism::named_sync(1, kThreads);
+    prism::named_sync(3, kThreads);
     // store Y[:, x] = (acc / rms)  [128, 128]: 8 elements a thread, one 16-byte store
     for (int u0 = 0; u0 < 2048; u0 += kThreads) {
         const int u = u0 + PRISM_TID;
