@@ -646,6 +646,18 @@ void tma_load(void* dst, const TensorMap& map, void* bar, const int* at, int n, 
                 fail({here}, "a TMA copy in %s reads elements %d..%d of dim %d (innermost first), which has %llu: the "
                      "hardware fills what is outside with zeros, which no tile here means", who(t).c_str(), at[i],
                      at[i] + int(map.box[i]) - 1, i, map.dims[i]);
+        for (const Bulk* other : b->bulks) {  // a copy over bytes another copy in flight has yet to write
+            if (static_cast<unsigned char*>(dst) >= other->dst + other->data.size() ||
+                other->dst >= static_cast<unsigned char*>(dst) + bytes)
+                continue;
+            if (find_mbarrier(b, other->bar, other->site).phase != other->phase)  // and never will: `land_bulks`
+                fail({other->site}, "a TMA copy issued in phase %u of the mbarrier at %p lands after that phase "
+                     "completed without its bytes: an mbarrier.expect_tx for them is missing or short", other->phase,
+                     other->bar);
+            fail({other->site, here}, "a TMA copy in %s writes %zu bytes at %p over those of a copy still in flight "
+                 "(its mbarrier phase not yet waited for): a stage refilled before its last copy landed",
+                 who(t).c_str(), bytes, dst);
+        }
         bulk->dst = static_cast<unsigned char*>(dst);
         bulk->bar = bar;
         bulk->site = here;

@@ -1168,6 +1168,31 @@ def test_an_iterations_f32_work_runs_beside_the_wgmma_batch_left_in_flight(write
     assert alone >= more / (f32_us * 1e6)
 
 
+def test_a_copy_warp_is_priced_at_its_own_rate_and_tmas_copies_at_the_sms_intake(write):
+    """RMSNorm's projection at prefill on wgmma: with --tma its copies are a copy warp's (`Layout.copy_warp`, 288
+    threads launched), its products priced at WGMMA_COPY_WARP where the barrier's form has WGMMA_IN_FLIGHT (`cost`),
+    and TMA's copies taken in at the SM's own rate, not its 8 computing warps' (which would bind them: 48 KB an
+    iteration a block at 8 x 3.7 bytes a clock); --no-copy-warp, thread 0 behind the barrier, the latter rate."""
+    from prism_dsl.backend.cost import WGMMA_COPY_WARP, WGMMA_IN_FLIGHT, for_hardware
+    from prism_dsl.backend.launch import layout
+
+    program = load(write(NORMED.replace("EXTRA", " / acc_rms_last(xt)"))).program()
+    syms = {s.name: s for s in [*free_symbols(program), *program.default_binding()]}
+    c = instantiate_program(program, {**program.default_binding(), syms["gx"]: 16, syms["gy"]: 32, syms["F"]: 64},
+                            H100)["fused"]
+    us = {}
+    for name, options in (("cp.async", {}), ("thread 0", {"tma": True, "copy_warp": False}), ("warp", {"tma": True})):
+        config = for_hardware(CodegenConfig(**options), H100)
+        laid = layout(c, config)
+        assert laid.copy_warp == (name == "warp") and laid.launched == (288 if name == "warp" else 256)
+        us[name] = estimate(c, H100, config=config)
+    assert us["cp.async"].bound == us["warp"].bound == "math"  # (1.61 GB from L2 at 8 warps' intake: 235 us)
+    assert us["cp.async"].time_us == pytest.approx(us["thread 0"].time_us)
+    flops = us["warp"].tensor_core_flops / (H100.peak_tflops["f16"] * 1e6)  # us at the peak
+    assert us["cp.async"].time_us - us["warp"].time_us == pytest.approx(
+        flops * (1 / WGMMA_IN_FLIGHT - 1 / WGMMA_COPY_WARP) * 4 * 132 / 512, rel=0.05)  # 512 blocks in 4 waves
+
+
 def test_pre_defined_kernels_cover_every_op_outside_custom_kernels():
     program = lower(load(ROOT / "programs/attention.prism").program())
     assert [k.name for k in kernels_of(program)] == ["matmul_t0", "softmax_t1", "matmul_O"]
