@@ -234,6 +234,23 @@ def test_the_default_librarys_verdicts_are_cached():
     assert all(cache.read("sound", soundness.verdict_key(r)) for r in library.rules)
 
 
+def test_a_process_judges_the_default_library_once_whatever_its_cache(monkeypatch, tmp_path):
+    """A cache directory without the library's verdicts (another one, or none) does not have them judged again in a
+    process that judged them: they are kept in memory too, and written to that directory. A user's rule is judged
+    every time."""
+    library = load_library([], defaults=True)
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "first"))
+    statuses = soundness.check_library(library)  # judged here, or earlier in this process
+    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "second"))
+    judged = []
+    real = soundness.judge
+    monkeypatch.setattr(soundness, "judge", lambda rule: judged.append(rule.name) or real(rule))
+    assert soundness.check_library(library) == statuses and judged == []
+    assert all(cache.read("sound", soundness.verdict_key(r)) for r in library.rules)
+    soundness.check_library(load_library([rules_file(tmp_path, "twice: a + a => 2 * a")]))
+    assert judged == ["twice"]
+
+
 # -- the command line --------------------------------------------------------------------------------
 
 

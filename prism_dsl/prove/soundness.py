@@ -208,6 +208,7 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
 
     A rule of the default library judged before (same meaning, same code) is not judged again: loading
     it on every `prove` would otherwise cost seconds. A user's rules are judged every time (`cacheable`).
+    Verdicts are kept in the cache and, within one process, in memory too (a cache directory without them).
     """
     errors = Collector()
     statuses: dict[str, str] = {}
@@ -222,9 +223,11 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
         key = verdict_key(rule) if use else ""
         verdict = _cached(key) if use else None
         if verdict is None:
-            verdict = judge(rule)
+            verdict = (_JUDGED.get(key) if use else None) or judge(rule)
             if use:
                 cache.write("sound", key, {"status": verdict.status, "why": verdict.why})
+                if verdict.status in (SYMBOLIC, NUMERIC_ONLY):
+                    _JUDGED[key] = verdict
         if verdict.status in (UNSOUND, UNCHECKED):
             errors.error(rule.loc, f"rule '{rule.name}' {'is unsound' if verdict.status == UNSOUND else 'cannot be checked'}"
                          f": {verdict.why}")
@@ -232,6 +235,10 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
             statuses[rule.name] = verdict.status
     errors.raise_if_any()
     return statuses
+
+
+_JUDGED: dict[str, Verdict] = {}  # this process's verdicts that a default-library rule is sound, by `verdict_key`:
+# a cache directory that lacks them (another one, none at all) does not have them judged again
 
 
 def _cached(key: str) -> Verdict | None:
