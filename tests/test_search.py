@@ -925,7 +925,7 @@ def test_forked_rankers_give_the_ranking_one_process_gives(library, monkeypatch,
     they are out of this child's way.)"""
     from prism_dsl.pipeline import optimize as opt
 
-    src = program("swiglu")
+    src = program("rmsnorm_linear")
     binding = bind_dims(src, dict(n=8, d=128))
     optimize(src, library, H100, bind_dims(src, dict(n=4, d=64)), jobs=1)  # the checkpoint
     shutil.rmtree(Path(os.environ["PRISM_CACHE_DIR"]) / "tuning")  # from here, the entries of these dims only

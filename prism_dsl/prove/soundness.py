@@ -226,8 +226,8 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
             verdict = (_JUDGED.get(key) if use else None) or judge(rule)
             if use:
                 cache.write("sound", key, {"status": verdict.status, "why": verdict.why})
-                if verdict.status in (SYMBOLIC, NUMERIC_ONLY):
-                    _JUDGED[key] = verdict
+        if use and verdict.status in (SYMBOLIC, NUMERIC_ONLY):
+            _JUDGED[key] = verdict
         if verdict.status in (UNSOUND, UNCHECKED):
             errors.error(rule.loc, f"rule '{rule.name}' {'is unsound' if verdict.status == UNSOUND else 'cannot be checked'}"
                          f": {verdict.why}")
@@ -237,8 +237,8 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
     return statuses
 
 
-_JUDGED: dict[str, Verdict] = {}  # this process's verdicts that a default-library rule is sound, by `verdict_key`:
-# a cache directory that lacks them (another one, none at all) does not have them judged again
+_JUDGED: dict[str, Verdict] = {}  # the verdicts that a default-library rule is sound this process judged or read, by
+# `verdict_key`: a cache directory that lacks them (another one, none at all) does not have them judged again
 
 
 def _cached(key: str) -> Verdict | None:
