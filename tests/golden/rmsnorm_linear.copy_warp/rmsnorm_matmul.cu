@@ -24,7 +24,8 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
     // loop, and the wgmma descriptors made from it
     const int warpgroup = prism::warp_uniform(PRISM_TID / 128);
     // the pipeline's mbarriers: full[s] completes when the TMA copies into stage s have landed (the bytes the issuing
-    // thread expects)
+    // thread expects), empty[s] when every
+    // computing thread is done with it
     uint64_t* const full = PRISM_SHARED(uint64_t, 99328, 48);
     uint64_t* const empty = full + 3;
     if (PRISM_TID == 0) {
