@@ -29,8 +29,8 @@ prices the code that is written. For one concrete kernel and a `CodegenConfig`, 
   per SM (`held_by_batches`: a tile's latency and transfer take longer than an iteration's products). On
   sm_90a the loop tiles such a kernel reads by wgmma are copied by the tensor memory accelerator where each
   is a box of its tensor (`copies`): one thread issues them, an mbarrier per stage says when they have landed;
-  where the batch stays in flight and the loop writes no shared memory, a warp of their own launched after the
-  computing threads (`copy_warp`, `copies.copy_warp`), and the loop has no block-wide barrier;
+  where the batch stays in flight and the loop writes no shared memory, or warpgroups take turns, a warp of their
+  own launched after the computing threads (`copy_warp`, `copies.copy_warp`), and the loop has no block-wide barrier;
 - the shared-memory buffers, their offsets (128-byte aligned) and the bytes per block: buffers never in use
   at once share bytes (`kernels.lifetimes.arrange`). Online softmax in registers has no buffer for its
   scores, their exp or its rescaling factors, and it and register-tiled products write their state only

@@ -21,7 +21,8 @@ which the iterations that copy tiles ahead take (all but a pipelined loop's last
 `if (ahead < N)`); and how much less a warp that runs no product issues per iteration (where a small product's
 layout leaves some warps out). The SASS loop is taken for the source's main loop (`for (int it = 0; ...)`) only
 where its barriers say so: BAR per pass, against the source's barriers per iteration, gives how many iterations
-nvcc unrolled into one pass; where they disagree, nothing is taken.
+nvcc unrolled into one pass (a loop with no barrier, a copy warp's computing threads', by its mbarrier waits);
+where they disagree, nothing is taken.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def _fewest(parsed, start: int = 0, end: int | None = None, copying: bool = Fals
 def issued(sass: str, source: str) -> Issued | None:
     """What one warp of the kernel in `sass` (compiled from `source`) issues at least; None where the SASS's
     loops cannot be matched to the source's main loop: the hot loop's BAR must be a whole multiple of the
-    source's per iteration. Where the source's loop has barriers and no SASS loop passes one, nvcc unrolled
+    source's per iteration (where the source's loop has no barrier, its mbarrier waits: SYNCS.PHASECHK). Where the source's loop has barriers and no SASS loop passes one, nvcc unrolled
     the main loop whole (a loop left, such as the copies of the iterations ahead, counts once)."""
     parsed = instructions(sass)
     whole = _fewest(parsed)
