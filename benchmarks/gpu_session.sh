@@ -3,11 +3,14 @@
 # the chain work, two TMA copies made four ways (tma_probe.py), the decode workloads (checked and timed,
 # gpu_fused.py run), their other choices of kernel parameters (run --choices), the model's memory and launch
 # figures (gpu_probe.py), the prefill workloads and their choices, the prefill workloads compiled with TMA where
-# `prepare --dir out/gpu-tma` made them, and the tests that need a GPU. Each step has a time limit and the whole a
+# `prepare --dir out/gpu-tma` made them (their copies a copy warp's; with thread 0's, `out/gpu-tma-thread0`), and
+# the tests that need a GPU. Each step has a time limit and the whole a
 # budget; a step cut short keeps what it measured (each workload's gpu.json is written as soon as it is measured).
 #
 #     python benchmarks/gpu_fused.py prepare --hardware h200                                  # here first
 #     python benchmarks/gpu_fused.py prepare --hardware h200 --dir out/gpu-tma --only prefill --options="--tma"
+#     python benchmarks/gpu_fused.py prepare --hardware h200 --dir out/gpu-tma-thread0 --only prefill \
+#         --options="--tma --no-copy-warp"                                                    # for tma-thread0
 #     # copy the repository with out/ (and wheels of pycuda and lark in .whl/, if the GPU machine lacks them) there:
 #     benchmarks/gpu_session.sh [BUDGET_SECONDS [STEP...]]     # on the GPU machine, from anywhere
 #     # bring back $RESULTS/session.tar.gz; here: tar xzf it, then python benchmarks/gpu_fused.py table
@@ -17,7 +20,8 @@
 # tmacopy, decode, choices (the decode workloads' other kernel parameters, ours alone: `prepare --choices`), probe,
 # profile (Nsight Compute on our decode kernels, each run once by `gpu_fused.py profile`: where their time goes),
 # prefill, choices-prefill, profile-prefill (the same on the prefill kernels: whether the tensor pipes or L2 bound
-# them), tma, tests. A workload measured by an earlier step or call (its gpu.json) is not measured again. RESULTS
+# them), tma, tma-thread0 (not in the default: TMA's copies by thread 0, to set beside the copy warp's), tests.
+# A workload measured by an earlier step or call (its gpu.json) is not measured again. RESULTS
 # (default out/session) gets steps.txt (each step's exit status and time) and session.tar.gz (every gpu.json,
 # probe.json and each step's log, under their paths in the repository; a relative RESULTS is taken from the
 # repository's root). Exits 1 where a step failed or was cut short (steps.txt says which), 2 on an argument it
@@ -35,9 +39,9 @@ steps=("$@")
 (( ${#steps[@]} )) || steps=(first tmacopy decode choices probe profile prefill choices-prefill profile-prefill tma tests)
 for name in "${steps[@]}"; do
     case $name in first | tmacopy | decode | choices | probe | profile | prefill | choices-prefill | profile-prefill | tma \
-                  | tests) ;;
+                  | tma-thread0 | tests) ;;
         *) echo "unknown step '$name' (first, tmacopy, decode, choices, probe, profile, prefill, choices-prefill," \
-                "profile-prefill, tma, tests)" >&2
+                "profile-prefill, tma, tma-thread0, tests)" >&2
            exit 2 ;;
     esac
 done
@@ -98,10 +102,12 @@ for name in "${steps[@]}"; do
         profile-prefill) step profile-prefill 150 sh -c "$profiled prefill" ;;
         tma) [ -d out/gpu-tma ] && step tma 200 python3 benchmarks/gpu_fused.py run --dir out/gpu-tma \
                  --results out/RESULTS-tma.md ;;
+        tma-thread0) [ -d out/gpu-tma-thread0 ] && step tma-thread0 200 python3 benchmarks/gpu_fused.py run \
+                         --dir out/gpu-tma-thread0 --results out/RESULTS-tma-thread0.md ;;
     esac
 done
 
-tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-tma.md out/gpu*/*/gpu.json \
+tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-tma*.md out/gpu*/*/gpu.json \
     out/gpu*/*/choices/*/gpu.json 2>/dev/null)
 echo "session: $((SECONDS - begun)) s; $(tar tzf "$results/session.tar.gz" | grep -c gpu.json) workloads measured;" \
     "$failures step(s) failed"
