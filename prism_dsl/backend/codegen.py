@@ -467,6 +467,7 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
                "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead, "maps": maps,
                "tma": by_tma, "tma_bytes": sum(st["bytes"] for st in by_tma),
                "pingpong": self.layout.pingpong, "copy_warp": self.layout.copy_warp, "launched": self.layout.launched,
+               "sync": "prism::named_sync(3, kThreads)" if self.layout.copy_warp else "__syncthreads()",  # a barrier
                "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
         return ctx
 

@@ -41,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(288) prism_flash_attention(
     // the copy warp, after the computing threads: its lane 0 issues every stage's TMA copies, each stage's once every
     // computing thread has arrived at the stage's empty mbarrier; they wait for it only at the stages' full ones
     if (warpgroup == kThreads / 128) {
-        prism::named_sync(4, kThreads + 32);  // the computing threads are done with what comes before the loop
+        prism::named_sync(4, 288);  // the computing threads are done with what comes before the loop
         PRISM_PHASE(1);
         if (PRISM_TID == kThreads)
             for (int ahead = 0; ahead < 4; ++ahead)
@@ -76,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(288) prism_flash_attention(
     prism::fence_async_shared();
     prism::named_sync(3, kThreads);
 
-    prism::named_sync(4, kThreads + 32);  // the copy warp may fill the loop's stages from here
+    prism::named_sync(4, 288);  // the copy warp may fill the loop's stages from here
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 4-stage TMA pipeline paced by mbarriers, iteration it + 1 in flight while it
     // computes. The two warpgroups take turns on the tensor cores (named barriers 1 and 2): one's batch runs while

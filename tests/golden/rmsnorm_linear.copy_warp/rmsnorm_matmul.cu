@@ -38,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
     // the copy warp, after the computing threads: its lane 0 issues every stage's TMA copies, each stage's once every
     // computing thread has arrived at the stage's empty mbarrier; they wait for it only at the stages' full ones
     if (warpgroup == kThreads / 128) {
-        prism::named_sync(4, kThreads + 32);  // the computing threads are done with what comes before the loop
+        prism::named_sync(4, 288);  // the computing threads are done with what comes before the loop
         PRISM_PHASE(1);
         if (PRISM_TID == kThreads)
             for (int ahead = 0; ahead < 8; ++ahead)
@@ -66,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
     prism::fence_async_shared();
     prism::named_sync(3, kThreads);
 
-    prism::named_sync(4, kThreads + 32);  // the copy warp may fill the loop's stages from here
+    prism::named_sync(4, 288);  // the copy warp may fill the loop's stages from here
     PRISM_PHASE(1);  // the loop: buffers used only before it are free from here
     // the loop's tiles: a 3-stage TMA pipeline filled by the copy warp. The wgmma batch of iteration it - 1 may
     // still read its stage while iteration it computes: every computing thread arrives at that stage's empty mbarrier
