@@ -3,6 +3,8 @@ translation, constraints and instantiation, kernel errors, and `prismc show`."""
 
 from __future__ import annotations
 
+import json
+
 import pickle
 import re
 from pathlib import Path
@@ -495,11 +497,37 @@ def test_show_says_why_no_parameters_fit_and_fractions_unreduced(capsys):
     """`show` kept the chooser's heading alone ("...; at the last one tried, ...:" and nothing after it), where `run`
     said the reasons; a quotient was shown reduced (kv/(F*S) = 1/8 at kv = 96), as if kv were 1."""
     path = REPO / "programs" / "fused" / "attention.decoding.prism"
-    assert main(["show", str(path), "--dims", "b=96,h=96,q=96,kv=96,dh=96", "--hardware", "a100"]) == 1
+    assert main(["show", str(path), "--dims", "b=96,h=96,q=96,kv=96,dh=8192", "--hardware", "a100"]) == 1
     out = capsys.readouterr().out
     assert "at the last one tried, gb = 96, gh = 12, S = 48, F = 16:\n    kernel 'partial': tile 'kt' splits dim 3" in out
     assert "kv/(F*S) = 96/768 = 1/8 is not a whole number" in out
-    assert "kernel 'combine': shared memory per block (bytes) is 897920, above the limit of 166912" in out
+    assert "kernel 'combine': shared memory per block (bytes) is 75510656, above the limit of 166912" in out
+
+
+def test_show_takes_the_parameters_and_threads_compile_takes(capsys, tmp_path):
+    """`show` chose by the constraint solver's first valid choice, so its grid was not the one `compile` builds: the
+    projection at decode was shown as 256 blocks of 128 threads where compile builds 128 of 256; and where that
+    solver's choices all failed (attention's split at dims of 96 on the A100) it said no parameters fit, where the
+    model tunes some and compile builds them."""
+    path = REPO / "programs" / "fused" / "rmsnorm_linear.prism"
+    assert main(["show", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert main(["compile", str(path), "--search", "none", "--no-emulate", "--arch", "sm_90", "-o", str(tmp_path / "o"),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (kernel,) = report["kernels"]
+    assert f"grid(x = gx = {kernel['grid'][0]}) loop(F = {report['parameters']['F']})" in shown
+    assert f"as generated: {kernel['block'][0]} threads" in shown
+    assert f"; {kernel['block'][0]} threads a block" in shown  # the model's choice of twice the default
+    decoding = REPO / "programs" / "fused" / "attention.decoding.prism"
+    assert main(["show", str(decoding), "--dims", "b=96,h=96,q=96,kv=96,dh=96", "--hardware", "a100"]) == 0
+    assert "tuned by the cost model, as `prismc compile --search none` tunes them: gb = 96, gh = 96, S = 1, F = 2" in \
+        capsys.readouterr().out
+    # parameters given are kept, the rest tuned at the default threads, as compile does with --grid
+    assert main(["show", str(path), "--grid", "x=64"]) == 0
+    out = capsys.readouterr().out
+    assert "tuned by the cost model, as `prismc compile --search none` tunes them: F = 16 (" in out
+    assert "as generated: 128 threads" in out
 
 
 def test_show_draws_the_kernel_graph_as_dot(tmp_path, capsys):

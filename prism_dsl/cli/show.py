@@ -19,34 +19,61 @@ from ..base.errors import PrismError
 from ..ir.nodes import Node, Program
 from ..backend.cost import for_hardware
 from ..backend.tuning import fits
-from ..backend.launch import layout
+from ..backend.launch import CodegenConfig, layout
 from ..kernels.constraints import constraints, shared_memory
 from ..kernels.hardware import load_hardware
+from ..kernels.lower import lowered_forms
 from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape, storage, stored_dtype
 from ..kernels.params import choose, resolve_params
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 from ..lang.printer import node_text
+from ..pipeline import optimize
+from ..pipeline.build import fastest_form
 from ..semantics.reference import bind_dims
 from ..ir.shapes import fmt_shape
 
 
-def _binding(program: Program, dims: Mapping[str, int], grid, loop, hardware) -> tuple[dict, list[str]]:
-    """Dims, the given kernel parameters and valid choices for the rest (if there are any)."""
+def _binding(program: Program, dims: Mapping[str, int], grid, loop, hardware) -> tuple[dict, list[str], int | None]:
+    """Dims, the given kernel parameters and choices for the rest, as `prismc compile --search none` makes them: tuned
+    by the cost model (`_tuned`), or, where the model finds none that fit, the constraint solver's first valid choice
+    or the reasons it has none; and the threads per block the model chose, where not the default."""
     binding = dict(bind_dims(program, dims))
     symbols = {s.name: s for s in free_symbols(program)}
     fixed = {symbols[n]: v for n, v in resolve_params(program, grid, loop).items()}
     binding.update(fixed)
     notes = []
     if all(s in binding for s in symbols.values()):
-        return binding, notes
+        return binding, notes, None
+    tuned = _tuned(program, dict(binding), {s.name: v for s, v in fixed.items()}, hardware)
+    if tuned is not None and all(n in tuned[0] for n in symbols if symbols[n] not in binding):
+        params, threads, us = tuned
+        chosen = {symbols[n]: params[n] for n in symbols if symbols[n] not in binding}
+        binding.update(chosen)
+        notes.append("tuned by the cost model, as `prismc compile --search none` tunes them: "
+                     + ", ".join(f"{s} = {v}" for s, v in chosen.items())
+                     + (f"; {threads} threads a block" if threads else "") + f" (the model's estimate, by the code's structure: {us:.3f} us)")
+        return binding, notes, threads
     try:
         chosen = choose(program, binding, fixed, hardware)  # not empty: some parameter is not given
         binding.update(chosen)
         notes.append("chosen: " + ", ".join(f"{s} = {v}" for s, v in chosen.items()))
     except PrismError as e:  # what the last choice tried breaks: the reasons, not only the heading
         notes += [line for d in e.diagnostics for line in (f"{d.loc}: {d.message}" if d.loc else d.message).splitlines()]
-    return binding, notes
+    return binding, notes, None
+
+
+def _tuned(program: Program, binding: dict, given: dict[str, int], hardware) -> tuple[dict, int | None, float] | None:
+    """The model's parameters for the program at these dims (by name), its threads per block where not the default,
+    and its estimate; None where none fit. As `compile` does it: with no parameter given, `optimize.rank` (which
+    may take twice the threads); with some given, those kept and the rest tuned at the default threads."""
+    codegen = CodegenConfig()
+    if not given:
+        ranked = optimize.rank(program, binding, hardware, codegen)
+        return None if ranked is None else (ranked.params, ranked.threads, ranked.estimated_us)
+    best, _ = fastest_form(lowered_forms(program, binding), binding, hardware, codegen,
+                           lambda form: {n: v for n, v in given.items() if n in {s.name for s in free_symbols(form)}})
+    return None if best is None else (best[1], None, sum(e.time_us for e in best[3]))
 
 
 def _value(expr, binding) -> str:
@@ -64,7 +91,7 @@ def _shape(shape, binding) -> str:
     return sym if sym == conc else f"{sym} = {conc}"
 
 
-def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[str], list[str]]:
+def kernel_text(program: Program, k: Kernel, binding, hardware, threads: int | None = None) -> tuple[list[str], list[str]]:
     """The lines describing kernel `k`, and the constraints it violates (in words)."""
     grid = ", ".join(f"{a} = {g}{_bound(g, binding, ' = ')}" for a, g in k.grid)
     loop = "" if k.loop is None else f" loop({k.loop}{_bound(k.loop, binding, ' = ')})"
@@ -89,7 +116,7 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
     lines.append(f"  shared memory per block, at most: {smem} = {_value(smem, binding)} bytes "
                  f"(limit {hardware.smem_per_block} on {hardware.name})")
     problems = [v for c in constraints(k, hardware) if (v := c.violation(binding))]
-    config = for_hardware(None, hardware)
+    config = for_hardware(CodegenConfig() if threads is None else CodegenConfig(threads=threads), hardware)
     c = fits(k, binding, hardware, config) if all(not bind(g, binding).free_symbols for _, g in k.grid) \
         and not bind(k.loop_range, binding).free_symbols else None
     if c is not None:
@@ -113,7 +140,7 @@ def kernel_text(program: Program, k: Kernel, binding, hardware) -> tuple[list[st
     return lines, problems
 
 
-def text_report(program: Program, binding, notes: list[str], hardware) -> tuple[str, bool]:
+def text_report(program: Program, binding, notes: list[str], hardware, threads: int | None = None) -> tuple[str, bool]:
     sizes = ", ".join(f"{d.name}={binding[d.symbol]}" for d in program.dims)
     lines = [f"program {program.name} (dims {sizes or 'none'}; hardware {hardware.name})"]
     lines += [f"  {n}" for n in notes]
@@ -122,7 +149,7 @@ def text_report(program: Program, binding, notes: list[str], hardware) -> tuple[
         lines.append("  no custom kernels: every op is a pre-defined kernel")
     ok = True
     for k in kernels:
-        body, problems = kernel_text(program, k, binding, hardware)
+        body, problems = kernel_text(program, k, binding, hardware, threads)
         lines += body
         if problems:
             ok = False
@@ -219,8 +246,8 @@ def _bound(expr, binding, eq: str = "=") -> str:
 def render(program: Program, dims, grid, loop, hardware_name: str, fmt: str) -> tuple[str | bytes, bool]:
     """(text or image bytes, whether every kernel is valid)."""
     hardware = load_hardware(hardware_name)
-    binding, notes = _binding(program, dims, grid, loop, hardware)
-    text, ok = text_report(program, binding, notes, hardware)
+    binding, notes, threads = _binding(program, dims, grid, loop, hardware)
+    text, ok = text_report(program, binding, notes, hardware, threads)
     if fmt == "text":
         return text, ok
     dot = dot_graph(program, binding)
