@@ -1193,6 +1193,35 @@ def test_a_copy_warp_is_priced_at_its_own_rate_and_tmas_copies_at_the_sms_intake
         flops * (1 / WGMMA_IN_FLIGHT - 1 / WGMMA_COPY_WARP) * 4 * 132 / 512, rel=0.05)  # 512 blocks in 4 waves
 
 
+def test_a_copy_warp_only_where_its_block_stays_within_cudas_threads(write):
+    """A copy warp's 32 threads come after the computing ones: at 1024 of them the block would have 1056, which no
+    launch takes, so the copies are thread 0's there (`copies.copy_warp`); at 512, 544 are launched."""
+    from prism_dsl.backend.cost import for_hardware
+    from prism_dsl.backend.launch import layout
+
+    program = load(write(NORMED.replace("EXTRA", " / acc_rms_last(xt)"))).program()
+    syms = {s.name: s for s in [*free_symbols(program), *program.default_binding()]}
+    c = instantiate_program(program, {**program.default_binding(), syms["gx"]: 16, syms["gy"]: 32, syms["F"]: 64},
+                            H100)["fused"]
+    wide = layout(c, for_hardware(CodegenConfig(tma=True, threads=512), H100))
+    widest = layout(c, for_hardware(CodegenConfig(tma=True, threads=1024), H100))
+    assert wide.copy_warp and wide.launched == 544
+    assert widest.tma and not widest.copy_warp and widest.launched == 1024
+
+
+def test_every_barrier_the_emitters_write_is_the_computing_threads_own():
+    """With a copy warp, which waits at named barrier 4 before the loop and leaves after it, a `__syncthreads()`
+    among the computing threads' code would wait for 288 threads before the loop (a deadlock) or count on the
+    copy warp's exit after it: every barrier the code generator writes is `Emitter.sync` (named barrier 3 with a
+    copy warp), in the templates as `k.sync`. A row spread over several warps wrote its own `__syncthreads()`."""
+    backend = ROOT / "prism_dsl" / "backend"
+    found = {p.name: p.read_text().count('__syncthreads()"') + p.read_text().count('__syncthreads();"')
+             for p in backend.glob("*.py")}
+    assert {name: n for name, n in found.items() if n} == {"codegen.py": 1}  # `Emitter.sync`'s own
+    for template in (ROOT / "templates").glob("*.j2"):  # outside their comments
+        assert "__syncthreads" not in re.sub(r"\{#.*?#\}", "", template.read_text(), flags=re.S), template.name
+
+
 def test_pre_defined_kernels_cover_every_op_outside_custom_kernels():
     program = lower(load(ROOT / "programs/attention.prism").program())
     assert [k.name for k in kernels_of(program)] == ["matmul_t0", "softmax_t1", "matmul_O"]

@@ -108,6 +108,8 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
         self.tensor_core_steps = 0
         self.layout = layout(c, config)
         self.registers, self.threads, self.pad = self.layout.registers, self.layout.threads, self.layout.pads
+        # a barrier of the computing threads: with a copy warp, which leaves before the loop, their named barrier 3
+        self.sync = "prism::named_sync(3, kThreads)" if self.layout.copy_warp else "__syncthreads()"
         self.cname = {b.name: f"s_{ident(b.name)}" for b in self.plan.buffers}
         self.held_in: dict[Node, str] = {}  # values a step holds in registers at the element it reads (`row_parts`)
         self.held_partner: dict[Node, str] = {}  # and at RoPE's partner element, half a row away (`row_parts.vectored`)
@@ -467,7 +469,7 @@ class Emitter(TensorCoreSteps, RowParts, StoreSteps):
                "in_flight": self.layout.in_flight, "overlap": self.layout.overlap, "lead": self.layout.lead, "maps": maps,
                "tma": by_tma, "tma_bytes": sum(st["bytes"] for st in by_tma),
                "pingpong": self.layout.pingpong, "copy_warp": self.layout.copy_warp, "launched": self.layout.launched,
-               "sync": "prism::named_sync(3, kThreads)" if self.layout.copy_warp else "__syncthreads()",  # a barrier
+               "sync": self.sync,
                "mbarriers": self.layout.mbarriers, "real": self.real, "buffers": buffers, "prologue": prologue, "invariant": invariant, "body": loop_steps, "epilogue": epilogue}
         return ctx
 

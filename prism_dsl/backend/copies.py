@@ -40,6 +40,7 @@ from ..kernels.masking import callers_shape, read_in_place
 from ..kernels.sizes import int_value
 from . import sums
 from .ctext import INT_MAX, address, comment, decompose, ident, tensor_name
+from .cuda_plan import MAX_THREADS
 from .row_parts import held_in_registers
 
 SWIZZLE_BYTES = 128  # a row of wgmma's 128-byte swizzle, and a box's inner dim in bytes
@@ -200,7 +201,8 @@ def copied_by_tma(c: Concrete, staged: set[str], swizzled: frozenset[str], confi
     return frozenset(staged)
 
 
-def copy_warp(c: Concrete, registers: dict, in_flight: bool, pingpong: bool, tma: frozenset[str], config) -> bool:
+def copy_warp(c: Concrete, registers: dict, in_flight: bool, pingpong: bool, tma: frozenset[str], threads: int,
+              config) -> bool:
     """Whether a warp of its own issues the kernel's TMA copies (`launch.Layout.copy_warp`: warp specialization).
     Where thread 0 of a computing warp issues them, every iteration begins with a block-wide barrier, so that the
     stage it refills is free: the tensor cores wait at it for the slowest warp, and the copies for the barrier. A
@@ -211,8 +213,12 @@ def copy_warp(c: Concrete, registers: dict, in_flight: bool, pingpong: bool, tma
     (`launch.in_flight`), every other fold a row sum in registers (`row_parts.held_in_registers`), no value kept in
     shared memory; or where two warpgroups of online softmax take turns (`launch.takes_turns`: that is their whole
     loop, whose stages empty mbarriers pace already, FlashAttention-3's producer and consumers). Not in a kernel
-    that sums across blocks (`sums`), whose tickets take the whole block's barrier."""
+    that sums across blocks (`sums`), whose tickets take the whole block's barrier. The computing threads are whole
+    warpgroups (the template tells the copy warp by its warpgroup's index, `threads / 128`), and the block with the
+    copy warp stays within CUDA's threads a block."""
     if not (config.copy_warp and tma and (in_flight or pingpong)) or sums.groups(c):
+        return False
+    if threads % 128 or threads + COPY_WARP > MAX_THREADS:
         return False
     if pingpong:  # the loop is online softmax and its tiles alone (`launch.takes_turns`), its stages paced already
         return True

@@ -345,7 +345,8 @@ def _layout(c: Concrete, config: CodegenConfig) -> Layout:
             offsets, smem = arrange(names, taken, live)
             pingpong = turns and stages >= PINGPONG_STAGES
             tma = by_tma if stages > 1 else frozenset()
-            warp = copy_warp(c, registers, in_flight(c, registers, flash_of, stages, staged), pingpong, tma, config)
+            warp = copy_warp(c, registers, in_flight(c, registers, flash_of, stages, staged), pingpong, tma, threads,
+                             config)
             mbarriers = _aligned(smem, 16)
             if pingpong or tma:  # a full one per stage (and, taking turns or with a copy warp, an empty one)
                 smem = mbarriers + (16 if pingpong or warp else 8) * stages

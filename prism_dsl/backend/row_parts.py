@@ -289,7 +289,7 @@ class RowParts:
             first, at = f"{scratch}[{i * 32} + g * {warps}]", f"{scratch}[{i * 32} + g * {warps} + w]"
             fold = f"{p['var']} += {at};" if p["reduce"] == "sum" else f"{p['var']} = prism::max_({p['var']}, {at});"
             p["cross"] = [f"if (PRISM_TID % PRISM_WARP == 0) {scratch}[{i * 32} + PRISM_TID / PRISM_WARP] = {p['var']};",
-                          "__syncthreads();", f"{p['var']} = {first};", f"for (int w = 1; w < {warps}; ++w) {fold}"]
+                          f"{self.sync};", f"{p['var']} = {first};", f"for (int w = 1; w < {warps}; ++w) {fold}"]
 
     def _write_out(self, node: Node, write: str, leaves: list[Node], vec: int, idx: list[str], length: int,
                    store: int) -> dict:

@@ -108,9 +108,10 @@ def joins(first: Concrete, second: Concrete, config: CodegenConfig) -> bool:
     if longest_first(first.kernel, dict(first.grid), config.sms) or longest_first(second.kernel, dict(second.grid),
                                                                                     config.sms):
         return False
-    if layout(first, config).copy_warp:  # its copy warp has left before the ticket's block-wide barriers
-        return False
-    return layout(second, tail_config(first, config)).threads == layout(first, config).threads
+    mine, theirs = layout(first, config), layout(second, tail_config(first, config))
+    if mine.copy_warp or theirs.copy_warp:  # a copy warp leaves before the ticket's block-wide barriers; the
+        return False                         # combining code runs on the first kernel's threads, none of them one
+    return theirs.threads == mine.threads
 
 
 def render_launch(first: Concrete, second: Concrete, program: Program,
