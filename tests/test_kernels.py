@@ -352,6 +352,24 @@ KERNEL_ERRORS = [
      "every block along grid axis y would compute the same 'Y': no tile it is computed from is split by it"),
     ("grid(x = 2)", "xt = load X[:, :]\nstore Y[x, :] = xt", "every block along grid axis x would compute the same 'Y'"),
     ("grid(x = gx)", "xt = load X[:, x]\nstore Y[x, :, :, :, :, :] = xt", "the map of 'Y' has 6 entries; kernels store"),
+    # what the kernel computes would depend on the parameters the tuner chooses (`kernels.pieces`)
+    ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nbt = load X[:, :]\nstore Y[:, :] += acc_sum_last(xt) + sum(bt, -1)",
+     "the blocks along grid axis x add what depends on how many they are (gx): a partial sum plus a value that is "
+     "not split, which is then added once a piece"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, loop]\nyt = load X[:, x]\nstore Y[:, x] = acc_sum(sum(xt, -1) + yt)",
+     "acc_sum gives what depends on how many iterations the loop has (F): a partial sum plus a value that is not "
+     "split"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nstore Y[:, :] += acc_max_last(xt)",
+     "(gx): acc_max_last of each piece of a dim that is split, which is not the acc_max_last of the whole dim"),
+    ("grid(x = 1) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_sum(xt)",
+     "(F): tiles of different parts of a dim the loop splits, folded together"),
+    ("grid(x = 1) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_max_last(xt @ transpose(xt, 0, 1))",
+     "(F): acc_max_last of partial sums over the loop's pieces, which is not the acc_max_last of the whole sums"),
+    ("grid(x = 1) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_sum(exp(xt @ transpose(xt, 0, 1)))",
+     "(F): exp of a partial sum, which is not the exp of the whole sum"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nstore Y[:, :] += acc_sum(xt @ transpose(xt, 0, 1)) * acc_sum_last(xt)",
+     "(gx): a mul of two partial sums"),
+    ("grid(x = gx) loop(F)", "xt = load X[:, x]\nstore Y[:, x] = exp(xt)", "the loop of kernel 'k' walks no tile"),
 ]
 
 

@@ -16,7 +16,9 @@ its sum is read, which does not depend on the max taken; these definitions are t
 Who reads which field of `Accumulator`: `ops` (name, operands, doc: the `acc_*` OpSpecs), `shapes` and
 the prover's size rules in `prove.egraph` (like, row), `semantics` (init, step, finish), the search
 (closed, combine, combining_only, operand_ops, like, row, online, linear), `kernels.fusion` (state, online,
-reads_once, adds_products), `backend.codegen` (cuda_*), `backend.cost` (flops, like). A new
+reads_once, adds_products), `kernels.pieces` (adds_pieces, like, row: the checker's refusal of kernels whose
+value depends on how many pieces their loop or grid cuts), `backend.codegen` (cuda_*), `backend.cost` (flops,
+like). A new
 accumulator is one row here plus its definition in rules/layout.rules, as long as its CUDA fold is one of
 the kinds `codegen` renders from these strings: per state element (`cuda_fold` lines), per row (a
 `cuda_reduce` of `cuda_term`, then `cuda_fold`: "sum", "max", or "welford", a running count, mean and sum
@@ -135,6 +137,9 @@ class Accumulator:
     cuda_finish: str = "{0}"
     adds_products: bool = False  # a matrix product that only it reads is added straight into its state
     linear: bool = False  # its value is linear in its operand (the search drops pairs over proportional ones)
+    # its value over a dim cut in pieces is the sum of its values over the pieces (a sum, not a mean, a root mean
+    # square or a max): blocks that each fold a piece may add their values (`kernels.pieces`)
+    adds_pieces: bool = False
     flops: int = 1  # per element of the first operand (a product adds 2 per multiply-add)
     # A dim built past the size the caller gave (`kernels.masking`): the value each element of the first
     # operand's last dim past that size takes before the fold (the fold's identity: 0 for a sum, -inf for a
@@ -168,10 +173,11 @@ ACCUMULATORS: dict[str, Accumulator] = {
         Accumulator("acc_sum", "running sum of the tile", 1, "unary", False,
                     lambda s: (np.zeros(s),), lambda st, t: (st[0] + t,), lambda st: st[0],
                     lambda b, a: a, combine=("acc_sum", "part"), operand_ops=("matmul", "sum"),
-                    cuda_fold=("{acc}[e] += {0};",), adds_products=True, linear=True),
+                    cuda_fold=("{acc}[e] += {0};",), adds_products=True, linear=True, adds_pieces=True),
         Accumulator("acc_sum_last", "running sum of the tile's row sums", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)),), lambda st, t: (st[0] + _rowsum(t),), lambda st: st[0],
-                    lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM, linear=True, past_end=0.0),
+                    lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM, linear=True, past_end=0.0,
+                    adds_pieces=True),
         Accumulator("acc_mean_last", "mean of every row element seen", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t), st[1] + t.shape[-1]),
                     lambda st: st[0] / st[1], lambda b, a: b("mean", [a], [-1]), combine=("acc_mean_last", "mean"),

@@ -20,6 +20,7 @@ from ..ir.nodes import Node, dim_symbol
 from ..kernels.kernel import AXES, ONE, DimMap, Kernel, Load, Store, TileMap, after_loop, loop_varying, output_shape, tile_shape
 from ..ir.ops import BLOCK_CALLABLE, KERNEL_RANK, OPS, Kind
 from ..ir.shapes import fmt_shape, same
+from ..kernels.pieces import Classes, added_by_blocks, over_the_loop
 from .scope import POISON, unknown_name
 from .syntax import suggest
 
@@ -175,6 +176,9 @@ class _KernelCheck:
             return self.poison_outputs()
         kernel = Kernel(decl.name, tuple(grid), loop, tuple(loads), tuple(checked), tuple(sources))
         self.phases(kernel)
+        if loop is not None and self.ok() and not any(load.map.loop_dim() is not None for load in loads):
+            self.error(decl.loop.loc, f"the loop of kernel '{decl.name}' walks no tile, so every iteration would do "
+                       "the same; split a tile's dim by it (a map entry 'loop' or 'x*loop'), or drop loop(...)")
         if not self.ok():
             return self.poison_outputs()
         for i, (store, (stmt, _, _)) in enumerate(zip(kernel.stores, stores)):
@@ -246,11 +250,26 @@ class _KernelCheck:
         if stmt.add and not unmapped:
             return self.error(stmt.loc, f"'+=' adds the results of blocks along axes that write no dim, but every "
                               f"axis writes a dim of '{stmt.name}'; write '='")
+        for a in summed:
+            sym = self.parameter(kernel.size(a))
+            why = sym is not None and added_by_blocks(value, Classes(sym, lambda t, a=a: a in kernel.load(t.attr).map.axes()))
+            if why:
+                return self.error(stmt.loc, f"the blocks along grid axis {a} add what depends on how many they are "
+                                  f"({sym}): {why}; '+=' adds partial sums only (products over the axis's pieces, "
+                                  "acc_sum, acc_sum_last), and a term the axis does not split belongs after the sum")
         return Store(stmt.name, value, tmap, stmt.add)
+
+    def parameter(self, size) -> sympy.Symbol | None:
+        """The kernel parameter that a grid size or loop range is, or None where it is fixed (a number, a dim)."""
+        if isinstance(size, sympy.Symbol) and size.name not in self.c.scope.dims:
+            return size
+        return None
 
     def phases(self, kernel: Kernel) -> None:
         body = kernel.body()
         varying, after = loop_varying(kernel), after_loop(body)
+        sym = self.parameter(kernel.loop)
+        loop = sym and Classes(sym, lambda t: kernel.load(t.attr).map.loop_dim() is not None)
         for n in body:
             loc = self.where.get(n, self.decl.loc)
             if OPS[n.op].kind is Kind.ACCUMULATE:
@@ -261,6 +280,9 @@ class _KernelCheck:
                 elif not any(a in varying for a in n.args):
                     self.error(loc, f"{n.op} accumulates a value that is the same in every iteration; accumulate a "
                                f"value computed from a tile the loop splits")
+                elif loop is not None and (why := over_the_loop(n, loop)):
+                    self.error(loc, f"{n.op} gives what depends on how many iterations the loop has ({loop.sym}): "
+                               f"{why}; fold what the loop splits, and add a term it does not split after the loop")
             elif any(a in after for a in n.args) and any(a in varying for a in n.args):
                 self.error(loc, f"{n.op} combines a value from inside the loop with one from after it; "
                            f"accumulate the first (acc_sum, acc_rms_last, ...) before using it after the loop")
