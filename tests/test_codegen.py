@@ -1401,6 +1401,13 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     (["--search", "none", "--unsteady"], "--unsteady limits the search, which --search none leaves out", 2),
     (["--tma", "--no-wgmma"], "--tma copies the loop tiles of wgmma products, which --no-wgmma leaves out", 2),
     (["--no-copy-warp"], "--no-copy-warp says who issues the TMA copies, which only --tma asks for", 2),
+    # the program has custom kernels: compiled as written, with no search to limit (it did not say so)
+    (["--time-limit", "5"], "--time-limit limits the search, which a program with custom kernels of its own leaves "
+                            "out (it is compiled as written)", 2),
+    (["--max-kernels", "2", "--unsteady"], "--max-kernels, --unsteady limit the search, which a program with", 2),
+    # the A100 has neither wgmma nor TMA (the report said both were asked for, and the code had neither)
+    (["--tma", "--hardware", "a100"], "--tma copies the loop tiles of wgmma products, which the hardware's sm_80 "
+                                      "does not have (sm_90)", 2),
     pytest.param(["--arch", "sm_12"], "this nvcc does not compile for sm_12 (--arch)", 1, marks=needs_nvcc),
 ])
 def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message, code):

@@ -435,11 +435,11 @@ def cmd_compile(args) -> int:
     from ..pipeline.report import summary
     from ..search.config import SearchConfig
 
-    if problem := ignored(args):
-        raise UsageError(problem)
     hardware, program = load_hardware(args.hardware), load(args.file).program(args.program)
+    if problem := ignored(args, written := any(n.op == "kernel" for n in program.nodes()), hardware.arch):
+        raise UsageError(problem)
     searching = None
-    if args.search == "full" and any(n.op == "kernel" for n in program.nodes()):
+    if args.search == "full" and written:
         print(f"prismc: '{program.name}' already has custom kernels: compiling it as written (no search)",
               file=sys.stderr)
     elif args.search == "full":

@@ -6,25 +6,33 @@ from __future__ import annotations
 import argparse
 import re
 
+from ..backend.launch import WGMMA_ARCHS
 from ..lang.syntax import MAX_INT, clip
 
 MAX_SECONDS = 1e6  # a time limit beyond this is a mistake, and overflows the platform's clocks
 TIME_LIMIT = 60.0  # `compile --time-limit`'s default, seconds
 
 
-def ignored(args) -> str | None:
+def ignored(args, written: bool, arch: str) -> str | None:
     """What `prismc compile` was given that would do nothing with the rest, said (a usage error): an option of the
-    emulation with --no-emulate, a limit of the search with --search none, --tma without the wgmma products whose
-    tiles it copies, --no-copy-warp without --tma."""
+    emulation with --no-emulate, a limit of the search with --search none or for a program that has custom kernels
+    already (`written`: compiled as written), --tma without the wgmma products whose tiles it copies (or for an
+    `arch` without them), --no-copy-warp without --tma."""
     if args.no_emulate and (args.sanitize or args.blocks != "auto"):
         flag = f"--sanitize {args.sanitize}" if args.sanitize else f"--emulate-blocks {args.blocks}"
         return f"{flag} runs the emulation, which --no-emulate leaves out: give one of them"
     limits = [flag for flag, given in (("--time-limit", args.time_limit != TIME_LIMIT), ("--no-split", args.no_split),
                                        ("--max-kernels", args.max_kernels is not None), ("--unsteady", args.unsteady))
               if given]
+    verb = "limits" if len(limits) == 1 else "limit"
     if args.search == "none" and limits:
-        return f"{', '.join(limits)} {'limits' if len(limits) == 1 else 'limit'} the search, which --search none " \
-               "leaves out: give one of them"
+        return f"{', '.join(limits)} {verb} the search, which --search none leaves out: give one of them"
+    if written and args.search == "full" and limits:
+        return f"{', '.join(limits)} {verb} the search, which a program with custom kernels of its own leaves out " \
+               "(it is compiled as written): drop the option, or give the program without its kernels"
+    if args.tma and arch not in WGMMA_ARCHS:
+        return f"--tma copies the loop tiles of wgmma products, which the hardware's {arch} does not have (sm_90): " \
+               "drop --tma, or give --hardware h100 or h200"
     if args.tma and (args.no_wgmma or args.no_tensor_cores):
         flag = "--no-wgmma" if args.no_wgmma else "--no-tensor-cores"
         return f"--tma copies the loop tiles of wgmma products, which {flag} leaves out: give one of them"
