@@ -404,7 +404,7 @@ program mix(X: f16[n, d], W: f16[d, e], U: f16[d, e]) {
         wt = load W[loop, x]
         ut = load U[loop, x]
         a = acc_sum(xt @ wt)
-        m = acc_max_last(xt @ ut)
+        m = acc_sum_last(xt @ ut)
         store Y[:, x] = a / m
     }
     return Y
@@ -413,7 +413,7 @@ program mix(X: f16[n, d], W: f16[d, e], U: f16[d, e]) {
 
 
 def test_a_tile_that_another_product_reads_as_padded_rows_keeps_mma_sync(write):
-    """xt feeds a wgmma-sized register-tiled product and a wmma product (`xt @ ut`, folded by a max): wmma
+    """xt feeds a wgmma-sized register-tiled product and a wmma product (`xt @ ut`, folded by a row sum): wmma
     reads padded rows, so xt is not swizzled and the register-tiled product stays on mma.sync."""
     program = load(write(SHARED_WITH_WMMA)).program()
     built = build(program, H100, BuildOptions(grid={"g": 2}, loop={"F": 2}, archs=()))
