@@ -266,21 +266,28 @@ WRONG = {
     # the mean of squares without its square root
     "wrong accumulator": dict(grid="gx", wmap="loop, x",
                               body="acc = acc_sum(xt @ wt)\n        ms = acc_mean_last(square(xt))\n        store Y[:, x] = acc / ms"),
+}
+
+REFUSED = {
     # W's rows split by the grid and its columns by the loop: the blocks multiply the wrong pieces
-    "wrong map": dict(grid="F", wmap="x, loop",
-                      body="acc = acc_sum(xt @ wt)\n        rms = acc_rms_last(xt)\n        store Y[:, x] = acc / rms"),
+    "wrong map": (dict(grid="F", wmap="x, loop",
+                       body="acc = acc_sum(xt @ wt)\n        rms = acc_rms_last(xt)\n        store Y[:, x] = acc / rms"),
+                  r"wrong.prism:3:31: 'F' is both the loop range and the size of grid axis x"),
+    # each piece divided by its own root mean square, before the loop has seen the whole row
+    "division in the loop": (dict(grid="gx", wmap="loop, x",
+                                  body="store Y[:, x] = acc_sum((xt @ wt) / sqrt(mean(square(xt), -1)))"),
+                             r"wrong.prism:6:25: acc_sum gives what depends on how many iterations the loop has "
+                             r"\(F\): sqrt of a mean over a piece of a split dim, which only a mean of the pieces"),
 }
 
 
-def test_a_kernel_whose_result_follows_its_loop_range_is_refused_where_it_is_written(tmp_path):
-    """Each piece divided by its own root mean square, before the loop has seen the whole row: the prover found it
-    unequal, and numerically it differs; it is refused before that now, its value depending on F
-    (`kernels.pieces`)."""
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_kernel_whose_result_follows_its_parameters_is_refused_where_it_is_written(tmp_path, name):
+    """Kernels the prover found unequal to the program, which numerically differ from it, are refused before that
+    now: what they compute depends on their parameters (`kernels.pieces`)."""
     path = tmp_path / "wrong.prism"
-    path.write_text(RMSNORM_LINEAR.format(grid="gx", wmap="loop, x",
-                                          body="store Y[:, x] = acc_sum((xt @ wt) / sqrt(mean(square(xt), -1)))"))
-    with pytest.raises(PrismError, match=r"wrong.prism:6:25: acc_sum gives what depends on how many iterations the "
-                                         r"loop has \(F\): the mean of each piece of a dim that is split"):
+    path.write_text(RMSNORM_LINEAR.format(**REFUSED[name][0]))
+    with pytest.raises(PrismError, match=REFUSED[name][1]):
         load(path)
 
 
@@ -293,7 +300,7 @@ def test_wrong_kernel_is_not_proved_and_differs_numerically(tmp_path, name):
     assert not proof.proved
     assert proof.numeric_gap is not None and proof.numeric_gap > 1e-3
     inputs = random_inputs(plain, bind_dims(plain, dict(n=4, d=64)), seed=1)
-    params = {"F": 4} | ({"gx": 2} if WRONG[name]["grid"] == "gx" else {})
+    params = {"F": 4, "gx": 2}
     assert not np.allclose(evaluate(wrong, inputs, params)["Y"], evaluate(plain, inputs)["Y"], rtol=1e-3)
 
 
@@ -369,17 +376,58 @@ KERNEL_ERRORS = [
      "acc_sum gives what depends on how many iterations the loop has (F): a partial sum plus a value that is not "
      "split"),
     ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nstore Y[:, :] += acc_max_last(xt)",
-     "(gx): acc_max_last of each piece of a dim that is split, which is not the acc_max_last of the whole dim"),
+     "(gx): each block's max over its piece of a split dim, which adding does not complete"),
     ("grid(x = 1) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_sum(xt)",
      "(F): tiles of different parts of a dim the loop splits, folded together"),
     ("grid(x = 1) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_max_last(xt @ transpose(xt, 0, 1))",
-     "(F): acc_max_last of partial sums over the loop's pieces, which is not the acc_max_last of the whole sums"),
+     "(F): acc_max_last of partial sums over the loop's pieces, which is not the acc_max_last of the whole"),
     ("grid(x = 1) loop(F)", "xt = load X[:, loop]\nstore Y[:, :] = acc_sum(exp(xt @ transpose(xt, 0, 1)))",
      "(F): exp of a partial sum, which is not the exp of the whole sum"),
     ("grid(x = gx) loop(F)", "xt = load X[:, x*loop]\nstore Y[:, :] += acc_sum(xt @ transpose(xt, 0, 1)) * acc_sum_last(xt)",
      "(gx): a mul of two partial sums"),
     ("grid(x = gx) loop(F)", "xt = load X[:, x]\nstore Y[:, x] = exp(xt)", "the loop of kernel 'k' walks no tile"),
+    ("grid(x = gx)", "xt = load X[:, x]\nstore Y[:, x] = softmax(xt)", "what the blocks along grid axis x store "
+     "depends on how many they are (gx): softmax of each piece of a row, as if it were the row"),
+    ("grid(x = 1) loop(F)", "xt = load X[loop, :]\nyt = load X[:, loop]\n"
+     "store Y[:, :] = acc_sum(sum(sum(sum(xt, -1) * sum(yt, -2), -1), -2))",
+     "(F): a mul of pieces of two split dims broadcast against each other"),
 ]
+
+
+ACCEPTED = {  # kernels whose result does not depend on their parameters, with two choices of them
+    # a max over each piece of the row, folded by the pieces' max; a mean likewise
+    "max of maxima": ("dims n = 8, d = 256\nprogram p(X: f32[n, d]) {\n    kernel k grid(x = gn) loop(F) {\n"
+                      "        xt = load X[x, loop]\n        store Y[x, :] = acc_max_last(max(xt, -1)) + "
+                      "acc_mean_last(mean(xt, -1))\n    }\n    return Y\n}\n", {"gn": 2, "F": 2}, {"gn": 4, "F": 8}),
+    # the pieces of a split-K product added by the blocks of a second kernel, one piece a block
+    "pieces added by blocks": ("dims n = 8, d = 1024, m = 64\nprogram p(X: f32[n, d], W: f32[d, m]) {\n"
+                               "    kernel part grid(x = gx, z = S) loop(F) {\n        xt = load X[:, z*loop]\n"
+                               "        wt = load W[z*loop, x]\n        store P[z, :, x] = acc_sum(xt @ wt)\n    }\n"
+                               "    kernel comb grid(x = gx, z = S) {\n        pt = load P[z, :, x]\n"
+                               "        store Y[:, x] += pt\n    }\n    return Y\n}\n",
+                               {"gx": 2, "S": 2, "F": 4}, {"gx": 4, "S": 8, "F": 2}),
+    # RMSNorm's statistics over the whole row beside a split-K product: a partial sum over a whole value
+    "split-K over a whole norm": ("dims n = 8, d = 1024, m = 64\nprogram p(X: f32[n, d], W: f32[d, m]) {\n"
+                                  "    kernel k grid(x = gx, z = gz) loop(F) {\n        xt = load X[:, z*loop]\n"
+                                  "        xr = load X[:, loop]\n        wt = load W[z*loop, x]\n"
+                                  "        store Y[:, x] += acc_sum(xt @ wt) / acc_rms_last(xr)\n    }\n"
+                                  "    return Y\n}\n", {"gx": 2, "gz": 2, "F": 4}, {"gx": 4, "gz": 8, "F": 2}),
+    # one iteration of a loop that walks nothing
+    "one iteration": ("dims n = 8, d = 256, m = 32\nprogram p(X: f32[n, d], W: f32[d, m]) {\n"
+                      "    kernel k grid(x = gx) loop(1) {\n        xt = load X[:, :]\n        wt = load W[:, x]\n"
+                      "        store Y[:, x] = xt @ wt\n    }\n    return Y\n}\n", {"gx": 2}, {"gx": 8}),
+}
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_kernels_whose_result_holds_at_any_parameters_are_accepted(write, name):
+    """What `kernels.pieces` lets through: the same result at two choices of the parameters."""
+    text, one, other = ACCEPTED[name]
+    program = load(write(text)).program()
+    inputs = random_inputs(program, bind_dims(program, {}), seed=2)
+    a, b = evaluate(program, inputs, one), evaluate(program, inputs, other)
+    for out in a:
+        np.testing.assert_allclose(a[out], b[out], rtol=1e-9)
 
 
 def test_an_accumulator_inside_a_stores_expression_is_pointed_at(tmp_path, capsys):

@@ -16,7 +16,7 @@ its sum is read, which does not depend on the max taken; these definitions are t
 Who reads which field of `Accumulator`: `ops` (name, operands, doc: the `acc_*` OpSpecs), `shapes` and
 the prover's size rules in `prove.egraph` (like, row), `semantics` (init, step, finish), the search
 (closed, combine, combining_only, operand_ops, like, row, online, linear), `kernels.fusion` (state, online,
-reads_once, adds_products), `kernels.pieces` (adds_pieces, like, row: the checker's refusal of kernels whose
+reads_once, adds_products), `kernels.pieces` (completes, like, row: the checker's refusal of kernels whose
 value depends on how many pieces their loop or grid cuts), `backend.codegen` (cuda_*), `backend.cost` (flops,
 like). A new
 accumulator is one row here plus its definition in rules/layout.rules, as long as its CUDA fold is one of
@@ -137,9 +137,11 @@ class Accumulator:
     cuda_finish: str = "{0}"
     adds_products: bool = False  # a matrix product that only it reads is added straight into its state
     linear: bool = False  # its value is linear in its operand (the search drops pairs over proportional ones)
-    # its value over a dim cut in pieces is the sum of its values over the pieces (a sum, not a mean, a root mean
-    # square or a max): blocks that each fold a piece may add their values (`kernels.pieces`)
-    adds_pieces: bool = False
+    # The reduction ("sum", "max", "mean") whose results over the pieces of a dim it completes into the whole dim's,
+    # folding them over the loop (a mean of equal pieces' means is the whole mean); "sum" also says that blocks
+    # which each fold a piece may add their values (`kernels.pieces`). Empty: a root mean square, a variance, online
+    # softmax: their pieces are combined otherwise (`combine`).
+    completes: str = ""
     flops: int = 1  # per element of the first operand (a product adds 2 per multiply-add)
     # A dim built past the size the caller gave (`kernels.masking`): the value each element of the first
     # operand's last dim past that size takes before the fold (the fold's identity: 0 for a sum, -inf for a
@@ -173,15 +175,16 @@ ACCUMULATORS: dict[str, Accumulator] = {
         Accumulator("acc_sum", "running sum of the tile", 1, "unary", False,
                     lambda s: (np.zeros(s),), lambda st, t: (st[0] + t,), lambda st: st[0],
                     lambda b, a: a, combine=("acc_sum", "part"), operand_ops=("matmul", "sum"),
-                    cuda_fold=("{acc}[e] += {0};",), adds_products=True, linear=True, adds_pieces=True),
+                    cuda_fold=("{acc}[e] += {0};",), adds_products=True, linear=True, completes="sum"),
         Accumulator("acc_sum_last", "running sum of the tile's row sums", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)),), lambda st, t: (st[0] + _rowsum(t),), lambda st: st[0],
                     lambda b, a: b("sum", [a], [-1]), cuda_reduce="sum", cuda_fold=_ROW_SUM, linear=True, past_end=0.0,
-                    adds_pieces=True),
+                    completes="sum"),
         Accumulator("acc_mean_last", "mean of every row element seen", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t), st[1] + t.shape[-1]),
                     lambda st: st[0] / st[1], lambda b, a: b("mean", [a], [-1]), combine=("acc_mean_last", "mean"),
-                    cuda_reduce="sum", cuda_fold=_ROW_SUM, cuda_finish="({0} / real({count}))", linear=True),
+                    cuda_reduce="sum", cuda_fold=_ROW_SUM, cuda_finish="({0} / real({count}))", linear=True,
+                    completes="mean"),
         Accumulator("acc_rms_last", "root mean square of every row element seen", 1, "unary", True,
                     lambda s: (np.zeros(_last(s)), 0), lambda st, t: (st[0] + _rowsum(t * t), st[1] + t.shape[-1]),
                     lambda st: np.sqrt(st[0] / st[1]), lambda b, a: b("sqrt", [b("mean", [b("square", [a])], [-1])]),
@@ -195,7 +198,7 @@ ACCUMULATORS: dict[str, Accumulator] = {
         Accumulator("acc_max_last", "running row max", 1, "unary", True,
                     lambda s: (np.full(_last(s), -np.inf),), lambda st, t: (np.maximum(st[0], _rowmax(t)),),
                     lambda st: st[0], lambda b, a: b("max", [a], [-1]), combine=("acc_max_last", "max"),
-                    combining_only=True, online="max", state=("m",), cuda_reduce="max",
+                    combining_only=True, online="max", state=("m",), cuda_reduce="max", completes="max",
                     cuda_fold=("{m}[row] = prism::max_({m}[row], part);",), past_end=-np.inf),
         Accumulator("acc_softmax_sum", "sum of exp(s - running max), rescaled", 1, "unary", True,
                     lambda s: (np.full(_last(s), -np.inf), np.zeros(_last(s))), _softmax_sum_step,

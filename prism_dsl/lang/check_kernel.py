@@ -20,7 +20,7 @@ from ..ir.nodes import Node, dim_symbol
 from ..kernels.kernel import AXES, ONE, DimMap, Kernel, Load, Store, TileMap, after_loop, loop_varying, output_shape, tile_shape
 from ..ir.ops import BLOCK_CALLABLE, KERNEL_RANK, OPS, Kind
 from ..ir.shapes import fmt_shape, same
-from ..kernels.pieces import Classes, added_by_blocks, over_the_loop
+from ..kernels.pieces import Classes, added_by_blocks, over_the_loop, stored_by_blocks
 from .scope import POISON, unknown_name
 from .syntax import suggest
 
@@ -132,6 +132,10 @@ class _KernelCheck:
         self.c.kernel_names.setdefault(decl.name, decl.loc)
         grid = self.grid()
         loop = self.size(decl.loop, "the loop range") if decl.loop is not None else None
+        if self.parameter(loop) is not None and (same_as := [a for a, g in grid if g == loop]):
+            self.error(decl.loop.loc, f"'{loop}' is both the loop range and the size of grid axis {same_as[0]}: the "
+                       "loop's pieces and the blocks' would be cut alike, and a tile split by one would pass for one "
+                       "split by the other; give each its own name")
         shell = Kernel(decl.name, tuple(grid), loop, (), (), ())  # for tile shapes while checking
         sources: list[Node] = []
         loads: list[Load] = []
@@ -176,7 +180,7 @@ class _KernelCheck:
             return self.poison_outputs()
         kernel = Kernel(decl.name, tuple(grid), loop, tuple(loads), tuple(checked), tuple(sources))
         self.phases(kernel)
-        if loop is not None and self.ok() and not any(load.map.loop_dim() is not None for load in loads):
+        if loop is not None and loop != 1 and self.ok() and not any(load.map.loop_dim() is not None for load in loads):
             self.error(decl.loop.loc, f"the loop of kernel '{decl.name}' walks no tile, so every iteration would do "
                        "the same; split a tile's dim by it (a map entry 'loop' or 'x*loop'), or drop loop(...)")
         if not self.ok():
@@ -250,14 +254,28 @@ class _KernelCheck:
         if stmt.add and not unmapped:
             return self.error(stmt.loc, f"'+=' adds the results of blocks along axes that write no dim, but every "
                               f"axis writes a dim of '{stmt.name}'; write '='")
-        for a in summed:
-            sym = self.parameter(kernel.size(a))
-            why = sym is not None and added_by_blocks(value, Classes(sym, lambda t, a=a: a in kernel.load(t.attr).map.axes()))
-            if why:
-                return self.error(stmt.loc, f"the blocks along grid axis {a} add what depends on how many they are "
-                                  f"({sym}): {why}; '+=' adds partial sums only (products over the axis's pieces, "
-                                  "acc_sum, acc_sum_last), and a term the axis does not split belongs after the sum")
+        if why := self.by_blocks(kernel, value, tmap, summed):
+            return self.error(stmt.loc, why)
         return Store(stmt.name, value, tmap, stmt.add)
+
+    def by_blocks(self, kernel: Kernel, value: Node, tmap: TileMap, summed: list[str]) -> str | None:
+        """What makes the blocks' stores of `value` depend on how many blocks there are (`kernels.pieces`), in
+        words: along an axis summed over, anything but a partial sum; along an axis that writes a dim of whole
+        positions (not a dim of per-piece results, one element a block), a value mixing a piece with the whole."""
+        for a, g in kernel.grid:
+            sym = self.parameter(g)
+            if sym is None:
+                continue
+            classes = Classes(sym, lambda t, a=a: a in kernel.load(t.attr).map.axes())
+            if a in summed and (why := added_by_blocks(value, classes)):
+                return (f"the blocks along grid axis {a} add what depends on how many they are ({sym}): {why}; '+=' "
+                        "adds partial sums only (products over the axis's pieces, acc_sum, acc_sum_last), and a term "
+                        "the axis does not split belongs after the sum")
+            at = tmap.dim_of(a)
+            if at is not None and -at <= value.rank and sym in sympy.sympify(value.shape[at]).free_symbols and (
+                    why := stored_by_blocks(value, classes)):
+                return f"what the blocks along grid axis {a} store depends on how many they are ({sym}): {why}"
+        return None
 
     def parameter(self, size) -> sympy.Symbol | None:
         """The kernel parameter that a grid size or loop range is, or None where it is fixed (a number, a dim)."""
