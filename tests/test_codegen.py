@@ -402,7 +402,7 @@ program mix(X: f16[n, d], W: f16[d, e], U: f16[d, e]) {
     kernel k grid(x = g) loop(F) {
         xt = load X[:, loop]
         wt = load W[loop, x]
-        ut = load U[loop, x]
+        ut = load U[loop, :]
         a = acc_sum(xt @ wt)
         m = acc_sum_last(xt @ ut)
         store Y[:, x] = a / m

@@ -1148,17 +1148,21 @@ def test_a_plain_reduction_over_a_kernels_pieces_is_tuned_with_that_kernel(tmp_p
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_rope_in_a_kernel_needs_tiles_of_even_rows(tmp_path, capsys):
-    """RoPE pairs each element with the one half a row away: a tile of one element a row is no parameter the tuner
-    may take, and one a person gives is refused at the store, not in the reference with a traceback."""
+def test_rope_over_pieces_of_a_row_is_refused_and_over_whole_rows_is_built(tmp_path, capsys):
+    """RoPE pairs each element with the one half a row away: on each block's piece of a row it would rotate the
+    piece's halves, so what the kernel computes would follow gx. It was refused only where a tile held one element a
+    row (a parameter `run` refused at the store); it is refused where it is written now, whatever gx. Whole rows,
+    the grid over them, are built."""
+    text = ("dims n = 8, d = 16\nprogram r(X: f16[n, d], C: f16[n, d], S: f16[n, d]) {\n"
+            "    kernel k grid(x = gx) {\n        xt = load X[:, x]\n        ct = load C[:, x]\n"
+            "        st = load S[:, x]\n        store Y[:, x] = rope(xt, ct, st)\n    }\n    return Y\n}\n")
     path = tmp_path / "rope.prism"
-    path.write_text("dims n = 8, d = 16\nprogram r(X: f16[n, d], C: f16[n, d], S: f16[n, d]) {\n"
-                    "    kernel k grid(x = gx) {\n        xt = load X[:, x]\n        ct = load C[:, x]\n"
-                    "        st = load S[:, x]\n        store Y[:, x] = rope(xt, ct, st)\n    }\n    return Y\n}\n")
-    assert main(["run", str(path), "--grid", "x=16", "--out", str(tmp_path / "y.npz")]) == 1
+    path.write_text(text)
+    assert main(["run", str(path), "--grid", "x=8", "--out", str(tmp_path / "y.npz")]) == 1
     err = capsys.readouterr().err
-    assert "rope.prism:7:15: the kernel parameters are not valid: kernel 'k': rope's rows in a tile (d/gx elements) " \
-           "must be even" in err and "Traceback" not in err
+    assert "rope.prism:7:15: what the blocks along grid axis x store depends on how many they are (gx): rope of each " \
+           "piece of a row, as if it were the row" in err and "Traceback" not in err
+    path.write_text(text.replace("[:, x]", "[x, :]"))
     assert main(["run", str(path), "--grid", "x=8", "--out", str(tmp_path / "y.npz")]) == 0
     args = ["compile", str(path), "--search", "none", "--arch", "none", "-o", str(tmp_path / "out")]
     assert main(args + ([] if emulate.compiler() else ["--no-emulate"])) == 0
