@@ -274,7 +274,9 @@ class _KernelCheck:
             at = tmap.dim_of(a)
             if at is not None and -at <= value.rank and sym in sympy.sympify(value.shape[at]).free_symbols and (
                     why := stored_by_blocks(value, classes)):
-                return f"what the blocks along grid axis {a} store depends on how many they are ({sym}): {why}"
+                return (f"what the blocks along grid axis {a} store depends on how many they are ({sym}): {why}; a "
+                        "block needs the whole of a dim it works across (split another dim by the axis, or walk this "
+                        "one with the loop and fold it)")
         return None
 
     def parameter(self, size) -> sympy.Symbol | None:
@@ -287,7 +289,7 @@ class _KernelCheck:
         body = kernel.body()
         varying, after = loop_varying(kernel), after_loop(body)
         sym = self.parameter(kernel.loop)
-        loop = sym and Classes(sym, lambda t: kernel.load(t.attr).map.loop_dim() is not None)
+        loop = None if sym is None else Classes(sym, lambda t: kernel.load(t.attr).map.loop_dim() is not None)
         for n in body:
             loc = self.where.get(n, self.decl.loc)
             if OPS[n.op].kind is Kind.ACCUMULATE:
