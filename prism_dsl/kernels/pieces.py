@@ -97,8 +97,8 @@ class Classes:
         if kind is Kind.REDUCE:
             return self._reduce(n, args[0])
         if any(a in (Piece.PARTIAL_MAX, Piece.PARTIAL_MEAN) for a in args) and kind is not Kind.ACCUMULATE:
-            kind = next(a for a in args if a in PARTIALS).value
-            return self.mixed(n, f"{n.op} of a {kind} over a piece of a split dim, which only a {kind} of the pieces "
+            what = next(a for a in args if a in PARTIALS).value
+            return self.mixed(n, f"{n.op} of a {what} over a piece of a split dim, which only a {what} of the pieces "
                                  "completes")
         if kind is Kind.ACCUMULATE:
             return self._accumulator(n, args)
@@ -122,7 +122,7 @@ class Classes:
 
     def _binary(self, n: Node, a: Piece, b: Piece) -> Piece:
         if Piece.PARTIAL not in (a, b):  # element-wise work on pieces, whole values broadcast against them once each
-            x, y = (split_dims(m, self.sym) for m in n.args)
+            x, y = (split_dims(m, self.sym) if self(m) is Piece.PIECE else set() for m in n.args)
             if x and y and x != y:
                 return self.mixed(n, f"a {n.op} of pieces of two split dims broadcast against each other")
             return Piece.PIECE
