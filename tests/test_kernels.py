@@ -430,6 +430,53 @@ def test_kernels_whose_result_holds_at_any_parameters_are_accepted(write, name):
         np.testing.assert_allclose(a[out], b[out], rtol=1e-9)
 
 
+SPLIT_PAIR = """dims b = 1, h = 2, q = 1, kv = 256, dh = 16
+program attention(Q: f32[b, h, q, dh], K: f32[b, h, kv, dh], V: f32[b, h, kv, dh]) {
+    kernel partial grid(x = gb, y = gh, z = S) loop(F) {
+        qt = load Q[x, y, :, :]
+        kt = load K[x, y, z*loop, :]
+        vt = load V[x, y, z*loop, :]
+        s = qt @ transpose(kt, -1, -2)
+        store M[z, x, y, :, :] = acc_max_last(s)
+        store L[z, x, y, :, :] = acc_softmax_sum(s)
+        store P[z, x, y, :, :] = acc_softmax_out(s, vt)
+        store V2[z, x, y, :, :] = acc_var_last(s)
+    }
+    kernel combine grid(x = gb, y = gh) loop(S) {
+        mt = load M[loop, x, y, :, :]
+        lt = load L[loop, x, y, :, :]
+        pt = load P[loop, x, y, :, :]
+        vt = load V2[loop, x, y, :, :]
+        store O[x, y, :, :] = COMBINE
+    }
+    return O
+}
+"""
+
+
+@pytest.mark.parametrize("combine,message", [
+    ("acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt)", None),
+    ("acc_max_last(mt) + acc_sum(exp(mt))", None),  # (through another op first: the prover's to judge)
+    ("acc_sum(pt) / acc_sum(lt)", "18:31: acc_sum folds the pieces of 'P', which kernel 'partial' stores one a block "
+                                  "along its grid axis z, each acc_softmax_out over its piece: they combine by "
+                                  "acc_rescaled_sum"),
+    ("acc_mean_last(vt)", "18:31: acc_mean_last folds the pieces of 'V2', which kernel 'partial' stores one a block "
+                          "along its grid axis z, each acc_var_last over its piece: they combine by no fold"),
+    ("acc_sum(mt)", "18:31: acc_sum folds the pieces of 'M', which kernel 'partial' stores one a block along its grid "
+                    "axis z, each acc_max_last over its piece: they combine by acc_max_last"),
+])
+def test_a_combining_kernel_folds_another_kernels_pieces_by_the_fold_that_combines_them(write, combine, message):
+    """FlashDecoding's combining kernel written by hand: the per-piece states of online softmax combine by
+    acc_rescaled_sum, a max by a max, a variance by none (`pieces.combined_by`); added plainly, the result followed
+    the number of pieces S, and the block interpreter, the emulation and `compile`'s check all agreed with it."""
+    path = write(SPLIT_PAIR.replace("COMBINE", combine))
+    if message is None:
+        load(path).program()
+    else:
+        with pytest.raises(PrismError, match=re.escape(f"t.prism:{message}")):
+            load(path).program()
+
+
 def test_an_accumulator_inside_a_stores_expression_is_pointed_at(tmp_path, capsys):
     """Not at the kernel's name: the accumulator that folds a value the loop does not split."""
     path = tmp_path / "k.prism"

@@ -199,3 +199,22 @@ def stored_by_blocks(value: Node, classes: Classes) -> str | None:
     the whole (a softmax over each block's piece of a row); None otherwise (a per-piece partial result is stored
     where the axis writes a dim of the pieces themselves, which `stored_by_blocks` is not asked of)."""
     return classes.reason(value) if classes(value) is Piece.MIXED else None
+
+
+def combined_by(state: Node, axis: str, kernel) -> frozenset[str] | None:
+    """The folds that combine what `kernel` (a `kernels.kernel.Kernel`) stores as `state`, one result for each block
+    along grid axis `axis`, where that axis cuts what the accumulator `state` folds (a split's per-piece states:
+    FlashDecoding's maxima, sums and outputs, split-K's partial sums): a partial sum, max or mean is completed by any
+    fold of that kind (`Accumulator.completes`), another state by its own combining fold only (`Accumulator.combine`:
+    online softmax's by acc_rescaled_sum), a state with none by no fold. None where `state` is no accumulator, or the
+    axis cuts nothing it folds (its blocks' results are parts of the whole, not pieces of it)."""
+    a = ACCUMULATORS.get(state.op)
+    size = dict(kernel.grid).get(axis)
+    if a is None or not isinstance(size, sympy.Symbol):
+        return None
+    c = Classes(size, lambda t: axis in kernel.load(t.attr).map.axes())(state)
+    if c in PARTIALS:
+        return frozenset(name for name, b in ACCUMULATORS.items() if b.completes == c.value)
+    if c is Piece.MIXED:
+        return frozenset([a.combine[0]] if a.combine else [])
+    return None

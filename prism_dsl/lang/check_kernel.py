@@ -20,7 +20,7 @@ from ..ir.nodes import Node, dim_symbol
 from ..kernels.kernel import AXES, ONE, DimMap, Kernel, Load, Store, TileMap, after_loop, loop_varying, output_shape, tile_shape
 from ..ir.ops import BLOCK_CALLABLE, KERNEL_RANK, OPS, Kind
 from ..ir.shapes import fmt_shape, same
-from ..kernels.pieces import Classes, added_by_blocks, over_the_loop, stored_by_blocks
+from ..kernels.pieces import Classes, added_by_blocks, combined_by, over_the_loop, stored_by_blocks
 from .scope import POISON, unknown_name
 from .syntax import suggest
 
@@ -279,6 +279,30 @@ class _KernelCheck:
                         "one with the loop and fold it)")
         return None
 
+    def combining(self, kernel: Kernel, acc: Node) -> str | None:
+        """Why accumulator `acc` cannot combine the per-piece states its loop walks (another kernel's, one for each
+        block along one of that kernel's grid axes: `pieces.combined_by`), or None: it must be a fold that combines
+        them. (What it folds through other ops first is left to the prover.)"""
+        tile = acc.args[-1]  # (acc_rescaled_sum's first operand is the pieces' running max, which it rescales by)
+        if tile.op != "tile":
+            return None
+        load = kernel.load(tile.attr)
+        source = kernel.inputs[load.source]
+        if source.op != "kernel":
+            return None
+        first, index = source.attr
+        store = first.stores[index]
+        for axis, _ in first.grid:
+            at = store.map.dim_of(axis)
+            if at is None or not load.map.dims[at].loop or (folds := combined_by(store.value, axis, first)) is None:
+                continue
+            if acc.op not in folds:
+                name = self.c.names.get(source, store.name)
+                how = f"combine by {' or '.join(sorted(folds))}" if folds else "combine by no fold"
+                return (f"{acc.op} folds the pieces of '{name}', which kernel '{first.name}' stores one a block along "
+                        f"its grid axis {axis}, each {store.value.op} over its piece: they {how}")
+        return None
+
     def parameter(self, size) -> sympy.Symbol | None:
         """The kernel parameter that a grid size or loop range is, or None where it is fixed (a number, a dim)."""
         if isinstance(size, sympy.Symbol) and size.name not in self.c.scope.dims:
@@ -303,6 +327,8 @@ class _KernelCheck:
                 elif loop is not None and (why := over_the_loop(n, loop)):
                     self.error(loc, f"{n.op} gives what depends on how many iterations the loop has ({loop.sym}): "
                                f"{why}; fold what the loop splits, and add a term it does not split after the loop")
+                elif why := self.combining(kernel, n):
+                    self.error(loc, why)
             elif any(a in after for a in n.args) and any(a in varying for a in n.args):
                 self.error(loc, f"{n.op} combines a value from inside the loop with one from after it; "
                            f"accumulate the first (acc_sum, acc_rms_last, ...) before using it after the loop")
