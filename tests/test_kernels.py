@@ -312,19 +312,27 @@ def test_prove_command_reports_the_numeric_difference_of_a_wrong_kernel(tmp_path
     assert "not proved: Y" in out and "on random inputs they differ" in out
 
 
-@pytest.mark.parametrize("file,old,new", [
-    ("attention.prism", "l = acc_softmax_sum(s)", "l = acc_sum_last(exp(s))"),
-    # the combining kernel adds the pieces without rescaling them to the common max
-    ("attention.decoding.prism", "acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt)", "acc_sum(pt) / acc_sum(lt)"),
-])
-def test_wrong_attention_accumulator_is_not_proved(tmp_path, file, old, new):
-    text = (REPO / "programs" / "fused" / file).read_text()
-    assert old in text
-    text = text.replace(old, new)
+def test_wrong_attention_accumulator_is_not_proved(tmp_path):
+    text = (REPO / "programs" / "fused" / "attention.prism").read_text()
+    assert "l = acc_softmax_sum(s)" in text
     path = tmp_path / "wrong.prism"
-    path.write_text(text)
+    path.write_text(text.replace("l = acc_softmax_sum(s)", "l = acc_sum_last(exp(s))"))
     proof = prove(load(REPO / "programs" / "attention.prism").program(), load(path).program(), DEFAULT, Limits(seconds=3))
     assert not proof.proved and proof.numeric_gap > 1e-3
+
+
+def test_a_combining_kernel_that_adds_online_softmaxs_pieces_unrescaled_is_refused_where_written(tmp_path):
+    """The combining kernel adding the pieces without rescaling them to the common max: the prover found it unequal;
+    it is refused at its folds now (`pieces.combined_by`)."""
+    text = (REPO / "programs" / "fused" / "attention.decoding.prism").read_text()
+    old = "acc_rescaled_sum(mt, pt) / acc_rescaled_sum(mt, lt)"
+    assert old in text
+    path = tmp_path / "wrong.prism"
+    path.write_text(text.replace(old, "acc_sum(pt) / acc_sum(lt)"))
+    with pytest.raises(PrismError, match="acc_sum folds the pieces of 'P', which kernel 'partial' stores one a block "
+                                         "along its grid axis z, each acc_softmax_out over its piece: they combine by "
+                                         "acc_rescaled_sum"):
+        load(path).program()
 
 
 # -- errors in kernels -------------------------------------------------------------------------------
