@@ -22,14 +22,14 @@ from ..backend.tuning import fits
 from ..backend.launch import CodegenConfig, layout
 from ..kernels.constraints import constraints, shared_memory
 from ..kernels.hardware import load_hardware
-from ..kernels.lower import lowered_forms
+from ..kernels.lower import lower
 from ..kernels.kernel import Kernel, free_symbols, kernels_of, output_shape, storage, stored_dtype
 from ..kernels.params import choose, resolve_params
 from ..kernels.sizes import bind
 from ..ir.ops import OPS, Kind
 from ..lang.printer import node_text
 from ..pipeline import optimize
-from ..pipeline.build import fastest_form
+from ..pipeline.build import BuildOptions, tune
 from ..semantics.reference import bind_dims
 from ..ir.shapes import fmt_shape
 
@@ -45,7 +45,7 @@ def _binding(program: Program, dims: Mapping[str, int], grid, loop, hardware) ->
     notes = []
     if all(s in binding for s in symbols.values()):
         return binding, notes, None
-    tuned = _tuned(program, dict(binding), {s.name: v for s, v in fixed.items()}, hardware)
+    tuned = _tuned(program, dict(binding), dims, grid, loop, hardware)
     if tuned is not None and all(n in tuned[0] for n in symbols if symbols[n] not in binding):
         params, threads, us = tuned
         chosen = {symbols[n]: params[n] for n in symbols if symbols[n] not in binding}
@@ -63,17 +63,19 @@ def _binding(program: Program, dims: Mapping[str, int], grid, loop, hardware) ->
     return binding, notes, None
 
 
-def _tuned(program: Program, binding: dict, given: dict[str, int], hardware) -> tuple[dict, int | None, float] | None:
+def _tuned(program: Program, binding: dict, dims, grid, loop, hardware) -> tuple[dict, int | None, float] | None:
     """The model's parameters for the program at these dims (by name), its threads per block where not the default,
     and its estimate; None where none fit. As `compile` does it: with no parameter given, `optimize.rank` (which
-    may take twice the threads); with some given, those kept and the rest tuned at the default threads."""
-    codegen = CodegenConfig()
-    if not given:
-        ranked = optimize.rank(program, binding, hardware, codegen)
+    may take twice the threads); with some given (`--grid`, `--loop`), `build.tune`, those kept and the rest tuned
+    at the default threads."""
+    if not grid and not loop:
+        ranked = optimize.rank(program, binding, hardware, CodegenConfig())
         return None if ranked is None else (ranked.params, ranked.threads, ranked.estimated_us)
-    best, _ = fastest_form(lowered_forms(program, binding), binding, hardware, codegen,
-                           lambda form: {n: v for n, v in given.items() if n in {s.name for s in free_symbols(form)}})
-    return None if best is None else (best[1], None, sum(e.time_us for e in best[3]))
+    try:
+        tuned = tune(lower(program), program, hardware, BuildOptions(dims=dims, grid=grid, loop=loop))
+    except PrismError:  # none fit: the chooser says why
+        return None
+    return tuned.params, None, sum(e.time_us for e in tuned.estimates)
 
 
 def _value(expr, binding) -> str:
