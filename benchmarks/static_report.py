@@ -115,7 +115,7 @@ def wavefronts(out: Path) -> dict[str, str]:
     from prism_dsl.pipeline import emulation
     from prism_dsl.pipeline.build import check_inputs, plan_of
 
-    built, header, on_disk, _ = from_directory(out)
+    built, header, on_disk, _, _ = from_directory(out)
     counted = emulation.wavefronts(built, plan_of(built), check_inputs(built, 0), seed=0, header=header)
     shared_us = {e.kernel: e.shared_us for e in priced_with(built, out, on_disk, counted).estimates}
     text = {}

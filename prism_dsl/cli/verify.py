@@ -95,14 +95,14 @@ def _text(path: Path) -> str:
 
 def verify(args) -> int:
     directory = Path(args.directory)
-    built, header, on_disk, source = from_directory(directory, args.dims, args.grid, args.loop)
+    built, header, on_disk, source, edited = from_directory(directory, args.dims, args.grid, args.loop)
     check_sizes(built.source, built.binding)  # the float64 reference must fit in memory
     inputs = _given(args.inputs, built) if args.inputs else check_inputs(built, args.seed)
     check = emulation.check(built, plan_of(built), inputs, reference_outputs(built, inputs), seed=args.seed,
                             rtol=tolerance_of(built, inputs), checked_against=f"program in {source}",
                             sanitizer=args.sanitize, extra=args.blocks, header=header, callers=callers_part(built))
     print(_summary(check, directory, built, on_disk, args.inputs, "kernel parameters" if args.grid or args.loop
-                   else "sizes"))
+                   else "sizes", edited))
     if args.banks and check.passed:
         counted = emulation.wavefronts(built, plan_of(built), inputs, seed=args.seed, header=header,
                                        extra=0 if args.blocks == "auto" else args.blocks)
@@ -165,8 +165,9 @@ def _banks(counted: dict, built) -> str:
 
 def from_directory(directory: Path, dims: dict | None = None, grid: dict | None = None, loop: dict | None = None):
     """The build of the program an output directory holds: (build, its prism.cuh or None, whether the kernels
-    are the .cu files on disk, the program's file). At other `dims` (or with `grid`/`loop`) the kernels are
-    generated again from its program."""
+    are the .cu files on disk, the program's file, the .cu files edited since they were compiled: each with the
+    first line where it differs from what prismc generates at the report's parameters and options). At other
+    `dims` (or with `grid`/`loop`) the kernels are generated again from its program."""
     dims, grid, loop = dims or {}, grid or {}, loop or {}
     report = read_report(directory)
     name = report["program"]
@@ -189,10 +190,10 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     if not on_disk and not grid and not loop:
         options = _rounded_as_compile_rounds(program, hardware, options)
     built = build(program, hardware, options)
-    header = None
+    header, edited = None, {}
     if on_disk:
-        built, header = _as_on_disk(built, directory, report, hardware)
-    return built, header, on_disk, source
+        built, header, edited = _as_on_disk(built, directory, report, hardware)
+    return built, header, on_disk, source, edited
 
 
 def _same_as_best(directory: Path, report: dict, program) -> None:
@@ -275,8 +276,11 @@ def _unbuildable(config: CodegenConfig) -> list[str]:
 
 
 def _as_on_disk(built, directory: Path, report: dict, hardware):
-    """The build with each kernel's source, and the header, as DIR holds them; launched as report.json says, which
-    must be launchable on `hardware` and what DIR's launcher launches (`_runs_as_built`)."""
+    """The build with each kernel's source, and the header, as DIR holds them, and the kernels edited since they were
+    compiled (file: the first line that differs); launched as report.json says, which must be launchable on `hardware`
+    and what DIR's launcher launches (`_runs_as_built`). Each .cu file's first lines say what it was compiled for (its
+    grid, loop iterations, threads and shared memory, its loads and stores): those must be what the report's
+    parameters and options give, or the report would say of the kernels what they are not."""
     listed = [k["file"] for k in report["kernels"]]
     mine = [k.file for k in built.kernels]
     if listed != mine:
@@ -300,11 +304,29 @@ def _as_on_disk(built, directory: Path, report: dict, hardware):
             raise PrismError(f"'{directory}/report.json' launches {r['file']} with {threads} threads and {smem} bytes "
                              f"of shared memory, more than the {hardware.name} takes ({hardware.max_threads_per_block}; "
                              f"{hardware.smem_per_block}): the directory was changed after it was compiled")
-    kernels = tuple(replace(k, source=_text(directory / k.file), block=tuple(r["block"]), smem=r["smem_bytes"])
-                    for k, r in zip(built.kernels, report["kernels"]))
+    sources = [_text(directory / k.file) for k in built.kernels]
+    for k, text in zip(built.kernels, sources):
+        if not (said := built_for(text)):
+            raise PrismError(f"'{directory / k.file}' does not begin with the lines prismc writes to say what a kernel "
+                             "was compiled for: compile the program again")
+        if said != (ours := built_for(k.source)):
+            line, theirs, mine = next((i, a, b) for i, (a, b) in enumerate(zip(said + [""], ours + [""]), 1) if a != b)
+            raise PrismError(f"'{directory / k.file}' says at line {line} that it was compiled for "
+                             f"{theirs.removeprefix('//').strip()!r}, where report.json's parameters and options give "
+                             f"{mine.removeprefix('//').strip()!r}: the directory was changed after it was compiled")
+    edited = {k.file: next(i for i, (a, b) in enumerate(zip(text.splitlines() + [None], k.source.splitlines() + [None]), 1)
+                           if a != b) for k, text in zip(built.kernels, sources) if text != k.source}
+    kernels = tuple(replace(k, source=text, block=tuple(r["block"]), smem=r["smem_bytes"])
+                    for k, r, text in zip(built.kernels, report["kernels"], sources))
     built = replace(built, kernels=kernels)
     _runs_as_built(built, directory)
-    return built, header
+    return built, header, edited
+
+
+def built_for(source: str) -> list[str]:
+    """The comment lines a generated kernel begins with (`templates/kernel.cu.j2`): what it was compiled for."""
+    lines = source.splitlines()
+    return lines[:next((i for i, line in enumerate(lines) if not line.startswith("//")), len(lines))]
 
 
 def _runs_as_built(built, directory: Path) -> None:
@@ -327,7 +349,7 @@ def _too_far(output: dict) -> bool:
 
 
 def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given: str | None = None,
-             other: str = "sizes") -> str:
+             other: str = "sizes", edited: dict | None = None) -> str:
     dims = ", ".join(f"{k}={v}" for k, v in check.emulation["dims"].items())
     how = ("the .cu files on disk" if on_disk else
            f"kernels generated again from the program in the directory (the .cu files on disk hold other {other})")
@@ -335,6 +357,8 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given
     lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}"
              + (f" (given {past}: that part of each tensor is what is compared)" if past else "")
              + f": {how}" + (f", on the inputs of {given}" if given else ""),
+             *[f"  {file}: edited since it was compiled (from line {line}); checked as it is on disk"
+               for file, line in (edited or {}).items()],
              f"  emulated: {check.describe()}"]
     if check.finding:
         lines.append("  FAILED: " + emulator.Finding.from_dict(check.finding).text().replace("\n", "\n  "))
