@@ -4,11 +4,11 @@ reference and timed beside PyTorch eager, torch.compile and, for attention, scal
 
 Two steps, so that the GPU machine needs neither the search nor its prover (egglog):
 
-    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME] [--time-limit S] [--hardware H]
+    python benchmarks/gpu_fused.py prepare [--dir out/gpu] [--only NAME[,NAME...]] [--time-limit S] [--hardware H]
                                            [--options="PRISMC OPTIONS"]                      # any machine
-    python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME] [--again] [--results F]  # GPU, pycuda, torch
+    python benchmarks/gpu_fused.py run [--dir out/gpu] [--only NAME[,NAME...]] [--again] [--results F]  # GPU, pycuda, torch
     python benchmarks/gpu_fused.py table [--dir out/gpu] [--results F]                        # any machine
-    ncu ... python benchmarks/gpu_fused.py profile [--dir out/gpu] [--only NAME]              # GPU, for a profiler
+    ncu ... python benchmarks/gpu_fused.py profile [--dir out/gpu] [--only NAME[,NAME...]]              # GPU, for a profiler
 
 `prepare` compiles every workload of `static_report.WORKLOADS` into DIR/<workload>/ (`prismc compile`: its
 kernels, launcher.py and report.json, tuned for the hardware file `--hardware` names, h100 by default, with
@@ -73,13 +73,18 @@ def slug(name: str) -> str:
     return name.replace(" ", "_").replace("=", "")
 
 
+def wanted(only: str | None, name: str) -> bool:
+    """Whether `--only` takes the workload `name`: none given, or one of its comma-separated parts is in the name."""
+    return not only or any(part.strip() and part.strip() in name for part in only.split(","))
+
+
 # -- prepare: any machine ----------------------------------------------------------------------------------
 
 def prepare(args, workloads=WORKLOADS) -> int:
     directory = Path(args.dir)
     failed = 0
     for name, program, dims in workloads:
-        if args.only and args.only not in name:
+        if not wanted(args.only, name):
             continue
         out = directory / slug(name)
         new = out.with_name(out.name + ".new")  # (a failed compile keeps what `out` holds, a gpu.json brought back)
@@ -411,7 +416,7 @@ def run(args) -> int:
     failed = 0
     for name, out in cases:
         saved = out / "gpu.json"
-        if (args.only and args.only not in name) or (saved.exists() and not args.again):
+        if not wanted(args.only, name) or (saved.exists() and not args.again):
             continue
         started = time.monotonic()
         try:
@@ -444,7 +449,7 @@ def profile(args) -> int:
     for saved in sorted(Path(args.dir).glob("*/case.json")):
         out, case = saved.parent, json.loads(saved.read_text())
         name = case["workload"]
-        if args.only and args.only not in name:
+        if not wanted(args.only, name):
             continue
         launcher, baseline, sets, reference, pairs = oracle(out, case["hardware"])
         ours = launcher.prism_runtime.Launcher(launcher.PLAN, out, cast=True)
@@ -459,9 +464,9 @@ def profile(args) -> int:
 
 
 def write_table(directory: Path, results_md: Path, only: str | None = None) -> int:
-    """`results_md` from every gpu.json under `directory` (of the workloads whose name holds `only`), in the
+    """`results_md` from every gpu.json under `directory` (of the workloads `only` names: `wanted`), in the
     workloads' order; 1 if one of ours failed."""
-    names = [name for name, _, _ in WORKLOADS if not only or only in name]
+    names = [name for name, _, _ in WORKLOADS if wanted(only, name)]
     saved = {name: directory / slug(name) / "gpu.json" for name in names}
     results = [json.loads(path.read_text()) for path in saved.values() if path.exists()]
     if not results:
@@ -496,11 +501,11 @@ def main() -> int:
     prof = sub.add_parser("profile", help="run each prepared workload's kernels once, for a profiler (a CUDA GPU)")
     for p in (pre, go, tab, prof):
         p.add_argument("--dir", default=str(ROOT / "out" / "gpu"), help="where the compiled workloads are")
-        p.add_argument("--only", help="workloads whose name contains this")
+        p.add_argument("--only", help="workloads whose name contains this (or one of these, comma-separated)")
     for p in (go, tab):
         p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"), help="the table's file")
     args = parser.parse_args()
-    if args.only and not any(args.only in name for name, _, _ in WORKLOADS):
+    if args.only and not any(wanted(args.only, name) for name, _, _ in WORKLOADS):
         parser.error(f"--only {args.only!r} names no workload (they are: {', '.join(w[0] for w in WORKLOADS)})")
     try:
         shlex.split(getattr(args, "options", ""))

@@ -11,6 +11,8 @@
 #     python benchmarks/gpu_fused.py prepare --hardware h200 --dir out/gpu-tma --only prefill --options="--tma"
 #     python benchmarks/gpu_fused.py prepare --hardware h200 --dir out/gpu-tma-thread0 --only prefill \
 #         --options="--tma --no-copy-warp"                                                    # for tma-thread0
+#     python benchmarks/gpu_fused.py prepare --hardware h200 --dir out/gpu-two --only "attention decode,gqa" \
+#         --options="--two-launches"                                                          # for two-launches
 #     # copy the repository with out/ (and wheels of pycuda and lark in .whl/, if the GPU machine lacks them) there:
 #     benchmarks/gpu_session.sh [BUDGET_SECONDS [STEP...]]     # on the GPU machine, from anywhere
 #     # bring back $RESULTS/session.tar.gz; here: tar xzf it, then python benchmarks/gpu_fused.py table
@@ -20,7 +22,9 @@
 # tmacopy, decode, choices (the decode workloads' other kernel parameters, ours alone: `prepare --choices`), probe,
 # profile (Nsight Compute on our decode kernels, each run once by `gpu_fused.py profile`: where their time goes),
 # prefill, choices-prefill, profile-prefill (the same on the prefill kernels: whether the tensor pipes or L2 bound
-# them), tma, tma-thread0 (not in the default: TMA's copies by thread 0, to set beside the copy warp's), tests.
+# them), tma, tma-thread0 (not in the default: TMA's copies by thread 0, to set beside the copy warp's),
+# two-launches (not in the default: the decode splits' combining kernels in launches of their own, to set beside
+# the combine by each tile's last block: whether that is the 9-16 us the model misses at decode), tests.
 # A workload measured by an earlier step or call (its gpu.json) is not measured again. RESULTS
 # (default out/session) gets steps.txt (each step's exit status and time) and session.tar.gz (every gpu.json,
 # probe.json and each step's log, under their paths in the repository; a relative RESULTS is taken from the
@@ -39,9 +43,9 @@ steps=("$@")
 (( ${#steps[@]} )) || steps=(first tmacopy decode choices probe profile prefill choices-prefill profile-prefill tma tests)
 for name in "${steps[@]}"; do
     case $name in first | tmacopy | decode | choices | probe | profile | prefill | choices-prefill | profile-prefill | tma \
-                  | tma-thread0 | tests) ;;
+                  | tma-thread0 | two-launches | tests) ;;
         *) echo "unknown step '$name' (first, tmacopy, decode, choices, probe, profile, prefill, choices-prefill," \
-                "profile-prefill, tma, tma-thread0, tests)" >&2
+                "profile-prefill, tma, tma-thread0, two-launches, tests)" >&2
            exit 2 ;;
     esac
 done
@@ -104,10 +108,12 @@ for name in "${steps[@]}"; do
                  --results out/RESULTS-tma.md ;;
         tma-thread0) [ -d out/gpu-tma-thread0 ] && step tma-thread0 200 python3 benchmarks/gpu_fused.py run \
                          --dir out/gpu-tma-thread0 --results out/RESULTS-tma-thread0.md ;;
+        two-launches) [ -d out/gpu-two ] && step two-launches 120 python3 benchmarks/gpu_fused.py run \
+                          --dir out/gpu-two --results out/RESULTS-two.md ;;
     esac
 done
 
-tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-tma*.md out/gpu*/*/gpu.json \
+tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-*.md out/gpu*/*/gpu.json \
     out/gpu*/*/choices/*/gpu.json 2>/dev/null)
 echo "session: $((SECONDS - begun)) s; $(tar tzf "$results/session.tar.gz" | grep -c gpu.json) workloads measured;" \
     "$failures step(s) failed"

@@ -639,6 +639,13 @@ def test_table_takes_only_the_workloads_named(tmp_path):
     assert fused.write_table(tmp_path, tmp_path / "r.md", "swiglu") == 0
     text = (tmp_path / "r.md").read_text()
     assert "| swiglu decode (d) |" in text and "rmsnorm_linear" not in text
+    assert fused.write_table(tmp_path, tmp_path / "r.md", "swiglu, rmsnorm_linear") == 0  # several, by commas
+    text = (tmp_path / "r.md").read_text()
+    assert "| swiglu decode (d) |" in text and "| rmsnorm_linear decode (d) |" in text
+    assert [w for w, _, _ in fused.WORKLOADS if fused.wanted("attention decode,gqa", w)] == [
+        "attention decode kv=4096", "attention decode kv=32768", "qk_norm_attention decode kv=4096",
+        "qk_norm_attention decode kv=32768", "gqa_decode", "gqa_decode kv=4099"]
+    assert not fused.wanted(",", "gqa_decode") and fused.wanted(None, "gqa_decode")
 
 
 def test_the_results_table_says_where_the_device_is_not_the_one_tuned_for():
