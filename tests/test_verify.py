@@ -66,6 +66,13 @@ def test_verify_finds_an_edited_kernel_wrong_with_the_first_wrong_element(capsys
     assert f"rmsnorm_matmul.cu: edited since it was compiled (from line {edited}); checked as it is on disk" in text
 
 
+def test_a_kernel_with_other_line_endings_is_checked_as_it_is_and_said_edited(capsys, out):
+    cu = out / "rmsnorm_matmul.cu"
+    cu.write_bytes(cu.read_bytes().replace(b"\n", b"\r\n"))
+    code, text, _ = prismc(capsys, "verify", out)
+    assert code == 0 and "rmsnorm_matmul.cu: edited since it was compiled (in its line endings" in text, text
+
+
 def test_an_f32_program_is_held_to_f32s_tolerance(capsys, tmp_path):
     """The same kernel in f32, 0.1% off: within the 1e-2 of a 16-bit program, wrong for one that stores f32
     (`compare.FLOOR`); as compiled it passes at 2e-4."""

@@ -314,13 +314,19 @@ def _as_on_disk(built, directory: Path, report: dict, hardware):
             raise PrismError(f"'{directory / k.file}' says at line {line} that it was compiled for "
                              f"{theirs.removeprefix('//').strip()!r}, where report.json's parameters and options give "
                              f"{mine.removeprefix('//').strip()!r}: the directory was changed after it was compiled")
-    edited = {k.file: next(i for i, (a, b) in enumerate(zip(text.splitlines() + [None], k.source.splitlines() + [None]), 1)
-                           if a != b) for k, text in zip(built.kernels, sources) if text != k.source}
+    edited = {k.file: _first_difference(text, k.source) for k, text in zip(built.kernels, sources) if text != k.source}
     kernels = tuple(replace(k, source=text, block=tuple(r["block"]), smem=r["smem_bytes"])
                     for k, r, text in zip(built.kernels, report["kernels"], sources))
     built = replace(built, kernels=kernels)
     _runs_as_built(built, directory)
     return built, header, edited
+
+
+def _first_difference(text: str, generated: str) -> str:
+    """Where `text` first differs from `generated`: 'from line N', or how, where their lines are the same."""
+    ours, theirs = generated.splitlines(), text.splitlines()
+    line = next((i for i, (a, b) in enumerate(zip(theirs + [None], ours + [None]), 1) if a != b), None)
+    return f"from line {line}" if line else "in its line endings or whitespace at the end only"
 
 
 def built_for(source: str) -> list[str]:
@@ -357,8 +363,8 @@ def _summary(check: EmulationCheck, directory: Path, built, on_disk: bool, given
     lines = [f"{built.program.name} in {directory}/ at {dims or 'no dims'}"
              + (f" (given {past}: that part of each tensor is what is compared)" if past else "")
              + f": {how}" + (f", on the inputs of {given}" if given else ""),
-             *[f"  {file}: edited since it was compiled (from line {line}); checked as it is on disk"
-               for file, line in (edited or {}).items()],
+             *[f"  {file}: edited since it was compiled ({where}); checked as it is on disk"
+               for file, where in (edited or {}).items()],
              f"  emulated: {check.describe()}"]
     if check.finding:
         lines.append("  FAILED: " + emulator.Finding.from_dict(check.finding).text().replace("\n", "\n  "))
