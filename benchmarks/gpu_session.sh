@@ -17,18 +17,21 @@
 #     benchmarks/gpu_session.sh [BUDGET_SECONDS [STEP...]]     # on the GPU machine, from anywhere
 #     # bring back $RESULTS/session.tar.gz; here: tar xzf it, then python benchmarks/gpu_fused.py table
 #
-# STEPs, in the order given (default: first tmacopy decode choices probe profile prefill choices-prefill
+# STEPs, in the order given (default: first decode choices probe profile prefill tma-first choices-prefill
 # profile-prefill tma tests): first (one decode workload, to see that the whole chain works before the rest),
-# tmacopy, decode, choices (the decode workloads' other kernel parameters, ours alone: `prepare --choices`), probe,
+# tmacopy (not in the default: the probe's answer is in benchmarks/NOTES.md, 2026-11-30), decode, choices (the decode workloads' other kernel parameters, ours alone: `prepare --choices`), probe,
 # profile (Nsight Compute on our decode kernels, each run once by `gpu_fused.py profile`: where their time goes),
-# prefill, choices-prefill, profile-prefill (the same on the prefill kernels: whether the tensor pipes or L2 bound
-# them), tma, tma-thread0 (not in the default: TMA's copies by thread 0, to set beside the copy warp's),
+# prefill, tma-first (one workload of the `--tma` directory under a short limit: a TMA fault or hang shows there
+# rather than eating the tma step), choices-prefill, profile-prefill (the same on the prefill kernels: whether the
+# tensor pipes or L2 bound them), tma, tma-thread0 (not in the default: TMA's copies by thread 0, to set beside the copy warp's),
 # two-launches (not in the default: the decode splits' combining kernels in launches of their own, to set beside
 # the combine by each tile's last block: whether that is the 9-16 us the model misses at decode), tests.
-# A workload measured by an earlier step or call (its gpu.json) is not measured again. RESULTS
-# (default out/session) gets steps.txt (each step's exit status and time) and session.tar.gz (every gpu.json,
-# probe.json and each step's log, under their paths in the repository; a relative RESULTS is taken from the
-# repository's root). Exits 1 where a step failed or was cut short (steps.txt says which), 2 on an argument it
+# The tma, tma-thread0 and two-launches steps time ours alone (`run --no-baselines`: PyTorch's times are the
+# decode and prefill steps'). A workload measured by an earlier step or call (its gpu.json) is not measured again.
+# RESULTS (default $OUT where the device tool sets it, else out/session) gets steps.txt (each step's exit status and
+# time) and session.tar.gz (every gpu.json, probe.json and each step's log, under their paths in the repository),
+# written again after every step, so that a call cut short brings back what it measured; a relative RESULTS is
+# taken from the repository's root. Exits 1 where a step failed or was cut short (steps.txt says which), 2 on an argument it
 # does not take.
 
 set -u
@@ -40,21 +43,26 @@ if ! [[ $budget =~ ^[0-9]+$ ]]; then
 fi
 shift $(( $# ? 1 : 0 ))
 steps=("$@")
-(( ${#steps[@]} )) || steps=(first tmacopy decode choices probe profile prefill choices-prefill profile-prefill tma tests)
+(( ${#steps[@]} )) || steps=(first decode choices probe profile prefill tma-first choices-prefill profile-prefill tma tests)
 for name in "${steps[@]}"; do
-    case $name in first | tmacopy | decode | choices | probe | profile | prefill | choices-prefill | profile-prefill | tma \
-                  | tma-thread0 | two-launches | tests) ;;
-        *) echo "unknown step '$name' (first, tmacopy, decode, choices, probe, profile, prefill, choices-prefill," \
-                "profile-prefill, tma, tma-thread0, two-launches, tests)" >&2
+    case $name in first | tmacopy | decode | choices | probe | profile | prefill | tma-first | choices-prefill \
+                  | profile-prefill | tma | tma-thread0 | two-launches | tests) ;;
+        *) echo "unknown step '$name' (first, tmacopy, decode, choices, probe, profile, prefill, tma-first," \
+                "choices-prefill, profile-prefill, tma, tma-thread0, two-launches, tests)" >&2
            exit 2 ;;
     esac
 done
-results=${RESULTS:-out/session}
+results=${RESULTS:-${OUT:-out/session}}
 rm -rf out/logs "$results/steps.txt"
 mkdir -p "$results" out/logs
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 begun=$SECONDS
 failures=0
+
+pack() {  # what the session has measured so far, into $results/session.tar.gz (written whole, then renamed)
+    tar czf "$results/session.tar.gz.new" out/logs $(ls out/probe.json out/RESULTS-*.md out/gpu*/*/gpu.json \
+        out/gpu*/*/choices/*/gpu.json 2>/dev/null) && mv "$results/session.tar.gz.new" "$results/session.tar.gz"
+}
 
 step() {  # step NAME SECONDS COMMAND...: runs COMMAND for at most SECONDS, or what is left of the budget
     local name=$1 limit=$2 left=$((budget - (SECONDS - begun))) at=$SECONDS rc
@@ -67,9 +75,16 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND for at most SECONDS, or w
     timeout --kill-after=5 "$limit" "$@" >"out/logs/$name.log" 2>&1
     rc=$?
     (( rc == 0 )) || failures=$((failures + 1))
-    echo "$name: exit $rc in $((SECONDS - at)) s (limit $limit s)$( ((rc == 124)) && echo ', cut short')" \
+    echo "$name: exit $rc in $((SECONDS - at)) s (limit $limit s)$( ((rc == 124 || rc == 137)) && echo ', cut short')" \
         | tee -a "$results/steps.txt"
     tail -n 4 "out/logs/$name.log"
+    pack
+}
+
+prepared() {  # prepared DIR STEP: whether DIR was prepared; if not, steps.txt says that STEP was skipped
+    [ -d "$1" ] && return 0
+    echo "$2: skipped, $1 was not prepared" | tee -a "$results/steps.txt"
+    return 1
 }
 
 if [ -d .whl ] && ! python3 -c "import pycuda, lark" 2>/dev/null; then
@@ -79,8 +94,7 @@ fi
 # Each prepared workload runs the runtime copied beside its kernels when it was prepared; a fix to the runtime made
 # since (2026-11-30: its parameters' struct format) reaches them only if they are prepared again, so the copies
 # are brought up to date here, and the log says which were stale.
-for copy in out/gpu*/*/prism_runtime.py out/gpu*/*/cuda_plan.py; do
-    [ -f "$copy" ] || continue
+for copy in $(find out -path 'out/gpu*' \( -name prism_runtime.py -o -name cuda_plan.py \) 2>/dev/null); do
     case $copy in */prism_runtime.py) src=prism_dsl/backend/cuda_runtime.py ;; *) src=prism_dsl/backend/cuda_plan.py ;; esac
     cmp -s "$src" "$copy" || { cp "$src" "$copy" && echo "brought up to date: $copy" | tee -a "$results/steps.txt"; }
 done
@@ -104,17 +118,19 @@ for name in "${steps[@]}"; do
         profile) step profile 150 sh -c "$profiled decode" ;;
         prefill) step prefill 240 python3 benchmarks/gpu_fused.py run --only prefill ;;
         profile-prefill) step profile-prefill 150 sh -c "$profiled prefill" ;;
-        tma) [ -d out/gpu-tma ] && step tma 200 python3 benchmarks/gpu_fused.py run --dir out/gpu-tma \
-                 --results out/RESULTS-tma.md ;;
-        tma-thread0) [ -d out/gpu-tma-thread0 ] && step tma-thread0 200 python3 benchmarks/gpu_fused.py run \
-                         --dir out/gpu-tma-thread0 --results out/RESULTS-tma-thread0.md ;;
-        two-launches) [ -d out/gpu-two ] && step two-launches 120 python3 benchmarks/gpu_fused.py run \
-                          --dir out/gpu-two --results out/RESULTS-two.md ;;
+        tma-first) prepared out/gpu-tma tma-first && step tma-first 60 python3 benchmarks/gpu_fused.py run \
+                       --dir out/gpu-tma --only "rmsnorm_linear prefill" --no-baselines --results out/RESULTS-tma.md ;;
+        tma) prepared out/gpu-tma tma && step tma 200 python3 benchmarks/gpu_fused.py run --dir out/gpu-tma \
+                 --no-baselines --results out/RESULTS-tma.md ;;
+        tma-thread0) prepared out/gpu-tma-thread0 tma-thread0 && step tma-thread0 200 python3 \
+                         benchmarks/gpu_fused.py run --dir out/gpu-tma-thread0 --no-baselines \
+                         --results out/RESULTS-tma-thread0.md ;;
+        two-launches) prepared out/gpu-two two-launches && step two-launches 120 python3 benchmarks/gpu_fused.py \
+                          run --dir out/gpu-two --no-baselines --results out/RESULTS-two.md ;;
     esac
 done
 
-tar czf "$results/session.tar.gz" out/logs $(ls out/probe.json out/RESULTS-*.md out/gpu*/*/gpu.json \
-    out/gpu*/*/choices/*/gpu.json 2>/dev/null)
+pack
 echo "session: $((SECONDS - begun)) s; $(tar tzf "$results/session.tar.gz" | grep -c gpu.json) workloads measured;" \
     "$failures step(s) failed"
 exit $(( failures ? 1 : 0 ))
