@@ -399,7 +399,9 @@ def strip_table(strips: list[Strip]) -> list[str]:
     return lines
 
 
-def run() -> tuple[list[Point], list[Point], list[Point], list[Strip], dict, dict, str]:
+def run(keep=lambda measured: None) -> tuple[list[Point], list[Point], list[Point], list[Strip], dict, dict, str]:
+    """Every probe, in turn; `keep` is given what has been measured so far after each (a step cut short by its time
+    limit keeps those)."""
     import pycuda.driver as drv
     from pycuda.compiler import SourceModule
 
@@ -412,16 +414,22 @@ def run() -> tuple[list[Point], list[Point], list[Point], list[Strip], dict, dic
                               **device_target(dev.compute_capability()))
         sms = dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
         optin = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        launch = probe_launch(drv, module)
-        chase = {"l2_ns": probe_chase(drv, module, 8 << 20, 100_000),
-                 "dram_ns": probe_chase(drv, module, 1 << 30, 100_000)}
-        points = probe_stream(drv, module, sms, optin)
-        l2 = probe_stream(drv, module, sms, optin, l2=True)
-        threads = probe_stream(drv, module, sms, optin, threads=True)
-        strips = probe_strips(drv, module)
         major, minor = dev.compute_capability()
         device = f"{dev.name()}, {sms} SMs, sm_{major}{minor}, driver {drv.get_driver_version()}"
-        return points, l2, threads, strips, launch, chase, device
+        measured = {"device": device}
+        steps = [("launch", lambda: probe_launch(drv, module)),
+                 ("chase", lambda: {"l2_ns": probe_chase(drv, module, 8 << 20, 100_000),
+                                    "dram_ns": probe_chase(drv, module, 1 << 30, 100_000)}),
+                 ("stream", lambda: probe_stream(drv, module, sms, optin)),
+                 ("l2_stream", lambda: probe_stream(drv, module, sms, optin, l2=True)),
+                 ("thread_stream", lambda: probe_stream(drv, module, sms, optin, threads=True)),
+                 ("strips", lambda: probe_strips(drv, module))]
+        for name, measure in steps:
+            measured[name] = measure()
+            print(f"measured: {name}", file=sys.stderr, flush=True)
+            keep(measured)
+        return (measured["stream"], measured["l2_stream"], measured["thread_stream"], measured["strips"],
+                measured["launch"], measured["chase"], device)
     finally:
         drv.Context.pop()
 
@@ -430,7 +438,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hardware", choices=hardware_names(), help="the hardware file whose figures to compare "
                         "with (default: the one the device's name names, else h100)")
-    parser.add_argument("--json", help="also write every measurement to this file")
+    parser.add_argument("--json", help="also write every measurement to this file (rewritten as each part is "
+                        "measured, so that a run cut short keeps what it measured; the summary at the end)")
     args = parser.parse_args()
     from prism_dsl.backend.cuda_runtime import gpu_status
 
@@ -439,10 +448,16 @@ def main() -> int:
         print(f"gpu_probe.py needs a usable CUDA GPU: {name_or_reason}", file=sys.stderr)
         return 1
     hardware = load_hardware(args.hardware or for_device(name_or_reason) or "h100")
-    points, l2, threads, strips, launch, chase, device = run()
+    def keep(measured: dict) -> None:  # what is measured so far, as the whole file will hold it
+        if args.json:
+            text = json.dumps({k: [asdict(p) for p in v] if isinstance(v, list) else v for k, v in measured.items()},
+                              indent=2) + "\n"
+            Path(args.json + ".new").write_text(text)
+            Path(args.json + ".new").replace(args.json)
+    points, l2, threads, strips, launch, chase, device = run(keep)
     print(report(points, launch, chase, hardware, device, l2, threads))
     print("\n" + "\n".join(strip_table(strips)))
-    if args.json:
+    if args.json:  # the whole, with the summary
         Path(args.json).write_text(json.dumps({"device": device, "launch": launch, "chase": chase,
                                                "stream": [asdict(p) for p in points],
                                                "l2_stream": [asdict(p) for p in l2],
