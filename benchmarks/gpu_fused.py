@@ -74,8 +74,10 @@ def slug(name: str) -> str:
 
 
 def wanted(only: str | None, name: str) -> bool:
-    """Whether `--only` takes the workload `name`: none given, or one of its comma-separated parts is in the name."""
-    return not only or any(part.strip() and part.strip() in name for part in only.split(","))
+    """Whether `--only` takes the workload `name`: none given, or one of its comma-separated parts is in the name
+    (a part `=NAME`: that name exactly)."""
+    parts = [part.strip() for part in (only or "").split(",")]
+    return not only or any(part == f"={name}" or part and part[0] != "=" and part in name for part in parts)
 
 
 # -- prepare: any machine ----------------------------------------------------------------------------------
@@ -536,7 +538,7 @@ def main() -> int:
     prof = sub.add_parser("profile", help="run each prepared workload's kernels once, for a profiler (a CUDA GPU)")
     for p in (pre, go, tab, prof):
         p.add_argument("--dir", default=str(ROOT / "out" / "gpu"), help="where the compiled workloads are")
-        p.add_argument("--only", help="workloads whose name contains this (or one of these, comma-separated)")
+        p.add_argument("--only", help="workloads whose name contains this (or one of these, comma-separated; =NAME: that name exactly)")
     for p in (go, tab):
         p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"), help="the table's file")
     args = parser.parse_args()

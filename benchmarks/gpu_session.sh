@@ -100,12 +100,16 @@ for copy in $(find out -path 'out/gpu*' \( -name prism_runtime.py -o -name cuda_
 done
 step machine 30 sh -c 'nvidia-smi; nvcc --version; python3 -c "import sys, torch, numpy, pycuda; \
 print(sys.version); print(torch.__version__, numpy.__version__, pycuda.VERSION_TEXT)"'
-# Nsight Compute on the kernels of the workloads whose name holds $1, each run once (`gpu_fused.py profile`)
+# Nsight Compute on the kernels of the workloads whose name holds $1, each run once (`gpu_fused.py profile`), one
+# workload a process: ncu prints a process's report when it ends, so a step cut short keeps the workloads done
 profiled='ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
     [ -n "$ncu" ] || { echo "skipped: no ncu (Nsight Compute) on this machine"; exit 0; }
-    exec "$ncu" --clock-control none --kernel-name regex:^prism_ --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-        python3 benchmarks/gpu_fused.py profile --only'
+    python3 -c "import json, sys, glob; [print(json.load(open(f))[\"workload\"]) for f in sorted(glob.glob(\"out/gpu/*/case.json\"))]" \
+        | grep -F -- "$0" | while IFS= read -r name; do
+        "$ncu" --clock-control none --kernel-name regex:^prism_ --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+            python3 benchmarks/gpu_fused.py profile --only "=$name"
+    done'
 for name in "${steps[@]}"; do
     case $name in
         tests) step tests 60 python3 -m pytest -q -p no:cacheprovider -m "gpu or nvcc" tests/test_runtime.py ;;
@@ -115,9 +119,9 @@ for name in "${steps[@]}"; do
         choices) step choices 200 python3 benchmarks/gpu_fused.py run --choices --only decode ;;
         choices-prefill) step choices-prefill 150 python3 benchmarks/gpu_fused.py run --choices --only prefill ;;
         probe) step probe 120 python3 benchmarks/gpu_probe.py --json out/probe.json ;;
-        profile) step profile 150 sh -c "$profiled decode" ;;
+        profile) step profile 150 sh -c "$profiled" decode ;;
         prefill) step prefill 240 python3 benchmarks/gpu_fused.py run --only prefill ;;
-        profile-prefill) step profile-prefill 150 sh -c "$profiled prefill" ;;
+        profile-prefill) step profile-prefill 150 sh -c "$profiled" prefill ;;
         tma-first) prepared out/gpu-tma tma-first && step tma-first 60 python3 benchmarks/gpu_fused.py run \
                        --dir out/gpu-tma --only "rmsnorm_linear prefill" --no-baselines --results out/RESULTS-tma.md ;;
         tma) prepared out/gpu-tma tma && step tma 200 python3 benchmarks/gpu_fused.py run --dir out/gpu-tma \

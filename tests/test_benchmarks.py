@@ -658,6 +658,7 @@ def test_table_takes_only_the_workloads_named(tmp_path):
         "attention decode kv=4096", "attention decode kv=32768", "qk_norm_attention decode kv=4096",
         "qk_norm_attention decode kv=32768", "gqa_decode", "gqa_decode kv=4099"]
     assert not fused.wanted(",", "gqa_decode") and fused.wanted(None, "gqa_decode")
+    assert [w for w, _, _ in fused.WORKLOADS if fused.wanted("=attention decode kv=4096", w)] == ["attention decode kv=4096"]
 
 
 def test_the_results_table_says_where_the_device_is_not_the_one_tuned_for():
