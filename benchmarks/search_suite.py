@@ -57,12 +57,12 @@ def main() -> None:
     from prism_dsl.lang.printer import print_program
     from prism_dsl.semantics.reference import bind_dims
     from prism_dsl.prove.rules import load_library
-    from prism_dsl.search.driver import default_jobs
+    from prism_dsl.base.forked import cores
     from prism_dsl.pipeline.optimize import optimize
 
     library = load_library([], defaults=True)
     hardware = load_hardware("h100")
-    print(f"machine: {platform.processor() or platform.machine()}, {default_jobs()} cores, Python {platform.python_version()}")
+    print(f"machine: {platform.processor() or platform.machine()}, {cores()} cores, Python {platform.python_version()}")
     print()
     print("| program | search + proofs (s) | candidates | proofs | proved sGraphs | of which split | pruned (top reasons) | "
           "best: kernels | best uses | est. us (default dims) | best split us | as written us | recompile at other dims (s) |")

@@ -636,10 +636,10 @@ def test_an_output_place_that_cannot_be_written_is_said_before_any_work(capsys, 
 def test_jobs_are_at_most_the_machines_cores():
     """Each prover process holds about half a gigabyte: --jobs 1000 on a small machine is its cores."""
     from prism_dsl.cli.main import build_parser
-    from prism_dsl.search.driver import default_jobs
+    from prism_dsl.base.forked import cores
 
     args = build_parser().parse_args(["compile", RMSNORM, "-o", "out", "--jobs", "1000"])
-    assert args.jobs == default_jobs()
+    assert args.jobs == cores()
     assert build_parser().parse_args(["compile", RMSNORM, "-o", "out", "--jobs", "1"]).jobs == 1
 
 

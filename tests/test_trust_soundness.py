@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -249,6 +251,56 @@ def test_a_process_judges_the_default_library_once_whatever_its_cache(monkeypatc
     assert all(cache.read("sound", soundness.verdict_key(r)) for r in library.rules)
     soundness.check_library(load_library([rules_file(tmp_path, "twice: a + a => 2 * a")]))
     assert judged == ["twice"]
+
+
+def _judged_where(monkeypatch, tmp_path, die_on: str = ""):
+    """`soundness.judge` made to leave, for each rule it judges, a file named by the rule and the judging process;
+    in a forked process, the rule named `die_on` kills it."""
+    parent, real, seen = os.getpid(), soundness.judge, tmp_path / "judged"
+    seen.mkdir()
+
+    def judge(rule):
+        if os.getpid() != parent and rule.name == die_on:
+            os._exit(3)
+        (seen / f"{rule.name}.{os.getpid()}").touch()
+        return real(rule)
+    monkeypatch.setattr(soundness, "judge", judge)
+    return lambda: {tuple(p.name.split(".")) for p in seen.iterdir()}
+
+
+RULES_TO_SPREAD = ["e: exp(a - b) => exp(a) / exp(b)", "r: relu(a) - relu(-a) => a", "bad: relu(a) => a",
+                   "twice: a + a => 2 * a", "worse: sqrt(a * a) => a"]
+
+
+def test_rules_are_judged_in_forked_processes_with_the_verdicts_one_process_gives(tmp_path, monkeypatch):
+    """Several rules to judge are judged by forked processes (`compile --jobs`), with the statuses, and the errors in
+    the rules' order, that judging them here gives; one process where `jobs` is 1."""
+    library = load_library([rules_file(tmp_path, *RULES_TO_SPREAD)])
+    where = _judged_where(monkeypatch, tmp_path)
+    answers = []
+    for jobs in (1, 2):
+        with pytest.raises(PrismError) as info:
+            soundness.check_library(library, jobs=jobs)
+        answers.append([(d.loc.line, d.message) for d in info.value.diagnostics])
+        judged = {pid for _, pid in where()}
+        assert {name for name, _ in where()} == {"e", "r", "bad", "twice", "worse"}
+        assert judged == {str(os.getpid())} if jobs == 1 else str(os.getpid()) not in judged
+        shutil.rmtree(tmp_path / "judged")
+        (tmp_path / "judged").mkdir()
+    assert answers[0] == answers[1] and [line for line, _ in answers[0]] == [7, 11], answers
+    fine = load_library([rules_file(tmp_path, *RULES_TO_SPREAD[:2], RULES_TO_SPREAD[3], name="fine.rules")])
+    assert soundness.check_library(fine, jobs=2) == soundness.check_library(fine, jobs=1) == {
+        "e": soundness.SYMBOLIC, "r": soundness.NUMERIC_ONLY, "twice": soundness.SYMBOLIC}
+
+
+def test_a_rule_whose_judging_process_died_is_judged_here(tmp_path, monkeypatch):
+    """A forked process that dies (killed, out of memory) loses no verdict: what the broken pool did not give back
+    is judged in this process."""
+    fine = load_library([rules_file(tmp_path, *RULES_TO_SPREAD[:2], RULES_TO_SPREAD[3])])
+    where = _judged_where(monkeypatch, tmp_path, die_on="r")
+    assert soundness.check_library(fine, jobs=2) == {"e": soundness.SYMBOLIC, "r": soundness.NUMERIC_ONLY,
+                                                     "twice": soundness.SYMBOLIC}
+    assert ("r", str(os.getpid())) in where()
 
 
 # -- the command line --------------------------------------------------------------------------------

@@ -94,11 +94,11 @@ def positive_int(text: str) -> int:
 
 
 def jobs(text: str) -> int:
-    """--jobs: a positive integer, taken as at most the machine's cores (`default_jobs`): each prover process
+    """--jobs: a positive integer, taken as at most the machine's cores (`base.forked.cores`): each prover process
     holds about half a gigabyte, and more of them than cores only wait for one another."""
-    from ..search.driver import default_jobs
+    from ..base.forked import cores
 
-    return min(positive_int(text), default_jobs())
+    return min(positive_int(text), cores())
 
 
 ARCH = re.compile(r"sm_\d{2,3}a?")  # an architecture's name, as nvcc takes it (sm_90, sm_90a, sm_80...)

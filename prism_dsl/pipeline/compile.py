@@ -51,7 +51,7 @@ class Searching:
 
     config: SearchConfig = SearchConfig()
     time_limit: float | None = 60.0  # seconds; then the best proved program so far
-    jobs: int | None = None  # prover processes (None: one per core)
+    jobs: int | None = None  # processes checking the rules, proving, then tuning (None: one per core)
     use_cache: bool = True  # read and write the checkpoint and the tuning database
     progress: bool = False  # a status line on stderr (a terminal only)
 
@@ -260,8 +260,8 @@ def search(request: Request) -> Outcome | None:
     if request.search is None:
         return None
     library = load_library([], defaults=True)
-    check_library(library)  # every axiom a proof may use is checked sound first
     s, o = request.search, request.options
+    check_library(library, jobs=s.jobs)  # every axiom a proof may use is checked sound first
     measure = gpu_timer(request.hardware, o, request.program) if o.rank == "measure" else None
     return optimize(request.program, library, request.hardware, bind_dims(request.program, dict(o.dims)),
                     **vars(s), codegen=o.codegen, measure=measure,

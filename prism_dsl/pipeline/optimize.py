@@ -25,18 +25,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import multiprocessing
-import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 
 from ..backend import cost, tuning
 from ..backend.codegen import CodegenConfig
-from ..base import cache
+from ..base import cache, forked
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware
@@ -48,7 +46,7 @@ from ..search.checkpoint import (SEARCH_VERSION, checkpoint_key, discard, has_ch
                                  load_checkpoint, save_checkpoint, structure)
 from ..search.assembly import Prover, proof_error
 from ..search.config import SearchConfig, Stats
-from ..search.driver import default_jobs, search
+from ..search.driver import search
 from . import build
 from .measuring import (MODEL_CODE, Measure, Ranked, Timing, dims_key, measure_best, time_parameters,
                         to_measure, usable)
@@ -212,7 +210,7 @@ def optimize(program: Program, library: Library, hardware: Hardware, binding: di
     is reported once, the search runs and its result replaces the entry."""
     started = time.perf_counter()
     key = checkpoint_key(program, library, config, hardware)
-    jobs = jobs or default_jobs()
+    jobs = jobs or forked.cores()
     show = Progress(progress, started)
     how = Choosing(binding, hardware, codegen, measure, device, use_cache, show)
     try:
@@ -328,26 +326,19 @@ _AGAIN = "again"  # a forked ranker's answer when `rank` raised there: ranked ag
 @contextlib.contextmanager
 def rankers(programs: list[Program], how: Choosing, jobs: int):
     """Futures of `rank` of each of `programs` (as `_rank_forked` gives it), in up to `jobs` processes forked
-    here, or None where one process ranks them: fewer than two programs or jobs, a platform other than Linux
-    (macOS forks, but its system libraries are not safe in a forked child), or another thread running, which
-    a fork could leave holding a lock in the child (the checkpoint's prover starts its egglog session only
-    after this). Each program's tuning is independent and seconds long where the model tries thousands of
-    parameter choices; the processes share the tuning database as separate runs do (every write atomic)."""
+    here (`base.forked`), or None where one process ranks them: fewer than two programs or jobs, or where forking
+    is not safe (the checkpoint's prover starts its egglog session only after this). Each program's tuning is
+    independent and seconds long where the model tries thousands of parameter choices; the processes share
+    the tuning database as separate runs do (every write atomic)."""
     global _FORKED
-    if jobs < 2 or len(programs) < 2 or not sys.platform.startswith("linux") or threading.active_count() > 1:
+    if not forked.usable(jobs, len(programs)):
         yield None
         return
     _FORKED = (programs, how)
-    pool = ProcessPoolExecutor(min(jobs, len(programs)), multiprocessing.get_context("fork"),
-                               initializer=_ignore_interrupt)
-    try:  # with fork, the first submit forks every process, before the pool starts its own thread
-        yield [pool.submit(_rank_forked, i) for i in range(len(programs))]
-    except BaseException:  # Ctrl-C, or an error here: the rankers (they ignore Ctrl-C) stop now, not later
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            process.kill()  # SIGKILL: nothing of it runs on, whatever lock of the pool's queues it holds
-        raise
+    try:
+        with forked.pool(min(jobs, len(programs))) as pool:
+            yield [pool.submit(_rank_forked, i) for i in range(len(programs))]
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
         _FORKED = None
 
 
@@ -364,16 +355,6 @@ def _ranked(futures, programs: list[Program], how: Choosing):
         if got == _AGAIN:
             got = rank(p, how.binding, how.hardware, how.codegen, how.use_cache)
         yield Ranked(p, *got[:4], threads=got[4]) if isinstance(got, tuple) else got
-
-
-def _ignore_interrupt() -> None:
-    """In a forked ranker: Ctrl-C is the parent's to handle, not each process's; SIGTERM (SIGHUP) ends it at once.
-    The handler the command line sets (`cli.main`: SIGTERM raises SystemExit) would otherwise come with the fork:
-    raised inside `rank`, the pool's worker catches it as the task's error and waits for the next task, on a
-    queue whose lock a ranker killed with it may hold, and the parent's shutdown waits for that worker forever."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)):
-        signal.signal(signum, signal.SIG_DFL)
 
 
 def _rank_forked(i: int) -> tuple[tuple | str | None, dict[str, str]]:

@@ -27,12 +27,12 @@ from typing import Callable, Collection, Mapping, Sequence
 
 from ..backend.codegen import CodegenConfig
 from ..backend.copies import in_place
+from ..base import forked
 from ..base.errors import PrismError
 from ..ir.nodes import Program
 from ..ir.shapes import independent_dims
 from ..kernels.hardware import Hardware
 from ..kernels.masking import refusal
-from ..search.driver import default_jobs
 from ..semantics.reference import bind_dims, concrete_shape
 from . import optimize
 
@@ -136,7 +136,7 @@ def retuned(outcome: optimize.Outcome, program: Program, binding: dict, hardware
     if not (found or written):
         raise PrismError(f"no program computes {', '.join(masking)} masked past the size given: {why}")
     programs = [*(r.program for r in found), program][:len(found) + written]
-    with optimize.rankers(programs, how, jobs or default_jobs()) as futures:
+    with optimize.rankers(programs, how, jobs or forked.cores()) as futures:
         ranked, info = optimize.choose_ranked(program, [r.program for r in found], how, None, futures, written)
     if not written:  # not that its pre-defined kernels do not fit: it would compute something else
         info["as_written_fits"], info["as_written_refused"] = None, why

@@ -15,12 +15,13 @@ numerically*. The verdict of each rule is cached by content in the user cache.
 from __future__ import annotations
 
 import functools
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import symbolic
-from ..base import cache
+from ..base import cache, forked
 from ..base.errors import Collector
 from ..lang import syntax_tree as ast
 from .patterns import IllFormed, distinct_digits, sides, strip_ones, unlike_non_finite
@@ -203,15 +204,19 @@ def cacheable(rule: Rule) -> bool:
     return in_default_library(rule.loc.path)
 
 
-def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]:
+def check_library(library: Library, *, use_cache: bool = True, jobs: int | None = None) -> dict[str, str]:
     """Each rule's status by name, SYMBOLIC or NUMERIC_ONLY; raise one PrismError naming every unsound rule.
 
     A rule of the default library judged before (same meaning, same code) is not judged again: loading
     it on every `prove` would otherwise cost seconds. A user's rules are judged every time (`cacheable`).
     Verdicts are kept in the cache and, within one process, in memory too (a cache directory without them).
+    The rules to judge are judged in up to `jobs` processes at once (default: every core; `base.forked`):
+    each rule's check is independent and seeded by the rule alone, so the verdicts are those of one process.
     """
     errors = Collector()
     statuses: dict[str, str] = {}
+    keys: dict[str, str] = {}  # rule name -> its verdict key, "" where the cache is not used for it
+    verdicts: dict[str, Verdict] = {}
     for rule in library.rules:
         size = oversized(rule)
         if size is not None:
@@ -219,22 +224,58 @@ def check_library(library: Library, *, use_cache: bool = True) -> dict[str, str]
                          f"{SAMPLE_MAX_ELEMENTS} elements of the tensors its check draws; state it for any size, or for "
                          "one of at most that")
             continue
-        use = use_cache and cacheable(rule)
-        key = verdict_key(rule) if use else ""
-        verdict = _cached(key) if use else None
-        if verdict is None:
-            verdict = (_JUDGED.get(key) if use else None) or judge(rule)
-            if use:
-                cache.write("sound", key, {"status": verdict.status, "why": verdict.why})
-        if use and verdict.status in (SYMBOLIC, NUMERIC_ONLY):
-            _JUDGED[key] = verdict
+        key = keys[rule.name] = verdict_key(rule) if use_cache and cacheable(rule) else ""
+        if key and (verdict := _cached(key)) is not None:
+            verdicts[rule.name] = verdict
+        elif key and (verdict := _JUDGED.get(key)) is not None:  # judged here, for another cache directory
+            verdicts[rule.name] = verdict
+            cache.write("sound", key, {"status": verdict.status, "why": verdict.why})
+    todo = [rule for rule in library.rules if rule.name in keys and rule.name not in verdicts]
+    for rule, verdict in zip(todo, _judge_all(todo, jobs or forked.cores())):
+        verdicts[rule.name] = verdict
+        if keys[rule.name]:
+            cache.write("sound", keys[rule.name], {"status": verdict.status, "why": verdict.why})
+    for rule in library.rules:
+        if rule.name not in keys:
+            continue
+        verdict = verdicts[rule.name]
         if verdict.status in (UNSOUND, UNCHECKED):
             errors.error(rule.loc, f"rule '{rule.name}' {'is unsound' if verdict.status == UNSOUND else 'cannot be checked'}"
                          f": {verdict.why}")
         else:
             statuses[rule.name] = verdict.status
+            if keys[rule.name]:
+                _JUDGED[keys[rule.name]] = verdict
     errors.raise_if_any()
     return statuses
+
+
+_TO_JUDGE: list[Rule] = []  # the rules `_judge_all` gives its forked processes, set before they are forked
+
+
+def _judge_all(rules: list[Rule], jobs: int) -> list[Verdict]:
+    """`judge` of each rule, in order: in up to `jobs` forked processes where that is safe and there are rules
+    enough, else here. A rule whose process died (the pool is then broken) is judged here."""
+    global _TO_JUDGE
+    if not forked.usable(jobs, len(rules)):
+        return [judge(rule) for rule in rules]
+    _TO_JUDGE = rules
+    try:
+        with forked.pool(min(jobs, len(rules))) as pool:
+            futures = [pool.submit(_judge_forked, i) for i in range(len(rules))]
+            out = []
+            for rule, future in zip(rules, futures):
+                try:
+                    out.append(future.result())
+                except BrokenProcessPool:
+                    out.append(judge(rule))
+            return out
+    finally:
+        _TO_JUDGE = []
+
+
+def _judge_forked(i: int) -> Verdict:
+    return judge(_TO_JUDGE[i])
 
 
 _JUDGED: dict[str, Verdict] = {}  # the verdicts that a default-library rule is sound this process judged or read, by

@@ -10,13 +10,13 @@ never a "not proved", and the search goes on without that candidate.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..base import forked
 from ..ir.nodes import Program
 from ..kernels.hardware import Hardware
 from ..prove.rules import Library
@@ -37,20 +37,13 @@ class Result:
     jobs: int = 1
 
 
-def default_jobs() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
-
-
 def search(program: Program, library: Library, hardware: Hardware, config: SearchConfig = SearchConfig(), *,
            jobs: int | None = None, deadline: float | None = None, progress: Callable[[str, Stats], None] | None = None,
            stop_event: threading.Event | None = None) -> Result:
     """Kernel generation and program assembly for `program`: every proved program found within the
     limits (see the module doc)."""
     started = time.perf_counter()
-    jobs = jobs or default_jobs()
+    jobs = jobs or forked.cores()
     stats = Stats()
     stop_event = stop_event or threading.Event()
     reason: list[str] = []
