@@ -201,7 +201,7 @@ def test_products_on_wgmma_read_their_swizzled_tiles(write, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["checked"]["emulation"]["passed"], report["checked"]
     src = {name: (out / f"{name}.cu").read_text() for name in ("gain", "gated", "kmajor")}
-    assert all("ldmatrix" not in s and "nvcc --ptx -arch=sm_90a" in s for s in src.values())
+    assert all("ldmatrix" not in s and "nvcc -c -gencode arch=compute_90a,code=sm_90a" in s for s in src.values())
     # the gain's 8 elements a thread, one 16-byte store into the swizzle (a 16-byte group stays whole in it)
     assert re.search(r"prism::store16\(s_\w+ \+ i0 \* 64 \+ \(i1 / 8 % 8 \^ i0 % 8\) \* 8 \+ i1 % 8, w\);", src["gain"])
     assert src["gain"].count("prism::wgmma<64, half, true>") == 1
@@ -743,6 +743,28 @@ def test_every_rendered_kernel_compiles_with_nvcc(path, tmp_path):
         for arch, r in per_arch.items():
             assert r["ok"], f"{kernel} ({arch}): {r.get('stderr')}"
             assert r["registers"] > 0 and r["spill_stores"] == 0
+            assert r["warnings"] == [], f"{kernel} ({arch}): {r['warnings']}"  # a -Werror build takes it as it is
+
+
+@needs_nvcc
+def test_each_kernel_names_the_command_that_builds_it_alone(tmp_path):
+    """The line "Compiles on its own:" of a kernel's .cu is a command that makes an object file of it beside
+    prism.cuh: for a kernel on wgmma the arch-specific target named apart (`-arch=sm_90a` with `-c` also runs a
+    plain sm_90 pass, where the kernel's #error stops it), for the others sm_90 and sm_80."""
+    from prism_dsl.backend.nvcc import write_sources
+
+    wgmma = build(load(ROOT / "programs/fused/rmsnorm_linear.prism").program(), H100,
+                  BuildOptions(dims={"n": 256, "d": 1024}, archs=())).kernels
+    plain, _ = build_of(ROOT / "programs/fused/swiglu.prism", archs=())
+    assert [k.wgmma for k in wgmma] == [True] and not any(k.wgmma for k in plain.kernels)
+    write_sources([*wgmma, *plain.kernels], tmp_path)
+    for k in [*wgmma, *plain.kernels]:
+        (line,) = [line for line in k.source.splitlines() if line.startswith("// Compiles on its own: ")]
+        command, _, other = line.removeprefix("// Compiles on its own: ").partition(" (or ")
+        for cmd in [command] + ([command.replace("-arch=sm_90", other.strip("()"))] if other else []):
+            done = subprocess.run([*cmd.split(), "-o", "k.o"], cwd=tmp_path, capture_output=True, text=True)
+            assert done.returncode == 0 and (tmp_path / "k.o").is_file(), (cmd, done.stderr)
+            (tmp_path / "k.o").unlink()
 
 
 def test_offsets_into_tensors_past_an_ints_range_are_64_bit(monkeypatch):
@@ -1435,7 +1457,7 @@ def test_sm_90a_is_the_h100s_arch_for_pricing_and_an_arch_given_twice_is_compile
                  "--search", "none", "--no-emulate", "--arch", "sm_90a,sm_90a"]) == 0
     text = capsys.readouterr().out
     assert "priced from the compiled code (sm_90: ptxas's registers, the instructions in its SASS)" in text
-    assert "nvcc: every kernel compiles for sm_90a (on wgmma" in text
+    assert "nvcc: the kernels compile for sm_90a, those on wgmma for sm_90a only: swiglu" in text
     assert json.loads((out / "report.json").read_text())["nvcc"]["archs"] == ["sm_90a"]
 
 
@@ -1573,6 +1595,13 @@ def test_a_kernel_nvcc_rejects_is_named_alone_where_its_program_compiles_as_one_
     results = nvcc_check([broken, *rest], tmp_path, ("sm_90",))
     assert not results[first.name]["sm_90"]["ok"] and "this_is_not_cuda" in results[first.name]["sm_90"]["stderr"]
     assert all(results[k.name]["sm_90"]["ok"] and results[k.name]["sm_90"]["registers"] > 0 for k in rest)
+    # nvcc's warnings on a kernel that compiles are that kernel's (the rendered kernels have none: the test above)
+    unused = replace(first, source=first.source.replace("{", "{ const int never_read = 3;", 1))
+    (tmp_path / "warned").mkdir()
+    results = nvcc_check([unused, *rest], tmp_path / "warned", ("sm_90",))
+    (warning,) = results[first.name]["sm_90"]["warnings"]
+    assert results[first.name]["sm_90"]["ok"] and '"never_read" was declared but never referenced' in warning
+    assert all(results[k.name]["sm_90"]["warnings"] == [] for k in rest)
 
 
 def test_an_nvcc_that_exits_0_without_a_cubin_is_not_taken_for_a_compile(tmp_path, monkeypatch):

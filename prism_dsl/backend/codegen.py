@@ -44,8 +44,8 @@ from ..kernels.lifetimes import AFTER, in_use
 from ..kernels.position import causal_loop, longest_first, loop_bounds, placed, whole
 from ..kernels.sizes import bind
 from ..lang.printer import format_number, node_text
-from .ctext import (C_OPS, CTYPE, INT_MAX, block_names, comment, decompose, ident, offset, reduction, tensor_name,
-                    xor_column)
+from .ctext import (C_OPS, CTYPE, INT_MAX, block_names, comment, decompose, ident, needed, offset, reads,
+                    reduction, tensor_name, xor_column)
 from .copies import TensorMap, load_step, tma_copies
 from .dots import dot_lanes, lane_groups, row_lanes, row_mma
 from .launch import CodegenConfig, flash_values, layout, stage_elements
@@ -86,6 +86,7 @@ def template_env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.globals["xor_column"] = xor_column  # steps.j2's ldmatrix addresses permute a tile's rows as `offset` does
+    env.globals.update(needed=needed, reads=reads)  # the index lines and variables a step reads
     return env
 
 

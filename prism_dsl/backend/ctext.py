@@ -80,6 +80,16 @@ def decompose(var: str, shape: tuple[int, ...], prefix: str) -> tuple[list[str],
     return lines, idx
 
 
+def reads(name: str, *uses: str) -> bool:
+    """Whether the code `uses` reads the variable `name` (one not read is not declared: nvcc warns of it)."""
+    return any(re.search(rf"\b{name}\b", use) for use in uses)
+
+
+def needed(lines: list[str], *uses: str) -> list[str]:
+    """Those of `decompose`'s lines whose index the code `uses` reads."""
+    return [line for line in lines if reads(line.split()[2], *uses)]
+
+
 def address(parts: list[list[str]], shape: tuple[int, ...], reach: int = 0) -> str:
     """Row-major offset in a tensor of `shape` whose index in each dim is the sum of that dim's `parts`: in int
     arithmetic, or in 64-bit where the tensor has more elements than an int counts (a long-context key cache:

@@ -57,7 +57,7 @@ def ptxas_figures(text: str) -> dict:
 def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[str, ...],
                read: tuple[str, ...] | None = None) -> dict[str, dict[str, dict]]:
     """Compile every kernel for every arch (`nvcc -cubin -Xptxas -v`); per kernel and arch: ok, the ptxas
-    figures, nvcc's messages when it failed, and `issued` (`sass.Issued` as a dict, None where the SASS's
+    figures, nvcc's messages when it failed (its warnings on the kernel's file where it did not), and `issued` (`sass.Issued` as a dict, None where the SASS's
     loops do not match the source's) where cuobjdump is there, for the archs in `read` (all when None: reading
     a cubin's SASS takes most of a second, however small, so the pipeline reads only the arch it prices for).
 
@@ -90,9 +90,11 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
             listings = functions(disassemble(workdir / cubin)) if reading else {}
         except RuntimeError:  # cuobjdump failed on it: the kernels are priced from their structure
             reading, listings = False, {}
+        warned = [line for line in done.stderr.splitlines() if ": warning #" in line]  # nvcc's own, by file and line
         results = {}
         for k in members:
-            result = {"ok": True, **figures.get(k.function, ptxas_figures(""))}
+            result = {"ok": True, **figures.get(k.function, ptxas_figures("")),
+                      "warnings": [line for line in warned if f"{k.file}(" in line]}
             if reading:
                 found = issued(listings.get(k.function, ""), k.source)
                 result["issued"] = None if found is None else found.as_dict()

@@ -227,7 +227,8 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...], pri
         raise PrismError(f"this nvcc does not compile for {', '.join(unknown)} (--arch): see `nvcc --list-gpu-arch`")
     if bad:
         raise PrismError(f"nvcc rejected the generated code for {', '.join(w for w, _ in bad)}:\n{bad[0][1]}")
-    return NvccCheck(tuple(archs), tuple(k.name for k in kernels if k.wgmma)), figures
+    warned = dict.fromkeys(w for per in figures.values() for r in per.values() for w in r.get("warnings", ()))
+    return NvccCheck(tuple(archs), tuple(k.name for k in kernels if k.wgmma), warnings=tuple(warned)), figures
 
 
 def price(built: Build, figures: Mapping[str, Mapping], config: CodegenConfig,

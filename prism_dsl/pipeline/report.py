@@ -123,6 +123,7 @@ class NvccCheck:
     archs: tuple[str, ...]
     wgmma: tuple[str, ...] = ()  # kernels on wgmma: compiled as sm_90a, for sm_90 only
     passed: bool = True
+    warnings: tuple[str, ...] = ()  # nvcc's, on the kernels' files (the generated code has none: tests/test_codegen.py)
 
 
 @dataclass(frozen=True)
@@ -285,8 +286,10 @@ def summary(report: Report, out: Path) -> str:
         if isinstance(c, Skipped):
             lines.append(f"  {name}: skipped ({c.skipped})")
         elif isinstance(c, NvccCheck):
-            lines.append(f"  nvcc: every kernel compiles for {', '.join(c.archs)}"
-                         + (f" (on wgmma, for sm_90a only: {', '.join(c.wgmma)})" if c.wgmma else ""))
+            lines.append(f"  nvcc: every kernel compiles for {', '.join(c.archs)}" if not c.wgmma else
+                         f"  nvcc: the kernels compile for {', '.join(c.archs)}, those on wgmma for sm_90a only: "
+                         + ", ".join(c.wgmma))
+            lines += [f"    warning: {w}" for w in c.warnings]
         else:
             lines.append(f"  {name}: {'passed' if c.passed else 'FAILED'} against the float64 reference of the "
                          f"{c.checked_against} ({c.errors()})")

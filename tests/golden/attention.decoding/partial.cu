@@ -11,7 +11,7 @@
 //   load lt = L[loop, x, y, :, :]
 //   load pt = P[loop, x, y, :, :]
 //   store O[x, y, :, :]
-// Compiles on its own: nvcc --ptx -arch=sm_90 partial.cu
+// Compiles on its own: nvcc -c -arch=sm_90 partial.cu (or -arch=sm_80)
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_partial(
@@ -126,7 +126,6 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 const int row = 2 * t + i % 2, key = key0 + g + i / 2 * 8;
                 if (row >= 1) continue;
                 const int e = p * 16 + row * 16 + key;
-                const int i3 = e;
                 s_v2[e] = real(0) + d[i];
             }
         }
@@ -221,7 +220,6 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 const int row = 2 * t + i % 2, key = key0 + g + i / 2 * 8;
                 if (row >= 1) continue;
                 const int e = p * 64 + row * 64 + key;
-                const int i3 = e;
                 s_a6[e] = s_a6[e] * s_a3_scale[0] + d[i];
             }
         }

@@ -4,7 +4,7 @@
 //   load kt = K[x, y, :, loop]
 //   load vt = V[x, y, loop, :]
 //   store O[x, y, z, :]
-// Compiles on its own: nvcc --ptx -arch=sm_90a flash_attention.cu
+// Compiles on its own: nvcc -c -gencode arch=compute_90a,code=sm_90a flash_attention.cu
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
@@ -161,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(256) prism_flash_attention(
             }
         }
         #elif defined(__CUDA_ARCH__)
-        #error "this kernel runs online softmax on wgmma (sm_90a: nvcc -arch=sm_90a); prismc --no-wgmma writes mma.sync for sm_80 and later"
+        #error "this kernel runs online softmax on wgmma (sm_90a: nvcc -gencode arch=compute_90a,code=sm_90a); prismc --no-wgmma writes mma.sync for sm_80 and later"
         #endif
     }
     if (PRISM_TID / 128 == 0) prism::named_sync(1, 256);  // warpgroup 1's last turn, ending the count

@@ -4,7 +4,7 @@
 //   load kt = K[x, y, :, loop]
 //   load vt = V[x, y, loop, :]
 //   store O[x, y, z, :]
-// Compiles on its own: nvcc --ptx -arch=sm_90 flash_attention.cu
+// Compiles on its own: nvcc -c -arch=sm_90 flash_attention.cu (or -arch=sm_80)
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_flash_attention(

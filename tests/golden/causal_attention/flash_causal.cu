@@ -8,7 +8,7 @@
 //   load skt = SK[loop, :]
 //   load vt = V[:, y, loop, :]
 //   store O[:, y, x, :]
-// Compiles on its own: nvcc --ptx -arch=sm_90 flash_causal.cu
+// Compiles on its own: nvcc -c -arch=sm_90 flash_causal.cu (or -arch=sm_80)
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_flash_causal(

@@ -3,7 +3,7 @@
 //   load xt = X[:, loop]
 //   load wt = W1[loop, x]
 //   store H[:, x]
-// Compiles on its own: nvcc --ptx -arch=sm_90 layer_norm_up.cu
+// Compiles on its own: nvcc -c -arch=sm_90 layer_norm_up.cu (or -arch=sm_80)
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_layer_norm_up(

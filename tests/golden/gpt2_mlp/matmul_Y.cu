@@ -3,7 +3,7 @@
 //   load h_0 = H[y, loop]
 //   load w2_1 = W2[loop, x]
 //   store Y[y, x]
-// Compiles on its own: nvcc --ptx -arch=sm_90 matmul_Y.cu
+// Compiles on its own: nvcc -c -arch=sm_90 matmul_Y.cu (or -arch=sm_80)
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_matmul_Y(

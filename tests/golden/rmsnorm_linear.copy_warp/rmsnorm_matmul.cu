@@ -3,7 +3,7 @@
 //   load xt = X[:, loop]
 //   load wt = W[loop, x]
 //   store Y[:, x]
-// Compiles on its own: nvcc --ptx -arch=sm_90a rmsnorm_matmul.cu
+// Compiles on its own: nvcc -c -gencode arch=compute_90a,code=sm_90a rmsnorm_matmul.cu
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
             prism::wgmma_wait<1>(reinterpret_cast<float (&)[64]>(r_a3));  // the batch before this one
         }
         #elif defined(__CUDA_ARCH__)
-        #error "this kernel runs its products on wgmma (sm_90a: nvcc -arch=sm_90a); prismc --no-wgmma writes mma.sync for sm_80 and later"
+        #error "this kernel runs its products on wgmma (sm_90a: nvcc -gencode arch=compute_90a,code=sm_90a); prismc --no-wgmma writes mma.sync for sm_80 and later"
         #endif
         if (it > 0) prism::mbarrier_arrive(&empty[(it - 1) % 3]);  // batch it - 1 is done with its stage
     }

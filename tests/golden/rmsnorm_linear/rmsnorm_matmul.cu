@@ -3,7 +3,7 @@
 //   load xt = X[:, loop]
 //   load wt = W[loop, x]
 //   store Y[:, x]
-// Compiles on its own: nvcc --ptx -arch=sm_90 rmsnorm_matmul.cu
+// Compiles on its own: nvcc -c -arch=sm_90 rmsnorm_matmul.cu (or -arch=sm_80)
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_matmul(

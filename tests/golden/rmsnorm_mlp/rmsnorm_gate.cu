@@ -4,7 +4,7 @@
 //   load ut = Wu[loop, x]
 //   load gt = Wg[loop, x]
 //   store Y[:, x]
-// Compiles on its own: nvcc --ptx -arch=sm_90 rmsnorm_gate.cu
+// Compiles on its own: nvcc -c -arch=sm_90 rmsnorm_gate.cu (or -arch=sm_80)
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_rmsnorm_gate(

@@ -4,7 +4,7 @@
 //   load gt = Wg[loop, x]
 //   load ut = Wu[loop, x]
 //   store Y[:, x]
-// Compiles on its own: nvcc --ptx -arch=sm_90 swiglu_fused.cu
+// Compiles on its own: nvcc -c -arch=sm_90 swiglu_fused.cu (or -arch=sm_80)
 #include "prism.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) prism_swiglu_fused(
