@@ -264,8 +264,9 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
         discard(key, f"checkpoint entry for '{program.name}' {chosen}; searching again")
         return None
     ranked, info = chosen
-    return ranked, {"from_checkpoint": True, "complete": True, "stopped": None, "jobs": jobs, **saved[1], **info,
-                    "reproved": sum(r.proved and not r.as_written for r in ranked)}
+    # the keys a search gives, as it was saved: a search with errors is never saved, and its e-graph is not kept
+    return ranked, {"from_checkpoint": True, "complete": True, "stopped": None, "jobs": jobs, "errors": [],
+                    "input_egraph": {}, **saved[1], **info, "reproved": sum(r.proved and not r.as_written for r in ranked)}
 
 
 def choose_ranked(program: Program, proved: list[Program], how: Choosing, prover: Prover | None,
