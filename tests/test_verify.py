@@ -155,6 +155,17 @@ def test_verify_sampled_blocks_compare_what_they_write(capsys, out):
     (lambda d: _edit_codegen(d, threads=0), "not what prismc compiles with: threads=0"),
     (lambda d: _edit_codegen(d, ends=[5]), "not what prismc compiles with: ends=(5,)"),
     (lambda d: _edit_codegen(d, threads=-32, stages=0), "not what prismc compiles with: threads=-32, stages=0"),
+    # what the report says of the code and the hardware, and the files it lists: each as compiled, or said
+    (lambda d: _edit_codegen(d, smem_limit=10**30), "not those of its hardware: smem_limit=10000000000000000000000000"
+     "00000 (the H100's: 232448)"),
+    (lambda d: _edit_codegen(d, sms=64, arch="sm_80"), "arch='sm_80' (the H100's: 'sm_90'), sms=64 (the H100's: 132)"),
+    (lambda d: _edit_report(d, codegen=None), "(missing or malformed: codegen)"),
+    (lambda d: _edit_report(d, parameters={}), "report.json' does not give its program's kernel parameters F, gx"),
+    (lambda d: _edit_report(d, parameters={"gx": 128}), "does not give its program's kernel parameters F:"),
+    (lambda d: _edit_report(d, hardware={"name": "V100"}), "report.json': unknown hardware 'V100'"),
+    (lambda d: _edit_report(d, files=[*json.loads((d / "report.json").read_text())["files"], "ghost.cu"]),
+     "ghost.cu' is missing: report.json lists it among the files prismc wrote"),
+    (lambda d: _edit_report(d, files=["../rmsnorm_linear.prism"]), "lists '../rmsnorm_linear.prism' among the files"),
     # the report's parameters and options against what each .cu file says it was compiled for (its first lines)
     (lambda d: _edit_report(d, parameters={"F": 2, "gx": 128}),
      "rmsnorm_matmul.cu' says at line 2 that it was compiled for 'grid x=128, 8 loop iterations, 128 threads per "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..backend import emulate as emulator
 from ..backend.codegen import HEADER, CodegenConfig
+from ..backend.cost import for_hardware
 from ..backend import cuda_plan
 from ..base import files
 from ..base.errors import PrismError
@@ -55,6 +56,7 @@ def _well_formed(report) -> list[str]:
         "hardware": isinstance(report.get("hardware"), dict) and isinstance(report["hardware"].get("name"), str),
         "dims": positive(report.get("dims")),
         "parameters": positive(report.get("parameters")),
+        "codegen": isinstance(report.get("codegen"), dict),
         "kernels": isinstance(kernels, list) and all(launch(k) for k in kernels),
         "padded": report.get("padded") is None or positive(report["padded"]),
         "files": report.get("files") is None or isinstance(report["files"], list) and all(
@@ -79,6 +81,12 @@ def read_report(directory: Path) -> dict:
     bad = _well_formed(report)
     if bad:
         raise PrismError(f"'{path}' is not a report of prismc compile (missing or malformed: {', '.join(bad)})")
+    for name in report.get("files") or []:  # what prismc wrote, each in the directory
+        if Path(name).name != name:
+            raise PrismError(f"'{path}' lists '{name}' among the files prismc wrote, which are in the directory: it was "
+                             "changed after it was compiled")
+        if not (directory / name).is_file():
+            raise PrismError(f"'{directory / name}' is missing: report.json lists it among the files prismc wrote")
     return report
 
 
@@ -174,7 +182,15 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     source = directory / f"{name}.prism"
     program = load(source).program(name)
     _same_as_best(directory, report, program)
-    hardware = load_hardware(report["hardware"]["name"])
+    try:
+        hardware = load_hardware(report["hardware"]["name"])
+    except PrismError as e:
+        raise PrismError(f"'{directory}/report.json': {e}") from None
+    codegen = codegen_of(report)
+    if wrong := [f"{f}={getattr(codegen, f)!r} (the {hardware.name}'s: {getattr(ours, f)!r})" for f in vars(codegen)
+                 if getattr(codegen, f) != getattr(ours := for_hardware(codegen, hardware), f)]:
+        raise PrismError(f"the codegen options in '{directory}/report.json' are not those of its hardware: "
+                         f"{', '.join(wrong)}: the directory was changed after it was compiled")
     compiled_dims = report["dims"]
     padded = report.get("padded") or {}  # dims the compile rounded up for its tiles: the sizes given
     given = {**compiled_dims, **padded} if isinstance(padded, dict) else compiled_dims  # the caller's sizes
@@ -184,8 +200,11 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     if unknown := sorted(set(report["parameters"]) - names[0]) + sorted(set(compiled_dims) - names[1]):
         raise PrismError(f"'{directory}/report.json' names what its program does not have ({', '.join(unknown)}): "
                          "the directory was changed after it was compiled")
+    if missing := sorted(names[0] - set(report["parameters"])):
+        raise PrismError(f"'{directory}/report.json' does not give its program's kernel parameters "
+                         f"{', '.join(missing)}: the directory was changed after it was compiled")
     options = BuildOptions(dims={**compiled_dims, **dims}, grid=grid, loop=loop,
-                           params=report["parameters"] if on_disk else {}, archs=(), codegen=codegen_of(report),
+                           params=report["parameters"] if on_disk else {}, archs=(), codegen=codegen,
                            padded=padded if on_disk and isinstance(padded, dict) else {})
     if not on_disk and not grid and not loop:
         options = _rounded_as_compile_rounds(program, hardware, options)
