@@ -1418,6 +1418,10 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     (["--hardware", "b200"], "argument --hardware: unknown hardware 'b200' (known: a100, h100, h200)", 2),
     (["--no-emulate", "--sanitize", "thread"], "--sanitize thread runs the emulation, which --no-emulate leaves out", 2),
     (["--no-emulate", "--emulate-blocks", "3"], "--emulate-blocks 3 runs the emulation, which --no-emulate leaves out", 2),
+    (["--no-emulate", "--banks"], "--banks counts in the emulation, which --no-emulate leaves out: give one", 2),
+    (["--no-pingpong", "--hardware", "a100"], "--no-pingpong sets how online softmax takes turns on wgmma, which the "
+                                             "hardware's sm_80 does not have (sm_90): drop --no-pingpong", 2),
+    (["--no-pingpong", "--no-wgmma"], "--no-pingpong sets how online softmax takes turns on wgmma, which --no-wgmma", 2),
     (["--search", "none", "--time-limit", "5", "--no-split"],
      "--time-limit, --no-split limit the search, which --search none leaves out: give one of them", 2),
     (["--search", "none", "--unsteady"], "--unsteady limits the search, which --search none leaves out", 2),

@@ -154,3 +154,12 @@ def test_prismc_compile_writes_one_launch_and_two_with_two_launches(tmp_path, ca
     report = json.loads(capsys.readouterr().out)
     assert [k["file"] for k in report["kernels"]] == ["partial.cu", "combine.cu"]
     assert report["codegen"]["one_launch"] is False and "combines" not in report["kernels"][0]["estimate"]
+    assert report["idle"] == []
+    # where nothing is split (a program with one kernel), the option changes nothing, and the summary says so
+    plain = ["compile", str(DECODING.parent / "rmsnorm_linear.prism"), "--search", "none", "--arch", "none",
+             "--no-emulate", "--dims", "n=8,d=256"]
+    assert main([*plain, "-o", str(tmp_path / "plain"), "--two-launches", "--padded-inputs"]) == 0
+    text = capsys.readouterr().out
+    assert "  --two-launches: no kernel of this program combines pieces another one wrote" in text
+    assert "  --padded-inputs: nothing is built past the sizes given" in text
+    assert len(json.loads((tmp_path / "plain" / "report.json").read_text())["idle"]) == 2

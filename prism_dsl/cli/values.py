@@ -16,11 +16,12 @@ TIME_LIMIT = 60.0  # `compile --time-limit`'s default, seconds
 def ignored(args, written: bool, arch: str) -> str | None:
     """What `prismc compile` was given that would do nothing with the rest, said (a usage error): an option of the
     emulation with --no-emulate, a limit of the search with --search none or for a program that has custom kernels
-    already (`written`: compiled as written), --tma without the wgmma products whose tiles it copies (or for an
-    `arch` without them), --no-copy-warp without --tma."""
-    if args.no_emulate and (args.sanitize or args.blocks != "auto"):
-        flag = f"--sanitize {args.sanitize}" if args.sanitize else f"--emulate-blocks {args.blocks}"
-        return f"{flag} runs the emulation, which --no-emulate leaves out: give one of them"
+    already (`written`: compiled as written), --tma or --no-pingpong without the wgmma products they are about (or
+    for an `arch` without them), --no-copy-warp without --tma."""
+    if args.no_emulate and (args.sanitize or args.blocks != "auto" or args.banks):
+        flag = (f"--sanitize {args.sanitize} runs" if args.sanitize else "--banks counts in"
+                if args.banks else f"--emulate-blocks {args.blocks} runs")
+        return f"{flag} the emulation, which --no-emulate leaves out: give one of them"
     limits = [flag for flag, given in (("--time-limit", args.time_limit != TIME_LIMIT), ("--no-split", args.no_split),
                                        ("--max-kernels", args.max_kernels is not None), ("--unsteady", args.unsteady))
               if given]
@@ -36,6 +37,10 @@ def ignored(args, written: bool, arch: str) -> str | None:
     if args.tma and (args.no_wgmma or args.no_tensor_cores):
         flag = "--no-wgmma" if args.no_wgmma else "--no-tensor-cores"
         return f"--tma copies the loop tiles of wgmma products, which {flag} leaves out: give one of them"
+    if args.no_pingpong and (arch not in WGMMA_ARCHS or args.no_wgmma or args.no_tensor_cores):
+        why = (f"the hardware's {arch} does not have (sm_90)" if arch not in WGMMA_ARCHS else
+               f"{'--no-wgmma' if args.no_wgmma else '--no-tensor-cores'} leaves out")
+        return f"--no-pingpong sets how online softmax takes turns on wgmma, which {why}: drop --no-pingpong"
     if args.no_copy_warp and not args.tma:
         return "--no-copy-warp says who issues the TMA copies, which only --tma asks for: give both or neither"
     return None

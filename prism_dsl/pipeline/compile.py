@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
-from ..backend import cost, cuda_runtime, roofline
+from ..backend import cost, cuda_runtime, roofline, tails
 from ..backend.codegen import RenderedKernel
 from ..base.errors import PrismError
 from ..ir.nodes import Program
@@ -334,7 +334,19 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                   tuple(n.attr for n in built.program.inputs if "used" in tensors[n.attr]),
                   round(padding.copy_us(built.reference, callers_dims(built), {k: dims_of(built)[k] for k in built.padded},
                                         built.hardware, not chosen.options.padded_inputs, chosen.options.codegen), 3)
-                  if built.padded else None, parameters_timed=chosen.timed)
+                  if built.padded else None, parameters_timed=chosen.timed, idle=_idle(chosen.options, built))
+
+
+def _idle(options: BuildOptions, built: Build) -> tuple[str, ...]:
+    """The options that change nothing for the program built, said: whether they would is for the search and the
+    tuning to decide, so they are not refused (`cli.values.ignored` refuses those that never would)."""
+    idle = []
+    if not options.codegen.one_launch and not tails.pairs(built.program):
+        idle.append("--two-launches: no kernel of this program combines pieces another one wrote, so each has a "
+                    "launch of its own anyway")
+    if options.padded_inputs and not built.padded:
+        idle.append("--padded-inputs: nothing is built past the sizes given, so the inputs are passed at those")
+    return tuple(idle)
 
 
 def launch_estimate(built: Build, r: RenderedKernel) -> dict:

@@ -205,6 +205,7 @@ class Report:
     parameters_timed: tuple[Mapping, ...] = ()  # with --rank measure: choices of the kernel parameters timed on the
     # GPU (`measuring.time_parameters`): params, threads (the least count, as --threads), estimated_us, measured_us,
     # measurement
+    idle: tuple[str, ...] = ()  # options given that the chosen program leaves with nothing to change, each said why
 
     @property
     def verified(self) -> bool:
@@ -253,6 +254,7 @@ def summary(report: Report, out: Path) -> str:
                      + (f" (copies: {copies} us by the model, beside the estimate below)" if copies else ""))
     if report.padding_failed:  # `compile.compile_program`
         lines.append(f"  built at the sizes given: {report.padding_failed}")
+    lines += [f"  {said}" for said in report.idle]
     gpu = report.checked.gpu  # where a time was measured
     for k in report.kernels:
         nv = k.nvcc.get(report.hardware.arch) or next(iter(k.nvcc.values()), {})
