@@ -208,8 +208,8 @@ def test_run_file_without_programs(capsys, tmp_path):
 
 @pytest.mark.parametrize("dims, code, message", [
     ("foo=3", 1, "program 'attention' has no dim 'foo' (its dims: b, h, q, kv, dh)"),
-    ("b=0", 1, "dim b must be at least 1, got 0"),
-    ("b=-2", 1, "dim b must be at least 1, got -2"),
+    ("b=0", 2, "argument --dims: 'b' must be at least 1, got 0"),  # whatever the program: a usage error
+    ("b=-2", 2, "argument --dims: 'b' must be at least 1, got -2"),
     ("b=x", 2, "expected NAME=INT[,NAME=INT...], got 'b=x'"),
     ("b=1.5", 2, "expected NAME=INT"),
     ("b", 2, "expected NAME=INT"),

@@ -221,7 +221,6 @@ def test_every_violation_is_listed_at_once():
     (["--loop", "gx=4"], "'gx' is a grid size; set it with --grid"),
     (["--grid", "F=4"], "'F' is a loop range; set it with --loop"),
     (["--loop", "G=4"], "--loop G=...: no loop symbol 'G'"),
-    (["--grid", "x=0"], "gx must be at least 1, got 0"),
 ])
 def test_run_refuses_invalid_kernel_parameters(capsys, tmp_path, argv, message):
     out = tmp_path / "out.npz"
@@ -229,6 +228,17 @@ def test_run_refuses_invalid_kernel_parameters(capsys, tmp_path, argv, message):
     assert main(["run", str(path), "--out", str(out), *argv]) == 1
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,message", [(["--grid", "x=0"], "'x' must be at least 1, got 0"),
+                                          (["--loop", "0"], "a loop range must be at least 1, got 0"),
+                                          (["--loop", "F=-3"], "'F' must be at least 1, got -3")])
+def test_a_kernel_parameter_below_1_is_a_usage_error(capsys, tmp_path, argv, message):
+    """Wrong whatever the program: exit 2, as for every flag's value that is."""
+    path = REPO / "programs" / "fused" / "rmsnorm_linear.prism"
+    assert main(["run", str(path), "--out", str(tmp_path / "out.npz"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.npz").exists()
 
 
 def test_run_chooses_valid_parameters_and_matches_the_reference(tmp_path):

@@ -57,6 +57,8 @@ def parse_dims(text: str) -> dict[str, int]:
         if name in out:
             raise argparse.ArgumentTypeError(f"dim {name!r} is given twice")
         out[name] = _size(value, f"{name} = ")
+        if out[name] < 1:  # a size, whatever the program
+            raise argparse.ArgumentTypeError(f"{name!r} must be at least 1, got {clip(value)}")
     return out
 
 
@@ -75,7 +77,9 @@ class Merged(argparse.Action):
 def parse_loop(text: str) -> dict[str, int]:
     """`64` (every kernel's loop) or `F=64[,G=8]` (named loop symbols)."""
     if _is_int(text.strip()):
-        return {"": _size(text.strip(), "")}
+        if (every := _size(text.strip(), "")) < 1:
+            raise argparse.ArgumentTypeError(f"a loop range must be at least 1, got {clip(text.strip())}")
+        return {"": every}
     return parse_dims(text)
 
 
