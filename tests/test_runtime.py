@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jinja2
 import numpy as np
 import pytest
 
@@ -24,9 +23,8 @@ from prism_dsl.backend import sass
 from prism_dsl.backend.compare import check
 from prism_dsl.backend.cuda_runtime import GpuUnavailable, Launcher, PlanError, marshal, validate_plan
 from prism_dsl.backend.nvcc import nvcc_path
-from prism_dsl.pipeline.output import format_plan, launcher_call
+from prism_dsl.pipeline.output import format_plan, launcher_source
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 
 
 def make_plan(**changes) -> dict:
@@ -463,10 +461,7 @@ def test_bad_inputs_are_reported_before_the_missing_gpu(no_gpu, tmp_path):
 
 
 def render_launcher(directory: Path, plan: dict) -> Path:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
-                             undefined=jinja2.StrictUndefined)
-    text = env.get_template("launcher.py.j2").render(plan=plan, plan_literal=format_plan(plan),
-                                                     program=plan["program"], call=launcher_call(plan["inputs"]))
+    text = launcher_source(plan)
     shutil.copy(rt.__file__, directory / "prism_runtime.py")
     shutil.copy(Path(rt.__file__).with_name("cuda_plan.py"), directory / "cuda_plan.py")
     path = directory / "launcher.py"
@@ -485,6 +480,7 @@ def test_rendered_launcher_imports_and_refuses_cleanly_without_gpu(no_gpu, tmp_p
     path = render_launcher(tmp_path, make_plan())
     text = path.read_text()
     assert "launcher.run(X=..., W=...)" in text and "'add'" in text.splitlines()[0]
+    assert "Inputs, as the caller passes them: X: f16[8, 64], W: f16[8, 64].\nOutputs: Y: f32[8, 64].\n" in text
     module = import_file(path, "generated_launcher")
     assert module.PLAN == make_plan()
     with pytest.raises(module.GpuUnavailable, match="disabled by PRISM_NO_GPU"):

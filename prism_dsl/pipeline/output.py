@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..backend import cuda_runtime
+from ..backend import cuda_plan, cuda_runtime
 from ..backend.codegen import HEADER, header_source, template_env
 from ..base import cache, files
 from ..base.errors import PrismError
@@ -180,13 +180,21 @@ def format_plan(plan: dict) -> str:
     return pprint.pformat(plan, width=110, sort_dicts=False)
 
 
+def launcher_source(plan: dict) -> str:
+    """launcher.py for the plan of a build (`build.plan_of`): its docstring names each input and output with its
+    element type and its shape as the caller passes or gets it."""
+    shaped = {name: f"{name}: {spec['dtype']}{list(cuda_plan.used(spec))}" for name, spec in plan["tensors"].items()}
+    return template_env().get_template("launcher.py.j2").render(
+        plan=plan, program=plan["program"], plan_literal=format_plan(plan), call=launcher_call(plan["inputs"]),
+        inputs=", ".join(shaped[n] for n in plan["inputs"]), outputs=", ".join(shaped[n] for n in plan["outputs"]))
+
+
 def contents(built: build.Build, extra: Mapping[str, str]) -> dict[str, str]:
     """Every file of an output but report.json, name -> text: prism.cuh and the kernels, the runtime (with the
     plan module it loads from beside itself) and a launcher for it, the program as compiled, and `extra` (the
     search's best.prism). The .prism files declare the sizes given as their dims' defaults."""
     plan = build.plan_of(built)
-    launcher = template_env().get_template("launcher.py.j2").render(
-        plan=plan, program=built.program.name, plan_literal=format_plan(plan), call=launcher_call(plan["inputs"]))
+    launcher = launcher_source(plan)
     return {HEADER: header_source(), **{k.file: k.source for k in built.kernels},
             "prism_runtime.py": Path(cuda_runtime.__file__).read_text(), "launcher.py": launcher,
             "cuda_plan.py": Path(cuda_runtime.__file__).with_name("cuda_plan.py").read_text(),  # the runtime's, beside it
