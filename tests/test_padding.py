@@ -74,6 +74,24 @@ def test_a_compile_at_rows_no_tile_divides_is_built_for_more_and_checked(tmp_pat
     assert given["padded"] == {}  # parameters given are for the dims given
 
 
+def test_a_rounding_not_taken_is_said_with_its_figures(tmp_path, capsys, write):
+    """Keys (and head dims) no tile divides, the keys innermost in K, so that the launcher would copy every input to
+    pad it: the model finds the copies cost more than rounding saves, and builds at the sizes given; the summary
+    and report.json say what the rounding would have cost, not only that none was done."""
+    path = write("dims n = 5, d = 96, kv = 1000\nprogram odd(Q: f16[n, d], K: f16[d, kv], V: f16[kv, d]) {\n"
+                 "    O = softmax(Q @ K / sqrt(96)) @ V\n    return O\n}\n")
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "--search", "none", "--arch", "none", "--no-emulate", "--dims", "n=1,kv=997",
+                 "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    (tried,) = report["padding_tried"]
+    assert report["padded"] == {} and tried["dims"] == {"d": 128} and tried["estimated_us"] > report["estimated_us"]
+    assert tried["copies_us"] > 0 and (f"built at the sizes given, no tile dividing them: by the model, "
+                                       f"{report['estimated_us']} us, against d=128 (rounded up) "
+                                       f"{tried['estimated_us']} us with the copies") in said
+
+
 def test_the_rounded_sizes_rank_what_the_one_search_proved(tmp_path, capsys, monkeypatch):
     """With the search, the dims given are searched once; each rounded size ranks the programs that search proved
     (and the program as written) again, without a second search, each keeping the proof it had."""

@@ -87,8 +87,9 @@ def compile_program(request: Request) -> Report:
         check_device(request.hardware)
     check_output(request.output)
     check_compilable(request.program)  # before minutes of search
-    sized, outcome, at_given = _sized(request)
+    sized, outcome, at_given, tried = _sized(request)
     report, texts = _first_passing(sized, outcome)
+    report = replace(report, padding_tried=tuple(tried))
     if sized is not request and report.checked.failed:  # built past the sizes given, nothing passed: built at them
         why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
         report, texts = _first_passing(request, at_given)
@@ -144,17 +145,17 @@ def _first_passing(request: Request, outcome: Outcome | None) -> tuple[Report, d
     return report, texts
 
 
-def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None]:
+def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None, list[dict]]:
     """The request at the dims it is built for, and its search's outcome there: the dims given, or dims no tile
-    divides rounded up where that is faster by the model, copies included (`padding`); and the outcome at the
-    dims given."""
+    divides rounded up where that is faster by the model, copies included (`padding`); the outcome at the
+    dims given; and what each rounding tried gave (`padding.fastest`)."""
     outcome = search(request)
     binding = bind_dims(request.program, dict(request.options.dims))
     given = {d.name: int(binding[d.symbol]) for d in request.program.dims}
     found = [] if outcome is None else [r.program for r in outcome.ranked]
     tries = [] if request.options.grid or request.options.loop else padding.candidates(request.program, given, found)
     if not tries:
-        return request, outcome, outcome
+        return request, outcome, outcome, []
 
     def sized(rounded: dict[str, int]) -> Request:
         padded = {name: given[name] for name in rounded}
@@ -169,9 +170,10 @@ def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None]:
         if found is None and (why := refusal(request.program, masking, {**given, **rounded})):
             raise PrismError(why)
         return _estimate(at, found), found
+    tried: list[dict] = []
     rounded, found = padding.fastest(request.program, given, tries, request.hardware, _estimate(request, outcome),
-                                     estimate, not request.options.padded_inputs, request.options.codegen)
-    return (sized(rounded), found, outcome) if rounded else (request, outcome, outcome)
+                                     estimate, not request.options.padded_inputs, request.options.codegen, tried)
+    return (sized(rounded), found, outcome, tried) if rounded else (request, outcome, outcome, tried)
 
 
 def _estimate(request: Request, outcome: Outcome | None) -> float:

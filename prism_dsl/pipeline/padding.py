@@ -66,19 +66,26 @@ def candidates(program: Program, dims: dict[str, int], found: Sequence[Program] 
 
 def fastest(program: Program, given: dict[str, int], tries: Sequence[dict[str, int]], hardware: Hardware,
             at_given: float, estimate: Callable[[dict[str, int], dict[str, int]], tuple[float, object]],
-            inputs: bool = True, codegen: CodegenConfig = CodegenConfig()) -> tuple[dict[str, int], object]:
+            inputs: bool = True, codegen: CodegenConfig = CodegenConfig(),
+            tried: list[dict] | None = None) -> tuple[dict[str, int], object]:
     """Of the rounded dims `tries`, the one to build for, and what `estimate(rounded, masking)` gave with its time
     (`masking`: the dims of it built past the size given only masked, with their sizes given; it raises PrismError
     where the program cannot be built there): the fastest with the copies that pad the call (`copy_us`), where that
-    beats `at_given`, the estimate at the sizes given, by more than MARGIN; else ({}, None)."""
+    beats `at_given`, the estimate at the sizes given, by more than MARGIN; else ({}, None). Each try's figure, or
+    why it cannot be built, is added to `tried` (report.json's `padding_tried`)."""
     best: tuple[float, dict[str, int], object] = (at_given, {}, None)
     for rounded in tries:
         masking = {name: given[name] for name in masked(program, rounded)}
         try:
             us, found = estimate(rounded, masking)
-            us += copy_us(program, given, rounded, hardware, inputs, codegen)
-        except PrismError:
+            copies = copy_us(program, given, rounded, hardware, inputs, codegen)
+            us += copies
+        except PrismError as e:
+            if tried is not None:
+                tried.append({"dims": rounded, "refused": str(e).splitlines()[0]})
             continue
+        if tried is not None:
+            tried.append({"dims": rounded, "estimated_us": round(us, 3), "copies_us": round(copies, 3)})
         if us < best[0] * (1 - MARGIN):
             best = (us, rounded, found)
     return best[1], best[2]

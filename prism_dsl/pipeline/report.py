@@ -206,6 +206,8 @@ class Report:
     # GPU (`measuring.time_parameters`): params, threads (the least count, as --threads), estimated_us, measured_us,
     # measurement
     idle: tuple[str, ...] = ()  # options given that the chosen program leaves with nothing to change, each said why
+    padding_tried: tuple[Mapping, ...] = ()  # each rounding of the dims no tile divides (`padding.fastest`): its dims,
+    # and the model's time there with the copies (`estimated_us`, `copies_us`), or why it cannot be built (`refused`)
 
     @property
     def verified(self) -> bool:
@@ -254,6 +256,12 @@ def summary(report: Report, out: Path) -> str:
                      + (f" (copies: {copies} us by the model, beside the estimate below)" if copies else ""))
     if report.padding_failed:  # `compile.compile_program`
         lines.append(f"  built at the sizes given: {report.padding_failed}")
+    elif report.padding_tried and not report.padded:  # rounding up was tried, and is not faster
+        lines.append(f"  built at the sizes given, no tile dividing them: by the model, {report.estimated_us} us, "
+                     "against " + "; ".join(
+                         ", ".join(f"{k}={v}" for k, v in t["dims"].items()) + " (rounded up) "
+                         + (f"{t['estimated_us']} us with the copies that pad the call ({t['copies_us']} us)"
+                            if "refused" not in t else f"refused: {t['refused']}") for t in report.padding_tried))
     lines += [f"  {said}" for said in report.idle]
     gpu = report.checked.gpu  # where a time was measured
     for k in report.kernels:
