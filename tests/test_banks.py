@@ -254,7 +254,7 @@ def test_the_model_prices_the_counted_wavefronts_as_a_floor():
 def test_compile_and_verify_banks_count_and_price_the_wavefronts(tmp_path, capsys):
     """`prismc compile --banks` counts each kernel's wavefronts after its check, prices them (report.json's
     `shared` and the estimate's `wavefronts` and `shared_us`) and says so; without the emulation it says why
-    not. `prismc verify --banks` prints the same count and what the model makes of it."""
+    not (refused with --no-emulate). `prismc verify --banks` prints the same count and what the model makes of it."""
     import json
 
     fused = str(ROOT / "programs" / "fused" / "rmsnorm_linear.prism")
@@ -268,8 +268,10 @@ def test_compile_and_verify_banks_count_and_price_the_wavefronts(tmp_path, capsy
     assert "shared-memory wavefronts counted in the emulation" in report["priced"] and report["banks"] is None
     assert re.search(r"rmsnorm_matmul: .*, [\d,]+ shared-memory wavefronts a block \([\d.]+x conflict-free, [\d.]+ us\)",
                      text), text
-    assert main([*common, "-o", str(tmp_path / "n"), "--no-emulate"]) == 0
-    assert "shared-memory count (--banks): skipped (the emulation did not run)" in capsys.readouterr().out
+    assert main([*common, "-o", str(tmp_path / "n"), "--no-emulate"]) == 2  # it counts in the emulation: refused
+    assert "--banks counts in the emulation, which --no-emulate leaves out" in capsys.readouterr().err
+    assert main([*(a for a in common if a != "--banks"), "-o", str(tmp_path / "n"), "--no-emulate"]) == 0
+    capsys.readouterr()
     assert json.loads((tmp_path / "n" / "report.json").read_text())["kernels"][0]["shared"] is None
     assert main(["verify", str(tmp_path / "n"), "--banks", "--emulate-blocks", "0"]) == 0
     text = capsys.readouterr().out

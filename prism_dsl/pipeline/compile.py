@@ -283,8 +283,7 @@ def choose(request: Request, outcome: Outcome | None, rank: int = 0) -> Choice:
         for i, r in enumerate(outcome.ranked[:TOP]))
     file = "best.prism" if request.program.name != "best" else "best_found.prism"  # not the compiled best.prism
     kernels = len(kernels_of(lowered_for(best.program, best.params)))
-    search = {k: v for k, v in outcome.search.items() if k != "search_seconds"}  # report.json's own key
-    searched = Searched(file, best.as_written, kernels, search, outcome.search["search_seconds"], alternatives)
+    searched = Searched(file, best.as_written, kernels, outcome.search, outcome.search["search_seconds"], alternatives)
     options = replace(request.options, params=best.params, codegen=best.codegen(request.options.codegen))
     return Choice(best.program, options, best.proved, searched, tuple(best.timed))
 

@@ -218,6 +218,8 @@ class Report:
         inputs) is written as the string "inf", "-inf" or "nan"."""
         fields = asdict(self)
         searched = fields.pop("searched") or {}
+        if searched:  # its time once, at the top (`optimize` keeps it with the rest)
+            searched["search"] = {k: v for k, v in searched["search"].items() if k != "search_seconds"}
         return json.dumps(json_finite({**fields, **searched, "verified": self.verified}), indent=2,
                           allow_nan=False) + "\n"
 
