@@ -257,6 +257,14 @@ def test_no_valid_choice_is_an_error(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "no choice of F (with gx = 3 as given) satisfies the constraints" in err
     assert "d/gx = 4096/3 is not a whole number" in err
+    # as written, its kernels pre-defined ones: located where the op the first of them computes was written
+    plain = REPO / "programs" / "rmsnorm_linear.prism"
+    assert main(["compile", str(plain), "--search", "none", "--arch", "none", "--grid", "x=3", "-o",
+                 str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.split(":")[0].endswith("rmsnorm_linear.prism") and ":5:9: no choice of" in err.splitlines()[0], err
+    assert "matmul_Y': tile 'w_1' splits dim 1" in err
+    assert "    Y = rms_norm(X) @ W\n" in err
 
 
 # -- wrong kernels are not proved, and the interpreter shows the difference ---------------------------

@@ -253,7 +253,7 @@ def instantiate_program(program: Program, binding: Mapping[sympy.Symbol, int], h
 
 def written_at(program: Program, kernel: Kernel, problem: str) -> Loc | None:
     """Where the program writes what `problem` is about: the load of the tile it names, else the kernel's first
-    store; None for a kernel the program does not write (a pre-defined one, `lower`)."""
+    store; for a pre-defined kernel (`lower`), where the op it computes was written; else None."""
     tiles = [n for n in kernel.body() if n.op == "tile" and f"tile '{n.attr}'" in problem]
     stores = [n for n in program.nodes() if n.op == "kernel" and n.attr[0] is kernel]
     return next((program.locs[n] for n in [*tiles, *stores] if n in program.locs), None)

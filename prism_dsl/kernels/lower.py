@@ -165,7 +165,10 @@ def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: boo
         lowered[n] = node
         names[node] = store
     outs = tuple((name, lowered.get(node, node)) for name, node in program.outputs)
-    return Program(program.name, program.dims, program.inputs, outs, {}, names, program.loc)
+    # a pre-defined kernel is where the op it computes was written: a message about its parameters points there
+    locs = {**{n: loc for n, loc in program.locs.items() if n.op == "input"},
+            **{lowered[n]: program.locs[n] for n in todo if n in program.locs and n in lowered}}
+    return Program(program.name, program.dims, program.inputs, outs, locs, names, program.loc)
 
 
 # Rows of at most this many elements take one kernel (a block a row, or a group of rows): the form for long rows is
