@@ -57,9 +57,10 @@ def ptxas_figures(text: str) -> dict:
 def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[str, ...],
                read: tuple[str, ...] | None = None) -> dict[str, dict[str, dict]]:
     """Compile every kernel for every arch (`nvcc -cubin -Xptxas -v`); per kernel and arch: ok, the ptxas
-    figures, nvcc's messages when it failed (its warnings on the kernel's file where it did not), and `issued` (`sass.Issued` as a dict, None where the SASS's
-    loops do not match the source's) where cuobjdump is there, for the archs in `read` (all when None: reading
-    a cubin's SASS takes most of a second, however small, so the pipeline reads only the arch it prices for).
+    figures, nvcc's messages when it failed (its warnings on the kernel's file where it did not), and `issued`
+    (`sass.Issued` as a dict, None where the SASS's loops do not match the source's) where cuobjdump is there,
+    for the archs in `read` (all when None: reading a cubin's SASS takes most of a second, however small, so the
+    pipeline reads only the arch it prices for).
 
     The kernels nvcc compiles alike for an arch (`kernel_arch`) go through one nvcc call and one cuobjdump
     call, as one translation unit that includes each kernel's .cu (`units`): each call's start costs as much

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'full': search fused programs (default); 'none': compile the program as written")
     co.add_argument("--time-limit", type=seconds, default=TIME_LIMIT, metavar="SECONDS",
                     help="stop the search after this long and use the best proved program so far (default 60)")
-    co.add_argument("--jobs", type=jobs, default=None, help="processes checking the rules, proving, then tuning, at once (default and most: the cores)")
+    co.add_argument("--jobs", type=jobs, default=None, help="processes checking rules, proving, tuning (default, most: the cores)")
     co.add_argument("--max-kernels", type=positive_int, default=None, help="custom kernels a program may use (default 1)")
     co.add_argument("--no-split", action="store_true", help="do not offer loop kernels split in two (FlashDecoding)")
     co.add_argument("--no-cache", action="store_true", help="neither read nor write the search checkpoint and tuning database")

@@ -83,8 +83,8 @@ def read_report(directory: Path) -> dict:
         raise PrismError(f"'{path}' is not a report of prismc compile (missing or malformed: {', '.join(bad)})")
     for name in report.get("files") or []:  # what prismc wrote, each in the directory
         if Path(name).name != name:
-            raise PrismError(f"'{path}' lists '{name}' among the files prismc wrote, which are in the directory: it was "
-                             "changed after it was compiled")
+            raise PrismError(f"'{path}' lists '{name}' among the files prismc wrote, which is not a name in the "
+                             "directory: it was changed after it was compiled")
         if not (directory / name).is_file():
             raise PrismError(f"'{directory / name}' is missing: report.json lists it among the files prismc wrote")
     return report
@@ -187,8 +187,9 @@ def from_directory(directory: Path, dims: dict | None = None, grid: dict | None 
     except PrismError as e:
         raise PrismError(f"'{directory}/report.json': {e}") from None
     codegen = codegen_of(report)
+    ours = for_hardware(codegen, hardware)  # what a compile for that hardware sets
     if wrong := [f"{f}={getattr(codegen, f)!r} (the {hardware.name}'s: {getattr(ours, f)!r})" for f in vars(codegen)
-                 if getattr(codegen, f) != getattr(ours := for_hardware(codegen, hardware), f)]:
+                 if getattr(codegen, f) != getattr(ours, f)]:
         raise PrismError(f"the codegen options in '{directory}/report.json' are not those of its hardware: "
                          f"{', '.join(wrong)}: the directory was changed after it was compiled")
     compiled_dims = report["dims"]

@@ -165,9 +165,7 @@ def lower(program: Program, long_rows: bool | frozenset = False, rows_apart: boo
         lowered[n] = node
         names[node] = store
     outs = tuple((name, lowered.get(node, node)) for name, node in program.outputs)
-    # a pre-defined kernel is where the op it computes was written: a message about its parameters points there
-    locs = {**{n: loc for n, loc in program.locs.items() if n.op == "input"},
-            **{lowered[n]: program.locs[n] for n in todo if n in program.locs and n in lowered}}
+    locs = {lowered[n]: program.locs[n] for n in todo if n in program.locs}  # a kernel is where its op was written
     return Program(program.name, program.dims, program.inputs, outs, locs, names, program.loc)
 
 

@@ -89,11 +89,11 @@ def compile_program(request: Request) -> Report:
     check_compilable(request.program)  # before minutes of search
     sized, outcome, at_given, tried = _sized(request)
     report, texts = _first_passing(sized, outcome)
-    report = replace(report, padding_tried=tuple(tried))
     if sized is not request and report.checked.failed:  # built past the sizes given, nothing passed: built at them
         why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
         report, texts = _first_passing(request, at_given)
         report = replace(report, padding_failed=f"built for {_sizes(sized.options)}, its check failed: {why}")
+    report = replace(report, padding_tried=tuple(tried))
     if report.checked.failed and verified_before(request.output):  # a verified result is not lost to a failed one
         return replace(report, files=(), kept=True)
     write(request.output, {**texts, "report.json": report.to_json()})

@@ -266,7 +266,8 @@ def _from_checkpoint(program: Program, library: Library, key: str, how: Choosing
     ranked, info = chosen
     # the keys a search gives, as it was saved: a search with errors is never saved, and its e-graph is not kept
     return ranked, {"from_checkpoint": True, "complete": True, "stopped": None, "jobs": jobs, "errors": [],
-                    "input_egraph": {}, **saved[1], **info, "reproved": sum(r.proved and not r.as_written for r in ranked)}
+                    "input_egraph": {}, **saved[1], **info,
+                    "reproved": sum(r.proved and not r.as_written for r in ranked)}
 
 
 def choose_ranked(program: Program, proved: list[Program], how: Choosing, prover: Prover | None,
