@@ -720,7 +720,8 @@ def test_the_sweep_draws_sizes_every_program_accepts(tmp_path):
     queries than keys), and the bf16 copies store every f16 tensor as bf16."""
     import random
 
-    from prism_dsl.cli.values import parse_dims
+    from prism_dsl.cli.main import build_parser
+    from prism_dsl.cli.values import ignored, parse_dims
     from prism_dsl.lang.check import load
     from prism_dsl.semantics.reference import bind_dims
 
@@ -732,8 +733,11 @@ def test_the_sweep_draws_sizes_every_program_accepts(tmp_path):
     for table in (sweep.SMALL, sweep.LARGE):
         for seed in range(4):
             for path, dims, extra in sweep.runs(random.Random(seed), table, source, True, ""):
-                bind_dims(load(path).program(), parse_dims(dims))  # refuses what the program cannot take
+                program = load(path).program()
+                bind_dims(program, parse_dims(dims))  # refuses what the program cannot take
                 assert ("--search" in extra) == (path.parent.name == "fused")
+                args = build_parser().parse_args(["compile", str(path), "-o", "out", "--dims", dims, *extra])
+                assert ignored(args, any(n.op == "kernel" for n in program.nodes()), "sm_90") is None, extra
 
 
 def test_a_sweep_under_only_makes_the_runs_of_the_whole_sweep():
