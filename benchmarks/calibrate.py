@@ -36,7 +36,7 @@ from prism_dsl.base.errors import PrismError  # noqa: E402
 from prism_dsl.cli.verify import codegen_of  # noqa: E402
 from prism_dsl.kernels.hardware import load_hardware  # noqa: E402
 from prism_dsl.lang.check import load  # noqa: E402
-from prism_dsl.pipeline.build import BuildOptions, build  # noqa: E402
+from prism_dsl.pipeline.build import BuildOptions, build, compile_check, price  # noqa: E402
 
 MODULES = {"intake": intake, "cost": cost}
 
@@ -77,6 +77,8 @@ def priced(workload: Path, structure: bool) -> list[tuple]:
                            archs=() if structure else (hardware.arch,), padded=report.get("padded") or {},
                            padded_inputs=bool(report.get("padded_inputs")))
     built = build(load(workload / (report.get("best") or f"{report['program']}.prism")).program(), hardware, options)
+    if options.archs:  # compiled, and priced from its SASS as `prepare` priced it (from the structure without nvcc)
+        built = price(built, compile_check(built.kernels, options.archs, hardware.arch)[1], options.codegen)
     times = {k["name"]: k["us"] for k in measured.get("per_kernel", []) if "us" in k}
     return [(label(workload), e, times[e.kernel], line_rate(built.concrete[e.kernel], options.codegen, hardware,
                                                              times[e.kernel]))
@@ -109,7 +111,8 @@ def main() -> int:
     args = parser.parse_args()
     workloads = measured_workloads(Path(args.dir), args.only)
     if not workloads:
-        print(f"no measured workloads (gpu.json) in {args.dir}", file=sys.stderr)
+        print(f"no measured workloads (gpu.json) in {args.dir}"
+              + (f" whose name contains {args.only!r}" if args.only else ""), file=sys.stderr)
         return 1
     for module, name, value in args.set:
         setattr(module, name, value)
@@ -125,10 +128,11 @@ def main() -> int:
     setting = ", ".join(f"{m.__name__.rsplit('.', 1)[-1]}.{n} = {v:g}" for m, n, v in args.set) or "as it is"
     print(f"# The measured kernels priced again (the model {setting}; priced from "
           f"{'the structure' if args.structure else 'the SASS where nvcc is here'})\n")
-    print("| workload | kernel | model us (bound) | measured us | measured / model | lines a clock an SM |\n"
-          "|---|---|---|---|---|---|")
+    print("| workload | kernel | model us (bound) | priced from | measured us | measured / model | lines a clock an SM |\n"
+          "|---|---|---|---|---|---|---|")
     for name, e, us, rate in rows:
-        print(f"| {name} | {e.kernel} | {e.time_us:.1f} ({e.bound}) | {us:.1f} | {us / e.time_us:.2f} | {rate:.2f} |")
+        print(f"| {name} | {e.kernel} | {e.time_us:.1f} ({e.bound}) | {e.priced} | {us:.1f} | {us / e.time_us:.2f} | "
+              f"{rate:.2f} |")
     print("\n| kernels | count | geometric mean of measured / model | spread |\n|---|---|---|---|")
     groups = {"all": rows, **{f"{b}-bound": [r for r in rows if r[1].bound == b]
                              for b in sorted({r[1].bound for r in rows})}}

@@ -609,8 +609,11 @@ def test_calibrate_prices_the_measured_kernels_again_and_with_other_constants(pr
             (cells,) = [[c.strip() for c in line.strip("|").split("|")] for line in row]
             return float(cells[2].split()[0]), cells
         model, cells = run()
-        assert cells[:2] == ["rmsnorm_mlp_small", kernel["name"]] and cells[3] == "20.0"
-        assert float(cells[4]) == pytest.approx(20.0 / model, rel=0.03)  # the model us printed to 0.1
+        assert cells[:2] == ["rmsnorm_mlp_small", kernel["name"]] and cells[3:5] == ["structure", "20.0"]
+        assert float(cells[5]) == pytest.approx(20.0 / model, rel=0.03)  # the model us printed to 0.1
+        if shutil.which("nvcc"):  # without --structure: compiled, and priced from its code as `prepare` priced it
+            (row,) = calibrate.priced(prepared, False)
+            assert row[1].priced != "structure" and row[1].priced == report["kernels"][0]["estimate"]["priced"]
         monkeypatch.setattr(calibrate.intake, "WARP_FILL_BYTES_PER_CLOCK", calibrate.intake.WARP_FILL_BYTES_PER_CLOCK)
         slower, _ = run("--set", f"intake.WARP_FILL_BYTES_PER_CLOCK={calibrate.intake.WARP_FILL_BYTES_PER_CLOCK / 10}")
         assert slower > model
