@@ -61,7 +61,7 @@ def machine() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", action="store_true", help="also the sampled check of rmsnorm_linear at n=4096, d=4096")
     args = ap.parse_args()
     print(f"machine: {machine()}\n")

@@ -517,7 +517,7 @@ def write_table(directory: Path, results_md: Path, only: str | None = None) -> i
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
     pre = sub.add_parser("prepare", help="compile every workload into DIR (any machine)")
     pre.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")

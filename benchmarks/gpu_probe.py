@@ -435,7 +435,7 @@ def run(keep=lambda measured: None) -> tuple[list[Point], list[Point], list[Poin
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hardware", choices=hardware_names(), help="the hardware file whose figures to compare "
                         "with (default: the one the device's name names, else h100)")
     parser.add_argument("--json", help="also write every measurement to this file (rewritten as each part is "

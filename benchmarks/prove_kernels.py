@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="runs per file; the median is shown")
     args = ap.parse_args()
     if args.repeat < 1:

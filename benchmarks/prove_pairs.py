@@ -54,7 +54,7 @@ def program(name: str, expr: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--timeout", type=float, default=Limits.seconds)
     ap.add_argument("--repeat", type=int, default=3, help="runs per pair; the median is shown")
     args = ap.parse_args()

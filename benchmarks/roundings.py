@@ -80,7 +80,7 @@ def program_roundings(path: str, dims: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=30)
     ap.add_argument("--program", help="a .prism file: its own roundings instead of the table")
     ap.add_argument("--dims", type=parse_dims, default={}, help="sizes for --program, e.g. q=4096,kv=4096")

@@ -40,7 +40,7 @@ DECODING = [dict(b=1, h=8, q=1, kv=8192, dh=128), dict(b=1, h=8, q=1, kv=32768, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="programs whose name contains this (and no decoding table)")
     parser.add_argument("--jobs-compare", action="store_true", help="time the recompile in one process and in two")
     args = parser.parse_args()

@@ -154,7 +154,7 @@ def targets(name: str, report: dict, kernels: list[dict], sms: int) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="workloads whose name contains this")
     parser.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
     parser.add_argument("--banks", action="store_true", help="count shared-memory wavefronts in the emulation too")

@@ -86,7 +86,7 @@ def in_bf16(directory: Path) -> Path:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bf16", action="store_true", help="the programs with their f16 tensors in bf16")
     ap.add_argument("--options", action="store_true", help="a random code generator option on each run")
