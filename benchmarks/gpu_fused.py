@@ -52,6 +52,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from static_report import WORKLOADS  # noqa: E402
 
 from prism_dsl.backend.compare import RTOL, Tolerance  # noqa: E402
+from prism_dsl.cli.values import whole  # noqa: E402
 from prism_dsl.cli.verify import codegen_of  # noqa: E402
 from prism_dsl.kernels.kernel import kernels_of  # noqa: E402
 from prism_dsl.kernels.lower import lowered_for  # noqa: E402
@@ -503,14 +504,25 @@ def write_table(directory: Path, results_md: Path, only: str | None = None) -> i
     workloads' order; 1 if one of ours failed."""
     names = [name for name, _, _ in WORKLOADS if wanted(only, name)]
     saved = {name: directory / slug(name) / "gpu.json" for name in names}
-    results = [json.loads(path.read_text()) for path in saved.values() if path.exists()]
-    if not results:
-        print(f"no measured workloads (gpu.json) in {directory}", file=sys.stderr)
+    def read(path: Path) -> dict:
+        try:
+            return json.loads(path.read_text())
+        except ValueError as e:  # named: which file to measure again
+            raise ValueError(f"{path}: {e}") from None
+
+    try:
+        results = [read(path) for path in saved.values() if path.exists()]
+        if not results:
+            print(f"no measured workloads (gpu.json) in {directory}", file=sys.stderr)
+            return 1
+        choices = {name: [read(c) for c in sorted(path.parent.glob("choices/*/gpu.json"))]
+                   for name, path in saved.items() if path.exists()}
+        text = table(results, [name for name, path in saved.items() if not path.exists() and path.parent.is_dir()],
+                     choices)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # one damaged or from elsewhere
+        print(f"a gpu.json under {directory} is not what `run` writes ({type(e).__name__}: {e}): measure that "
+              "workload again (run --again --only NAME) or remove its gpu.json; nothing was written", file=sys.stderr)
         return 1
-    choices = {name: [json.loads(c.read_text()) for c in sorted(path.parent.glob("choices/*/gpu.json"))]
-               for name, path in saved.items() if path.exists()}
-    text = table(results, [name for name, path in saved.items() if not path.exists() and path.parent.is_dir()],
-                 choices)
     results_md.write_text(text)
     print(text)
     return 1 if any(not r["rows"]["prism-dsl"]["passed"] for r in results) else 0
@@ -523,7 +535,7 @@ def main() -> int:
     pre.add_argument("--time-limit", type=float, default=30.0, help="search time per workload (seconds)")
     pre.add_argument("--hardware", default="h100", choices=hardware_names(), help="the hardware file to tune for and "
                      "to take the model and the floor from: the GPU's")
-    pre.add_argument("--choices", type=int, default=CHOICES, help="choices of each workload's kernel parameters to "
+    pre.add_argument("--choices", type=whole, default=CHOICES, help="choices of each workload's kernel parameters to "
                      "prepare, the model's own among them, for `run --choices` (0: none)")
     pre.add_argument("--options", default="", help="more options for prismc compile, as one quoted argument: "
                      "--options=\"--no-wgmma\" "

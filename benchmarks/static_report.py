@@ -163,6 +163,10 @@ def main() -> int:
     chosen = [w for w in WORKLOADS if not args.only or args.only in w[0]]
     if not chosen:
         parser.error(f"--only {args.only!r} names no workload (they are: {', '.join(w[0] for w in WORKLOADS)})")
+    try:
+        shlex.split(args.options)
+    except ValueError as e:  # before the table's header, as gpu_fused.py refuses it
+        parser.error(f"--options {args.options!r}: {e}")
     if nvcc_path() is None or not sass.available():
         print("needs nvcc on the PATH and cuobjdump (pip install -e '.[sass]')", file=sys.stderr)
         return 2

@@ -661,6 +661,17 @@ def test_table_takes_only_the_workloads_named(tmp_path):
         "attention decode kv=4096", "attention decode kv=32768", "qk_norm_attention decode kv=4096",
         "qk_norm_attention decode kv=32768", "gqa_decode", "gqa_decode kv=4099"]
     assert not fused.wanted(",", "gqa_decode") and fused.wanted(None, "gqa_decode")
+
+
+@pytest.mark.parametrize("damage", ["{bad json", "{}"])
+def test_a_damaged_gpu_json_is_said_and_no_table_written(tmp_path, capsys, damage):
+    """A gpu.json cut short, or not `run`'s, stops the table with a message naming what to do, not a traceback."""
+    shutil.copytree(BENCHMARKS / "measured" / "h200-2026-11-30", tmp_path / "m")
+    (tmp_path / "m" / "gpt2_mlp_decode" / "gpu.json").write_text(damage)
+    assert fused.write_table(tmp_path / "m", tmp_path / "r.md") == 1 and not (tmp_path / "r.md").exists()
+    err = capsys.readouterr().err
+    assert "is not what `run` writes" in err and "nothing was written" in err
+    assert "gpt2_mlp_decode/gpu.json" in err if damage.startswith("{b") else "KeyError: 'device'" in err
     assert [w for w, _, _ in fused.WORKLOADS if fused.wanted("=attention decode kv=4096", w)] == ["attention decode kv=4096"]
 
 
