@@ -276,6 +276,15 @@ def test_directory_given_as_an_import(write, tmp_path):
     assert "it is a directory" in rendered(path)
 
 
+def test_a_rules_file_given_as_an_import(write):
+    """Axioms imported into a program: said at the import, not as a syntax error deep in the .rules file."""
+    write("ruleset r {\n    # a rule\n    rule twice: a + a => 2 * a\n}\n", "mine.rules")
+    path = write('import "mine.rules"\ndims n = 4\nprogram p(X: f16[n]) {\n    return X\n}\n')
+    text = rendered(path)
+    assert_located(text, path, "'mine.rules' is a .rules file: it holds axioms, which a program cannot import", 1, 8)
+    assert "syntax error" not in text
+
+
 def test_not_utf8(write):
     path = write(b"dims n = 4\n# caf\xc3\xa9 \xff\n")
     text = rendered(path)

@@ -80,6 +80,10 @@ def _load_module(path: Path, errors: Collector, stack: tuple[Path, ...], at: Loc
         return None, Scope()
     if key in cache:
         return cache[key]
+    if at is not None and path.suffix == ".rules":  # axioms: not a program's to import
+        errors.error(at, f"'{path.name}' is a .rules file: it holds axioms, which a program cannot import "
+                         "(`prismc prove` takes them with --rules)")
+        return None, Scope()
     try:
         if text is None:
             text = read_source(path, at=at, what="import" if at else "file")
