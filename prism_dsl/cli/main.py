@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     c = sub.add_parser("check", help="check .prism programs, or .rules axioms (syntax, shapes, soundness)")
-    c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("files", nargs="+", metavar="FILE", help="a .prism file (programs) or a .rules file (axioms)")
     c.add_argument("--no-default-rules", action="store_true", help="check .rules files on their own, not beside the default library")
     c.set_defaults(run=cmd_check)
 
