@@ -199,6 +199,14 @@ def test_no_cache_neither_reads_nor_writes_the_checkpoint_or_the_tuning_database
     assert "ignoring cache entry" not in capsys.readouterr().err
     after = sorted(p for p in (tmp_path / "cache").rglob("*.json") if p.parent.name in ("tuning", "search"))
     assert after == entries and all(p.read_text() == "junk" for p in after)
+    # As written (--search none) too: the tuning of the program itself neither reads the database nor adds to it.
+    assert main([*argv, "-o", str(tmp_path / "c"), "--search", "none", "--no-cache"]) == 0
+    assert "ignoring cache entry" not in capsys.readouterr().err
+    assert sorted(p for p in (tmp_path / "cache").rglob("*.json") if p.parent.name == "tuning") == \
+        [p for p in entries if p.parent.name == "tuning"]
+    assert main([*argv, "-o", str(tmp_path / "d"), "--search", "none"]) == 0  # (and without it, it does both)
+    assert "ignoring cache entry" in capsys.readouterr().err
+    assert any(p.read_text() != "junk" for p in (tmp_path / "cache").rglob("tuning/*.json"))
 
 
 def test_lora_reaches_one_kernel_with_the_adapter_product_after_the_loop(library):

@@ -447,7 +447,7 @@ def cmd_compile(args) -> int:
             raise UsageError("--grid and --loop set the parameters of kernels you wrote; with the search, use --search none")
         limits = {"steady": not args.unsteady} | ({} if args.max_kernels is None else {"max_kernels": args.max_kernels})
         searching = Searching(SearchConfig(**limits, split_reductions=not args.no_split), args.time_limit, args.jobs,
-                              use_cache=not args.no_cache, progress=not args.json)
+                              progress=not args.json)
     options = BuildOptions(dims=args.dims, grid=args.grid, loop=args.loop, rank=args.rank, archs=args.arch, banks=args.banks,
                            emulate=not args.no_emulate, sanitize=args.sanitize, emulate_blocks=args.blocks, seed=args.seed,
                            padded_inputs=args.padded_inputs,
@@ -455,7 +455,7 @@ def cmd_compile(args) -> int:
                                                  stages=args.stages, wgmma=not args.no_wgmma, tma=args.tma,
                                                  copy_warp=not args.no_copy_warp, pingpong=not args.no_pingpong,
                                                  one_launch=not args.two_launches))
-    report = compile_program(Request(program, Path(args.output), hardware, options, searching))
+    report = compile_program(Request(program, Path(args.output), hardware, options, searching, not args.no_cache))
     print(report.to_json() if args.json else summary(report, Path(args.output)) + "\n", end="")  # (stdout may be closed)
     return EXIT_INPUT if report.checked.failed else EXIT_OK
 

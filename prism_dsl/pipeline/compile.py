@@ -52,7 +52,6 @@ class Searching:
     config: SearchConfig = SearchConfig()
     time_limit: float | None = 60.0  # seconds; then the best proved program so far
     jobs: int | None = None  # processes checking the rules, proving, then tuning (None: one per core)
-    use_cache: bool = True  # read and write the checkpoint and the tuning database
     progress: bool = False  # a status line on stderr (a terminal only)
 
 
@@ -63,6 +62,7 @@ class Request:
     hardware: Hardware
     options: BuildOptions = BuildOptions()
     search: Searching | None = Searching()  # None: compile the program as written
+    use_cache: bool = True  # read and write the search's checkpoint and the tuning database (`--no-cache`)
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None, l
         at = sized(rounded)  # the search's programs ranked again there, not searched again
         found = None if outcome is None else padding.retuned(
             outcome, request.program, bind_dims(request.program, dict(at.options.dims)), request.hardware,
-            at.options.codegen, request.search.use_cache, request.search.jobs, masking)
+            at.options.codegen, request.use_cache, request.search.jobs, masking)
         if found is None and (why := refusal(request.program, masking, {**given, **rounded})):
             raise PrismError(why)
         return _estimate(at, found), found
@@ -266,7 +266,7 @@ def search(request: Request) -> Outcome | None:
     check_library(library, jobs=s.jobs)  # every axiom a proof may use is checked sound first
     measure = gpu_timer(request.hardware, o, request.program) if o.rank == "measure" else None
     return optimize(request.program, library, request.hardware, bind_dims(request.program, dict(o.dims)),
-                    **vars(s), codegen=o.codegen, measure=measure,
+                    **vars(s), use_cache=request.use_cache, codegen=o.codegen, measure=measure,
                     device=cuda_runtime.device_identity() if measure else "")
 
 
@@ -298,14 +298,14 @@ def _as_written(request: Request) -> Choice:
     if o.grid or o.loop or o.params:
         return Choice(request.program, o, proved=True)
     binding = bind_dims(request.program, dict(o.dims))
-    ranked = optimize_.rank(request.program, binding, request.hardware, o.codegen)
+    ranked = optimize_.rank(request.program, binding, request.hardware, o.codegen, request.use_cache)
     if ranked is None:  # no valid parameters: the build says why
         return Choice(request.program, o, proved=True)
     if o.rank != "measure":
         return Choice(request.program, replace(o, params=ranked.params, codegen=ranked.codegen(o.codegen)), proved=True)
     ranked.as_written = ranked.proved = True
     timing = Timing(binding, request.hardware, o.codegen, gpu_timer(request.hardware, o, request.program),
-                    cuda_runtime.device_identity())
+                    cuda_runtime.device_identity(), request.use_cache)
     timed(ranked, timing)
     best, _ = time_parameters(ranked, timing)
     return Choice(request.program, replace(o, params=best.params, codegen=best.codegen(o.codegen)), proved=True,
