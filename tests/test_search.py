@@ -253,6 +253,32 @@ def test_an_mlp_with_its_residual_is_one_launch(library, tmp_path, inputs, body)
     assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("inputs, body", [
+    ("", "rms_norm(X) @ W1 + rms_norm(X)"),
+    (", W2: f16[d, d]", "relu(rms_norm(X) @ W1) * (rms_norm(X) @ W2) + rms_norm(X)"),
+], ids=["linear", "gated"])
+def test_a_residual_of_the_normalised_input_loads_the_input_again_in_one_kernel(library, tmp_path, inputs, body):
+    """The normalised input added to its projection: the loop walks X's slices for the products and the norm, and
+    the block's own columns of X are loaded again after it, divided by the accumulated norm (`_read_again`): one
+    launch, where the program as written takes two; equal to the reference. A tile loaded again is read by
+    element-wise work only: SwiGLU finds no program that redoes a product in every block over a piece of it."""
+    path = tmp_path / "resnorm.prism"
+    path.write_text(f"dims n = 4, d = 64\nprogram res(X: f16[n, d], W1: f16[d, d]{inputs}) {{\n"
+                    f"    Y = {body}\n    return Y\n}}\n")
+    src = load(path).program()
+    binding = bind_dims(src, {})
+    out = optimize(src, library, H100, binding, use_cache=False)
+    (kernel,) = kernels_of(lower(out.best.program))
+    text = print_program(out.best.program)
+    assert not out.best.as_written, text
+    xs = [load for load in kernel.loads if kernel.inputs[load.source].attr == "X"]
+    assert len(xs) == 2 and sum(load.map.loop_dim() is not None for load in xs) == 1, text
+    assert out.best.estimated_us < next(r for r in out.ranked if r.as_written).estimated_us
+    inputs = random_inputs(src, binding, seed=3)
+    got, want = evaluate(out.best.program, inputs, params=out.best.params)["Y"], evaluate(src, inputs)["Y"]
+    assert np.allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+
+
 def test_layer_norm_before_a_projection_reaches_one_kernel_with_four_accumulators(library):
     """GPT-2's MLP: LayerNorm, the first projection and GELU in one loop kernel (the product, the row means of X,
     their variance about the running mean, W1's column sums), storing the activation the second projection
