@@ -49,7 +49,7 @@ import sympy
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from static_report import WORKLOADS  # noqa: E402
+from static_report import WORKLOADS, as_written, searched  # noqa: E402
 
 from prism_dsl.backend.compare import RTOL, Tolerance  # noqa: E402
 from prism_dsl.cli.values import whole  # noqa: E402
@@ -96,8 +96,8 @@ def prepare(args, workloads=WORKLOADS) -> int:
         done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
                                "--dims", dims, "-o", str(new), "--no-emulate",
                                "--arch", load_hardware(args.hardware).arch,
-                               "--hardware", args.hardware, "--time-limit", str(args.time_limit),
-                               *shlex.split(args.options)], capture_output=True, text=True)
+                               "--hardware", args.hardware, *searched(shlex.split(args.options), args.time_limit)],
+                              capture_output=True, text=True)
         if done.returncode:
             failed += 1
             print(f"{name}: prismc compile failed:\n{done.stderr.strip() or f'exit {done.returncode}'}", file=sys.stderr)
@@ -142,7 +142,7 @@ def prepare_choices(out: Path, case: dict, count: int) -> list[str]:
         given = [f"--grid={n}={v}" if n in grid else f"--loop={n}={v}" for n, v in choice.params.items()]
         done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(source), "--search", "none",
                                "--dims", case["dims"], "-o", str(there), "--no-emulate", "--arch", hardware.arch,
-                               "--hardware", case["hardware"], *given, *case["options"], "--threads", str(threads)],
+                               "--hardware", case["hardware"], *given, *as_written(case["options"]), "--threads", str(threads)],
                               capture_output=True, text=True)
         if done.returncode:
             problems.append(f"parameters {choice.params}, --threads {threads}: prismc compile failed:\n"

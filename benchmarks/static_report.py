@@ -67,6 +67,33 @@ WORKLOADS = [  # (name, program, dims)
 MIX = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "FFMA", "LDS", "BAR", "total")  # total: every instruction of the loop
 
 
+
+SEARCH_ONLY = {"--time-limit": 1, "--max-kernels": 1, "--no-split": 0, "--unsteady": 0}  # flag -> values it takes
+
+
+def searched(options: list[str], time_limit: float) -> list[str]:
+    """`prismc compile`'s options with the search's time limit added, unless they leave the search out (`--search
+    none`: prismc refuses a limit of the search it does not run)."""
+    flat = " ".join(options).replace("=", " ").split()
+    if any(a == "--search" and b == "none" for a, b in zip(flat, flat[1:])):
+        return options
+    return ["--time-limit", str(time_limit), *options]
+
+
+def as_written(options: list[str]) -> list[str]:
+    """The options without those that limit the search (`SEARCH_ONLY`, as `--flag value` or `--flag=value`): for
+    compiling a chosen program again as written."""
+    out, skip = [], 0
+    for option in options:
+        flag = option.split("=", 1)[0]
+        if skip:
+            skip -= 1
+        elif flag in SEARCH_ONLY:
+            skip = SEARCH_ONLY[flag] if "=" not in option else 0
+        else:
+            out.append(option)
+    return out
+
 def products(out: Path, name: str) -> dict[str, bool]:
     """Per kernel of the program compiled into `out` (`NAME.prism`, its pre-defined kernels written out: the
     search's choice, or the program as written where that won), whether it computes a product."""
@@ -186,7 +213,7 @@ def main() -> int:
             out = Path(tmp) / "o"
             done = subprocess.run([sys.executable, "-m", "prism_dsl", "compile", str(ROOT / "programs" / f"{program}.prism"),
                                    "--dims", dims, "-o", str(out), "--json", "--no-emulate", "--arch", "sm_90",
-                                   "--time-limit", str(args.time_limit), *shlex.split(args.options)],
+                                   *searched(shlex.split(args.options), args.time_limit)],
                                   capture_output=True, text=True)
             if not done.stdout.strip().startswith("{"):  # prismc's message whole, on one line of the table
                 failed += 1

@@ -515,6 +515,29 @@ def test_prepare_passes_its_options_to_prismc_and_the_table_names_them(tmp_path,
     assert "| swiglu decode (n=8,d=4096) [--no-wgmma --stages 2] | 1 | 12.0 | 15.0 |" in written
 
 
+@pytest.mark.parametrize("options", ["", "--search none", "--search=none --stages 2", "--no-split --max-kernels 2",
+                                     "--time-limit=5 --unsteady --tma", "--jobs 1"])
+def test_the_scripts_options_are_ones_prismc_takes_searched_or_as_written(options):
+    """`static_report.py` and `gpu_fused.py prepare` add the search's time limit unless --options leave the search
+    out (prismc refuses a limit of a search it does not run: every workload failed), and `prepare --choices` compiles
+    the chosen program as written without the options that limit the search."""
+    import shlex
+
+    from prism_dsl.cli.main import build_parser
+    from prism_dsl.cli.values import ignored
+
+    report = script("static_report")
+    path = str(BENCHMARKS.parent / "programs" / "rmsnorm_linear.prism")
+    for argv in (report.searched(shlex.split(options), 30.0), report.as_written(shlex.split(options)) +
+                 ["--search", "none"]):
+        args = build_parser().parse_args(["compile", path, "-o", "out", *argv])
+        assert ignored(args, False, "sm_90") is None, argv
+    searched = report.searched(shlex.split(options), 30.0)
+    assert ("--time-limit" in searched) == ("none" not in options)
+    assert [o for o in report.as_written(shlex.split(options)) if o.startswith("--")] == \
+        [o for o in shlex.split(options) if o.startswith(("--search", "--stages", "--tma", "--jobs"))]
+
+
 def test_a_failed_prepare_keeps_what_the_directory_held_and_says_prismcs_message(tmp_path, monkeypatch, capsys):
     """The workload's directory was removed before the compile, so a compile that failed (a flag mistyped in
     --options) took a gpu.json brought back from the GPU with it, and only prismc's last line was shown."""
