@@ -87,7 +87,8 @@ def test_a_rounding_not_taken_is_said_with_its_figures(tmp_path, capsys, write):
     report = json.loads((out / "report.json").read_text())
     (tried,) = report["padding_tried"]
     assert report["padded"] == {} and tried["dims"] == {"d": 128} and tried["estimated_us"] > report["estimated_us"]
-    assert tried["copies_us"] > 0 and (f"built at the sizes given, no tile dividing them: by the model, "
+    assert tried["copies_us"] > 0 and (f"built at the sizes given, no tile dividing them (a rounding up must save 10% of the "
+                                       f"time): by the model, "
                                        f"{report['estimated_us']} us, against d=128 (rounded up) "
                                        f"{tried['estimated_us']} us with the copies") in said
 

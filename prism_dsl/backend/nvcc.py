@@ -95,7 +95,7 @@ def nvcc_check(kernels: Sequence[RenderedKernel], workdir: Path, archs: tuple[st
         results = {}
         for k in members:
             result = {"ok": True, **figures.get(k.function, ptxas_figures("")),
-                      "warnings": [line for line in warned if f"{k.file}(" in line]}
+                      "warnings": [line for line in warned if Path(line.split("(", 1)[0]).name == k.file]}
             if reading:
                 found = issued(listings.get(k.function, ""), k.source)
                 result["issued"] = None if found is None else found.as_dict()

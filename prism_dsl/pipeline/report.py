@@ -258,8 +258,10 @@ def summary(report: Report, out: Path) -> str:
                      + (f" (copies: {copies} us by the model, beside the estimate below)" if copies else ""))
     if report.padding_failed:  # `compile.compile_program`
         lines.append(f"  built at the sizes given: {report.padding_failed}")
-    elif report.padding_tried and not report.padded:  # rounding up was tried, and is not faster
-        lines.append(f"  built at the sizes given, no tile dividing them: by the model, {report.estimated_us} us, "
+    elif report.padding_tried and not report.padded:  # rounding up was tried, and saves less than padding.MARGIN
+        from .padding import MARGIN  # (padding imports what imports this module)
+        lines.append(f"  built at the sizes given, no tile dividing them (a rounding up must save {MARGIN:.0%} of the "
+                     f"time): by the model, {report.estimated_us} us, "
                      "against " + "; ".join(
                          ", ".join(f"{k}={v}" for k, v in t["dims"].items()) + " (rounded up) "
                          + (f"{t['estimated_us']} us with the copies that pad the call ({t['copies_us']} us)"
