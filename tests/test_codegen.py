@@ -1434,6 +1434,13 @@ def test_written_launcher_says_why_it_cannot_run_without_a_gpu(tmp_path, monkeyp
     # the A100 has neither wgmma nor TMA (the report said both were asked for, and the code had neither)
     (["--tma", "--hardware", "a100"], "--tma copies the loop tiles of wgmma products, which the hardware's sm_80 "
                                       "does not have (sm_90)", 2),
+    # and where nothing built has wgmma products: an --arch list without sm_90, or no tensor cores at all
+    (["--tma", "--arch", "sm_80"], "--tma copies the loop tiles of wgmma products, which --arch sm_80 does not build "
+                                   "(sm_90): drop --tma", 2),
+    (["--no-wgmma", "--hardware", "a100"], "--no-wgmma puts the products on mma.sync, not wgmma, which the hardware's "
+                                           "sm_80 does not have (sm_90): drop --no-wgmma", 2),
+    (["--no-wgmma", "--no-tensor-cores"], "--no-wgmma puts the products on mma.sync, not wgmma, which "
+                                          "--no-tensor-cores leaves out", 2),
     pytest.param(["--arch", "sm_12"], "this nvcc does not compile for sm_12 (--arch)", 1, marks=needs_nvcc),
 ])
 def test_compile_refuses_bad_requests_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message, code):

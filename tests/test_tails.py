@@ -158,8 +158,16 @@ def test_prismc_compile_writes_one_launch_and_two_with_two_launches(tmp_path, ca
     # where nothing is split (a program with one kernel), the option changes nothing, and the summary says so
     plain = ["compile", str(DECODING.parent / "rmsnorm_linear.prism"), "--search", "none", "--arch", "none",
              "--no-emulate", "--dims", "n=8,d=256"]
-    assert main([*plain, "-o", str(tmp_path / "plain"), "--two-launches", "--padded-inputs"]) == 0
+    assert main([*plain, "-o", str(tmp_path / "plain"), "--two-launches", "--padded-inputs", "--tma",
+                 "--no-pingpong"]) == 0
     text = capsys.readouterr().out
-    assert "  --two-launches: no kernel of this program combines pieces another one wrote" in text
+    for flag in ("--two-launches", "--tma", "--no-pingpong"):  # (each kernel rendered again without it: the same)
+        assert f"  {flag}: the kernels built are the same without it\n" in text
     assert "  --padded-inputs: nothing is built past the sizes given" in text
-    assert len(json.loads((tmp_path / "plain" / "report.json").read_text())["idle"]) == 2
+    assert len(json.loads((tmp_path / "plain" / "report.json").read_text())["idle"]) == 4
+    # searched, the option may have chosen the program though its kernels are the same without it: said so
+    assert main(["compile", str(ROOT / "programs" / "attention.prism"), "-o", str(tmp_path / "searched"), "--arch", "none",
+                 "--no-emulate", "--two-launches",
+                 "--dims", ",".join(f"{k}={v}" for k, v in DIMS.items())]) == 0
+    assert "  --two-launches: the kernels built are the same without it; the search ranked its programs with it, " \
+           "which may have chosen this one" in capsys.readouterr().out

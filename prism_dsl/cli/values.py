@@ -16,8 +16,9 @@ TIME_LIMIT = 60.0  # `compile --time-limit`'s default, seconds
 def ignored(args, written: bool, arch: str) -> str | None:
     """What `prismc compile` was given that would do nothing with the rest, said (a usage error): an option of the
     emulation with --no-emulate, a limit of the search with --search none or for a program that has custom kernels
-    already (`written`: compiled as written), --tma or --no-pingpong without the wgmma products they are about (or
-    for an `arch` without them), --no-copy-warp without --tma."""
+    already (`written`: compiled as written), --no-wgmma, --tma or --no-pingpong without the wgmma products they are
+    about (for a hardware `arch` without them, an --arch list that builds none, or with --no-tensor-cores), --tma
+    and --no-pingpong with --no-wgmma, --no-copy-warp without --tma."""
     if args.no_emulate and (args.sanitize or args.blocks != "auto" or args.banks):
         flag = (f"--sanitize {args.sanitize} runs" if args.sanitize else "--banks counts in"
                 if args.banks else f"--emulate-blocks {args.blocks} runs")
@@ -31,16 +32,18 @@ def ignored(args, written: bool, arch: str) -> str | None:
     if written and args.search == "full" and limits:
         return f"{', '.join(limits)} {verb} the search, which a program with custom kernels of its own leaves out " \
                "(it is compiled as written): drop the option, or give the program without its kernels"
-    if args.tma and arch not in WGMMA_ARCHS:
-        return f"--tma copies the loop tiles of wgmma products, which the hardware's {arch} does not have (sm_90): " \
-               "drop --tma, or give --hardware h100 or h200"
-    if args.tma and (args.no_wgmma or args.no_tensor_cores):
-        flag = "--no-wgmma" if args.no_wgmma else "--no-tensor-cores"
-        return f"--tma copies the loop tiles of wgmma products, which {flag} leaves out: give one of them"
-    if args.no_pingpong and (arch not in WGMMA_ARCHS or args.no_wgmma or args.no_tensor_cores):
-        why = (f"the hardware's {arch} does not have (sm_90)" if arch not in WGMMA_ARCHS else
-               f"{'--no-wgmma' if args.no_wgmma else '--no-tensor-cores'} leaves out")
-        return f"--no-pingpong sets how online softmax takes turns on wgmma, which {why}: drop --no-pingpong"
+    no_wgmma = (f"the hardware's {arch} does not have (sm_90)" if arch not in WGMMA_ARCHS else
+                f"--arch {','.join(args.arch)} does not build (sm_90)" if args.arch and not set(args.arch) & set(WGMMA_ARCHS)
+                else None)  # (--arch none builds nothing, and the kernels are written as for the hardware)
+    without = no_wgmma or ("--no-tensor-cores leaves out" if args.no_tensor_cores else None)
+    if args.no_wgmma and without:
+        return f"--no-wgmma puts the products on mma.sync, not wgmma, which {without}: drop --no-wgmma"
+    without = without or ("--no-wgmma leaves out" if args.no_wgmma else None)
+    if args.tma and without:
+        return f"--tma copies the loop tiles of wgmma products, which {without}: drop --tma" + (
+            ", or give --hardware h100 or h200" if arch not in WGMMA_ARCHS else "")
+    if args.no_pingpong and without:
+        return f"--no-pingpong sets how online softmax takes turns on wgmma, which {without}: drop --no-pingpong"
     if args.no_copy_warp and not args.tma:
         return "--no-copy-warp says who issues the TMA copies, which only --tma asks for: give both or neither"
     return None

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Mapping
 
-from ..backend import cost, cuda_runtime, roofline, tails
+from ..backend import cost, cuda_runtime, roofline
 from ..backend.codegen import RenderedKernel
 from ..base.errors import PrismError
 from ..ir.nodes import Program
@@ -36,7 +36,7 @@ from ..search.checkpoint import checkpoint_key, discard, has_checkpoint
 from ..search.config import SearchConfig
 from ..semantics.reference import bind_dims
 from .build import (Build, BuildOptions, callers_dims, compile_check, count_banks, dims_of, emulate, measure, plan_of,
-                    price, pricing, render, tune)
+                    price, pricing, render, tune, Tuned)
 from . import optimize as optimize_
 from . import padding
 from .measuring import Timing, gpu_timer, time_parameters, timed
@@ -87,7 +87,7 @@ def compile_program(request: Request) -> Report:
         check_device(request.hardware)
     check_output(request.output)
     check_compilable(request.program)  # before minutes of search
-    sized, outcome, at_given, tried = _sized(request)
+    sized, outcome, at_given, tried = sized_request(request)
     report, texts = _first_passing(sized, outcome)
     if sized is not request and report.checked.failed:  # built past the sizes given, nothing passed: built at them
         why = "; ".join(c.errors() for c in report.checked.ran() if not c.passed)
@@ -145,7 +145,7 @@ def _first_passing(request: Request, outcome: Outcome | None) -> tuple[Report, d
     return report, texts
 
 
-def _sized(request: Request) -> tuple[Request, Outcome | None, Outcome | None, list[dict]]:
+def sized_request(request: Request) -> tuple[Request, Outcome | None, Outcome | None, list[dict]]:
     """The request at the dims it is built for, and its search's outcome there: the dims given, or dims no tile
     divides rounded up where that is faster by the model, copies included (`padding`); the outcome at the
     dims given; and what each rounding tried gave (`padding.fastest`)."""
@@ -335,16 +335,32 @@ def _report(chosen: Choice, built: Build, seconds: float, nvcc: NvccCheck | Skip
                   tuple(n.attr for n in built.program.inputs if "used" in tensors[n.attr]),
                   round(padding.copy_us(built.reference, callers_dims(built), {k: dims_of(built)[k] for k in built.padded},
                                         built.hardware, not chosen.options.padded_inputs, chosen.options.codegen), 3)
-                  if built.padded else None, parameters_timed=chosen.timed, idle=_idle(chosen.options, built))
+                  if built.padded else None, parameters_timed=chosen.timed, idle=_idle(chosen, built))
 
 
-def _idle(options: BuildOptions, built: Build) -> tuple[str, ...]:
-    """The options that change nothing for the program built, said: whether they would is for the search and the
-    tuning to decide, so they are not refused (`cli.values.ignored` refuses those that never would)."""
-    idle = []
-    if not options.codegen.one_launch and not tails.pairs(built.program):
-        idle.append("--two-launches: no kernel of this program combines pieces another one wrote, so each has a "
-                    "launch of its own anyway")
+# The code generation's options, each with its default: one given is said where the kernels built are the same without it
+CODEGEN_FLAGS = (("--two-launches", "one_launch", True), ("--no-tensor-cores", "tensor_cores", True),
+                 ("--no-wgmma", "wgmma", True), ("--no-pingpong", "pingpong", True), ("--tma", "tma", False),
+                 ("--no-copy-warp", "copy_warp", True))
+
+
+def _idle(chosen: Choice, built: Build) -> tuple[str, ...]:
+    """The options that change nothing in the program built, said: whether they would is for the search and the
+    tuning to decide, so they are not refused (`cli.values.ignored` refuses those that never would). A code
+    generation option changes nothing where each kernel rendered again without it, at the same parameters, is the
+    same text; where a search ranked its programs with it, it may still have chosen the program, which is said."""
+    options, idle = chosen.options, []
+    for flag, name, default in CODEGEN_FLAGS:
+        if getattr(options.codegen, name) == default:
+            continue
+        try:
+            again = render(Tuned(**{f.name: getattr(built, f.name) for f in fields(Tuned)}),
+                           replace(options.codegen, **{name: default}))
+        except PrismError:  # (it cannot be built without the option: it did change something)
+            continue
+        if [k.source for k in again.kernels] == [k.source for k in built.kernels]:
+            idle.append(f"{flag}: the kernels built are the same without it" + (
+                "; the search ranked its programs with it, which may have chosen this one" if chosen.searched else ""))
     if options.padded_inputs and not built.padded:
         idle.append("--padded-inputs: nothing is built past the sizes given, so the inputs are passed at those")
     return tuple(idle)
