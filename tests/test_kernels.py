@@ -678,6 +678,22 @@ def test_show_takes_the_parameters_and_threads_compile_takes(capsys, tmp_path):
     assert "as generated: 128 threads" in out
 
 
+def test_show_rounds_the_dims_up_where_compile_does(capsys, tmp_path):
+    """At sizes no tile divides, compile builds at sizes rounded up where the model finds that faster (`padding`);
+    `show` tuned at the sizes given, a plan 17 times slower than the one built, and said nothing of it."""
+    path = REPO / "programs" / "fused" / "attention.decoding.prism"
+    assert main(["compile", str(path), "--dims", "kv=4099", "--search", "none", "--no-emulate", "--arch", "none",
+                 "-o", str(tmp_path / "o"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["padded"] == {"kv": 4099} and report["dims"]["kv"] > 4099
+    assert main(["show", str(path), "--dims", "kv=4099"]) == 0
+    shown = capsys.readouterr().out
+    assert f"built for kv={report['dims']['kv']} (given 4099), as `prismc compile --search none` rounds them up" in shown
+    assert f"(the model's estimate, by the code's structure: {report['estimated_us']:.3f} us)" in shown
+    assert main(["show", str(path), "--dims", "kv=4099", "--grid", "gb=2,gh=8,S=1"]) == 0  # given: at the sizes given
+    assert "built for" not in capsys.readouterr().out
+
+
 def test_show_draws_the_kernel_graph_as_dot(tmp_path, capsys):
     path = REPO / "programs" / "fused" / "attention.decoding.prism"
     out = tmp_path / "g.dot"

@@ -63,6 +63,25 @@ def _binding(program: Program, dims: Mapping[str, int], grid, loop, hardware) ->
     return binding, notes, None
 
 
+def _rounded(program: Program, dims: Mapping[str, int], grid, loop, hardware) -> tuple[Mapping[str, int], list[str]]:
+    """The dims `prismc compile --search none` builds for (dims no tile divides rounded up where the model finds that
+    faster, the launcher's copies included: `compile.sized_request`), and a note where they are not those given."""
+    if grid or loop:  # (parameters given are for the dims given, which are then kept)
+        return dims, []
+    from pathlib import Path
+
+    from ..pipeline.compile import Request, sized_request
+
+    request = sized_request(Request(program, Path(), hardware, BuildOptions(dims=dims), search=None))[0]
+    padded = request.options.padded
+    if not padded:
+        return dims, []
+    return request.options.dims, ["built for " + ", ".join(f"{k}={request.options.dims[k]} (given {v})" for k, v in
+                                                          padded.items())
+                                  + ", as `prismc compile --search none` rounds them up (tiles divide that; the "
+                                  "outputs come back cut to the sizes given)"]
+
+
 def _tuned(program: Program, binding: dict, dims, grid, loop, hardware) -> tuple[dict, int | None, float] | None:
     """The model's parameters for the program at these dims (by name), its threads per block where not the default,
     and its estimate; None where none fit. As `compile` does it: with no parameter given, `optimize.rank` (which
@@ -248,7 +267,9 @@ def _bound(expr, binding, eq: str = "=") -> str:
 def render(program: Program, dims, grid, loop, hardware_name: str, fmt: str) -> tuple[str | bytes, bool]:
     """(text or image bytes, whether every kernel is valid)."""
     hardware = load_hardware(hardware_name)
+    dims, rounded = _rounded(program, dims, grid, loop, hardware)
     binding, notes, threads = _binding(program, dims, grid, loop, hardware)
+    notes = rounded + notes
     text, ok = text_report(program, binding, notes, hardware, threads)
     if fmt == "text":
         return text, ok
