@@ -17,8 +17,8 @@ def ignored(args, written: bool, arch: str) -> str | None:
     """What `prismc compile` was given that would do nothing with the rest, said (a usage error): an option of the
     emulation with --no-emulate, a limit of the search with --search none or for a program that has custom kernels
     already (`written`: compiled as written), --no-wgmma, --tma or --no-pingpong without the wgmma products they are
-    about (for a hardware `arch` without them, an --arch list that builds none, or with --no-tensor-cores), --tma
-    and --no-pingpong with --no-wgmma, --no-copy-warp without --tma."""
+    about (for a hardware `arch` without them, or with --no-tensor-cores), --tma and --no-pingpong with --no-wgmma or an
+    --arch list that builds no wgmma, --no-copy-warp without --tma."""
     if args.no_emulate and (args.sanitize or args.blocks != "auto" or args.banks):
         flag = (f"--sanitize {args.sanitize} runs" if args.sanitize else "--banks counts in"
                 if args.banks else f"--emulate-blocks {args.blocks} runs")
@@ -32,13 +32,13 @@ def ignored(args, written: bool, arch: str) -> str | None:
     if written and args.search == "full" and limits:
         return f"{', '.join(limits)} {verb} the search, which a program with custom kernels of its own leaves out " \
                "(it is compiled as written): drop the option, or give the program without its kernels"
-    no_wgmma = (f"the hardware's {arch} does not have (sm_90)" if arch not in WGMMA_ARCHS else
-                f"--arch {','.join(args.arch)} does not build (sm_90)" if args.arch and not set(args.arch) & set(WGMMA_ARCHS)
-                else None)  # (--arch none builds nothing, and the kernels are written as for the hardware)
-    without = no_wgmma or ("--no-tensor-cores leaves out" if args.no_tensor_cores else None)
-    if args.no_wgmma and without:
-        return f"--no-wgmma puts the products on mma.sync, not wgmma, which {without}: drop --no-wgmma"
-    without = without or ("--no-wgmma leaves out" if args.no_wgmma else None)
+    without = (f"the hardware's {arch} does not have (sm_90)" if arch not in WGMMA_ARCHS else
+               "--no-tensor-cores leaves out" if args.no_tensor_cores else None)
+    if args.no_wgmma and without:  # (not for an --arch list without sm_90: the kernels are the hardware's, so
+        return f"--no-wgmma puts the products on mma.sync, not wgmma, which {without}: drop --no-wgmma"  # it may need it)
+    without = without or ("--no-wgmma leaves out" if args.no_wgmma else None) or (
+        f"--arch {','.join(args.arch)} does not build (sm_90)" if args.arch and not set(args.arch) & set(WGMMA_ARCHS)
+        else None)  # (--arch none builds nothing, and the kernels are written as for the hardware)
     if args.tma and without:
         return f"--tma copies the loop tiles of wgmma products, which {without}: drop --tma" + (
             ", or give --hardware h100 or h200" if arch not in WGMMA_ARCHS else "")

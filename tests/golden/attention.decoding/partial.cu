@@ -191,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(128) prism_partial(
                 r_a4[q] *= s_a3_scale[row];  // what it holds, rescaled as the row's running max grew
                 PRISM_UNROLL
                 for (int s = 0; s < 1; ++s) {
-                    const int j8 = (l + s * 16) * 1;
+                    [[maybe_unused]] const int j8 = (l + s * 16) * 1;  // (a row of one element reads none)
                     PRISM_UNROLL
                     for (int c = 0; c < 1; ++c) {
                         const int j = j8 + c;

@@ -86,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(288) prism_rmsnorm_matmul(
                 const int i0 = row;
                 PRISM_UNROLL
                 for (int s = 0; s < 4; ++s) {
-                    const int j8 = (l + s * 2) * 8;
+                    [[maybe_unused]] const int j8 = (l + s * 2) * 8;  // (a row of one element reads none)
                     float v0[8];
                     prism::load8(v0, s_xt + i0 * 64 + (j8 / 8 % 8 ^ i0 % 8) * 8 + j8 % 8);
                     PRISM_UNROLL
