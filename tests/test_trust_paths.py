@@ -10,11 +10,14 @@ import errno
 import json
 import os
 import re
+import shutil
+import signal
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -169,6 +172,17 @@ def test_a_folder_with_a_lookalike_report_is_not_replaced(capsys, tmp_path, keys
     (out / "report.json").write_text(json.dumps({**dict.fromkeys(keys, 1), "files": ["notes.txt"]}))
     code, _, err = prismc(capsys, "compile", RMSNORM, *FAST, "-o", out)
     assert code == 1 and "it holds what prismc did not write" in err and (out / "notes.txt").read_text() == "mine"
+    assert "(its report.json, which would say what prismc wrote, is not a report of prismc's: damaged, or " in err
+
+
+def test_an_output_whose_report_was_cut_short_is_said_as_such(capsys, tmp_path):
+    """An earlier compile's output whose report.json was cut short (an editor's crash, a copy stopped) was refused as
+    holding what prismc did not write, naming every file prismc had written, and not why."""
+    out = tmp_path / "out"
+    assert prismc(capsys, "compile", RMSNORM, *FAST, "-o", out)[0] == 0
+    (out / "report.json").write_text((out / "report.json").read_text()[:100])
+    code, _, err = prismc(capsys, "compile", RMSNORM, *FAST, "-o", out)
+    assert code == 1 and "its report.json, which would say what prismc wrote, is not a report of prismc's" in err
 
 
 def test_failed_compile_leaves_the_earlier_output_untouched(capsys, tmp_path, monkeypatch):
@@ -227,6 +241,25 @@ def test_an_output_another_process_makes_during_the_swap_is_left_as_it_is(tmp_pa
     with pytest.raises(output.PrismError, match="it was made while this compile ran"):
         output.write(out, {"report.json": "{}"})
     assert [p.name for p in out.iterdir()] == ["thesis.tex"] and scratch_beside(tmp_path) == []
+
+
+def test_a_ctrl_c_during_the_swap_takes_effect_once_the_new_output_is_in_and_the_old_gone(tmp_path, monkeypatch):
+    """A Ctrl-C (or SIGTERM) while the old DIR was removed stopped the removal half done: exit 130, the new DIR in
+    place and the old one left beside it. It is held until the swap is done, then takes effect."""
+    out = tmp_path / "out"
+    report = dict.fromkeys(("program", "hardware", "kernels", "checked", "verified"))  # the keys of prismc's own
+    output.write(out, {"report.json": json.dumps({**report, "files": ["old.cu"]}), "old.cu": "old"})
+    rmtree = shutil.rmtree
+
+    def interrupted(path, *args, **kw):  # the signal arrives as the old copy is removed
+        if "-old-" in Path(path).name:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # (delivered here, were it not held)
+        rmtree(path, *args, **kw)
+    monkeypatch.setattr(output.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        output.write(out, {"report.json": json.dumps(report), "new.cu": "new"})
+    assert sorted(p.name for p in out.iterdir()) == ["new.cu", "report.json"] and scratch_beside(tmp_path) == []
 
 
 def test_abandoned_scratch_directories_are_swept(capsys, tmp_path):

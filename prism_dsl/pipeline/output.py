@@ -19,8 +19,10 @@ import pprint
 import re
 import secrets
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -72,7 +74,10 @@ def check_output(out: Path) -> None:
                          "directory whole")
     if os.path.isdir(out) and (foreign := _foreign(target)):
         listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise PrismError(f"cannot write to '{shown}': it holds what prismc did not write ({listed}); prismc "
+        why = (" (its report.json, which would say what prismc wrote, is not a report of prismc's: damaged, or another "
+                "program's)"
+               if os.path.isfile(target / "report.json") and "report.json" in foreign else "")
+        raise PrismError(f"cannot write to '{shown}': it holds what prismc did not write ({listed}){why}; prismc "
                          "replaces its output directory whole, so give a new or empty directory, or one "
                          "an earlier compile wrote")
 
@@ -158,13 +163,34 @@ def _swap_in(scratch: Path, out: Path) -> None:
                 raise _Raced from None
             raise
     aside = out.parent / (files.scratch_prefix(f".{out.name}.") + "old-" + secrets.token_hex(4))
-    os.rename(out, aside)
+    with _signals_held():
+        os.rename(out, aside)
+        try:
+            os.rename(scratch, out)
+        except OSError:
+            os.rename(aside, out)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM held while the old DIR is set aside, the new one renamed in and the old removed: one that
+    arrives then takes effect after (DIR holds the new compile, nothing is left beside it), where it once stopped
+    the removal half done and left the old copy. Their handlers are set aside for it (masking the signals would
+    not do: another thread of the process takes them); only the main thread may, which is where a compile writes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        os.rename(scratch, out)
-    except OSError:
-        os.rename(aside, out)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # (None: not set from Python)
+        if arrived:
+            signal.raise_signal(arrived[0])
 
 
 def launcher_call(inputs) -> str:
