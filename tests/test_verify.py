@@ -66,6 +66,17 @@ def test_verify_finds_an_edited_kernel_wrong_with_the_first_wrong_element(capsys
     assert f"rmsnorm_matmul.cu: edited since it was compiled (from line {edited}); checked as it is on disk" in text
 
 
+def test_a_kernel_cut_short_is_named_before_the_compilers_errors(capsys, out):
+    """A .cu cut short (an editor's crash, a copy stopped) fails to compile in the harness that includes it: the
+    errors named only harness.cpp, a file the user does not have."""
+    cu = out / "rmsnorm_matmul.cu"
+    text = cu.read_text()
+    cu.write_text(text[: len(text) // 2])
+    code, _, err = prismc(capsys, "verify", out)
+    assert code == 1 and re.match(r"\S*rmsnorm_matmul\.cu: edited since it was compiled \(from line \d+\)\n", err), err
+    assert "do not compile for the CPU emulation" in err
+
+
 def test_a_kernel_with_other_line_endings_is_checked_as_it_is_and_said_edited(capsys, out):
     cu = out / "rmsnorm_matmul.cu"
     cu.write_bytes(cu.read_bytes().replace(b"\n", b"\r\n"))
