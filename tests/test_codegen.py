@@ -1630,6 +1630,25 @@ def test_an_nvcc_that_exits_0_without_a_cubin_is_not_taken_for_a_compile(tmp_pat
     assert all(not r["sm_90"]["ok"] and "exited 0 but wrote no" in r["sm_90"]["stderr"] for r in results.values())
 
 
+def test_an_nvcc_out_of_disk_space_is_said_as_the_machines_not_the_codes(tmp_path, monkeypatch):
+    """A temporary directory nearly full made nvcc fail writing its intermediate files, said as "nvcc rejected the
+    generated code"."""
+    from prism_dsl.backend import nvcc
+    from prism_dsl.base.errors import PrismError
+    from prism_dsl.pipeline import build as build_module
+
+    fake = tmp_path / "bin" / "nvcc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho '<built-in>: fatal error: when writing output to x.ii: No space left on device' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: str(fake))
+    monkeypatch.setattr(build_module, "nvcc_path", lambda: str(fake))
+    built, _ = build_of(ROOT / "programs" / "gpt2_mlp.prism")
+    with pytest.raises(PrismError, match="nvcc could not write its files: no space left on device .*set TMPDIR"):
+        build_module.compile_check(built.kernels, ("sm_80",), "sm_80")
+
+
 @needs_cxx
 def test_a_broadcast_row_is_read_where_its_copy_put_it(tmp_path):
     """A bias of one row (B: [1, m]) added to a product whose output tiles have rows of 16 16-bit elements: those

@@ -20,6 +20,7 @@ with the program the search chose, so that they do not depend on the proof (`rep
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -225,6 +226,10 @@ def compile_check(kernels: Sequence[RenderedKernel], archs: tuple[str, ...], pri
                       if not r["ok"] and "Unsupported gpu architecture" in r["stderr"]})
     if unknown:  # the flag's value, not the code
         raise PrismError(f"this nvcc does not compile for {', '.join(unknown)} (--arch): see `nvcc --list-gpu-arch`")
+    full = next((text for _, text in bad if "No space left on device" in text), None)
+    if full is not None:  # the machine's, not the code's
+        raise PrismError(f"nvcc could not write its files: no space left on device (the temporary directory, "
+                         f"{tempfile.gettempdir()}: set TMPDIR to a folder with room):\n{full}")
     if bad:
         raise PrismError(f"nvcc rejected the generated code for {', '.join(w for w, _ in bad)}:\n{bad[0][1]}")
     warned = dict.fromkeys(w for per in figures.values() for r in per.values() for w in r.get("warnings", ()))
