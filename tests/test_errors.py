@@ -240,9 +240,11 @@ def test_caret_under_tabs(write):
 @pytest.mark.parametrize("source", [
     "dims n = 4, d = 8 # caf\u00e9\u2028 \x0c\nprogram p(X: f16[n, d]) {\n    Y = expp(X)\n    return Y\n}\n",
     prog("    Y = expp(X)\n    return Y\n").replace("\n", "\r\n"),
-], ids=["line-separator-in-comment", "crlf"])
+    prog("    Y = expp(X)\n    return Y\n").replace("\n", "\r"),
+], ids=["line-separator-in-comment", "crlf", "cr"])
 def test_shown_line_is_the_parsers_line(write, source):
-    """Only '\\n' ends a line for the parser; the shown source line must be the same one."""
+    """Only '\\n' ends a line for the parser (a lone CR, the classic Mac OS's, is read as one: its comment line
+    swallowed the whole file, "ok: no programs"); the shown source line must be the same one."""
     path = write(source.encode())
     text = rendered(path)
     assert re.search(r"t\.prism:3:9: unknown function 'expp'", text), text

@@ -279,7 +279,8 @@ def unlocated(stderr: str) -> list[str]:
 def _inside(path: Path, line: int, col: int) -> bool:
     """Whether line:col is in the file, or just after its last character, as the parser counts lines."""
     try:
-        lines = path.read_bytes().decode("utf-8", errors="replace").removeprefix("\ufeff").split("\n")
+        text = path.read_bytes().decode("utf-8", errors="replace").removeprefix("\ufeff")
+        lines = re.sub("\r(?!\n)", "\n", text).split("\n")  # (a lone CR ends a line: `syntax.read_source`)
     except OSError:
         return False
     return 1 <= line <= len(lines) and 1 <= col <= len(lines[line - 1]) + 1
@@ -417,13 +418,13 @@ def test_digits_of_other_scripts_are_not_numbers(tmp_path):
 
 
 def test_control_characters_are_shown_as_symbols(tmp_path):
-    """A stray CR or ESC in the line shown under an error would move the terminal's cursor."""
+    """A stray ESC or NUL in the line shown under an error would move the terminal's cursor. (A CR ends a line.)"""
     path = tmp_path / "t.prism"
-    path.write_text("dims n = 8\nprogram p(X: f16[n]) {\n    Y = expp(X)  # \r\x1b[31m red\x00\n    return Y\n}\n", newline="")
+    path.write_text("dims n = 8\nprogram p(X: f16[n]) {\n    Y = expp(X)  # \x1b[31m red\x00\x07\n    return Y\n}\n", newline="")
     code, stderr, _ = run_check(path)
     assert code == 1 and f"{path}:3:9: unknown function 'expp'" in stderr, stderr
     shown = stderr.split("\n")[1:3]
-    assert shown == ["        Y = expp(X)  # \u240d\u241b[31m red\u2400", "            ^"], shown
+    assert shown == ["        Y = expp(X)  # \u241b[31m red\u2400\u2407", "            ^"], shown
 
 
 def test_a_rule_after_its_ruleset_is_told_where_rules_live(tmp_path):

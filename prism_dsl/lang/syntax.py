@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, Tree, v_args
@@ -159,7 +160,7 @@ def read_source(path: str | Path, *, at: Loc | None = None, what: str = "file") 
     except (OSError, ValueError) as e:
         raise PrismError(f"cannot read {what} '{path}': {describe(e)}", where) from None
     try:
-        return data.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is not text
+        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is not text
     except UnicodeDecodeError as e:
         line_start = data.rfind(b"\n", 0, e.start) + 1
         line = data.count(b"\n", 0, e.start) + 1
@@ -168,6 +169,7 @@ def read_source(path: str | Path, *, at: Loc | None = None, what: str = "file") 
         raise PrismError(
             f"{what} is not valid UTF-8 text (byte 0x{data[e.start]:02x})", Loc(str(path), line, col, shown)
         ) from None
+    return re.sub("\r(?!\n)", "\n", text)  # a lone CR ends a line, as in files of the classic Mac OS (CRLF kept)
 
 
 def parse_prism(text: str, path: str) -> ast.Module:
