@@ -748,3 +748,22 @@ def test_prismc_says_its_version(capsys):
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"prismc {__version__}\n"
+
+
+def test_every_field_of_a_report_is_described_in_its_reference(tmp_path, capsys):
+    """docs/report-json.md names every key report.json has (a searched compile, its kernels, their estimates and
+    nvcc figures, the emulation's check): a user reading a report finds each field there."""
+    import re
+
+    assert main(["compile", str(REPO / "programs" / "swiglu.prism"), "--dims", "n=4,d=64", "-o", str(tmp_path / "o"),
+                 "--arch", "sm_90", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    named = {part for name in re.findall(r"`([a-z0-9_.]+)`", (REPO / "docs" / "report-json.md").read_text())
+             for part in name.split(".")}
+    (kernel,) = report["kernels"]
+    output = next(iter(report["checked"]["emulation"]["outputs"].values()))
+    keys = {*report, *report["search"], *report["roofline"], *report["codegen"], *report["nvcc"], *kernel,
+            *kernel["estimate"], *kernel["nvcc"]["sm_90"], *kernel["nvcc"]["sm_90"]["issued"],
+            *report["checked"]["emulation"], *output, *report["checked"]["emulation"]["emulation"],
+            *report["search"]["input_egraph"], *report["alternatives"][0]}
+    assert not keys - named - {"sm_90"}, sorted(keys - named)
