@@ -35,10 +35,10 @@ from ..kernels.hardware import Hardware
 from ..kernels.masking import refusal
 from ..semantics.reference import bind_dims, concrete_shape
 from . import optimize
+from .report import MARGIN  # the share of the estimate a rounded size must save (the summary says it)
 
 ROUNDING = 64  # a dim this divides is left as it is (wgmma's rows, two tiles of 32 columns)
 QUANTA = (64, 128)  # the multiples tried, a dim at a time rounded to each
-MARGIN = 0.1  # the share of the estimate a rounded size must save
 
 
 def candidates(program: Program, dims: dict[str, int], found: Sequence[Program] = ()) -> list[dict[str, int]]:

@@ -20,6 +20,8 @@ from typing import Mapping
 
 from ..backend.emulate import Finding
 
+MARGIN = 0.1  # the share of the estimate a size rounded up must save to be built (`padding.fastest`)
+
 
 @dataclass(frozen=True)
 class Skipped:
@@ -258,8 +260,7 @@ def summary(report: Report, out: Path) -> str:
                      + (f" (copies: {copies} us by the model, beside the estimate below)" if copies else ""))
     if report.padding_failed:  # `compile.compile_program`
         lines.append(f"  built at the sizes given: {report.padding_failed}")
-    elif report.padding_tried and not report.padded:  # rounding up was tried, and saves less than padding.MARGIN
-        from .padding import MARGIN  # (padding imports what imports this module)
+    elif report.padding_tried and not report.padded:  # rounding up was tried, and saves less than MARGIN
         lines.append(f"  built at the sizes given, no tile dividing them (a rounding up must save {MARGIN:.0%} of the "
                      f"time): by the model, {report.estimated_us} us, "
                      "against " + "; ".join(

@@ -35,8 +35,7 @@ from .abstract import InputGraph
 from .config import Rejection, SearchConfig, Stats, Stop
 from .reach import chain, loop_ops
 
-# Ops through which a tile loaded again after the loop may be read (with the leaves: none walks through them)
-ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.CONST, Kind.INPUT, Kind.TILE)
+ELEMENTWISE = (Kind.UNARY, Kind.BINARY, Kind.CONST, Kind.INPUT, Kind.TILE)  # what reads a tile loaded again (`_read_again`)
 NUMERIC_CAP = 16  # dims are capped at this size for the numeric checks of the search
 
 
@@ -342,33 +341,25 @@ class Generator:
         yield from self._step(steps, values, classes, depth, sketch, new_classes)
 
     def _read_again(self, goals, classes, chosen, tiles, used_tiles, known):
-        """The last kernel's outputs when they need a tensor its loop walks also after the loop, loaded again as
-        the block's own tile (a residual of the normalised input: `rms_norm(X) @ W + rms_norm(X)` reads X's
-        slices in the loop and the block's columns of X after it, divided by the accumulated norm). Tried only
-        where the outputs have no form over the accumulators and the tiles read after the loop; returns the
-        outputs (or why there are none) and the kernel's inputs and tiles with the tensors loaded again."""
-        taken = {t.attr for t in tiles}
-        again = []
-        for i, t in zip(chosen, tiles):
-            if t in used_tiles:
-                name = t.attr + "_"
-                while name in taken:
-                    name += "_"
-                taken.add(name)
-                again.append((i, Node("tile", (), name, t.dtype, t.shape)))
-        if not again:
-            return Rejection.NO_POST_LOOP_FORM, chosen, tiles
-        leaves = {classes[i]: t for i, t in again}
-        leaves.update({k: n for n, k in known})
-        outs = self._post_loop(goals, leaves)
+        """The last kernel's outputs (or why none) where they need a tensor its loop walks after it too, loaded again
+        as the block's own tile, read by element-wise work only (a product would have each block redo the loop's):
+        `rms_norm(X) @ W + rms_norm(X)` reads the block's columns of X after the loop over the accumulated norm.
+        With the kernel's inputs and tiles, those loaded again added."""
+        taken, again = {t.attr for t in tiles}, []
+        for i, t in ((i, t) for i, t in zip(chosen, tiles) if t in used_tiles):
+            name = t.attr + "_"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            again.append((i, Node("tile", (), name, t.dtype, t.shape)))
+        outs = self._post_loop(goals, {**{classes[i]: t for i, t in again}, **{k: n for n, k in known}}) if again \
+            else Rejection.NO_POST_LOOP_FORM
         if isinstance(outs, Rejection):
             return outs, chosen, tiles
         reached = {m for o in outs for m in o.walk()}
-        again = [(i, t) for i, t in again if t in reached]
-        whole = {t for n in reached if OPS[n.op].kind not in ELEMENTWISE for t in n.walk()}
-        if any(t in whole for _, t in again):  # a product over it would make each block redo the loop's product
+        if any(t in m.walk() for m in reached if OPS[m.op].kind not in ELEMENTWISE for _, t in again):
             return Rejection.NO_POST_LOOP_FORM, chosen, tiles
-        return outs, tuple(chosen) + tuple(i for i, _ in again), tuple(tiles) + tuple(t for _, t in again)
+        return outs, (*chosen, *(i for i, t in again if t in reached)), (*tiles, *(t for _, t in again if t in reached))
 
     def _intermediates(self, steps, values, classes, depth, chosen, tiles, after, combo):
         """A loop kernel before the last step that stores one of the input program's intermediate values
