@@ -257,8 +257,12 @@ def test_a_ctrl_c_during_the_swap_takes_effect_once_the_new_output_is_in_and_the
             time.sleep(0.05)  # (delivered here, were it not held)
         rmtree(path, *args, **kw)
     monkeypatch.setattr(output.shutil, "rmtree", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        output.write(out, {"report.json": json.dumps(report), "new.cu": "new"})
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (Python's own, whatever the runner set)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            output.write(out, {"report.json": json.dumps(report), "new.cu": "new"})
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert sorted(p.name for p in out.iterdir()) == ["new.cu", "report.json"] and scratch_beside(tmp_path) == []
 
 
